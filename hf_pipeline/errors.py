@@ -1,0 +1,83 @@
+"""The few exceptions hf_pipeline raises for bad input.
+
+Each subclasses the nearest built-in and :class:`UserError`, carries the offending
+path or field as an attribute, and pickles (they cross ``datasets`` worker process
+boundaries). Scripts print a :class:`UserError` as one line and exit with code 2.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "CorruptShardError",
+    "MetadataError",
+    "SourceError",
+    "UserError",
+]
+
+
+class UserError(Exception):
+    """Mixin: an error caused by input or configuration, shown without a traceback."""
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration value is missing or invalid.
+
+    Attributes:
+        field: dotted config field name (``"loader.global_batch_size"``), or None.
+    """
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.field))
+
+
+class CorruptShardError(UserError, ValueError):
+    """A latent shard is unreadable or does not have the expected keys/shape/dtype.
+
+    Attributes:
+        path: the shard file.
+    """
+
+    def __init__(self, path: str, message: str):
+        super().__init__(f"{path}: {message}")
+        self.path = str(path)
+        self.reason = message
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.reason))
+
+
+class MetadataError(UserError, ValueError):
+    """The caption metadata table is unreadable or lacks a required column.
+
+    Attributes:
+        path: the metadata file.
+    """
+
+    def __init__(self, path: str, message: str):
+        super().__init__(f"{path}: {message}")
+        self.path = str(path)
+        self.reason = message
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.reason))
+
+
+class SourceError(UserError, OSError):
+    """A source location cannot be listed or a file cannot be fetched.
+
+    Attributes:
+        path: the URL or path that failed.
+    """
+
+    def __init__(self, path: str, message: str):
+        super().__init__(f"{path}: {message}")
+        self.path = str(path)
+        self.reason = message
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.reason))

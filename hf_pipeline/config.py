@@ -131,6 +131,7 @@ class EncoderConfig:
     device: str = "auto"
     micro_batch_size: int = 256
     output_dtype: str = "float32"
+    normalize: bool = False
 
     def __post_init__(self):
         _check(bool(self.model), "encoder.model", "must be non-empty")

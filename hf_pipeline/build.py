@@ -1,0 +1,473 @@
+"""Build the cache: join captions to latents -> embed -> filter, through ``datasets``.
+
+Stages (each published atomically by :mod:`dist.coordinator`, with a marker):
+
+1. ``converted``
+   a. *convert* — ``Dataset.map(num_proc=build.num_proc, batch_size=1)`` over the
+      shard list: each worker process reads one shard at a time
+      (``torch.load(weights_only=True)``), joins captions by key with a vectorized
+      ``searchsorted`` over a memory-mapped, key-sorted caption table, and writes
+      ``key, latents, caption, drop_reason`` rows.
+   b. duplicates — one NumPy pass over the key column marks all but the first
+      occurrence of each key.
+   c. *embed* — ``Dataset.map(batch_size=build.batch_size)`` in THIS process with the
+      encoder on the accelerator (CUDA does not survive ``fork``); only rows that
+      will be kept are encoded. Writes ``embedding, drop_reason``.
+2. ``filtered`` — ``Dataset.filter(num_proc=...)`` on ``drop_reason == ""`` writes
+   the kept row indices; the build report lands next to them.
+
+Every latent row is either kept or counted under a reason; metadata rows with no
+latents are counted as ``no_latents``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hf_pipeline.cache import STAGES, CacheLayout, compute_fingerprint
+from hf_pipeline.config import Config
+
+__all__ = ["BuildResult", "REASONS", "prepare_cache", "resolve_inputs"]
+
+log = logging.getLogger("hf_pipeline")
+
+#: Why a latent row was not kept (plus ``no_latents`` for metadata rows).
+REASONS = ("no_caption", "empty_caption", "duplicate_key")
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """The resolved raw inputs of a build."""
+
+    source: Any  # hf_pipeline.sources.Source
+    shards: list  # list[RemoteFile]
+    metadata: Any  # RemoteFile
+    demo: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildResult:
+    """Where the cache is and what the build report says.
+
+    Attributes:
+        fingerprint: cache identity.
+        cache_dir: the cache folder.
+        report: the build report (``rows_in``, ``rows_out``, ``dropped``, ...).
+        built: True when this process ran at least one stage.
+        seconds: wall time of :func:`prepare_cache` in this process.
+    """
+
+    fingerprint: str
+    cache_dir: Path
+    report: dict
+    built: bool
+    seconds: float
+
+    @property
+    def layout(self) -> CacheLayout:
+        return CacheLayout(self.cache_dir)
+
+    def summary(self) -> dict[str, Any]:
+        """The JSON summary of ``scripts/prebuild_cache.py --json``."""
+        r = self.report
+        return {
+            "fingerprint": self.fingerprint,
+            "cache_dir": str(self.cache_dir),
+            "rows_in": r["rows_in"],
+            "rows_out": r["rows_out"],
+            "dropped": dict(r["dropped"]),
+            "seconds": round(self.seconds, 3),
+            "built": self.built,
+        }
+
+
+def resolve_inputs(cfg: Config) -> Inputs:
+    """List the shard files and find the metadata table (generating the demo if asked).
+
+    Safe to call from every rank at once: demo generation is atomic and idempotent.
+    """
+    from hf_pipeline.sources import open_source
+
+    demo = None
+    shards_loc, meta_loc = cfg.data.shards, cfg.data.metadata
+    if shards_loc == "demo":
+        from hf_pipeline.demo import generate_demo
+
+        d = cfg.data.demo
+        out = cfg.cache_root / "demo-data" / (
+            f"s{d.seed}-n{d.num_shards}x{d.samples_per_shard}-{d.latent_dtype}"
+        )
+        demo = generate_demo(
+            out,
+            num_shards=d.num_shards,
+            samples_per_shard=d.samples_per_shard,
+            seed=d.seed,
+            latent_dtype=d.latent_dtype,
+        )
+        shards_loc = str(Path(demo.shards[0]).parent)
+        meta_loc = str(demo.metadata)
+    source = open_source(shards_loc, data_config=cfg.data)
+    shards = source.list_shards()
+    metadata = source.find_metadata(meta_loc)
+    return Inputs(source=source, shards=shards, metadata=metadata, demo=demo)
+
+
+def _identity(f) -> tuple:
+    return (f.name, f.size, getattr(f, "etag", "") or "")
+
+
+# --------------------------------------------------------------------------- stage 1
+
+
+_CAPTIONS: dict[str, Any] = {}
+
+
+def _captions(path: str):
+    # One memory-mapped caption table per worker process (opened lazily after fork).
+    table = _CAPTIONS.get(path)
+    if table is None:
+        from hf_pipeline.captions import CaptionTable
+
+        table = _CAPTIONS[path] = CaptionTable.open(path)
+    return table
+
+
+def _convert_shards(
+    batch: Mapping[str, list],
+    *,
+    client,
+    files: Mapping[str, Any],
+    captions_path: str,
+    latent_dtype: str,
+    fetch_timeout: float,
+) -> dict[str, Any]:
+    """``datasets.map`` function: shard file names -> joined latent rows."""
+    from hf_pipeline.captions import classify
+    from hf_pipeline.shards import LATENT_SHAPE, load_shard
+
+    table = _captions(captions_path)
+    keys, latents, captions, reasons = [], [], [], []
+    for name in batch["shard"]:
+        f = files[name]
+        path = client.acquire(f, timeout=fetch_timeout)
+        if path is None:  # skipped under on_missing="skip"; recorded by the fetcher
+            continue
+        k, lat = load_shard(path, dtype=latent_dtype)
+        client.release(f)
+        caps, found = table.lookup(k)
+        reasons.append(np.asarray(classify(caps, found), dtype=object))
+        captions.append(caps.fill_null("").to_pylist())
+        keys.append(k)
+        latents.append(lat)
+    if not keys:
+        return {
+            "key": np.zeros(0, np.int64),
+            "latents": np.zeros((0, *LATENT_SHAPE), latent_dtype),
+            "caption": [],
+            "drop_reason": [],
+        }
+    return {
+        "key": np.concatenate(keys),
+        "latents": np.concatenate(latents),
+        "caption": [c for part in captions for c in part],
+        "drop_reason": [str(r) for part in reasons for r in part],
+    }
+
+
+def _embed_rows(
+    captions: list,
+    reasons: list,
+    indices: list,
+    *,
+    encoder,
+    duplicate: np.ndarray,
+) -> dict[str, Any]:
+    """``datasets.map`` function: captions -> embeddings (kept rows only)."""
+    idx = np.asarray(indices, dtype=np.int64)
+    final = np.asarray(reasons, dtype=object)
+    final[(final == "") & duplicate[idx]] = "duplicate_key"
+    keep = np.flatnonzero(final == "")
+    emb = np.zeros((len(idx), encoder.dim), dtype=encoder._out_dtype)
+    if len(keep):
+        emb[keep] = encoder.encode([captions[i] for i in keep])
+    return {"embedding": emb, "drop_reason": final.tolist()}
+
+
+def _keep_rows(reasons: list) -> list[bool]:
+    """``datasets.filter`` predicate: keep rows with no drop reason."""
+    return [r == "" for r in reasons]
+
+
+def _first_occurrence_mask(keys: np.ndarray) -> np.ndarray:
+    """True for every row whose key appeared in an earlier row."""
+    _, first = np.unique(keys, return_index=True)
+    dup = np.ones(len(keys), dtype=bool)
+    dup[first] = False
+    return dup
+
+
+def _count(values: np.ndarray) -> dict[str, int]:
+    names, counts = np.unique(values.astype(str), return_counts=True)
+    return {str(n): int(c) for n, c in zip(names, counts)}
+
+
+class _Builder:
+    """The two stage functions, sharing the resolved inputs and the config."""
+
+    def __init__(self, cfg: Config, inputs: Inputs, fingerprint: str, progress: bool):
+        self.cfg = cfg
+        self.inputs = inputs
+        self.fingerprint = fingerprint
+        self.progress = progress
+        self.layout = None
+
+    def converted(self, ctx) -> dict[str, Any]:
+        import datasets
+        from datasets import Array4D, Dataset, Features, List, Value
+
+        from hf_pipeline.captions import read_captions
+        from hf_pipeline.embed import TextEncoder, describe_device
+        from hf_pipeline.shards import LATENT_SHAPE
+        from hf_pipeline.sources import Prefetcher
+
+        cfg, b = self.cfg, self.cfg.build
+        tmp = Path(ctx.tmp_dir)
+        work = tmp / "_work"
+        work.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+
+        meta_path = self.inputs.source.fetch_one(self.inputs.metadata)
+        table = read_captions(
+            meta_path, key_column=cfg.data.key_column, caption_column=cfg.data.caption_column
+        )
+        captions_path = str(work / "captions.arrow")
+        table.save(captions_path)
+        log.info("captions: %d keys from %s", len(table.keys), meta_path)
+
+        shards = self.inputs.shards
+        num_proc = max(1, min(b.effective_num_proc, len(shards)))
+        files = {f.name: f for f in shards}
+        features = Features(
+            {
+                "key": Value("int64"),
+                "latents": Array4D(LATENT_SHAPE, b.latent_dtype),
+                "caption": Value("string"),
+                "drop_reason": Value("string"),
+            }
+        )
+        shard_ds = Dataset.from_dict({"shard": [f.name for f in shards]})
+        if not self.progress:
+            datasets.disable_progress_bars()
+        with Prefetcher(
+            self.inputs.source, shards, data_config=cfg.data, num_consumers=num_proc,
+            staging_dir=work / "staging", progress=self.progress,
+        ) as prefetch:
+            rows = shard_ds.map(
+                _convert_shards,
+                batched=True,
+                batch_size=1,
+                num_proc=num_proc if num_proc > 1 else None,
+                writer_batch_size=b.writer_batch_size,
+                features=features,
+                remove_columns=["shard"],
+                fn_kwargs={
+                    "client": prefetch.client(),
+                    "files": files,
+                    "captions_path": captions_path,
+                    "latent_dtype": b.latent_dtype,
+                    "fetch_timeout": cfg.data.file_timeout * (cfg.data.max_retries + 1),
+                },
+                cache_file_name=str(tmp / "rows" / "data.arrow"),
+                new_fingerprint=f"{self.fingerprint}-rows",
+                keep_in_memory=False,
+                desc="Join captions",
+            )
+            fetch_stats = prefetch.stats()
+        t_convert = time.monotonic() - t0
+
+        keys = rows.data.column("key").to_numpy()
+        pre = np.asarray(rows.data.column("drop_reason").to_pylist(), dtype=object)
+        duplicate = _first_occurrence_mask(keys)
+        no_latents = int(table.count_absent(np.unique(keys)))
+
+        t1 = time.monotonic()
+        encoder = TextEncoder(cfg.encoder)
+        log.info("encoder %s (dim %d) on %s", cfg.encoder.model, encoder.dim, describe_device())
+        emb_type = "float16" if cfg.encoder.output_dtype == "float16" else "float32"
+        embedded = rows.map(
+            _embed_rows,
+            batched=True,
+            batch_size=b.batch_size,
+            writer_batch_size=b.writer_batch_size,
+            input_columns=["caption", "drop_reason"],
+            with_indices=True,
+            remove_columns=rows.column_names,
+            features=Features(
+                {
+                    "embedding": List(Value(emb_type), length=encoder.dim),
+                    "drop_reason": Value("string"),
+                }
+            ),
+            fn_kwargs={"encoder": encoder, "duplicate": duplicate},
+            cache_file_name=str(tmp / "embeddings" / "data.arrow"),
+            new_fingerprint=f"{self.fingerprint}-embeddings",
+            keep_in_memory=False,
+            desc="Embed captions",
+        )
+        final = np.asarray(embedded.data.column("drop_reason").to_pylist(), dtype=object)
+        t_embed = time.monotonic() - t1
+        embed_dim = encoder.dim
+        del rows, embedded, encoder
+        shutil.rmtree(work, ignore_errors=True)
+        reasons = _count(final)
+        return {
+            "rows_in": int(len(keys)),
+            "reasons": reasons,
+            "pre_duplicate_reasons": _count(pre),
+            "no_latents": no_latents,
+            "duplicate_meta_rows": int(getattr(table, "duplicate_meta_rows", 0)),
+            "embed_dim": int(embed_dim),
+            "shards": len(shards),
+            "fetch": fetch_stats,
+            "seconds_convert": round(t_convert, 3),
+            "seconds_embed": round(t_embed, 3),
+            "num_proc": num_proc,
+        }
+
+    def filtered(self, ctx) -> dict[str, Any]:
+        from datasets import Dataset, concatenate_datasets
+
+        cfg, b = self.cfg, self.cfg.build
+        tmp = Path(ctx.tmp_dir)
+        conv = Path(ctx.previous["converted"])
+        layout = CacheLayout(Path(ctx.cache_dir))
+        emb = concatenate_datasets(
+            [Dataset.from_file(str(p)) for p in layout.embedding_files(conv)]
+        )
+        num_proc = max(1, min(b.effective_num_proc, max(1, len(emb) // 1000)))
+        kept = emb.filter(
+            _keep_rows,
+            input_columns=["drop_reason"],
+            batched=True,
+            batch_size=b.batch_size,
+            num_proc=num_proc if num_proc > 1 else None,
+            writer_batch_size=b.writer_batch_size,
+            cache_file_name=str(tmp / "indices.arrow"),
+            new_fingerprint=f"{self.fingerprint}-filtered",
+            keep_in_memory=False,
+            desc="Filter",
+        )
+        rows_out = len(kept)
+        conv_info = ctx.markers["converted"].info
+        dropped = {r: int(conv_info["reasons"].get(r, 0)) for r in REASONS}
+        dropped["no_latents"] = int(conv_info["no_latents"])
+        skipped = conv_info.get("fetch", {}).get("skipped", [])
+        if skipped:
+            dropped["missing_shard_files"] = len(skipped)
+        report = {
+            "fingerprint": self.fingerprint,
+            "cache_dir": str(ctx.cache_dir),
+            "rows_in": int(conv_info["rows_in"]),
+            "rows_out": int(rows_out),
+            "dropped": dropped,
+            "embed_dim": conv_info["embed_dim"],
+            "duplicate_meta_rows": conv_info["duplicate_meta_rows"],
+            "skipped_files": skipped,
+            "fetch": conv_info.get("fetch", {}),
+            "seconds_convert": conv_info["seconds_convert"],
+            "seconds_embed": conv_info["seconds_embed"],
+            "builder": {"host": socket.gethostname(), "pid": os.getpid()},
+            "config": self.cfg.to_dict(),
+        }
+        accounted = rows_out + sum(dropped[r] for r in REASONS)
+        if accounted != report["rows_in"]:  # internal invariant, not input validation
+            raise AssertionError(f"row accounting broken: {accounted} != {report['rows_in']}")
+        _write_json(tmp / "report.json", report)
+        return {"rows_out": int(rows_out), "dropped": dropped}
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(obj, fh, indent=2, sort_keys=True, default=str)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildResult:
+    """Find or build the cache for ``cfg``; every rank of a job calls this.
+
+    One process builds (rank 0, or local rank 0 for ``coord.scope: node``); the
+    others wait for the ``converted`` and ``filtered`` markers, then return. A dead
+    builder is replaced (see :mod:`dist.coordinator`).
+
+    Args:
+        cfg: configuration.
+        process: ``dist.env.ProcessInfo``; detected from the environment if None.
+        progress: show progress bars.
+
+    Returns:
+        :class:`BuildResult` for the published cache.
+
+    Raises:
+        UserError subclasses for bad input; ``dist`` errors for coordination
+        failures (timeout, failed builder, read-only cache without markers).
+    """
+    from dist.coordinator import Stage, default_builder, ensure_built
+    from dist.env import detect
+
+    from hf_pipeline.embed import encoder_identity
+
+    t0 = time.monotonic()
+    process = process or detect()
+    inputs = resolve_inputs(cfg)
+    fingerprint = compute_fingerprint(
+        cfg,
+        [_identity(f) for f in inputs.shards],
+        _identity(inputs.metadata),
+        encoder_identity(cfg.encoder),
+    )
+    layout = CacheLayout.for_config(cfg, fingerprint)
+    builder = _Builder(cfg, inputs, fingerprint, progress)
+    ran: list[str] = []
+
+    def stage(name, fn):
+        def run(ctx):
+            ran.append(name)
+            log.info("building stage %s of %s", name, layout.root)
+            return fn(ctx)
+
+        return Stage(name=name, build=run)
+
+    c = cfg.coord
+    ensure_built(
+        layout.root,
+        fingerprint,
+        [stage(STAGES[0], builder.converted), stage(STAGES[1], builder.filtered)],
+        process=process,
+        builder=default_builder(process, c.scope),
+        poll_interval=c.poll_interval,
+        max_wait=c.max_wait,
+        lease_timeout=c.lease_timeout,
+        heartbeat_interval=c.heartbeat_interval,
+    )
+    report = layout.read_report()
+    return BuildResult(
+        fingerprint=fingerprint,
+        cache_dir=layout.root,
+        report=report,
+        built=bool(ran),
+        seconds=time.monotonic() - t0,
+    )

@@ -1,0 +1,153 @@
+"""Cache identity (fingerprint) and on-disk layout; opening a built cache memory-mapped.
+
+One cache is one folder ``<cache_root>/<name>-<fingerprint>/``:
+
+```
+converted/rows/data*.arrow        key, latents (Array4D 3x4x32x32), caption, drop_reason
+converted/embeddings/data*.arrow  embedding (fixed-size list, D), drop_reason (final)
+converted.json                    marker (dist.markers): files, sizes, row counts
+filtered/indices*.arrow           uint64 physical row ids kept by the filter
+filtered/report.json              the build report
+filtered.json                     marker
+```
+
+All ``.arrow`` files are written by ``datasets`` (``Dataset.map``/``.filter``), so a
+user can also open them with ``datasets`` (:func:`open_dataset`). A published cache
+is never modified; a changed fingerprint means a new folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hf_pipeline.config import Config
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "STAGES",
+    "CacheLayout",
+    "compute_fingerprint",
+    "open_dataset",
+    "open_sample_source",
+]
+
+#: Bump whenever the layout or the meaning of a column changes.
+SCHEMA_VERSION = 1
+#: Build stages, in order; each is published as a folder plus a marker.
+STAGES = ("converted", "filtered")
+
+
+def compute_fingerprint(
+    cfg: Config,
+    inputs: Sequence[Sequence[Any]],
+    metadata: Sequence[Any],
+    encoder: Mapping[str, Any],
+) -> str:
+    """The cache identity: 16 hex digits of a SHA-256 over everything that shapes the output.
+
+    Args:
+        cfg: the configuration; only output-changing fields are used (not num_proc,
+            batch sizes or paths, which change speed and layout but not content).
+        inputs: ``(name, size, etag)`` per shard file, in build order.
+        metadata: ``(name, size, etag)`` of the caption parquet.
+        encoder: :func:`hf_pipeline.embed.encoder_identity` of the encoder.
+
+    Returns:
+        The fingerprint string.
+    """
+    payload = {
+        "schema": SCHEMA_VERSION,
+        "inputs": [list(map(_plain, x)) for x in inputs],
+        "metadata": list(map(_plain, metadata)),
+        "key_column": cfg.data.key_column,
+        "caption_column": cfg.data.caption_column,
+        "on_missing": cfg.data.on_missing,
+        "latent_dtype": cfg.build.latent_dtype,
+        "encoder": {k: _plain(v) for k, v in sorted(encoder.items())},
+        "drop_rules": ["no_caption", "empty_caption", "duplicate_key:keep_first"],
+    }
+    blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _plain(v: Any) -> Any:
+    return v if isinstance(v, (str, int, float, bool)) or v is None else str(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """Paths inside one cache folder. Pure path arithmetic; touches nothing."""
+
+    root: Path
+
+    @classmethod
+    def for_config(cls, cfg: Config, fingerprint: str) -> CacheLayout:
+        return cls(cfg.cache_root / f"{cfg.name}-{fingerprint}")
+
+    @property
+    def converted(self) -> Path:
+        return self.root / "converted"
+
+    @property
+    def filtered(self) -> Path:
+        return self.root / "filtered"
+
+    @property
+    def report_path(self) -> Path:
+        return self.filtered / "report.json"
+
+    def rows_files(self, converted: Path | None = None) -> list[Path]:
+        return sorted((converted or self.converted).joinpath("rows").glob("*.arrow"))
+
+    def embedding_files(self, converted: Path | None = None) -> list[Path]:
+        return sorted((converted or self.converted).joinpath("embeddings").glob("*.arrow"))
+
+    def indices_files(self, filtered: Path | None = None) -> list[Path]:
+        return sorted((filtered or self.filtered).glob("indices*.arrow"))
+
+    def read_report(self) -> dict[str, Any]:
+        return json.loads(self.report_path.read_text())
+
+
+def open_sample_source(layout: CacheLayout, fingerprint: str):
+    """Memory-map a built cache for batch gathers (``hf_pipeline.mapped.SampleSource``).
+
+    Opens files read-only; safe to call from any number of processes at once.
+    """
+    from hf_pipeline.mapped import SampleSource
+
+    return SampleSource(
+        layout.rows_files(),
+        layout.embedding_files(),
+        layout.indices_files(),
+        fingerprint=fingerprint,
+    )
+
+
+def open_dataset(layout: CacheLayout):
+    """The built cache as a plain ``datasets.Dataset`` (memory-mapped, filtered rows).
+
+    Columns: key, latents, caption, embedding. For inspection and for users who want
+    ``datasets`` formatting; the training loader uses :func:`open_sample_source`.
+    """
+    import numpy as np
+    import pyarrow as pa
+    from datasets import Dataset, concatenate_datasets
+
+    rows = concatenate_datasets([Dataset.from_file(str(p)) for p in layout.rows_files()])
+    emb = concatenate_datasets([Dataset.from_file(str(p)) for p in layout.embedding_files()])
+    full = concatenate_datasets(
+        [rows.remove_columns("drop_reason"), emb.remove_columns("drop_reason")], axis=1
+    )
+    idx_tables = [pa.ipc.open_stream(pa.memory_map(str(p))).read_all() for p in layout.indices_files()]
+    indices = (
+        np.concatenate([t.column("indices").to_numpy() for t in idx_tables])
+        if idx_tables
+        else np.zeros(0, np.uint64)
+    )
+    return full.select(indices)

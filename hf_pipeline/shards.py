@@ -1,0 +1,256 @@
+"""Find, order, load and validate latent shards (``000000-000009.pt`` files).
+
+A shard is untrusted input: it is only ever opened with
+``torch.load(..., weights_only=True)``, so a crafted pickle cannot run code; every
+structural problem becomes one :class:`~hf_pipeline.errors.CorruptShardError` line that
+says what was expected and what was found.
+
+Expected content (the KBlueLeaf/coyo11m-256px-ccrop-latent release)::
+
+    {"keys": int64 tensor (N,), "latents": tensor (N, 3, 4, 32, 32)}
+
+with latents in float16, bfloat16 or float32 (3 crops of a 4-channel 32x32 latent).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pickle
+import re
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from hf_pipeline.errors import CorruptShardError, SourceError
+
+__all__ = [
+    "LATENT_SHAPE",
+    "STORAGE_DTYPES",
+    "list_local_shards",
+    "load_shard",
+    "shard_sort_key",
+]
+
+#: Shape of one sample's latents: 3 crops x 4 channels x 32 x 32.
+LATENT_SHAPE: tuple[int, int, int, int] = (3, 4, 32, 32)
+
+#: dtypes :func:`load_shard` can return (what the cache stores).
+STORAGE_DTYPES: tuple[str, ...] = ("float16", "float32")
+
+_DIGITS = re.compile(r"(\d+)")
+_GLOB_CHARS = set("*?[")
+
+
+def shard_sort_key(name: str | os.PathLike) -> tuple:
+    """Natural sort key of a shard file name, ordering numeric ranges by value.
+
+    ``000010-000019.pt`` sorts after ``000000-000009.pt`` and ``2-3.pt`` before
+    ``10-11.pt``. Only the base name counts; names without digits still sort (by text).
+
+    Args:
+        name: a file name or path.
+
+    Returns:
+        A tuple usable as a ``sorted`` key; equal only for equal base names.
+    """
+    base = os.path.basename(os.fspath(name))
+    parts: list[tuple[int, int | str]] = []
+    for i, piece in enumerate(_DIGITS.split(base)):
+        if not piece:
+            continue
+        # Tag numbers 0 and text 1 so an int is never compared with a str.
+        parts.append((0, int(piece)) if i % 2 else (1, piece))
+    # The raw name breaks ties such as "01.pt" vs "1.pt" deterministically.
+    return (tuple(parts), base)
+
+
+def list_local_shards(folder_or_glob: str | os.PathLike) -> list[Path]:
+    """List the ``*.pt`` shard files of a local folder (or glob, or single file).
+
+    Hidden files (``.name.pt``) are skipped: downloaders and rsync write partial files
+    under such names, and those must never be read as shards.
+
+    Args:
+        folder_or_glob: a folder (its direct ``*.pt`` children), a glob pattern such as
+            ``/data/latents/0000*.pt``, or one ``.pt`` file.
+
+    Returns:
+        The shard paths, sorted by :func:`shard_sort_key`.
+
+    Raises:
+        SourceError: nothing matched (the message says what was looked for).
+    """
+    spec = os.path.expanduser(os.fspath(folder_or_glob))
+    if _GLOB_CHARS & set(spec):
+        candidates = [Path(p) for p in glob.glob(spec)]
+        where = f"no files match the pattern {spec!r}"
+    elif os.path.isdir(spec):
+        candidates = list(Path(spec).glob("*.pt"))
+        where = "folder has no *.pt shard files"
+    elif os.path.isfile(spec):
+        candidates = [Path(spec)]
+        where = "is not a .pt shard file"
+    else:
+        raise SourceError(spec, "no such file or folder (expected a folder of *.pt latent shards)")
+    found = [
+        p
+        for p in candidates
+        if p.suffix == ".pt" and not p.name.startswith(".") and p.is_file()
+    ]
+    if not found:
+        raise SourceError(spec, where)
+    return sorted(found, key=shard_sort_key)
+
+
+def load_shard(path: str | os.PathLike, *, dtype: str = "float16") -> tuple[np.ndarray, np.ndarray]:
+    """Load one latent shard safely and validate it.
+
+    bfloat16 latents are widened with ``torch`` (``.to(torch.float32)``) before numpy
+    sees them: numpy has no native bfloat16. Thread- and process-safe (reads only).
+
+    Args:
+        path: the ``.pt`` file.
+        dtype: storage dtype of the returned latents, ``"float16"`` or ``"float32"``.
+
+    Returns:
+        ``(keys, latents)``: int64 array of shape (N,) and an array of shape
+        (N, 3, 4, 32, 32) in ``dtype``. N may be 0.
+
+    Raises:
+        CorruptShardError: unreadable file, refused pickle, wrong structure, shape,
+            dtype, or non-finite values (one line saying expected vs found).
+        SourceError: the file does not exist or cannot be opened.
+        ValueError: ``dtype`` is not a storage dtype.
+    """
+    import torch
+
+    if dtype not in STORAGE_DTYPES:
+        raise ValueError(f"dtype must be one of {STORAGE_DTYPES}, got {dtype!r}")
+    path = os.fspath(path)
+    obj = _torch_load(path)
+    if not isinstance(obj, dict):
+        raise CorruptShardError(
+            path, f"expected a dict with 'keys' and 'latents', got {type(obj).__name__}"
+        )
+    missing = [k for k in ("keys", "latents") if k not in obj]
+    if missing:
+        have = ", ".join(repr(k) for k in obj) or "none"
+        raise CorruptShardError(
+            path, f"missing field {' and '.join(map(repr, missing))} (fields present: {have})"
+        )
+    keys, latents = obj["keys"], obj["latents"]
+    # Extra fields are tolerated: a future release adding e.g. "sizes" should not break us.
+    for name, value in (("keys", keys), ("latents", latents)):
+        if not isinstance(value, torch.Tensor):
+            raise CorruptShardError(path, f"{name!r} must be a torch tensor, got {type(value).__name__}")
+        if value.layout != torch.strided:
+            raise CorruptShardError(path, f"{name!r} must be a dense tensor, got layout {value.layout}")
+
+    if keys.dim() != 1:
+        raise CorruptShardError(path, f"keys must be 1-D (N,), got shape {tuple(keys.shape)}")
+    if keys.dtype.is_floating_point or keys.dtype.is_complex or keys.dtype == torch.bool:
+        raise CorruptShardError(path, f"keys must be an integer tensor, got {keys.dtype}")
+    n = keys.shape[0]
+    if latents.dim() != 1 + len(LATENT_SHAPE) or tuple(latents.shape[1:]) != LATENT_SHAPE:
+        raise CorruptShardError(
+            path, f"latents must have shape (N, 3, 4, 32, 32), got {tuple(latents.shape)}"
+        )
+    if latents.shape[0] != n:
+        raise CorruptShardError(
+            path, f"latents has {latents.shape[0]} rows but keys has {n} (must match)"
+        )
+    if latents.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise CorruptShardError(
+            path, f"latents must be float16, bfloat16 or float32, got {latents.dtype}"
+        )
+    if n and not bool(torch.isfinite(latents).all()):
+        bad = int((~torch.isfinite(latents)).flatten(1).any(1).sum())
+        raise CorruptShardError(path, f"latents must be finite, got NaN/inf in {bad} of {n} rows")
+
+    keys_np = _keys_to_int64(path, keys)
+    target = torch.float16 if dtype == "float16" else torch.float32
+    lat = latents.detach()
+    if lat.dtype == torch.bfloat16:
+        lat = lat.to(torch.float32)
+    lat = lat.to(target).contiguous()
+    if n and target == torch.float16 and latents.dtype != torch.float16:
+        # float32/bfloat16 values beyond +-65504 overflow to inf in float16.
+        if not bool(torch.isfinite(lat).all()):
+            raise CorruptShardError(
+                path, f"latents ({latents.dtype}) overflow float16 storage (|x| > 65504)"
+            )
+    return keys_np, lat.numpy()
+
+
+def _torch_load(path: str):
+    """``torch.load(weights_only=True)`` with each failure mapped to a one-line error."""
+    import torch
+
+    if not os.path.exists(path):
+        raise SourceError(path, "shard file does not exist")
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        # weights_only's restricted unpickler refuses globals it does not allow-list;
+        # that is the "malicious or non-tensor pickle" case, never to be retried unsafely.
+        if "weights only" in str(exc).lower() or "weights_only" in str(exc).lower():
+            # Keep only torch's reason ("unsupported GLOBAL posix.system ..."), not its
+            # advice to retry with weights_only=False, which is exactly what must not happen.
+            detail = _refusal_reason(str(exc))
+            raise CorruptShardError(
+                path,
+                "not a plain tensor file (refused by torch.load(weights_only=True))"
+                + (f": {detail}" if detail else ""),
+            ) from None
+        raise CorruptShardError(path, f"unreadable pickle: {_first_useful_line(str(exc))}") from None
+    except (FileNotFoundError, PermissionError, IsADirectoryError) as exc:
+        raise SourceError(path, f"cannot open shard: {exc.strerror or exc}") from None
+    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, OSError, KeyError) as exc:
+        size = _size_or_none(path)
+        raise CorruptShardError(
+            path,
+            f"not a readable torch file ({size} bytes; truncated or corrupt?): "
+            f"{type(exc).__name__}: {_first_useful_line(str(exc)) or 'unexpected end of file'}",
+        ) from None
+
+
+def _keys_to_int64(path: str, keys) -> np.ndarray:
+    """Convert an integer key tensor to int64 numpy, refusing values that do not fit."""
+    import torch
+
+    if keys.dtype == torch.int64:
+        return keys.detach().contiguous().numpy().astype(np.int64, copy=True)
+    if keys.dtype.is_signed or keys.dtype in (torch.uint8,):
+        return keys.detach().to(torch.int64).numpy()
+    # Unsigned wider types (uint16/32/64) may not fit int64.
+    arr = keys.detach().contiguous().numpy()
+    if arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        raise CorruptShardError(path, f"keys ({keys.dtype}) exceed the int64 range")
+    return arr.astype(np.int64)
+
+
+def _refusal_reason(text: str) -> str:
+    """The line of a weights_only refusal that names the offending global, if any."""
+    for line in text.splitlines():
+        low = line.lower()
+        if "global" in low or "unsupported" in low:
+            return line.strip()[:200]
+    return ""
+
+
+def _first_useful_line(text: str) -> str:
+    """The first non-empty line of an exception message, trimmed for a one-line error."""
+    for line in text.splitlines():
+        line = line.strip()
+        if line:
+            return line[:200]
+    return ""
+
+
+def _size_or_none(path: str) -> int | None:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return None

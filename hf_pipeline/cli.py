@@ -1,0 +1,106 @@
+"""Shared command-line plumbing for ``scripts/``: common flags, config loading, exit codes.
+
+Exit codes: 0 success; 1 a coordination or runtime failure (timeout waiting for the
+cache, the builder failed, read-only cache without a build); 2 bad usage, config or
+input (one line on stderr, no traceback); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from hf_pipeline.config import Config, load_config
+from hf_pipeline.errors import UserError
+
+__all__ = ["add_common_args", "config_from_args", "run"]
+
+ENV_HELP = """\
+environment (override the config file; --set overrides both):
+  DATASET_NUM_PROC            build.num_proc (datasets map/filter worker processes)
+  DATASET_BATCH_SIZE          build.batch_size (rows per map batch; embedding batch)
+  DATASET_WRITER_BATCH_SIZE   build.writer_batch_size (rows per Arrow record batch)
+  DATASET_POLL_INTERVAL       coord.poll_interval, seconds (waiting ranks)
+  DATASET_MAX_WAIT            coord.max_wait, seconds
+  DATASET_LEASE_TIMEOUT       coord.lease_timeout, seconds (dead builder detection)
+  HF_PIPELINE_CACHE           build.cache_dir
+  HF_HOME / HF_DATASETS_CACHE default cache root ($HF_HOME/datasets/hf_pipeline)
+  RANK, WORLD_SIZE, LOCAL_RANK (torchrun) or SLURM_PROCID, SLURM_NTASKS, ... (SLURM)
+"""
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """``--config``, ``--set``, ``--cache-dir``, ``--num-proc``, ``-q``/``-v``."""
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="YAML config (default: configs/demo.yaml); a bare name like 'coyo11m' "
+        "means configs/<name>.yaml",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="override one config field, e.g. --set loader.global_batch_size=128 (repeatable)",
+    )
+    parser.add_argument("--cache-dir", default=None, help="cache root (build.cache_dir)")
+    parser.add_argument("--num-proc", type=int, default=None, help="build.num_proc")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars, fewer logs")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def config_from_args(args: argparse.Namespace, extra: Sequence[str] = ()) -> Config:
+    """Load the config named by ``args`` and apply flag overrides (flags win)."""
+    overrides = list(args.overrides)
+    if args.cache_dir:
+        overrides.append(f"build.cache_dir={args.cache_dir}")
+    if args.num_proc is not None:
+        overrides.append(f"build.num_proc={args.num_proc}")
+    overrides.extend(extra)
+    return load_config(args.config, overrides)
+
+
+def _setup_logging(args: argparse.Namespace) -> None:
+    level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not args.verbose:
+        for noisy in ("datasets", "transformers", "httpx", "jax._src", "absl"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+    if args.quiet:
+        os.environ.setdefault("TQDM_DISABLE", "1")
+
+
+def _coordination_errors() -> tuple[type[BaseException], ...]:
+    try:
+        import dist.coordinator as c
+    except ImportError:  # pragma: no cover
+        return ()
+    names = ("CacheWaitTimeout", "BuildFailedError", "ReadOnlyCacheError", "CoordinationError")
+    return tuple(getattr(c, n) for n in names if isinstance(getattr(c, n, None), type))
+
+
+def run(main: Callable[[argparse.Namespace], int | None], parser: argparse.ArgumentParser,
+        argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv``, run ``main(args)``, and turn known errors into exit codes.
+
+    Returns:
+        The process exit code (also see the module docstring).
+    """
+    args = parser.parse_args(argv)
+    _setup_logging(args)
+    try:
+        return int(main(args) or 0)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except _coordination_errors() as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

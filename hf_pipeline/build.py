@@ -153,7 +153,7 @@ def _convert_shards(
     fetch_timeout: float,
 ) -> dict[str, Any]:
     """``datasets.map`` function: shard file names -> joined latent rows."""
-    from hf_pipeline.captions import classify
+    from hf_pipeline.captions import classify, reason_names
     from hf_pipeline.shards import LATENT_SHAPE, load_shard
 
     table = _captions(captions_path)
@@ -166,7 +166,7 @@ def _convert_shards(
         k, lat = load_shard(path, dtype=latent_dtype)
         client.release(f)
         caps, found = table.lookup(k)
-        reasons.append(np.asarray(classify(caps, found), dtype=object))
+        reasons.append(reason_names(classify(caps, found)))
         captions.append(caps.fill_null("").to_pylist())
         keys.append(k)
         latents.append(lat)

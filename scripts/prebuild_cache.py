@@ -1,0 +1,113 @@
+#!/usr/bin/env python
+"""Build (or find) the shared cache for a config, before a training job starts.
+
+  python scripts/prebuild_cache.py                       # the demo
+  python scripts/prebuild_cache.py --config configs/coyo11m.yaml --json build.json
+  python scripts/prebuild_cache.py --status | --verify | --clean [--dry-run]
+
+Run it on one host with write access to the cache; training ranks then only read.
+Exit codes: 0 ok, 1 coordination failure / problems found by --verify, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hf_pipeline import cli  # noqa: E402
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="prebuild_cache.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=cli.ENV_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    cli.add_common_args(p)
+    p.add_argument("--json", metavar="PATH", help="write the build summary as JSON to PATH ('-' = stdout)")
+    ops = p.add_mutually_exclusive_group()
+    ops.add_argument("--status", action="store_true", help="list the caches under the cache root")
+    ops.add_argument("--verify", action="store_true", help="re-check every cache's files against its markers")
+    ops.add_argument("--clean", action="store_true", help="remove stale, failed or corrupt caches (never a live one)")
+    p.add_argument("--dry-run", action="store_true", help="with --clean: only say what would be removed")
+    return p
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _print_summary(result) -> None:
+    s = result.summary()
+    how = f"built in {s['seconds']:.1f} s" if result.built else f"found ({s['seconds']:.1f} s)"
+    print(f"cache       {s['cache_dir']}  [{how}]")
+    print(f"fingerprint {s['fingerprint']}")
+    print(f"rows        {s['rows_in']} latent rows in -> {s['rows_out']} kept")
+    dropped = ", ".join(f"{k} {v}" for k, v in sorted(s["dropped"].items())) or "none"
+    print(f"dropped     {dropped}")
+    fetch = result.report.get("fetch") or {}
+    if fetch.get("files"):
+        print(
+            f"fetched     {fetch.get('files')} files, {_human_bytes(fetch.get('bytes', 0))}, "
+            f"{fetch.get('mean_mb_s', 0):.1f} MB/s, {fetch.get('retries', 0)} retries"
+        )
+
+
+def _admin(args, cfg) -> int:
+    from dist import inventory
+
+    from hf_pipeline.cache import STAGES
+
+    root = cfg.cache_root
+    if args.status:
+        rows = inventory.list_caches(root)
+        if not rows:
+            print(f"no caches under {root}")
+            return 0
+        print(f"{'cache':40} {'state':26} {'size':>10} {'age':>8}")
+        for st in rows:
+            print(f"{st.name:40} {st.describe():26} {_human_bytes(st.size_bytes):>10} {st.age_seconds / 3600:7.1f}h")
+        return 0
+    if args.verify:
+        bad = 0
+        for st in inventory.list_caches(root):
+            problems = inventory.verify(st.path, STAGES)
+            bad += bool(problems)
+            print(f"{st.name}: " + ("ok" if not problems else "; ".join(problems)))
+        return 1 if bad else 0
+    removed = inventory.clean(root, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for path in removed:
+        print(f"{verb} {path}")
+    print(f"{verb} {len(removed)} item(s) under {root}")
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = cli.config_from_args(args)
+    if args.status or args.verify or args.clean:
+        return _admin(args, cfg)
+    from hf_pipeline.build import prepare_cache
+
+    result = prepare_cache(cfg, progress=not args.quiet)
+    _print_summary(result)
+    if args.json:
+        text = json.dumps(result.summary(), indent=2, sort_keys=True)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run(main, _parser()))

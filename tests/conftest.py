@@ -1,0 +1,63 @@
+"""Shared fixtures: an isolated HF_HOME per test session, a small demo config, and one
+demo cache built once per session (through the real build: datasets, MiniLM)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Nothing may reach the network: the Hub client must use only local files.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+#: Overrides that make the demo small enough for tests (4 shards x 100 samples).
+SMALL_DEMO = [
+    "data.demo.num_shards=4",
+    "data.demo.samples_per_shard=100",
+    "build.num_proc=2",
+    "build.batch_size=64",
+    "build.writer_batch_size=50",
+    "coord.poll_interval=0.2",
+    "coord.lease_timeout=20",
+    "coord.heartbeat_interval=0.5",
+    "loader.global_batch_size=16",
+]
+
+
+@pytest.fixture(scope="session")
+def session_cache_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("hf_home") / "cache"
+
+
+@pytest.fixture(scope="session")
+def small_config(session_cache_root):
+    from hf_pipeline.config import load_config
+
+    return load_config(None, [*SMALL_DEMO, f"build.cache_dir={session_cache_root}"], environ={})
+
+
+@pytest.fixture(scope="session")
+def built_cache(small_config):
+    """The small demo, built once for the whole session."""
+    from hf_pipeline.build import prepare_cache
+
+    return prepare_cache(small_config, progress=False)
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    """Environment for running scripts/ in a subprocess (repo importable, offline)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_", "DATASET_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+PYTHON = sys.executable

@@ -1,0 +1,90 @@
+"""Config: defaults, YAML, env and flag precedence, and one-line errors naming the field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hf_pipeline.config import (
+    CONFIG_DIR,
+    Config,
+    default_cache_root,
+    load_config,
+    resolve_config_path,
+)
+from hf_pipeline.errors import ConfigError
+
+
+def test_demo_is_default_and_bundled_configs_load():
+    cfg = load_config(None, environ={})
+    assert cfg.name == "demo" and cfg.data.shards == "demo"
+    assert resolve_config_path(None) == CONFIG_DIR / "demo.yaml"
+    hub = load_config("coyo11m", environ={})
+    assert hub.data.shards.startswith("hf://datasets/") and hub.encoder.model == "google/gemma-3-270m"
+    gcs = load_config(CONFIG_DIR / "coyo11m_gcs.yaml", environ={})
+    assert gcs.data.shards.startswith("gs://")
+
+
+def test_precedence_defaults_yaml_env_flags(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("build:\n  num_proc: 3\n  batch_size: 7\nloader:\n  seed: 5\n")
+    cfg = load_config(y, environ={})
+    assert (cfg.build.num_proc, cfg.build.batch_size, cfg.loader.seed) == (3, 7, 5)
+    assert cfg.build.writer_batch_size == 10000  # default
+    env = {"DATASET_NUM_PROC": "16", "DATASET_WRITER_BATCH_SIZE": "500", "DATASET_MAX_WAIT": "12.5"}
+    cfg = load_config(y, environ=env)
+    assert (cfg.build.num_proc, cfg.build.writer_batch_size, cfg.coord.max_wait) == (16, 500, 12.5)
+    cfg = load_config(y, ["build.num_proc=2", "loader.crop=1"], environ=env)
+    assert cfg.build.num_proc == 2 and cfg.loader.crop == "1"
+
+
+def test_frozen_and_effective_num_proc():
+    cfg = load_config(None, environ={})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.name = "x"  # type: ignore[misc]
+    assert 1 <= cfg.build.effective_num_proc <= 8
+    assert load_config(None, ["build.num_proc=16"], environ={}).build.effective_num_proc == 16
+
+
+@pytest.mark.parametrize(
+    "override, field, fragment",
+    [
+        (["build.num_proc=-1"], "build.num_proc", "must be >= 1, got -1"),
+        (["build.batch_size=abc"], "build.batch_size", "must be int, got 'abc'"),
+        (["loader.crop=7"], "loader.crop", "crop index 0-2, got '7'"),
+        (["data.on_missing=ignore"], "data.on_missing", "'fail' or 'skip'"),
+        (["nope.x=1"], "nope", "unknown config field 'nope'"),
+        (["loader.bogus=1"], "loader.bogus", "unknown config field 'loader.bogus'"),
+        (["coord.heartbeat_interval=100"], "coord.heartbeat_interval", "< lease_timeout"),
+        (["justtext"], "justtext", "section.field=value"),
+    ],
+)
+def test_bad_values_name_the_field(override, field, fragment):
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, override, environ={})
+    assert ei.value.field == field
+    assert fragment in str(ei.value)
+    assert "\n" not in str(ei.value)
+
+
+def test_bad_env_value_names_the_variable():
+    with pytest.raises(ConfigError, match=r"DATASET_BATCH_SIZE"):
+        load_config(None, environ={"DATASET_BATCH_SIZE": "0"})
+
+
+def test_missing_or_invalid_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml", environ={})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("build: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad, environ={})
+
+
+def test_cache_root_from_env(tmp_path):
+    assert default_cache_root({"HF_HOME": str(tmp_path)}) == tmp_path / "datasets" / "hf_pipeline"
+    assert default_cache_root({"HF_DATASETS_CACHE": str(tmp_path / "d")}) == tmp_path / "d" / "hf_pipeline"
+    cfg = load_config(None, environ={"HF_PIPELINE_CACHE": str(tmp_path / "x")})
+    assert cfg.cache_root == tmp_path / "x"
+    assert isinstance(Config().to_dict()["loader"], dict)

@@ -1,0 +1,318 @@
+"""The global sample order per (seed, epoch), and each process's share of it.
+
+The order depends only on ``(seed, epoch, num_rows, options)``, never on the number of
+processes: global batch ``g`` of an epoch is the fixed slice ``[g*G, (g+1)*G)`` of the
+epoch's order, and process ``p`` of ``W`` takes its part of every global batch
+(``partition="contiguous"``: ``[p*G/W, (p+1)*G/W)``; ``partition="strided"``: every
+``W``-th sample from ``p``, i.e. :class:`torch.utils.data.DistributedSampler`'s index
+sets over the same order). A run saved on ``W`` processes and resumed on ``W'`` therefore
+sees the same global batches.
+
+Samples: with ``crop="all"`` each row gives ``num_crops`` samples (sample id
+``row * num_crops + crop``); otherwise one sample per row whose crop is either fixed or
+drawn per ``(seed, epoch, row)`` by a counter-based hash (independent of the world size
+and of the batch a row lands in).
+
+Orders (``shuffle``):
+
+- ``"global"``: a full permutation from ``np.random.default_rng([seed, epoch])``.
+- ``"sequential"``: no shuffling; contiguous reads.
+- ``"block"``: blocks of ``block_size`` consecutive samples in random order, then a
+  shuffle inside each window of ``window_blocks`` consecutive (shuffled) blocks. Each
+  window reads ``window_blocks * block_size`` nearby rows, so a cache larger than RAM
+  streams from disk with locality while batches still mix several regions.
+
+Everything is vectorized NumPy; one epoch's order (int64, one entry per sample) is the
+largest allocation.
+
+Thread-safety: :class:`GlobalSampler` methods may be called from several threads (the
+per-epoch order cache is locked).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numpy as np
+
+__all__ = [
+    "CROPS",
+    "PARTITIONS",
+    "SHUFFLES",
+    "GlobalSampler",
+    "ProcessBatch",
+    "SamplerOptions",
+]
+
+SHUFFLES = ("block", "global", "sequential")
+PARTITIONS = ("contiguous", "strided")
+CROPS = ("all", "random")
+
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """Vectorized SplitMix64 finalizer (uint64 -> well-mixed uint64)."""
+    with np.errstate(over="ignore"):
+        z = x + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def _normalize_crop(crop) -> str | int:
+    if isinstance(crop, (int, np.integer)) and not isinstance(crop, bool):
+        return int(crop)
+    if isinstance(crop, str) and crop.isdigit():
+        return int(crop)
+    return crop
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplerOptions:
+    """How the global order is drawn and split.
+
+    Attributes:
+        global_batch_size: samples per global batch (all processes together).
+        seed: non-negative seed of the order and of random crops.
+        shuffle: ``"global"``, ``"block"`` or ``"sequential"``.
+        partition: ``"contiguous"`` or ``"strided"`` (DistributedSampler index sets).
+        crop: ``"random"``, ``"all"`` or a fixed crop index (int or digit string).
+        block_size: samples per block for ``shuffle="block"``.
+        window_blocks: blocks shuffled together for ``shuffle="block"``.
+        drop_last: drop the last partial global batch (default). ``False`` pads it by
+            wrapping around to the start of the epoch's order and masks the padding.
+    """
+
+    global_batch_size: int
+    seed: int = 0
+    shuffle: str = "global"
+    partition: str = "contiguous"
+    crop: str | int = "random"
+    block_size: int = 4096
+    window_blocks: int = 4
+    drop_last: bool = True
+
+    def __post_init__(self):
+        if self.global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be >= 1, got {self.global_batch_size}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.shuffle not in SHUFFLES:
+            raise ValueError(f"shuffle must be one of {SHUFFLES}, got {self.shuffle!r}")
+        if self.partition not in PARTITIONS:
+            raise ValueError(f"partition must be one of {PARTITIONS}, got {self.partition!r}")
+        crop = _normalize_crop(self.crop)
+        if not (isinstance(crop, int) and crop >= 0) and crop not in CROPS:
+            raise ValueError(f"crop must be 'random', 'all' or an index >= 0, got {self.crop!r}")
+        object.__setattr__(self, "crop", crop)
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.window_blocks < 1:
+            raise ValueError(f"window_blocks must be >= 1, got {self.window_blocks}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessBatch:
+    """One process's share of one global batch.
+
+    Attributes:
+        epoch: the epoch.
+        step: the global batch index within the epoch.
+        rows: ``(b,)`` int64 logical row ids.
+        crops: ``(b,)`` int64 crop indices.
+        mask: ``(b,)`` bool, False for padding (only with ``drop_last=False``).
+        positions: ``(b,)`` int64 positions of these samples in the global batch.
+    """
+
+    epoch: int
+    step: int
+    rows: np.ndarray
+    crops: np.ndarray
+    mask: np.ndarray
+    positions: np.ndarray
+
+
+class GlobalSampler:
+    """The global sample order of a dataset of ``num_rows`` rows.
+
+    Args:
+        num_rows: rows in the (filtered) dataset.
+        options: a :class:`SamplerOptions`; or pass its fields as keywords.
+        num_crops: crops per row.
+
+    Raises:
+        ValueError: invalid options, a fixed crop ``>= num_crops``, or ``num_rows < 0``.
+    """
+
+    def __init__(
+        self, num_rows: int, options: SamplerOptions | None = None, *, num_crops: int = 3, **kw
+    ):
+        if options is None:
+            options = SamplerOptions(**kw)
+        elif kw:
+            options = dataclasses.replace(options, **kw)
+        if num_rows < 0:
+            raise ValueError(f"num_rows must be >= 0, got {num_rows}")
+        if num_crops < 1:
+            raise ValueError(f"num_crops must be >= 1, got {num_crops}")
+        if isinstance(options.crop, int) and options.crop >= num_crops:
+            raise ValueError(f"crop must be < num_crops ({num_crops}), got {options.crop}")
+        self.options = options
+        self.num_rows = int(num_rows)
+        self.num_crops = int(num_crops)
+        self.num_samples = self.num_rows * (self.num_crops if options.crop == "all" else 1)
+        self._lock = threading.Lock()
+        self._cache: dict[int, np.ndarray] = {}
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per global batch."""
+        return self.options.global_batch_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Global batches per epoch (partial last batch dropped unless ``drop_last=False``)."""
+        g = self.options.global_batch_size
+        if self.options.drop_last:
+            return self.num_samples // g
+        return -(-self.num_samples // g)
+
+    # ------------------------------------------------------------------ order
+
+    def _compute_order(self, epoch: int) -> np.ndarray:
+        n, opts = self.num_samples, self.options
+        if opts.shuffle == "sequential" or n == 0:
+            return np.arange(n, dtype=np.int64)
+        rng = np.random.default_rng([opts.seed, epoch])
+        if opts.shuffle == "global":
+            return rng.permutation(n).astype(np.int64, copy=False)
+        # Block shuffle: permute blocks, lay their samples out in that order, then
+        # shuffle inside windows of `window_blocks` consecutive laid-out blocks.
+        bs = opts.block_size
+        nblocks = -(-n // bs)
+        block_order = rng.permutation(nblocks)
+        lengths = np.full(nblocks, bs, dtype=np.int64)
+        lengths[-1] = n - bs * (nblocks - 1)
+        lens = lengths[block_order]
+        starts = block_order.astype(np.int64) * bs
+        ends_cum = np.cumsum(lens)
+        # Position i belongs to laid-out block k = searchsorted; sample = start + rank in block.
+        seq = np.arange(n, dtype=np.int64)
+        k = np.repeat(np.arange(nblocks, dtype=np.int64), lens)
+        layout = starts[k] + (seq - (ends_cum[k] - lens[k]))
+        window = k // opts.window_blocks
+        keys = rng.random(n)
+        return layout[np.lexsort((keys, window))]
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The sample ids of ``epoch`` in order (read-only int64 array, cached).
+
+        Raises:
+            ValueError: ``epoch < 0``.
+        """
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        with self._lock:
+            order = self._cache.get(epoch)
+        if order is None:
+            order = self._compute_order(epoch)
+            order.flags.writeable = False
+            with self._lock:
+                # Keep two epochs: the prefetcher runs ahead across the boundary.
+                self._cache[epoch] = order
+                for old in sorted(self._cache)[:-2]:
+                    del self._cache[old]
+        return order
+
+    def samples_to_rows(self, samples: np.ndarray, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Split sample ids into ``(rows, crops)`` for ``epoch``."""
+        samples = np.asarray(samples, dtype=np.int64)
+        crop = self.options.crop
+        if crop == "all":
+            return samples // self.num_crops, samples % self.num_crops
+        if crop == "random":
+            return samples, self.random_crops(samples, epoch)
+        return samples, np.full(samples.shape, crop, dtype=np.int64)
+
+    def random_crops(self, rows: np.ndarray, epoch: int) -> np.ndarray:
+        """The random crop of each row in ``epoch``: a hash of (seed, epoch, row)."""
+        rows = np.asarray(rows, dtype=np.int64).astype(np.uint64)
+        with np.errstate(over="ignore"):
+            salt = _splitmix64(
+                _splitmix64(np.uint64(self.options.seed)) ^ np.uint64(epoch)
+            )
+            h = _splitmix64(rows ^ salt)
+        return (h % np.uint64(self.num_crops)).astype(np.int64)
+
+    def _check_step(self, epoch: int, step: int) -> None:
+        if not 0 <= step < self.steps_per_epoch:
+            raise IndexError(f"step must be in [0, {self.steps_per_epoch}), got {step}")
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+
+    def global_positions(self, step: int) -> np.ndarray:
+        """Positions in the epoch order of global batch ``step`` (may run past the end)."""
+        g = self.options.global_batch_size
+        return np.arange(step * g, (step + 1) * g, dtype=np.int64)
+
+    def global_batch(self, epoch: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sample ids of global batch ``step`` of ``epoch`` and the mask of real ones.
+
+        With ``drop_last=False`` the last batch wraps to the start of the epoch's order
+        (as DistributedSampler pads) and the mask marks the wrapped samples False.
+
+        Raises:
+            IndexError: ``step`` outside ``[0, steps_per_epoch)``.
+        """
+        self._check_step(epoch, step)
+        pos = self.global_positions(step)
+        order = self.epoch_order(epoch)
+        mask = pos < self.num_samples
+        return order[pos % self.num_samples], mask
+
+    def process_positions(self, process_index: int, process_count: int) -> np.ndarray:
+        """Which positions of a global batch process ``process_index`` takes.
+
+        Raises:
+            ValueError: ``global_batch_size % process_count != 0`` or a bad index.
+        """
+        g = self.options.global_batch_size
+        if process_count < 1 or not 0 <= process_index < process_count:
+            raise ValueError(
+                f"process_index must be in [0, {process_count}), got {process_index}"
+            )
+        if g % process_count:
+            raise ValueError(
+                f"global_batch_size ({g}) must be divisible by the number of processes "
+                f"({process_count})"
+            )
+        b = g // process_count
+        if self.options.partition == "strided":
+            return np.arange(process_index, g, process_count, dtype=np.int64)
+        return np.arange(process_index * b, (process_index + 1) * b, dtype=np.int64)
+
+    def process_batch(
+        self, epoch: int, step: int, process_index: int = 0, process_count: int = 1
+    ) -> ProcessBatch:
+        """Process ``process_index``'s share of global batch ``step`` of ``epoch``.
+
+        Raises:
+            IndexError: ``step`` outside ``[0, steps_per_epoch)``.
+            ValueError: ``global_batch_size`` not divisible by ``process_count``.
+        """
+        self._check_step(epoch, step)
+        local = self.process_positions(process_index, process_count)
+        pos = step * self.options.global_batch_size + local
+        order = self.epoch_order(epoch)
+        samples = order[pos % self.num_samples]
+        rows, crops = self.samples_to_rows(samples, epoch)
+        return ProcessBatch(epoch, step, rows, crops, pos < self.num_samples, local)
+
+    def process_stream(self, epoch: int, process_index: int = 0, process_count: int = 1):
+        """Iterate ``process_batch`` over all steps of ``epoch``."""
+        for step in range(self.steps_per_epoch):
+            yield self.process_batch(epoch, step, process_index, process_count)
+
+    def __repr__(self) -> str:
+        return f"GlobalSampler(num_rows={self.num_rows}, {self.options})"

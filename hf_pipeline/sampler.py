@@ -187,23 +187,19 @@ class GlobalSampler:
         rng = np.random.default_rng([opts.seed, epoch])
         if opts.shuffle == "global":
             return rng.permutation(n).astype(np.int64, copy=False)
-        # Block shuffle: permute blocks, lay their samples out in that order, then
-        # shuffle inside windows of `window_blocks` consecutive laid-out blocks.
-        bs = opts.block_size
+        # Block shuffle: permute blocks, lay their samples out in that order (a matrix,
+        # one laid-out block per row, -1 past the end of the data), then shuffle inside
+        # windows of `window_blocks` laid-out blocks: O(n), no sort.
+        bs, wb = opts.block_size, opts.window_blocks
         nblocks = -(-n // bs)
-        block_order = rng.permutation(nblocks)
-        lengths = np.full(nblocks, bs, dtype=np.int64)
-        lengths[-1] = n - bs * (nblocks - 1)
-        lens = lengths[block_order]
-        starts = block_order.astype(np.int64) * bs
-        ends_cum = np.cumsum(lens)
-        # Position i belongs to laid-out block k = searchsorted; sample = start + rank in block.
-        seq = np.arange(n, dtype=np.int64)
-        k = np.repeat(np.arange(nblocks, dtype=np.int64), lens)
-        layout = starts[k] + (seq - (ends_cum[k] - lens[k]))
-        window = k // opts.window_blocks
-        keys = rng.random(n)
-        return layout[np.lexsort((keys, window))]
+        nwin = -(-nblocks // wb)
+        block_order = np.full(nwin * wb, -1, dtype=np.int64)
+        block_order[:nblocks] = rng.permutation(nblocks)
+        layout = block_order[:, None] * bs + np.arange(bs, dtype=np.int64)[None, :]
+        layout[(block_order[:, None] < 0) | (layout >= n)] = -1
+        layout = layout.reshape(nwin, wb * bs)
+        rng.permuted(layout, axis=1, out=layout)
+        return layout[layout >= 0]
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The sample ids of ``epoch`` in order (read-only int64 array, cached).

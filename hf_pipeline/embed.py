@@ -149,9 +149,11 @@ class TextEncoder:
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
             self.model = AutoModel.from_pretrained(path, dtype=dtype, **kwargs)
-        except OSError as exc:
+        except (OSError, ValueError, KeyError) as exc:
+            # transformers reports a broken or foreign model folder with any of these.
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ConfigError(
-                f"encoder.model {cfg.model!r} could not be loaded ({exc}); give a local folder, "
+                f"encoder.model {cfg.model!r} could not be loaded ({first}); give a local folder, "
                 "a reachable Hub model id, or 'minilm'",
                 field="encoder.model",
             ) from None

@@ -297,8 +297,16 @@ class GlobalSampler:
             IndexError: ``step`` outside ``[0, steps_per_epoch)``.
             ValueError: ``global_batch_size`` not divisible by ``process_count``.
         """
+        return self.batch_at(epoch, step, self.process_positions(process_index, process_count))
+
+    def batch_at(self, epoch: int, step: int, local: np.ndarray) -> ProcessBatch:
+        """The samples at positions ``local`` of global batch ``step`` of ``epoch``.
+
+        Raises:
+            IndexError: ``step`` outside ``[0, steps_per_epoch)``.
+        """
         self._check_step(epoch, step)
-        local = self.process_positions(process_index, process_count)
+        local = np.asarray(local, dtype=np.int64)
         pos = step * self.options.global_batch_size + local
         order = self.epoch_order(epoch)
         samples = order[pos % self.num_samples]

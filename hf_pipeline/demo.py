@@ -365,10 +365,12 @@ def _render_latents(rng: np.random.Generator, attrs: dict[str, np.ndarray]) -> n
     shift[:, 0] = 0.0
     cy = attrs["cy"][:, None] + shift[..., 0]
     cx = attrs["cx"][:, None] + shift[..., 1]
-    yy, xx = np.meshgrid(np.arange(_SIZE), np.arange(_SIZE), indexing="ij")
-    v = yy[None, None] - cy[..., None, None]  # (n, 3, 32, 32)
-    u = xx[None, None] - cx[..., None, None]
-    r = attrs["radius"][:, None, None, None]
+    yy, xx = np.meshgrid(
+        np.arange(_SIZE, dtype=np.float32), np.arange(_SIZE, dtype=np.float32), indexing="ij"
+    )
+    v = yy[None, None] - cy[..., None, None].astype(np.float32)  # (n, 3, 32, 32)
+    u = xx[None, None] - cx[..., None, None].astype(np.float32)
+    r = attrs["radius"][:, None, None, None].astype(np.float32)
     masks = np.zeros((n, 3, _SIZE, _SIZE), dtype=bool)
     for s_idx, shape in enumerate(SHAPES):
         sel = attrs["shape"] == s_idx
@@ -378,13 +380,13 @@ def _render_latents(rng: np.random.Generator, attrs: dict[str, np.ndarray]) -> n
     color = np.asarray(list(COLORS.values()), dtype=np.float32)[attrs["color"]]  # (n, 4)
     bg = np.asarray(list(BACKGROUNDS.values()), dtype=np.float32)[attrs["background"]]
     m = masks[:, :, None].astype(np.float32)  # (n, 3, 1, 32, 32)
-    lat = m * color[:, None, :, None, None] + (1.0 - m) * bg[:, None, :, None, None]
+    lat = bg[:, None, :, None, None] + m * (color - bg)[:, None, :, None, None]
 
     for st_idx, (amp, kind) in enumerate(STYLES.values()):
         sel = np.flatnonzero(attrs["style"] == st_idx)
         if sel.size:
             lat[sel] += amp * _texture(rng, kind, sel.size)[:, None]  # shared by the crops
-    lat += rng.normal(0.0, 0.08, size=lat.shape).astype(np.float32)
+    lat += 0.08 * rng.standard_normal(size=lat.shape, dtype=np.float32)
     lat *= _SCALE
 
     # Position word from the uncropped centre: 0 centre, 1 left, 2 right, 3 top, 4 bottom.
@@ -425,7 +427,7 @@ def _shape_mask(shape: str, u: np.ndarray, v: np.ndarray, r: np.ndarray, yy: np.
 def _texture(rng: np.random.Generator, kind: str, n: int) -> np.ndarray:
     """(n, 4, 32, 32) unit-ish texture: white noise, smooth blobs or 4x4 blocks."""
     if kind == "white":
-        return rng.normal(0.0, 1.0, size=(n, 4, _SIZE, _SIZE)).astype(np.float32)
+        return rng.standard_normal(size=(n, 4, _SIZE, _SIZE), dtype=np.float32)
     if kind == "blocky":
         small = rng.normal(0.0, 1.0, size=(n, 4, _SIZE // 4, _SIZE // 4)).astype(np.float32)
         return small.repeat(4, axis=2).repeat(4, axis=3)

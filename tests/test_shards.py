@@ -1,0 +1,232 @@
+"""Tests for hf_pipeline.shards: natural order, listing, safe loading and validation."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from hf_pipeline.errors import CorruptShardError, SourceError
+from hf_pipeline.shards import LATENT_SHAPE, list_local_shards, load_shard, shard_sort_key
+
+
+def _save(path, obj) -> str:
+    torch.save(obj, path)
+    return str(path)
+
+
+def _good(n: int = 5, dtype=torch.float16, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "keys": torch.arange(100, 100 + 7 * n, 7, dtype=torch.int64),
+        "latents": torch.randn((n, *LATENT_SHAPE), generator=g).to(dtype),
+    }
+
+
+# ----------------------------------------------------------------------------- sorting
+
+
+def test_shard_sort_key_orders_numeric_ranges():
+    names = ["000010-000019.pt", "10-11.pt", "000000-000009.pt", "2-3.pt", "000100-000109.pt"]
+    assert sorted(names, key=shard_sort_key) == [
+        "000000-000009.pt",
+        "2-3.pt",
+        "10-11.pt",
+        "000010-000019.pt",
+        "000100-000109.pt",
+    ]
+
+
+def test_shard_sort_key_small_before_large_and_handles_text():
+    assert shard_sort_key("2-3.pt") < shard_sort_key("10-11.pt")
+    assert shard_sort_key("/a/b/000000-000009.pt") < shard_sort_key("000010-000019.pt")
+    # Mixed names never compare int with str (no TypeError) and ties are deterministic.
+    names = ["b.pt", "a10.pt", "a2.pt", "01.pt", "1.pt", "x-1-y.pt"]
+    out = sorted(names, key=shard_sort_key)
+    assert out.index("a2.pt") < out.index("a10.pt")
+    assert sorted(reversed(names), key=shard_sort_key) == out
+
+
+def test_list_local_shards_folder_glob_and_errors(tmp_path):
+    for name in ["000010-000019.pt", "000000-000009.pt", "2-3.pt", ".000020-000029.pt", "notes.txt"]:
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "dir.pt").mkdir()
+    got = list_local_shards(tmp_path)
+    assert [p.name for p in got] == ["000000-000009.pt", "2-3.pt", "000010-000019.pt"]
+    assert [p.name for p in list_local_shards(str(tmp_path / "0000*.pt"))] == [
+        "000000-000009.pt",
+        "000010-000019.pt",
+    ]
+    assert list_local_shards(tmp_path / "2-3.pt") == [tmp_path / "2-3.pt"]
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SourceError, match=r"no \*\.pt shard files") as info:
+        list_local_shards(empty)
+    assert info.value.path == str(empty)
+    assert isinstance(info.value, OSError)
+    with pytest.raises(SourceError, match="no such file or folder"):
+        list_local_shards(tmp_path / "missing")
+    with pytest.raises(SourceError, match="no files match"):
+        list_local_shards(str(tmp_path / "zzz*.pt"))
+
+
+# ----------------------------------------------------------------------------- good shards
+
+
+@pytest.mark.parametrize("src", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dst", ["float16", "float32"])
+def test_load_shard_good(tmp_path, src, dst):
+    obj = _good(6, src)
+    path = _save(tmp_path / "000000-000005.pt", obj)
+    keys, lat = load_shard(path, dtype=dst)
+    assert keys.dtype == np.int64 and keys.shape == (6,)
+    np.testing.assert_array_equal(keys, obj["keys"].numpy())
+    assert lat.dtype == np.dtype(dst) and lat.shape == (6, *LATENT_SHAPE)
+    expected = obj["latents"].to(torch.float32).numpy().astype(dst)
+    np.testing.assert_array_equal(lat, expected)
+
+
+def test_load_shard_empty_and_other_int_keys(tmp_path):
+    path = _save(
+        tmp_path / "e.pt",
+        {"keys": torch.zeros(0, dtype=torch.int64), "latents": torch.zeros((0, *LATENT_SHAPE))},
+    )
+    keys, lat = load_shard(path)
+    assert keys.shape == (0,) and lat.shape == (0, *LATENT_SHAPE)
+    path = _save(tmp_path / "i32.pt", {**_good(3), "keys": torch.tensor([1, 2, 3], dtype=torch.int32)})
+    keys, _ = load_shard(path)
+    assert keys.dtype == np.int64 and keys.tolist() == [1, 2, 3]
+    # An extra field is tolerated (forward compatible).
+    path = _save(tmp_path / "extra.pt", {**_good(2), "sizes": torch.ones(2)})
+    assert load_shard(path)[0].shape == (2,)
+
+
+def test_load_shard_rejects_bad_dtype_argument(tmp_path):
+    path = _save(tmp_path / "a.pt", _good(2))
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        load_shard(path, dtype="bfloat16")
+
+
+# ----------------------------------------------------------------------------- bad shards
+
+
+def _bad_cases():
+    good = _good(4)
+    lat = good["latents"]
+    return {
+        "non_dict": ([good["keys"], lat], r"expected a dict with 'keys' and 'latents', got list"),
+        "missing_latents": (
+            {"keys": good["keys"], "lat": lat},
+            r"missing field 'latents' \(fields present: 'keys', 'lat'\)",
+        ),
+        "missing_both": ({}, r"missing field 'keys' and 'latents' \(fields present: none\)"),
+        "keys_not_tensor": ({"keys": [1, 2, 3, 4], "latents": lat}, r"'keys' must be a torch tensor, got list"),
+        "keys_float": ({"keys": good["keys"].float(), "latents": lat}, r"keys must be an integer tensor, got torch.float32"),
+        "keys_bool": ({"keys": torch.ones(4, dtype=torch.bool), "latents": lat}, r"keys must be an integer tensor, got torch.bool"),
+        "keys_2d": ({"keys": good["keys"].reshape(2, 2), "latents": lat}, r"keys must be 1-D \(N,\), got shape \(2, 2\)"),
+        "latents_4d": (
+            {"keys": good["keys"], "latents": torch.zeros(4, 4, 32, 32)},
+            r"latents must have shape \(N, 3, 4, 32, 32\), got \(4, 4, 32, 32\)",
+        ),
+        "latents_wrong_res": (
+            {"keys": good["keys"], "latents": torch.zeros(4, 3, 4, 64, 64)},
+            r"latents must have shape \(N, 3, 4, 32, 32\), got \(4, 3, 4, 64, 64\)",
+        ),
+        "row_mismatch": (
+            {"keys": good["keys"], "latents": torch.zeros(5, *LATENT_SHAPE)},
+            r"latents has 5 rows but keys has 4 \(must match\)",
+        ),
+        "latents_int": (
+            {"keys": good["keys"], "latents": torch.zeros((4, *LATENT_SHAPE), dtype=torch.uint8)},
+            r"latents must be float16, bfloat16 or float32, got torch.uint8",
+        ),
+        "latents_f64": (
+            {"keys": good["keys"], "latents": torch.zeros((4, *LATENT_SHAPE), dtype=torch.float64)},
+            r"latents must be float16, bfloat16 or float32, got torch.float64",
+        ),
+        "nan": (
+            {"keys": good["keys"], "latents": _with(lat, 2, float("nan"))},
+            r"latents must be finite, got NaN/inf in 1 of 4 rows",
+        ),
+        "inf_bf16": (
+            {"keys": good["keys"], "latents": _with(lat.bfloat16(), 0, float("inf"))},
+            r"latents must be finite, got NaN/inf in 1 of 4 rows",
+        ),
+        "overflow_f16": (
+            {"keys": good["keys"], "latents": _with(lat.float(), 1, 1e6)},
+            r"latents \(torch.float32\) overflow float16 storage",
+        ),
+    }
+
+
+def _with(t: torch.Tensor, row: int, value: float) -> torch.Tensor:
+    t = t.clone()
+    t[row, 1, 2, 3, 4] = value
+    return t
+
+
+@pytest.mark.parametrize("case", sorted(_bad_cases()))
+def test_load_shard_bad_structure(tmp_path, case):
+    obj, pattern = _bad_cases()[case]
+    path = _save(tmp_path / f"{case}.pt", obj)
+    with pytest.raises(CorruptShardError, match=pattern) as info:
+        load_shard(path)
+    err = info.value
+    assert err.path == path
+    assert str(err).startswith(f"{path}: ")
+    assert "\n" not in str(err)
+    assert isinstance(err, ValueError)
+    # Crosses datasets worker process boundaries intact.
+    again = pickle.loads(pickle.dumps(err))
+    assert (type(again), again.path, str(again)) == (type(err), err.path, str(err))
+
+
+class _Evil:
+    """Pickles to a call of os.system: what weights_only must refuse."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_load_shard_refuses_malicious_pickle(tmp_path):
+    marker = tmp_path / "pwned"
+    path = _save(tmp_path / "evil.pt", {"keys": _Evil(str(marker)), "latents": torch.zeros(1)})
+    with pytest.raises(CorruptShardError, match=r"not a plain tensor file \(refused by torch.load\(weights_only=True\)\)") as info:
+        load_shard(path)
+    assert not marker.exists()
+    assert "weights_only=False" not in str(info.value)  # never advise the unsafe retry
+    assert "\n" not in str(info.value)
+    # Also a raw (non-zip) pickle.
+    raw = tmp_path / "raw.pt"
+    with open(raw, "wb") as fh:
+        pickle.dump(_Evil(str(marker)), fh)
+    with pytest.raises(CorruptShardError, match="refused by torch.load"):
+        load_shard(raw)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("keep", [0, 10, 1000, -100])
+def test_load_shard_truncated(tmp_path, keep):
+    good = _save(tmp_path / "good.pt", _good(4))
+    data = open(good, "rb").read()
+    bad = tmp_path / "trunc.pt"
+    bad.write_bytes(data[:keep] if keep >= 0 else data[:keep])
+    with pytest.raises(CorruptShardError, match=r"not a readable torch file \(\d+ bytes; truncated or corrupt\?\)") as info:
+        load_shard(bad)
+    assert "\n" not in str(info.value)
+
+
+def test_load_shard_garbage_and_missing(tmp_path):
+    bad = tmp_path / "garbage.pt"
+    bad.write_bytes(b"this is not a torch file at all" * 10)
+    with pytest.raises(CorruptShardError):
+        load_shard(bad)
+    with pytest.raises(SourceError, match="does not exist"):
+        load_shard(tmp_path / "nope.pt")

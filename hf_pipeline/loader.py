@@ -1,0 +1,608 @@
+"""Batches from the memory-mapped cache into JAX, assembled ahead on a prefetch thread.
+
+A :class:`Loader` walks the global order of :mod:`hf_pipeline.sampler`, gathers this
+process's share of each global batch with :meth:`SampleSource.gather` (NumPy over the
+memory map) and moves it to the device(s) on a background thread, ``prefetch`` batches
+ahead, so that assembly and transfer overlap the training step.
+
+Exact resume: :meth:`Loader.state_dict` describes the NEXT batch the consumer will get
+(not how far the prefetch thread ran ahead). The state names global batches, not
+process shares, so a state saved with ``W`` processes restores with ``W'`` processes
+and the global batch sequence continues unchanged (elastic resume).
+
+Thread-safety: a Loader is driven by one consumer thread. ``close`` may be called from
+any thread. The prefetch thread is internal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from hf_pipeline.sampler import GlobalSampler, ProcessBatch, SamplerOptions
+
+__all__ = [
+    "BatchLayout",
+    "Loader",
+    "LoaderStats",
+]
+
+_STATE_VERSION = 1
+# Fields of the state that define the global order: a resume must match them exactly.
+_ORDER_FIELDS = (
+    "seed",
+    "global_batch_size",
+    "fingerprint",
+    "crop",
+    "shuffle",
+    "block_size",
+    "window_blocks",
+    "drop_last",
+    "num_rows",
+)
+_POLL = 0.1  # seconds between stop-event checks in blocking queue calls
+
+
+class _End:
+    """Sentinel: the producer finished its positions."""
+
+
+_END = _End()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BatchLayout:
+    """How a global batch is split over processes and devices.
+
+    Attributes:
+        global_batch_size: samples per step over all processes.
+        process_count: processes sharing a global batch.
+        process_index: this process's index (its share's position in the batch).
+        per_process_batch: samples this process gathers per step.
+        devices: devices the global batch is sharded over (data axis size with a mesh;
+            otherwise one per process).
+        local_devices: devices this process feeds.
+        per_device_batch: samples per device.
+    """
+
+    global_batch_size: int
+    process_count: int
+    process_index: int
+    per_process_batch: int
+    devices: int
+    local_devices: int
+    per_device_batch: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoaderStats:
+    """Consumer-side throughput figures since the loader was created or stats reset.
+
+    Attributes:
+        batches: batches handed to the consumer.
+        samples: samples handed to the consumer (this process).
+        wait_s: total time the consumer was blocked waiting for a batch.
+        mean_wait_s: ``wait_s / batches``.
+        queue_depth: batches ready in the prefetch queue right now.
+        elapsed_s: time since the first batch was requested.
+        samples_per_s: ``samples / elapsed_s``.
+    """
+
+    batches: int
+    samples: int
+    wait_s: float
+    mean_wait_s: float
+    queue_depth: int
+    elapsed_s: float
+    samples_per_s: float
+
+
+class _Prefetcher:
+    """Runs ``produce(position)`` for each position on a daemon thread, ``depth`` ahead.
+
+    The producer puts ``(item, position, error)`` on a bounded queue; every ``put`` and
+    ``get`` waits in short slices and checks the stop event, so neither side can block
+    forever. An error in ``produce`` is sent once and ends the thread; the consumer
+    re-raises it (its traceback still holds the producer's frames).
+    """
+
+    def __init__(self, produce: Callable, positions: Iterator, depth: int, name: str):
+        self._produce = produce
+        self._positions = positions
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _put(self, entry) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(entry, timeout=_POLL)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            for pos in self._positions:
+                if self._stop.is_set():
+                    return
+                item = self._produce(pos)
+                if not self._put((item, pos, None)):
+                    return
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, never dropped
+            self._put((None, None, exc))
+            return
+        self._put((None, None, _END))
+
+    @property
+    def depth(self) -> int:
+        return self._queue.qsize()
+
+    def get(self):
+        """The next ``(item, position)``; ``None`` at the end or once closed.
+
+        Raises:
+            BaseException: whatever ``produce`` raised.
+        """
+        while True:
+            try:
+                item, pos, err = self._queue.get(timeout=_POLL)
+            except queue.Empty:
+                if self._stop.is_set():
+                    return None
+                if not self._thread.is_alive():
+                    try:  # the thread may have put its last entry just before exiting
+                        item, pos, err = self._queue.get_nowait()
+                    except queue.Empty:
+                        raise RuntimeError(
+                            f"prefetch thread {self._thread.name} exited without a result"
+                        ) from None
+                else:
+                    continue
+            if err is _END:
+                return None
+            if err is not None:
+                self._stop.set()
+                raise err
+            return item, pos
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the thread, drop queued batches, and join (idempotent)."""
+        self._stop.set()
+        deadline = time.monotonic() + timeout
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            try:  # unblock a producer stuck on a full queue
+                while True:
+                    self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            self._thread.join(_POLL)
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        if self._thread.is_alive():  # pragma: no cover - produce() stuck in a long call
+            warnings.warn(
+                f"prefetch thread {self._thread.name} did not stop within {timeout}s",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+
+class Loader:
+    """Iterates batches of a :class:`~hf_pipeline.mapped.SampleSource` as JAX arrays.
+
+    Iterating a Loader yields the remaining batches of the current epoch, then stops;
+    iterate again for the next epoch, or use :meth:`epochs`. Each batch is
+    ``{"latents": (B, C, H, W), "embeddings": (B, D), "keys": (B,)}`` (plus ``"mask"``,
+    ``(B,)`` bool, with ``drop_last=False``) where ``B`` is this process's share, or,
+    with a ``mesh``, global ``jax.Array`` s of ``global_batch_size`` rows sharded over
+    ``data_axis``.
+
+    Args:
+        source: the :class:`SampleSource` (anything with ``num_rows``, ``num_crops``,
+            ``fingerprint`` and ``gather(rows, crops)``).
+        global_batch_size: samples per step over all processes.
+        seed: seed of the order and random crops.
+        process_index, process_count: this process's share; default
+            ``jax.process_index()`` / ``jax.process_count()`` (or, with a mesh, the
+            position of this process's devices along the data axis).
+        crop: ``"random"``, ``"all"`` or a fixed crop index.
+        shuffle: ``"global"``, ``"block"`` or ``"sequential"``.
+        partition: ``"contiguous"`` or ``"strided"``.
+        block_size: block size for ``shuffle="block"``.
+        window_blocks: blocks shuffled together for ``shuffle="block"``.
+        drop_last: drop the last partial batch; ``False`` pads it and adds a mask.
+        prefetch: batches assembled ahead (queue bound).
+        mesh: optional ``jax.sharding.Mesh``; batches become global arrays.
+        data_axis: mesh axis (or axes) the batch dimension is sharded over.
+        latents_dtype: optional output dtype of the latents (``"bfloat16"``, ...).
+        start_epoch: epoch to start at (ignored after :meth:`load_state_dict`).
+
+    Raises:
+        ValueError: invalid options, or a global batch not divisible by the process
+            count or the number of devices along ``data_axis``.
+    """
+
+    def __init__(
+        self,
+        source,
+        *,
+        global_batch_size: int,
+        seed: int = 0,
+        process_index: int | None = None,
+        process_count: int | None = None,
+        crop: str | int = "random",
+        shuffle: str = "global",
+        partition: str = "contiguous",
+        block_size: int = 4096,
+        window_blocks: int = 4,
+        drop_last: bool = True,
+        prefetch: int = 4,
+        mesh=None,
+        data_axis: str | tuple[str, ...] = "data",
+        latents_dtype: Any = None,
+        start_epoch: int = 0,
+    ):
+        import jax
+
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        if start_epoch < 0:
+            raise ValueError(f"start_epoch must be >= 0, got {start_epoch}")
+        self._source = source
+        self._options = SamplerOptions(
+            global_batch_size=global_batch_size,
+            seed=seed,
+            shuffle=shuffle,
+            partition=partition,
+            crop=crop,
+            block_size=block_size,
+            window_blocks=window_blocks,
+            drop_last=drop_last,
+        )
+        self._sampler = GlobalSampler(source.num_rows, self._options, num_crops=source.num_crops)
+        self._prefetch = int(prefetch)
+        self._mesh = mesh
+        self._data_axis = data_axis
+        self._latents_dtype = None
+        if latents_dtype not in (None, ""):
+            import jax.numpy as jnp
+
+            self._latents_dtype = np.dtype(jnp.dtype(latents_dtype))
+        g = global_batch_size
+        if mesh is None:
+            pc = jax.process_count() if process_count is None else int(process_count)
+            pi = jax.process_index() if process_index is None else int(process_index)
+            self._local = self._sampler.process_positions(pi, pc)
+            self._sharding = None
+            self._layout = BatchLayout(
+                global_batch_size=g,
+                process_count=pc,
+                process_index=pi,
+                per_process_batch=g // pc,
+                devices=pc,
+                local_devices=1,
+                per_device_batch=g // pc,
+            )
+        else:
+            self._init_mesh(jax, process_index, process_count)
+        self._epoch, self._step = int(start_epoch), 0
+        self._pf: _Prefetcher | None = None
+        self._closed = False
+        self._keys_warned = False
+        self.reset_stats()
+
+    @classmethod
+    def from_config(cls, source, loader_config, **overrides) -> Loader:
+        """A Loader from a :class:`~hf_pipeline.config.LoaderConfig` plus overrides.
+
+        Args:
+            source: the :class:`SampleSource`.
+            loader_config: the ``loader`` section of the config.
+            **overrides: any ``Loader`` keyword (``mesh=...``, ``process_index=...``).
+        """
+        kw = {
+            "global_batch_size": loader_config.global_batch_size,
+            "seed": loader_config.seed,
+            "crop": loader_config.crop,
+            "shuffle": loader_config.shuffle,
+            "partition": loader_config.partition,
+            "block_size": loader_config.block_size,
+            "drop_last": loader_config.drop_last,
+            "prefetch": loader_config.prefetch,
+            "latents_dtype": loader_config.latents_dtype or None,
+        }
+        kw.update(overrides)
+        return cls(source, **kw)
+
+    def _init_mesh(self, jax, process_index, process_count) -> None:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        g = self._options.global_batch_size
+        axes = self._data_axis if isinstance(self._data_axis, tuple) else (self._data_axis,)
+        for a in axes:
+            if a not in self._mesh.shape:
+                raise ValueError(f"data_axis {a!r} is not an axis of the mesh {dict(self._mesh.shape)}")
+        ndev = int(np.prod([self._mesh.shape[a] for a in axes]))
+        if g % ndev:
+            raise ValueError(
+                f"global_batch_size ({g}) must be divisible by the {ndev} devices along "
+                f"data axis {self._data_axis!r}"
+            )
+        self._sharding = NamedSharding(self._mesh, PartitionSpec(self._data_axis))
+        # Which rows of the global array this process's devices hold decides its share:
+        # it must be one contiguous block for make_array_from_process_local_data.
+        idx = self._sharding.addressable_devices_indices_map((g,))
+        spans = sorted({(s[0].start or 0, g if s[0].stop is None else s[0].stop) for s in idx.values()})
+        lo, hi = spans[0][0], spans[-1][1]
+        if any(a != b for (_, a), (b, _) in zip(spans, spans[1:], strict=False)) or g % (hi - lo) or lo % (hi - lo):
+            raise ValueError(
+                f"this process's devices hold rows {spans} of the global batch; the loader "
+                "needs one contiguous, evenly sized block per process"
+            )
+        b = hi - lo
+        pc, pi = g // b, lo // b
+        if (process_count is not None and process_count != pc) or (
+            process_index is not None and process_index != pi
+        ):
+            raise ValueError(
+                f"with this mesh this process is {pi} of {pc} along the data axis, but "
+                f"process_index={process_index}, process_count={process_count} were given"
+            )
+        self._local = self._sampler.process_positions(pi, pc)
+        self._layout = BatchLayout(
+            global_batch_size=g,
+            process_count=pc,
+            process_index=pi,
+            per_process_batch=b,
+            devices=ndev,
+            local_devices=len(spans),
+            per_device_batch=g // ndev,
+        )
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Global batches (steps) per epoch."""
+        return self._sampler.steps_per_epoch
+
+    @property
+    def layout(self) -> BatchLayout:
+        """Device arithmetic: devices, global / per-process / per-device batch."""
+        return self._layout
+
+    @property
+    def sampler(self) -> GlobalSampler:
+        """The global order this loader walks."""
+        return self._sampler
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the next batch the consumer will get."""
+        return self._epoch
+
+    @property
+    def step(self) -> int:
+        """Step (within :attr:`epoch`) of the next batch the consumer will get."""
+        return self._step
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position of the NEXT batch the consumer will get, plus the order's identity.
+
+        Independent of the number of processes; JSON-serialisable.
+        """
+        o = self._options
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self._epoch,
+            "step": self._step,
+            "seed": o.seed,
+            "global_batch_size": o.global_batch_size,
+            "fingerprint": str(getattr(self._source, "fingerprint", "")),
+            "crop": o.crop,
+            "shuffle": o.shuffle,
+            "block_size": o.block_size,
+            "window_blocks": o.window_blocks,
+            "drop_last": o.drop_last,
+            "num_rows": self._sampler.num_rows,
+            "partition": o.partition,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue exactly where ``state`` (from :meth:`state_dict`) left off.
+
+        Any running iteration is stopped. The process count and partition may differ
+        from the run that saved the state.
+
+        Raises:
+            ValueError: the state belongs to another cache (fingerprint), global batch
+                size, seed, crop or shuffle mode, or is malformed.
+        """
+        if not isinstance(state, dict) or "epoch" not in state or "step" not in state:
+            raise ValueError(f"not a loader state: {state!r}")
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"loader state version {state.get('version')} != {_STATE_VERSION}")
+        mine = self.state_dict()
+        for key in _ORDER_FIELDS:
+            if key in state and state[key] != mine[key]:
+                raise ValueError(
+                    f"loader state has {key}={state[key]!r} but this loader has "
+                    f"{key}={mine[key]!r}; resuming would not continue the same sequence"
+                )
+        epoch, step = int(state["epoch"]), int(state["step"])
+        if epoch < 0 or not 0 <= step <= max(self.steps_per_epoch, 0):
+            raise ValueError(f"loader state position epoch={epoch}, step={step} is out of range")
+        self._stop_prefetch()
+        self._epoch, self._step = self._normalize(epoch, step)
+
+    def _normalize(self, epoch: int, step: int) -> tuple[int, int]:
+        spe = self.steps_per_epoch
+        if spe and step >= spe:
+            return epoch + 1, 0
+        return epoch, step
+
+    # ------------------------------------------------------------------ iteration
+
+    def _positions(self, epoch: int, step: int, num_epochs: int | None):
+        spe = self.steps_per_epoch
+        end = None if num_epochs is None else epoch + num_epochs
+        while end is None or epoch < end:
+            while step < spe:
+                yield epoch, step
+                step += 1
+            epoch, step = epoch + 1, 0
+
+    def _produce(self, pos: tuple[int, int]) -> dict[str, Any]:
+        epoch, step = pos
+        pb: ProcessBatch = self._sampler.batch_at(epoch, step, self._local)
+        batch = self._source.gather(pb.rows, pb.crops)
+        if self._latents_dtype is not None and batch["latents"].dtype != self._latents_dtype:
+            batch["latents"] = batch["latents"].astype(self._latents_dtype)
+        if not self._options.drop_last:
+            batch["mask"] = pb.mask
+        return self._to_device(batch)
+
+    def _keys_for_jax(self, keys: np.ndarray):
+        import jax
+
+        if jax.config.jax_enable_x64:
+            return keys
+        if keys.size == 0 or (keys.min() >= -(2**31) and keys.max() < 2**31):
+            return keys.astype(np.int32)
+        return None  # does not fit the int32 JAX would silently truncate to
+
+    def _to_device(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        import jax
+
+        out: dict[str, Any] = {}
+        for name, arr in batch.items():
+            if name == "keys":
+                conv = self._keys_for_jax(arr)
+                if conv is None:
+                    if not self._keys_warned:
+                        self._keys_warned = True
+                        warnings.warn(
+                            "keys exceed int32 and jax_enable_x64 is off: keys stay NumPy "
+                            "int64 (process-local)",
+                            RuntimeWarning,
+                            stacklevel=2,
+                        )
+                    out[name] = arr
+                    continue
+                arr = conv
+            if self._sharding is None:
+                out[name] = jax.device_put(arr)
+            else:
+                gshape = (self._options.global_batch_size, *arr.shape[1:])
+                out[name] = jax.make_array_from_process_local_data(self._sharding, arr, gshape)
+        # Finish the transfers here, on the prefetch thread, not in the training step.
+        for v in out.values():
+            if isinstance(v, jax.Array):
+                v.block_until_ready()
+        return out
+
+    def _stop_prefetch(self) -> None:
+        pf, self._pf = self._pf, None
+        if pf is not None:
+            pf.close()
+
+    def _iterate(self, num_epochs: int | None):
+        if self._closed:
+            raise RuntimeError("the loader is closed")
+        if num_epochs is None and self.steps_per_epoch == 0:
+            raise ValueError(
+                f"an epoch of {self._sampler.num_samples} samples has no full batch of "
+                f"{self._options.global_batch_size}; infinite iteration would never yield"
+            )
+        self._stop_prefetch()
+        pf = _Prefetcher(
+            self._produce,
+            self._positions(self._epoch, self._step, num_epochs),
+            self._prefetch,
+            name=f"hf_pipeline-prefetch-p{self._layout.process_index}",
+        )
+        self._pf = pf
+        try:
+            while True:
+                t0 = time.perf_counter()
+                if self._t_first is None:
+                    self._t_first = t0
+                got = pf.get()
+                if got is None:
+                    return
+                item, (epoch, step) = got
+                self._wait_s += time.perf_counter() - t0
+                self._batches += 1
+                self._samples += self._layout.per_process_batch
+                # The consumer now holds (epoch, step): the state names the one after.
+                self._epoch, self._step = self._normalize(epoch, step + 1)
+                yield item
+        finally:
+            pf.close()
+            if self._pf is pf:
+                self._pf = None
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """The remaining batches of the current epoch (then the state moves to the next)."""
+        return self._iterate(1)
+
+    def epochs(self, num_epochs: int | None = None) -> Iterator[dict[str, Any]]:
+        """Batches across ``num_epochs`` epochs from the current position (None: forever).
+
+        The prefetch thread runs across epoch boundaries without a bubble.
+
+        Raises:
+            ValueError: ``num_epochs`` is None and an epoch has no full batch.
+        """
+        if num_epochs is not None and num_epochs < 0:
+            raise ValueError(f"num_epochs must be >= 0 or None, got {num_epochs}")
+        return self._iterate(num_epochs)
+
+    # ------------------------------------------------------------------ stats & life
+
+    def reset_stats(self) -> None:
+        """Start the :meth:`stats` counters afresh."""
+        self._batches = self._samples = 0
+        self._wait_s = 0.0
+        self._t_first: float | None = None
+
+    def stats(self) -> LoaderStats:
+        """Consumer-side throughput: mean wait per batch, queue depth, samples/s."""
+        elapsed = 0.0 if self._t_first is None else time.perf_counter() - self._t_first
+        return LoaderStats(
+            batches=self._batches,
+            samples=self._samples,
+            wait_s=self._wait_s,
+            mean_wait_s=self._wait_s / self._batches if self._batches else 0.0,
+            queue_depth=self._pf.depth if self._pf is not None else 0,
+            elapsed_s=elapsed,
+            samples_per_s=self._samples / elapsed if elapsed > 0 else 0.0,
+        )
+
+    def close(self) -> None:
+        """Stop and join the prefetch thread (idempotent; the source stays open)."""
+        self._closed = True
+        self._stop_prefetch()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Loader({self._layout}, {self._options}, epoch={self._epoch}, step={self._step})"

@@ -1,0 +1,39 @@
+"""Distributed coordination: who am I, marker files, "exactly one builds" protocol.
+
+Knows nothing of datasets or JAX models; see ``dist.coordinator`` for the protocol.
+"""
+
+from dist.coordinator import (
+    BuildFailedError,
+    CacheWaitTimeout,
+    Doorbell,
+    LeaseLostError,
+    ReadOnlyCacheError,
+    Stage,
+    StageContext,
+    StoreDoorbell,
+    default_builder,
+    ensure_built,
+)
+from dist.env import EnvironmentConflictError, ProcessInfo, detect
+from dist.markers import FileEntry, Marker, read_marker, write_marker
+
+__all__ = [
+    "BuildFailedError",
+    "CacheWaitTimeout",
+    "Doorbell",
+    "EnvironmentConflictError",
+    "FileEntry",
+    "LeaseLostError",
+    "Marker",
+    "ProcessInfo",
+    "ReadOnlyCacheError",
+    "Stage",
+    "StageContext",
+    "StoreDoorbell",
+    "default_builder",
+    "detect",
+    "ensure_built",
+    "read_marker",
+    "write_marker",
+]

@@ -1,0 +1,349 @@
+"""Who am I: rank, world size, local rank and node of this process.
+
+:func:`detect` reads everything at call time (never at import time) and picks the first
+source that is available, in this order:
+
+1. explicit keyword arguments to :func:`detect` (each one overrides the field it names;
+   the other fields come from the sources below);
+2. an initialised ``torch.distributed`` process group (``get_rank``/``get_world_size``);
+3. an initialised ``jax.distributed`` client (``jax.process_index``/``process_count``);
+4. torchrun variables: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+   ``GROUP_RANK`` (node);
+5. SLURM: ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, ``SLURM_NODEID``,
+   ``SLURM_NTASKS_PER_NODE``;
+6. Open MPI: ``OMPI_COMM_WORLD_RANK``/``SIZE``/``LOCAL_RANK``/``LOCAL_SIZE``;
+7. PMI (MPICH, Intel MPI): ``PMI_RANK``, ``PMI_SIZE``;
+8. a single process (rank 0 of 1).
+
+torch and jax are consulted only when the program has already imported them (we look
+in ``sys.modules``; importing either just to ask would cost seconds and may grab an
+accelerator). JAX runs one process per host, so for source 3 the local fields come
+from the launcher variables when they agree on the world size, else local rank 0 of 1
+and node = rank.
+
+Launchers nest (torchrun inside a SLURM allocation sets both ``WORLD_SIZE=16`` and
+``SLURM_NTASKS=2``), so two variable families that describe *different* worlds are not
+an error: the higher-precedence one wins. Two families that describe the *same* world
+size but give this process different ranks are contradictory, and :func:`detect`
+raises :class:`EnvironmentConflictError` naming both variables.
+
+When a launcher gives no local information (plain ``RANK``/``WORLD_SIZE``, PMI), all
+processes are assumed to be on one node: local rank = rank, node 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Mapping
+
+__all__ = ["EnvironmentConflictError", "ProcessInfo", "detect"]
+
+
+class EnvironmentConflictError(ValueError):
+    """Two launchers' variables disagree, or a variable is not a valid integer.
+
+    Attributes:
+        variables: the names of the variables involved.
+    """
+
+    def __init__(self, message: str, variables: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.variables = tuple(variables)
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.variables))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProcessInfo:
+    """Where this process sits in the job. Immutable; safe to share between threads.
+
+    Attributes:
+        rank: global rank, ``0 <= rank < world_size``.
+        world_size: number of processes in the job.
+        local_rank: rank among the processes of this node.
+        local_world_size: number of processes on this node.
+        node_rank: index of this node.
+        source: where the values came from (``"explicit"``, ``"torch.distributed"``,
+            ``"jax.distributed"``, ``"torchrun"``, ``"slurm"``, ``"openmpi"``, ``"pmi"``,
+            ``"single"``).
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    source: str = "single"
+
+    def __post_init__(self):
+        for name in ("rank", "world_size", "local_rank", "local_world_size", "node_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
+        if not 1 <= self.local_world_size <= self.world_size:
+            raise ValueError(
+                f"local_world_size must be in [1, world_size={self.world_size}], "
+                f"got {self.local_world_size}"
+            )
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise ValueError(
+                f"local_rank must be in [0, local_world_size={self.local_world_size}), "
+                f"got {self.local_rank}"
+            )
+        if self.node_rank < 0:
+            raise ValueError(f"node_rank must be >= 0, got {self.node_rank}")
+
+    @property
+    def is_main(self) -> bool:
+        """True for global rank 0."""
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        """True for local rank 0 (one per node)."""
+        return self.local_rank == 0
+
+
+# One launcher family: (source, rank var, size var, local rank var, local size var, node var)
+_FAMILIES: tuple[tuple[str, str, str, str | None, str | None, str | None], ...] = (
+    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"),
+    (
+        "slurm",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        "SLURM_LOCALID",
+        "SLURM_NTASKS_PER_NODE",
+        "SLURM_NODEID",
+    ),
+    (
+        "openmpi",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+        None,
+    ),
+    ("pmi", "PMI_RANK", "PMI_SIZE", None, None, None),
+)
+
+
+def _int_var(environ: Mapping[str, str], name: str | None, *, leading: bool = False) -> int | None:
+    if name is None:
+        return None
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    text = raw.strip()
+    if leading:
+        # SLURM_NTASKS_PER_NODE may read "4(x2)" or "4,2": the first count is ours when
+        # the allocation is homogeneous, which is the only case we can use anyway.
+        digits = ""
+        for ch in text:
+            if not ch.isdigit():
+                break
+            digits += ch
+        text = digits or text
+    try:
+        return int(text)
+    except ValueError:
+        raise EnvironmentConflictError(
+            f"environment variable {name}={raw!r} is not an integer", (name,)
+        ) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reading:
+    source: str
+    rank: int
+    world_size: int
+    local_rank: int | None
+    local_world_size: int | None
+    node_rank: int | None
+    rank_var: str
+
+
+def _read_family(environ: Mapping[str, str], family) -> _Reading | None:
+    source, rank_var, size_var, lrank_var, lsize_var, node_var = family
+    rank = _int_var(environ, rank_var)
+    size = _int_var(environ, size_var)
+    if rank is None or size is None:
+        return None
+    return _Reading(
+        source=source,
+        rank=rank,
+        world_size=size,
+        local_rank=_int_var(environ, lrank_var),
+        local_world_size=_int_var(environ, lsize_var, leading=source == "slurm"),
+        node_rank=_int_var(environ, node_var),
+        rank_var=rank_var,
+    )
+
+
+def _env_readings(environ: Mapping[str, str]) -> list[_Reading]:
+    readings = [r for fam in _FAMILIES if (r := _read_family(environ, fam)) is not None]
+    # Same world size but a different rank for this process: one of them is lying.
+    for i, a in enumerate(readings):
+        for b in readings[i + 1 :]:
+            if a.world_size == b.world_size and a.rank != b.rank:
+                raise EnvironmentConflictError(
+                    f"contradictory rank: {a.rank_var}={a.rank} ({a.source}) but "
+                    f"{b.rank_var}={b.rank} ({b.source}) with the same world size "
+                    f"{a.world_size}; unset one of them or pass rank= explicitly",
+                    (a.rank_var, b.rank_var),
+                )
+    return readings
+
+
+def _torch_rank() -> tuple[int, int] | None:
+    torch_dist = sys.modules.get("torch.distributed")
+    if torch_dist is None:
+        return None
+    try:
+        if torch_dist.is_available() and torch_dist.is_initialized():
+            return int(torch_dist.get_rank()), int(torch_dist.get_world_size())
+    except Exception:  # a half-initialised or exotic build: fall through to the env
+        return None
+    return None
+
+
+def _jax_rank() -> tuple[int, int] | None:
+    if "jax" not in sys.modules:
+        return None
+    try:
+        # jax.distributed.initialize() sets a coordination client; without it
+        # process_count() is 1 and would also initialise a backend we were not asked for.
+        from jax._src import distributed as jax_dist  # type: ignore[import-not-found]
+
+        if getattr(jax_dist.global_state, "client", None) is None:
+            return None
+        jax = sys.modules["jax"]
+        return int(jax.process_index()), int(jax.process_count())
+    except Exception:
+        return None
+
+
+def _local_fields(
+    readings: list[_Reading], rank: int, world_size: int
+) -> tuple[int, int, int] | None:
+    """Local rank/size/node from the first launcher that describes this same world."""
+    for r in readings:
+        if r.world_size == world_size and r.rank == rank:
+            return _fill_local(r)
+    return None
+
+
+def _fill_local(r: _Reading) -> tuple[int, int, int]:
+    if r.local_rank is None and r.local_world_size is None:
+        # No local information: assume one node.
+        return r.rank, r.world_size, r.node_rank or 0
+    local_rank = r.local_rank if r.local_rank is not None else 0
+    local_size = r.local_world_size
+    if local_size is None or local_size <= local_rank:
+        local_size = max(local_rank + 1, 1)
+    node = r.node_rank
+    if node is None:
+        node = r.rank // local_size if local_size > 0 else 0
+    return local_rank, local_size, node
+
+
+def detect(
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
+    node_rank: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ProcessInfo:
+    """Find this process's rank and world size (see the module docstring for the order).
+
+    Thread-safe; reads ``os.environ`` (or ``environ``) and ``sys.modules`` at call time.
+
+    Args:
+        rank, world_size, local_rank, local_world_size, node_rank: explicit values; each
+            overrides the detected field of the same name.
+        environ: variables to read instead of ``os.environ`` (tests).
+
+    Returns:
+        A validated :class:`ProcessInfo`.
+
+    Raises:
+        EnvironmentConflictError: launcher variables contradict each other or are not
+            integers.
+        ValueError: the resulting values are inconsistent (``rank >= world_size``...).
+    """
+    env = os.environ if environ is None else environ
+    readings = _env_readings(env)
+
+    base: ProcessInfo
+    from_pg = _torch_rank()
+    source_pg = "torch.distributed"
+    if from_pg is None:
+        from_pg = _jax_rank()
+        source_pg = "jax.distributed"
+    if from_pg is not None:
+        r, w = from_pg
+        local = _local_fields(readings, r, w)
+        if local is None:
+            # JAX is one process per host; torch without launcher info: assume one node.
+            local = (0, 1, r) if source_pg == "jax.distributed" else (r, w, 0)
+        base = ProcessInfo(
+            rank=r,
+            world_size=w,
+            local_rank=local[0],
+            local_world_size=local[1],
+            node_rank=local[2],
+            source=source_pg,
+        )
+    elif readings:
+        first = readings[0]
+        lr, lw, node = _fill_local(first)
+        base = ProcessInfo(
+            rank=first.rank,
+            world_size=first.world_size,
+            local_rank=lr,
+            local_world_size=lw,
+            node_rank=node,
+            source=first.source,
+        )
+    else:
+        base = ProcessInfo()
+
+    overrides = {
+        k: v
+        for k, v in (
+            ("rank", rank),
+            ("world_size", world_size),
+            ("local_rank", local_rank),
+            ("local_world_size", local_world_size),
+            ("node_rank", node_rank),
+        )
+        if v is not None
+    }
+    if not overrides:
+        return base
+    fields = dataclasses.asdict(base)
+    fields.update(overrides)
+    fields["source"] = "explicit"
+    if ("rank" in overrides or "world_size" in overrides) and not (
+        {"local_rank", "local_world_size"} & overrides.keys()
+    ):
+        # A new global position invalidates the detected local one unless it still fits.
+        if (
+            fields["local_world_size"] > fields["world_size"]
+            or base.world_size != fields["world_size"]
+        ):
+            fields["local_rank"], fields["local_world_size"] = (
+                fields["rank"],
+                fields["world_size"],
+            )
+            if "node_rank" not in overrides:
+                fields["node_rank"] = 0
+    return ProcessInfo(**fields)

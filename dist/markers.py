@@ -1,0 +1,332 @@
+"""Marker files: atomic JSON write, strict read, validation of the files they list.
+
+A marker says "stage S of the cache with fingerprint F is complete": schema version,
+fingerprint, stage, the builder's host/pid/lease id, start and finish times, a
+caller-supplied ``info`` dict (row counts...) and every file of the stage (path relative
+to the cache folder, size, cheap checksum).
+
+Readers trust a marker only when it parses, its schema version and fingerprint match and
+every listed file exists with its recorded size (``verify=True`` also recomputes the
+checksums). Anything else is "absent": :func:`read_marker` returns None and logs one line
+on the ``"dist"`` logger saying why. It never raises on a malformed marker.
+
+All functions here are process- and thread-safe in the sense that a reader can never see
+a half-written marker: writes go to a temp file in the same folder, are fsynced, then
+``os.replace``d over the target, and the folder is fsynced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "FileEntry",
+    "Marker",
+    "check_marker",
+    "describe_files",
+    "file_checksum",
+    "read_json",
+    "read_marker",
+    "write_json_atomic",
+    "write_marker",
+]
+
+logger = logging.getLogger("dist")
+
+SCHEMA_VERSION = 1
+_EDGE = 1 << 20  # checksum covers the first and last MiB: catches truncation and torn tails
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FileEntry:
+    """One file of a stage.
+
+    Attributes:
+        path: POSIX path relative to the cache folder (``"converted/data-00000.arrow"``).
+        size: size in bytes.
+        checksum: :func:`file_checksum` of the file.
+    """
+
+    path: str
+    size: int
+    checksum: str
+
+    def __post_init__(self):
+        if not self.path or self.path.startswith("/") or ".." in Path(self.path).parts:
+            raise ValueError(f"path must be relative inside the cache, got {self.path!r}")
+        if self.size < 0:
+            raise ValueError(f"size must be >= 0, got {self.size}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Marker:
+    """A completed stage. Immutable; compare two markers with ``==``.
+
+    Attributes:
+        fingerprint: identity of the cache.
+        stage: stage name (``"converted"``).
+        directory: the published stage folder, relative to the cache folder.
+        host, pid, lease_id: who built it.
+        started_at, finished_at: wall-clock seconds since the epoch (informational only).
+        info: caller-supplied JSON-able data (row counts...).
+        files: the stage's files.
+        schema_version: marker format version.
+    """
+
+    fingerprint: str
+    stage: str
+    directory: str
+    host: str
+    pid: int
+    lease_id: str
+    started_at: float
+    finished_at: float
+    info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    files: tuple[FileEntry, ...] = ()
+    schema_version: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["info"] = dict(self.info)
+        d["files"] = [dataclasses.asdict(f) for f in self.files]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Marker:
+        """Build from parsed JSON. Raises (KeyError, TypeError, ValueError) if malformed."""
+        if not isinstance(d, Mapping):
+            raise TypeError(f"marker must be a JSON object, got {type(d).__name__}")
+        files = tuple(
+            FileEntry(path=str(f["path"]), size=int(f["size"]), checksum=str(f["checksum"]))
+            for f in d["files"]
+        )
+        info = d.get("info", {})
+        if not isinstance(info, Mapping):
+            raise TypeError("info must be a JSON object")
+        return cls(
+            fingerprint=str(d["fingerprint"]),
+            stage=str(d["stage"]),
+            directory=str(d["directory"]),
+            host=str(d["host"]),
+            pid=int(d["pid"]),
+            lease_id=str(d["lease_id"]),
+            started_at=float(d["started_at"]),
+            finished_at=float(d["finished_at"]),
+            info=dict(info),
+            files=files,
+            schema_version=int(d["schema_version"]),
+        )
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+def file_checksum(path: str | os.PathLike, size: int | None = None) -> str:
+    """Cheap checksum: xxh64 over the size, the first MiB and the last MiB.
+
+    Reads at most 2 MiB whatever the file size, so verifying a 100 GB cache is quick;
+    it detects truncation, a torn tail and a wrong file, not a flipped bit in the middle.
+    """
+    if size is None:
+        size = os.stat(path).st_size
+    h = xxhash.xxh64()
+    h.update(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(min(size, _EDGE)))
+        if size > _EDGE:
+            f.seek(max(size - _EDGE, _EDGE))
+            h.update(f.read(_EDGE))
+    return h.hexdigest()
+
+
+def describe_files(
+    folder: str | os.PathLike, *, relative_to: str | os.PathLike
+) -> tuple[FileEntry, ...]:
+    """List every regular file under ``folder`` (sorted) with size and checksum.
+
+    Args:
+        folder: the stage folder to describe.
+        relative_to: paths in the result are relative to this folder.
+
+    Raises:
+        ValueError: ``folder`` contains a symlink (a cache must be self-contained).
+    """
+    folder = Path(folder)
+    base = Path(relative_to)
+    entries = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames.sort()
+        for name in sorted(filenames):
+            p = Path(dirpath) / name
+            if p.is_symlink():
+                raise ValueError(f"{p}: symlinks are not allowed in a stage folder")
+            size = p.stat().st_size
+            entries.append(
+                FileEntry(
+                    path=p.relative_to(base).as_posix(), size=size, checksum=file_checksum(p, size)
+                )
+            )
+    return tuple(entries)
+
+
+def _fsync_dir(folder: str | os.PathLike) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems (and NFS servers) refuse fsync on a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any, *, fsync: bool = True) -> None:
+    """Write ``obj`` as JSON so that readers see the old file or the new, never a part.
+
+    The temp file lives in the same folder (``os.replace`` is atomic only within one
+    filesystem) and carries a random suffix so concurrent writers never share it.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    data = json.dumps(obj, sort_keys=True, indent=1).encode()
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    if fsync:
+        _fsync_dir(path.parent)
+
+
+def read_json(path: str | os.PathLike) -> Any | None:
+    """Parse a JSON file; None if it is missing, unreadable or malformed."""
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def write_marker(path: str | os.PathLike, marker: Marker) -> None:
+    """Write ``marker`` atomically to ``path``."""
+    write_json_atomic(path, marker.to_dict())
+
+
+def check_marker(
+    path: str | os.PathLike,
+    *,
+    fingerprint: str,
+    base_dir: str | os.PathLike,
+    stage: str | None = None,
+    verify: bool = False,
+) -> tuple[Marker | None, str | None]:
+    """Like :func:`read_marker` but silent: returns ``(marker, None)`` or ``(None, why)``."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None, "missing"
+    except OSError as e:
+        return None, f"unreadable ({e.strerror or e})"
+    try:
+        parsed = json.loads(raw)
+    except ValueError as e:
+        return None, f"malformed JSON ({e})"
+    if isinstance(parsed, Mapping) and parsed.get("schema_version") != SCHEMA_VERSION:
+        return None, (f"schema version {parsed.get('schema_version')!r}, expected {SCHEMA_VERSION}")
+    try:
+        marker = Marker.from_dict(parsed)
+    except (KeyError, TypeError, ValueError) as e:
+        return None, f"malformed marker ({type(e).__name__}: {e})"
+    if marker.fingerprint != fingerprint:
+        return None, f"fingerprint {marker.fingerprint!r}, expected {fingerprint!r}"
+    if stage is not None and marker.stage != stage:
+        return None, f"stage {marker.stage!r}, expected {stage!r}"
+    problems = _file_problems(marker, Path(base_dir), verify=verify)
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        return None, problems[0] + more
+    return marker, None
+
+
+def _file_problems(marker: Marker, base: Path, *, verify: bool) -> list[str]:
+    problems = []
+    directory = base / marker.directory
+    if not directory.is_dir():
+        problems.append(f"stage folder {marker.directory!r} missing")
+        return problems
+    for entry in marker.files:
+        p = base / entry.path
+        try:
+            size = p.stat().st_size
+        except OSError:
+            problems.append(f"listed file {entry.path!r} missing")
+            continue
+        if size != entry.size:
+            problems.append(f"listed file {entry.path!r} has {size} bytes, expected {entry.size}")
+            continue
+        if verify:
+            try:
+                checksum = file_checksum(p, size)
+            except OSError as e:
+                problems.append(f"listed file {entry.path!r} unreadable ({e})")
+                continue
+            if checksum != entry.checksum:
+                problems.append(f"listed file {entry.path!r} checksum mismatch")
+    return problems
+
+
+def read_marker(
+    path: str | os.PathLike,
+    *,
+    fingerprint: str,
+    base_dir: str | os.PathLike,
+    stage: str | None = None,
+    verify: bool = False,
+) -> Marker | None:
+    """Read and validate a marker; None (and one log line saying why) if not trusted.
+
+    Args:
+        path: the marker file.
+        fingerprint: the expected cache identity.
+        base_dir: the folder the marker's file paths are relative to (the cache folder).
+        stage: if given, the expected stage name.
+        verify: also recompute every file's checksum (reads up to 2 MiB per file).
+
+    Returns:
+        The marker, or None when it is missing, malformed, of another schema version or
+        fingerprint, or a listed file is missing, has the wrong size or (``verify``)
+        checksum. A missing marker is logged at DEBUG, the others at WARNING.
+    """
+    marker, why = check_marker(
+        path, fingerprint=fingerprint, base_dir=base_dir, stage=stage, verify=verify
+    )
+    if marker is None:
+        level = logging.DEBUG if why == "missing" else logging.WARNING
+        logger.log(level, "ignoring marker %s: %s", path, why)
+    return marker

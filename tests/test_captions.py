@@ -1,0 +1,249 @@
+"""Tests for hf_pipeline.captions: reading, validation, dedup, lookup, classify, IPC."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hf_pipeline.captions import (
+    EMPTY_CAPTION,
+    KEEP,
+    NO_CAPTION,
+    REASONS,
+    CaptionTable,
+    classify,
+    read_captions,
+    reason_names,
+)
+from hf_pipeline.errors import MetadataError
+
+
+def _write(path, df: pd.DataFrame, index: bool = False) -> str:
+    df.to_parquet(path, index=index)
+    return str(path)
+
+
+def _df():
+    return pd.DataFrame(
+        {
+            "key": np.array([50, 10, 30, 10, 20], dtype=np.int64),
+            "caption_llava": ["fifty", "ten", None, "ten again", "  "],
+            "caption": ["5", "1", "3", "1b", "2"],
+            "url": ["u"] * 5,
+        }
+    )
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def test_read_captions_key_column_and_duplicates(tmp_path):
+    path = _write(tmp_path / "m.parquet", _df())
+    t = read_captions(path)
+    assert t.keys.tolist() == [10, 20, 30, 50]
+    assert t.captions.to_pylist() == ["ten", "  ", None, "fifty"]  # first 10 kept
+    assert (t.num_rows, t.duplicate_meta_rows, t.null_captions, len(t)) == (5, 1, 1, 4)
+    assert t.counts == {
+        "meta_rows": 5,
+        "meta_keys": 4,
+        "duplicate_meta_rows": 1,
+        "null_key_rows": 0,
+        "null_captions": 1,
+    }
+    other = read_captions(path, caption_column="caption")
+    assert other.captions.to_pylist() == ["1", "2", "3", "5"]
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_read_captions_key_as_pandas_index(tmp_path, named):
+    df = _df().set_index("key")
+    if not named:
+        df.index.name = None  # stored as __index_level_0__
+    path = _write(tmp_path / "m.parquet", df, index=True)
+    names = pq.read_schema(path).names
+    assert ("__index_level_0__" in names) is (not named)
+    t = read_captions(path)
+    assert t.keys.tolist() == [10, 20, 30, 50]
+    assert t.captions.to_pylist() == ["ten", "  ", None, "fifty"]
+    assert t.duplicate_meta_rows == 1
+
+
+def test_read_captions_other_int_types_and_null_keys(tmp_path):
+    table = pa.table(
+        {
+            "key": pa.array([3, None, 1, 2], type=pa.int32()),
+            "caption_llava": pa.array(["c", "x", "a", "b"], type=pa.large_string()),
+        }
+    )
+    path = tmp_path / "m.parquet"
+    pq.write_table(table, path)
+    t = read_captions(path)
+    assert t.keys.dtype == np.int64 and t.keys.tolist() == [1, 2, 3]
+    assert t.captions.to_pylist() == ["a", "b", "c"]
+    assert (t.num_rows, t.null_key_rows) == (4, 1)
+
+
+def test_read_captions_errors(tmp_path):
+    path = _write(tmp_path / "m.parquet", _df())
+    with pytest.raises(MetadataError, match=r"caption column 'nope' not found; columns: key, caption_llava, caption, url") as info:
+        read_captions(path, caption_column="nope")
+    assert info.value.path == path
+    assert pickle.loads(pickle.dumps(info.value)).path == path
+    with pytest.raises(MetadataError, match=r"key column 'id' not found as a column or pandas index.*columns: key, caption_llava, caption, url"):
+        read_captions(path, key_column="id")
+    with pytest.raises(MetadataError, match=r"key column 'url' must be an integer type, got (large_)?string"):
+        read_captions(path, key_column="url")
+    with pytest.raises(MetadataError, match=r"caption column 'key' must be string/large_string, got int64"):
+        read_captions(path, caption_column="key")
+    with pytest.raises(MetadataError, match="does not exist"):
+        read_captions(tmp_path / "missing.parquet")
+    junk = tmp_path / "junk.parquet"
+    junk.write_bytes(b"not parquet" * 100)
+    with pytest.raises(MetadataError, match="not a readable parquet file"):
+        read_captions(junk)
+    # A RangeIndex frame has no stored key at all: say so.
+    ranged = _write(tmp_path / "r.parquet", _df().drop(columns="key"), index=None)
+    with pytest.raises(MetadataError, match="RangeIndex"):
+        read_captions(ranged)
+
+
+# ----------------------------------------------------------------------------- lookup/classify
+
+
+def _reference(meta: pd.DataFrame, query: np.ndarray) -> pd.DataFrame:
+    """Independent pandas answer: first row per key, left-merged onto the query."""
+    first = meta.drop_duplicates("key", keep="first")
+    q = pd.DataFrame({"key": query})
+    m = q.merge(first.assign(hit=True), on="key", how="left", sort=False)
+    m["hit"] = m["hit"].fillna(False).astype(bool)
+
+    def reason(row):
+        if not row.hit or row.caption_llava is None or (isinstance(row.caption_llava, float)):
+            return NO_CAPTION
+        return EMPTY_CAPTION if row.caption_llava.strip() == "" else KEEP
+
+    m["reason"] = [reason(r) for r in m.itertuples()]
+    return m
+
+
+_caption = st.one_of(
+    st.none(),
+    st.sampled_from(["", " ", "\t\n", "\u3000", " x ", "a cat", "\u00e9t\u00e9"]),
+    st.text(max_size=8),
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    keys=st.lists(st.integers(-(2**40), 2**40), min_size=0, max_size=40),
+    caps=st.data(),
+    extra=st.lists(st.integers(-(2**40), 2**40), max_size=20),
+)
+def test_lookup_and_classify_match_pandas(tmp_path, keys, caps, extra):
+    # Small key pool so duplicates and hits are common.
+    pool = keys[:10] if keys else [0]
+    keys = [pool[i % len(pool)] if i % 3 == 0 else k for i, k in enumerate(keys)]
+    captions = [caps.draw(_caption) for _ in keys]
+    meta = pd.DataFrame(
+        {"key": np.array(keys, dtype=np.int64), "caption_llava": pd.Series(captions, dtype=object)}
+    )
+    path = tmp_path / "h.parquet"
+    pq.write_table(
+        pa.table({"key": pa.array(keys, type=pa.int64()), "caption_llava": pa.array(captions, type=pa.string())}),
+        path,
+    )
+    t = read_captions(path)
+    query = np.array(keys + extra + keys[::-1], dtype=np.int64)
+    got_caps, found = t.lookup(query)
+    codes = classify(got_caps, found)
+    ref = _reference(meta, query)
+
+    assert got_caps.type == pa.string()
+    assert found.tolist() == ref["hit"].tolist()
+    ref_caps = [c if h and isinstance(c, str) else None for c, h in zip(ref["caption_llava"], ref["hit"], strict=True)]
+    assert got_caps.to_pylist() == ref_caps
+    # Arrow utf8_trim_whitespace and str.strip agree on every code point (str.isspace).
+    assert reason_names(codes).tolist() == ref["reason"].tolist()
+    assert t.duplicate_meta_rows == len(keys) - len(set(keys))
+    assert t.count_absent(np.array(extra, dtype=np.int64)) == len(set(keys) - set(extra))
+
+
+def test_classify_codes_and_names():
+    caps = pa.array(["ok", "", "   ", None, "\t\n", "x", "fine"])
+    found = np.array([True, True, True, True, True, True, False])
+    codes = classify(caps, found)
+    assert codes.dtype == np.uint8
+    assert reason_names(codes).tolist() == [
+        KEEP, EMPTY_CAPTION, EMPTY_CAPTION, NO_CAPTION, EMPTY_CAPTION, KEEP, NO_CAPTION
+    ]
+    assert REASONS == ("", "no_caption", "empty_caption")
+    assert classify(pa.chunked_array([caps[:3], caps[3:]]), found).tolist() == codes.tolist()
+    assert classify(pa.array([], type=pa.string()), np.zeros(0, bool)).shape == (0,)
+    with pytest.raises(ValueError, match="captions has 7 rows but found has 2"):
+        classify(caps, found[:2])
+
+
+def test_lookup_edge_cases(tmp_path):
+    empty = CaptionTable(np.zeros(0, np.int64), pa.array([], type=pa.string()))
+    caps, found = empty.lookup(np.array([1, 2]))
+    assert caps.to_pylist() == [None, None] and found.tolist() == [False, False]
+    assert empty.count_absent([1, 2]) == 0
+    t = read_captions(_write(tmp_path / "m.parquet", _df()))
+    # Below the smallest and above the largest key; list input; int32 input.
+    caps, found = t.lookup([-5, 10, 51, 50])
+    assert caps.to_pylist() == [None, "ten", None, "fifty"]
+    assert t.lookup(np.array([30], dtype=np.int32))[1].tolist() == [True]
+    assert t.count_absent([]) == 4
+    with pytest.raises(ValueError, match="sorted and unique"):
+        CaptionTable(np.array([2, 1]), pa.array(["a", "b"]))
+
+
+# ----------------------------------------------------------------------------- IPC file
+
+
+def test_save_open_round_trip_and_pickle(tmp_path):
+    t = read_captions(_write(tmp_path / "m.parquet", _df()))
+    t.captions  # noqa: B018 - touch before save
+    target = tmp_path / "sub" / "captions.arrow"
+    assert t.save(target) == target
+    assert not [p for p in target.parent.iterdir() if p.name != "captions.arrow"]  # no temp left
+    o = CaptionTable.open(target)
+    assert o.keys.tolist() == t.keys.tolist()
+    assert o.captions.to_pylist() == t.captions.to_pylist()
+    assert o.counts == t.counts and o.source == t.source
+    assert not o.keys.flags.writeable  # a view of the memory map, not a copy
+    # Pickles as its path: tiny, so datasets workers reopen the map instead of copying.
+    blob = pickle.dumps(o)
+    assert len(blob) < 1000
+    back = pickle.loads(blob)
+    assert back.lookup([20, 30])[0].to_pylist() == ["  ", None]
+    # An unsaved table pickles by value.
+    mem = CaptionTable(np.array([1, 2]), pa.array(["a", None]))
+    assert pickle.loads(pickle.dumps(mem)).captions.to_pylist() == ["a", None]
+    # Saving over an existing file replaces it.
+    mem.save(target)
+    assert CaptionTable.open(target).keys.tolist() == [1, 2]
+
+
+def test_save_open_empty_and_bad_files(tmp_path):
+    e = CaptionTable(np.zeros(0, np.int64), pa.array([], type=pa.string()))
+    e.save(tmp_path / "e.arrow")
+    assert len(CaptionTable.open(tmp_path / "e.arrow")) == 0
+    with pytest.raises(MetadataError, match="does not exist"):
+        CaptionTable.open(tmp_path / "missing.arrow")
+    (tmp_path / "bad.arrow").write_bytes(b"garbage" * 50)
+    with pytest.raises(MetadataError, match="not a readable Arrow IPC caption table"):
+        CaptionTable.open(tmp_path / "bad.arrow")
+    with pa.OSFile(str(tmp_path / "other.arrow"), "wb") as fh:
+        tbl = pa.table({"a": [1]})
+        with pa.ipc.new_file(fh, tbl.schema) as w:
+            w.write_table(tbl)
+    with pytest.raises(MetadataError, match=r"expected columns \['key', 'caption'\]"):
+        CaptionTable.open(tmp_path / "other.arrow")

@@ -1,0 +1,258 @@
+"""mapped: zero-copy gathers equal what ``datasets`` reads from the same files."""
+
+from __future__ import annotations
+
+import glob
+import os
+import pickle
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from hf_pipeline.mapped import CacheFormatError, MappedColumn, SampleSource
+
+LATENT_SHAPE = (3, 4, 32, 32)
+
+
+def build_cache(
+    root,
+    num_rows: int = 300,
+    *,
+    dtype: str = "float16",
+    embed_dim: int = 8,
+    num_proc: int = 2,
+    writer_batch_size: int = 40,
+    map_batch_size: int = 25,
+    keep=lambda k: k % 3 != 0,
+    latent_shape=LATENT_SHAPE,
+):
+    """Write a cache like the build does (``datasets`` map/filter with ``num_proc``).
+
+    Latent values encode (key, crop, position) so mix-ups show; keys are
+    ``1000 + 7 * i`` so they differ from row ids.
+
+    Returns:
+        ``(rows_files, embedding_files, indices_files or None)``.
+    """
+    root = str(root)
+    feats = datasets.Features(
+        {
+            "key": datasets.Value("int64"),
+            "latents": datasets.Array4D(latent_shape, dtype),
+            "caption": datasets.Value("string"),
+            "drop_reason": datasets.Value("string"),
+        }
+    )
+    base = datasets.Dataset.from_dict({"i": np.arange(num_rows, dtype=np.int64)})
+    size = int(np.prod(latent_shape[1:]))
+
+    def rows_fn(batch):
+        i = np.asarray(batch["i"], dtype=np.int64)
+        key = 1000 + 7 * i
+        crop = np.arange(latent_shape[0])[None, :, None]
+        pos = np.arange(size)[None, None, :] % 61
+        lat = (key[:, None, None] % 997) + crop * 0.25 + pos / 64
+        lat = lat.reshape(len(i), *latent_shape).astype(dtype)
+        return {
+            "key": key,
+            "latents": lat,
+            "caption": [f"caption {k}" for k in key],
+            "drop_reason": ["" if keep is None or keep(k) else "filtered" for k in key],
+        }
+
+    rows = base.map(
+        rows_fn,
+        batched=True,
+        batch_size=map_batch_size,
+        num_proc=num_proc,
+        writer_batch_size=writer_batch_size,
+        features=feats,
+        remove_columns=["i"],
+        cache_file_name=os.path.join(root, "converted", "rows", "data.arrow"),
+    )
+
+    def emb_fn(batch):
+        key = np.asarray(batch["key"], dtype=np.int64)
+        return {"embedding": (key[:, None] + np.arange(embed_dim) / 100).astype(np.float32)}
+
+    emb = rows.map(
+        emb_fn,
+        batched=True,
+        batch_size=map_batch_size,
+        num_proc=num_proc,
+        writer_batch_size=writer_batch_size,
+        features=datasets.Features(
+            {"embedding": datasets.List(datasets.Value("float32"), length=embed_dim)}
+        ),
+        remove_columns=rows.column_names,
+        cache_file_name=os.path.join(root, "converted", "embeddings", "data.arrow"),
+    )
+    rows_files = [f["filename"] for f in rows.cache_files]
+    emb_files = [f["filename"] for f in emb.cache_files]
+    if keep is None:
+        return rows_files, emb_files, None
+    rows.filter(
+        lambda b: [r == "" for r in b["drop_reason"]],
+        batched=True,
+        num_proc=num_proc,
+        cache_file_name=os.path.join(root, "filtered", "indices.arrow"),
+    )
+    indices_files = sorted(glob.glob(os.path.join(root, "filtered", "indices*.arrow")))
+    return rows_files, emb_files, indices_files
+
+
+def _reference(rows_files, emb_files, indices_files):
+    rows = datasets.concatenate_datasets([datasets.Dataset.from_file(f) for f in rows_files])
+    emb = datasets.concatenate_datasets([datasets.Dataset.from_file(f) for f in emb_files])
+    if indices_files:
+        idx = np.concatenate(
+            [np.asarray(datasets.Dataset.from_file(f)["indices"]) for f in indices_files]
+        ).astype(np.int64)
+    else:
+        idx = np.arange(len(rows))
+    return rows.with_format("numpy"), emb.with_format("numpy"), idx
+
+
+@pytest.fixture(scope="module", params=["float16", "float32"])
+def cache(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"cache_{request.param}")
+    files = build_cache(root, 300, dtype=request.param)
+    return files, request.param
+
+
+def test_fixture_has_several_files_and_chunks(cache):
+    (rows_files, emb_files, idx_files), _ = cache
+    assert len(rows_files) == 2 and len(emb_files) == 2 and len(idx_files) == 2
+    with pa.memory_map(rows_files[0]) as mm:
+        assert sum(1 for _ in pa.ipc.open_stream(mm)) > 2
+
+
+def test_gather_matches_datasets(cache):
+    files, dtype = cache
+    ref_rows, ref_emb, idx = _reference(*files)
+    rng = np.random.default_rng(0)
+    with SampleSource(*files, fingerprint="fp") as src:
+        assert src.num_rows == len(idx) == 200
+        assert src.num_physical_rows == 300
+        assert (src.num_crops, src.latent_shape, src.embed_dim) == (3, (4, 32, 32), 8)
+        assert src.latent_dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(src.keys, ref_rows[idx]["key"])
+        for _ in range(5):
+            b = int(rng.integers(1, 80))
+            rows = rng.integers(0, src.num_rows, b)
+            crops = rng.integers(0, 3, b)
+            got = src.gather(rows, crops)
+            phys = idx[rows]
+            lat = ref_rows[phys]["latents"]
+            assert got["latents"].dtype == np.dtype(dtype)
+            np.testing.assert_array_equal(got["latents"], lat[np.arange(b), crops])
+            np.testing.assert_array_equal(got["embeddings"], ref_emb[phys]["embedding"])
+            np.testing.assert_array_equal(got["keys"], ref_rows[phys]["key"])
+        got = src.gather(np.array([0, src.num_rows - 1, 0]), 2)
+        lat = ref_rows[idx[[0, src.num_rows - 1, 0]]]["latents"]
+        np.testing.assert_array_equal(got["latents"], lat[:, 2])
+
+
+def test_mapped_column_whole_rows_and_out(cache):
+    (rows_files, _, _), dtype = cache
+    ref_rows = datasets.concatenate_datasets(
+        [datasets.Dataset.from_file(f) for f in rows_files]
+    ).with_format("numpy")
+    with MappedColumn.open(rows_files, "latents") as col:
+        assert col.num_rows == 300 and col.row_shape == LATENT_SHAPE
+        rows = np.array([299, 0, 150, 151, 40, 39, 299])
+        np.testing.assert_array_equal(col.gather(rows), ref_rows[rows]["latents"])
+        out = np.empty((len(rows), 4, 32, 32), dtype=dtype)
+        res = col.gather(rows, np.array([0, 1, 2, 0, 1, 2, 1]), out=out)
+        assert res is out
+        np.testing.assert_array_equal(out[6], ref_rows[299]["latents"][1])
+        assert col.gather(np.zeros(0, dtype=np.int64)).shape == (0, *LATENT_SHAPE)
+        with pytest.raises(IndexError):
+            col.gather([300])
+        with pytest.raises(IndexError):
+            col.gather([0], 3)
+        with pytest.raises(ValueError):
+            col.gather([0], out=np.empty((2, *LATENT_SHAPE), dtype=dtype))
+    with MappedColumn.open(rows_files, "key") as keys:
+        np.testing.assert_array_equal(keys.read_all(), 1000 + 7 * np.arange(300))
+
+
+def test_without_indices_and_single_process(tmp_path):
+    files = build_cache(tmp_path, 50, num_proc=1, keep=None, writer_batch_size=7, embed_dim=3)
+    assert files[2] is None and len(files[0]) == 1
+    with SampleSource(files[0], files[1]) as src:
+        assert src.num_rows == 50
+        np.testing.assert_array_equal(src.keys, 1000 + 7 * np.arange(50))
+        got = src.gather(np.arange(50)[::-1], 1)
+        np.testing.assert_array_equal(got["embeddings"][:, 0], (1000 + 7 * np.arange(50))[::-1])
+
+
+def test_errors_name_the_path(cache, tmp_path):
+    (rows_files, emb_files, idx_files), _ = cache
+    missing = str(tmp_path / "nope.arrow")
+    with pytest.raises(CacheFormatError) as ei:
+        SampleSource([missing], emb_files)
+    assert ei.value.path == missing and isinstance(ei.value, ValueError)
+    with pytest.raises(CacheFormatError, match="no column 'latents'"):
+        SampleSource(emb_files, emb_files)
+    with pytest.raises(CacheFormatError, match="embedding files hold 1"):
+        SampleSource(rows_files, emb_files[:1])
+    garbage = tmp_path / "garbage.arrow"
+    garbage.write_bytes(b"not arrow at all" * 10)
+    with pytest.raises(CacheFormatError) as ei:
+        MappedColumn.open([str(garbage)], "latents")
+    assert ei.value.path == str(garbage)
+    with pytest.raises(CacheFormatError, match="no fixed-shape"):
+        MappedColumn.open(rows_files, "caption")
+    err = pickle.loads(pickle.dumps(ei.value))
+    assert err.path == str(garbage) and str(err) == str(ei.value)
+
+
+def test_ragged_and_null_columns_are_refused(tmp_path):
+    path = str(tmp_path / "ragged.arrow")
+    table = pa.table({"x": pa.array([[1.0, 2.0], [3.0]], pa.list_(pa.float32()))})
+    with pa.OSFile(path, "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        w.write_table(table)
+    with pytest.raises(CacheFormatError, match="different lengths"):
+        MappedColumn.open([path], "x")
+    path2 = str(tmp_path / "null.arrow")
+    table = pa.table({"x": pa.array([1.0, None], pa.float32())})
+    with pa.OSFile(path2, "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        w.write_table(table)
+    with pytest.raises(CacheFormatError, match="nulls"):
+        MappedColumn.open([path2], "x")
+
+
+def test_sliced_batches_and_ipc_file_format(tmp_path):
+    """Offsets that do not start at 0 (sliced writes) and the IPC file format work."""
+    vals = np.arange(10 * 6, dtype=np.float32).reshape(10, 2, 3)
+    inner = pa.FixedSizeListArray.from_arrays(pa.array(vals.reshape(-1)), 3)
+    outer = pa.ListArray.from_arrays(pa.array(np.arange(0, 21, 2, dtype=np.int32)), inner)
+    table = pa.table({"x": outer})
+    path = str(tmp_path / "file.arrow")
+    with pa.OSFile(path, "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+        w.write_table(table.slice(3, 4))
+        w.write_table(table.slice(0, 3))
+    with MappedColumn.open([path], "x") as col:
+        assert col.row_shape == (2, 3) and col.num_rows == 7
+        np.testing.assert_array_equal(col.read_all(), np.concatenate([vals[3:7], vals[0:3]]))
+        np.testing.assert_array_equal(col.gather([6, 0], [1, 0]), [vals[2, 1], vals[3, 0]])
+
+
+def test_gather_is_thread_safe(cache):
+    from concurrent.futures import ThreadPoolExecutor
+
+    files, _ = cache
+    with SampleSource(*files) as src:
+        rows = np.arange(src.num_rows)
+        expect = src.gather(rows, 1)["latents"]
+
+        def work(seed):
+            r = np.random.default_rng(seed).permutation(src.num_rows)
+            got = src.gather(r, 1)["latents"]
+            return np.array_equal(got, expect[r])
+
+        with ThreadPoolExecutor(4) as ex:
+            assert all(ex.map(work, range(16)))

@@ -1,0 +1,622 @@
+"""dist.coordinator: real processes, real SIGKILL/SIGSTOP, real tmpfs and read-only mounts.
+
+Ranks are OS processes running tests/procs/dist_rank.py; every test kills what it
+started (fixture finalizer), even when it fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dist import (
+    BuildFailedError,
+    CacheWaitTimeout,
+    ReadOnlyCacheError,
+    Stage,
+    default_builder,
+    ensure_built,
+)
+from dist.coordinator import LEASE_FILE, LeaseLostError
+from dist.env import ProcessInfo
+from dist.markers import read_json
+
+REPO = Path(__file__).resolve().parent.parent
+RANK_SCRIPT = REPO / "tests" / "procs" / "dist_rank.py"
+# Short timings so the whole file runs in well under 3 minutes on 2 cores.
+FAST = ["--poll", "0.05", "--lease-timeout", "1.0", "--heartbeat", "0.2"]
+LEASE_TIMEOUT = 1.0
+
+
+class Job:
+    """Launches rank processes; ``kill_all`` is idempotent and always called."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.procs: list[subprocess.Popen] = []
+        self.signal_dir = root / "signals"
+        self.signal_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(self, cache_dir: Path, rank: int, *extra: str, env: dict | None = None, **kw):
+        result = self.root / f"result-{cache_dir.name}-{rank}-{len(self.procs)}.json"
+        cmd = [
+            sys.executable,
+            str(RANK_SCRIPT),
+            "--cache-dir",
+            str(cache_dir),
+            "--rank",
+            str(rank),
+            "--result",
+            str(result),
+            "--signal-dir",
+            str(self.signal_dir),
+            "--builds-log",
+            str(self.root / f"builds-{cache_dir.name}.log"),
+            *extra,
+        ]
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            text=True,
+        )
+        proc.result_path = result  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        return proc
+
+    def wait(self, procs, timeout: float = 60.0) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        results = []
+        for p in procs:
+            try:
+                out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill_all()
+                raise AssertionError(f"rank process {p.pid} did not finish in {timeout}s") from None
+            r = read_json(p.result_path)
+            assert r is not None, f"process {p.pid} (rc {p.returncode}) wrote no result:\n{out}"
+            r["output"] = out
+            r["returncode"] = p.returncode
+            results.append(r)
+        return results
+
+    def wait_for_signal(self, event: str, timeout: float = 30.0) -> int:
+        path = self.signal_dir / f"at-{event}"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if path.exists():
+                return int(path.read_text())
+            for p in self.procs:
+                if p.poll() is not None and p.returncode != 0:
+                    out = p.stdout.read() if p.stdout else ""
+                    raise AssertionError(f"process {p.pid} died early:\n{out}")
+            time.sleep(0.01)
+        raise AssertionError(f"no process reached {event} in {timeout}s")
+
+    def builds(self, cache_dir: Path) -> list[str]:
+        log = self.root / f"builds-{cache_dir.name}.log"
+        return log.read_text().split("\n")[:-1] if log.exists() else []
+
+    def kill_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGCONT)
+                    p.kill()
+            with contextlib.suppress(Exception):
+                p.wait(timeout=10)
+            if p.stdout:
+                p.stdout.close()
+
+
+@pytest.fixture
+def job(tmp_path):
+    j = Job(tmp_path / "job")
+    yield j
+    j.kill_all()
+
+
+def _clean_hash(job: Job, tmp_path: Path, fingerprint: str = "fp0", *extra: str) -> str:
+    """Content hash of an undisturbed single-process build (the reference)."""
+    ref = tmp_path / f"reference-{fingerprint}"
+    (r,) = job.wait([job.start(ref, 0, "--fingerprint", fingerprint, *FAST, *extra)])
+    assert r["ok"], r
+    return r["content_hash"]
+
+
+def _assert_same_cache(results: list[dict], reference: str) -> None:
+    for r in results:
+        assert r["ok"], f"rank {r['rank']}: {r.get('error_type')}: {r.get('error')}\n{r['output']}"
+        assert r["content_hash"] == reference, f"rank {r['rank']} saw different content"
+    first = results[0]["markers"]
+    assert all(r["markers"] == first for r in results), "ranks returned different markers"
+
+
+def _events(result: dict, name: str) -> list:
+    return [e for e in result["events"] if e[0] == name]
+
+
+# ----------------------------------------------------------------------------- in-process
+
+
+def _write_parts(ctx, n=2, size=1000):
+    for i in range(n):
+        (ctx.tmp_dir / f"part-{i}.bin").write_bytes(bytes([i + 1]) * size)
+    return {"rows": n}
+
+
+STAGES = [Stage(name="converted", build=_write_parts), Stage(name="filtered", build=_write_parts)]
+QUICK = dict(poll_interval=0.05, lease_timeout=1.0, heartbeat_interval=0.2, max_wait=30.0)
+
+
+def _recorder():
+    events: list[tuple[str, dict]] = []
+    return events, lambda name, fields: events.append((name, fields))
+
+
+def test_builds_then_reuses_without_rebuilding(tmp_path):
+    cache = tmp_path / "c-fp"
+    events, on_event = _recorder()
+    markers = ensure_built(cache, "fp", STAGES, builder=True, on_event=on_event, **QUICK)
+    assert [e for e, _ in events].count("stage_built") == 2
+    assert markers["converted"].info == {"rows": 2}
+    assert [f.path for f in markers["filtered"].files] == [
+        "filtered/part-0.bin",
+        "filtered/part-1.bin",
+    ]
+    # Only published results and markers remain: no lease, heartbeat or tmp leftovers.
+    assert sorted(os.listdir(cache)) == ["converted", "converted.json", "filtered", "filtered.json"]
+    events2, on_event2 = _recorder()
+    again = ensure_built(cache, "fp", STAGES, builder=False, on_event=on_event2, **QUICK)
+    assert again == markers
+    assert [e for e, _ in events2] == ["complete"]
+
+
+def test_later_stage_sees_published_earlier_stage(tmp_path):
+    seen = {}
+
+    def second(ctx):
+        seen["previous"] = dict(ctx.previous)
+        seen["files"] = sorted(p.name for p in ctx.previous["converted"].iterdir())
+        return {}
+
+    ensure_built(
+        tmp_path / "c",
+        "fp",
+        [Stage(name="converted", build=_write_parts), Stage(name="filtered", build=second)],
+        builder=True,
+        **QUICK,
+    )
+    assert seen["previous"] == {"converted": tmp_path / "c" / "converted"}
+    assert seen["files"] == ["part-0.bin", "part-1.bin"]
+
+
+def test_resume_skips_valid_stage_and_removes_leftovers(tmp_path):
+    cache = tmp_path / "c"
+    ensure_built(cache, "fp", STAGES[:1], builder=True, **QUICK)
+    # A dead builder's leftovers: its tmp folder, a stage folder without marker.
+    (cache / "filtered.tmp-deadbeef").mkdir()
+    (cache / "filtered.tmp-deadbeef" / "junk").write_bytes(b"x")
+    (cache / "filtered").mkdir()
+    (cache / "filtered" / "half").write_bytes(b"y")
+    events, on_event = _recorder()
+    markers = ensure_built(cache, "fp", STAGES, builder=True, on_event=on_event, **QUICK)
+    names = [e for e, _ in events]
+    assert ("stage_skipped", {"stage": "converted"}) in events
+    assert names.count("stage_built") == 1
+    assert not (cache / "filtered.tmp-deadbeef").exists()
+    assert sorted(p.name for p in (cache / "filtered").iterdir()) == ["part-0.bin", "part-1.bin"]
+    assert markers["filtered"].directory == "filtered"
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["fingerprint", "missing_file", "truncated_file", "malformed_json", "schema_version"],
+)
+def test_untrusted_marker_is_rebuilt_with_reason_logged(tmp_path, caplog, damage):
+    cache = tmp_path / "c"
+    ensure_built(cache, "fp", STAGES, builder=True, **QUICK)
+    marker = cache / "converted.json"
+    d = json.loads(marker.read_text())
+    if damage == "fingerprint":
+        d["fingerprint"] = "other"
+        marker.write_text(json.dumps(d))
+        why = "fingerprint 'other', expected 'fp'"
+    elif damage == "missing_file":
+        (cache / "converted" / "part-1.bin").unlink()
+        why = "'converted/part-1.bin' missing"
+    elif damage == "truncated_file":
+        (cache / "converted" / "part-1.bin").write_bytes(b"\x02" * 10)
+        why = "has 10 bytes, expected 1000"
+    elif damage == "malformed_json":
+        marker.write_text('{"schema_version": 1, "fing')
+        why = "malformed JSON"
+    else:
+        d["schema_version"] = 99
+        marker.write_text(json.dumps(d))
+        why = "schema version 99"
+    events, on_event = _recorder()
+    with caplog.at_level(logging.WARNING, logger="dist"):
+        markers = ensure_built(cache, "fp", STAGES, builder=True, on_event=on_event, **QUICK)
+    lines = [r.getMessage() for r in caplog.records if r.name == "dist"]
+    assert any(why in line and "converted.json" in line for line in lines), lines
+    # Stage 1 rebuilt, and stage 2 with it (it was derived from stage 1).
+    assert [f for e, f in events if e == "stage_built"] == [
+        {"stage": "converted", "lease_id": markers["converted"].lease_id, "info": {"rows": 2}},
+        {"stage": "filtered", "lease_id": markers["filtered"].lease_id, "info": {"rows": 2}},
+    ]
+    assert (cache / "converted" / "part-1.bin").stat().st_size == 1000
+
+
+def test_build_error_is_reraised_and_leaves_nothing_published(tmp_path):
+    def boom(ctx):
+        (ctx.tmp_dir / "partial").write_bytes(b"z" * 100)
+        raise ValueError("bad rows")
+
+    cache = tmp_path / "c"
+    with pytest.raises(ValueError, match="bad rows"):
+        ensure_built(
+            cache, "fp", [STAGES[0], Stage(name="filtered", build=boom)], builder=True, **QUICK
+        )
+    names = sorted(os.listdir(cache))
+    assert names[:2] == ["converted", "converted.json"]  # stage 1 stays (resume)
+    assert not (cache / "filtered").exists() and LEASE_FILE not in names
+    assert not any(".tmp-" in n for n in names)
+    (record,) = [n for n in names if n.startswith("failed-")]
+    assert read_json(cache / record)["error_type"] == "ValueError"
+    # A fresh run clears the record and succeeds.
+    markers = ensure_built(cache, "fp", STAGES, builder=True, **QUICK)
+    assert set(markers) == {"converted", "filtered"}
+    assert not any(n.startswith("failed-") for n in os.listdir(cache))
+
+
+def test_waiter_builds_when_preferred_builder_never_comes(tmp_path):
+    events, on_event = _recorder()
+    t0 = time.monotonic()
+    ensure_built(tmp_path / "c", "fp", STAGES, builder=False, on_event=on_event, **QUICK)
+    elapsed = time.monotonic() - t0
+    assert [e for e, _ in events][0] == "claimed"
+    assert QUICK["lease_timeout"] <= elapsed < QUICK["lease_timeout"] + 2
+
+
+def test_argument_validation_messages(tmp_path):
+    with pytest.raises(ValueError, match="poll_interval must be > 0, got 0"):
+        ensure_built(tmp_path, "fp", STAGES, poll_interval=0)
+    with pytest.raises(ValueError, match="heartbeat_interval must be <= lease_timeout / 2"):
+        ensure_built(tmp_path, "fp", STAGES, lease_timeout=1.0, heartbeat_interval=0.9)
+    with pytest.raises(ValueError, match="stage names must be unique"):
+        ensure_built(tmp_path, "fp", [STAGES[0], STAGES[0]])
+    with pytest.raises(ValueError, match="name must be letters"):
+        Stage(name="a/b", build=_write_parts)
+    with pytest.raises(ValueError, match="reserved"):
+        Stage(name="lease", build=_write_parts)
+    with pytest.raises(ValueError, match="scope must be"):
+        default_builder(ProcessInfo(), "cluster")
+
+
+def test_default_builder_scopes():
+    p = ProcessInfo(rank=5, world_size=8, local_rank=1, local_world_size=4, node_rank=1)
+    q = ProcessInfo(rank=4, world_size=8, local_rank=0, local_world_size=4, node_rank=1)
+    assert not default_builder(p, "shared") and not default_builder(q, "shared")
+    assert default_builder(q, "node") and not default_builder(p, "node")
+    assert default_builder(p, "process")
+    assert default_builder(ProcessInfo(rank=0, world_size=8, local_world_size=4), "shared")
+
+
+def test_exceptions_pickle_with_their_path():
+    for exc in (
+        BuildFailedError("m", "/c", lease_id="L", host="h", pid=3, error_type="OSError"),
+        CacheWaitTimeout("m", "/c/filtered.json"),
+        ReadOnlyCacheError("m", "/c"),
+        LeaseLostError("m", "/c", "L"),
+    ):
+        back = pickle.loads(pickle.dumps(exc))
+        assert type(back) is type(exc) and str(back) == "m" and back.__dict__ == exc.__dict__
+    assert issubclass(CacheWaitTimeout, TimeoutError)
+    assert issubclass(ReadOnlyCacheError, PermissionError)
+    assert issubclass(BuildFailedError, RuntimeError)
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+@pytest.mark.slow
+def test_eight_processes_exactly_one_build_per_round(job, tmp_path):
+    for round_ in range(3):
+        fp = f"round{round_}"
+        reference = _clean_hash(job, tmp_path, fp, "--size-mb", "0.5")
+        cache = tmp_path / f"shared-{fp}"
+        start_at = time.time() + 1.0  # all 8 leave the starting line together
+        procs = [
+            job.start(
+                cache,
+                rank,
+                "--fingerprint",
+                fp,
+                "--size-mb",
+                "0.5",
+                *FAST,
+                "--start-at",
+                str(start_at),
+            )
+            for rank in range(8)
+        ]
+        results = job.wait(procs)
+        _assert_same_cache(results, reference)
+        assert sorted(line.split()[0] for line in job.builds(cache)) == ["converted", "filtered"]
+        builders = [r for r in results if _events(r, "claimed")]
+        assert [r["rank"] for r in builders] == [0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "phase",
+    [
+        "build-converted",  # inside stage 1's build, files half written
+        "stage_built",  # after the converted marker, before stage 2 starts
+        "build-filtered",  # inside stage 2's build
+        "publishing",  # files complete, about to rename into place
+        "renamed",  # renamed into place, marker not yet written
+    ],
+)
+def test_sigkill_builder_at_each_phase(job, tmp_path, phase):
+    reference = _clean_hash(job, tmp_path)
+    cache = tmp_path / "shared"
+    procs = [job.start(cache, rank, *FAST, "--hold", f"{phase}:60") for rank in range(4)]
+    victim = job.wait_for_signal(phase)
+    assert victim == procs[0].pid  # rank 0 is the builder
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.time()
+    procs[0].wait(timeout=10)
+    results = job.wait(procs[1:])
+    _assert_same_cache(results, reference)
+    takers = [r for r in results if _events(r, "takeover")]
+    assert len(takers) == 1, "exactly one waiter takes over"
+    detected = _events(takers[0], "takeover")[0][1] - killed_at
+    # Judged dead after lease_timeout without progress (+ a poll and a heartbeat of slack).
+    assert detected < LEASE_TIMEOUT + 1.5, f"took {detected:.2f}s to notice"
+    expected_builds = {
+        "build-converted": ["converted", "converted", "filtered"],
+        "stage_built": ["converted", "filtered"],  # stage 1 resumed from its marker
+        "build-filtered": ["converted", "filtered", "filtered"],
+        "publishing": ["converted", "converted", "filtered"],
+        "renamed": ["converted", "converted", "filtered"],  # folder without marker: redone
+    }[phase]
+    assert [line.split()[0] for line in job.builds(cache)] == expected_builds
+    leftovers = [n for n in os.listdir(cache) if ".tmp-" in n or ".trash-" in n]
+    assert leftovers == [] and not (cache / LEASE_FILE).exists()
+
+
+@pytest.mark.slow
+def test_paused_builder_loses_lease_and_stands_down(job, tmp_path):
+    """SIGSTOP the builder past lease_timeout: a waiter takes over; when the old builder
+    resumes it must notice and not publish, and still return the good cache."""
+    reference = _clean_hash(job, tmp_path)
+    cache = tmp_path / "shared"
+    procs = [job.start(cache, rank, *FAST, "--hold", "build-converted:1.0") for rank in range(3)]
+    victim = job.wait_for_signal("build-converted")
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 20
+        while not any(
+            "converted" in line and str(victim) not in line for line in job.builds(cache)
+        ):
+            assert time.monotonic() < deadline, "nobody took over the paused builder"
+            time.sleep(0.05)
+    finally:
+        os.kill(victim, signal.SIGCONT)
+    results = job.wait(procs)
+    _assert_same_cache(results, reference)
+    old = next(r for r in results if r["pid"] == victim)
+    assert _events(old, "lease_lost"), "the paused builder did not notice it lost the lease"
+    assert all(r["markers"]["converted"]["pid"] != victim for r in results)
+
+
+@pytest.mark.slow
+def test_waiters_get_build_failed_error_promptly(job, tmp_path):
+    cache = tmp_path / "shared"
+    procs = [
+        job.start(
+            cache,
+            rank,
+            *FAST,
+            "--fail-stage",
+            "filtered",
+            "--poll",
+            "0.5",
+            "--lease-timeout",
+            "30",
+            "--heartbeat",
+            "1",
+        )
+        for rank in range(3)
+    ]
+    results = job.wait(procs, timeout=30)
+    assert results[0]["error_type"] == "RuntimeError"
+    for r in results[1:]:
+        assert r["error_type"] == "BuildFailedError", r
+        assert "injected failure in filtered" in r["error"]
+        assert r["returned_at"] - results[0]["returned_at"] < 2.0  # a poll, not a timeout
+
+
+@pytest.mark.slow
+def test_wait_timeout_names_marker_and_builder(job, tmp_path):
+    cache = tmp_path / "shared"
+    builder = job.start(
+        cache,
+        0,
+        "--poll",
+        "0.05",
+        "--lease-timeout",
+        "20",
+        "--heartbeat",
+        "0.2",
+        "--hold",
+        "build-converted:60",
+    )
+    job.wait_for_signal("build-converted")
+    t0 = time.monotonic()
+    with pytest.raises(CacheWaitTimeout) as info:
+        ensure_built(
+            cache,
+            "fp0",
+            STAGES,
+            builder=False,
+            poll_interval=0.05,
+            max_wait=1.0,
+            lease_timeout=20,
+            heartbeat_interval=0.2,
+        )
+    assert time.monotonic() - t0 < 3
+    msg = str(info.value)
+    assert str(cache / "filtered.json") in msg and f"pid {builder.pid}" in msg
+    assert socket.gethostname() in msg and "last heartbeat progress" in msg
+    assert info.value.path == str(cache / "filtered.json")
+
+
+# ----------------------------------------------------------------------------- mounts
+
+
+def _mount(*args: str) -> None:
+    subprocess.run(["mount", *args], check=True, capture_output=True, text=True)
+
+
+def _umount(path: Path) -> None:
+    subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def _can_mount(tmp_path: Path) -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to mount tmpfs / bind mounts"
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    try:
+        _mount("-t", "tmpfs", "-o", "size=1m", "tmpfs", str(probe))
+    except (subprocess.CalledProcessError, FileNotFoundError) as e:
+        return f"mount not permitted here: {getattr(e, 'stderr', e)}"
+    _umount(probe)
+    return None
+
+
+@pytest.fixture
+def mounts(tmp_path):
+    reason = _can_mount(tmp_path)
+    if reason:
+        pytest.skip(reason)
+    mounted: list[Path] = []
+
+    def mount(*args: str) -> None:
+        _mount(*args)
+        mounted.append(Path(args[-1]))
+
+    yield mount
+    for path in reversed(mounted):
+        _umount(path)
+
+
+@pytest.mark.slow
+def test_full_disk_fails_cleanly_then_succeeds_after_growing(job, tmp_path, mounts):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounts("-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk))
+    cache = disk / "c-fp0"
+    args = [*FAST, "--size-mb", "1", "--files", "3", "--lease-timeout", "30", "--heartbeat", "1"]
+    procs = [job.start(cache, rank, *args) for rank in range(3)]
+    results = job.wait(procs, timeout=60)
+    builder, waiters = results[0], results[1:]
+    assert builder["error_type"] == "OSError" and "No space left" in builder["error"], builder
+    for r in waiters:
+        assert r["error_type"] == "BuildFailedError", r
+        assert "No space left" in r["error"]
+        assert r["returned_at"] - builder["returned_at"] < 2.0
+    names = os.listdir(cache)
+    assert not any(n in ("converted", "converted.json") or ".tmp-" in n for n in names), names
+    # Free space: grow the tmpfs; the same job runs again and succeeds.
+    _mount("-o", "remount,size=32m", str(disk))
+    results = job.wait([job.start(cache, rank, *args) for rank in range(3)], timeout=60)
+    _assert_same_cache(results, _clean_hash(job, tmp_path, "fp0", "--size-mb", "1"))
+    assert not any(n.startswith("failed-") for n in os.listdir(cache))
+
+
+def test_read_only_mount_of_built_cache_returns_without_writing(tmp_path, mounts):
+    cache = tmp_path / "rw" / "c"
+    built = ensure_built(cache, "fp", STAGES, builder=True, **QUICK)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    mounts("--bind", str(tmp_path / "rw"), str(ro))
+    _mount("-o", "remount,bind,ro", str(ro))
+    before = {p: p.stat().st_mtime_ns for p in cache.rglob("*")}
+    markers = ensure_built(ro / "c", "fp", STAGES, builder=True, **QUICK)
+    assert {k: m.files for k, m in markers.items()} == {k: m.files for k, m in built.items()}
+    assert {p: p.stat().st_mtime_ns for p in cache.rglob("*")} == before
+
+
+def test_read_only_mount_of_unbuilt_cache_raises_at_once(tmp_path, mounts):
+    (tmp_path / "rw" / "c").mkdir(parents=True)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    mounts("--bind", str(tmp_path / "rw"), str(ro))
+    _mount("-o", "remount,bind,ro", str(ro))
+    for target in (ro / "c", ro / "not-yet-created"):
+        t0 = time.monotonic()
+        with pytest.raises(ReadOnlyCacheError) as info:
+            ensure_built(target, "fp", STAGES, builder=False, **QUICK)
+        assert time.monotonic() - t0 < 0.5
+        assert "scripts/prebuild_cache.py --config" in str(info.value)
+        assert info.value.path == str(target)
+        assert isinstance(info.value, PermissionError)
+    assert os.listdir(tmp_path / "rw" / "c") == []
+
+
+# ----------------------------------------------------------------------------- gloo
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_gloo_waiters_wake_within_a_second_despite_long_poll(job, tmp_path):
+    pytest.importorskip("torch.distributed")
+    cache = tmp_path / "shared"
+    world = 3
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world)}
+    procs = [
+        job.start(
+            cache,
+            rank,
+            "--gloo",
+            "--poll",
+            "30",
+            "--lease-timeout",
+            "120",
+            "--heartbeat",
+            "1",
+            "--build-sleep",
+            "1.5",
+            env=env,
+        )
+        for rank in range(world)
+    ]
+    results = job.wait(procs, timeout=90)
+    for r in results:
+        assert r["ok"], r
+    published = _events(results[0], "complete")[0][1]
+    for r in results[1:]:
+        assert r["returned_at"] - published < 1.0, (
+            f"rank {r['rank']} woke {r['returned_at'] - published:.2f}s after publication"
+        )

@@ -1,0 +1,211 @@
+"""A fault-injecting HTTP reverse proxy for tests (threaded ``http.server``).
+
+Put it between a client and a real server (fake-gcs-server, the fake Hub) and it
+forwards every request, except that requests matching a :class:`Fault` get a 5xx/429,
+a connection reset, a truncated body, a stall, or a throttled body. It counts every
+request so tests can assert what was (not) fetched again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import json
+import socket
+import struct
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote, urlsplit
+
+__all__ = ["Fault", "FaultProxy"]
+
+_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade", "host"}
+
+
+@dataclasses.dataclass(kw_only=True)
+class Fault:
+    """One injected failure.
+
+    Attributes:
+        match: substring of the unquoted request path (a file name, say).
+        action: "status" (reply ``status``), "reset" (RST the connection), "truncate"
+            (send full headers, half the body, close), "stall" (sleep ``seconds``
+            before forwarding) or "throttle" (send the body at ``rate`` bytes/s).
+        times: how many matching requests it applies to (-1: all).
+        status: for "status".
+        seconds: for "stall".
+        rate: for "throttle".
+        method: only requests with this method ("" any).
+    """
+
+    match: str
+    action: str
+    times: int = 1
+    status: int = 503
+    seconds: float = 0.0
+    rate: int = 0
+    method: str = "GET"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Logged:
+    method: str
+    path: str
+    range: str
+    fault: str
+
+
+class FaultProxy:
+    """Reverse proxy to ``upstream`` on 127.0.0.1 with scheduled faults. Thread-safe.
+
+    Usage::
+
+        with FaultProxy("http://127.0.0.1:4443") as proxy:
+            proxy.add(Fault(match="000000-000009.pt", action="status", status=503, times=2))
+            os.environ["STORAGE_EMULATOR_HOST"] = proxy.url
+    """
+
+    def __init__(self, upstream: str):
+        parts = urlsplit(upstream)
+        self.upstream_host = parts.hostname or "127.0.0.1"
+        self.upstream_port = parts.port or 80
+        self._faults: list[Fault] = []
+        self._lock = threading.Lock()
+        self.log: list[_Logged] = []
+        self._stop = threading.Event()
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
+        self._server.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def start(self) -> FaultProxy:
+        self._thread = threading.Thread(target=self._server.serve_forever, name="fault-proxy", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._server.shutdown()
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(10)
+
+    def __enter__(self) -> FaultProxy:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def add(self, *faults: Fault) -> None:
+        with self._lock:
+            self._faults.extend(faults)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._faults.clear()
+            self.log.clear()
+
+    def count(self, match: str, method: str = "GET", *, media_only: bool = True) -> int:
+        """Requests whose path contains ``match`` (by default only body downloads)."""
+        with self._lock:
+            return sum(
+                1
+                for r in self.log
+                if match in r.path
+                and (not method or r.method == method)
+                and (not media_only or "alt=media" in r.path or "/resolve/" in r.path)
+            )
+
+    def _take(self, method: str, path: str) -> Fault | None:
+        with self._lock:
+            for f in self._faults:
+                if f.times != 0 and f.match in path and (not f.method or f.method == method):
+                    if f.times > 0:
+                        f.times -= 1
+                    return f
+        return None
+
+    def _handler_class(self):
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _forward(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                path = unquote(self.path)
+                fault = proxy._take(self.command, path)
+                with proxy._lock:
+                    proxy.log.append(
+                        _Logged(
+                            method=self.command,
+                            path=path,
+                            range=self.headers.get("Range", ""),
+                            fault=fault.action if fault else "",
+                        )
+                    )
+                if fault is not None and fault.action == "reset":
+                    # SO_LINGER 0: close() sends RST, the client sees "connection reset".
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    self.close_connection = True
+                    self.connection.close()
+                    return
+                if fault is not None and fault.action == "status":
+                    payload = json.dumps({"error": {"code": fault.status, "message": "injected"}}).encode()
+                    self.send_response(fault.status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(payload)
+                    return
+                if fault is not None and fault.action == "stall":
+                    if proxy._stop.wait(fault.seconds):
+                        return
+                conn = http.client.HTTPConnection(proxy.upstream_host, proxy.upstream_port, timeout=60)
+                try:
+                    headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                    out_headers = [(k, v) for k, v in resp.getheaders() if k.lower() not in _HOP | {"content-length"}]
+                finally:
+                    conn.close()
+                self.send_response(resp.status)
+                for k, v in out_headers:
+                    self.send_header(k, v)
+                # HEAD carries the upstream length; GET carries what we send.
+                if self.command == "HEAD":
+                    self.send_header("Content-Length", resp.getheader("Content-Length", "0"))
+                else:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command == "HEAD":
+                    return
+                if fault is not None and fault.action == "truncate":
+                    self.wfile.write(data[: len(data) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
+                if fault is not None and fault.action == "throttle" and fault.rate > 0:
+                    step = max(1, fault.rate // 20)
+                    for i in range(0, len(data), step):
+                        if proxy._stop.is_set():
+                            return
+                        self.wfile.write(data[i : i + step])
+                        self.wfile.flush()
+                        time.sleep(step / fault.rate)
+                    return
+                self.wfile.write(data)
+
+            do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _forward
+
+        return Handler

@@ -1,0 +1,262 @@
+"""Local sources, ordering, retry classification and the staging primitives."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+
+import pytest
+
+from hf_pipeline.config import DataConfig
+from hf_pipeline.errors import SourceError
+from hf_pipeline.fetch import (
+    Prefetcher,
+    RetryPolicy,
+    StagingClient,
+    _is_transient,
+    _Staging,
+    _TransientError,
+    _with_retries,
+    consumption_order,
+)
+from hf_pipeline.sources import (
+    GCSSource,
+    HubSource,
+    LocalSource,
+    RemoteFile,
+    natural_key,
+    open_source,
+)
+from tests.servers import hf_home, make_shards, shard_dir  # noqa: F401
+
+FAST = RetryPolicy(max_retries=3, file_timeout=5, backoff_base=0.001)
+
+
+def _rf(i: int, size: int = 10) -> RemoteFile:
+    return RemoteFile(name=f"{i:06d}.pt", url=f"gs://b/{i:06d}.pt", size=size, etag=str(i))
+
+
+def test_natural_key_orders_numeric_ranges():
+    names = ["100-109.pt", "0-9.pt", "10-19.pt", "000020-000029.pt", "9-9.pt"]
+    assert sorted(names, key=natural_key) == ["0-9.pt", "9-9.pt", "10-19.pt", "000020-000029.pt", "100-109.pt"]
+
+
+def test_consumption_order_matches_contiguous_split():
+    files = [_rf(i) for i in range(10)]
+    order = [int(f.name[:6]) for f in consumption_order(files, 3)]
+    # datasets splits 10 into [0..3], [4..6], [7..9]; step j of every worker first.
+    assert order == [0, 4, 7, 1, 5, 8, 2, 6, 9, 3]
+    assert consumption_order(files, 1) == files
+    assert sorted(consumption_order(files, 32), key=lambda f: f.name) == files
+
+
+def test_retry_policy_validates_and_backs_off():
+    with pytest.raises(ValueError, match="max_retries must be >= 0, got -1"):
+        RetryPolicy(max_retries=-1)
+    p = RetryPolicy(backoff_base=1.0, backoff_max=4.0)
+    for attempt, hi in [(1, 1.0), (2, 2.0), (3, 4.0), (10, 4.0)]:
+        d = p.delay(attempt)
+        assert hi / 2 <= d <= hi
+
+
+class _Status(Exception):
+    def __init__(self, code):
+        super().__init__(f"HTTP {code}")
+        self.code = code
+
+
+@pytest.mark.parametrize(
+    ("exc", "transient"),
+    [
+        (_Status(503), True),
+        (_Status(429), True),
+        (_Status(500), True),
+        (_Status(404), False),
+        (_Status(403), False),
+        (TimeoutError("t"), True),
+        (ConnectionResetError("r"), True),
+        (FileNotFoundError("x"), False),
+        (_TransientError("size mismatch"), True),
+        (ValueError("bad"), False),
+    ],
+)
+def test_transient_classification(exc, transient):
+    assert _is_transient(exc) is transient
+
+
+def test_with_retries_retries_then_succeeds_and_names_the_file():
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise _Status(503)
+        return "ok"
+
+    retried = []
+    assert _with_retries("gs://b/x.pt", flaky, FAST, on_retry=retried.append) == "ok"
+    assert len(calls) == 3 and len(retried) == 2
+
+    with pytest.raises(SourceError) as ei:
+        _with_retries("gs://b/y.pt", lambda: (_ for _ in ()).throw(_Status(503)), FAST)
+    assert ei.value.path == "gs://b/y.pt"
+    assert "4 attempt(s)" in ei.value.reason and "503" in ei.value.reason
+
+    calls.clear()
+
+    def missing():
+        calls.append(1)
+        raise FileNotFoundError("gone")
+
+    with pytest.raises(SourceError, match="not retried"):
+        _with_retries("gs://b/z.pt", missing, FAST)
+    assert len(calls) == 1
+
+
+def test_local_source_lists_sorted_and_finds_metadata(shard_dir, hf_home):  # noqa: F811
+    # An unpadded name that a plain string sort would misplace.
+    (shard_dir / "100-105.pt").write_bytes((shard_dir / "000000-000005.pt").read_bytes())
+    cfg = DataConfig(shards=str(shard_dir))
+    src = open_source(str(shard_dir), data_config=cfg)
+    assert isinstance(src, LocalSource) and src.is_local
+    names = [f.name for f in src.list_shards()]
+    assert names == ["000000-000005.pt", "000006-000011.pt", "000012-000017.pt", "000018-000023.pt", "100-105.pt"]
+    meta = src.find_metadata()
+    assert meta.name == "coyo11m-meta.parquet"
+    assert src.find_metadata("coyo11m-meta.parquet") == meta
+    assert src.find_metadata(str(shard_dir / "coyo11m-meta.parquet")) == meta
+    assert src.fetch_one(meta) == shard_dir / "coyo11m-meta.parquet"
+    ident = src.identity()
+    assert [i[0] for i in ident] == names
+    assert all(i[1] == (shard_dir / i[0]).stat().st_size for i in ident)
+
+
+def test_local_glob_and_metadata_at_parent(tmp_path, hf_home):  # noqa: F811
+    make_shards(tmp_path / "data" / "latents", n_shards=3, meta=False)
+    make_shards(tmp_path / "other", n_shards=1)
+    (tmp_path / "data" / "coyo11m-meta.parquet").write_bytes((tmp_path / "other" / "coyo11m-meta.parquet").read_bytes())
+    cfg = DataConfig(shards="x")
+    src = open_source(str(tmp_path / "data" / "latents" / "0000*-*.pt"), data_config=cfg)
+    assert len(src.list_shards()) == 3
+    assert src.find_metadata().url == str((tmp_path / "data" / "coyo11m-meta.parquet").resolve())
+
+
+def test_local_errors(tmp_path, hf_home):  # noqa: F811
+    cfg = DataConfig(shards="x")
+    with pytest.raises(SourceError, match="does not exist"):
+        open_source(str(tmp_path / "nope"), data_config=cfg).list_shards()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SourceError, match="no \\*.pt shards"):
+        open_source(str(tmp_path / "empty"), data_config=cfg).list_shards()
+    with pytest.raises(SourceError, match="unsupported scheme"):
+        open_source("s3://bucket/x", data_config=cfg)
+    make_shards(tmp_path / "two", n_shards=1)
+    (tmp_path / "two" / "other-meta.parquet").write_bytes(b"x")
+    with pytest.raises(SourceError, match="several metadata candidates"):
+        open_source(str(tmp_path / "two"), data_config=cfg).find_metadata()
+    make_shards(tmp_path / "none" / "x", n_shards=1, meta=False)
+    with pytest.raises(SourceError, match="no \\*meta\\*.parquet"):
+        open_source(str(tmp_path / "none" / "x"), data_config=cfg).find_metadata()
+
+
+def test_location_parsing(hf_home):  # noqa: F811
+    cfg = DataConfig(shards="x")
+    hub = open_source("hf://datasets/KBlueLeaf/coyo11m-256px-ccrop-latent/latents-3crop", data_config=cfg)
+    assert isinstance(hub, HubSource)
+    assert (hub.repo_id, hub.revision, hub.path_in_repo) == (
+        "KBlueLeaf/coyo11m-256px-ccrop-latent",
+        "main",
+        "latents-3crop",
+    )
+    pr = open_source("hf://datasets/org/name@refs%2Fpr%2F3/a/b", data_config=cfg)
+    assert (pr.repo_id, pr.revision, pr.path_in_repo) == ("org/name", "refs/pr/3", "a/b")
+    with pytest.raises(SourceError, match="hf://datasets/"):
+        open_source("hf://models/org/name", data_config=cfg)
+    gcs = open_source("gs://bucket/prefix/", data_config=cfg)
+    assert isinstance(gcs, GCSSource) and gcs._path == "bucket/prefix"
+    with pytest.raises(SourceError, match="gs://<bucket>"):
+        open_source("gs://", data_config=cfg)
+
+
+def test_local_prefetcher_hands_out_originals(shard_dir, hf_home):  # noqa: F811
+    cfg = DataConfig(shards=str(shard_dir))
+    src = open_source(str(shard_dir), data_config=cfg)
+    files = src.list_shards()
+    with Prefetcher(src, files, data_config=cfg, num_workers=2, progress=False) as pf:
+        client = pickle.loads(pickle.dumps(pf.client()))
+        for f in files:
+            p = client.acquire(f)
+            assert p == shard_dir / f.name
+            client.release(f)
+            assert p.exists(), "release must never delete an original"
+    assert pf.stats()["failures"] == []
+
+
+def test_staging_sidecar_guards_identity(tmp_path):
+    st = _Staging(tmp_path)
+    f = RemoteFile(name="a.pt", url="gs://b/a.pt", size=3, etag="1", checksum="md5:x")
+    part, have = st.claim_part(f)
+    assert have == 0
+    part.write_bytes(b"abc")
+    st.publish(f, part)
+    assert st.is_staged(f)
+    # Same name, new generation on the server: not the staged copy any more.
+    assert not st.is_staged(RemoteFile(name="a.pt", url="gs://b/a.pt", size=3, etag="2", checksum="md5:x"))
+    st.path(f).write_bytes(b"ab")  # damaged after staging
+    assert not st.is_staged(f)
+    st.remove(f)
+    assert not st.path(f).exists() and not st.sidecar(f).exists()
+    st.remove(f)  # idempotent
+
+
+def test_staging_adopts_a_dead_owners_part(tmp_path):
+    import subprocess
+    import sys
+
+    st = _Staging(tmp_path)
+    f = RemoteFile(name="a.pt", url="gs://b/a.pt", size=10, etag="1")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    orphan = tmp_path / f"{st._part_prefix(f)}{pid}.1"
+    orphan.write_bytes(b"12345")
+    part, have = st.claim_part(f)
+    assert have == 5 and part.read_bytes() == b"12345" and not orphan.exists()
+
+
+def test_client_pickles_without_network_handles(hf_home, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:9")
+    cfg = DataConfig(shards="gs://b/p")
+    src = open_source("gs://b/p", data_config=cfg)
+    src._fs()  # create a handle; must not travel
+    c = StagingClient(source=src, staging_dir=str(src.staging_dir), policy=FAST)
+    c2 = pickle.loads(pickle.dumps(c))
+    assert c2.source._fs_obj is None and c2.source.location == "gs://b/p"
+
+
+def test_unreachable_without_mirror_is_a_clear_error(hf_home, monkeypatch, caplog):  # noqa: F811
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again below: connection refused
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    cfg = DataConfig(shards="gs://b/p", max_retries=1)
+    with pytest.raises(SourceError) as ei:
+        open_source("gs://b/p", data_config=cfg, policy=FAST).list_shards()
+    assert "gs://b/p" in str(ei.value) and "attempt" in ei.value.reason
+
+
+def test_unreachable_with_mirror_falls_back_and_says_so(shard_dir, hf_home, monkeypatch, caplog):  # noqa: F811
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    cfg = DataConfig(shards="gs://b/p", local_mirror=str(shard_dir))
+    with caplog.at_level(logging.WARNING, logger="hf_pipeline.sources"):
+        src = open_source("gs://b/p", data_config=cfg, policy=FAST)
+    assert isinstance(src, LocalSource) and len(src.list_shards()) == 4
+    assert any("unreachable" in r.message and str(shard_dir) in r.message for r in caplog.records)

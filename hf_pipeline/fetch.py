@@ -205,7 +205,14 @@ def _with_retries(
             if on_retry is not None:
                 on_retry(exc)
             delay = policy.delay(attempt)
-            logger.info("retry %d/%d for %s in %.2fs: %s", attempt, policy.max_retries, what, delay, _describe(exc))
+            logger.info(
+                "retry %d/%d for %s in %.2fs: %s",
+                attempt,
+                policy.max_retries,
+                what,
+                delay,
+                _describe(exc),
+            )
             if stop is not None:
                 if stop.wait(delay):
                     raise _Cancelled(what) from exc
@@ -292,7 +299,9 @@ def _merge_stats(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 out[k] += v
     seen: set[str] = set()
     out["skipped"] = [s for s in out["skipped"] if not (s["name"] in seen or seen.add(s["name"]))]
-    out["mean_mb_s"] = round(out["bytes"] / 1e6 / out["wall_seconds"], 3) if out["wall_seconds"] > 0 else 0.0
+    out["mean_mb_s"] = (
+        round(out["bytes"] / 1e6 / out["wall_seconds"], 3) if out["wall_seconds"] > 0 else 0.0
+    )
     return out
 
 
@@ -438,7 +447,8 @@ class _Staging:
         final = self.path(file)
         os.replace(part, final)
         _write_json_atomic(
-            self.sidecar(file), {"version": _SIDECAR_VERSION, **_ident(file), "staged_at": time.time()}
+            self.sidecar(file),
+            {"version": _SIDECAR_VERSION, **_ident(file), "staged_at": time.time()},
         )
         _fsync_dir(self.root)
         return final
@@ -614,7 +624,9 @@ class StagingClient:
         if not self.ctl_dir or not Path(self.ctl_dir).is_dir():
             return
         with contextlib.suppress(OSError):
-            _write_json_atomic(Path(self.ctl_dir) / f"stats-{os.getpid()}.json", self.stats.as_dict())
+            _write_json_atomic(
+                Path(self.ctl_dir) / f"stats-{os.getpid()}.json", self.stats.as_dict()
+            )
 
     def _skip_or_raise(self, file: RemoteFile, err: SourceError) -> None:
         if self.on_missing == "skip":
@@ -688,7 +700,9 @@ class StagingClient:
                 beat, beat_seen = hb, now
             elif now - beat_seen > _DEAD_AFTER or not ctl.is_dir():
                 # Judged by our own clock: the prefetcher's counter stopped moving.
-                logger.warning("prefetcher stopped; fetching %s in worker %d", file.name, os.getpid())
+                logger.warning(
+                    "prefetcher stopped; fetching %s in worker %d", file.name, os.getpid()
+                )
                 return False
             if timeout is not None and now - start > timeout:
                 raise SourceError(file.url, f"not staged within {timeout:g}s")
@@ -703,7 +717,9 @@ class StagingClient:
             _Staging(self.staging_dir).remove(file)
         if self.ctl_dir and Path(self.ctl_dir).is_dir():
             with contextlib.suppress(OSError):
-                _write_json_atomic(Path(self.ctl_dir) / _ctl_name(file, "released"), {"pid": os.getpid()})
+                _write_json_atomic(
+                    Path(self.ctl_dir) / _ctl_name(file, "released"), {"pid": os.getpid()}
+                )
 
 
 # --------------------------------------------------------------------------- prefetcher
@@ -806,10 +822,16 @@ class Prefetcher:
             self._bars = [
                 tqdm(total=len(self.files), desc="shards", unit="file", position=0),
                 tqdm(
-                    total=sum(f.size for f in self.files), desc="bytes", unit="B", unit_scale=True, position=1
+                    total=sum(f.size for f in self.files),
+                    desc="bytes",
+                    unit="B",
+                    unit_scale=True,
+                    position=1,
                 ),
             ]
-        self._pool = ThreadPoolExecutor(self.download_workers, thread_name_prefix="hf_pipeline-fetch")
+        self._pool = ThreadPoolExecutor(
+            self.download_workers, thread_name_prefix="hf_pipeline-fetch"
+        )
         self._thread = threading.Thread(target=self._run, name="hf_pipeline-prefetch", daemon=True)
         self._thread.start()
 
@@ -929,7 +951,15 @@ class Prefetcher:
         try:
             if self.staging.is_staged(f):
                 self._stats.add(staging_hits=1)
-            _stage_file(self.source, f, self.staging, self.policy, self._stats, stop=self._stop, on_bytes=bar_bytes)
+            _stage_file(
+                self.source,
+                f,
+                self.staging,
+                self.policy,
+                self._stats,
+                stop=self._stop,
+                on_bytes=bar_bytes,
+            )
         except _Cancelled:
             return
         except SourceError as err:
@@ -946,7 +976,9 @@ class Prefetcher:
             with self._lock:
                 self._state[_safe_name(f)] = "failed"
             with contextlib.suppress(OSError):
-                _write_json_atomic(self.ctl_dir / _ctl_name(f, "failed"), {"reason": _describe(exc)})
+                _write_json_atomic(
+                    self.ctl_dir / _ctl_name(f, "failed"), {"reason": _describe(exc)}
+                )
             return
         with self._lock:
             if self._state.get(_safe_name(f)) == "queued":

@@ -115,7 +115,9 @@ def _pick_metadata(candidates: list[RemoteFile], where: str) -> RemoteFile | Non
         return None
     if len(candidates) > 1:
         names = ", ".join(sorted(c.name for c in candidates))
-        raise SourceError(where, f"several metadata candidates ({names}); set data.metadata to one of them")
+        raise SourceError(
+            where, f"several metadata candidates ({names}); set data.metadata to one of them"
+        )
     return candidates[0]
 
 
@@ -215,20 +217,27 @@ class Source:
             SourceError: not found, or several candidates.
         """
         if explicit:
-            if "://" in explicit or os.path.isabs(explicit) or (self.is_local and os.sep in explicit):
+            if (
+                "://" in explicit
+                or os.path.isabs(explicit)
+                or (self.is_local and os.sep in explicit)
+            ):
                 other = self._sibling_for(explicit)
                 return other._stat(explicit)
             for folder in self._metadata_folders():
                 hit = [f for f in folder if f.name == explicit]
                 if hit:
                     return hit[0]
-            raise SourceError(explicit, f"metadata file not found next to {self.location} or at its root")
+            raise SourceError(
+                explicit, f"metadata file not found next to {self.location} or at its root"
+            )
         for folder in self._metadata_folders():
             found = _pick_metadata([f for f in folder if _is_meta(f.name)], self.location)
             if found is not None:
                 return found
         raise SourceError(
-            self.location, "no *meta*.parquet found next to the shards or at the root; set data.metadata"
+            self.location,
+            "no *meta*.parquet found next to the shards or at the root; set data.metadata",
         )
 
     def identity(self) -> list[tuple]:
@@ -252,7 +261,9 @@ class Source:
         if direct is not None:
             return direct
         try:
-            return _stage_file(self, file, _Staging(self.staging_dir), self.policy, self.fetch_stats)
+            return _stage_file(
+                self, file, _Staging(self.staging_dir), self.policy, self.fetch_stats
+            )
         except _Cancelled as exc:  # pragma: no cover - no stop event here
             raise SourceError(file.url, "cancelled") from exc
 
@@ -287,7 +298,10 @@ class Source:
         with self._lock:
             if parent not in self._siblings:
                 self._siblings[parent] = _make_source(
-                    parent, data_config=self.data_config, policy=self.policy, staging_dir=self.staging_dir
+                    parent,
+                    data_config=self.data_config,
+                    policy=self.policy,
+                    staging_dir=self.staging_dir,
                 )
             return self._siblings[parent]
 
@@ -296,7 +310,9 @@ class Source:
 
     def _deadline_check(self, deadline: float, what: str) -> None:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: per-file timeout of {self.policy.file_timeout:g}s exceeded")
+            raise TimeoutError(
+                f"{what}: per-file timeout of {self.policy.file_timeout:g}s exceeded"
+            )
 
 
 # --------------------------------------------------------------------------- local
@@ -317,7 +333,9 @@ class LocalSource(Source):
     @staticmethod
     def _file(path: Path) -> RemoteFile:
         st = path.stat()
-        return RemoteFile(name=path.name, url=str(path.resolve()), size=st.st_size, etag=str(st.st_mtime_ns))
+        return RemoteFile(
+            name=path.name, url=str(path.resolve()), size=st.st_size, etag=str(st.st_mtime_ns)
+        )
 
     def _list_shard_folder(self) -> list[RemoteFile]:
         if not _GLOB_CHARS.search(os.path.expanduser(self.location)) and not self._folder.is_dir():
@@ -408,7 +426,9 @@ class GCSSource(Source):
             t = self.policy.file_timeout
             kw: dict[str, Any] = {
                 "skip_instance_cache": True,
-                "requests_timeout": aiohttp.ClientTimeout(total=None, sock_connect=min(t, 30), sock_read=min(t, 60)),
+                "requests_timeout": aiohttp.ClientTimeout(
+                    total=None, sock_connect=min(t, 30), sock_read=min(t, 60)
+                ),
             }
             if emulator:
                 kw.update(
@@ -525,7 +545,9 @@ class HubSource(Source):
         rest = location[len("hf://") :]
         parts = rest.split("/")
         if len(parts) < 3 or parts[0] != "datasets":
-            raise SourceError(location, "must look like hf://datasets/<org>/<repo>[@<revision>]/<folder>")
+            raise SourceError(
+                location, "must look like hf://datasets/<org>/<repo>[@<revision>]/<folder>"
+            )
         name, _, rev = parts[2].partition("@")
         self.repo_id = f"{parts[1]}/{name}"
         self.revision = unquote(rev) if rev else "main"
@@ -540,7 +562,9 @@ class HubSource(Source):
 
     def _listing_cache(self) -> Path:
         key = hashlib.sha1(f"{self.repo_id}|{self.revision}".encode()).hexdigest()[:16]
-        return default_cache_root() / "hub_listings" / f"{self.repo_id.replace('/', '--')}-{key}.json"
+        return (
+            default_cache_root() / "hub_listings" / f"{self.repo_id.replace('/', '--')}-{key}.json"
+        )
 
     def _load_listing(self) -> dict:
         try:
@@ -568,7 +592,8 @@ class HubSource(Source):
                 cached = self._load_listing().get("commit")
                 if not cached:
                     raise SourceError(
-                        self.location, "HF_HUB_OFFLINE is set and this revision was never listed online"
+                        self.location,
+                        "HF_HUB_OFFLINE is set and this revision was never listed online",
                     )
                 self._commit = cached
             else:
@@ -579,9 +604,13 @@ class HubSource(Source):
                 try:
                     sha = _with_retries(self.location, resolve, self.policy)
                 except SourceError as err:
-                    raise SourceError(self.location, f"cannot resolve revision {self.revision!r}: {err.reason}") from err
+                    raise SourceError(
+                        self.location, f"cannot resolve revision {self.revision!r}: {err.reason}"
+                    ) from err
                 if not sha:
-                    raise SourceError(self.location, f"the Hub returned no commit for revision {self.revision!r}")
+                    raise SourceError(
+                        self.location, f"the Hub returned no commit for revision {self.revision!r}"
+                    )
                 self._commit = sha
         return self._commit
 
@@ -600,12 +629,18 @@ class HubSource(Source):
             cached = self._load_listing()
             if cached.get("commit") == commit and folder in cached.get("folders", {}):
                 return [RemoteFile(**f) for f in cached["folders"][folder]]
-            raise SourceError(self._url(folder), "HF_HUB_OFFLINE is set and this folder was never listed online")
+            raise SourceError(
+                self._url(folder), "HF_HUB_OFFLINE is set and this folder was never listed online"
+            )
 
         def go():
             return list(
                 self._api().list_repo_tree(
-                    self.repo_id, folder or None, revision=commit, repo_type="dataset", recursive=False
+                    self.repo_id,
+                    folder or None,
+                    revision=commit,
+                    repo_type="dataset",
+                    recursive=False,
                 )
             )
 
@@ -613,7 +648,9 @@ class HubSource(Source):
             entries = _with_retries(self._url(folder), go, self.policy)
         except SourceError as err:
             if type(err.__cause__).__name__ in ("EntryNotFoundError", "RemoteEntryNotFoundError"):
-                raise SourceError(self._url(folder), "no such folder in the repository") from err.__cause__
+                raise SourceError(
+                    self._url(folder), "no such folder in the repository"
+                ) from err.__cause__
             raise
         out = []
         for e in entries:
@@ -696,7 +733,9 @@ class HubSource(Source):
         if direct is not None:
             return direct
         if _hub_offline():
-            raise SourceError(file.url, "HF_HUB_OFFLINE is set and the file is not in the Hub cache")
+            raise SourceError(
+                file.url, "HF_HUB_OFFLINE is set and the file is not in the Hub cache"
+            )
         from huggingface_hub import hf_hub_download
 
         from hf_pipeline.fetch import _checksum_of
@@ -723,28 +762,40 @@ class HubSource(Source):
             return Path(local)
 
         t0 = time.monotonic()
-        path = _with_retries(file.url, go, self.policy, on_retry=lambda e: self.fetch_stats.add(retries=1))
+        path = _with_retries(
+            file.url, go, self.policy, on_retry=lambda e: self.fetch_stats.add(retries=1)
+        )
         self.fetch_stats.span(t0, time.monotonic())
         self.fetch_stats.add(files=1, bytes=file.size)
         return path
 
     def _read_range(self, file, offset, deadline, stop):
         if _hub_offline():
-            raise SourceError(file.url, "HF_HUB_OFFLINE is set and the file is not staged or cached")
+            raise SourceError(
+                file.url, "HF_HUB_OFFLINE is set and the file is not staged or cached"
+            )
         import httpx2
         from huggingface_hub import hf_hub_url
         from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
         url = hf_hub_url(
-            self.repo_id, self._path_of(file), repo_type="dataset", revision=self.commit, endpoint=_hub_endpoint()
+            self.repo_id,
+            self._path_of(file),
+            repo_type="dataset",
+            revision=self.commit,
+            endpoint=_hub_endpoint(),
         )
         headers = build_hf_headers()
         headers["Accept-Encoding"] = "identity"  # sizes and checksums are of the raw bytes
         if offset:
             headers["Range"] = f"bytes={offset}-"
         t = self.policy.file_timeout
-        timeout = httpx2.Timeout(connect=min(t, 30), read=min(t, 60), write=min(t, 60), pool=min(t, 60))
-        with get_session().stream("GET", url, headers=headers, timeout=timeout, follow_redirects=True) as resp:
+        timeout = httpx2.Timeout(
+            connect=min(t, 30), read=min(t, 60), write=min(t, 60), pool=min(t, 60)
+        )
+        with get_session().stream(
+            "GET", url, headers=headers, timeout=timeout, follow_redirects=True
+        ) as resp:
             hf_raise_for_status(resp)
             skip = offset if (offset and resp.status_code == 200) else 0  # Range ignored
             for block in resp.iter_bytes(1 << 20):
@@ -767,7 +818,9 @@ def _make_source(location: str, **kw: Any) -> Source:
     if location.startswith("hf://"):
         return HubSource(location, **kw)
     if "://" in location:
-        raise SourceError(location, "unsupported scheme (use a local path, hf://datasets/... or gs://...)")
+        raise SourceError(
+            location, "unsupported scheme (use a local path, hf://datasets/... or gs://...)"
+        )
     return LocalSource(location, **kw)
 
 
@@ -807,6 +860,8 @@ def open_source(
         if cause is None or not _is_transient(cause):
             raise
         mirror = data_config.local_mirror
-        logger.warning("%s is unreachable (%s); using the local mirror %s", location, err.reason, mirror)
+        logger.warning(
+            "%s is unreachable (%s); using the local mirror %s", location, err.reason, mirror
+        )
         return LocalSource(mirror, data_config=data_config, policy=policy, staging_dir=staging_dir)
     return src

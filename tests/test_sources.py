@@ -38,7 +38,13 @@ def _rf(i: int, size: int = 10) -> RemoteFile:
 
 def test_natural_key_orders_numeric_ranges():
     names = ["100-109.pt", "0-9.pt", "10-19.pt", "000020-000029.pt", "9-9.pt"]
-    assert sorted(names, key=natural_key) == ["0-9.pt", "9-9.pt", "10-19.pt", "000020-000029.pt", "100-109.pt"]
+    assert sorted(names, key=natural_key) == [
+        "0-9.pt",
+        "9-9.pt",
+        "10-19.pt",
+        "000020-000029.pt",
+        "100-109.pt",
+    ]
 
 
 def test_consumption_order_matches_contiguous_split():
@@ -120,7 +126,13 @@ def test_local_source_lists_sorted_and_finds_metadata(shard_dir, hf_home):  # no
     src = open_source(str(shard_dir), data_config=cfg)
     assert isinstance(src, LocalSource) and src.is_local
     names = [f.name for f in src.list_shards()]
-    assert names == ["000000-000005.pt", "000006-000011.pt", "000012-000017.pt", "000018-000023.pt", "100-105.pt"]
+    assert names == [
+        "000000-000005.pt",
+        "000006-000011.pt",
+        "000012-000017.pt",
+        "000018-000023.pt",
+        "100-105.pt",
+    ]
     meta = src.find_metadata()
     assert meta.name == "coyo11m-meta.parquet"
     assert src.find_metadata("coyo11m-meta.parquet") == meta
@@ -134,7 +146,9 @@ def test_local_source_lists_sorted_and_finds_metadata(shard_dir, hf_home):  # no
 def test_local_glob_and_metadata_at_parent(tmp_path, hf_home):  # noqa: F811
     make_shards(tmp_path / "data" / "latents", n_shards=3, meta=False)
     make_shards(tmp_path / "other", n_shards=1)
-    (tmp_path / "data" / "coyo11m-meta.parquet").write_bytes((tmp_path / "other" / "coyo11m-meta.parquet").read_bytes())
+    (tmp_path / "data" / "coyo11m-meta.parquet").write_bytes(
+        (tmp_path / "other" / "coyo11m-meta.parquet").read_bytes()
+    )
     cfg = DataConfig(shards="x")
     src = open_source(str(tmp_path / "data" / "latents" / "0000*-*.pt"), data_config=cfg)
     assert len(src.list_shards()) == 3
@@ -161,7 +175,9 @@ def test_local_errors(tmp_path, hf_home):  # noqa: F811
 
 def test_location_parsing(hf_home):  # noqa: F811
     cfg = DataConfig(shards="x")
-    hub = open_source("hf://datasets/KBlueLeaf/coyo11m-256px-ccrop-latent/latents-3crop", data_config=cfg)
+    hub = open_source(
+        "hf://datasets/KBlueLeaf/coyo11m-256px-ccrop-latent/latents-3crop", data_config=cfg
+    )
     assert isinstance(hub, HubSource)
     assert (hub.repo_id, hub.revision, hub.path_in_repo) == (
         "KBlueLeaf/coyo11m-256px-ccrop-latent",
@@ -201,7 +217,9 @@ def test_staging_sidecar_guards_identity(tmp_path):
     st.publish(f, part)
     assert st.is_staged(f)
     # Same name, new generation on the server: not the staged copy any more.
-    assert not st.is_staged(RemoteFile(name="a.pt", url="gs://b/a.pt", size=3, etag="2", checksum="md5:x"))
+    assert not st.is_staged(
+        RemoteFile(name="a.pt", url="gs://b/a.pt", size=3, etag="2", checksum="md5:x")
+    )
     st.path(f).write_bytes(b"ab")  # damaged after staging
     assert not st.is_staged(f)
     st.remove(f)
@@ -215,7 +233,9 @@ def test_staging_adopts_a_dead_owners_part(tmp_path):
 
     st = _Staging(tmp_path)
     f = RemoteFile(name="a.pt", url="gs://b/a.pt", size=10, etag="1")
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     pid = int(dead.stdout)
     orphan = tmp_path / f"{st._part_prefix(f)}{pid}.1"
     orphan.write_bytes(b"12345")

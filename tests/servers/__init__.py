@@ -28,7 +28,9 @@ __all__ = [
 ]
 
 
-def make_shards(folder: Path, n_shards: int = 4, per_shard: int = 6, *, meta: bool = True, seed: int = 0) -> Path:
+def make_shards(
+    folder: Path, n_shards: int = 4, per_shard: int = 6, *, meta: bool = True, seed: int = 0
+) -> Path:
     """Write ``n_shards`` small latent shards (+ a metadata parquet) into ``folder``.
 
     Names follow the real data (``000000-000005.pt``); the numbers are deliberately

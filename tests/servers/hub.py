@@ -49,7 +49,9 @@ class FakeHub:
 
     def add_commit(self, repo_id: str, files: dict[str, bytes], *, branch: str = "main") -> str:
         """Add a commit holding exactly ``files`` (path -> bytes); return its hash."""
-        sha = hashlib.sha1(repr(sorted((k, hashlib.sha256(v).hexdigest()) for k, v in files.items())).encode())
+        sha = hashlib.sha1(
+            repr(sorted((k, hashlib.sha256(v).hexdigest()) for k, v in files.items())).encode()
+        )
         commit = sha.hexdigest()
         with self._lock:
             repo = self._repos.setdefault(repo_id, {"commits": {}, "refs": {}})
@@ -57,8 +59,14 @@ class FakeHub:
             repo["refs"][branch] = commit
         return commit
 
-    def add_folder(self, repo_id: str, folder: Path, *, prefix: str = "", branch: str = "main", extra=None) -> str:
-        files = {f"{prefix}{p.name}" if prefix else p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    def add_folder(
+        self, repo_id: str, folder: Path, *, prefix: str = "", branch: str = "main", extra=None
+    ) -> str:
+        files = {
+            f"{prefix}{p.name}" if prefix else p.name: p.read_bytes()
+            for p in folder.iterdir()
+            if p.is_file()
+        }
         files.update(extra or {})
         return self.add_commit(repo_id, files, branch=branch)
 
@@ -67,7 +75,9 @@ class FakeHub:
             return sum(1 for m, p in self.log if m == method and match in p)
 
     def start(self) -> FakeHub:
-        self._thread = threading.Thread(target=self._server.serve_forever, name="fake-hub", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="fake-hub", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -95,7 +105,11 @@ class FakeHub:
     def _entry(self, path: str, data: bytes) -> dict:
         e = {"type": "file", "oid": _git_sha1(data), "size": len(data), "path": path}
         if path.endswith(_LFS_SUFFIXES):
-            e["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+            e["lfs"] = {
+                "oid": hashlib.sha256(data).hexdigest(),
+                "size": len(data),
+                "pointerSize": 134,
+            }
         return e
 
     def _tree(self, files: dict[str, bytes], folder: str, recursive: bool) -> list[dict]:
@@ -148,7 +162,12 @@ class FakeHub:
                 segs = parts.path.split("/")  # quoted segments: revision may hold %2F
                 q = parse_qs(parts.query)
                 # /api/datasets/{org}/{name}/revision/{rev}
-                if len(segs) >= 7 and segs[1] == "api" and segs[2] == "datasets" and segs[5] == "revision":
+                if (
+                    len(segs) >= 7
+                    and segs[1] == "api"
+                    and segs[2] == "datasets"
+                    and segs[5] == "revision"
+                ):
                     repo_id, rev = f"{segs[3]}/{segs[4]}", unquote(segs[6])
                     got = hub._resolve(repo_id, rev)
                     if got is None:
@@ -164,7 +183,12 @@ class FakeHub:
                         },
                     )
                 # /api/datasets/{org}/{name}/tree/{rev}[/{path}]
-                if len(segs) >= 7 and segs[1] == "api" and segs[2] == "datasets" and segs[5] == "tree":
+                if (
+                    len(segs) >= 7
+                    and segs[1] == "api"
+                    and segs[2] == "datasets"
+                    and segs[5] == "tree"
+                ):
                     repo_id, rev = f"{segs[3]}/{segs[4]}", unquote(segs[6])
                     folder = unquote("/".join(segs[7:])).strip("/")
                     got = hub._resolve(repo_id, rev)

@@ -20,7 +20,16 @@ from urllib.parse import unquote, urlsplit
 
 __all__ = ["Fault", "FaultProxy"]
 
-_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade", "host"}
+_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "host",
+}
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -83,7 +92,9 @@ class FaultProxy:
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
     def start(self) -> FaultProxy:
-        self._thread = threading.Thread(target=self._server.serve_forever, name="fault-proxy", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="fault-proxy", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -154,12 +165,16 @@ class FaultProxy:
                     )
                 if fault is not None and fault.action == "reset":
                     # SO_LINGER 0: close() sends RST, the client sees "connection reset".
-                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    self.connection.setsockopt(
+                        socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                    )
                     self.close_connection = True
                     self.connection.close()
                     return
                 if fault is not None and fault.action == "status":
-                    payload = json.dumps({"error": {"code": fault.status, "message": "injected"}}).encode()
+                    payload = json.dumps(
+                        {"error": {"code": fault.status, "message": "injected"}}
+                    ).encode()
                     self.send_response(fault.status)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(payload)))
@@ -170,13 +185,19 @@ class FaultProxy:
                 if fault is not None and fault.action == "stall":
                     if proxy._stop.wait(fault.seconds):
                         return
-                conn = http.client.HTTPConnection(proxy.upstream_host, proxy.upstream_port, timeout=60)
+                conn = http.client.HTTPConnection(
+                    proxy.upstream_host, proxy.upstream_port, timeout=60
+                )
                 try:
                     headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
                     conn.request(self.command, self.path, body=body, headers=headers)
                     resp = conn.getresponse()
                     data = resp.read()
-                    out_headers = [(k, v) for k, v in resp.getheaders() if k.lower() not in _HOP | {"content-length"}]
+                    out_headers = [
+                        (k, v)
+                        for k, v in resp.getheaders()
+                        if k.lower() not in _HOP | {"content-length"}
+                    ]
                 finally:
                     conn.close()
                 self.send_response(resp.status)

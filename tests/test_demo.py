@@ -1,0 +1,215 @@
+"""Tests for hf_pipeline.demo: real format, determinism, planted defects, concurrency, signal."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from hf_pipeline.captions import REASONS, classify, read_captions
+from hf_pipeline.demo import COLORS, METADATA_NAME, generate_demo
+from hf_pipeline.errors import SourceError
+from hf_pipeline.shards import LATENT_SHAPE, list_local_shards, load_shard
+
+_SMALL = {"num_shards": 3, "samples_per_shard": 200, "seed": 7}
+_REPO = Path(__file__).resolve().parent.parent
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def _latents(demo) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    per_shard = []
+    lats = []
+    for p in demo.shard_paths:
+        k, lat = load_shard(p, dtype="float32")
+        per_shard.append(k)
+        lats.append(lat)
+    return np.concatenate(per_shard), np.concatenate(lats), per_shard
+
+
+def test_real_format_and_names(tmp_path):
+    demo = generate_demo(tmp_path / "d", **_SMALL)
+    assert [p.name for p in demo.shard_paths] == ["000000-000199.pt", "000200-000399.pt", "000400-000599.pt"]
+    assert list_local_shards(demo.out_dir) == list(demo.shard_paths)
+    raw = torch.load(demo.shard_paths[0], weights_only=True, map_location="cpu")
+    assert set(raw) == {"keys", "latents"}
+    assert raw["keys"].dtype == torch.int64 and raw["keys"].shape == (200,)
+    assert raw["latents"].dtype == torch.float16 and raw["latents"].shape == (200, *LATENT_SHAPE)
+    meta = pq.read_table(demo.metadata_path)
+    assert meta.column_names == ["key", "caption_llava", "caption", "caption_llava_short", "url"]
+    assert demo.metadata_path.name == METADATA_NAME
+    keys, lat, _ = _latents(demo)
+    # Non-contiguous ids, VAE-like scale, and crops that are related but not identical.
+    assert np.unique(np.diff(np.sort(np.unique(keys)))).size > 10
+    assert 0.7 < lat.std() < 1.4
+    assert not np.array_equal(lat[:, 0], lat[:, 1])
+    crop_corr = np.corrcoef(lat[:, 0].ravel(), lat[:, 1].ravel())[0, 1]
+    assert crop_corr > 0.5
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_other_latent_dtypes(tmp_path, dtype):
+    demo = generate_demo(tmp_path / dtype, num_shards=1, samples_per_shard=20, latent_dtype=dtype)
+    raw = torch.load(demo.shard_paths[0], weights_only=True)
+    assert raw["latents"].dtype == getattr(torch, dtype)
+    assert load_shard(demo.shard_paths[0])[1].dtype == np.float16
+
+
+def test_deterministic_byte_identical(tmp_path):
+    a = generate_demo(tmp_path / "a", **_SMALL)
+    b = generate_demo(tmp_path / "b", **_SMALL)
+    fa, fb = _files(a.out_dir), _files(b.out_dir)
+    assert fa == fb
+    c = generate_demo(tmp_path / "c", **{**_SMALL, "seed": 8})
+    assert _files(c.out_dir)[a.shard_paths[0].name] != fa[a.shard_paths[0].name]
+
+
+def test_planted_defects_match_files(tmp_path):
+    demo = generate_demo(tmp_path / "d", **_SMALL)
+    keys, _, per_shard = _latents(demo)
+    meta = pd.read_parquet(demo.metadata_path)
+    assert len(keys) == demo.num_latent_rows == 600
+    assert len(meta) == demo.num_meta_rows
+
+    # Duplicate latent key: present in two different shards.
+    uniq, counts = np.unique(keys, return_counts=True)
+    assert demo.duplicate_latent_keys == int((counts - 1).sum()) == 1
+    dup_key = uniq[counts > 1][0]
+    assert sum(dup_key in s for s in per_shard) == 2
+    assert demo.num_unique_latent_keys == len(uniq)
+
+    meta_keys = meta["key"].to_numpy()
+    assert demo.duplicate_meta_rows == len(meta_keys) - len(np.unique(meta_keys)) == 1
+    assert demo.latent_keys_without_meta == len(np.setdiff1d(uniq, meta_keys)) > 0
+    assert demo.meta_rows_without_latents == len(np.setdiff1d(meta_keys, uniq)) > 0
+
+    first = meta.drop_duplicates("key").set_index("key").loc[np.intersect1d(uniq, meta_keys)]
+    for col in ("caption_llava", "caption", "caption_llava_short"):
+        caps = first[col]
+        assert int(caps.isna().sum()) == demo.null_captions > 0
+        s = caps.dropna()
+        assert int((s == "").sum()) == demo.empty_captions > 0
+        assert int(((s != "") & (s.str.strip() == "")).sum()) == demo.whitespace_captions > 0
+
+    # The pipeline's own classification agrees with the planted counts.
+    table = read_captions(demo.metadata_path)
+    codes = classify(*table.lookup(uniq))
+    by = dict(zip(REASONS, np.bincount(codes, minlength=len(REASONS)).tolist(), strict=True))
+    assert by[""] == demo.clean_samples
+    assert by["no_caption"] == demo.latent_keys_without_meta + demo.null_captions
+    assert by["empty_caption"] == demo.empty_captions + demo.whitespace_captions
+    assert table.count_absent(keys) == demo.meta_rows_without_latents
+    assert table.duplicate_meta_rows == demo.duplicate_meta_rows
+
+
+def test_key_as_index_variant(tmp_path):
+    plain = generate_demo(tmp_path / "plain", **_SMALL)
+    indexed = generate_demo(tmp_path / "idx", **_SMALL, key_as_index=True)
+    names = pq.read_schema(indexed.metadata_path).names
+    assert "key" not in names and "__index_level_0__" in names
+    a, b = read_captions(plain.metadata_path), read_captions(indexed.metadata_path)
+    assert a.keys.tolist() == b.keys.tolist()
+    assert a.captions.to_pylist() == b.captions.to_pylist()
+    assert _files(plain.out_dir)[plain.shard_paths[0].name] == _files(indexed.out_dir)[indexed.shard_paths[0].name]
+
+
+def test_reuse_and_refusals(tmp_path):
+    demo = generate_demo(tmp_path / "d", **_SMALL)
+    mtimes = {p: p.stat().st_mtime_ns for p in demo.out_dir.iterdir()}
+    t0 = time.perf_counter()
+    again = generate_demo(tmp_path / "d", **_SMALL)
+    assert time.perf_counter() - t0 < 0.5
+    assert again == demo
+    assert {p: p.stat().st_mtime_ns for p in demo.out_dir.iterdir()} == mtimes
+    with pytest.raises(SourceError, match="holds a demo generated with"):
+        generate_demo(tmp_path / "d", **{**_SMALL, "seed": 1})
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "x.txt").write_text("hi")
+    with pytest.raises(SourceError, match="not a demo folder"):
+        generate_demo(foreign, **_SMALL)
+    # An empty folder (made by a user or a launcher) is filled.
+    (tmp_path / "empty").mkdir()
+    assert generate_demo(tmp_path / "empty", **_SMALL).num_latent_rows == 600
+    # A damaged demo is reported, not silently reused.
+    demo.shard_paths[1].write_bytes(b"oops")
+    with pytest.raises(SourceError, match="manifest says"):
+        generate_demo(tmp_path / "d", **_SMALL)
+    with pytest.raises(ValueError, match="samples_per_shard must be >= 10, got 5"):
+        generate_demo(tmp_path / "z", samples_per_shard=5)
+    with pytest.raises(ValueError, match="latent_dtype must be"):
+        generate_demo(tmp_path / "z", latent_dtype="int8")
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_concurrent_generation_four_processes(tmp_path):
+    target = tmp_path / "shared" / "demo"
+    start_at = time.time() + 3.0  # all four start generating at the same instant
+    code = textwrap.dedent(
+        f"""
+        import json, sys, time
+        from hf_pipeline.demo import generate_demo
+        time.sleep(max(0.0, {start_at!r} - time.time()))
+        d = generate_demo({str(target)!r}, num_shards=3, samples_per_shard=200, seed=7)
+        print(json.dumps({{"clean": d.clean_samples, "shards": [str(p) for p in d.shard_paths]}}))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(_REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        for _ in range(4)
+    ]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    for p, (_out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err.decode()[-2000:]
+    results = [json.loads(out.decode().strip().splitlines()[-1]) for out, _ in outs]
+    assert all(r == results[0] for r in results)
+    # One complete dataset, identical to a fresh single-process one, and no temp leftovers.
+    assert sorted(p.name for p in target.parent.iterdir()) == ["demo"]
+    reference = generate_demo(tmp_path / "ref", **_SMALL)
+    assert _files(target) == _files(reference.out_dir)
+
+
+def test_captions_carry_signal(tmp_path):
+    demo = generate_demo(tmp_path / "d", num_shards=2, samples_per_shard=800, seed=3)
+    keys, lat, _ = _latents(demo)
+    table = read_captions(demo.metadata_path, caption_column="caption_llava_short")
+    caps, _ = table.lookup(keys)
+    # "a {color} {shape} on a gray background, {style}": on the zero-mean gray background
+    # the image mean of channel 0 is (shape area) x (colour's channel-0 mean) + noise.
+    words = [
+        c.split(" ")[1] if c and c.startswith("a ") and " on a gray background" in c else None
+        for c in caps.to_pylist()
+    ]
+    ch0 = lat[:, :, 0].mean(axis=(1, 2, 3))  # per sample, over crops and pixels
+    means, ses = {}, {}
+    for color in COLORS:
+        sel = np.array([w == color for w in words])
+        assert sel.sum() >= 20
+        means[color], ses[color] = ch0[sel].mean(), ch0[sel].std() / np.sqrt(sel.sum())
+    # The colour word moves channel 0 the way the colour table says, far beyond noise.
+    table_ch0 = {c: v[0] for c, v in COLORS.items()}
+    obs = np.argsort(np.argsort([means[c] for c in COLORS]))
+    tab = np.argsort(np.argsort([table_ch0[c] for c in COLORS]))
+    rho = np.corrcoef(obs, tab)[0, 1]  # Spearman rank correlation
+    assert rho > 0.9, (means, table_ch0)
+    gap = means["red"] - means["black"]
+    assert gap > 8 * np.hypot(ses["red"], ses["black"]), (gap, ses)

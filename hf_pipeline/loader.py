@@ -333,7 +333,9 @@ class Loader:
         axes = self._data_axis if isinstance(self._data_axis, tuple) else (self._data_axis,)
         for a in axes:
             if a not in self._mesh.shape:
-                raise ValueError(f"data_axis {a!r} is not an axis of the mesh {dict(self._mesh.shape)}")
+                raise ValueError(
+                    f"data_axis {a!r} is not an axis of the mesh {dict(self._mesh.shape)}"
+                )
         ndev = int(np.prod([self._mesh.shape[a] for a in axes]))
         if g % ndev:
             raise ValueError(
@@ -344,9 +346,15 @@ class Loader:
         # Which rows of the global array this process's devices hold decides its share:
         # it must be one contiguous block for make_array_from_process_local_data.
         idx = self._sharding.addressable_devices_indices_map((g,))
-        spans = sorted({(s[0].start or 0, g if s[0].stop is None else s[0].stop) for s in idx.values()})
+        spans = sorted(
+            {(s[0].start or 0, g if s[0].stop is None else s[0].stop) for s in idx.values()}
+        )
         lo, hi = spans[0][0], spans[-1][1]
-        if any(a != b for (_, a), (b, _) in zip(spans, spans[1:], strict=False)) or g % (hi - lo) or lo % (hi - lo):
+        if (
+            any(a != b for (_, a), (b, _) in zip(spans, spans[1:], strict=False))
+            or g % (hi - lo)
+            or lo % (hi - lo)
+        ):
             raise ValueError(
                 f"this process's devices hold rows {spans} of the global batch; the loader "
                 "needs one contiguous, evenly sized block per process"

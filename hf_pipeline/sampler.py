@@ -50,7 +50,6 @@ PARTITIONS = ("contiguous", "strided")
 CROPS = ("all", "random")
 
 
-
 def _splitmix64(x: np.ndarray) -> np.ndarray:
     """Vectorized SplitMix64 finalizer (uint64 -> well-mixed uint64)."""
     with np.errstate(over="ignore"):
@@ -235,9 +234,7 @@ class GlobalSampler:
         """The random crop of each row in ``epoch``: a hash of (seed, epoch, row)."""
         rows = np.asarray(rows, dtype=np.int64).astype(np.uint64)
         with np.errstate(over="ignore"):
-            salt = _splitmix64(
-                _splitmix64(np.uint64(self.options.seed)) ^ np.uint64(epoch)
-            )
+            salt = _splitmix64(_splitmix64(np.uint64(self.options.seed)) ^ np.uint64(epoch))
             h = _splitmix64(rows ^ salt)
         return (h % np.uint64(self.num_crops)).astype(np.int64)
 
@@ -275,9 +272,7 @@ class GlobalSampler:
         """
         g = self.options.global_batch_size
         if process_count < 1 or not 0 <= process_index < process_count:
-            raise ValueError(
-                f"process_index must be in [0, {process_count}), got {process_index}"
-            )
+            raise ValueError(f"process_index must be in [0, {process_count}), got {process_index}")
         if g % process_count:
             raise ValueError(
                 f"global_batch_size ({g}) must be divisible by the number of processes "

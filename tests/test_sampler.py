@@ -116,12 +116,19 @@ def test_strided_matches_distributed_sampler(n, w, per, seed, drop_last, shuffle
 
     g = w * per
     s = GlobalSampler(
-        n, global_batch_size=g, seed=seed, shuffle=shuffle, partition="strided", crop=0,
+        n,
+        global_batch_size=g,
+        seed=seed,
+        shuffle=shuffle,
+        partition="strided",
+        crop=0,
         drop_last=drop_last,
     )
     order = s.epoch_order(2)
     for p in range(w):
-        ds = tud.DistributedSampler(range(n), num_replicas=w, rank=p, shuffle=False, drop_last=drop_last)
+        ds = tud.DistributedSampler(
+            range(n), num_replicas=w, rank=p, shuffle=False, drop_last=drop_last
+        )
         expect = order[np.asarray(list(ds), dtype=np.int64)]
         ours = [b.rows for b in s.process_stream(2, p, w)]
         flat = np.concatenate(ours) if ours else np.zeros(0, np.int64)
@@ -145,7 +152,9 @@ def test_distributed_sampler_shuffle_via_torch_permutation():
     n, w, seed, epoch = 103, 4, 7, 3
     ds_sets = []
     for p in range(w):
-        d = tud.DistributedSampler(range(n), num_replicas=w, rank=p, shuffle=True, seed=seed, drop_last=True)
+        d = tud.DistributedSampler(
+            range(n), num_replicas=w, rank=p, shuffle=True, seed=seed, drop_last=True
+        )
         d.set_epoch(epoch)
         ds_sets.append(list(d))
     gen = torch.Generator()

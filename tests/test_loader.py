@@ -1,0 +1,468 @@
+"""loader: batches, exact and elastic resume, prefetch thread hygiene, JAX sharding."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import traceback
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_pipeline.config import LoaderConfig
+from hf_pipeline.loader import Loader
+from hf_pipeline.mapped import SampleSource
+from hf_pipeline.sampler import GlobalSampler
+from tests.test_mapped import build_cache
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class FakeSource:
+    """In-memory source: ``keys`` = sample id (row * 3 + crop), so sequences compare."""
+
+    num_crops = 3
+
+    def __init__(self, num_rows: int, fingerprint: str = "fake", fail_at: int | None = None):
+        self.num_rows = num_rows
+        self.fingerprint = fingerprint
+        self.fail_at = fail_at
+        self.calls = 0
+
+    def _explode(self):
+        raise ValueError("boom from the producer")
+
+    def gather(self, rows, crops):
+        self.calls += 1
+        if self.fail_at is not None and self.calls > self.fail_at:
+            self._explode()
+        rows = np.asarray(rows, dtype=np.int64)
+        sample = rows * 3 + np.broadcast_to(np.asarray(crops, dtype=np.int64), rows.shape)
+        return {
+            "latents": np.broadcast_to(sample[:, None, None, None], (len(rows), 1, 2, 2)).astype(
+                np.float16
+            ),
+            "embeddings": rows[:, None].astype(np.float32),
+            "keys": sample,
+        }
+
+
+def _prefetch_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("hf_pipeline-prefetch")]
+
+
+def _keys(batches):
+    return [np.asarray(b["keys"]).tolist() for b in batches]
+
+
+def _run_with_timeout(fn, timeout=30.0):
+    result, error = [], []
+
+    def target():
+        try:
+            result.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            error.append(exc)
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"hung for {timeout}s"
+    if error:
+        raise error[0]
+    return result[0]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    files = build_cache(tmp_path_factory.mktemp("loader_cache"), 240, embed_dim=8)
+    src = SampleSource(*files, fingerprint="fp-test")
+    yield src
+    src.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_thread_left():
+    yield
+    gc.collect()
+    assert _prefetch_threads() == []
+
+
+def test_batches_match_sampler_and_source(source):
+    with Loader(source, global_batch_size=32, seed=5, process_index=1, process_count=2) as ld:
+        assert ld.steps_per_epoch == 160 // 32
+        assert ld.layout.per_process_batch == 16
+        batches = _run_with_timeout(lambda: list(ld))
+        assert len(batches) == 5
+        assert ld.state_dict()["epoch"] == 1 and ld.state_dict()["step"] == 0
+        s = ld.sampler
+        for step, b in enumerate(batches):
+            pb = s.process_batch(0, step, 1, 2)
+            ref = source.gather(pb.rows, pb.crops)
+            assert b["latents"].shape == (16, 4, 32, 32)
+            assert str(b["latents"].dtype) == "float16"
+            np.testing.assert_array_equal(np.asarray(b["latents"]), ref["latents"])
+            np.testing.assert_array_equal(np.asarray(b["embeddings"]), ref["embeddings"])
+            np.testing.assert_array_equal(np.asarray(b["keys"]), ref["keys"])
+        st_ = ld.stats()
+        assert st_.batches == 5 and st_.samples == 80 and st_.samples_per_s > 0
+        assert st_.mean_wait_s >= 0 and st_.queue_depth == 0
+
+
+def test_epochs_and_infinite_iteration():
+    with Loader(
+        FakeSource(50), global_batch_size=8, seed=1, process_count=1, process_index=0
+    ) as ld:
+        spe = ld.steps_per_epoch
+        assert spe == 6
+        first = _run_with_timeout(lambda: _keys(ld))  # epoch 0
+        second = _run_with_timeout(lambda: _keys(ld))  # epoch 1: iterating again continues
+        assert len(first) == len(second) == spe and first != second
+        ld.load_state_dict({**ld.state_dict(), "epoch": 0, "step": 0})
+        both = _run_with_timeout(lambda: _keys(ld.epochs(2)))
+        assert both == first + second
+        ld.load_state_dict({**ld.state_dict(), "epoch": 0, "step": 0})
+        many = _run_with_timeout(lambda: _keys(itertools.islice(ld.epochs(), 3 * spe + 2)))
+        assert many[: 2 * spe] == first + second
+        assert ld.state_dict()["epoch"] == 3 and ld.state_dict()["step"] == 2
+
+
+def test_no_full_batch_ends_immediately():
+    with Loader(FakeSource(5), global_batch_size=8, process_count=1, process_index=0) as ld:
+        assert _run_with_timeout(lambda: list(ld)) == []
+        with pytest.raises(ValueError, match="never yield"):
+            next(iter(ld.epochs()))
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    n=st.integers(20, 120),
+    g=st.sampled_from([4, 6, 8, 12]),
+    stop=st.integers(0, 40),
+    seed=st.integers(0, 100),
+    shuffle=st.sampled_from(["global", "block", "sequential"]),
+    crop=st.sampled_from(["random", "all", 1]),
+    prefetch=st.integers(1, 4),
+)
+def test_resume_at_random_step_equals_uninterrupted(n, g, stop, seed, shuffle, crop, prefetch):
+    kw = dict(global_batch_size=g, seed=seed, shuffle=shuffle, crop=crop, block_size=5)
+    src = FakeSource(n)
+    with Loader(src, process_index=0, process_count=1, prefetch=prefetch, **kw) as ld:
+        total = 2 * ld.steps_per_epoch + 1
+        full = _keys(itertools.islice(ld.epochs(), total))
+    with Loader(src, process_index=0, process_count=1, prefetch=prefetch, **kw) as ld:
+        head = _keys(itertools.islice(ld.epochs(), min(stop, total)))
+        state = json.loads(json.dumps(ld.state_dict()))  # checkpoints go through JSON
+    with Loader(src, process_index=0, process_count=1, **kw) as ld2:
+        ld2.load_state_dict(state)
+        tail = _keys(itertools.islice(ld2.epochs(), total - len(head)))
+    assert head + tail == full
+
+
+def _global_steps(loaders, k):
+    """Drive W per-process loaders k steps; return the concatenated global batches."""
+    its = [ld.epochs() for ld in loaders]
+    out = []
+    for _ in range(k):
+        shares = [next(it)["keys"] for it in its]
+        out.append(np.concatenate([np.asarray(s) for s in shares]).tolist())
+    for it in its:
+        it.close()
+    return out
+
+
+@pytest.mark.parametrize("partition", ["contiguous", "strided"])
+def test_elastic_resume_4_2_3(partition):
+    src = FakeSource(100)
+    kw = dict(global_batch_size=12, seed=3, partition=partition)
+    with Loader(src, process_index=0, process_count=1, **kw) as ld:
+        full = _keys(itertools.islice(ld.epochs(), 20))
+    got, state = [], None
+    for w, k in ((4, 5), (2, 7), (3, 8)):
+        loaders = [Loader(src, process_index=p, process_count=w, **kw) for p in range(w)]
+        if state is not None:
+            for ld in loaders:
+                ld.load_state_dict(state)
+        got += _global_steps(loaders, k)
+        states = [ld.state_dict() for ld in loaders]
+        assert all(s == states[0] for s in states)
+        state = states[0]
+        for ld in loaders:
+            ld.close()
+    if partition == "contiguous":
+        assert got == full
+    else:  # strided: same global batches, rows ordered by rank inside each
+        assert [sorted(b) for b in got] == [sorted(b) for b in full]
+
+
+def test_state_mismatch_is_refused():
+    src = FakeSource(100, fingerprint="a")
+    with Loader(src, global_batch_size=8, process_index=0, process_count=1) as ld:
+        state = ld.state_dict()
+    with Loader(
+        FakeSource(100, fingerprint="b"), global_batch_size=8, process_index=0, process_count=1
+    ) as ld:
+        with pytest.raises(ValueError, match="fingerprint"):
+            ld.load_state_dict(state)
+    with Loader(src, global_batch_size=16, process_index=0, process_count=1) as ld:
+        with pytest.raises(ValueError, match="global_batch_size"):
+            ld.load_state_dict(state)
+    with Loader(src, global_batch_size=8, seed=1, process_index=0, process_count=1) as ld:
+        with pytest.raises(ValueError, match="seed"):
+            ld.load_state_dict(state)
+        with pytest.raises(ValueError, match="out of range"):
+            ld.load_state_dict({**state, "seed": 1, "step": 99})
+        with pytest.raises(ValueError, match="not a loader state"):
+            ld.load_state_dict({"foo": 1})
+
+
+def test_producer_error_reaches_consumer_with_traceback():
+    src = FakeSource(100, fail_at=3)
+    with Loader(src, global_batch_size=4, process_index=0, process_count=1, prefetch=2) as ld:
+        got = []
+        with pytest.raises(ValueError, match="boom from the producer") as ei:
+            _run_with_timeout(lambda: [got.append(b) for b in ld])
+        frames = [f.name for f in traceback.extract_tb(ei.value.__traceback__)]
+        assert "_explode" in frames and "_produce" in frames
+        assert len(got) == 3
+        assert ld.state_dict()["step"] == 3  # the failed batch is next, not skipped
+    assert _prefetch_threads() == []
+
+
+def test_early_stop_and_close_leave_no_thread():
+    src = FakeSource(1000)
+    ld = Loader(src, global_batch_size=4, process_index=0, process_count=1, prefetch=3)
+    for i, _ in enumerate(ld):
+        if i == 2:
+            break
+    gc.collect()
+    assert _prefetch_threads() == []
+    assert ld.state_dict()["step"] == 3
+    it = iter(ld)
+    next(it)  # producer now blocks on a full queue
+    assert len(_prefetch_threads()) == 1
+    ld.close()
+    ld.close()  # idempotent
+    assert _prefetch_threads() == []
+    with pytest.raises(RuntimeError, match="closed"):
+        next(iter(ld))
+
+
+def test_new_iteration_supersedes_old():
+    src = FakeSource(200)
+    with Loader(src, global_batch_size=4, process_index=0, process_count=1) as ld:
+        a = iter(ld)
+        first = next(a)["keys"]
+        b = iter(ld)
+        second = next(b)["keys"]  # continues from the state, not from a's run-ahead
+        assert list(a) == []  # the superseded iterator just ends
+        assert len(_prefetch_threads()) == 1
+        s = ld.sampler
+        np.testing.assert_array_equal(
+            np.asarray(first), s.process_batch(0, 0).rows * 3 + s.process_batch(0, 0).crops
+        )
+        np.testing.assert_array_equal(
+            np.asarray(second), s.process_batch(0, 1).rows * 3 + s.process_batch(0, 1).crops
+        )
+        b.close()
+
+
+def test_pad_mode_mask_dtype_and_from_config(source):
+    cfg = LoaderConfig(
+        global_batch_size=64,
+        seed=2,
+        crop="1",
+        drop_last=False,
+        latents_dtype="bfloat16",
+        prefetch=2,
+    )
+    with Loader.from_config(source, cfg, process_index=0, process_count=1) as ld:
+        assert ld.steps_per_epoch == 3
+        batches = _run_with_timeout(lambda: list(ld))
+        assert [int(np.asarray(b["mask"]).sum()) for b in batches] == [64, 64, 32]
+        assert str(batches[0]["latents"].dtype) == "bfloat16"
+        keys = np.concatenate([np.asarray(b["keys"])[np.asarray(b["mask"])] for b in batches])
+        assert sorted(keys.tolist()) == sorted(source.keys.tolist())
+        pb = ld.sampler.process_batch(0, 0)
+        ref = source.gather(pb.rows, 1)["latents"].astype(np.float32)
+        np.testing.assert_allclose(
+            np.asarray(batches[0]["latents"]).astype(np.float32), ref, rtol=1e-2
+        )
+
+
+def test_mesh_single_device(source):
+    import jax
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    with Loader(source, global_batch_size=16, mesh=mesh) as ld:
+        assert ld.layout.devices == 1 and ld.layout.per_device_batch == 16
+        b = next(iter(ld))
+        assert b["latents"].shape == (16, 4, 32, 32)
+        assert b["latents"].sharding.spec == jax.sharding.PartitionSpec("data")
+    with pytest.raises(ValueError, match="not an axis"):
+        Loader(source, global_batch_size=16, mesh=mesh, data_axis="batch")
+
+
+_MULTI_DEVICE = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import jax
+    from jax.sharding import Mesh
+    from hf_pipeline.loader import Loader
+    from hf_pipeline.mapped import SampleSource
+    files = json.loads(sys.argv[1])
+    src = SampleSource(*files)
+    assert jax.device_count() == 4
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+    for partition in ("contiguous", "strided"):
+        ld = Loader(src, global_batch_size=16, mesh=mesh, partition=partition, seed=4)
+        lay = ld.layout
+        assert (lay.devices, lay.per_device_batch, lay.per_process_batch) == (2, 8, 16), lay
+        for step, b in enumerate(ld):
+            pb = ld.sampler.process_batch(0, step, 0, 1)
+            ref = src.gather(pb.rows, pb.crops)
+            for name in ("latents", "embeddings", "keys"):
+                arr = b[name]
+                assert arr.shape[0] == 16
+                assert len(arr.addressable_shards) == 4
+                for shard in arr.addressable_shards:
+                    assert shard.data.shape[0] == 8
+                    np.testing.assert_array_equal(np.asarray(shard.data), ref[name][shard.index])
+        ld.close()
+    try:
+        Loader(src, global_batch_size=6, mesh=Mesh(np.array(jax.devices()), ("data",)))
+    except ValueError as e:
+        assert "divisible by the 4 devices" in str(e)
+    else:
+        raise AssertionError("no error")
+    print("OK")
+    """
+)
+
+
+@pytest.mark.slow
+def test_multi_device_subprocess(source, tmp_path):
+    files = [source._latents.files, source._emb.files, None]
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "JAX_PLATFORMS": "cpu",
+    }
+    script = tmp_path / "multi_device.py"
+    script.write_text(_MULTI_DEVICE)
+    r = subprocess.run(
+        [sys.executable, str(script), json.dumps(files)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+
+
+_MULTI_PROCESS = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import jax
+    pid, port, files, out = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid,
+        initialization_timeout=60,
+    )
+    from jax.sharding import Mesh
+    from hf_pipeline.loader import Loader
+    from hf_pipeline.mapped import SampleSource
+    src = SampleSource(*files)
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    ld = Loader(src, global_batch_size=8, mesh=mesh, seed=9)
+    assert ld.layout.process_index == jax.process_index() == pid
+    assert ld.layout.process_count == 2 and ld.layout.per_device_batch == 2
+    shards = []
+    for step, b in enumerate(ld):
+        assert b["keys"].shape == (8,)
+        for s in b["keys"].addressable_shards:
+            shards.append([step, s.index[0].start, np.asarray(s.data).tolist()])
+        lat = b["latents"]
+        assert lat.shape == (8, 4, 32, 32)
+    state = ld.state_dict()
+    ld.close()
+    json.dump({"shards": shards, "state": state}, open(out, "w"))
+    jax.distributed.shutdown()
+    """
+)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_jax_distributed(source, tmp_path):
+    files = [source._latents.files, source._emb.files, None]
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+    }
+    script = tmp_path / "multi_process.py"
+    script.write_text(_MULTI_PROCESS)
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(script),
+                str(p),
+                str(port),
+                json.dumps(files),
+                str(tmp_path / f"out{p}.json"),
+            ],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for p in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=150)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert all(p.returncode == 0 for p in procs), "\n".join(outs)
+    results = [json.load(open(tmp_path / f"out{p}.json")) for p in range(2)]
+    assert results[0]["state"] == results[1]["state"]
+    s = GlobalSampler(240, global_batch_size=8, seed=9)  # no indices: all 240 rows
+    keys = source._keys.read_all()
+    steps = s.steps_per_epoch
+    for step in range(steps):
+        glob_rows, _ = s.global_batch(0, step)
+        expect = keys[glob_rows]
+        got = np.zeros(8, dtype=np.int64)
+        seen = 0
+        for pid, res in enumerate(results):
+            for st_, start, data in res["shards"]:
+                if st_ == step:
+                    assert pid * 4 <= start < (pid + 1) * 4  # each process holds its own half
+                    got[start : start + len(data)] = data
+                    seen += len(data)
+        assert seen == 8
+        np.testing.assert_array_equal(got, expect)

@@ -427,22 +427,12 @@ def test_paused_builder_loses_lease_and_stands_down(job, tmp_path):
 @pytest.mark.slow
 def test_waiters_get_build_failed_error_promptly(job, tmp_path):
     cache = tmp_path / "shared"
-    procs = [
-        job.start(
-            cache,
-            rank,
-            *FAST,
-            "--fail-stage",
-            "filtered",
-            "--poll",
-            "0.5",
-            "--lease-timeout",
-            "30",
-            "--heartbeat",
-            "1",
-        )
-        for rank in range(3)
-    ]
+    # Waiters must be waiting when the build fails: a failure record that predates a
+    # waiter is history to it (it would wait lease_timeout, then retry the build itself).
+    start_at = str(time.time() + 1.0)
+    args = ["--fail-stage", "filtered", "--build-sleep", "0.5", "--start-at", start_at]
+    timing = ["--poll", "0.5", "--lease-timeout", "30", "--heartbeat", "1"]
+    procs = [job.start(cache, rank, *args, *timing) for rank in range(3)]
     results = job.wait(procs, timeout=30)
     assert results[0]["error_type"] == "RuntimeError"
     for r in results[1:]:

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import xxhash  # noqa: E402
 
-from dist import Stage, ensure_built  # noqa: E402
+from dist import Stage, detect, ensure_built  # noqa: E402
 
 STAGES = ("converted", "filtered")
 
@@ -72,7 +72,8 @@ def main() -> int:
     ap.add_argument("--cache-dir", required=True, type=Path)
     ap.add_argument("--fingerprint", default="fp0")
     ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--builder", type=int, default=None)
+    ap.add_argument("--world-size", type=int, default=16)
+    ap.add_argument("--builder", type=int, default=None, help="default: rank == 0")
     ap.add_argument("--poll", type=float, default=0.1)
     ap.add_argument("--lease-timeout", type=float, default=1.5)
     ap.add_argument("--heartbeat", type=float, default=0.25)
@@ -133,6 +134,7 @@ def main() -> int:
             args.cache_dir,
             args.fingerprint,
             [Stage(name=s, build=build) for s in STAGES],
+            process=detect(rank=args.rank, world_size=args.world_size, environ={}),
             builder=None if args.builder is None else bool(args.builder),
             poll_interval=args.poll,
             max_wait=args.max_wait,

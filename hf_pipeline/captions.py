@@ -343,17 +343,20 @@ def read_captions(
     except (pa.ArrowInvalid, OSError) as exc:
         raise MetadataError(path, f"cannot read columns {key_field!r}, {caption_column!r}: {exc}") from None
 
+    num_rows = table.num_rows
     key_arr = table.column(key_field)
     captions = table.column(caption_column)
-    if pa.types.is_null(captions.type):
+    del table  # drop our reference so the row-group buffers can be freed early
+    if not pa.types.is_large_string(captions.type):
+        # 64-bit offsets: the production caption column holds more than 2 GiB of text.
         captions = captions.cast(pa.large_string())
-    elif not pa.types.is_large_string(captions.type):
-        captions = captions.cast(pa.large_string())
+    # take() on a many-chunk ChunkedArray resolves the chunk per index (~10x slower
+    # than on one array); one linear concatenation first is cheaper overall.
+    captions = captions.combine_chunks() if captions.num_chunks != 1 else captions.chunk(0)
     if pa.types.is_uint64(key_arr.type):
         too_big = pc.max(key_arr).as_py()
         if too_big is not None and too_big > np.iinfo(np.int64).max:
             raise MetadataError(path, f"key column {key_field!r} has values beyond int64 ({too_big})")
-    num_rows = table.num_rows
     null_keys = key_arr.null_count
     if null_keys:
         keep = pc.is_valid(key_arr)

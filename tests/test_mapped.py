@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 import pickle
+import subprocess
+import sys
 
 import datasets
 import numpy as np
@@ -25,18 +28,52 @@ def build_cache(
     num_proc: int = 2,
     writer_batch_size: int = 40,
     map_batch_size: int = 25,
-    keep=lambda k: k % 3 != 0,
+    drop_every: int | None = 3,
     latent_shape=LATENT_SHAPE,
 ):
     """Write a cache like the build does (``datasets`` map/filter with ``num_proc``).
 
     Latent values encode (key, crop, position) so mix-ups show; keys are
-    ``1000 + 7 * i`` so they differ from row ids.
+    ``1000 + 7 * i`` so they differ from row ids. Rows whose key is a multiple of
+    ``drop_every`` are filtered out (``None``: no filter, no indices files).
+
+    ``datasets`` forks its ``num_proc`` workers; once JAX (multithreaded) is imported
+    in this process that may deadlock, so then the build runs in a fresh interpreter.
 
     Returns:
         ``(rows_files, embedding_files, indices_files or None)``.
     """
     root = str(root)
+    kwargs = dict(
+        num_rows=num_rows,
+        dtype=dtype,
+        embed_dim=embed_dim,
+        num_proc=num_proc,
+        writer_batch_size=writer_batch_size,
+        map_batch_size=map_batch_size,
+        drop_every=drop_every,
+        latent_shape=list(latent_shape),
+    )
+    if "jax" in sys.modules:
+        code = (
+            "import json, sys; from tests.test_mapped import build_cache; "
+            "print(json.dumps(build_cache(sys.argv[1], **json.loads(sys.argv[2]))))"
+        )
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        r = subprocess.run(
+            [sys.executable, "-c", code, root, json.dumps(kwargs)],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        )
+        return tuple(json.loads(r.stdout.strip().splitlines()[-1]))
+    latent_shape = tuple(latent_shape)
+
+    def keep(k):
+        return drop_every is None or k % drop_every != 0
+
     feats = datasets.Features(
         {
             "key": datasets.Value("int64"),
@@ -59,7 +96,7 @@ def build_cache(
             "key": key,
             "latents": lat,
             "caption": [f"caption {k}" for k in key],
-            "drop_reason": ["" if keep is None or keep(k) else "filtered" for k in key],
+            "drop_reason": ["" if keep(k) else "filtered" for k in key],
         }
 
     rows = base.map(
@@ -91,7 +128,7 @@ def build_cache(
     )
     rows_files = [f["filename"] for f in rows.cache_files]
     emb_files = [f["filename"] for f in emb.cache_files]
-    if keep is None:
+    if drop_every is None:
         return rows_files, emb_files, None
     rows.filter(
         lambda b: [r == "" for r in b["drop_reason"]],
@@ -180,7 +217,7 @@ def test_mapped_column_whole_rows_and_out(cache):
 
 
 def test_without_indices_and_single_process(tmp_path):
-    files = build_cache(tmp_path, 50, num_proc=1, keep=None, writer_batch_size=7, embed_dim=3)
+    files = build_cache(tmp_path, 50, num_proc=1, drop_every=None, writer_batch_size=7, embed_dim=3)
     assert files[2] is None and len(files[0]) == 1
     with SampleSource(files[0], files[1]) as src:
         assert src.num_rows == 50

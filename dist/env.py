@@ -243,13 +243,18 @@ def _fill_local(r: _Reading) -> tuple[int, int, int]:
     if r.local_rank is None and r.local_world_size is None:
         # No local information: assume one node.
         return r.rank, r.world_size, r.node_rank or 0
-    local_rank = r.local_rank if r.local_rank is not None else 0
+    if r.local_rank is not None:
+        local_rank = r.local_rank
+    else:  # only a local size: assume ranks fill nodes in order
+        local_rank = r.rank % r.local_world_size if r.local_world_size else 0
     local_size = r.local_world_size
-    if local_size is None or local_size <= local_rank:
-        local_size = max(local_rank + 1, 1)
+    if local_size is None:
+        # Unknown: the smallest size consistent with what we know (validation catches
+        # a contradiction when the launcher did give a size).
+        local_size = local_rank + 1
     node = r.node_rank
     if node is None:
-        node = r.rank // local_size if local_size > 0 else 0
+        node = r.rank // local_size if local_size > 0 else 0  # homogeneous nodes
     return local_rank, local_size, node
 
 

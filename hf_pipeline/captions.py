@@ -333,8 +333,7 @@ def read_captions(
     if not pa.types.is_integer(ktype):
         raise MetadataError(path, f"key column {key_field!r} must be an integer type, got {ktype}")
     ctype = schema.field(caption_column).type
-    if not (pa.types.is_string(ctype) or pa.types.is_large_string(ctype)
-            or pa.types.is_null(ctype)):
+    if not _is_text(ctype):
         raise MetadataError(
             path, f"caption column {caption_column!r} must be string/large_string, got {ctype}"
         )
@@ -452,6 +451,20 @@ def _resolve_key_column(path: str, schema: pa.Schema, key_column: str) -> str:
         path,
         f"key column {key_column!r} not found as a column or pandas index{hint}; "
         f"columns: {_columns_text(schema)}",
+    )
+
+
+def _is_text(dtype: pa.DataType) -> bool:
+    """Whether a column type holds captions: (large_)string, string_view, a dictionary of
+    those (pandas categoricals), or all-null."""
+    if pa.types.is_dictionary(dtype):
+        dtype = dtype.value_type
+    string_view = getattr(pa.types, "is_string_view", lambda _t: False)
+    return (
+        pa.types.is_string(dtype)
+        or pa.types.is_large_string(dtype)
+        or string_view(dtype)
+        or pa.types.is_null(dtype)
     )
 
 

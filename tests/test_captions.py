@@ -90,6 +90,16 @@ def test_read_captions_other_int_types_and_null_keys(tmp_path):
     assert (t.num_rows, t.null_key_rows) == (4, 1)
 
 
+def test_read_captions_categorical_and_all_null_captions(tmp_path):
+    cat = pd.DataFrame({"key": [3, 1, 2], "caption_llava": pd.Categorical(["c", "a", None])})
+    t = read_captions(_write(tmp_path / "cat.parquet", cat))
+    assert t.captions.to_pylist() == ["a", None, "c"] and t.null_captions == 1
+    pq.write_table(pa.table({"key": [5, 4], "caption_llava": pa.array([None, None])}), tmp_path / "n.parquet")
+    t = read_captions(tmp_path / "n.parquet")
+    assert t.captions.to_pylist() == [None, None]
+    assert reason_names(classify(*t.lookup([4, 5]))).tolist() == [NO_CAPTION, NO_CAPTION]
+
+
 def test_read_captions_errors(tmp_path):
     path = _write(tmp_path / "m.parquet", _df())
     with pytest.raises(MetadataError, match=r"caption column 'nope' not found; columns: key, caption_llava, caption, url") as info:

@@ -99,7 +99,7 @@ class Job:
             if path.exists():
                 return int(path.read_text())
             for p in self.procs:
-                if p.poll() is not None and p.returncode != 0:
+                if p.poll() is not None and p.returncode > 0:  # < 0: killed by the test
                     out = p.stdout.read() if p.stdout else ""
                     raise AssertionError(f"process {p.pid} died early:\n{out}")
             time.sleep(0.01)
@@ -610,3 +610,69 @@ def test_gloo_waiters_wake_within_a_second_despite_long_poll(job, tmp_path):
         assert r["returned_at"] - published < 1.0, (
             f"rank {r['rank']} woke {r['returned_at'] - published:.2f}s after publication"
         )
+
+
+# ----------------------------------------------------------------------------- inventory
+
+
+@pytest.mark.slow
+def test_inventory_status_verify_and_clean(job, tmp_path):
+    from dist.inventory import clean, list_caches, verify
+
+    root = tmp_path / "root"
+    ensure_built(root / "c-complete", "complete", STAGES, builder=True, **QUICK)
+    ensure_built(root / "c-partial", "partial", STAGES[:1], builder=True, **QUICK)
+    ensure_built(root / "c-corrupt", "corrupt", STAGES, builder=True, **QUICK)
+    (root / "c-corrupt" / "filtered" / "part-0.bin").write_bytes(b"short")
+    with pytest.raises(ZeroDivisionError):
+        ensure_built(
+            root / "c-failed",
+            "failed",
+            [Stage(name="converted", build=lambda ctx: 1 / 0 or {})],
+            builder=True,
+            **QUICK,
+        )
+    # A dead builder: SIGKILLed inside its build, lease and tmp folder left behind.
+    dead = job.start(
+        root / "c-dead", 0, "--fingerprint", "dead", *FAST, "--hold", "build-converted:60"
+    )
+    job.wait_for_signal("build-converted")
+    os.kill(dead.pid, signal.SIGKILL)
+    dead.wait(timeout=10)
+    # A live builder, holding in its build with heartbeats every 0.2 s.
+    live = job.start(
+        root / "c-live", 0, "--fingerprint", "live", *FAST, "--hold", "build-filtered:60"
+    )
+    job.wait_for_signal("build-filtered")
+
+    states = {s.path.name: s for s in list_caches(root, observe_s=0.8)}
+    assert {k: s.state for k, s in states.items()} == {
+        "c-complete": "complete",
+        "c-corrupt": "corrupt",
+        "c-dead": "stale",
+        "c-failed": "failed",
+        "c-live": "building",
+        "c-partial": "converted",
+    }
+    assert states["c-live"].builder_pid == live.pid and states["c-live"].live is True
+    assert states["c-live"].heartbeat_stage == "filtered"
+    assert states["c-dead"].live is False and states["c-dead"].builder_pid == dead.pid
+    assert any("ZeroDivisionError" in p for p in states["c-failed"].problems)
+    assert states["c-complete"].fingerprint == "complete"
+    assert states["c-complete"].size_bytes >= 4000
+
+    assert verify(root / "c-complete") == []
+    (problem,) = verify(root / "c-corrupt")
+    assert problem.startswith("filtered: ") and "part-0.bin" in problem
+    part = root / "c-complete" / "converted" / "part-1.bin"
+    part.write_bytes(b"\x00" * part.stat().st_size)  # same size, other bytes
+    assert verify(root / "c-complete") == [
+        "converted: listed file 'converted/part-1.bin' checksum mismatch"
+    ]
+
+    expected = {root / "c-corrupt", root / "c-dead", root / "c-failed"}
+    assert set(clean(root, dry_run=True, observe_s=0.8)) == expected
+    assert all(p.exists() for p in expected)
+    assert set(clean(root, dry_run=False, observe_s=0.8)) == expected
+    assert sorted(p.name for p in root.iterdir()) == ["c-complete", "c-live", "c-partial"]
+    os.kill(live.pid, signal.SIGKILL)

@@ -1,0 +1,287 @@
+"""Cache inventory for operators: status, verify and clean (``prebuild_cache.py``).
+
+Reads the layout written by :mod:`dist.coordinator` (one sub-folder of ``root`` per cache).
+Liveness of a builder is judged the same way waiters judge it: a lease is live only if its
+heartbeat counter moves during an observation window on *this* machine's clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from dist.coordinator import LEASE_FILE, _heartbeat_path, _read_lease
+from dist.markers import check_marker, read_json
+
+__all__ = ["DEFAULT_STAGES", "CacheStatus", "clean", "list_caches", "verify"]
+
+DEFAULT_STAGES: tuple[str, ...] = ("converted", "filtered")
+_BOOKKEEPING_PREFIXES = (f"{LEASE_FILE}.", "heartbeat-", "failed-")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CacheStatus:
+    """What one cache folder looks like now.
+
+    Attributes:
+        path: the cache folder.
+        fingerprint: from its markers (else the folder-name suffix after the last ``-``).
+        state: ``"building"`` (a lease whose heartbeat moved while we watched, or that
+            we did not watch), ``"complete"`` (every stage marker valid), the name of the
+            last valid stage (``"converted"``: resumable), ``"failed"`` (a build raised),
+            ``"stale"`` (dead lease or leftovers of one), ``"corrupt"`` (a marker that
+            lists missing or truncated files, or is malformed), ``"empty"``.
+        stages_done: stages with a valid marker.
+        lease_id, builder_host, builder_pid: the lease holder, if any.
+        heartbeat_counter, heartbeat_stage, heartbeat_phase: its last heartbeat.
+        live: True/False if the heartbeat was observed to move / not move; None if not
+            observed (``observe_s=0``) or no lease.
+        size_bytes: total size of the files under the folder.
+        age_s: seconds since the newest entry changed (local clock vs file mtimes: for
+            display only; never used to judge liveness).
+        problems: human-readable findings (invalid markers, leftovers, failure messages).
+    """
+
+    path: Path
+    fingerprint: str | None
+    state: str
+    stages_done: tuple[str, ...] = ()
+    lease_id: str | None = None
+    builder_host: str | None = None
+    builder_pid: int | None = None
+    heartbeat_counter: int | None = None
+    heartbeat_stage: str | None = None
+    heartbeat_phase: str | None = None
+    live: bool | None = None
+    size_bytes: int = 0
+    age_s: float = 0.0
+    problems: tuple[str, ...] = ()
+
+
+def _lease_key(cache: Path) -> tuple | None:
+    view = _read_lease(cache / LEASE_FILE)
+    if view is None:
+        return None
+    hb = read_json(_heartbeat_path(cache, view.key))
+    return (view.key, hb.get("counter") if isinstance(hb, dict) else None)
+
+
+def _size_and_age(cache: Path) -> tuple[int, float]:
+    total, newest = 0, 0.0
+    for dirpath, _, filenames in os.walk(cache):
+        try:
+            newest = max(newest, os.stat(dirpath).st_mtime)
+        except OSError:
+            pass
+        for name in filenames:
+            try:
+                st = os.stat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            total += st.st_size
+            newest = max(newest, st.st_mtime)
+    return total, max(0.0, time.time() - newest) if newest else 0.0
+
+
+def _fingerprint(cache: Path, stages: Sequence[str]) -> str | None:
+    for stage in stages:
+        d = read_json(cache / f"{stage}.json")
+        if isinstance(d, dict) and isinstance(d.get("fingerprint"), str):
+            return d["fingerprint"]
+    return cache.name.rsplit("-", 1)[-1] if "-" in cache.name else None
+
+
+def _status(cache: Path, stages: Sequence[str], live: bool | None) -> CacheStatus:
+    fingerprint = _fingerprint(cache, stages)
+    problems: list[str] = []
+    done: list[str] = []
+    corrupt = False
+    for stage in stages:
+        marker, why = check_marker(
+            cache / f"{stage}.json", fingerprint=fingerprint or "", base_dir=cache, stage=stage
+        )
+        if marker is not None and len(done) == len(stages[: stages.index(stage)]):
+            done.append(stage)
+        elif why != "missing":
+            corrupt = True
+            problems.append(f"{stage}.json: {why}")
+    names = sorted(os.listdir(cache))
+    leftovers = [n for n in names if ".tmp-" in n or ".trash-" in n]
+    unmarked = [s for s in stages if (cache / s).is_dir() and s not in done]
+    failures = [n for n in names if n.startswith("failed-") and n.endswith(".json")]
+    for n in leftovers:
+        problems.append(f"leftover {n}")
+    for s in unmarked:
+        problems.append(f"stage folder {s}/ without a valid marker")
+    for n in failures:
+        record = read_json(cache / n)
+        if isinstance(record, dict):
+            problems.append(
+                f"failed build (host {record.get('host')}, pid {record.get('pid')}, stage "
+                f"{record.get('stage')}): {record.get('error_type')}: {record.get('message')}"
+            )
+    view = _read_lease(cache / LEASE_FILE)
+    hb = read_json(_heartbeat_path(cache, view.key)) if view is not None else None
+    hb = hb if isinstance(hb, dict) else {}
+    if view is not None and live is not False:
+        state = "building"
+    elif len(done) == len(stages):
+        state = "complete"
+    elif corrupt:
+        state = "corrupt"
+    elif view is not None:
+        state = "stale"
+        problems.append(f"dead lease {view.key} (host {view.host}, pid {view.pid})")
+    elif failures:
+        state = "failed"
+    elif leftovers or unmarked:
+        state = "stale"
+    elif done:
+        state = done[-1]
+    else:
+        state = "empty"
+    size, age = _size_and_age(cache)
+    return CacheStatus(
+        path=cache,
+        fingerprint=fingerprint,
+        state=state,
+        stages_done=tuple(done),
+        lease_id=view.key if view else None,
+        builder_host=view.host if view else None,
+        builder_pid=view.pid if view else None,
+        heartbeat_counter=hb.get("counter"),
+        heartbeat_stage=hb.get("stage"),
+        heartbeat_phase=hb.get("phase"),
+        live=live if view is not None else None,
+        size_bytes=size,
+        age_s=age,
+        problems=tuple(problems),
+    )
+
+
+def list_caches(
+    root: str | os.PathLike, *, stages: Sequence[str] = DEFAULT_STAGES, observe_s: float = 0.0
+) -> list[CacheStatus]:
+    """Status of every cache folder directly under ``root``, sorted by name.
+
+    Args:
+        root: the folder holding one sub-folder per cache.
+        stages: stage names in build order.
+        observe_s: watch leases this long to tell live builders from dead ones (use more
+            than the builders' heartbeat interval); 0 reports every lease as building.
+
+    Returns:
+        One :class:`CacheStatus` per sub-folder (hidden folders skipped); [] if ``root``
+        does not exist. Reads only.
+    """
+    if observe_s < 0:
+        raise ValueError(f"observe_s must be >= 0, got {observe_s}")
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    caches = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    live: dict[Path, bool | None] = {c: None for c in caches}
+    if observe_s > 0:
+        before = {c: _lease_key(c) for c in caches}
+        if any(k is not None for k in before.values()):
+            time.sleep(observe_s)
+            for c in caches:
+                if before[c] is not None:
+                    live[c] = _lease_key(c) != before[c]
+    return [_status(c, list(stages), live[c]) for c in caches]
+
+
+def verify(cache_dir: str | os.PathLike, stages: Sequence[str] = DEFAULT_STAGES) -> list[str]:
+    """Re-check every stage marker, file sizes and checksums; [] means the cache is sound.
+
+    Args:
+        cache_dir: one cache folder.
+        stages: stage names in build order.
+
+    Returns:
+        Problems, one line each (``"filtered: listed file ... checksum mismatch"``).
+    """
+    cache = Path(cache_dir)
+    fingerprint = _fingerprint(cache, stages) or ""
+    problems = []
+    for stage in stages:
+        marker, why = check_marker(
+            cache / f"{stage}.json",
+            fingerprint=fingerprint,
+            base_dir=cache,
+            stage=stage,
+            verify=True,
+        )
+        if marker is None:
+            problems.append(f"{stage}: {why}")
+    return problems
+
+
+def _remove(path: Path) -> None:
+    # Rename first so nobody ever sees (or resumes from) a half-deleted folder.
+    trash = path.with_name(f".{path.name}.trash-{secrets.token_hex(4)}")
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return
+    if trash.is_dir():
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        trash.unlink(missing_ok=True)
+
+
+def clean(
+    root: str | os.PathLike,
+    *,
+    dry_run: bool = True,
+    stages: Sequence[str] = DEFAULT_STAGES,
+    observe_s: float = 5.0,
+) -> list[Path]:
+    """Remove stale, corrupt and failed caches, and leftovers inside complete ones.
+
+    A cache whose lease heartbeat moves during the ``observe_s`` window is live and never
+    touched; one whose lease changed between the observation and the removal is skipped
+    too. Still, run it when no job is *starting* on ``root``: a builder that claims a
+    stale cache in the instant after our last look would lose its folder (and fail).
+
+    Args:
+        root: the folder holding one sub-folder per cache.
+        dry_run: only report what would be removed.
+        stages: stage names in build order.
+        observe_s: liveness observation window (> the builders' heartbeat interval).
+
+    Returns:
+        The paths removed (or that would be removed).
+    """
+    if observe_s <= 0:
+        raise ValueError(f"observe_s must be > 0, got {observe_s}")
+    removed: list[Path] = []
+    for status in list_caches(root, stages=stages, observe_s=observe_s):
+        if status.state == "building":
+            continue
+        cache = status.path
+        if _lease_key(cache) != (
+            None if status.lease_id is None else (status.lease_id, status.heartbeat_counter)
+        ):
+            continue  # somebody claimed or beat since we looked
+        if status.state in ("stale", "corrupt", "failed", "empty"):
+            targets = [cache]
+        else:  # complete or resumable: keep, but drop what dead builders left
+            targets = [
+                cache / n
+                for n in sorted(os.listdir(cache))
+                if ".tmp-" in n
+                or ".trash-" in n
+                or n == LEASE_FILE  # dead (we observed it), or we would not be here
+                or n.startswith(_BOOKKEEPING_PREFIXES)
+            ]
+        for target in targets:
+            removed.append(target)
+            if not dry_run:
+                _remove(target)
+    return removed

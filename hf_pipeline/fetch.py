@@ -381,6 +381,11 @@ def _checksum_of(path: Path, kind: str) -> str:
     return h.hexdigest()
 
 
+# Parts being written by threads of this process (see _Staging.claim_part).
+_ACTIVE_PARTS: set[str] = set()
+_ACTIVE_LOCK = threading.Lock()
+
+
 class _Staging:
     """Layout of a staging folder. Process- and thread-safe (atomic renames only)."""
 
@@ -426,21 +431,36 @@ class _Staging:
         self.root.mkdir(parents=True, exist_ok=True)
         prefix = self._part_prefix(file)
         mine = self.root / f"{prefix}{os.getpid()}.{threading.get_ident()}"
-        if mine.exists():
-            return mine, mine.stat().st_size
-        for cand in sorted(self.root.glob(_glob_escape(prefix) + "*")):
-            try:
-                pid = int(cand.name[len(prefix) :].split(".")[0])
-            except ValueError:
-                continue
-            if pid == os.getpid() or _pid_alive(pid):
-                continue
-            try:
-                os.rename(cand, mine)
-            except OSError:
-                continue  # another adopter won
-            return mine, mine.stat().st_size
-        return mine, 0
+        with _ACTIVE_LOCK:
+            if mine.exists():
+                _ACTIVE_PARTS.add(str(mine))
+                return mine, mine.stat().st_size
+            for cand in sorted(self.root.glob(_glob_escape(prefix) + "*")):
+                try:
+                    pid = int(cand.name[len(prefix) :].split(".")[0])
+                except ValueError:
+                    continue
+                # Ours but not being written (an earlier attempt/thread gave up), or
+                # a dead process's: adoptable. A live process's: leave it alone.
+                if pid == os.getpid():
+                    if str(cand) in _ACTIVE_PARTS:
+                        continue
+                elif _pid_alive(pid):
+                    continue
+                try:
+                    os.rename(cand, mine)
+                except OSError:
+                    continue  # another adopter won
+                _ACTIVE_PARTS.add(str(mine))
+                return mine, mine.stat().st_size
+            _ACTIVE_PARTS.add(str(mine))
+            return mine, 0
+
+    @staticmethod
+    def done_with_part(part: Path) -> None:
+        """Mark a part as no longer being written by this process."""
+        with _ACTIVE_LOCK:
+            _ACTIVE_PARTS.discard(str(part))
 
     def publish(self, file: RemoteFile, part: Path) -> Path:
         """Rename a verified part into place, then write its sidecar (both atomic)."""
@@ -475,14 +495,19 @@ def _stage_file(
     *,
     stop: threading.Event | None = None,
     on_bytes: Callable[[int], None] | None = None,
-) -> Path:
+    unwanted: Callable[[], bool] | None = None,
+) -> Path | None:
     """Download ``file`` into ``staging`` verified and atomically, with retries.
 
     Thread-safe; several processes may stage the same file at once (each writes its own
     part; the last identical rename wins).
 
+    Args:
+        unwanted: checked when the file is not staged; True means "already consumed
+            and released, do not fetch again" (returns None).
+
     Returns:
-        The staged path.
+        The staged path, or None when ``unwanted()`` said so.
 
     Raises:
         SourceError: permanent failure or retries exhausted.
@@ -490,11 +515,21 @@ def _stage_file(
     """
     if staging.is_staged(file):
         return staging.path(file)
+    # Checked after is_staged: a worker writes "released" before deleting, so a file
+    # that vanished between the two checks is seen as released, never fetched again.
+    if unwanted is not None and unwanted():
+        return None
     kind, expected = file.checksum.partition(":")[::2] if file.checksum else ("", "")
     t0 = time.monotonic()
 
     def attempt() -> Path:
         part, have = staging.claim_part(file)
+        try:
+            return _fill(part, have)
+        finally:
+            _Staging.done_with_part(part)
+
+    def _fill(part: Path, have: int) -> Path:
         if have > file.size:
             part.unlink()
             have = 0
@@ -596,8 +631,10 @@ class StagingClient:
     Attributes:
         source: the source (its network handles are rebuilt after unpickling).
         staging_dir: staging folder.
-        ctl_dir: this run's control folder, or "" when no prefetcher runs (then
-            ``acquire`` downloads itself).
+        ctl_dir: this run's control folder (markers, stats), or "" without a
+            prefetcher.
+        prefetched: a prefetcher thread stages files; False: ``acquire`` downloads
+            itself.
         on_missing: "fail" or "skip".
         policy: retry policy for self-fetching.
     """
@@ -605,6 +642,7 @@ class StagingClient:
     source: Source
     staging_dir: str
     ctl_dir: str = ""
+    prefetched: bool = False
     on_missing: str = "fail"
     policy: RetryPolicy = dataclasses.field(default_factory=RetryPolicy)
     _stats: FetchStats | None = dataclasses.field(default=None, repr=False)
@@ -669,7 +707,7 @@ class StagingClient:
                 return staging.path(file)
             self.stats.add(staging_misses=1)
             ctl = Path(self.ctl_dir) if self.ctl_dir else None
-            if ctl is not None and ctl.is_dir():
+            if self.prefetched and ctl is not None and ctl.is_dir():
                 path = self._wait(file, staging, ctl, timeout)
                 if path is not False:
                     return path
@@ -713,13 +751,15 @@ class StagingClient:
 
         Idempotent; safe to call for a skipped file.
         """
-        if self.source._direct_path(file) is None:
-            _Staging(self.staging_dir).remove(file)
+        # Marker first, then delete: the prefetcher treats "not staged + released" as
+        # consumed, so it never re-downloads a file in the gap.
         if self.ctl_dir and Path(self.ctl_dir).is_dir():
             with contextlib.suppress(OSError):
                 _write_json_atomic(
                     Path(self.ctl_dir) / _ctl_name(file, "released"), {"pid": os.getpid()}
                 )
+        if self.source._direct_path(file) is None:
+            _Staging(self.staging_dir).remove(file)
 
 
 # --------------------------------------------------------------------------- prefetcher
@@ -811,10 +851,12 @@ class Prefetcher:
         if self._thread is not None or self._closed:
             return
         self.staging.root.mkdir(parents=True, exist_ok=True)
-        if self.ahead == 0 or self.source.is_local:
-            return  # workers acquire for themselves (local: the original path)
+        # The control folder also carries the workers' stats, so it exists even when
+        # no download thread runs.
         self.ctl_dir = self.staging.root / ".ctl" / uuid.uuid4().hex[:12]
         self.ctl_dir.mkdir(parents=True)
+        if not self.prefetching:
+            return  # workers acquire for themselves (local: the original path)
         _write_json_atomic(self.ctl_dir / "heartbeat", 0)
         if self._progress:
             from tqdm.auto import tqdm
@@ -856,12 +898,18 @@ class Prefetcher:
             shutil.rmtree(self.ctl_dir, ignore_errors=True)
 
     # -- public
+    @property
+    def prefetching(self) -> bool:
+        """Whether download threads run (remote source and ``prefetch_ahead > 0``)."""
+        return self.ahead > 0 and not self.source.is_local
+
     def client(self) -> StagingClient:
         """A picklable :class:`StagingClient` for the workers of this run."""
         return StagingClient(
             source=self.source,
             staging_dir=str(self.staging.root),
             ctl_dir=str(self.ctl_dir) if self.ctl_dir is not None else "",
+            prefetched=self.prefetching,
             on_missing=self.on_missing,
             policy=self.policy,
         )
@@ -959,6 +1007,7 @@ class Prefetcher:
                 self._stats,
                 stop=self._stop,
                 on_bytes=bar_bytes,
+                unwanted=lambda: (self.ctl_dir / _ctl_name(f, "released")).exists(),
             )
         except _Cancelled:
             return

@@ -399,6 +399,9 @@ class GCSSource(Source):
     """
 
     kind = "gcs"
+    #: Bytes per ranged read. Each read is all-or-nothing (gcsfs buffers it), so this
+    #: is also the resume granularity after a kill or a cut connection.
+    read_chunk: int = _CHUNK
 
     def __init__(self, location: str, **kw: Any):
         super().__init__(location, **kw)
@@ -496,7 +499,7 @@ class GCSSource(Source):
             self._deadline_check(deadline, file.url)
             if stop is not None and stop.is_set():
                 raise _Cancelled(file.url)
-            end = min(pos + _CHUNK, file.size)
+            end = min(pos + self.read_chunk, file.size)
             block = fs.cat_file(path, start=pos, end=end)
             if not block:
                 raise ConnectionError(f"empty body at offset {pos}")

@@ -46,6 +46,7 @@ class Fault:
         seconds: for "stall".
         rate: for "throttle".
         method: only requests with this method ("" any).
+        skip: let this many matching requests through untouched first.
     """
 
     match: str
@@ -55,6 +56,7 @@ class Fault:
     seconds: float = 0.0
     rate: int = 0
     method: str = "GET"
+    skip: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -135,6 +137,9 @@ class FaultProxy:
         with self._lock:
             for f in self._faults:
                 if f.times != 0 and f.match in path and (not f.method or f.method == method):
+                    if f.skip > 0:
+                        f.skip -= 1
+                        return None
                     if f.times > 0:
                         f.times -= 1
                     return f

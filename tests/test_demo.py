@@ -159,11 +159,22 @@ def test_concurrent_generation_four_processes(tmp_path):
     start_at = time.time() + 3.0  # all four start generating at the same instant
     code = textwrap.dedent(
         f"""
-        import json, sys, time
+        import json, os, sys, time
         from hf_pipeline.demo import generate_demo
+        renames = []
+        _rename = os.rename
+        def rename(src, dst):  # record who published and who lost the race
+            try:
+                _rename(src, dst)
+            except OSError:
+                renames.append("lost")
+                raise
+            renames.append("won")
+        os.rename = rename
         time.sleep(max(0.0, {start_at!r} - time.time()))
         d = generate_demo({str(target)!r}, num_shards=3, samples_per_shard=200, seed=7)
-        print(json.dumps({{"clean": d.clean_samples, "shards": [str(p) for p in d.shard_paths]}}))
+        print(json.dumps({{"clean": d.clean_samples, "shards": [str(p) for p in d.shard_paths],
+                           "renames": renames}}))
         """
     )
     env = {**os.environ, "PYTHONPATH": str(_REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -181,7 +192,12 @@ def test_concurrent_generation_four_processes(tmp_path):
     for p, (_out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err.decode()[-2000:]
     results = [json.loads(out.decode().strip().splitlines()[-1]) for out, _ in outs]
+    renames = [r.pop("renames") for r in results]
     assert all(r == results[0] for r in results)
+    # Exactly one process published; every other one either lost the rename (and
+    # discarded its copy) or found the finished folder and returned at once.
+    assert sum(r.count("won") for r in renames) == 1, renames
+    assert all(len(r) <= 1 for r in renames), renames
     # One complete dataset, identical to a fresh single-process one, and no temp leftovers.
     assert sorted(p.name for p in target.parent.iterdir()) == ["demo"]
     reference = generate_demo(tmp_path / "ref", **_SMALL)

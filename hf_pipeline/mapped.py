@@ -439,6 +439,11 @@ class SampleSource:
         fingerprint: str = "",
     ):
         self.fingerprint = str(fingerprint)
+        self._args = (
+            [os.fspath(f) for f in rows_files],
+            [os.fspath(f) for f in embedding_files],
+            None if indices_files is None else [os.fspath(f) for f in indices_files],
+        )
         self._latents = self._keys = self._emb = None
         try:
             self._latents = MappedColumn.open(rows_files, _LATENTS)
@@ -566,6 +571,10 @@ class SampleSource:
             "keys": self._keys.gather(phys, out=out.get("keys")),
         }
 
+    def __reduce__(self):
+        # Pickles as its file lists: a spawned worker process maps the files itself.
+        return (_reopen_source, (*self._args, self.fingerprint))
+
     def close(self) -> None:
         """Close the memory maps (idempotent)."""
         for col in (self._latents, self._keys, self._emb):
@@ -584,3 +593,7 @@ class SampleSource:
             f"crops={self.num_crops}, latents={self.latent_shape} {self.latent_dtype}, "
             f"embed_dim={self.embed_dim}, fingerprint={self.fingerprint!r})"
         )
+
+
+def _reopen_source(rows_files, embedding_files, indices_files, fingerprint):
+    return SampleSource(rows_files, embedding_files, indices_files, fingerprint=fingerprint)

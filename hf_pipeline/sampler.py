@@ -164,6 +164,17 @@ class GlobalSampler:
         self._lock = threading.Lock()
         self._cache: dict[int, np.ndarray] = {}
 
+    def __getstate__(self):
+        # Picklable for spawned/forkserver workers: the lock and cached orders stay behind.
+        state = self.__dict__.copy()
+        del state["_lock"], state["_cache"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._cache = {}
+
     @property
     def global_batch_size(self) -> int:
         """Samples per global batch."""

@@ -1,0 +1,151 @@
+"""A ``torch.utils.data`` view of the cache, in the same global order as the JAX loader.
+
+:class:`TorchBatches` is an ``IterableDataset`` of whole batches (this rank's share of
+each global batch, exactly what :class:`hf_pipeline.loader.Loader` gives that rank).
+Under a ``DataLoader`` with ``num_workers=K`` worker ``k`` assembles the steps
+``start_step + k, start_step + k + K, ...``; the DataLoader reads workers round-robin, so
+batches arrive in step order, each exactly once. Use ``batch_size=None`` (the dataset
+already batches) — :func:`torch_loader` does that.
+
+Workers inherit the memory maps when forked and reopen them by path when spawned
+(:class:`SampleSource` pickles as its file lists).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.data as tud
+
+from hf_pipeline.sampler import GlobalSampler, SamplerOptions
+
+__all__ = [
+    "TorchBatches",
+    "torch_loader",
+]
+
+
+def _default_rank() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class TorchBatches(tud.IterableDataset):
+    """This rank's batches of one epoch as dicts of torch tensors.
+
+    Args:
+        source: a :class:`~hf_pipeline.mapped.SampleSource`.
+        global_batch_size: samples per step over all ranks.
+        seed, crop, shuffle, partition, block_size, window_blocks, drop_last: as for
+            :class:`hf_pipeline.loader.Loader` (same order, same shares).
+        process_index, process_count: this rank's share; default the
+            ``torch.distributed`` rank and world size, else 0 of 1.
+        epoch: the epoch to iterate (see :meth:`set_epoch`).
+        start_step: first step of the epoch to produce (resume).
+        latents_dtype: optional torch dtype (or name) for the latents, e.g. bfloat16.
+
+    Yields:
+        ``{"latents": (b, C, H, W), "embeddings": (b, D), "keys": (b,)}`` tensors (and
+        ``"mask"`` with ``drop_last=False``), ``b = global_batch_size // process_count``.
+
+    Raises:
+        ValueError: invalid options or a global batch not divisible by the ranks.
+
+    Thread-safety: each DataLoader worker iterates its own copy.
+    """
+
+    def __init__(
+        self,
+        source,
+        *,
+        global_batch_size: int,
+        seed: int = 0,
+        crop: str | int = "random",
+        shuffle: str = "global",
+        partition: str = "contiguous",
+        block_size: int = 4096,
+        window_blocks: int = 4,
+        drop_last: bool = True,
+        process_index: int | None = None,
+        process_count: int | None = None,
+        epoch: int = 0,
+        start_step: int = 0,
+        latents_dtype: torch.dtype | str | None = None,
+    ):
+        super().__init__()
+        options = SamplerOptions(
+            global_batch_size=global_batch_size,
+            seed=seed,
+            crop=crop,
+            shuffle=shuffle,
+            partition=partition,
+            block_size=block_size,
+            window_blocks=window_blocks,
+            drop_last=drop_last,
+        )
+        if process_index is None or process_count is None:
+            rank, world = _default_rank()
+            process_index = rank if process_index is None else process_index
+            process_count = world if process_count is None else process_count
+        self.source = source
+        self.sampler = GlobalSampler(source.num_rows, options, num_crops=source.num_crops)
+        self._local = self.sampler.process_positions(process_index, process_count)
+        self.process_index, self.process_count = int(process_index), int(process_count)
+        if start_step < 0:
+            raise ValueError(f"start_step must be >= 0, got {start_step}")
+        self.epoch = int(epoch)
+        self.start_step = int(start_step)
+        if isinstance(latents_dtype, str):
+            latents_dtype = getattr(torch, latents_dtype)
+        self.latents_dtype = latents_dtype
+
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        """Iterate ``epoch`` from ``start_step`` next time (call before each epoch)."""
+        self.epoch, self.start_step = int(epoch), int(start_step)
+
+    def __len__(self) -> int:
+        """Batches left in the epoch for this rank (all workers together)."""
+        return max(self.sampler.steps_per_epoch - self.start_step, 0)
+
+    def steps(self) -> range:
+        """The steps this worker produces (all remaining steps outside a worker)."""
+        info = tud.get_worker_info()
+        k, n = (0, 1) if info is None else (info.id, info.num_workers)
+        return range(self.start_step + k, self.sampler.steps_per_epoch, n)
+
+    def batch(self, step: int) -> dict[str, Any]:
+        """This rank's batch ``step`` of the current epoch as torch tensors."""
+        pb = self.sampler.batch_at(self.epoch, step, self._local)
+        arrays = self.source.gather(pb.rows, pb.crops)
+        out = {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in arrays.items()}
+        if self.latents_dtype is not None:
+            out["latents"] = out["latents"].to(self.latents_dtype)
+        if not self.sampler.options.drop_last:
+            out["mask"] = torch.from_numpy(pb.mask)
+        return out
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for step in self.steps():
+            yield self.batch(step)
+
+
+def torch_loader(dataset: TorchBatches, *, num_workers: int = 2, pin_memory: bool = False, **kw):
+    """A ``DataLoader`` over ``dataset`` that keeps its batches and order.
+
+    Args:
+        dataset: the :class:`TorchBatches`.
+        num_workers: worker processes (each a disjoint set of steps).
+        pin_memory: pin batches in page-locked memory (for CUDA transfers).
+        **kw: other ``DataLoader`` arguments (``prefetch_factor``, ``persistent_workers``,
+            ``multiprocessing_context``, ...).
+    """
+    if "batch_size" in kw and kw["batch_size"] is not None:
+        raise ValueError("TorchBatches yields whole batches: leave batch_size unset")
+    kw["batch_size"] = None
+    return tud.DataLoader(dataset, num_workers=num_workers, pin_memory=pin_memory, **kw)

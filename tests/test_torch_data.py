@@ -1,0 +1,89 @@
+"""torch_data: DataLoader workers split this rank's batches without duplicates."""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from hf_pipeline.mapped import SampleSource
+from hf_pipeline.torch_data import TorchBatches, torch_loader
+from tests.test_mapped import build_cache
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    files = build_cache(tmp_path_factory.mktemp("torch_cache"), 200, embed_dim=8)
+    src = SampleSource(*files, fingerprint="fp")
+    yield src
+    src.close()
+
+
+def _expected(ds: TorchBatches, step: int):
+    pb = ds.sampler.batch_at(ds.epoch, step, ds._local)
+    return ds.source.gather(pb.rows, pb.crops)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_workers_disjoint_in_order(source, num_workers):
+    ds = TorchBatches(
+        source, global_batch_size=16, seed=3, process_index=1, process_count=2, epoch=1
+    )
+    assert len(ds) == source.num_rows // 16
+    dl = torch_loader(
+        ds, num_workers=num_workers, pin_memory=True, timeout=60 if num_workers else 0
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "pin_memory set but no accelerator" on CPU
+        batches = list(dl)
+    assert len(batches) == len(ds)
+    all_keys = []
+    for step, b in enumerate(batches):
+        exp = _expected(ds, step)
+        assert b["latents"].dtype == torch.float16 and b["latents"].shape == (8, 4, 32, 32)
+        np.testing.assert_array_equal(b["latents"].numpy(), exp["latents"])
+        np.testing.assert_array_equal(b["embeddings"].numpy(), exp["embeddings"])
+        np.testing.assert_array_equal(b["keys"].numpy(), exp["keys"])
+        all_keys += b["keys"].tolist()
+    assert len(all_keys) == len(set(all_keys))  # crop="random": one sample per row
+
+
+def test_ranks_union_is_global_batch_and_resume(source):
+    kw = dict(global_batch_size=12, seed=5, crop="all", partition="strided")
+    ranks = [TorchBatches(source, process_index=p, process_count=3, **kw) for p in range(3)]
+    per_rank = [list(torch_loader(r, num_workers=2, timeout=60)) for r in ranks]
+    for step in range(len(ranks[0])):
+        glob, _ = ranks[0].sampler.global_batch(0, step)
+        got = torch.cat([per_rank[p][step]["keys"] for p in range(3)]).tolist()
+        assert sorted(got) == sorted(source.keys[glob // 3].tolist())
+    ranks[0].set_epoch(0, start_step=4)
+    resumed = list(torch_loader(ranks[0], num_workers=2, timeout=60))
+    assert [b["keys"].tolist() for b in resumed] == [b["keys"].tolist() for b in per_rank[0][4:]]
+
+
+def test_pad_mask_bf16_and_spawned_workers(source):
+    ds = TorchBatches(
+        source,
+        global_batch_size=48,
+        crop=0,
+        drop_last=False,
+        latents_dtype="bfloat16",
+        process_index=0,
+        process_count=1,
+    )
+    clone = pickle.loads(pickle.dumps(source))
+    try:
+        assert clone.num_rows == source.num_rows and clone.fingerprint == "fp"
+    finally:
+        clone.close()
+    dl = torch_loader(ds, num_workers=2, multiprocessing_context="spawn", timeout=120)
+    batches = list(dl)
+    assert [int(b["mask"].sum()) for b in batches] == [48, 48, source.num_rows - 96]
+    assert batches[0]["latents"].dtype == torch.bfloat16
+    keys = torch.cat([b["keys"][b["mask"]] for b in batches]).tolist()
+    assert sorted(keys) == sorted(source.keys.tolist())
+    with pytest.raises(ValueError, match="batch_size"):
+        torch_loader(ds, batch_size=4)

@@ -292,7 +292,6 @@ def _write_dataset(folder: Path, params: dict) -> None:
     meta_only_keys = np.sort(all_keys[pick[total:]])
 
     attrs = _draw_attributes(rng, total)
-    latents = _render_latents(rng, attrs)
 
     # Defects on disjoint latent rows (the first row of each shard stays clean, so the
     # duplicate below always copies a clean row).
@@ -309,44 +308,51 @@ def _write_dataset(folder: Path, params: dict) -> None:
     # shard repeats shard 0's first key and image, re-encoded (a little fresh noise).
     # A single shard cannot have a cross-shard duplicate, so that case plants none.
     shard_keys = latent_keys.copy()
-    dup_latent = 0
-    if n_shards > 1:
-        src, dst = 0, (n_shards - 1) * per
-        shard_keys[dst] = latent_keys[src]
-        latents[dst] = latents[src] + rng.normal(0, 0.02, size=latents[src].shape).astype(np.float32)
-        for name in ("color", "shape", "background", "style", "where"):
-            attrs[name][dst] = attrs[name][src]
-        dup_latent = 1
+    dup_dst = (n_shards - 1) * per if n_shards > 1 else None
+    if dup_dst is not None:
+        shard_keys[dup_dst] = latent_keys[0]
+        for name in ("color", "shape", "background", "style", "where", "cy", "cx", "radius"):
+            attrs[name][dup_dst] = attrs[name][0]
 
-    # Within a shard the order is shuffled: consumers must not rely on sorted keys.
-    shard_names: list[str] = []
-    files: dict[str, dict] = {}
     tdtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[
         params["latent_dtype"]
     ]
+    shard_names: list[str] = []
+    first_image = None
     for s in range(n_shards):
         lo, hi = s * per, (s + 1) * per
-        order = lo + rng.permutation(per)
+        # Shard by shard, each with its own RNG stream: memory stays O(samples_per_shard)
+        # however many shards are asked for.
+        srng = np.random.default_rng([params["seed"], 0x0C0F0, s + 1])
+        lat = _render_latents(srng, {k: v[lo:hi] for k, v in attrs.items()})
+        if s == 0:
+            first_image = lat[0].copy()
+        if lo == dup_dst:
+            lat[0] = first_image + srng.normal(0.0, 0.02, size=first_image.shape).astype(np.float32)
+        # Within a shard the order is shuffled: consumers must not rely on sorted keys.
+        order = srng.permutation(per)
         name = f"{lo:06d}-{hi - 1:06d}.pt"
-        keys_t = torch.from_numpy(shard_keys[order].copy())
-        lat_t = torch.from_numpy(np.ascontiguousarray(latents[order])).to(tdtype).clone()
+        keys_t = torch.from_numpy(shard_keys[lo:hi][order].copy())
         # clone(): torch.save writes a view's whole storage; each shard owns exactly its rows.
+        lat_t = torch.from_numpy(np.ascontiguousarray(lat[order])).to(tdtype).clone()
         _save_torch(folder / name, {"keys": keys_t, "latents": lat_t})
         shard_names.append(name)
+        del lat, lat_t
 
     captions = _captions(rng, attrs, shard_keys)
     meta_cols, counts = _metadata_rows(
         rng, shard_keys, captions, meta_only_keys,
         no_meta_rows=no_meta_rows, null_rows=null_rows, empty_rows=empty_rows,
         space_rows=space_rows, dup_meta_row=dup_meta_row,
-        dup_latent_rows=np.array([(n_shards - 1) * per]) if dup_latent else np.array([], int),
+        dup_latent_rows=np.array([dup_dst] if dup_dst is not None else [], dtype=np.int64),
     )
     _write_metadata(folder / METADATA_NAME, meta_cols, key_as_index=params["key_as_index"])
 
+    files: dict[str, dict] = {}
     for name in [*shard_names, METADATA_NAME]:
         p = folder / name
         files[name] = {"size": p.stat().st_size, "sha256": _sha256(p)}
-    counts.update(num_latent_rows=total, duplicate_latent_keys=dup_latent)
+    counts.update(num_latent_rows=total, duplicate_latent_keys=int(dup_dst is not None))
     manifest = {"params": params, "shards": shard_names, "files": files, "counts": counts}
     _write_fsync(folder / _MANIFEST_NAME, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
     _fsync_dir(folder)
@@ -354,7 +360,7 @@ def _write_dataset(folder: Path, params: dict) -> None:
 
 def _draw_attributes(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
     """Per-sample scene words (as indices) plus the shape's centre and size."""
-    return {
+    attrs = {
         "color": rng.integers(0, len(COLORS), n),
         "shape": rng.integers(0, len(SHAPES), n),
         "background": rng.integers(0, len(BACKGROUNDS), n),
@@ -362,8 +368,18 @@ def _draw_attributes(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
         "cy": rng.uniform(11, 21, n),
         "cx": rng.uniform(11, 21, n),
         "radius": rng.uniform(6.5, 10.5, n),
-        "where": np.zeros(n, dtype=np.int64),  # filled by _render_latents
     }
+    # Position word from the uncropped centre: 0 centre, 1 left, 2 right, 3 top, 4 bottom.
+    dy, dx = attrs["cy"] - 15.5, attrs["cx"] - 15.5
+    where = np.zeros(n, dtype=np.int64)
+    off = np.maximum(np.abs(dx), np.abs(dy)) > 2.5
+    horiz = np.abs(dx) >= np.abs(dy)
+    where[off & horiz & (dx < 0)] = 1
+    where[off & horiz & (dx >= 0)] = 2
+    where[off & ~horiz & (dy < 0)] = 3
+    where[off & ~horiz & (dy >= 0)] = 4
+    attrs["where"] = where
+    return attrs
 
 
 def _render_latents(rng: np.random.Generator, attrs: dict[str, np.ndarray]) -> np.ndarray:
@@ -398,17 +414,6 @@ def _render_latents(rng: np.random.Generator, attrs: dict[str, np.ndarray]) -> n
             lat[sel] += amp * _texture(rng, kind, sel.size)[:, None]  # shared by the crops
     lat += 0.08 * rng.standard_normal(size=lat.shape, dtype=np.float32)
     lat *= _SCALE
-
-    # Position word from the uncropped centre: 0 centre, 1 left, 2 right, 3 top, 4 bottom.
-    dy, dx = attrs["cy"] - 15.5, attrs["cx"] - 15.5
-    where = np.zeros(n, dtype=np.int64)
-    off = np.maximum(np.abs(dx), np.abs(dy)) > 2.5
-    horiz = np.abs(dx) >= np.abs(dy)
-    where[off & horiz & (dx < 0)] = 1
-    where[off & horiz & (dx >= 0)] = 2
-    where[off & ~horiz & (dy < 0)] = 3
-    where[off & ~horiz & (dy >= 0)] = 4
-    attrs["where"][:] = where
     return lat
 
 

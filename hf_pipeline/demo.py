@@ -182,6 +182,8 @@ def generate_demo(
     """
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
     if samples_per_shard < 10:
         raise ValueError(f"samples_per_shard must be >= 10, got {samples_per_shard}")
     if latent_dtype not in ("float16", "bfloat16", "float32"):
@@ -251,25 +253,29 @@ def _read_existing(out: Path, params: dict) -> DemoData | None:
             f"holds a demo generated with {manifest.get('params')}, not {params}; "
             "use another folder or delete this one",
         )
-    for name, info in manifest["files"].items():
-        p = out / name
-        try:
-            size = p.stat().st_size
-        except OSError:
-            size = -1
-        if size != info["size"]:
-            raise SourceError(
-                str(p), f"demo file has {size} bytes, manifest says {info['size']}; delete {out}"
-            )
-    counts = manifest["counts"]
-    return DemoData(
-        out_dir=out,
-        shard_paths=tuple(out / n for n in manifest["shards"]),
-        metadata_path=out / METADATA_NAME,
-        key_as_index=params["key_as_index"],
-        params=dict(params),
-        **counts,
-    )
+    try:
+        for name, info in manifest["files"].items():
+            p = out / name
+            try:
+                size = p.stat().st_size
+            except OSError:
+                size = -1
+            if size != info["size"]:
+                raise SourceError(
+                    str(p), f"demo file has {size} bytes, manifest says {info['size']}; delete {out}"
+                )
+        return DemoData(
+            out_dir=out,
+            shard_paths=tuple(out / n for n in manifest["shards"]),
+            metadata_path=out / METADATA_NAME,
+            key_as_index=params["key_as_index"],
+            params=dict(params),
+            **manifest["counts"],
+        )
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise SourceError(
+            str(manifest_path), f"malformed demo manifest ({type(exc).__name__}: {exc}); delete {out}"
+        ) from None
 
 
 # --------------------------------------------------------------------------- generation

@@ -147,6 +147,13 @@ def test_reuse_and_refusals(tmp_path):
     demo.shard_paths[1].write_bytes(b"oops")
     with pytest.raises(SourceError, match="manifest says"):
         generate_demo(tmp_path / "d", **_SMALL)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "manifest.json").write_text(json.dumps({"params": again.params}))
+    with pytest.raises(SourceError, match="malformed demo manifest"):
+        generate_demo(bad, **_SMALL)
+    with pytest.raises(ValueError, match="seed must be >= 0, got -1"):
+        generate_demo(tmp_path / "z", seed=-1)
     with pytest.raises(ValueError, match="samples_per_shard must be >= 10, got 5"):
         generate_demo(tmp_path / "z", samples_per_shard=5)
     with pytest.raises(ValueError, match="latent_dtype must be"):

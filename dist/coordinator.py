@@ -566,7 +566,11 @@ class _Lease:
     def _run(self) -> None:
         absent = 0
         while not self._stop.wait(self._interval):
-            view = _read_lease(self.cache_dir / LEASE_FILE)
+            try:
+                view = _read_lease(self.cache_dir / LEASE_FILE)
+            except OSError as e:  # ESTALE/EIO on a flaky NFS mount: count as absent
+                logger.debug("heartbeat: cannot read lease: %s", e)
+                view = None
             if view is None:
                 absent += 1  # may be a taker's ABA rename in flight: allow a few beats
             else:

@@ -127,8 +127,14 @@ class CaptionTable:
             return (CaptionTable.open, (self.path,))
         return (
             _rebuild,
-            (self.keys, self.captions, self.num_rows, self.duplicate_meta_rows,
-             self.null_key_rows, self.source),
+            (
+                self.keys,
+                self.captions,
+                self.num_rows,
+                self.duplicate_meta_rows,
+                self.null_key_rows,
+                self.source,
+            ),
         )
 
     @property
@@ -196,11 +202,17 @@ class CaptionTable:
         """
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        meta = {_COUNTS_META: json.dumps(
-            {"num_rows": self.num_rows, "duplicate_meta_rows": self.duplicate_meta_rows,
-             "null_key_rows": self.null_key_rows, "source": self.source},
-            sort_keys=True,
-        ).encode()}
+        meta = {
+            _COUNTS_META: json.dumps(
+                {
+                    "num_rows": self.num_rows,
+                    "duplicate_meta_rows": self.duplicate_meta_rows,
+                    "null_key_rows": self.null_key_rows,
+                    "source": self.source,
+                },
+                sort_keys=True,
+            ).encode()
+        }
         table = pa.table(
             {_IPC_KEY: pa.array(self.keys, type=pa.int64()), _IPC_CAPTION: self.captions},
         ).replace_schema_metadata(meta)
@@ -255,7 +267,7 @@ class CaptionTable:
             keys = np.empty(0, dtype=np.int64)
             caps = pa.array([], type=pa.large_string())
         else:
-            keys = (keys_col.chunk(0) if keys_col.num_chunks == 1 else keys_col.combine_chunks())
+            keys = keys_col.chunk(0) if keys_col.num_chunks == 1 else keys_col.combine_chunks()
             keys = keys.to_numpy(zero_copy_only=keys.null_count == 0)
             caps = cap_col
         return cls(
@@ -280,8 +292,12 @@ class CaptionTable:
 
 def _rebuild(keys, captions, num_rows, duplicate_meta_rows, null_key_rows, source) -> CaptionTable:
     return CaptionTable(
-        keys, captions, num_rows=num_rows, duplicate_meta_rows=duplicate_meta_rows,
-        null_key_rows=null_key_rows, source=source,
+        keys,
+        captions,
+        num_rows=num_rows,
+        duplicate_meta_rows=duplicate_meta_rows,
+        null_key_rows=null_key_rows,
+        source=source,
     )
 
 
@@ -340,7 +356,9 @@ def read_captions(
     try:
         table = pf.read(columns=[key_field, caption_column], use_pandas_metadata=False)
     except (pa.ArrowInvalid, OSError) as exc:
-        raise MetadataError(path, f"cannot read columns {key_field!r}, {caption_column!r}: {exc}") from None
+        raise MetadataError(
+            path, f"cannot read columns {key_field!r}, {caption_column!r}: {exc}"
+        ) from None
 
     num_rows = table.num_rows
     key_arr = table.column(key_field)
@@ -355,7 +373,9 @@ def read_captions(
     if pa.types.is_uint64(key_arr.type):
         too_big = pc.max(key_arr).as_py()
         if too_big is not None and too_big > np.iinfo(np.int64).max:
-            raise MetadataError(path, f"key column {key_field!r} has values beyond int64 ({too_big})")
+            raise MetadataError(
+                path, f"key column {key_field!r} has values beyond int64 ({too_big})"
+            )
     null_keys = key_arr.null_count
     if null_keys:
         keep = pc.is_valid(key_arr)
@@ -386,6 +406,8 @@ def classify(captions: pa.Array | pa.ChunkedArray, found: np.ndarray) -> np.ndar
     """Why each row would be dropped, as small integer codes (``REASONS[code]``).
 
     Vectorized (pyarrow ``utf8_trim_whitespace`` + ``utf8_length``): no per-row Python.
+    "Whitespace" is Unicode White_Space, the same set as Python's ``str.isspace``
+    (``"\u3000"`` counts; zero-width space ``"\u200b"`` does not).
 
     Args:
         captions: captions from :meth:`CaptionTable.lookup` (nulls allowed).

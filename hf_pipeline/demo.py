@@ -262,7 +262,8 @@ def _read_existing(out: Path, params: dict) -> DemoData | None:
                 size = -1
             if size != info["size"]:
                 raise SourceError(
-                    str(p), f"demo file has {size} bytes, manifest says {info['size']}; delete {out}"
+                    str(p),
+                    f"demo file has {size} bytes, manifest says {info['size']}; delete {out}",
                 )
         return DemoData(
             out_dir=out,
@@ -274,7 +275,8 @@ def _read_existing(out: Path, params: dict) -> DemoData | None:
         )
     except (KeyError, TypeError, AttributeError) as exc:
         raise SourceError(
-            str(manifest_path), f"malformed demo manifest ({type(exc).__name__}: {exc}); delete {out}"
+            str(manifest_path),
+            f"malformed demo manifest ({type(exc).__name__}: {exc}); delete {out}",
         ) from None
 
 
@@ -347,9 +349,15 @@ def _write_dataset(folder: Path, params: dict) -> None:
 
     captions = _captions(rng, attrs, shard_keys)
     meta_cols, counts = _metadata_rows(
-        rng, shard_keys, captions, meta_only_keys,
-        no_meta_rows=no_meta_rows, null_rows=null_rows, empty_rows=empty_rows,
-        space_rows=space_rows, dup_meta_row=dup_meta_row,
+        rng,
+        shard_keys,
+        captions,
+        meta_only_keys,
+        no_meta_rows=no_meta_rows,
+        null_rows=null_rows,
+        empty_rows=empty_rows,
+        space_rows=space_rows,
+        dup_meta_row=dup_meta_row,
         dup_latent_rows=np.array([dup_dst] if dup_dst is not None else [], dtype=np.int64),
     )
     _write_metadata(folder / METADATA_NAME, meta_cols, key_as_index=params["key_as_index"])
@@ -360,7 +368,9 @@ def _write_dataset(folder: Path, params: dict) -> None:
         files[name] = {"size": p.stat().st_size, "sha256": _sha256(p)}
     counts.update(num_latent_rows=total, duplicate_latent_keys=int(dup_dst is not None))
     manifest = {"params": params, "shards": shard_names, "files": files, "counts": counts}
-    _write_fsync(folder / _MANIFEST_NAME, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+    _write_fsync(
+        folder / _MANIFEST_NAME, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
+    )
     _fsync_dir(folder)
 
 
@@ -407,7 +417,7 @@ def _render_latents(rng: np.random.Generator, attrs: dict[str, np.ndarray]) -> n
     for s_idx, shape in enumerate(SHAPES):
         sel = attrs["shape"] == s_idx
         if sel.any():
-            masks[sel] = _shape_mask(shape, u[sel], v[sel], r[sel], yy)
+            masks[sel] = _shape_mask(shape, u[sel], v[sel], r[sel])
 
     color = np.asarray(list(COLORS.values()), dtype=np.float32)[attrs["color"]]  # (n, 4)
     bg = np.asarray(list(BACKGROUNDS.values()), dtype=np.float32)[attrs["background"]]
@@ -423,7 +433,7 @@ def _render_latents(rng: np.random.Generator, attrs: dict[str, np.ndarray]) -> n
     return lat
 
 
-def _shape_mask(shape: str, u: np.ndarray, v: np.ndarray, r: np.ndarray, yy: np.ndarray) -> np.ndarray:
+def _shape_mask(shape: str, u: np.ndarray, v: np.ndarray, r: np.ndarray) -> np.ndarray:
     """Boolean mask of ``shape`` for offsets ``u`` (x) and ``v`` (y) and radius ``r``."""
     if shape == "circle":
         return u * u + v * v <= r * r
@@ -436,7 +446,9 @@ def _shape_mask(shape: str, u: np.ndarray, v: np.ndarray, r: np.ndarray, yy: np.
         d2 = u * u + v * v
         return (d2 <= r * r) & (d2 >= (0.55 * r) ** 2)
     if shape == "cross":
-        return ((np.abs(u) <= 0.3 * r) & (np.abs(v) <= r)) | ((np.abs(v) <= 0.3 * r) & (np.abs(u) <= r))
+        return ((np.abs(u) <= 0.3 * r) & (np.abs(v) <= r)) | (
+            (np.abs(v) <= 0.3 * r) & (np.abs(u) <= r)
+        )
     if shape == "diamond":
         return np.abs(u) + np.abs(v) <= r
     if shape == "stripes":
@@ -462,7 +474,9 @@ def _texture(rng: np.random.Generator, kind: str, n: int) -> np.ndarray:
     raise AssertionError(f"unknown texture {kind}")
 
 
-def _captions(rng: np.random.Generator, attrs: dict[str, np.ndarray], keys: np.ndarray) -> dict[str, list[str]]:
+def _captions(
+    rng: np.random.Generator, attrs: dict[str, np.ndarray], keys: np.ndarray
+) -> dict[str, list[str]]:
     """The three caption columns plus url for every latent row."""
     colors, bgs, styles = list(COLORS), list(BACKGROUNDS), list(STYLES)
     wheres = ("in the centre", "on the left", "on the right", "near the top", "near the bottom")

@@ -94,9 +94,7 @@ def list_local_shards(folder_or_glob: str | os.PathLike) -> list[Path]:
     else:
         raise SourceError(spec, "no such file or folder (expected a folder of *.pt latent shards)")
     found = [
-        p
-        for p in candidates
-        if p.suffix == ".pt" and not p.name.startswith(".") and p.is_file()
+        p for p in candidates if p.suffix == ".pt" and not p.name.startswith(".") and p.is_file()
     ]
     if not found:
         raise SourceError(spec, where)
@@ -143,9 +141,13 @@ def load_shard(path: str | os.PathLike, *, dtype: str = "float16") -> tuple[np.n
     # Extra fields are tolerated: a future release adding e.g. "sizes" should not break us.
     for name, value in (("keys", keys), ("latents", latents)):
         if not isinstance(value, torch.Tensor):
-            raise CorruptShardError(path, f"{name!r} must be a torch tensor, got {type(value).__name__}")
+            raise CorruptShardError(
+                path, f"{name!r} must be a torch tensor, got {type(value).__name__}"
+            )
         if value.layout != torch.strided:
-            raise CorruptShardError(path, f"{name!r} must be a dense tensor, got layout {value.layout}")
+            raise CorruptShardError(
+                path, f"{name!r} must be a dense tensor, got layout {value.layout}"
+            )
 
     if keys.dim() != 1:
         raise CorruptShardError(path, f"keys must be 1-D (N,), got shape {tuple(keys.shape)}")
@@ -203,7 +205,9 @@ def _torch_load(path: str):
                 "not a plain tensor file (refused by torch.load(weights_only=True))"
                 + (f": {detail}" if detail else ""),
             ) from None
-        raise CorruptShardError(path, f"unreadable pickle: {_first_useful_line(str(exc))}") from None
+        raise CorruptShardError(
+            path, f"unreadable pickle: {_first_useful_line(str(exc))}"
+        ) from None
     except (FileNotFoundError, PermissionError, IsADirectoryError) as exc:
         raise SourceError(path, f"cannot open shard: {exc.strerror or exc}") from None
     except MemoryError:

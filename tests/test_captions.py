@@ -94,7 +94,9 @@ def test_read_captions_categorical_and_all_null_captions(tmp_path):
     cat = pd.DataFrame({"key": [3, 1, 2], "caption_llava": pd.Categorical(["c", "a", None])})
     t = read_captions(_write(tmp_path / "cat.parquet", cat))
     assert t.captions.to_pylist() == ["a", None, "c"] and t.null_captions == 1
-    pq.write_table(pa.table({"key": [5, 4], "caption_llava": pa.array([None, None])}), tmp_path / "n.parquet")
+    pq.write_table(
+        pa.table({"key": [5, 4], "caption_llava": pa.array([None, None])}), tmp_path / "n.parquet"
+    )
     t = read_captions(tmp_path / "n.parquet")
     assert t.captions.to_pylist() == [None, None]
     assert reason_names(classify(*t.lookup([4, 5]))).tolist() == [NO_CAPTION, NO_CAPTION]
@@ -102,15 +104,25 @@ def test_read_captions_categorical_and_all_null_captions(tmp_path):
 
 def test_read_captions_errors(tmp_path):
     path = _write(tmp_path / "m.parquet", _df())
-    with pytest.raises(MetadataError, match=r"caption column 'nope' not found; columns: key, caption_llava, caption, url") as info:
+    with pytest.raises(
+        MetadataError,
+        match=r"caption column 'nope' not found; columns: key, caption_llava, caption, url",
+    ) as info:
         read_captions(path, caption_column="nope")
     assert info.value.path == path
     assert pickle.loads(pickle.dumps(info.value)).path == path
-    with pytest.raises(MetadataError, match=r"key column 'id' not found as a column or pandas index.*columns: key, caption_llava, caption, url"):
+    with pytest.raises(
+        MetadataError,
+        match=r"key column 'id' not found as a column or pandas index.*columns: key, caption_llava, caption, url",
+    ):
         read_captions(path, key_column="id")
-    with pytest.raises(MetadataError, match=r"key column 'url' must be an integer type, got (large_)?string"):
+    with pytest.raises(
+        MetadataError, match=r"key column 'url' must be an integer type, got (large_)?string"
+    ):
         read_captions(path, key_column="url")
-    with pytest.raises(MetadataError, match=r"caption column 'key' must be string/large_string, got int64"):
+    with pytest.raises(
+        MetadataError, match=r"caption column 'key' must be string/large_string, got int64"
+    ):
         read_captions(path, caption_column="key")
     with pytest.raises(MetadataError, match="does not exist"):
         read_captions(tmp_path / "missing.parquet")
@@ -150,7 +162,9 @@ _caption = st.one_of(
 )
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     keys=st.lists(st.integers(-(2**40), 2**40), min_size=0, max_size=40),
     caps=st.data(),
@@ -166,7 +180,12 @@ def test_lookup_and_classify_match_pandas(tmp_path, keys, caps, extra):
     )
     path = tmp_path / "h.parquet"
     pq.write_table(
-        pa.table({"key": pa.array(keys, type=pa.int64()), "caption_llava": pa.array(captions, type=pa.string())}),
+        pa.table(
+            {
+                "key": pa.array(keys, type=pa.int64()),
+                "caption_llava": pa.array(captions, type=pa.string()),
+            }
+        ),
         path,
     )
     t = read_captions(path)
@@ -177,7 +196,10 @@ def test_lookup_and_classify_match_pandas(tmp_path, keys, caps, extra):
 
     assert got_caps.type == pa.string()
     assert found.tolist() == ref["hit"].tolist()
-    ref_caps = [c if h and isinstance(c, str) else None for c, h in zip(ref["caption_llava"], ref["hit"], strict=True)]
+    ref_caps = [
+        c if h and isinstance(c, str) else None
+        for c, h in zip(ref["caption_llava"], ref["hit"], strict=True)
+    ]
     assert got_caps.to_pylist() == ref_caps
     # Arrow utf8_trim_whitespace and str.strip agree on every code point (str.isspace).
     assert reason_names(codes).tolist() == ref["reason"].tolist()
@@ -191,7 +213,13 @@ def test_classify_codes_and_names():
     codes = classify(caps, found)
     assert codes.dtype == np.uint8
     assert reason_names(codes).tolist() == [
-        KEEP, EMPTY_CAPTION, EMPTY_CAPTION, NO_CAPTION, EMPTY_CAPTION, KEEP, NO_CAPTION
+        KEEP,
+        EMPTY_CAPTION,
+        EMPTY_CAPTION,
+        NO_CAPTION,
+        EMPTY_CAPTION,
+        KEEP,
+        NO_CAPTION,
     ]
     assert REASONS == ("", "no_caption", "empty_caption")
     assert classify(pa.chunked_array([caps[:3], caps[3:]]), found).tolist() == codes.tolist()

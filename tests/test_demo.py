@@ -41,7 +41,11 @@ def _latents(demo) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
 
 def test_real_format_and_names(tmp_path):
     demo = generate_demo(tmp_path / "d", **_SMALL)
-    assert [p.name for p in demo.shard_paths] == ["000000-000199.pt", "000200-000399.pt", "000400-000599.pt"]
+    assert [p.name for p in demo.shard_paths] == [
+        "000000-000199.pt",
+        "000200-000399.pt",
+        "000400-000599.pt",
+    ]
     assert list_local_shards(demo.out_dir) == list(demo.shard_paths)
     raw = torch.load(demo.shard_paths[0], weights_only=True, map_location="cpu")
     assert set(raw) == {"keys", "latents"}
@@ -122,7 +126,10 @@ def test_key_as_index_variant(tmp_path):
     a, b = read_captions(plain.metadata_path), read_captions(indexed.metadata_path)
     assert a.keys.tolist() == b.keys.tolist()
     assert a.captions.to_pylist() == b.captions.to_pylist()
-    assert _files(plain.out_dir)[plain.shard_paths[0].name] == _files(indexed.out_dir)[indexed.shard_paths[0].name]
+    assert (
+        _files(plain.out_dir)[plain.shard_paths[0].name]
+        == _files(indexed.out_dir)[indexed.shard_paths[0].name]
+    )
 
 
 def test_reuse_and_refusals(tmp_path):
@@ -186,7 +193,9 @@ def test_concurrent_generation_four_processes(tmp_path):
     )
     env = {**os.environ, "PYTHONPATH": str(_REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     procs = [
-        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        )
         for _ in range(4)
     ]
     try:

@@ -51,7 +51,13 @@ def test_shard_sort_key_small_before_large_and_handles_text():
 
 
 def test_list_local_shards_folder_glob_and_errors(tmp_path):
-    for name in ["000010-000019.pt", "000000-000009.pt", "2-3.pt", ".000020-000029.pt", "notes.txt"]:
+    for name in [
+        "000010-000019.pt",
+        "000000-000009.pt",
+        "2-3.pt",
+        ".000020-000029.pt",
+        "notes.txt",
+    ]:
         (tmp_path / name).write_bytes(b"x")
     (tmp_path / "dir.pt").mkdir()
     got = list_local_shards(tmp_path)
@@ -97,7 +103,9 @@ def test_load_shard_empty_and_other_int_keys(tmp_path):
     )
     keys, lat = load_shard(path)
     assert keys.shape == (0,) and lat.shape == (0, *LATENT_SHAPE)
-    path = _save(tmp_path / "i32.pt", {**_good(3), "keys": torch.tensor([1, 2, 3], dtype=torch.int32)})
+    path = _save(
+        tmp_path / "i32.pt", {**_good(3), "keys": torch.tensor([1, 2, 3], dtype=torch.int32)}
+    )
     keys, _ = load_shard(path)
     assert keys.dtype == np.int64 and keys.tolist() == [1, 2, 3]
     # An extra field is tolerated (forward compatible).
@@ -124,10 +132,22 @@ def _bad_cases():
             r"missing field 'latents' \(fields present: 'keys', 'lat'\)",
         ),
         "missing_both": ({}, r"missing field 'keys' and 'latents' \(fields present: none\)"),
-        "keys_not_tensor": ({"keys": [1, 2, 3, 4], "latents": lat}, r"'keys' must be a torch tensor, got list"),
-        "keys_float": ({"keys": good["keys"].float(), "latents": lat}, r"keys must be an integer tensor, got torch.float32"),
-        "keys_bool": ({"keys": torch.ones(4, dtype=torch.bool), "latents": lat}, r"keys must be an integer tensor, got torch.bool"),
-        "keys_2d": ({"keys": good["keys"].reshape(2, 2), "latents": lat}, r"keys must be 1-D \(N,\), got shape \(2, 2\)"),
+        "keys_not_tensor": (
+            {"keys": [1, 2, 3, 4], "latents": lat},
+            r"'keys' must be a torch tensor, got list",
+        ),
+        "keys_float": (
+            {"keys": good["keys"].float(), "latents": lat},
+            r"keys must be an integer tensor, got torch.float32",
+        ),
+        "keys_bool": (
+            {"keys": torch.ones(4, dtype=torch.bool), "latents": lat},
+            r"keys must be an integer tensor, got torch.bool",
+        ),
+        "keys_2d": (
+            {"keys": good["keys"].reshape(2, 2), "latents": lat},
+            r"keys must be 1-D \(N,\), got shape \(2, 2\)",
+        ),
         "latents_4d": (
             {"keys": good["keys"], "latents": torch.zeros(4, 4, 32, 32)},
             r"latents must have shape \(N, 3, 4, 32, 32\), got \(4, 4, 32, 32\)",
@@ -198,7 +218,10 @@ class _Evil:
 def test_load_shard_refuses_malicious_pickle(tmp_path):
     marker = tmp_path / "pwned"
     path = _save(tmp_path / "evil.pt", {"keys": _Evil(str(marker)), "latents": torch.zeros(1)})
-    with pytest.raises(CorruptShardError, match=r"not a plain tensor file \(refused by torch.load\(weights_only=True\)\)") as info:
+    with pytest.raises(
+        CorruptShardError,
+        match=r"not a plain tensor file \(refused by torch.load\(weights_only=True\)\)",
+    ) as info:
         load_shard(path)
     assert not marker.exists()
     assert "weights_only=False" not in str(info.value)  # never advise the unsafe retry
@@ -218,7 +241,9 @@ def test_load_shard_truncated(tmp_path, keep):
     data = open(good, "rb").read()
     bad = tmp_path / "trunc.pt"
     bad.write_bytes(data[:keep] if keep >= 0 else data[:keep])
-    with pytest.raises(CorruptShardError, match=r"not a readable torch file \(\d+ bytes; truncated or corrupt\?\)") as info:
+    with pytest.raises(
+        CorruptShardError, match=r"not a readable torch file \(\d+ bytes; truncated or corrupt\?\)"
+    ) as info:
         load_shard(bad)
     assert "\n" not in str(info.value)
 

@@ -215,6 +215,7 @@ class _Evil:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
 def test_load_shard_refuses_malicious_pickle(tmp_path):
     marker = tmp_path / "pwned"
     path = _save(tmp_path / "evil.pt", {"keys": _Evil(str(marker)), "latents": torch.zeros(1)})

@@ -161,6 +161,7 @@ class Source:
         self._lock = threading.Lock()
         self._shards: list[RemoteFile] | None = None
         self._siblings: dict[str, Source] = {}
+        self._folders: dict[str, list[RemoteFile]] = {}  # listing per folder, per instance
         self.fetch_stats = FetchStats()
 
     def __getstate__(self):
@@ -459,6 +460,9 @@ class GCSSource(Source):
         )
 
     def _ls(self, path: str) -> list[RemoteFile]:
+        if path in self._folders:
+            return self._folders[path]
+
         def go():
             return self._fs().ls(path, detail=True, refresh=True)
 
@@ -468,7 +472,9 @@ class GCSSource(Source):
             if isinstance(err.__cause__, FileNotFoundError):
                 raise SourceError(f"gs://{path}", "no such bucket or prefix") from err.__cause__
             raise
-        return [self._file(e) for e in entries if e.get("type") == "file"]
+        out = [self._file(e) for e in entries if e.get("type") == "file"]
+        self._folders[path] = out
+        return out
 
     def _list_shard_folder(self) -> list[RemoteFile]:
         return self._ls(self._path)
@@ -627,6 +633,8 @@ class HubSource(Source):
         return file.url[len(prefix) :].split("/", 1)[1]
 
     def _list(self, folder: str) -> list[RemoteFile]:
+        if folder in self._folders:
+            return self._folders[folder]
         commit = self.commit
         if _hub_offline():
             cached = self._load_listing()
@@ -671,6 +679,7 @@ class HubSource(Source):
                 )
             )
         self._save_listing(folder, out)
+        self._folders[folder] = out
         return out
 
     # -- Source
@@ -801,7 +810,9 @@ class HubSource(Source):
         ) as resp:
             hf_raise_for_status(resp)
             skip = offset if (offset and resp.status_code == 200) else 0  # Range ignored
-            for block in resp.iter_bytes(1 << 20):
+            # No chunk_size: yield what each socket read brings, so the bytes received
+            # before a cut connection reach the part file and the retry resumes.
+            for block in resp.iter_bytes():
                 self._deadline_check(deadline, file.url)
                 if stop is not None and stop.is_set():
                     raise _Cancelled(file.url)

@@ -1,3 +1,4 @@
+# ruff: noqa: F811 - pytest fixtures imported from tests.servers are parameters here
 """Local sources, ordering, retry classification and the staging primitives."""
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def test_with_retries_retries_then_succeeds_and_names_the_file():
     assert len(calls) == 1
 
 
-def test_local_source_lists_sorted_and_finds_metadata(shard_dir, hf_home):  # noqa: F811
+def test_local_source_lists_sorted_and_finds_metadata(shard_dir, hf_home):
     # An unpadded name that a plain string sort would misplace.
     (shard_dir / "100-105.pt").write_bytes((shard_dir / "000000-000005.pt").read_bytes())
     cfg = DataConfig(shards=str(shard_dir))
@@ -143,7 +144,7 @@ def test_local_source_lists_sorted_and_finds_metadata(shard_dir, hf_home):  # no
     assert all(i[1] == (shard_dir / i[0]).stat().st_size for i in ident)
 
 
-def test_local_glob_and_metadata_at_parent(tmp_path, hf_home):  # noqa: F811
+def test_local_glob_and_metadata_at_parent(tmp_path, hf_home):
     make_shards(tmp_path / "data" / "latents", n_shards=3, meta=False)
     make_shards(tmp_path / "other", n_shards=1)
     (tmp_path / "data" / "coyo11m-meta.parquet").write_bytes(
@@ -155,7 +156,7 @@ def test_local_glob_and_metadata_at_parent(tmp_path, hf_home):  # noqa: F811
     assert src.find_metadata().url == str((tmp_path / "data" / "coyo11m-meta.parquet").resolve())
 
 
-def test_local_errors(tmp_path, hf_home):  # noqa: F811
+def test_local_errors(tmp_path, hf_home):
     cfg = DataConfig(shards="x")
     with pytest.raises(SourceError, match="does not exist"):
         open_source(str(tmp_path / "nope"), data_config=cfg).list_shards()
@@ -173,7 +174,7 @@ def test_local_errors(tmp_path, hf_home):  # noqa: F811
         open_source(str(tmp_path / "none" / "x"), data_config=cfg).find_metadata()
 
 
-def test_location_parsing(hf_home):  # noqa: F811
+def test_location_parsing(hf_home):
     cfg = DataConfig(shards="x")
     hub = open_source(
         "hf://datasets/KBlueLeaf/coyo11m-256px-ccrop-latent/latents-3crop", data_config=cfg
@@ -194,7 +195,7 @@ def test_location_parsing(hf_home):  # noqa: F811
         open_source("gs://", data_config=cfg)
 
 
-def test_local_prefetcher_hands_out_originals(shard_dir, hf_home):  # noqa: F811
+def test_local_prefetcher_hands_out_originals(shard_dir, hf_home):
     cfg = DataConfig(shards=str(shard_dir))
     src = open_source(str(shard_dir), data_config=cfg)
     files = src.list_shards()
@@ -243,7 +244,7 @@ def test_staging_adopts_a_dead_owners_part(tmp_path):
     assert have == 5 and part.read_bytes() == b"12345" and not orphan.exists()
 
 
-def test_client_pickles_without_network_handles(hf_home, monkeypatch):  # noqa: F811
+def test_client_pickles_without_network_handles(hf_home, monkeypatch):
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:9")
     cfg = DataConfig(shards="gs://b/p")
     src = open_source("gs://b/p", data_config=cfg)
@@ -253,7 +254,7 @@ def test_client_pickles_without_network_handles(hf_home, monkeypatch):  # noqa: 
     assert c2.source._fs_obj is None and c2.source.location == "gs://b/p"
 
 
-def test_unreachable_without_mirror_is_a_clear_error(hf_home, monkeypatch, caplog):  # noqa: F811
+def test_unreachable_without_mirror_is_a_clear_error(hf_home, monkeypatch, caplog):
     import socket
 
     with socket.socket() as s:
@@ -267,7 +268,7 @@ def test_unreachable_without_mirror_is_a_clear_error(hf_home, monkeypatch, caplo
     assert "gs://b/p" in str(ei.value) and "attempt" in ei.value.reason
 
 
-def test_unreachable_with_mirror_falls_back_and_says_so(shard_dir, hf_home, monkeypatch, caplog):  # noqa: F811
+def test_unreachable_with_mirror_falls_back_and_says_so(shard_dir, hf_home, monkeypatch, caplog):
     import socket
 
     with socket.socket() as s:

@@ -1,3 +1,4 @@
+# ruff: noqa: F811 - pytest fixtures imported from tests.servers are parameters here
 """GCS sources against the real fake-gcs-server, with and without injected faults."""
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _cfg(tmp_path, location, **kw) -> DataConfig:
 
 
 @pytest.fixture
-def proxy(gcs_bucket, monkeypatch):  # noqa: F811
+def proxy(gcs_bucket, monkeypatch):
     """A FaultProxy in front of the GCS server; STORAGE_EMULATOR_HOST points at it."""
     server, _, _ = gcs_bucket
     with FaultProxy(server) as p:
@@ -57,7 +58,7 @@ def _fetch_all(src, cfg, *, num_workers=1, policy=FAST, release=False):
     return got, pf.stats()
 
 
-def test_list_metadata_identity(gcs_bucket, tmp_path):  # noqa: F811
+def test_list_metadata_identity(gcs_bucket, tmp_path):
     _, location, local = gcs_bucket
     cfg = _cfg(tmp_path, location)
     src = open_source(location, data_config=cfg, policy=FAST)
@@ -88,7 +89,7 @@ def test_list_metadata_identity(gcs_bucket, tmp_path):  # noqa: F811
         open_source(location + "-missing", data_config=cfg, policy=FAST).list_shards()
 
 
-def test_fetch_is_byte_identical_and_resumes_without_refetch(proxy, gcs_bucket, tmp_path):  # noqa: F811
+def test_fetch_is_byte_identical_and_resumes_without_refetch(proxy, gcs_bucket, tmp_path):
     _, location, local = gcs_bucket
     cfg = _cfg(tmp_path, location, prefetch_ahead=2, download_workers=3)
     src = open_source(location, data_config=cfg, policy=FAST)
@@ -125,7 +126,7 @@ def test_fetch_is_byte_identical_and_resumes_without_refetch(proxy, gcs_bucket, 
     ],
     ids=["503", "429", "reset", "truncate", "stall"],
 )
-def test_transient_faults_are_retried(proxy, gcs_bucket, tmp_path, fault):  # noqa: F811
+def test_transient_faults_are_retried(proxy, gcs_bucket, tmp_path, fault):
     _, location, local = gcs_bucket
     cfg = _cfg(tmp_path, location, file_timeout=1.0)
     policy = RetryPolicy(max_retries=3, file_timeout=1.0, backoff_base=0.01)
@@ -138,7 +139,7 @@ def test_transient_faults_are_retried(proxy, gcs_bucket, tmp_path, fault):  # no
     assert proxy.count(fault.match) >= 2
 
 
-def test_truncated_body_is_never_staged(proxy, gcs_bucket, tmp_path):  # noqa: F811
+def test_truncated_body_is_never_staged(proxy, gcs_bucket, tmp_path):
     _, location, local = gcs_bucket
     name = "000006-000011.pt"
     cfg = _cfg(tmp_path, location, max_retries=0)
@@ -163,7 +164,7 @@ def test_truncated_body_is_never_staged(proxy, gcs_bucket, tmp_path):  # noqa: F
     assert pf.stats()["resumed_bytes"] == 80_000
 
 
-def test_corrupt_body_fails_checksum(proxy, gcs_bucket, tmp_path):  # noqa: F811
+def test_corrupt_body_fails_checksum(proxy, gcs_bucket, tmp_path):
     _, location, _ = gcs_bucket
     cfg = _cfg(tmp_path, location, max_retries=1)
     policy = RetryPolicy(max_retries=1, file_timeout=5, backoff_base=0.01)
@@ -176,7 +177,7 @@ def test_corrupt_body_fails_checksum(proxy, gcs_bucket, tmp_path):  # noqa: F811
     assert not _Staging(tmp_path / "staging").path(bad).exists()
 
 
-def test_fail_vs_skip_after_retries(proxy, gcs_bucket, tmp_path):  # noqa: F811
+def test_fail_vs_skip_after_retries(proxy, gcs_bucket, tmp_path):
     _, location, local = gcs_bucket
     bad = "000012-000017.pt"
     proxy.add(Fault(match=bad, action="status", status=503, times=-1))
@@ -196,7 +197,7 @@ def test_fail_vs_skip_after_retries(proxy, gcs_bucket, tmp_path):  # noqa: F811
     assert [s["name"] for s in stats["failures"]] == [bad]
 
 
-def test_window_and_byte_budget_bound_the_staging_area(proxy, gcs_bucket, tmp_path):  # noqa: F811
+def test_window_and_byte_budget_bound_the_staging_area(proxy, gcs_bucket, tmp_path):
     _, location, _ = gcs_bucket
     cfg = _cfg(tmp_path, location, prefetch_ahead=1, download_workers=4)
     src = open_source(location, data_config=cfg, policy=FAST)
@@ -226,7 +227,7 @@ def test_window_and_byte_budget_bound_the_staging_area(proxy, gcs_bucket, tmp_pa
         assert client.acquire(files[1], timeout=30) is not None
 
 
-def test_a_worker_ahead_of_the_order_is_served_first(proxy, gcs_bucket, tmp_path):  # noqa: F811
+def test_a_worker_ahead_of_the_order_is_served_first(proxy, gcs_bucket, tmp_path):
     _, location, local = gcs_bucket
     cfg = _cfg(tmp_path, location, prefetch_ahead=1, download_workers=1)
     src = open_source(location, data_config=cfg, policy=FAST)
@@ -253,7 +254,7 @@ def _convert(batch, files, client):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ahead", [0, 2])
-def test_datasets_map_workers(gcs_bucket, tmp_path, ahead):  # noqa: F811
+def test_datasets_map_workers(gcs_bucket, tmp_path, ahead):
     import datasets
     import torch
 
@@ -282,7 +283,7 @@ def test_datasets_map_workers(gcs_bucket, tmp_path, ahead):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_sigkill_mid_download_then_resume(proxy, gcs_bucket, tmp_path):  # noqa: F811
+def test_sigkill_mid_download_then_resume(proxy, gcs_bucket, tmp_path):
     _, location, local = gcs_bucket
     staging = tmp_path / "staging"
     # ~60 KB/s per request: each 240 KB shard takes ~4 s, so the kill lands mid-file.

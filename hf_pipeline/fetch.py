@@ -327,12 +327,18 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def _write_json_atomic(path: Path, obj: Any) -> None:
+def _write_json_atomic(path: Path, obj: Any, *, durable: bool = True) -> None:
+    """Write JSON via temp + rename; ``durable`` adds fsync (sidecars, not signals).
+
+    Control markers only coordinate live processes on this host, so they skip the
+    fsync; sidecars vouch for data after a crash, so they pay for it.
+    """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
+        if durable:
+            fh.flush()
+            os.fsync(fh.fileno())
     os.replace(tmp, path)
 
 
@@ -722,7 +728,7 @@ class StagingClient:
     def _wait(self, file: RemoteFile, staging: _Staging, ctl: Path, timeout: float | None):
         """Wait for the prefetcher; returns a path, None (skipped) or False (fetch it yourself)."""
         with contextlib.suppress(OSError):
-            _write_json_atomic(ctl / _ctl_name(file, "want"), {"pid": os.getpid()})
+            _write_json_atomic(ctl / _ctl_name(file, "want"), {"pid": os.getpid()}, durable=False)
         start = time.monotonic()
         beat, beat_seen = None, time.monotonic()
         while True:
@@ -732,6 +738,8 @@ class StagingClient:
             if isinstance(failed, dict):
                 err = SourceError(file.url, str(failed.get("reason", "fetch failed")))
                 return self._skip_or_raise(file, err)
+            if (ctl / _ctl_name(file, "unknown")).exists():
+                return False  # not in the prefetcher's list: fetch it ourselves
             now = time.monotonic()
             hb = _read_json(ctl / "heartbeat")
             if hb != beat:
@@ -756,7 +764,9 @@ class StagingClient:
         if self.ctl_dir and Path(self.ctl_dir).is_dir():
             with contextlib.suppress(OSError):
                 _write_json_atomic(
-                    Path(self.ctl_dir) / _ctl_name(file, "released"), {"pid": os.getpid()}
+                    Path(self.ctl_dir) / _ctl_name(file, "released"),
+                    {"pid": os.getpid()},
+                    durable=False,
                 )
         if self.source._direct_path(file) is None:
             _Staging(self.staging_dir).remove(file)
@@ -843,8 +853,10 @@ class Prefetcher:
         self.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         self.close()
+        if exc_type is None:
+            self.raise_if_failed()
 
     def start(self) -> None:
         """Create the control folder and start the scheduler and download threads."""
@@ -857,7 +869,7 @@ class Prefetcher:
         self.ctl_dir.mkdir(parents=True)
         if not self.prefetching:
             return  # workers acquire for themselves (local: the original path)
-        _write_json_atomic(self.ctl_dir / "heartbeat", 0)
+        _write_json_atomic(self.ctl_dir / "heartbeat", 0, durable=False)
         if self._progress:
             from tqdm.auto import tqdm
 
@@ -949,30 +961,54 @@ class Prefetcher:
         return n, b
 
     def _poll_markers(self) -> set[str]:
+        """Read and consume ``released``/``want`` markers (caller holds ``_lock``).
+
+        Consumed markers are deleted so the scan stays small over a long build; the
+        state they carried lives on in ``_state``.
+        """
         wanted = set()
         assert self.ctl_dir is not None
         with contextlib.suppress(OSError):
             for entry in os.scandir(self.ctl_dir):
                 name, _, what = entry.name.rpartition(".")
-                if what == "released" and self._state.get(name) != "released":
+                if what == "released":
+                    # State first, then unlink: _is_released checks marker then state.
                     self._state[name] = "released"
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
                 elif what == "want":
                     wanted.add(name)
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
         return wanted
 
+    def _is_released(self, f: RemoteFile) -> bool:
+        name = _safe_name(f)
+        if (self.ctl_dir / _ctl_name(f, "released")).exists():
+            return True
+        with self._lock:
+            return self._state.get(name) == "released"
+
     def _run(self) -> None:
-        beat = 0
+        beat, last_beat = 0, 0.0
         by_name = {_safe_name(f): f for f in self.files}
         try:
             while not self._stop.is_set():
-                beat += 1
-                _write_json_atomic(self.ctl_dir / "heartbeat", beat)
+                now = time.monotonic()
+                if now - last_beat > 0.5:
+                    beat, last_beat = beat + 1, now
+                    _write_json_atomic(self.ctl_dir / "heartbeat", beat, durable=False)
                 with self._lock:
                     wanted = self._poll_markers()
                     # Wanted first: a worker is blocked on it right now.
                     for name in sorted(wanted):
                         f = by_name.get(name)
-                        if f is not None and name not in self._state:
+                        if f is None:
+                            with contextlib.suppress(OSError):
+                                _write_json_atomic(
+                                    self.ctl_dir / f"{name}.unknown", {}, durable=False
+                                )
+                        elif name not in self._state:
                             self._submit(f)
                     limit = self.num_workers + self.ahead
                     for f in self._order:
@@ -1007,7 +1043,7 @@ class Prefetcher:
                 self._stats,
                 stop=self._stop,
                 on_bytes=bar_bytes,
-                unwanted=lambda: (self.ctl_dir / _ctl_name(f, "released")).exists(),
+                unwanted=lambda: self._is_released(f),
             )
         except _Cancelled:
             return

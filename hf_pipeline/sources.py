@@ -44,6 +44,7 @@ from hf_pipeline.fetch import (
     _is_transient,
     _stage_file,
     _Staging,
+    _TransientError,
     _with_retries,
     _write_json_atomic,
 )
@@ -756,20 +757,26 @@ class HubSource(Source):
         force = [False]
 
         def go():
-            local = hf_hub_download(
-                self.repo_id,
-                path_in_repo,
-                repo_type="dataset",
-                revision=self.commit,
-                cache_dir=_hub_cache_dir(),
-                endpoint=_hub_endpoint(),
-                force_download=force[0],
-            )
+            try:
+                local = hf_hub_download(
+                    self.repo_id,
+                    path_in_repo,
+                    repo_type="dataset",
+                    revision=self.commit,
+                    cache_dir=_hub_cache_dir(),
+                    endpoint=_hub_endpoint(),
+                    force_download=force[0],
+                )
+            except FileNotFoundError as exc:
+                # hf_hub_download reports a failed HEAD (503, reset, ...) as "not in
+                # the local cache" (a FileNotFoundError); what failed is the network.
+                cause = exc.__cause__ or exc.__context__
+                if cause is not None and _is_transient(cause):
+                    raise _TransientError(f"{type(cause).__name__}: {cause}") from exc
+                raise
             kind, _, want = file.checksum.partition(":")
             if kind and _checksum_of(Path(local), kind) != want:
                 force[0] = True
-                from hf_pipeline.fetch import _TransientError
-
                 raise _TransientError(f"{kind} mismatch after download")
             return Path(local)
 

@@ -161,6 +161,10 @@ def test_faults_on_the_hub_are_retried_and_verified(hub_env, shard_dir, tmp_path
             Fault(match="000000-000005.pt", action="status", status=503, times=2),
             Fault(match="000006-000011.pt", action="truncate", times=1),
             Fault(match="000012-000017.pt", action="reset", times=1),
+            Fault(
+                match="coyo11m-meta.parquet", action="status", status=503, times=1, method="HEAD"
+            ),
+            Fault(match="coyo11m-meta.parquet", action="truncate", times=1),
         )
         cfg = _cfg(tmp_path, download_workers=2)
         src = open_source(LOCATION, data_config=cfg, policy=FAST)
@@ -173,6 +177,14 @@ def test_faults_on_the_hub_are_retried_and_verified(hub_env, shard_dir, tmp_path
                 assert _sha(client.acquire(f, timeout=30)) == _sha(shard_dir / f.name)
         stats = pf.stats()
         assert stats["retries"] >= 4 and stats["failures"] == []
+        meta = src.find_metadata()
+        assert _sha(src.fetch_one(meta)) == _sha(shard_dir / "coyo11m-meta.parquet")
+        # Both injected faults hit the metadata download (huggingface_hub's own
+        # retry/resume or ours absorbed them).
+        assert {r.fault for r in proxy.log if "coyo11m-meta.parquet" in r.path} >= {
+            "status",
+            "truncate",
+        }
         # The truncated download resumed with a Range request instead of starting over.
         assert any(
             r.range and "000006-000011.pt" in r.path and not r.range.startswith("bytes=0-")

@@ -1008,7 +1008,9 @@ class Prefetcher:
                                 _write_json_atomic(
                                     self.ctl_dir / f"{name}.unknown", {}, durable=False
                                 )
-                        elif name not in self._state:
+                        elif self._state.get(name) in (None, "released"):
+                            # "released" and wanted again: a worker redoes a shard
+                            # (a retried map batch); fetch it again.
                             self._submit(f)
                     limit = self.num_workers + self.ahead
                     for f in self._order:

@@ -333,3 +333,44 @@ def test_sigkill_mid_download_then_resume(proxy, gcs_bucket, tmp_path):
         ranged = [r for r in proxy.log if name in r.path and "alt=media" in r.path]
         assert ranged and all(r.range for r in ranged), f"{name} did not resume with a Range read"
     assert first_run  # sanity: the first run went through the proxy
+
+
+def test_unlisted_file_reacquire_progress_and_dead_prefetcher(gcs_bucket, tmp_path, monkeypatch):
+    import hf_pipeline.fetch as fetch
+
+    _, location, local = gcs_bucket
+    cfg = _cfg(tmp_path, location, prefetch_ahead=1, download_workers=2)
+    src = open_source(location, data_config=cfg, policy=FAST)
+    files = src.list_shards()
+    # progress=True: tqdm bars for files and bytes must not get in the way.
+    with Prefetcher(src, files[:2], data_config=cfg, progress=True, policy=FAST) as pf:
+        client = pf.client()
+        # Not in the prefetcher's list: the worker is told to fetch it itself.
+        assert (
+            client.acquire(files[3], timeout=20).read_bytes()
+            == (local / files[3].name).read_bytes()
+        )
+        client.release(files[3])
+        p = client.acquire(files[0], timeout=20)
+        client.release(files[0])
+        assert not p.exists()
+        # Wanted again after release (a retried batch): fetched again, not a hang.
+        assert (
+            client.acquire(files[0], timeout=20).read_bytes()
+            == (local / files[0].name).read_bytes()
+        )
+        client.release(files[0])
+    monkeypatch.setattr(fetch, "_DEAD_AFTER", 0.3)
+    pf = Prefetcher(src, files[:3], data_config=cfg, progress=False, policy=FAST)
+    pf.start()
+    try:
+        # Simulate a dead prefetcher: its thread stops but the control folder stays.
+        pf._stop.set()
+        pf._thread.join(5)
+        client = pf.client()
+        assert (
+            client.acquire(files[2], timeout=20).read_bytes()
+            == (local / files[2].name).read_bytes()
+        )
+    finally:
+        pf.close()

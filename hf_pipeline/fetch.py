@@ -392,6 +392,19 @@ _ACTIVE_PARTS: set[str] = set()
 _ACTIVE_LOCK = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    # datasets.map forks its workers while our download threads run; a thread holding
+    # _ACTIVE_LOCK at that instant would leave the child's copy locked forever. The
+    # child writes no parent part, so it starts with an empty registry.
+    global _ACTIVE_LOCK
+    _ACTIVE_LOCK = threading.Lock()
+    _ACTIVE_PARTS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class _Staging:
     """Layout of a staging folder. Process- and thread-safe (atomic renames only)."""
 

@@ -105,6 +105,89 @@ def build(root: str, rows: int, dim: int, dtype: str, num_proc: int, writer_batc
     )
 
 
+def build_pyarrow(
+    root: str, rows: int, dim: int, dtype: str, num_files: int, writer_batch_size: int
+):
+    """The same layout as :func:`build`, written with pyarrow alone (no ``datasets``).
+
+    For machines without ``datasets``: ``num_files`` IPC stream files per column group,
+    record batches of ``writer_batch_size`` rows, latents as 4 nested int32-offset lists
+    (``Array4D`` storage), embeddings as ``fixed_size_list``, filter indices as uint64.
+    """
+    import pyarrow as pa
+
+    rows_dir = os.path.join(root, "converted", "rows")
+    emb_dir = os.path.join(root, "converted", "embeddings")
+    idx_dir = os.path.join(root, "filtered")
+    done = os.path.join(root, "DONE")
+    if not os.path.exists(done):
+        for d in (rows_dir, emb_dir, idx_dir):
+            os.makedirs(d, exist_ok=True)
+        pattern = np.random.default_rng(0).standard_normal((64, *LATENT_SHAPE)).astype(dtype)
+        emb_pattern = np.random.default_rng(1).standard_normal((64, dim)).astype(np.float32)
+        bounds = np.linspace(0, rows, num_files + 1).astype(np.int64)
+
+        def nested(flat: np.ndarray, n: int) -> pa.Array:
+            arr = pa.array(flat.reshape(-1))
+            total = n
+            sizes = list(LATENT_SHAPE)
+            count = n * int(np.prod(sizes))
+            for size in reversed(sizes):
+                count //= size
+                offsets = pa.array(np.arange(count + 1, dtype=np.int32) * size)
+                arr = pa.ListArray.from_arrays(offsets, arr)
+            assert len(arr) == total
+            return arr
+
+        for f in range(num_files):
+            name = f"data_{f:05d}_of_{num_files:05d}.arrow"
+            lo, hi = int(bounds[f]), int(bounds[f + 1])
+            rows_schema = emb_schema = None
+            with (
+                pa.OSFile(os.path.join(rows_dir, name), "wb") as rf,
+                pa.OSFile(os.path.join(emb_dir, name), "wb") as ef,
+            ):
+                rw = ew = None
+                for a in range(lo, hi, writer_batch_size):
+                    i = np.arange(a, min(a + writer_batch_size, hi), dtype=np.int64)
+                    lat = pattern[i % 64] + (i % 7).astype(dtype)[:, None, None, None, None]
+                    rb = pa.record_batch(
+                        {
+                            "key": pa.array(10_000_000 + i * 13),
+                            "latents": nested(lat, len(i)),
+                            "caption": pa.array([f"a photo number {x}" for x in i]),
+                            "drop_reason": pa.array(["" if x % 20 else "too_short" for x in i]),
+                        }
+                    )
+                    eb = pa.record_batch(
+                        {
+                            "embedding": pa.FixedSizeListArray.from_arrays(
+                                pa.array(emb_pattern[i % 64].reshape(-1)), dim
+                            )
+                        }
+                    )
+                    if rw is None:
+                        rows_schema, emb_schema = rb.schema, eb.schema
+                        rw = pa.ipc.new_stream(rf, rows_schema)
+                        ew = pa.ipc.new_stream(ef, emb_schema)
+                    rw.write_batch(rb)
+                    ew.write_batch(eb)
+                rw.close()
+                ew.close()
+            kept = np.arange(lo, hi, dtype=np.uint64)
+            kept = kept[kept % 20 != 0]
+            table = pa.table({"indices": pa.array(kept, pa.uint64())})
+            path = os.path.join(idx_dir, f"indices_{f:05d}_of_{num_files:05d}.arrow")
+            with pa.OSFile(path, "wb") as xf, pa.ipc.new_stream(xf, table.schema) as w:
+                w.write_table(table)
+        open(done, "w").close()
+    return (
+        sorted(glob.glob(os.path.join(rows_dir, "data*.arrow"))),
+        sorted(glob.glob(os.path.join(emb_dir, "data*.arrow"))),
+        sorted(glob.glob(os.path.join(idx_dir, "indices*.arrow"))),
+    )
+
+
 def warm(files) -> None:
     """Read every file once so that all timings run on a warm page cache."""
     for f in files:
@@ -141,14 +224,31 @@ def main(argv=None) -> dict:
     p.add_argument("--datasets-steps", type=int, default=3, help="batches for datasets iter")
     p.add_argument("--cache-dir", default="", help="reuse/keep the cache here")
     p.add_argument("--skip-datasets", action="store_true")
+    p.add_argument(
+        "--builder",
+        choices=["datasets", "pyarrow"],
+        default="",
+        help="how to write the cache (default: datasets if installed, else pyarrow)",
+    )
+    p.add_argument("--threads", default="1,2,4", help="loader num_threads values to time")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
 
+    try:
+        import datasets  # noqa: F401
+
+        have_datasets = True
+    except ImportError:
+        have_datasets = False
+    builder = args.builder or ("datasets" if have_datasets else "pyarrow")
+    if builder == "datasets" and not have_datasets:
+        p.error("--builder datasets needs the datasets package")
     root = args.cache_dir or os.path.join(
-        tempfile.gettempdir(), f"bench_loader_{args.rows}_{args.dtype}_{args.embed_dim}"
+        tempfile.gettempdir(), f"bench_loader_{builder}_{args.rows}_{args.dtype}_{args.embed_dim}"
     )
     t0 = time.perf_counter()
-    rows_files, emb_files, idx_files = build(
+    make = build if builder == "datasets" else build_pyarrow
+    rows_files, emb_files, idx_files = make(
         root, args.rows, args.embed_dim, args.dtype, args.num_proc, args.writer_batch_size
     )
     build_s = time.perf_counter() - t0
@@ -217,11 +317,24 @@ def main(argv=None) -> dict:
             it.close()
         return best, best_stats
 
+    # The host->device copy alone (one prepared batch), the ceiling of any loader.
+    host = src.gather(*batches[0])
+    record(
+        "device_put only",
+        timed(lambda s: jax.block_until_ready(jax.device_put(host)), args.steps),
+        f"to {jax.devices()[0].platform}",
+    )
+    threads = [int(t) for t in args.threads.split(",") if t]
     for shuffle in ("global", "block", "sequential"):
-        sec, st = run_loader(shuffle=shuffle)
-        record(f"loader/{shuffle}", sec, f"mean wait {st.mean_wait_s * 1e3:.2f} ms/batch")
-    sec, st = run_loader(shuffle="global", latents_dtype="bfloat16")
-    record("loader/global bf16", sec, "fp16->bf16 on the prefetch thread")
+        for nt in threads if shuffle == "global" else threads[-1:]:
+            sec, st = run_loader(shuffle=shuffle, num_threads=nt)
+            record(
+                f"loader/{shuffle} t={nt}",
+                sec,
+                f"mean wait {st.mean_wait_s * 1e3:.2f} ms/batch",
+            )
+    sec, st = run_loader(shuffle="global", latents_dtype="bfloat16", num_threads=threads[-1])
+    record(f"loader/global bf16 t={threads[-1]}", sec, "cast to bf16 on the device")
 
     # pyarrow take + conversion to numpy (what a naive take-based loader would do).
     import pyarrow as pa
@@ -250,7 +363,9 @@ def main(argv=None) -> dict:
 
     record("pyarrow take", timed(pa_take, min(args.steps, 8), 1), "take + to_numpy + crop")
 
-    if not args.skip_datasets:
+    # datasets reads pyarrow-built files (no Array4D extension type) as Python lists:
+    # comparing against that would flatter the loader, so only datasets-built caches.
+    if not args.skip_datasets and builder == "datasets":
         import datasets
 
         rows_ds = datasets.concatenate_datasets([datasets.Dataset.from_file(f) for f in rows_files])
@@ -283,8 +398,8 @@ def main(argv=None) -> dict:
     print(
         f"cache: {src.num_rows} rows kept of {src.num_physical_rows}, {args.dtype} latents, "
         f"{src.embed_dim}-d embeddings, {len(rows_files)} rows files; batch {B} "
-        f"({batch_bytes / 1e6:.1f} MB/batch); build {build_s:.1f}s; jax {jax.__version__} "
-        f"on {jax.devices()[0].platform}"
+        f"({batch_bytes / 1e6:.1f} MB/batch); built by {builder} in {build_s:.1f}s; "
+        f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {os.cpu_count()} cpus"
     )
     header = f"{'method':28s} {'ms/batch':>9s} {'samples/s':>11s} {'GB/s':>7s} {'%memcpy':>8s} {'x ds':>7s} {'x ds shuf':>9s}  note"
     print(header)
@@ -300,6 +415,9 @@ def main(argv=None) -> dict:
             f"{100 * r['fraction_of_memcpy']:7.1f}% {xs} {xss}  {r['note']}"
         )
     out = {
+        "builder": builder,
+        "device": jax.devices()[0].device_kind,
+        "cpus": os.cpu_count(),
         "rows": src.num_physical_rows,
         "kept_rows": src.num_rows,
         "batch": B,

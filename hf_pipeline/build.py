@@ -23,6 +23,7 @@ latents are counted as ``no_latents``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -115,16 +116,15 @@ def resolve_inputs(cfg: Config) -> Inputs:
             seed=d.seed,
             latent_dtype=d.latent_dtype,
         )
-        shards_loc = str(Path(demo.shards[0]).parent)
-        meta_loc = str(demo.metadata)
-    source = open_source(shards_loc, data_config=cfg.data)
+        shards_loc = str(Path(demo.shard_paths[0]).parent)
+        meta_loc = str(demo.metadata_path)
+    staging = cfg.data.staging_dir or (
+        cfg.cache_root / "staging" / hashlib.sha1(shards_loc.encode()).hexdigest()[:16]
+    )
+    source = open_source(shards_loc, data_config=cfg.data, staging_dir=staging)
     shards = source.list_shards()
     metadata = source.find_metadata(meta_loc)
     return Inputs(source=source, shards=shards, metadata=metadata, demo=demo)
-
-
-def _identity(f) -> tuple:
-    return (f.name, f.size, getattr(f, "etag", "") or "")
 
 
 # --------------------------------------------------------------------------- stage 1
@@ -239,7 +239,7 @@ class _Builder:
         from hf_pipeline.captions import read_captions
         from hf_pipeline.embed import TextEncoder, describe_device
         from hf_pipeline.shards import LATENT_SHAPE
-        from hf_pipeline.sources import Prefetcher
+        from hf_pipeline.fetch import Prefetcher
 
         cfg, b = self.cfg, self.cfg.build
         tmp = Path(ctx.tmp_dir)
@@ -270,8 +270,8 @@ class _Builder:
         if not self.progress:
             datasets.disable_progress_bars()
         with Prefetcher(
-            self.inputs.source, shards, data_config=cfg.data, num_consumers=num_proc,
-            staging_dir=work / "staging", progress=self.progress,
+            self.inputs.source, shards, data_config=cfg.data, num_workers=num_proc,
+            progress=self.progress,
         ) as prefetch:
             rows = shard_ds.map(
                 _convert_shards,
@@ -435,8 +435,8 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
     inputs = resolve_inputs(cfg)
     fingerprint = compute_fingerprint(
         cfg,
-        [_identity(f) for f in inputs.shards],
-        _identity(inputs.metadata),
+        [f.identity() for f in inputs.shards],
+        inputs.metadata.identity(),
         encoder_identity(cfg.encoder),
     )
     layout = CacheLayout.for_config(cfg, fingerprint)

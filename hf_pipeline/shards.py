@@ -104,8 +104,9 @@ def list_local_shards(folder_or_glob: str | os.PathLike) -> list[Path]:
 def load_shard(path: str | os.PathLike, *, dtype: str = "float16") -> tuple[np.ndarray, np.ndarray]:
     """Load one latent shard safely and validate it.
 
-    bfloat16 latents are widened with ``torch`` (``.to(torch.float32)``) before numpy
-    sees them: numpy has no native bfloat16. Thread- and process-safe (reads only).
+    bfloat16 latents are widened to float32 exactly (a 16-bit shift of the raw bits):
+    numpy has no native bfloat16. Only ``torch.load`` touches torch; all arithmetic is
+    NumPy, so this is safe in forked worker processes. Thread- and process-safe.
 
     Args:
         path: the ``.pt`` file.
@@ -166,23 +167,32 @@ def load_shard(path: str | os.PathLike, *, dtype: str = "float16") -> tuple[np.n
         raise CorruptShardError(
             path, f"latents must be float16, bfloat16 or float32, got {latents.dtype}"
         )
-    if n and not bool(torch.isfinite(latents).all()):
-        bad = int((~torch.isfinite(latents)).flatten(1).any(1).sum())
-        raise CorruptShardError(path, f"latents must be finite, got NaN/inf in {bad} of {n} rows")
-
+    # From here on NumPy only: this runs inside forked ``datasets`` workers, and a torch
+    # op there can deadlock on the OpenMP pool the parent initialised before the fork.
     keys_np = _keys_to_int64(path, keys)
-    target = torch.float16 if dtype == "float16" else torch.float32
-    lat = latents.detach()
-    if lat.dtype == torch.bfloat16:
-        lat = lat.to(torch.float32)
-    lat = lat.to(target).contiguous()
-    if n and target == torch.float16 and latents.dtype != torch.float16:
+    raw = latents.detach().contiguous()
+    if raw.dtype == torch.bfloat16:
+        # bfloat16 is the top half of a float32: widen exactly by a 16-bit shift.
+        bits = raw.view(torch.int16).numpy().view(np.uint16)
+        lat32 = (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    else:
+        lat32 = raw.numpy()
+    if n:
+        finite = np.isfinite(lat32.reshape(n, -1)).all(axis=1)
+        if not finite.all():
+            raise CorruptShardError(
+                path, f"latents must be finite, got NaN/inf in {int((~finite).sum())} of {n} rows"
+            )
+    target = np.float16 if dtype == "float16" else np.float32
+    with np.errstate(over="ignore"):
+        lat = np.ascontiguousarray(lat32, dtype=target)
+    if n and target == np.float16 and lat32.dtype != np.float16:
         # float32/bfloat16 values beyond +-65504 overflow to inf in float16.
-        if not bool(torch.isfinite(lat).all()):
+        if not np.isfinite(lat).all():
             raise CorruptShardError(
                 path, f"latents ({latents.dtype}) overflow float16 storage (|x| > 65504)"
             )
-    return keys_np, lat.numpy()
+    return keys_np, lat
 
 
 def _torch_load(path: str):
@@ -230,7 +240,7 @@ def _keys_to_int64(path: str, keys) -> np.ndarray:
     if keys.dtype == torch.int64:
         return keys.detach().contiguous().numpy().astype(np.int64, copy=True)
     if keys.dtype.is_signed or keys.dtype in (torch.uint8,):
-        return keys.detach().to(torch.int64).numpy()
+        return keys.detach().contiguous().numpy().astype(np.int64)
     # Unsigned wider types (uint16/32/64) may not fit int64.
     arr = keys.detach().contiguous().numpy()
     if arr.size and int(arr.max()) > np.iinfo(np.int64).max:

@@ -546,6 +546,12 @@ class HubSource(Source):
     listing and download then pins that commit, and the commit is part of
     :meth:`identity`. The listing is saved under the project cache so that, with
     ``HF_HUB_OFFLINE=1``, the same commit can be listed again without the network.
+
+    Where bytes go: the metadata parquet through ``hf_hub_download`` into
+    huggingface_hub's cache (reused offline). Shards are streamed with
+    huggingface_hub's HTTP session (``hf_hub_url`` + ``get_session``) into the bounded
+    staging area, so a 1 TB dataset never has to fit in the Hub cache; a shard that is
+    already in the Hub cache (``hf download`` ahead of time) is used in place.
     """
 
     kind = "hub"

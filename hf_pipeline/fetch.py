@@ -860,6 +860,7 @@ class Prefetcher:
         self._state: dict[str, str] = {}  # keyed by _safe_name(file)
         self._futures: dict[str, Future] = {}
         self._worker_stats_cache: list[dict] = []
+        self._staged_total = 0  # files this prefetcher has seen staged (start-up rule)
 
     # -- lifecycle
     def __enter__(self) -> Prefetcher:
@@ -965,6 +966,9 @@ class Prefetcher:
     def _collect_worker_stats(self) -> None:
         self._worker_stats()
 
+    def _in_flight(self) -> int:
+        return sum(1 for name, st in self._state.items() if st == "queued")
+
     def _outstanding(self) -> tuple[int, int]:
         n = b = 0
         for f in self.files:
@@ -1032,6 +1036,14 @@ class Prefetcher:
                         n, b = self._outstanding()
                         if n >= limit or (n > 0 and b + f.size > self.max_bytes):
                             break
+                        if (
+                            self._staged_total < self.num_workers
+                            and self._in_flight() >= self.num_workers
+                        ):
+                            # Start-up: every worker is waiting for its first shard. On a
+                            # shared link, N parallel downloads each get 1/N of it, so
+                            # fetch just those K first and widen once they have landed.
+                            break
                         self._submit(f)
                     if all(self._state.get(n) in ("released", "failed") for n in by_name):
                         break
@@ -1081,6 +1093,7 @@ class Prefetcher:
                 )
             return
         with self._lock:
+            self._staged_total += 1
             if self._state.get(_safe_name(f)) == "queued":
                 self._state[_safe_name(f)] = "staged"
         if self._bars:

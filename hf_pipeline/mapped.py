@@ -301,6 +301,9 @@ class MappedColumn:
         with one strided inner loop (measured ~2x faster than ``np.take`` on a 2-D
         index, and ``np.take`` would first copy a non-contiguous source whole).
         """
+        if not self._maps and self.num_rows:
+            # A view over unmapped memory would crash the process, not raise.
+            raise ValueError(f"{self!r} is closed")
         view = self._views.get(itemsize)
         if view is None:
             elem = math.gcd(self._unit, itemsize, 8)

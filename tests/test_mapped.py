@@ -214,6 +214,8 @@ def test_mapped_column_whole_rows_and_out(cache):
             col.gather([0], out=np.empty((2, *LATENT_SHAPE), dtype=dtype))
     with MappedColumn.open(rows_files, "key") as keys:
         np.testing.assert_array_equal(keys.read_all(), 1000 + 7 * np.arange(300))
+    with pytest.raises(ValueError, match="closed"):
+        keys.gather([0])
 
 
 def test_without_indices_and_single_process(tmp_path):

@@ -1,0 +1,196 @@
+"""The demo training loop: the cache's loader feeding the JAX denoiser.
+
+Import this module only after the cache is built: ``datasets`` forks worker processes
+during the build, and JAX (multi-threaded) must not be initialised before a fork.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hf_pipeline.config import Config
+
+__all__ = ["TrainResult", "init_jax_distributed", "train"]
+
+log = logging.getLogger("hf_pipeline")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    """What a training run did.
+
+    Attributes:
+        steps: optimizer steps taken in this run.
+        first_loss: mean loss over the first logging window.
+        last_loss: mean loss over the last logging window.
+        samples_per_s: global samples per second over the run.
+        data_wait_share: fraction of step time spent waiting for the next batch.
+        history: one dict per log line.
+        loader_state: the loader's state after the last step (for resume).
+    """
+
+    steps: int
+    first_loss: float
+    last_loss: float
+    samples_per_s: float
+    data_wait_share: float
+    history: list[dict[str, Any]]
+    loader_state: dict[str, Any]
+
+
+def init_jax_distributed(process, environ=None) -> bool:
+    """Join a ``jax.distributed`` job when ``JAX_COORDINATOR_ADDRESS`` is set.
+
+    Uses the rank and world size detected by :mod:`dist.env` (torchrun, SLURM, ...).
+    Returns True when JAX now spans several processes.
+    """
+    env = os.environ if environ is None else environ
+    addr = env.get("JAX_COORDINATOR_ADDRESS")
+    if not addr or process.world_size <= 1:
+        return False
+    import jax
+
+    jax.distributed.initialize(addr, num_processes=process.world_size, process_id=process.rank)
+    return True
+
+
+def _save_checkpoint(path: Path, params, opt_state, loader_state: dict, step: int) -> None:
+    import jax
+
+    leaves = jax.tree_util.tree_leaves((params, opt_state))
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = path / f".state.npz.tmp-{os.getpid()}"
+    with open(tmp, "wb") as fh:
+        np.savez(fh, *[np.asarray(jax.device_get(x)) for x in leaves])
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path / "state.npz")
+    meta = {"step": step, "loader": loader_state}
+    tmp = path / f".meta.json.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(tmp, path / "meta.json")
+
+
+def _load_checkpoint(path: Path, params, opt_state):
+    import jax
+
+    meta = json.loads((path / "meta.json").read_text())
+    with np.load(path / "state.npz", allow_pickle=False) as z:
+        leaves = [z[f"arr_{i}"] for i in range(len(z.files))]
+    treedef = jax.tree_util.tree_structure((params, opt_state))
+    if treedef.num_leaves != len(leaves):
+        raise ValueError(
+            f"checkpoint {path} has {len(leaves)} arrays, the model needs {treedef.num_leaves} "
+            "(different train.hidden or encoder?)"
+        )
+    params, opt_state = jax.tree_util.tree_unflatten(treedef, [jax.numpy.asarray(x) for x in leaves])
+    return params, opt_state, int(meta["step"]), meta["loader"]
+
+
+def train(
+    cfg: Config,
+    source,
+    *,
+    process_index: int = 0,
+    process_count: int = 1,
+    steps: int | None = None,
+    on_log: Callable[[dict[str, Any]], None] | None = None,
+) -> TrainResult:
+    """Train the denoiser on ``source`` for ``steps`` (default ``train.steps``) steps.
+
+    With ``train.checkpoint`` set, resumes from it when present (model, optimizer and
+    the loader's exact position) and saves to it at the end.
+
+    Args:
+        cfg: configuration (``loader`` and ``train`` sections).
+        source: the opened cache (:func:`hf_pipeline.cache.open_sample_source`).
+        process_index, process_count: this process's share of each global batch when
+            JAX is not multi-process itself.
+        steps: override ``train.steps``.
+        on_log: called with each log record (step, loss, samples_per_s, data_wait).
+
+    Returns:
+        :class:`TrainResult`.
+    """
+    import jax
+    from jax.sharding import Mesh
+
+    from hf_pipeline.denoiser import init_params, make_optimizer, make_train_step
+    from hf_pipeline.loader import Loader
+
+    t_cfg = cfg.train
+    total = steps if steps is not None else t_cfg.steps
+    if jax.process_count() > 1:
+        mesh = Mesh(np.array(jax.devices()), ("data",))
+        loader = Loader.from_config(source, cfg.loader, mesh=mesh)
+    else:
+        loader = Loader.from_config(
+            source, cfg.loader, process_index=process_index, process_count=process_count
+        )
+    optimizer = make_optimizer(t_cfg.learning_rate, total)
+    params = init_params(jax.random.PRNGKey(t_cfg.seed), source.embed_dim, t_cfg.hidden)
+    opt_state = optimizer.init(params)
+    start = 0
+    ckpt = Path(t_cfg.checkpoint).expanduser() if t_cfg.checkpoint else None
+    if ckpt is not None and (ckpt / "meta.json").is_file():
+        params, opt_state, start, loader_state = _load_checkpoint(ckpt, params, opt_state)
+        loader.load_state_dict(loader_state)
+        log.info("resumed from %s at step %d (epoch %d)", ckpt, start, loader.epoch)
+    step_fn = make_train_step(optimizer)
+    key = jax.random.PRNGKey(t_cfg.seed + 1)
+    global_batch = cfg.loader.global_batch_size
+    history: list[dict[str, Any]] = []
+    window_losses: list[jax.Array] = []
+    window_wait = wait_total = 0.0
+    t_window = t_run = time.perf_counter()
+    step = start
+    with loader:
+        batches = loader.epochs(None)
+        while step < start + total:
+            t0 = time.perf_counter()
+            batch = next(batches)
+            waited = time.perf_counter() - t0
+            window_wait += waited
+            wait_total += waited
+            key, sub = jax.random.split(jax.random.fold_in(key, step))
+            params, opt_state, loss = step_fn(params, opt_state, batch, sub)
+            window_losses.append(loss)
+            step += 1
+            if step % t_cfg.log_every == 0 or step == start + total:
+                losses = np.asarray(jax.device_get(window_losses))
+                now = time.perf_counter()
+                elapsed = now - t_window
+                rec = {
+                    "step": step,
+                    "epoch": loader.epoch,
+                    "loss": float(losses.mean()),
+                    "samples_per_s": len(losses) * global_batch / elapsed if elapsed > 0 else 0.0,
+                    "data_wait": window_wait / elapsed if elapsed > 0 else 0.0,
+                    "queue_depth": loader.stats().queue_depth,
+                }
+                history.append(rec)
+                if on_log is not None:
+                    on_log(rec)
+                window_losses, window_wait, t_window = [], 0.0, now
+        state = loader.state_dict()
+    run_s = time.perf_counter() - t_run
+    if ckpt is not None and jax.process_index() == 0:
+        _save_checkpoint(ckpt, params, opt_state, state, step)
+    return TrainResult(
+        steps=step - start,
+        first_loss=history[0]["loss"],
+        last_loss=history[-1]["loss"],
+        samples_per_s=(step - start) * global_batch / run_s if run_s > 0 else 0.0,
+        data_wait_share=wait_total / run_s if run_s > 0 else 0.0,
+        history=history,
+        loader_state=state,
+    )

@@ -561,6 +561,7 @@ class Loader:
     def _to_device(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
         import jax
 
+        host: dict[str, np.ndarray] = {}
         out: dict[str, Any] = {}
         for name, arr in batch.items():
             if name == "keys":
@@ -577,17 +578,17 @@ class Loader:
                     out[name] = arr
                     continue
                 arr = conv
-            if self._sharding is None:
-                out[name] = jax.device_put(arr)
-            else:
+            host[name] = arr
+        if self._sharding is None:
+            out.update(jax.device_put(host))  # one call: the transfers are issued together
+        else:
+            for name, arr in host.items():
                 gshape = (self._options.global_batch_size, *arr.shape[1:])
                 out[name] = jax.make_array_from_process_local_data(self._sharding, arr, gshape)
         out["latents"] = self._cast_latents(out["latents"])
         # Finish the transfers here, on the prefetch thread, not in the training step.
-        for v in out.values():
-            if isinstance(v, jax.Array):
-                v.block_until_ready()
-        return out
+        jax.block_until_ready([v for v in out.values() if isinstance(v, jax.Array)])
+        return {name: out[name] for name in batch}  # keep the key order
 
     def _stop_prefetch(self) -> None:
         pf, self._pf = self._pf, None

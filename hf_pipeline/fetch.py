@@ -877,6 +877,7 @@ class Prefetcher:
         if self._thread is not None or self._closed:
             return
         self.staging.root.mkdir(parents=True, exist_ok=True)
+        self._sweep_stale_ctl()
         # The control folder also carries the workers' stats, so it exists even when
         # no download thread runs.
         self.ctl_dir = self.staging.root / ".ctl" / uuid.uuid4().hex[:12]
@@ -957,6 +958,16 @@ class Prefetcher:
             raise self._error
 
     # -- internals
+    def _sweep_stale_ctl(self, max_age: float = 86400.0) -> None:
+        # A killed run leaves its control folder behind; a day without any change
+        # means nobody is using it (heartbeats rewrite it every 0.5 s).
+        now = time.time()
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(self.staging.root / ".ctl"):
+                with contextlib.suppress(OSError):
+                    if entry.is_dir() and now - entry.stat().st_mtime > max_age:
+                        shutil.rmtree(entry.path, ignore_errors=True)
+
     def _worker_stats(self) -> list[dict]:
         if self.ctl_dir is not None and self.ctl_dir.is_dir():
             got = [_read_json(p) for p in self.ctl_dir.glob("stats-*.json")]

@@ -79,13 +79,17 @@ history, not news). The next builder to claim deletes old records, so a fresh ru
 the disk was freed simply builds.
 
 *Waking up.* Waiters poll every ``poll_interval``. When a ``torch.distributed`` or
-``jax.distributed`` job is initialised (``wakeup="auto"``) they sleep instead on the
-job's key-value store (the TCPStore / the JAX coordination service) with the same
-timeout, and the builder rings it after publishing or failing, so they wake at once.
-This deliberately is not a collective barrier: a barrier that the builder never reaches
-(SIGKILL) blocks everyone until the process group's timeout, while a store wait with a
-timeout is just a faster sleep, and the poll loop still does all liveness checks. If
-the store host dies, the doorbell is dropped and polling continues.
+``jax.distributed`` job is initialised (``wakeup="auto"``) a daemon thread also waits on
+the job's key-value store (the TCPStore / the JAX coordination service) and the builder
+rings it after publishing or failing, so waiters wake at once (milliseconds) instead of
+up to a poll interval later. This deliberately is not a collective barrier: a barrier
+that the builder never reaches (SIGKILL) blocks everyone until the process group's
+timeout (30 min for gloo), and a barrier that only some ranks enter (one got
+ReadOnlyCacheError) deadlocks the rest. A store wait with a timeout is just a faster
+sleep; the poll loop still does every liveness check and honours ``max_wait``, and
+because the store calls run in a separate thread even a store that hangs (its host
+partitioned away) cannot hold the loop. If the store host dies the doorbell is dropped
+and polling continues.
 
 *Read-only.* If every marker is valid, :func:`ensure_built` returns without writing a
 byte (a read-only mount works). If the cache is incomplete and the folder is not
@@ -354,15 +358,16 @@ def default_builder(process: ProcessInfo, scope: str = "shared") -> bool:
 
 
 class Doorbell(Protocol):
-    """A job-wide wake-up signal. ``token()`` before checking, ``wait(token, t)`` after.
+    """A job-wide wake-up signal: ``token()`` before checking, then ``rung(token)``.
 
-    ``wait`` returns when ``ring()`` was called after ``token()`` was taken, or after
-    ``timeout`` seconds; it must never block longer.
+    ``rung`` must be cheap and non-blocking (it is called every few hundred ms while
+    waiting); it is True once ``ring()`` was called after ``token()`` was taken.
+    Any exception drops the doorbell for the rest of the call (plain polling).
     """
 
     def token(self) -> Any: ...
 
-    def wait(self, token: Any, timeout: float) -> None: ...
+    def rung(self, token: Any) -> bool: ...
 
     def ring(self) -> None: ...
 
@@ -370,9 +375,11 @@ class Doorbell(Protocol):
 class StoreDoorbell:
     """Doorbell on a key-value store: a ``torch.distributed`` Store or a JAX client.
 
-    Generations: ``token()`` reads counter n; ``ring()`` increments it to m and sets
-    key ``ring/m``; ``wait`` waits for ``ring/n+1`` with a timeout. A ring between the
-    token and the wait is therefore never missed.
+    Generations: ``token()`` reads counter n; ``ring()`` increments it to m and sets key
+    ``ring/m``; ``rung(n)`` checks whether ``ring/n+1`` exists. A ring between the token
+    and the check is therefore never missed. Only non-blocking store calls are used:
+    blocking waits with a timeout make c10d log a warning on every timeout, and hold the
+    store client (shared with the process group) for their whole duration.
     """
 
     def __init__(self, store: Any, key: str):
@@ -385,17 +392,17 @@ class StoreDoorbell:
             return int(self._store.key_value_increment(f"{self._key}/gen", 0))
         return int(self._store.add(f"{self._key}/gen", 0))
 
-    def wait(self, token: int, timeout: float) -> None:
+    def rung(self, token: int) -> bool:
         key = f"{self._key}/ring/{token + 1}"
-        try:
-            if self._jax:
-                self._store.blocking_key_value_get(key, max(1, int(timeout * 1000)))
-            else:
-                self._store.wait([key], datetime.timedelta(seconds=timeout))
-        except Exception as e:  # the timeout is an exception in both APIs
-            if "timeout" in str(e).lower() or "deadline" in str(e).lower():
-                return
-            raise
+        if self._jax:
+            try:
+                self._store.key_value_try_get(key)
+            except Exception as e:  # NOT_FOUND is an exception in this API
+                if "not found" in str(e).lower() or "not_found" in str(e).lower():
+                    return False
+                raise
+            return True
+        return bool(self._store.check([key]))
 
     def ring(self) -> None:
         if self._jax:
@@ -406,6 +413,25 @@ class StoreDoorbell:
             self._store.set(f"{self._key}/ring/{g}", "1")
 
 
+def _private_torch_store(store: Any) -> Any:
+    """Our own client of the job's TCPStore, with a short timeout.
+
+    The process group's client has the group's timeout (30 min for gloo): if rank 0's
+    host were partitioned away, a store call on it could block a waiter that long. Our
+    client gives up after 5 s, and we then drop the doorbell and poll the filesystem.
+    """
+    import torch.distributed as td
+
+    base = store
+    while hasattr(base, "underlying_store"):  # PrefixStore
+        base = base.underlying_store
+    if isinstance(base, td.TCPStore):
+        return td.TCPStore(
+            base.host, base.port, is_master=False, timeout=datetime.timedelta(seconds=5)
+        )
+    return store  # FileStore/HashStore: local, cannot hang on the network
+
+
 def _auto_doorbell(cache_dir: Path, fingerprint: str) -> Doorbell | None:
     key = "dist.ensure_built/" + xxhash.xxh64(f"{cache_dir}\0{fingerprint}".encode()).hexdigest()
     torch_dist = sys.modules.get("torch.distributed")
@@ -413,9 +439,10 @@ def _auto_doorbell(cache_dir: Path, fingerprint: str) -> Doorbell | None:
         if torch_dist is not None and torch_dist.is_available() and torch_dist.is_initialized():
             from torch.distributed import distributed_c10d
 
-            return StoreDoorbell(distributed_c10d._get_default_store(), key)
+            store = _private_torch_store(distributed_c10d._get_default_store())
+            return StoreDoorbell(store, key)
     except Exception as e:
-        logger.debug("no torch.distributed doorbell: %s", e)
+        logger.warning("no torch.distributed doorbell, polling only: %s", e)
     if "jax" in sys.modules:
         try:
             from jax._src import distributed as jax_dist  # type: ignore[import-not-found]
@@ -424,7 +451,7 @@ def _auto_doorbell(cache_dir: Path, fingerprint: str) -> Doorbell | None:
             if client is not None:
                 return StoreDoorbell(client, key)
         except Exception as e:
-            logger.debug("no jax.distributed doorbell: %s", e)
+            logger.warning("no jax.distributed doorbell, polling only: %s", e)
     return None
 
 
@@ -481,8 +508,13 @@ def _move_lease(cache_dir: Path, expected_key: str, purpose: str) -> bool:
         os.rename(lease, moved)
     except FileNotFoundError:
         return False
-    view = _read_lease(moved)
-    if view is not None and view.key == expected_key:
+    try:
+        view = _read_lease(moved)
+    except OSError:
+        view = None
+    if view is None:
+        return False  # vanished under us (someone cleaning up); nothing to restore
+    if view.key == expected_key:
         try:
             os.unlink(moved)
         except OSError:
@@ -492,11 +524,10 @@ def _move_lease(cache_dir: Path, expected_key: str, purpose: str) -> bool:
     try:
         os.link(moved, lease)
     except FileExistsError:
-        logger.warning(
-            "lease %s displaced during a takeover; its owner will stand down",
-            view.key if view else "?",
-        )
-    os.unlink(moved)
+        logger.warning("lease %s displaced during a takeover; its owner will stand down", view.key)
+    except FileNotFoundError:
+        return False
+    _unlink(moved)
     return False
 
 
@@ -678,6 +709,7 @@ class _Coordinator:
         timing: _Timing,
         wakeup: Doorbell | None,
         on_event: Callable[[str, dict], None] | None,
+        world_size: int = 1,
     ):
         self.cache_dir = cache_dir
         self.fingerprint = fingerprint
@@ -685,6 +717,9 @@ class _Coordinator:
         self.builder = builder
         self.t = timing
         self.doorbell = wakeup
+        # Doorbell checks cost world_size / wake_step requests per second on the store's
+        # server (rank 0): ~160/s for 8 ranks, capped near 4000/s for large jobs.
+        self.wake_step = min(timing.poll_interval, max(0.05, world_size / 4000))
         self._on_event = on_event
         self.host = socket.gethostname()
         self.pid = os.getpid()
@@ -723,35 +758,6 @@ class _Coordinator:
             markers[stage.name] = marker
         return markers
 
-    def sleep(self, timeout: float) -> None:
-        if timeout <= 0:
-            return
-        if self.doorbell is not None and self._token is not None:
-            t0 = time.monotonic()
-            try:
-                self.doorbell.wait(self._token, timeout)
-                return
-            except Exception as e:
-                # Typically the store's host (rank 0) died: drop the doorbell and poll.
-                logger.warning(
-                    "doorbell failed (%s: %s); falling back to polling", type(e).__name__, e
-                )
-                self.doorbell = None
-                timeout -= time.monotonic() - t0
-        if timeout > 0:
-            time.sleep(timeout)
-
-    def take_token(self) -> None:
-        self._token = None
-        if self.doorbell is not None:
-            try:
-                self._token = self.doorbell.token()
-            except Exception as e:
-                logger.warning(
-                    "doorbell failed (%s: %s); falling back to polling", type(e).__name__, e
-                )
-                self.doorbell = None
-
     def ring(self) -> None:
         if self.doorbell is not None:
             try:
@@ -759,10 +765,31 @@ class _Coordinator:
             except Exception as e:
                 logger.warning("doorbell ring failed (%s: %s)", type(e).__name__, e)
 
+    def _bell(self, method: str, *args: Any) -> Any:
+        """Call the doorbell; on any error drop it (the store's host died): poll only."""
+        if self.doorbell is None:
+            return None
+        try:
+            return getattr(self.doorbell, method)(*args)
+        except Exception as e:
+            logger.warning("doorbell failed (%s: %s); polling only", type(e).__name__, e)
+            self.doorbell = None
+            return None
+
+    def _pause(self, seconds: float, token: Any) -> None:
+        """Sleep ``seconds``, or less if the doorbell rings."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self.doorbell is None or token is None:
+                time.sleep(left)
+                return
+            time.sleep(min(left, self.wake_step))
+            if self._bell("rung", token):
+                return
+
     # -- main loop
 
     def run(self) -> dict[str, Marker]:
-        self._token = None
         markers = self.complete_markers(log=True)
         if markers is not None:
             self.emit("complete", built=False)
@@ -775,15 +802,18 @@ class _Coordinator:
             if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
                 raise _readonly_error(self.cache_dir, f" ({e.strerror})") from e
             raise
+        return self._loop()
 
+    def _loop(self) -> dict[str, Marker]:
         start = time.monotonic()
         failures_at_start = _failure_records(self.cache_dir)
         absent_since = start
         last_key: tuple | None = None
         last_view: _LeaseView | None = None
         last_change = start
+        reported_dead: tuple | None = None
         while True:
-            self.take_token()
+            token = self._bell("token")  # before the check: a later ring is never missed
             markers = self.complete_markers(log=True)
             if markers is not None:
                 self.emit("complete", built=False)
@@ -808,16 +838,22 @@ class _Coordinator:
                     last_key, last_view, last_change = key, view, now
                 elif now - last_change >= self.t.lease_timeout:
                     stuck = now - last_change
-                    self.emit(
-                        "lease_dead", lease_id=view.key, stuck_s=stuck, host=view.host, pid=view.pid
-                    )
+                    if reported_dead != key:
+                        reported_dead = key
+                        self.emit(
+                            "lease_dead",
+                            lease_id=view.key,
+                            stuck_s=stuck,
+                            host=view.host,
+                            pid=view.pid,
+                        )
                     result = self._takeover(view, key, stuck)
                     if result is not None:
                         return result
             elapsed = time.monotonic() - start
             if elapsed >= self.t.max_wait:
                 self._raise_timeout(last_view, time.monotonic() - last_change, elapsed)
-            self.sleep(min(self.t.poll_interval, self.t.max_wait - elapsed))
+            self._pause(min(self.t.poll_interval, self.t.max_wait - elapsed), token)
 
     def _raise_new_failure(self, seen: set[str]) -> None:
         for name in sorted(_failure_records(self.cache_dir) - seen):
@@ -858,9 +894,10 @@ class _Coordinator:
         # The builder may have woken up since we judged it: look once more.
         hb = read_json(_heartbeat_path(self.cache_dir, view.key))
         counter = hb.get("counter") if isinstance(hb, dict) else None
-        if (view.key, counter) != key:
-            return None
-        if not _move_lease(self.cache_dir, view.key, "dead"):
+        if (view.key, counter) != key or not _move_lease(self.cache_dir, view.key, "dead"):
+            # Not dead after all, or already replaced: free the ticket so that a real
+            # death of this same lease later is not delayed by a generation.
+            _unlink(ticket)
             return None
         self.emit("takeover", lease_id=view.key, stuck_s=stuck)
         logger.warning(
@@ -910,9 +947,11 @@ class _Coordinator:
             path = self.cache_dir / name
             if (".tmp-" in name and not name.endswith(mine)) or ".trash-" in name:
                 shutil.rmtree(path, ignore_errors=True)
-            elif name.startswith(f"{LEASE_FILE}.") or (
+            elif name.startswith(f"{LEASE_FILE}.takeover-") or (
                 name.startswith("failed-") and name.endswith(".json")
             ):
+                # Not lease.dead-*/lease.released-*: their movers delete them at once and
+                # may be mid-way (see _move_lease); a crashed mover's one is inventory's.
                 _unlink(path)
             elif name.startswith("heartbeat-") and name != f"heartbeat-{lease.lease_id}.json":
                 _unlink(path)
@@ -1121,11 +1160,14 @@ def ensure_built(
     if not isinstance(fingerprint, str) or not fingerprint:
         raise ValueError(f"fingerprint must be a non-empty string, got {fingerprint!r}")
     cache_dir = Path(os.path.abspath(cache_dir))
+    if process is None and builder is None:
+        process = detect()
     if builder is None:
-        builder = default_builder(process if process is not None else detect(), "shared")
+        builder = default_builder(process, "shared")
+    world_size = process.world_size if process is not None else 1
     if wakeup == "auto":
         wakeup = _auto_doorbell(cache_dir, fingerprint)
     coordinator = _Coordinator(
-        cache_dir, fingerprint, stages, bool(builder), timing, wakeup, on_event
+        cache_dir, fingerprint, stages, bool(builder), timing, wakeup, on_event, world_size
     )
     return coordinator.run()

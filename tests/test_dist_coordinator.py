@@ -523,7 +523,10 @@ def test_full_disk_fails_cleanly_then_succeeds_after_growing(job, tmp_path, moun
     mounts("-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk))
     cache = disk / "c-fp0"
     args = [*FAST, "--size-mb", "1", "--files", "3", "--lease-timeout", "30", "--heartbeat", "1"]
-    procs = [job.start(cache, rank, *args) for rank in range(3)]
+    # Start together: a failure record older than a waiter is history to it (see
+    # test_waiters_get_build_failed_error_promptly).
+    start_at = str(time.time() + 1.0)
+    procs = [job.start(cache, rank, *args, "--start-at", start_at) for rank in range(3)]
     results = job.wait(procs, timeout=60)
     builder, waiters = results[0], results[1:]
     assert builder["error_type"] == "OSError" and "No space left" in builder["error"], builder
@@ -676,3 +679,25 @@ def test_inventory_status_verify_and_clean(job, tmp_path):
     assert set(clean(root, dry_run=False, observe_s=0.8)) == expected
     assert sorted(p.name for p in root.iterdir()) == ["c-complete", "c-live", "c-partial"]
     os.kill(live.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_gloo_builder_sigkilled_waiters_fall_back_to_polling_and_take_over(job, tmp_path):
+    """Rank 0 hosts the TCPStore: killing it kills the doorbell too; waiters must not
+    hang on the store, and one must take over."""
+    pytest.importorskip("torch.distributed")
+    reference = _clean_hash(job, tmp_path)
+    cache = tmp_path / "shared"
+    world = 3
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world)}
+    procs = [
+        job.start(cache, rank, "--gloo", "--no-barrier", *FAST, "--hold", "build-converted:60",
+                  env=env)
+        for rank in range(world)
+    ]  # fmt: skip
+    victim = job.wait_for_signal("build-converted", timeout=60)
+    assert victim == procs[0].pid
+    os.kill(victim, signal.SIGKILL)
+    results = job.wait(procs[1:], timeout=60)
+    _assert_same_cache(results, reference)
+    assert sum(bool(_events(r, "takeover")) for r in results) == 1

@@ -88,6 +88,7 @@ def main() -> int:
     ap.add_argument("--result", type=Path)
     ap.add_argument("--gloo", action="store_true", help="init torch.distributed (env://)")
     ap.add_argument("--wakeup", choices=["auto", "none"], default="auto")
+    ap.add_argument("--no-barrier", action="store_true", help="skip the final gloo barrier")
     ap.add_argument("--start-at", type=float, default=0.0, help="wall time to start at")
     args = ap.parse_args()
 
@@ -159,7 +160,12 @@ def main() -> int:
     if args.gloo:
         import torch.distributed as td
 
-        td.destroy_process_group()
+        if result["ok"] and not args.no_barrier:
+            # Like a training job's first collective: rank 0 (the store's host) must not
+            # exit before the others have seen the doorbell.
+            td.barrier()
+        if not args.no_barrier:
+            td.destroy_process_group()  # with a dead rank it could block: just exit
     return 0 if result["ok"] else 1
 
 

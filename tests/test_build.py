@@ -1,0 +1,191 @@
+"""The build: join checked against a pandas reference, accounting, cache identity, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from hf_pipeline.build import REASONS, prepare_cache, resolve_inputs
+from hf_pipeline.cache import CacheLayout, open_dataset, open_sample_source
+from hf_pipeline.config import load_config
+from hf_pipeline.errors import CorruptShardError, MetadataError
+from tests.conftest import SMALL_DEMO
+
+
+def _reference(shard_paths, meta_path, caption_column="caption_llava"):
+    """An independent pandas implementation of join + drop rules (first key wins)."""
+    parts = []
+    for p in shard_paths:
+        d = torch.load(p, weights_only=True)
+        parts.append(pd.DataFrame({"key": d["keys"].numpy()}))
+    lat = pd.concat(parts, ignore_index=True)
+    meta = pd.read_parquet(meta_path)
+    if "key" not in meta.columns:
+        meta = meta.reset_index().rename(columns={"index": "key", "__index_level_0__": "key"})
+    meta = meta.drop_duplicates("key", keep="first")[["key", caption_column]]
+    m = lat.merge(meta, on="key", how="left", indicator=True)
+    cap = m[caption_column]
+    reason = np.where(
+        (m["_merge"] == "left_only") | cap.isna(),
+        "no_caption",
+        np.where(cap.fillna("").str.strip() == "", "empty_caption", ""),
+    )
+    dup = m["key"].duplicated(keep="first").to_numpy()
+    reason = np.where((reason == "") & dup, "duplicate_key", reason)
+    m["reason"] = reason
+    no_latents = int((~meta["key"].isin(lat["key"])).sum())
+    return m, no_latents
+
+
+def test_join_matches_pandas_reference(built_cache, small_config):
+    inputs = resolve_inputs(small_config)
+    shard_paths = [f.url for f in inputs.shards]
+    ref, no_latents = _reference(shard_paths, inputs.metadata.url)
+    kept = ref[ref["reason"] == ""]
+
+    ds = open_dataset(built_cache.layout)
+    assert ds["key"] == kept["key"].tolist()  # same rows, same (shard, row) order
+    assert ds["caption"] == kept["caption_llava"].tolist()
+
+    r = built_cache.report
+    assert r["rows_in"] == len(ref)
+    assert r["rows_out"] == len(kept)
+    expected = {k: int(v) for k, v in ref["reason"].value_counts().items() if k}
+    assert {k: v for k, v in r["dropped"].items() if k in REASONS and v} == expected
+    assert r["dropped"]["no_latents"] == no_latents
+    # Every latent row is accounted for.
+    assert r["rows_out"] + sum(r["dropped"][k] for k in REASONS) == r["rows_in"]
+    # The demo planted every kind of defect real data has.
+    demo = inputs.demo
+    assert r["dropped"]["duplicate_key"] == demo.duplicate_latent_keys >= 1
+    assert r["dropped"]["empty_caption"] == demo.empty_captions + demo.whitespace_captions > 0
+    assert r["dropped"]["no_latents"] == demo.meta_rows_without_latents > 0
+
+
+def test_latents_and_embeddings_are_the_inputs(built_cache, small_config):
+    from hf_pipeline.embed import TextEncoder
+
+    inputs = resolve_inputs(small_config)
+    by_key = {}
+    for f in inputs.shards:
+        d = torch.load(f.url, weights_only=True)
+        for k, lat in zip(d["keys"].tolist(), d["latents"].numpy()):
+            by_key.setdefault(k, lat)  # first occurrence wins, like the build
+    ds = open_dataset(built_cache.layout).with_format("numpy")
+    rows = ds[[0, 7, len(ds) - 1]]
+    for k, lat in zip(rows["key"], rows["latents"]):
+        np.testing.assert_array_equal(lat, by_key[int(k)])
+    enc = TextEncoder(small_config.encoder)
+    np.testing.assert_allclose(rows["embedding"], enc.encode(list(rows["caption"])), atol=1e-4)
+
+    src = open_sample_source(built_cache.layout, built_cache.fingerprint)
+    assert src.num_rows == len(ds) and src.embed_dim == 384 and src.num_crops == 3
+    g = src.gather(np.array([0, 7]), np.array([2, 1]))
+    np.testing.assert_array_equal(g["latents"][0], rows["latents"][0][2])
+    np.testing.assert_array_equal(g["latents"][1], rows["latents"][1][1])
+    np.testing.assert_allclose(g["embeddings"], rows["embedding"][:2])
+    src.close()
+
+
+def test_unchanged_config_never_rebuilds(built_cache, small_config):
+    layout = built_cache.layout
+    marker = layout.root / "filtered.json"
+    before = marker.stat().st_mtime_ns
+    again = prepare_cache(small_config, progress=False)
+    assert again.built is False
+    assert again.fingerprint == built_cache.fingerprint and again.cache_dir == built_cache.cache_dir
+    assert marker.stat().st_mtime_ns == before
+    # Speed-only knobs keep the identity.
+    faster = load_config(None, [*SMALL_DEMO, f"build.cache_dir={small_config.cache_root}",
+                                "build.num_proc=1", "build.batch_size=7", "build.writer_batch_size=3"],
+                         environ={})
+    assert prepare_cache(faster, progress=False).fingerprint == built_cache.fingerprint
+
+
+def test_changed_config_never_reuses(built_cache, small_config):
+    other = load_config(
+        None,
+        [*SMALL_DEMO, f"build.cache_dir={small_config.cache_root}", "data.caption_column=caption"],
+        environ={},
+    )
+    res = prepare_cache(other, progress=False)
+    assert res.built is True
+    assert res.fingerprint != built_cache.fingerprint and res.cache_dir != built_cache.cache_dir
+    ds = open_dataset(res.layout)
+    inputs = resolve_inputs(other)
+    ref, _ = _reference([f.url for f in inputs.shards], inputs.metadata.url, "caption")
+    assert ds["caption"] == ref[ref["reason"] == ""]["caption"].tolist()
+    # A different encoder setting is a different identity too.
+    longer = load_config(None, [*SMALL_DEMO, "encoder.max_length=32"], environ={})
+    from hf_pipeline.cache import compute_fingerprint as fp
+    from hf_pipeline.embed import encoder_identity
+
+    ids = ([f.identity() for f in inputs.shards], inputs.metadata.identity())
+    assert fp(small_config, *ids, encoder_identity(small_config.encoder)) != fp(
+        longer, *ids, encoder_identity(longer.encoder)
+    )
+
+
+def _copy_demo(small_config, tmp_path) -> tuple[Path, Path]:
+    inputs = resolve_inputs(small_config)
+    data = tmp_path / "data"
+    data.mkdir()
+    for f in inputs.shards:
+        shutil.copy(f.url, data / f.name)
+    meta = data / "coyo11m-meta.parquet"
+    shutil.copy(inputs.metadata.url, meta)
+    return data, meta
+
+
+def _nothing_published(root: Path) -> None:
+    for cache in root.glob("bad-*"):
+        assert not (cache / "converted.json").exists()
+        assert not (cache / "filtered.json").exists()
+        assert not (cache / "converted").exists()
+        assert not list(cache.glob("*.tmp-*")), "builder left a temp folder behind"
+
+
+def test_corrupt_shard_fails_cleanly(small_config, tmp_path):
+    data, _ = _copy_demo(small_config, tmp_path)
+    victim = sorted(data.glob("*.pt"))[1]
+    torch.save({"keys": torch.arange(5), "latents": torch.zeros(5, 4, 32, 32)}, victim)
+    cfg = load_config(
+        None,
+        [*SMALL_DEMO, "name=bad", f"data.shards={data}", f"build.cache_dir={tmp_path / 'c'}"],
+        environ={},
+    )
+    with pytest.raises(CorruptShardError) as ei:
+        prepare_cache(cfg, progress=False)
+    assert ei.value.path.endswith(victim.name)
+    assert "latents must have shape (N, 3, 4, 32, 32), got (5, 4, 32, 32)" in str(ei.value)
+    _nothing_published(tmp_path / "c")
+
+
+def test_metadata_without_caption_column_fails_cleanly(small_config, tmp_path):
+    data, meta = _copy_demo(small_config, tmp_path)
+    t = pq.read_table(meta).drop(["caption_llava"])
+    pq.write_table(t, meta)
+    cfg = load_config(
+        None,
+        [*SMALL_DEMO, "name=bad", f"data.shards={data}", f"build.cache_dir={tmp_path / 'c'}"],
+        environ={},
+    )
+    with pytest.raises(MetadataError, match="caption_llava") as ei:
+        prepare_cache(cfg, progress=False)
+    assert ei.value.path.endswith("coyo11m-meta.parquet")
+    _nothing_published(tmp_path / "c")
+
+
+def test_report_is_json_and_complete(built_cache):
+    r = json.loads(CacheLayout(built_cache.cache_dir).report_path.read_text())
+    for field in ("fingerprint", "rows_in", "rows_out", "dropped", "embed_dim", "config"):
+        assert field in r
+    s = built_cache.summary()
+    assert set(s) >= {"fingerprint", "cache_dir", "rows_in", "rows_out", "dropped", "seconds"}

@@ -170,7 +170,9 @@ def load_shard(path: str | os.PathLike, *, dtype: str = "float16") -> tuple[np.n
     # From here on NumPy only: this runs inside forked ``datasets`` workers, and a torch
     # op there can deadlock on the OpenMP pool the parent initialised before the fork.
     keys_np = _keys_to_int64(path, keys)
-    raw = latents.detach().contiguous()
+    # No .contiguous()/.to() either: on a strided (saved-view) tensor they are parallel
+    # copy kernels. .numpy() and a same-width .view(dtype) are metadata only.
+    raw = latents.detach()
     if raw.dtype == torch.bfloat16:
         # bfloat16 is the top half of a float32: widen exactly by a 16-bit shift.
         bits = raw.view(torch.int16).numpy().view(np.uint16)
@@ -237,12 +239,12 @@ def _keys_to_int64(path: str, keys) -> np.ndarray:
     """Convert an integer key tensor to int64 numpy, refusing values that do not fit."""
     import torch
 
-    if keys.dtype == torch.int64:
-        return keys.detach().contiguous().numpy().astype(np.int64, copy=True)
-    if keys.dtype.is_signed or keys.dtype in (torch.uint8,):
-        return keys.detach().contiguous().numpy().astype(np.int64)
+    # NumPy only (fork safety, see load_shard); the copy also frees a saved view's
+    # larger storage instead of pinning it.
+    arr = keys.detach().numpy()
+    if keys.dtype == torch.int64 or keys.dtype.is_signed or keys.dtype == torch.uint8:
+        return np.array(arr, dtype=np.int64, order="C", copy=True)
     # Unsigned wider types (uint16/32/64) may not fit int64.
-    arr = keys.detach().contiguous().numpy()
     if arr.size and int(arr.max()) > np.iinfo(np.int64).max:
         raise CorruptShardError(path, f"keys ({keys.dtype}) exceed the int64 range")
     return arr.astype(np.int64)

@@ -256,3 +256,40 @@ def test_load_shard_garbage_and_missing(tmp_path):
         load_shard(bad)
     with pytest.raises(SourceError, match="does not exist"):
         load_shard(tmp_path / "nope.pt")
+
+
+# ----------------------------------------------------------------------------- fork safety
+
+
+def _load_all(paths: list[str]) -> list[tuple[int, str, float]]:
+    out = []
+    for p in paths:
+        keys, lat = load_shard(p)
+        out.append((len(keys), str(lat.dtype), float(lat.astype(np.float32).sum())))
+    return out
+
+
+def test_load_shard_in_forked_worker_after_parent_used_torch_threads(tmp_path):
+    """datasets map workers are forked; a torch kernel there can hang on libgomp."""
+    import multiprocessing
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("needs an intra-op thread pool (>= 2 torch threads) to reproduce")
+    n = 48  # 48 x 12288 elements: far above torch's parallel grain size
+    g = torch.Generator().manual_seed(1)
+    wide = torch.randn((n, 3, 4, 32, 64), generator=g)
+    paths = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        # A saved view: strided (non-contiguous) after loading, the copy-kernel path.
+        obj = {"keys": torch.arange(2 * n)[::2], "latents": wide.to(dtype)[..., ::2]}
+        paths.append(_save(tmp_path / f"{str(dtype)[6:]}.pt", obj))
+    expected = _load_all(paths)
+    torch.isfinite(torch.randn(4_000_000, generator=g)).all()  # start the parent's pool
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:  # terminate() on exit, also after a timeout
+        result = pool.apply_async(_load_all, (paths,))
+        try:
+            got = result.get(timeout=60)
+        except multiprocessing.TimeoutError:
+            pytest.fail("load_shard hung in a forked worker (torch op after fork)")
+    assert got == expected

@@ -106,7 +106,8 @@ def resolve_inputs(cfg: Config) -> Inputs:
         from hf_pipeline.demo import generate_demo
 
         d = cfg.data.demo
-        out = cfg.cache_root / "demo-data" / (
+        # Dot-folders beside the caches: never listed or cleaned as caches by dist.inventory.
+        out = cfg.cache_root / ".demo-data" / (
             f"s{d.seed}-n{d.num_shards}x{d.samples_per_shard}-{d.latent_dtype}"
         )
         demo = generate_demo(
@@ -119,7 +120,7 @@ def resolve_inputs(cfg: Config) -> Inputs:
         shards_loc = str(Path(demo.shard_paths[0]).parent)
         meta_loc = str(demo.metadata_path)
     staging = cfg.data.staging_dir or (
-        cfg.cache_root / "staging" / hashlib.sha1(shards_loc.encode()).hexdigest()[:16]
+        cfg.cache_root / ".staging" / hashlib.sha1(shards_loc.encode()).hexdigest()[:16]
     )
     source = open_source(shards_loc, data_config=cfg.data, staging_dir=staging)
     shards = source.list_shards()

@@ -1,0 +1,69 @@
+"""4 real processes with RANK/WORLD_SIZE on one shared HF_HOME: one builds, all agree."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import numpy as np
+import pytest
+
+from tests.conftest import PYTHON, REPO, SMALL_DEMO, script_env
+
+pytestmark = pytest.mark.slow
+
+
+def test_four_ranks_one_build_identical_data_disjoint_slices(tmp_path):
+    hf_home = tmp_path / "hf_home"
+    world = 4
+    overrides = [*SMALL_DEMO, "loader.global_batch_size=32", "coord.poll_interval=0.2"]
+    procs = []
+    try:
+        for rank in range(world):
+            env = script_env(
+                HF_HOME=str(hf_home), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world),
+            )
+            procs.append(
+                subprocess.Popen(
+                    [PYTHON, str(REPO / "tests/procs/rank_loader.py"), str(tmp_path / f"r{rank}.json"), *overrides],
+                    env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                )
+            )
+        outs = [p.communicate(timeout=420)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    results = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(world)]
+
+    assert sum(r["built"] for r in results) == 1, "exactly one rank builds"
+    assert results[0]["built"], "rank 0 is the builder"
+    assert len({r["fingerprint"] for r in results}) == 1
+    assert len({r["content"] for r in results}) == 1, "all ranks read identical data"
+    caches = list((hf_home / "datasets" / "hf_pipeline").glob("demo-*"))
+    assert len(caches) == 1
+
+    # Each global batch: rank slices are disjoint, equal-sized, and together are the
+    # batch the same loader yields for a single process (world-size independent order).
+    from hf_pipeline.cache import CacheLayout, open_sample_source
+    from hf_pipeline.config import load_config
+    from hf_pipeline.loader import Loader
+
+    steps = {len(r["batches"]) for r in results}
+    assert len(steps) == 1 and steps.pop() > 0
+    cfg = load_config(None, overrides, environ={})
+    src = open_sample_source(CacheLayout(caches[0]), results[0]["fingerprint"])
+    with Loader.from_config(src, cfg.loader, process_index=0, process_count=1) as single:
+        reference = [np.asarray(b["keys"]).tolist() for b in single]
+    assert len(reference) == len(results[0]["batches"])
+    for step, whole in enumerate(reference):
+        parts = [r["batches"][step] for r in results]
+        assert all(len(p) == 32 // world for p in parts)
+        flat = [k for p in parts for k in p]
+        assert flat == whole
+        assert len(set(flat)) == len(flat)
+    src.close()

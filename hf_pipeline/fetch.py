@@ -1056,8 +1056,8 @@ class Prefetcher:
                             # fetch just those K first and widen once they have landed.
                             break
                         self._submit(f)
-                    if all(self._state.get(n) in ("released", "failed") for n in by_name):
-                        break
+                # Keeps beating after the last file too: a worker may still want a shard
+                # again (a retried batch) and should not wait for a dead-prefetcher verdict.
                 self._stop.wait(_POLL * 2)
         except BaseException as exc:  # noqa: BLE001 - kept for raise_if_failed, workers see no heartbeat
             logger.exception("prefetch scheduler failed")
@@ -1073,7 +1073,7 @@ class Prefetcher:
         try:
             if self.staging.is_staged(f):
                 self._stats.add(staging_hits=1)
-            _stage_file(
+            path = _stage_file(
                 self.source,
                 f,
                 self.staging,
@@ -1083,6 +1083,8 @@ class Prefetcher:
                 on_bytes=bar_bytes,
                 unwanted=lambda: self._is_released(f),
             )
+            if path is None:
+                return  # consumed and released meanwhile: nothing to do
         except _Cancelled:
             return
         except SourceError as err:

@@ -383,6 +383,9 @@ def read_captions(
         captions = pc.filter(captions, keep)
     keys = _to_int64_numpy(key_arr)
 
+    if bool(np.all(keys[1:] > keys[:-1])):
+        # Already sorted and unique (a key-ordered export): skip the GB-sized take.
+        return CaptionTable(keys, captions, num_rows=num_rows, null_key_rows=null_keys, source=path)
     order = np.argsort(keys, kind="stable")
     sorted_keys = keys[order]
     first = np.ones(sorted_keys.shape, dtype=bool)

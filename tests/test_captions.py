@@ -102,6 +102,18 @@ def test_read_captions_categorical_and_all_null_captions(tmp_path):
     assert reason_names(classify(*t.lookup([4, 5]))).tolist() == [NO_CAPTION, NO_CAPTION]
 
 
+def test_read_captions_already_sorted_file(tmp_path):
+    keys = np.arange(0, 3000, 3, dtype=np.int64)
+    caps = [None if i % 7 == 0 else f"c{i}" for i in range(len(keys))]
+    pq.write_table(
+        pa.table({"key": keys, "caption_llava": caps}), tmp_path / "s.parquet", row_group_size=100
+    )
+    t = read_captions(tmp_path / "s.parquet")
+    assert t.keys.tolist() == keys.tolist() and t.captions.to_pylist() == caps
+    assert (t.duplicate_meta_rows, t.null_captions) == (0, caps.count(None))
+    assert t.lookup([3, 4, 2997])[0].to_pylist() == ["c1", None, "c999"]
+
+
 def test_read_captions_errors(tmp_path):
     path = _write(tmp_path / "m.parquet", _df())
     with pytest.raises(

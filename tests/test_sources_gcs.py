@@ -247,7 +247,9 @@ def _convert(batch, files, client):
     for i in batch["i"]:
         p = client.acquire(files[i], timeout=60)
         shard = torch.load(p, weights_only=True)
-        out.append(int(shard["keys"].sum()))
+        # NumPy, not a torch op: torch ops in forked workers can hang on the
+        # parent's OpenMP pool (see hf_pipeline/shards.py).
+        out.append(int(shard["keys"].numpy().sum()))
         client.release(files[i])
     return {"keysum": out}
 

@@ -148,6 +148,29 @@ def _walk_fixed_shape(path: str, column: str, arr: pa.Array):
             )
 
 
+# madvise(2) advice values (same on Linux and macOS for these four).
+_MADVICE = {"normal": 0, "random": 1, "sequential": 2, "willneed": 3}
+
+
+def _madvise(address: int, size: int, advice: int) -> bool:
+    """``madvise`` over the pages covering ``[address, address + size)``; False on failure."""
+    import ctypes
+    import ctypes.util
+    import mmap
+
+    if size <= 0:
+        return True
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    except OSError:
+        return False
+    page = mmap.PAGESIZE
+    start = address - address % page
+    length = address + size - start
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice) == 0
+
+
 class _RawSpan:
     """Exposes a 2-D strided window over raw memory to NumPy, without copying.
 
@@ -374,6 +397,28 @@ class MappedColumn:
         np.copyto(out, got)  # a second copy: fancy indexing cannot write into `out`
         return out
 
+    def advise(self, pattern: str) -> bool:
+        """Tell the kernel how the mapped files will be read (``madvise``), best effort.
+
+        ``"random"`` turns off read-ahead: a shuffled read of a cache larger than RAM
+        then fetches the 8 KiB it needs instead of a 128 KiB window around it.
+        ``"sequential"`` asks for aggressive read-ahead (sequential and block orders);
+        ``"willneed"`` starts reading the whole files into the page cache;
+        ``"normal"`` restores the default. Pages already cached are unaffected.
+
+        Returns:
+            True if the advice was applied to every file (False off Linux/macOS or if
+            the call failed; the data is correct either way).
+
+        Raises:
+            ValueError: unknown pattern.
+        """
+        if pattern not in _MADVICE:
+            raise ValueError(f"pattern must be one of {sorted(_MADVICE)}, got {pattern!r}")
+        return all(
+            _madvise(whole.address, whole.size, _MADVICE[pattern]) for _, whole in self._maps
+        )
+
     def read_all(self) -> np.ndarray:
         """All rows (a copy). Meant for small columns such as keys."""
         return self.gather(np.arange(self.num_rows, dtype=np.int64))
@@ -531,6 +576,11 @@ class SampleSource:
         return self._latents.row_bytes // self.num_crops + self._emb.row_bytes + 8
 
     # ------------------------------------------------------------------ reading
+
+    def advise(self, pattern: str) -> bool:
+        """Apply :meth:`MappedColumn.advise` to the latents and embeddings files."""
+        ok = self._latents.advise(pattern)
+        return self._emb.advise(pattern) and ok
 
     def physical(self, rows: np.ndarray) -> np.ndarray:
         """Physical row ids of logical (post-filter) ``rows``.

@@ -295,3 +295,15 @@ def test_gather_is_thread_safe(cache):
 
         with ThreadPoolExecutor(4) as ex:
             assert all(ex.map(work, range(16)))
+
+
+def test_advise(cache):
+    files, _ = cache
+    with SampleSource(*files) as src:
+        before = src.gather(np.arange(10), 1)["latents"]
+        for pattern in ("random", "sequential", "willneed", "normal"):
+            applied = src.advise(pattern)
+            assert applied or not sys.platform.startswith("linux")
+        np.testing.assert_array_equal(src.gather(np.arange(10), 1)["latents"], before)
+        with pytest.raises(ValueError, match="pattern must be one of"):
+            src.advise("fast")

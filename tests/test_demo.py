@@ -186,7 +186,7 @@ def test_concurrent_generation_four_processes(tmp_path):
             renames.append("won")
         os.rename = rename
         time.sleep(max(0.0, {start_at!r} - time.time()))
-        d = generate_demo({str(target)!r}, num_shards=3, samples_per_shard=200, seed=7)
+        d = generate_demo({str(target)!r}, num_shards=2, samples_per_shard=50, seed=7)
         print(json.dumps({{"clean": d.clean_samples, "shards": [str(p) for p in d.shard_paths],
                            "renames": renames}}))
         """
@@ -216,7 +216,7 @@ def test_concurrent_generation_four_processes(tmp_path):
     assert all(len(r) <= 1 for r in renames), renames
     # One complete dataset, identical to a fresh single-process one, and no temp leftovers.
     assert sorted(p.name for p in target.parent.iterdir()) == ["demo"]
-    reference = generate_demo(tmp_path / "ref", **_SMALL)
+    reference = generate_demo(tmp_path / "ref", num_shards=2, samples_per_shard=50, seed=7)
     assert _files(target) == _files(reference.out_dir)
 
 

@@ -89,6 +89,14 @@ class BatchLayout:
     local_devices: int
     per_device_batch: int
 
+    def describe(self) -> str:
+        """One line for logs: ``global 2048 = 8 devices x 256; process 1/2 gathers 1024``."""
+        return (
+            f"global batch {self.global_batch_size} = {self.devices} devices x "
+            f"{self.per_device_batch}; process {self.process_index}/{self.process_count} "
+            f"gathers {self.per_process_batch} for {self.local_devices} local device(s)"
+        )
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoaderStats:
@@ -259,7 +267,10 @@ class Loader:
     """Iterates batches of a :class:`~hf_pipeline.mapped.SampleSource` as JAX arrays.
 
     Iterating a Loader yields the remaining batches of the current epoch, then stops;
-    iterate again for the next epoch, or use :meth:`epochs`. Each batch is
+    iterate again for the next epoch, or use :meth:`epochs`. One iteration runs at a
+    time: starting another ends the previous one. Breaking out of a ``for`` loop stops
+    the prefetch thread (the iterator is closed when dropped); an iterator kept alive
+    but no longer read holds its thread until :meth:`close`. Each batch is
     ``{"latents": (B, C, H, W), "embeddings": (B, D), "keys": (B,)}`` (plus ``"mask"``,
     ``(B,)`` bool, with ``drop_last=False``) where ``B`` is this process's share, or,
     with a ``mesh``, global ``jax.Array`` s of ``global_batch_size`` rows sharded over

@@ -106,6 +106,7 @@ def test_batches_match_sampler_and_source(source):
     with Loader(source, global_batch_size=32, seed=5, process_index=1, process_count=2) as ld:
         assert ld.steps_per_epoch == 160 // 32
         assert ld.layout.per_process_batch == 16
+        assert "process 1/2 gathers 16" in ld.layout.describe()
         batches = _run_with_timeout(lambda: list(ld))
         assert len(batches) == 5
         assert ld.state_dict()["epoch"] == 1 and ld.state_dict()["step"] == 0
@@ -426,7 +427,8 @@ _MULTI_PROCESS = textwrap.dedent(
         assert lat.shape == (8, 4, 32, 32)
     state = ld.state_dict()
     ld.close()
-    json.dump({"shards": shards, "state": state}, open(out, "w"))
+    with open(out, "w") as f:
+        json.dump({"shards": shards, "state": state}, f)
     jax.distributed.shutdown()
     """
 )
@@ -475,7 +477,7 @@ def test_two_processes_jax_distributed(source, tmp_path):
                 p.kill()
                 p.wait()
     assert all(p.returncode == 0 for p in procs), "\n".join(outs)
-    results = [json.load(open(tmp_path / f"out{p}.json")) for p in range(2)]
+    results = [json.loads((tmp_path / f"out{p}.json").read_text()) for p in range(2)]
     assert results[0]["state"] == results[1]["state"]
     s = GlobalSampler(240, global_batch_size=8, seed=9)  # no indices: all 240 rows
     keys = source._keys.read_all()

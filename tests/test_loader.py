@@ -495,3 +495,30 @@ def test_two_processes_jax_distributed(source, tmp_path):
                     seen += len(data)
         assert seen == 8
         np.testing.assert_array_equal(got, expect)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    phases=st.lists(
+        st.tuples(st.sampled_from([1, 2, 3, 4, 6, 8]), st.integers(1, 6)), min_size=2, max_size=4
+    ),
+    seed=st.integers(0, 50),
+    shuffle=st.sampled_from(["global", "block"]),
+)
+def test_elastic_resume_any_world_sizes(phases, seed, shuffle):
+    src = FakeSource(70)
+    kw = dict(global_batch_size=24, seed=seed, shuffle=shuffle, block_size=8, num_threads=1)
+    total = sum(k for _, k in phases)
+    with Loader(src, process_index=0, process_count=1, **kw) as ld:
+        full = _keys(itertools.islice(ld.epochs(), total))
+    got, state = [], None
+    for w, k in phases:
+        loaders = [Loader(src, process_index=p, process_count=w, **kw) for p in range(w)]
+        for ld in loaders:
+            if state is not None:
+                ld.load_state_dict(state)
+        got += _global_steps(loaders, k)
+        state = loaders[0].state_dict()
+        for ld in loaders:
+            ld.close()
+    assert got == full

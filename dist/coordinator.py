@@ -617,7 +617,10 @@ class _Lease:
         if self._lost.is_set():
             return False
         for attempt in range(4):
-            view = _read_lease(self.cache_dir / LEASE_FILE)
+            try:
+                view = _read_lease(self.cache_dir / LEASE_FILE)
+            except OSError:  # ESTALE/EIO: unknown, like absent; retry
+                view = None
             if view is not None:
                 return view.key == self.lease_id
             time.sleep(0.02 * (attempt + 1))
@@ -820,7 +823,14 @@ class _Coordinator:
                 return markers
             self._raise_new_failure(failures_at_start)
             now = time.monotonic()
-            view = _read_lease(self.cache_dir / LEASE_FILE)
+            try:
+                view = _read_lease(self.cache_dir / LEASE_FILE)
+            except OSError as e:
+                # ESTALE/EIO from a flaky NFS mount: not a reason to fail; carry on with
+                # the lease we saw last (if the mount stays broken, its heartbeat stops
+                # moving for us and we judge it dead, as we would for a lost builder).
+                logger.debug("%s: cannot read the lease: %s", self.cache_dir, e)
+                view = last_view
             if view is None:
                 if last_key is not None:
                     absent_since, last_key = now, None

@@ -164,8 +164,10 @@ def _convert_shards(
         path = client.acquire(f, timeout=fetch_timeout)
         if path is None:  # skipped under on_missing="skip"; recorded by the fetcher
             continue
-        k, lat = load_shard(path, dtype=latent_dtype)
-        client.release(f)
+        try:
+            k, lat = load_shard(path, dtype=latent_dtype)
+        finally:
+            client.release(f)  # frees the staging slot even when the shard is corrupt
         caps, found = table.lookup(k)
         reasons.append(reason_names(classify(caps, found)))
         captions.append(caps.fill_null("").to_pylist())
@@ -441,6 +443,10 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
         encoder_identity(cfg.encoder),
     )
     layout = CacheLayout.for_config(cfg, fingerprint)
+    if not cfg.data.staging_dir:
+        # One staging folder per identity: two builds of the same source on one host
+        # (different configs) must not delete each other's staged shards.
+        inputs.source.staging_dir = cfg.cache_root / ".staging" / fingerprint
     builder = _Builder(cfg, inputs, fingerprint, progress)
     ran: list[str] = []
 

@@ -62,29 +62,43 @@ def _print_summary(result) -> None:
         )
 
 
+def _describe(st) -> str:
+    if st.state == "building":
+        who = f"{st.builder_host}/{st.builder_pid}" if st.builder_host else "?"
+        return f"building by {who} ({st.heartbeat_stage or '-'})"
+    return st.state
+
+
 def _admin(args, cfg) -> int:
     from dist import inventory
 
     from hf_pipeline.cache import STAGES
 
     root = cfg.cache_root
+    # Watch leases a little longer than two heartbeats to tell live builders from dead.
+    observe = 2.5 * cfg.coord.heartbeat_interval
     if args.status:
-        rows = inventory.list_caches(root)
+        rows = inventory.list_caches(root, stages=STAGES, observe_s=observe)
         if not rows:
             print(f"no caches under {root}")
             return 0
-        print(f"{'cache':40} {'state':26} {'size':>10} {'age':>8}")
+        print(f"{'cache':34} {'fingerprint':17} {'state':34} {'size':>10} {'age':>8}")
         for st in rows:
-            print(f"{st.name:40} {st.describe():26} {_human_bytes(st.size_bytes):>10} {st.age_seconds / 3600:7.1f}h")
+            print(
+                f"{st.path.name:34} {st.fingerprint or '?':17} {_describe(st):34} "
+                f"{_human_bytes(st.size_bytes):>10} {st.age_s / 3600:7.1f}h"
+            )
+            for problem in st.problems:
+                print(f"    {problem}")
         return 0
     if args.verify:
         bad = 0
-        for st in inventory.list_caches(root):
+        for st in inventory.list_caches(root, stages=STAGES):
             problems = inventory.verify(st.path, STAGES)
             bad += bool(problems)
-            print(f"{st.name}: " + ("ok" if not problems else "; ".join(problems)))
+            print(f"{st.path.name}: " + ("ok" if not problems else "; ".join(problems)))
         return 1 if bad else 0
-    removed = inventory.clean(root, dry_run=args.dry_run)
+    removed = inventory.clean(root, dry_run=args.dry_run, stages=STAGES, observe_s=max(observe, 1.0))
     verb = "would remove" if args.dry_run else "removed"
     for path in removed:
         print(f"{verb} {path}")

@@ -1,0 +1,94 @@
+"""scripts/: --help, JSON summary, exit codes and one-line errors, a short training run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.conftest import PYTHON, REPO, SMALL_DEMO, script_env
+
+
+def _run(script, *args, env=None, timeout=600):
+    return subprocess.run(
+        [PYTHON, str(REPO / "scripts" / script), *args],
+        env=env or script_env(), capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def _sets(overrides):
+    return [a for o in overrides for a in ("--set", o)]
+
+
+@pytest.mark.parametrize("script", ["train.py", "prebuild_cache.py"])
+def test_help(script):
+    p = _run(script, "--help")
+    assert p.returncode == 0
+    for word in ("--config", "--set", "DATASET_NUM_PROC", "DATASET_WRITER_BATCH_SIZE", "HF_HOME"):
+        assert word in p.stdout
+
+
+def test_prebuild_json_then_found(tmp_path, session_cache_root, built_cache):
+    out = tmp_path / "build.json"
+    p = _run("prebuild_cache.py", "--cache-dir", str(session_cache_root), *_sets(SMALL_DEMO),
+             "--json", str(out), "-q")
+    assert p.returncode == 0, p.stderr
+    s = json.loads(out.read_text())
+    assert set(s) >= {"fingerprint", "cache_dir", "rows_in", "rows_out", "dropped", "seconds"}
+    assert s["fingerprint"] == built_cache.fingerprint and s["built"] is False
+    assert "found" in p.stdout and str(s["rows_out"]) in p.stdout
+
+
+def test_prebuild_status_verify_clean(session_cache_root, built_cache):
+    p = _run("prebuild_cache.py", "--cache-dir", str(session_cache_root), "--status")
+    assert p.returncode == 0, p.stderr
+    assert built_cache.cache_dir.name in p.stdout and "complete" in p.stdout
+    p = _run("prebuild_cache.py", "--cache-dir", str(session_cache_root), "--verify")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"{built_cache.cache_dir.name}: ok" in p.stdout
+    p = _run("prebuild_cache.py", "--cache-dir", str(session_cache_root), "--clean", "--dry-run")
+    assert p.returncode == 0 and built_cache.cache_dir.name not in p.stdout
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--set", "build.num_proc=-2"], "build.num_proc must be >= 1, got -2"),
+        (["--set", "loader.crop=9"], "loader.crop"),
+        (["--config", "configs/nope.yaml"], "does not exist"),
+        (["--set", "data.shards=/nonexistent/folder"], "/nonexistent/folder"),
+        (
+            ["--config", "configs/coyo11m_gcs.yaml", "--set", "data.max_retries=0",
+             "--set", "data.file_timeout=3"],
+            "gs://my-coyo-bucket",
+        ),
+        (["--config", "configs/coyo11m.yaml"], "hf://datasets/KBlueLeaf"),
+    ],
+)
+def test_user_errors_are_one_line_exit_2(tmp_path, args, fragment):
+    env = script_env(HF_HOME=str(tmp_path), HF_HUB_OFFLINE="1")
+    p = subprocess.run([PYTHON, str(REPO / "scripts/prebuild_cache.py"), "-q", *args], env=env,
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 2, p.stderr
+    assert "Traceback" not in p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and fragment in errors[0], p.stderr
+    assert not list(tmp_path.rglob("*.json")), "nothing may be published"
+
+
+def test_env_overrides_reach_the_build(tmp_path):
+    env = script_env(HF_HOME=str(tmp_path), DATASET_BATCH_SIZE="0")
+    p = _run("prebuild_cache.py", "-q", env=env)
+    assert p.returncode == 2 and "DATASET_BATCH_SIZE" in p.stderr
+
+
+def test_train_short_run_loss_falls(session_cache_root, built_cache):
+    p = _run("train.py", "--cache-dir", str(session_cache_root), *_sets(SMALL_DEMO),
+             "--steps", "60", "--set", "train.log_every=20", "-q")
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("step")]
+    assert len(lines) == 3 and "samples/s" in lines[0] and "data wait" in lines[0]
+    losses = [float(ln.split("loss")[1].split()[0]) for ln in lines]
+    assert losses[-1] < losses[0] * 0.8, losses
+    assert "done: 60 steps" in p.stdout

@@ -454,7 +454,12 @@ def load_config(
     import yaml
 
     env = os.environ if environ is None else environ
-    tree = _read_yaml(resolve_config_path(path))
+    cfg_path = resolve_config_path(path)
+    if path in (None, "") and not cfg_path.is_file():
+        # Installed from a wheel (no configs/ folder): the built-in defaults are the demo.
+        tree: dict = {}
+    else:
+        tree = _read_yaml(cfg_path)
     for var, dotted in _ENV_FIELDS.items():
         raw = env.get(var)
         if raw is not None and raw.strip() != "":

@@ -102,20 +102,22 @@ def train(
     *,
     process_index: int = 0,
     process_count: int = 1,
-    steps: int | None = None,
+    max_steps: int | None = None,
     on_log: Callable[[dict[str, Any]], None] | None = None,
 ) -> TrainResult:
-    """Train the denoiser on ``source`` for ``steps`` (default ``train.steps``) steps.
+    """Train the denoiser on ``source`` up to ``train.steps`` optimizer steps in total.
 
     With ``train.checkpoint`` set, resumes from it when present (model, optimizer and
-    the loader's exact position) and saves to it at the end.
+    the loader's exact position) and saves to it at the end, so an interrupted run
+    continues with exactly the batches, noise and learning rate it would have had.
 
     Args:
         cfg: configuration (``loader`` and ``train`` sections).
         source: the opened cache (:func:`hf_pipeline.cache.open_sample_source`).
         process_index, process_count: this process's share of each global batch when
             JAX is not multi-process itself.
-        steps: override ``train.steps``.
+        max_steps: stop after this many steps in this call (the schedule still spans
+            ``train.steps``); None runs to the end.
         on_log: called with each log record (step, loss, samples_per_s, data_wait).
 
     Returns:
@@ -128,7 +130,7 @@ def train(
     from hf_pipeline.loader import Loader
 
     t_cfg = cfg.train
-    total = steps if steps is not None else t_cfg.steps
+    total = t_cfg.steps
     if jax.process_count() > 1:
         mesh = Mesh(np.array(jax.devices()), ("data",))
         loader = Loader.from_config(source, cfg.loader, mesh=mesh)
@@ -146,7 +148,9 @@ def train(
         loader.load_state_dict(loader_state)
         log.info("resumed from %s at step %d (epoch %d)", ckpt, start, loader.epoch)
     step_fn = make_train_step(optimizer)
-    key = jax.random.PRNGKey(t_cfg.seed + 1)
+    # Noise depends on (seed, step) only, so a resumed run draws what the original would.
+    base_key = jax.random.PRNGKey(t_cfg.seed + 1)
+    end = total if max_steps is None else min(total, start + max_steps)
     global_batch = cfg.loader.global_batch_size
     history: list[dict[str, Any]] = []
     window_losses: list[jax.Array] = []
@@ -155,17 +159,18 @@ def train(
     step = start
     with loader:
         batches = loader.epochs(None)
-        while step < start + total:
+        while step < end:
             t0 = time.perf_counter()
             batch = next(batches)
             waited = time.perf_counter() - t0
             window_wait += waited
             wait_total += waited
-            key, sub = jax.random.split(jax.random.fold_in(key, step))
-            params, opt_state, loss = step_fn(params, opt_state, batch, sub)
+            params, opt_state, loss = step_fn(
+                params, opt_state, batch, jax.random.fold_in(base_key, step)
+            )
             window_losses.append(loss)
             step += 1
-            if step % t_cfg.log_every == 0 or step == start + total:
+            if step % t_cfg.log_every == 0 or step == end:
                 losses = np.asarray(jax.device_get(window_losses))
                 now = time.perf_counter()
                 elapsed = now - t_window

@@ -291,6 +291,21 @@ def test_waiter_builds_when_preferred_builder_never_comes(tmp_path):
     assert QUICK["lease_timeout"] <= elapsed < QUICK["lease_timeout"] + 2
 
 
+@pytest.mark.parametrize("content", [b"", b'{"lease_id": "dead0001", "host": "h", "pid": 1}'])
+def test_dead_lease_without_heartbeat_is_taken_over(tmp_path, content):
+    """A claimer killed right after O_EXCL (empty lease) or before its first heartbeat."""
+    cache = tmp_path / "c"
+    cache.mkdir()
+    (cache / LEASE_FILE).write_bytes(content)
+    (cache / "converted.tmp-dead0001").mkdir()
+    events, on_event = _recorder()
+    t0 = time.monotonic()
+    ensure_built(cache, "fp", STAGES, builder=True, on_event=on_event, **QUICK)
+    assert QUICK["lease_timeout"] <= time.monotonic() - t0 < QUICK["lease_timeout"] + 2
+    assert [e for e, _ in events][:3] == ["lease_dead", "takeover", "claimed"]
+    assert sorted(os.listdir(cache)) == ["converted", "converted.json", "filtered", "filtered.json"]
+
+
 def test_argument_validation_messages(tmp_path):
     with pytest.raises(ValueError, match="poll_interval must be > 0, got 0"):
         ensure_built(tmp_path, "fp", STAGES, poll_interval=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import sys
 import warnings
 
 import numpy as np
@@ -22,6 +23,15 @@ def source(tmp_path_factory):
     src.close()
 
 
+def _ctx():
+    """Fork workers (inheriting the maps) unless JAX's threads live in this process.
+
+    Forking a process that runs JAX threads may deadlock the child; forkserver starts
+    workers from a clean process (they reopen the maps from the pickled source).
+    """
+    return "forkserver" if "jax" in sys.modules else None
+
+
 def _expected(ds: TorchBatches, step: int):
     pb = ds.sampler.batch_at(ds.epoch, step, ds._local)
     return ds.source.gather(pb.rows, pb.crops)
@@ -34,7 +44,11 @@ def test_workers_disjoint_in_order(source, num_workers):
     )
     assert len(ds) == source.num_rows // 16
     dl = torch_loader(
-        ds, num_workers=num_workers, pin_memory=True, timeout=60 if num_workers else 0
+        ds,
+        num_workers=num_workers,
+        pin_memory=True,
+        timeout=60 if num_workers else 0,
+        multiprocessing_context=_ctx() if num_workers else None,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "pin_memory set but no accelerator" on CPU
@@ -54,13 +68,18 @@ def test_workers_disjoint_in_order(source, num_workers):
 def test_ranks_union_is_global_batch_and_resume(source):
     kw = dict(global_batch_size=12, seed=5, crop="all", partition="strided")
     ranks = [TorchBatches(source, process_index=p, process_count=3, **kw) for p in range(3)]
-    per_rank = [list(torch_loader(r, num_workers=2, timeout=60)) for r in ranks]
+    per_rank = [
+        list(torch_loader(r, num_workers=2, timeout=60, multiprocessing_context=_ctx()))
+        for r in ranks
+    ]
     for step in range(len(ranks[0])):
         glob, _ = ranks[0].sampler.global_batch(0, step)
         got = torch.cat([per_rank[p][step]["keys"] for p in range(3)]).tolist()
         assert sorted(got) == sorted(source.keys[glob // 3].tolist())
     ranks[0].set_epoch(0, start_step=4)
-    resumed = list(torch_loader(ranks[0], num_workers=2, timeout=60))
+    resumed = list(
+        torch_loader(ranks[0], num_workers=2, timeout=60, multiprocessing_context=_ctx())
+    )
     assert [b["keys"].tolist() for b in resumed] == [b["keys"].tolist() for b in per_rank[0][4:]]
 
 

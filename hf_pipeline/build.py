@@ -132,6 +132,7 @@ def resolve_inputs(cfg: Config) -> Inputs:
 
 
 _CAPTIONS: dict[str, Any] = {}
+_TOKENIZERS: dict[Any, Any] = {}
 
 
 def _captions(path: str):
@@ -144,6 +145,18 @@ def _captions(path: str):
     return table
 
 
+def _tokenizer(cfg):
+    # One tokenizer per worker process, loaded after the fork. The workers already run
+    # in parallel, so each tokenizes on one thread (no oversubscription).
+    tok = _TOKENIZERS.get(cfg)
+    if tok is None:
+        from hf_pipeline.embed import CaptionTokenizer
+
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        tok = _TOKENIZERS[cfg] = CaptionTokenizer(cfg)
+    return tok
+
+
 def _convert_shards(
     batch: Mapping[str, list],
     *,
@@ -152,13 +165,15 @@ def _convert_shards(
     captions_path: str,
     latent_dtype: str,
     fetch_timeout: float,
+    encoder,
 ) -> dict[str, Any]:
-    """``datasets.map`` function: shard file names -> joined latent rows."""
+    """``datasets.map`` function: shard file names -> joined, tokenized latent rows."""
     from hf_pipeline.captions import classify, reason_names
     from hf_pipeline.shards import LATENT_SHAPE, load_shard
 
     table = _captions(captions_path)
-    keys, latents, captions, reasons = [], [], [], []
+    tokenizer = _tokenizer(encoder)
+    keys, latents, captions, reasons, token_ids = [], [], [], [], []
     for name in batch["shard"]:
         f = files[name]
         path = client.acquire(f, timeout=fetch_timeout)
@@ -169,8 +184,15 @@ def _convert_shards(
         finally:
             client.release(f)  # frees the staging slot even when the shard is corrupt
         caps, found = table.lookup(k)
-        reasons.append(reason_names(classify(caps, found)))
-        captions.append(caps.fill_null("").to_pylist())
+        why = reason_names(classify(caps, found))
+        texts = caps.fill_null("").to_pylist()
+        ids: list[list[int]] = [[] for _ in texts]
+        keep = np.flatnonzero(why == "")
+        for i, seq in zip(keep, tokenizer([texts[i] for i in keep]), strict=True):
+            ids[i] = seq
+        reasons.append(why)
+        captions.append(texts)
+        token_ids.append(ids)
         keys.append(k)
         latents.append(lat)
     if not keys:
@@ -179,31 +201,33 @@ def _convert_shards(
             "latents": np.zeros((0, *LATENT_SHAPE), latent_dtype),
             "caption": [],
             "drop_reason": [],
+            "input_ids": [],
         }
     return {
         "key": np.concatenate(keys),
         "latents": np.concatenate(latents),
         "caption": [c for part in captions for c in part],
         "drop_reason": [str(r) for part in reasons for r in part],
+        "input_ids": [x for part in token_ids for x in part],
     }
 
 
 def _embed_rows(
-    captions: list,
-    reasons: list,
+    input_ids,
+    reasons,
     indices: list,
     *,
     encoder,
     duplicate: np.ndarray,
 ) -> dict[str, Any]:
-    """``datasets.map`` function: captions -> embeddings (kept rows only)."""
+    """``datasets.map`` function (Arrow format): token ids -> embeddings (kept rows only)."""
     idx = np.asarray(indices, dtype=np.int64)
-    final = np.asarray(reasons, dtype=object)
+    final = np.asarray(reasons.to_pylist(), dtype=object)
     final[(final == "") & duplicate[idx]] = "duplicate_key"
     keep = np.flatnonzero(final == "")
-    emb = np.zeros((len(idx), encoder.dim), dtype=encoder._out_dtype)
+    emb = np.zeros((len(idx), encoder.dim), dtype=encoder.output_dtype)
     if len(keep):
-        emb[keep] = encoder.encode([captions[i] for i in keep])
+        emb[keep] = encoder.encode_ids(input_ids.take(keep))
     return {"embedding": emb, "drop_reason": final.tolist()}
 
 
@@ -222,7 +246,7 @@ def _first_occurrence_mask(keys: np.ndarray) -> np.ndarray:
 
 def _count(values: np.ndarray) -> dict[str, int]:
     names, counts = np.unique(values.astype(str), return_counts=True)
-    return {str(n): int(c) for n, c in zip(names, counts)}
+    return {str(n): int(c) for n, c in zip(names, counts, strict=True)}
 
 
 class _Builder:
@@ -241,8 +265,8 @@ class _Builder:
 
         from hf_pipeline.captions import read_captions
         from hf_pipeline.embed import TextEncoder, describe_device
-        from hf_pipeline.shards import LATENT_SHAPE
         from hf_pipeline.fetch import Prefetcher
+        from hf_pipeline.shards import LATENT_SHAPE
 
         cfg, b = self.cfg, self.cfg.build
         tmp = Path(ctx.tmp_dir)
@@ -267,6 +291,7 @@ class _Builder:
                 "latents": Array4D(LATENT_SHAPE, b.latent_dtype),
                 "caption": Value("string"),
                 "drop_reason": Value("string"),
+                "input_ids": List(Value("int32")),
             }
         )
         shard_ds = Dataset.from_dict({"shard": [f.name for f in shards]})
@@ -290,11 +315,12 @@ class _Builder:
                     "captions_path": captions_path,
                     "latent_dtype": b.latent_dtype,
                     "fetch_timeout": cfg.data.file_timeout * (cfg.data.max_retries + 1),
+                    "encoder": cfg.encoder,
                 },
                 cache_file_name=str(tmp / "rows" / "data.arrow"),
                 new_fingerprint=f"{self.fingerprint}-rows",
                 keep_in_memory=False,
-                desc="Join captions",
+                desc="Join + tokenize captions",
             )
             fetch_stats = prefetch.stats()
         t_convert = time.monotonic() - t0
@@ -308,12 +334,12 @@ class _Builder:
         encoder = TextEncoder(cfg.encoder)
         log.info("encoder %s (dim %d) on %s", cfg.encoder.model, encoder.dim, describe_device())
         emb_type = "float16" if cfg.encoder.output_dtype == "float16" else "float32"
-        embedded = rows.map(
+        embedded = rows.with_format("arrow").map(
             _embed_rows,
             batched=True,
             batch_size=b.batch_size,
             writer_batch_size=b.writer_batch_size,
-            input_columns=["caption", "drop_reason"],
+            input_columns=["input_ids", "drop_reason"],
             with_indices=True,
             remove_columns=rows.column_names,
             features=Features(
@@ -351,7 +377,7 @@ class _Builder:
     def filtered(self, ctx) -> dict[str, Any]:
         from datasets import Dataset, concatenate_datasets
 
-        cfg, b = self.cfg, self.cfg.build
+        b = self.cfg.build
         tmp = Path(ctx.tmp_dir)
         conv = Path(ctx.previous["converted"])
         layout = CacheLayout(Path(ctx.cache_dir))
@@ -430,7 +456,6 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
     """
     from dist.coordinator import Stage, default_builder, ensure_built
     from dist.env import detect
-
     from hf_pipeline.embed import encoder_identity
 
     t0 = time.monotonic()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ import numpy as np
 from hf_pipeline.config import EncoderConfig
 from hf_pipeline.errors import ConfigError
 
-__all__ = ["TextEncoder", "encoder_identity", "resolve_encoder_path"]
+__all__ = ["CaptionTokenizer", "TextEncoder", "encoder_identity", "resolve_encoder_path"]
 
 log = logging.getLogger("hf_pipeline")
 
@@ -117,10 +116,62 @@ def _pick_device(requested: str) -> str:
     return requested
 
 
+def _load_kwargs(cfg: EncoderConfig) -> tuple[str, dict[str, Any]]:
+    path = resolve_encoder_path(cfg.model)
+    kwargs: dict[str, Any] = {}
+    if Path(path).is_dir():
+        kwargs["local_files_only"] = True
+    elif cfg.revision:
+        kwargs["revision"] = cfg.revision
+    return path, kwargs
+
+
+def _load_error(cfg: EncoderConfig, exc: BaseException) -> ConfigError:
+    # transformers reports a broken or foreign model folder with any of several types.
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ConfigError(
+        f"encoder.model {cfg.model!r} could not be loaded ({first}); give a local folder, "
+        "a reachable Hub model id, or 'minilm'",
+        field="encoder.model",
+    )
+
+
+class CaptionTokenizer:
+    """Captions -> token ids (truncated to ``max_length``, no padding).
+
+    CPU only and fork-safe: the build runs it inside the ``num_proc`` join workers, so
+    tokenization (the CPU-heavy half of embedding) scales with ``num_proc`` while the
+    accelerator only runs the model. One instance per process; not thread-safe.
+    """
+
+    def __init__(self, cfg: EncoderConfig):
+        from transformers import AutoTokenizer
+
+        path, kwargs = _load_kwargs(cfg)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        except (OSError, ValueError, KeyError) as exc:
+            raise _load_error(cfg, exc) from None
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
+        self.max_length = cfg.max_length
+        self.pad_token_id = int(self.tokenizer.pad_token_id)
+
+    def __call__(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of ``texts`` (special tokens added, truncated, not padded)."""
+        if not len(texts):
+            return []
+        return self.tokenizer(
+            list(texts), truncation=True, max_length=self.max_length, padding=False
+        )["input_ids"]
+
+
 class TextEncoder:
     """Batched caption embeddings: masked mean pooling of the last hidden state.
 
-    Not thread-safe; one instance per process.
+    :meth:`encode_ids` runs the model on token ids from :class:`CaptionTokenizer`
+    (what the build does: ids come from the join workers); :meth:`encode` tokenizes
+    first. Not thread-safe; one instance per process.
 
     Args:
         cfg: encoder settings (model, revision, max_length, dtype, device).
@@ -128,38 +179,21 @@ class TextEncoder:
 
     def __init__(self, cfg: EncoderConfig):
         import torch
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoModel
 
-        # The build forks datasets workers after the tokenizer ran; Rust tokenizers
-        # would otherwise warn (and disable themselves) in every child.
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.cfg = cfg
-        path = resolve_encoder_path(cfg.model)
-        local = Path(path).is_dir()
-        kwargs: dict[str, Any] = {}
-        if cfg.revision and not local:
-            kwargs["revision"] = cfg.revision
-        if local:
-            kwargs["local_files_only"] = True
+        path, kwargs = _load_kwargs(cfg)
         self.device = _pick_device(cfg.device)
         dtype = getattr(torch, _TORCH_DTYPES[cfg.dtype])
         if self.device == "cpu" and dtype != torch.float32:
             log.info("encoder.dtype %s on CPU is slow or unsupported; computing in float32", cfg.dtype)
             dtype = torch.float32
+        self.tokenizer = CaptionTokenizer(cfg)
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
             self.model = AutoModel.from_pretrained(path, dtype=dtype, **kwargs)
         except (OSError, ValueError, KeyError) as exc:
-            # transformers reports a broken or foreign model folder with any of these.
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ConfigError(
-                f"encoder.model {cfg.model!r} could not be loaded ({first}); give a local folder, "
-                "a reachable Hub model id, or 'minilm'",
-                field="encoder.model",
-            ) from None
+            raise _load_error(cfg, exc) from None
         self.model.to(self.device).eval()
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
         hidden = getattr(self.model.config, "hidden_size", None)
         if hidden is None and hasattr(self.model.config, "get_text_config"):
             hidden = self.model.config.get_text_config().hidden_size
@@ -167,39 +201,63 @@ class TextEncoder:
         self._torch = torch
         self._out_dtype = np.dtype(cfg.output_dtype)
 
-    def encode(self, texts: Sequence[str]) -> np.ndarray:
-        """Embed ``texts``.
+    @property
+    def output_dtype(self) -> np.dtype:
+        return self._out_dtype
 
-        Texts are sorted by length and cut into micro-batches of
-        ``micro_batch_size`` so that padding (wasted compute) stays small; the
-        result comes back in the input order.
+    def encode(self, texts: Sequence[str]) -> np.ndarray:
+        """Embed ``texts`` (tokenize, then :meth:`encode_ids`)."""
+        import pyarrow as pa
+
+        return self.encode_ids(pa.array(self.tokenizer(texts), type=pa.list_(pa.int32())))
+
+    def encode_ids(self, ids) -> np.ndarray:
+        """Embed token-id sequences (a ``pyarrow`` list array, e.g. from the cache).
+
+        Sequences are sorted by length and cut into micro-batches of
+        ``micro_batch_size``, so padding (wasted compute) stays small; results stay on
+        the device until the end (one transfer, no per-micro-batch sync), and come back
+        in the input order.
 
         Returns:
-            ``(len(texts), dim)`` array of ``encoder.output_dtype``.
+            ``(len(ids), dim)`` array of ``encoder.output_dtype``.
         """
+        import pyarrow as pa
+
         torch = self._torch
-        out = np.zeros((len(texts), self.dim), dtype=self._out_dtype)
-        if not texts:
+        if isinstance(ids, pa.ChunkedArray):
+            ids = ids.combine_chunks()
+        n = len(ids)
+        out = np.zeros((n, self.dim), dtype=self._out_dtype)
+        if n == 0:
             return out
-        order = np.argsort([len(t) for t in texts], kind="stable")
+        offsets = ids.offsets.to_numpy()
+        flat = ids.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        starts = offsets[:-1] - offsets[0]
+        lengths = np.diff(offsets)
+        order = np.argsort(lengths, kind="stable")
         mb = self.cfg.micro_batch_size
+        pad = self.tokenizer.pad_token_id
+        pooled_parts = []
         with torch.inference_mode():
-            for start in range(0, len(order), mb):
-                idx = order[start : start + mb]
-                enc = self.tokenizer(
-                    [texts[i] for i in idx],
-                    padding=True,
-                    truncation=True,
-                    max_length=self.cfg.max_length,
-                    return_tensors="pt",
-                )
-                enc = {k: v.to(self.device, non_blocking=True) for k, v in enc.items()}
-                hidden = self.model(**enc).last_hidden_state
-                mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-                pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
+            for first in range(0, n, mb):
+                idx = order[first : first + mb]
+                lens = lengths[idx]
+                width = max(1, int(lens.max()))
+                cols = np.arange(width)
+                valid = cols[None, :] < lens[:, None]
+                gather = np.where(valid, starts[idx, None] + cols[None, :], 0)
+                tokens = np.where(valid, flat[gather] if flat.size else pad, pad)
+                input_ids = torch.from_numpy(tokens).to(self.device, non_blocking=True)
+                mask = torch.from_numpy(valid.astype(np.int64)).to(self.device, non_blocking=True)
+                hidden = self.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
+                m = mask.unsqueeze(-1).to(hidden.dtype)
+                pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1)
                 if self.cfg.normalize:
                     pooled = torch.nn.functional.normalize(pooled.float(), dim=-1)
-                out[idx] = pooled.float().cpu().numpy().astype(self._out_dtype, copy=False)
+                pooled_parts.append(pooled.float())
+            result = torch.cat(pooled_parts).cpu().numpy()
+        out[order] = result.astype(self._out_dtype, copy=False)
         return out
 
 
@@ -210,4 +268,3 @@ def describe_device() -> str:
     if torch.cuda.is_available():
         return f"cuda ({torch.cuda.get_device_name(0)})"
     return f"cpu ({torch.get_num_threads()} threads)"
-

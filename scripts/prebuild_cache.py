@@ -71,7 +71,6 @@ def _describe(st) -> str:
 
 def _admin(args, cfg) -> int:
     from dist import inventory
-
     from hf_pipeline.cache import STAGES
 
     root = cfg.cache_root

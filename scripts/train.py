@@ -47,7 +47,6 @@ def main(args: argparse.Namespace) -> int:
     cfg = cli.config_from_args(args, extra)
 
     from dist.env import detect
-
     from hf_pipeline.build import prepare_cache
 
     process = detect()

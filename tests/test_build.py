@@ -76,11 +76,11 @@ def test_latents_and_embeddings_are_the_inputs(built_cache, small_config):
     by_key = {}
     for f in inputs.shards:
         d = torch.load(f.url, weights_only=True)
-        for k, lat in zip(d["keys"].tolist(), d["latents"].numpy()):
+        for k, lat in zip(d["keys"].tolist(), d["latents"].numpy(), strict=True):
             by_key.setdefault(k, lat)  # first occurrence wins, like the build
     ds = open_dataset(built_cache.layout).with_format("numpy")
     rows = ds[[0, 7, len(ds) - 1]]
-    for k, lat in zip(rows["key"], rows["latents"]):
+    for k, lat in zip(rows["key"], rows["latents"], strict=True):
         np.testing.assert_array_equal(lat, by_key[int(k)])
     enc = TextEncoder(small_config.encoder)
     np.testing.assert_allclose(rows["embedding"], enc.encode(list(rows["caption"])), atol=1e-4)

@@ -36,7 +36,7 @@ def test_four_ranks_one_build_identical_data_disjoint_slices(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for p, out in zip(procs, outs):
+    for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-3000:]
     results = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(world)]
 

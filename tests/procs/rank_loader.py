@@ -17,7 +17,6 @@ import numpy as np
 def main() -> None:
     out_path, *overrides = sys.argv[1:]
     from dist.env import detect
-
     from hf_pipeline.build import prepare_cache
     from hf_pipeline.config import load_config
 

@@ -740,8 +740,19 @@ class StagingClient:
 
     def _wait(self, file: RemoteFile, staging: _Staging, ctl: Path, timeout: float | None):
         """Wait for the prefetcher; returns a path, None (skipped) or False (fetch it yourself)."""
+        want = ctl / _ctl_name(file, "want")
         with contextlib.suppress(OSError):
-            _write_json_atomic(ctl / _ctl_name(file, "want"), {"pid": os.getpid()}, durable=False)
+            _write_json_atomic(want, {"pid": os.getpid()}, durable=False)
+        try:
+            return self._wait_staged(file, staging, ctl, timeout)
+        finally:
+            # Withdraw a want the prefetcher has not read yet: seen in one scan together
+            # with our later "released", it would read as "wanted again" and the file
+            # would be downloaded a second time and left staged (holding a window slot).
+            with contextlib.suppress(OSError):
+                want.unlink()
+
+    def _wait_staged(self, file: RemoteFile, staging: _Staging, ctl: Path, timeout: float | None):
         start = time.monotonic()
         beat, beat_seen = None, time.monotonic()
         while True:

@@ -191,7 +191,9 @@ def test_hub_build_online_then_offline(hub, demo, local_build, tmp_path, monkeyp
     _assert_same_content(res, local_build)
     assert hub.count("/revision/main") == 1
     # 4 shards + the parquet, each downloaded once.
-    assert hub.count("/resolve/") == len(demo.shard_paths) + 1
+    assert hub.count("/resolve/") == len(demo.shard_paths) + 1, [
+        p for m, p in hub.log if "/resolve/" in p
+    ]
 
     # Someone ran `hf download` ahead of time into another Hub cache (for the last step).
     snapshot = tmp_path / "hub-snapshot"
@@ -360,3 +362,42 @@ def test_missing_shard_fail_vs_skip(proxy, bucket, demo, local_build, tmp_path):
     np.testing.assert_array_equal(got["latents"], want["latents"][keep])
     # Other rows in an encoder batch change the padding, so allow float noise here.
     np.testing.assert_allclose(got["embedding"], want["embedding"][keep], atol=1e-5)
+
+
+def test_a_want_answered_before_the_scan_is_not_a_second_request(gcs_env, tmp_path, monkeypatch):
+    """Regression: a worker's "want" still unread when it released the file was taken
+    for "wanted again" in the same scan: the shard was downloaded twice and left staged.
+    """
+    from hf_pipeline import fetch
+    from hf_pipeline.config import DataConfig
+    from hf_pipeline.sources import open_source
+    from tests.servers import make_shards, upload_folder
+
+    bucket = f"b-{uuid.uuid4().hex[:10]}"
+    upload_folder(gcs_env, make_shards(tmp_path / "src", 6, 6), f"{bucket}/lat")
+    with FaultProxy(gcs_env) as proxy:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        scan = fetch.Prefetcher._poll_markers
+
+        def late_scan(self):  # a scheduler thread starved of CPU
+            time.sleep(0.3)
+            return scan(self)
+
+        monkeypatch.setattr(fetch.Prefetcher, "_poll_markers", late_scan)
+        location = f"gs://{bucket}/lat"
+        cfg = DataConfig(
+            shards=location,
+            staging_dir=str(tmp_path / "staging"),
+            prefetch_ahead=4,
+            download_workers=1,
+        )
+        src = open_source(location, data_config=cfg)
+        files = src.list_shards()
+        with fetch.Prefetcher(src, files, data_config=cfg, progress=False) as pf:
+            client = pf.client()
+            for f in files:
+                assert client.acquire(f, timeout=60) is not None
+                client.release(f)
+            time.sleep(1.0)  # give a wrong re-download time to happen
+        assert {f.name: proxy.count(f.name) for f in files} == {f.name: 1 for f in files}
+    assert not list((tmp_path / "staging").glob("*.pt"))

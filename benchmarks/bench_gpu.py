@@ -8,8 +8,9 @@ Runs on a GPU machine (falls back to the CPU, for a smoke run). Three parts:
    model shaped like ``google/gemma-3-270m`` (640-d, 18 layers; random weights, built
    from its config: the speed is the architecture's, no download needed).
 2. **h2d** — batches/s the :class:`hf_pipeline.loader.Loader` delivers *on the device*
-   (gather from a memory-mapped file + transfer on its prefetch thread) against a plain
-   ``jax.device_put`` of the same, pre-assembled host arrays in the same run.
+   (gather from the memory-mapped Arrow cache layout + transfer on its prefetch
+   threads) against a plain ``jax.device_put`` of the same, pre-assembled host arrays
+   in the same run.
 3. **overlap** — a training step of a fixed cost (``--step-ms``, a jitted matmul chain)
    fed by the loader: the share of step time spent waiting for data.
 
@@ -29,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 _WORDS = (
     "a photo of red blue green small large circle square triangle stripes cat dog "
@@ -112,29 +114,15 @@ def bench_embed(args) -> list[dict]:
     return rows
 
 
-class _MemmapSource:
-    """A SampleSource-shaped view over .npy files opened with mmap (like the Arrow cache)."""
+def _source(args):
+    """The real memory-mapped cache layout (pyarrow-written: no ``datasets`` needed)."""
+    from bench_loader import build_pyarrow
 
-    def __init__(self, folder: Path, n: int, dim: int):
-        rng = np.random.default_rng(0)
-        lat, emb = folder / "latents.npy", folder / "emb.npy"
-        if not lat.exists():
-            m = np.lib.format.open_memmap(lat, mode="w+", dtype=np.float16, shape=(n, 3, 4, 32, 32))
-            for s in range(0, n, 4096):
-                m[s : s + 4096] = rng.standard_normal(m[s : s + 4096].shape, dtype=np.float32)
-            m.flush()
-            np.save(emb, rng.standard_normal((n, dim), dtype=np.float32))
-        self._lat = np.load(lat, mmap_mode="r")
-        self._emb = np.load(emb, mmap_mode="r")
-        self.num_rows, self.num_crops, self.embed_dim, self.fingerprint = n, 3, dim, "bench"
-        self._keys = np.arange(n, dtype=np.int64)
+    from hf_pipeline.mapped import SampleSource
 
-    def gather(self, rows, crops):
-        order = np.argsort(rows, kind="stable")  # ascending reads, then restore the order
-        inv = np.empty_like(order)
-        inv[order] = np.arange(len(order))
-        lat = self._lat[rows[order]][np.arange(len(rows)), np.asarray(crops)[order]][inv]
-        return {"latents": lat, "embeddings": self._emb[rows[order]][inv], "keys": self._keys[rows]}
+    files = build_pyarrow(str(Path(args.workdir) / "cache"), args.rows, args.dim, "float16",
+                          num_files=4, writer_batch_size=1000)
+    return SampleSource(*files, fingerprint="bench")
 
 
 def bench_h2d(args) -> dict:
@@ -142,9 +130,7 @@ def bench_h2d(args) -> dict:
 
     from hf_pipeline.loader import Loader
 
-    folder = Path(args.workdir) / "h2d"
-    folder.mkdir(parents=True, exist_ok=True)
-    src = _MemmapSource(folder, args.rows, args.dim)
+    src = _source(args)
     B = args.batch
     # Reference: the same bytes, already assembled on the host, device_put in a loop.
     host = src.gather(np.arange(B), np.zeros(B, np.int64))
@@ -177,7 +163,7 @@ def bench_overlap(args) -> dict:
 
     from hf_pipeline.loader import Loader
 
-    src = _MemmapSource(Path(args.workdir) / "h2d", args.rows, args.dim)
+    src = _source(args)
     size = 2048 if jax.devices()[0].platform != "cpu" else 256
 
     def make_work(reps: int):

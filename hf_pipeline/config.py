@@ -226,8 +226,10 @@ class LoaderConfig:
     shuffle: str = "global"  # "global", "block" or "sequential"
     partition: str = "contiguous"  # or "strided" (DistributedSampler order)
     block_size: int = 4096
+    window_blocks: int = 4
     drop_last: bool = True
     prefetch: int = 4
+    num_threads: int = 0  # 0: min(4, cpus) threads assembling batches
     latents_dtype: str = ""  # "" keeps the cache dtype; "bfloat16", "float32", ...
 
     def __post_init__(self):
@@ -253,6 +255,8 @@ class LoaderConfig:
         )
         _check(self.block_size >= 1, "loader.block_size", f"must be >= 1, got {self.block_size}")
         _check(self.prefetch >= 1, "loader.prefetch", f"must be >= 1, got {self.prefetch}")
+        _check(self.window_blocks >= 1, "loader.window_blocks", f"must be >= 1, got {self.window_blocks}")
+        _check(self.num_threads >= 0, "loader.num_threads", f"must be >= 0, got {self.num_threads}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

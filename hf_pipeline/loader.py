@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import os
 import queue
 import threading
@@ -29,6 +30,8 @@ from typing import Any
 import numpy as np
 
 from hf_pipeline.sampler import GlobalSampler, ProcessBatch, SamplerOptions
+
+_log = logging.getLogger("hf_pipeline")
 
 __all__ = [
     "BatchLayout",
@@ -405,6 +408,8 @@ class Loader:
             "drop_last": loader_config.drop_last,
             "prefetch": loader_config.prefetch,
             "latents_dtype": loader_config.latents_dtype or None,
+            "window_blocks": loader_config.window_blocks,
+            "num_threads": loader_config.num_threads or None,
         }
         kw.update(overrides)
         return cls(source, **kw)
@@ -596,12 +601,11 @@ class Loader:
                 conv = self._keys_for_jax(arr)
                 if conv is None:
                     if not self._keys_warned:
+                        # Expected with real (COYO) ids: say it once, quietly.
                         self._keys_warned = True
-                        warnings.warn(
+                        _log.info(
                             "keys exceed int32 and jax_enable_x64 is off: keys stay NumPy "
-                            "int64 (process-local)",
-                            RuntimeWarning,
-                            stacklevel=2,
+                            "int64 (process-local)"
                         )
                     out[name] = arr
                     continue

@@ -3,6 +3,7 @@
 Knows nothing of datasets or JAX models; see ``dist.coordinator`` for the protocol.
 """
 
+from dist.atomic import atomic_write, fsync_dir, write_json_atomic
 from dist.coordinator import (
     BuildFailedError,
     CacheWaitTimeout,
@@ -31,9 +32,12 @@ __all__ = [
     "Stage",
     "StageContext",
     "StoreDoorbell",
+    "atomic_write",
     "default_builder",
     "detect",
     "ensure_built",
+    "fsync_dir",
     "read_marker",
+    "write_json_atomic",
     "write_marker",
 ]

@@ -121,10 +121,10 @@ from typing import Any, Literal, Protocol
 
 import xxhash
 
+from dist.atomic import fsync_dir
 from dist.env import ProcessInfo, detect
 from dist.markers import (
     Marker,
-    _fsync_dir,
     check_marker,
     describe_files,
     read_json,
@@ -493,7 +493,7 @@ def _try_claim(cache_dir: Path, lease_id: str, host: str, pid: int) -> bool:
         os.fsync(fd)
     finally:
         os.close(fd)
-    _fsync_dir(cache_dir)
+    fsync_dir(cache_dir)
     return True
 
 
@@ -678,7 +678,7 @@ def _fsync_tree(folder: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(dirpath)
+        fsync_dir(dirpath)
 
 
 def _writable(path: Path) -> bool:
@@ -1044,7 +1044,7 @@ class _Coordinator:
                 _discard_dir(final)
                 os.rename(tmp, final)
             published = True
-            _fsync_dir(self.cache_dir)
+            fsync_dir(self.cache_dir)
             self.emit("renamed", stage=stage.name, lease_id=lease.lease_id)
             marker = Marker(
                 fingerprint=self.fingerprint,

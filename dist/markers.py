@@ -21,12 +21,13 @@ import dataclasses
 import json
 import logging
 import os
-import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import xxhash
+
+from dist import atomic
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -180,47 +181,9 @@ def describe_files(
     return tuple(entries)
 
 
-def _fsync_dir(folder: str | os.PathLike) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems (and NFS servers) refuse fsync on a directory
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_json_atomic(path: str | os.PathLike, obj: Any, *, fsync: bool = True) -> None:
-    """Write ``obj`` as JSON so that readers see the old file or the new, never a part.
-
-    The temp file lives in the same folder (``os.replace`` is atomic only within one
-    filesystem) and carries a random suffix so concurrent writers never share it.
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    data = json.dumps(obj, sort_keys=True, indent=1).encode()
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    if fsync:
-        _fsync_dir(path.parent)
+    """Write ``obj`` as sorted, indented JSON, atomically (see :mod:`dist.atomic`)."""
+    atomic.write_json_atomic(path, obj, durable=fsync, sort_keys=True, indent=1)
 
 
 def read_json(path: str | os.PathLike) -> Any | None:

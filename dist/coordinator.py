@@ -199,40 +199,37 @@ def _rebuild_build_failed(message, path, kwargs):
     return BuildFailedError(message, path, **kwargs)
 
 
-class CacheWaitTimeout(TimeoutError):
+class _MessagePathError(Exception):
+    """Mixin: ``(message, path)``; ``str()`` is the message; pickles with both.
+
+    Put it before the built-in base (``class X(_MessagePathError, TimeoutError)``).
+    """
+
+    def __init__(self, message: str, path: str):
+        super().__init__(message)
+        self.path = str(path)
+
+    def __str__(self):
+        return self.args[0]
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.path))
+
+
+class CacheWaitTimeout(_MessagePathError, TimeoutError):
     """Waited ``max_wait`` seconds and the cache did not become complete.
 
     Attributes:
         path: the marker that never became valid.
     """
 
-    def __init__(self, message: str, path: str):
-        super().__init__(message)
-        self.path = str(path)
 
-    def __str__(self):
-        return self.args[0]
-
-    def __reduce__(self):
-        return (type(self), (self.args[0], self.path))
-
-
-class ReadOnlyCacheError(PermissionError):
+class ReadOnlyCacheError(_MessagePathError, PermissionError):
     """The cache is incomplete and this process cannot write to its folder.
 
     Attributes:
         path: the cache folder.
     """
-
-    def __init__(self, message: str, path: str):
-        super().__init__(message)
-        self.path = str(path)
-
-    def __str__(self):
-        return self.args[0]
-
-    def __reduce__(self):
-        return (type(self), (self.args[0], self.path))
 
 
 class LeaseLostError(RuntimeError):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
 import os
 import shutil
@@ -36,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from dist.atomic import write_json_atomic
 from hf_pipeline.cache import STAGES, CacheLayout, compute_fingerprint
 from hf_pipeline.config import Config
 
@@ -422,17 +422,8 @@ class _Builder:
         accounted = rows_out + sum(dropped[r] for r in REASONS)
         if accounted != report["rows_in"]:  # internal invariant, not input validation
             raise AssertionError(f"row accounting broken: {accounted} != {report['rows_in']}")
-        _write_json(tmp / "report.json", report)
+        write_json_atomic(tmp / "report.json", report, indent=2, sort_keys=True, default=str)
         return {"rows_out": int(rows_out), "dropped": dropped}
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(obj, fh, indent=2, sort_keys=True, default=str)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildResult:

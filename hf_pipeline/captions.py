@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from dist.atomic import atomic_write
 from hf_pipeline.errors import MetadataError
 
 __all__ = [
@@ -216,22 +216,10 @@ class CaptionTable:
         table = pa.table(
             {_IPC_KEY: pa.array(self.keys, type=pa.int64()), _IPC_CAPTION: self.captions},
         ).replace_schema_metadata(meta)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                with pa.ipc.new_file(fh, table.schema) as writer:
-                    # One record batch: open() then gets each column as one zero-copy array.
-                    writer.write_table(table, max_chunksize=max(1, len(self)))
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        _fsync_dir(path.parent)
+        with atomic_write(path) as fh:
+            with pa.ipc.new_file(fh, table.schema) as writer:
+                # One record batch: open() then gets each column as one zero-copy array.
+                writer.write_table(table, max_chunksize=max(1, len(self)))
         self.path = str(path)
         return path
 
@@ -503,17 +491,3 @@ def _to_int64_numpy(arr: pa.ChunkedArray | pa.Array) -> np.ndarray:
     if arr.type != pa.int64():
         arr = arr.cast(pa.int64())
     return np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.int64)
-
-
-def _fsync_dir(folder: Path) -> None:
-    """fsync a folder so a rename in it survives a crash (best effort off Linux)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dist.atomic import atomic_write, fsync_dir
 from hf_pipeline.errors import SourceError
 
 __all__ = [
@@ -216,7 +217,7 @@ def generate_demo(
             if not out.is_dir():
                 raise
         else:
-            _fsync_dir(out.parent)
+            fsync_dir(out.parent)
             tmp = None
     finally:
         if tmp is not None:
@@ -368,10 +369,9 @@ def _write_dataset(folder: Path, params: dict) -> None:
         files[name] = {"size": p.stat().st_size, "sha256": _sha256(p)}
     counts.update(num_latent_rows=total, duplicate_latent_keys=int(dup_dst is not None))
     manifest = {"params": params, "shards": shard_names, "files": files, "counts": counts}
-    _write_fsync(
-        folder / _MANIFEST_NAME, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()
-    )
-    _fsync_dir(folder)
+    # Durable: fsyncs the file and then the folder, covering every name created in it.
+    with atomic_write(folder / _MANIFEST_NAME) as fh:
+        fh.write((json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
 
 
 def _draw_attributes(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:
@@ -584,24 +584,15 @@ def _write_metadata(path: Path, meta: dict[str, list], *, key_as_index: bool) ->
         table = pa.Table.from_pandas(df, preserve_index=True)
     else:
         table = pa.table({"key": key, **arrays})
-    pq.write_table(table, path, compression="zstd", row_group_size=max(1, len(key)))
-    with open(path, "rb+") as fh:
-        os.fsync(fh.fileno())
+    with atomic_write(path) as fh:
+        pq.write_table(table, fh, compression="zstd", row_group_size=max(1, len(key)))
 
 
 def _save_torch(path: Path, obj: dict) -> None:
     import torch
 
-    torch.save(obj, path)
-    with open(path, "rb+") as fh:
-        os.fsync(fh.fileno())
-
-
-def _write_fsync(path: Path, data: bytes) -> None:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+    with atomic_write(path) as fh:
+        torch.save(obj, fh)
 
 
 def _sha256(path: Path) -> str:
@@ -610,16 +601,3 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: fh.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -45,6 +45,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dist.atomic import write_json_atomic
 from hf_pipeline.errors import SourceError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -318,30 +319,6 @@ def _ident(file: RemoteFile) -> dict[str, Any]:
     return {"url": file.url, "size": file.size, "etag": file.etag, "checksum": file.checksum}
 
 
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _write_json_atomic(path: Path, obj: Any, *, durable: bool = True) -> None:
-    """Write JSON via temp + rename; ``durable`` adds fsync (sidecars, not signals).
-
-    Control markers only coordinate live processes on this host, so they skip the
-    fsync; sidecars vouch for data after a crash, so they pay for it.
-    """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(obj, fh)
-        if durable:
-            fh.flush()
-            os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def _read_json(path: Path) -> Any:
     """Parse a marker leniently: unreadable or malformed means absent (None)."""
     try:
@@ -485,11 +462,11 @@ class _Staging:
         """Rename a verified part into place, then write its sidecar (both atomic)."""
         final = self.path(file)
         os.replace(part, final)
-        _write_json_atomic(
+        # Durable: fsyncs the sidecar, then self.root, which holds the rename above too.
+        write_json_atomic(
             self.sidecar(file),
             {"version": _SIDECAR_VERSION, **_ident(file), "staged_at": time.time()},
         )
-        _fsync_dir(self.root)
         return final
 
     def remove(self, file: RemoteFile) -> None:
@@ -681,7 +658,7 @@ class StagingClient:
         if not self.ctl_dir or not Path(self.ctl_dir).is_dir():
             return
         with contextlib.suppress(OSError):
-            _write_json_atomic(
+            write_json_atomic(
                 Path(self.ctl_dir) / f"stats-{os.getpid()}.json", self.stats.as_dict()
             )
 
@@ -741,8 +718,10 @@ class StagingClient:
     def _wait(self, file: RemoteFile, staging: _Staging, ctl: Path, timeout: float | None):
         """Wait for the prefetcher; returns a path, None (skipped) or False (fetch it yourself)."""
         want = ctl / _ctl_name(file, "want")
+        # Control markers only coordinate live processes, so no fsync (durable=False);
+        # sidecars vouch for data after a crash, so they pay for it.
         with contextlib.suppress(OSError):
-            _write_json_atomic(want, {"pid": os.getpid()}, durable=False)
+            write_json_atomic(want, {"pid": os.getpid()}, durable=False)
         try:
             return self._wait_staged(file, staging, ctl, timeout)
         finally:
@@ -787,7 +766,7 @@ class StagingClient:
         # consumed, so it never re-downloads a file in the gap.
         if self.ctl_dir and Path(self.ctl_dir).is_dir():
             with contextlib.suppress(OSError):
-                _write_json_atomic(
+                write_json_atomic(
                     Path(self.ctl_dir) / _ctl_name(file, "released"),
                     {"pid": os.getpid()},
                     durable=False,
@@ -895,7 +874,7 @@ class Prefetcher:
         self.ctl_dir.mkdir(parents=True)
         if not self.prefetching:
             return  # workers acquire for themselves (local: the original path)
-        _write_json_atomic(self.ctl_dir / "heartbeat", 0, durable=False)
+        write_json_atomic(self.ctl_dir / "heartbeat", 0, durable=False)
         if self._progress:
             from tqdm.auto import tqdm
 
@@ -1036,7 +1015,7 @@ class Prefetcher:
                 now = time.monotonic()
                 if now - last_beat > 0.5:
                     beat, last_beat = beat + 1, now
-                    _write_json_atomic(self.ctl_dir / "heartbeat", beat, durable=False)
+                    write_json_atomic(self.ctl_dir / "heartbeat", beat, durable=False)
                 with self._lock:
                     wanted = self._poll_markers()
                     # Wanted first: a worker is blocked on it right now.
@@ -1044,7 +1023,7 @@ class Prefetcher:
                         f = by_name.get(name)
                         if f is None:
                             with contextlib.suppress(OSError):
-                                _write_json_atomic(
+                                write_json_atomic(
                                     self.ctl_dir / f"{name}.unknown", {}, durable=False
                                 )
                         elif self._state.get(name) in (None, "released"):
@@ -1105,16 +1084,14 @@ class Prefetcher:
             with self._lock:
                 self._state[_safe_name(f)] = "failed"
             with contextlib.suppress(OSError):
-                _write_json_atomic(self.ctl_dir / _ctl_name(f, "failed"), {"reason": err.reason})
+                write_json_atomic(self.ctl_dir / _ctl_name(f, "failed"), {"reason": err.reason})
             return
         except BaseException as exc:  # noqa: BLE001 - surfaced to the worker as a failure, never swallowed
             logger.exception("unexpected error fetching %s", f.url)
             with self._lock:
                 self._state[_safe_name(f)] = "failed"
             with contextlib.suppress(OSError):
-                _write_json_atomic(
-                    self.ctl_dir / _ctl_name(f, "failed"), {"reason": _describe(exc)}
-                )
+                write_json_atomic(self.ctl_dir / _ctl_name(f, "failed"), {"reason": _describe(exc)})
             return
         with self._lock:
             self._staged_total += 1

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from dist.atomic import atomic_write, write_json_atomic
 from hf_pipeline.config import Config
 
 __all__ = ["TrainResult", "init_jax_distributed", "train"]
@@ -68,16 +69,9 @@ def _save_checkpoint(path: Path, params, opt_state, loader_state: dict, step: in
 
     leaves = jax.tree_util.tree_leaves((params, opt_state))
     path.mkdir(parents=True, exist_ok=True)
-    tmp = path / f".state.npz.tmp-{os.getpid()}"
-    with open(tmp, "wb") as fh:
+    with atomic_write(path / "state.npz") as fh:
         np.savez(fh, *[np.asarray(jax.device_get(x)) for x in leaves])
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path / "state.npz")
-    meta = {"step": step, "loader": loader_state}
-    tmp = path / f".meta.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, path / "meta.json")
+    write_json_atomic(path / "meta.json", {"step": step, "loader": loader_state}, indent=1)
 
 
 def _load_checkpoint(path: Path, params, opt_state):

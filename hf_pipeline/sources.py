@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import unquote
 
+from dist.atomic import write_json_atomic
 from hf_pipeline.config import default_cache_root
 from hf_pipeline.errors import SourceError
 from hf_pipeline.fetch import (
@@ -46,7 +47,6 @@ from hf_pipeline.fetch import (
     _Staging,
     _TransientError,
     _with_retries,
-    _write_json_atomic,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -262,6 +262,11 @@ class Source:
         direct = self._direct_path(file)
         if direct is not None:
             return direct
+        return self._fetch_missing(file)
+
+    # -- for subclasses
+    def _fetch_missing(self, file: RemoteFile) -> Path:
+        """Fetch ``file``, owned here and not readable in place; default: stage it."""
         try:
             return _stage_file(
                 self, file, _Staging(self.staging_dir), self.policy, self.fetch_stats
@@ -269,7 +274,6 @@ class Source:
         except _Cancelled as exc:  # pragma: no cover - no stop event here
             raise SourceError(file.url, "cancelled") from exc
 
-    # -- for subclasses
     def _list_shard_folder(self) -> list[RemoteFile]:
         raise NotImplementedError
 
@@ -596,7 +600,7 @@ class HubSource(Source):
         path = self._listing_cache()
         with contextlib.suppress(OSError):
             path.parent.mkdir(parents=True, exist_ok=True)
-            _write_json_atomic(path, data)
+            write_json_atomic(path, data)
 
     @property
     def commit(self) -> str:
@@ -738,19 +742,13 @@ class HubSource(Source):
             return Path(hit)
         return None
 
-    def fetch_one(self, file: RemoteFile) -> Path:
+    def _fetch_missing(self, file: RemoteFile) -> Path:
         """Download into huggingface_hub's cache (``hf_hub_download``), verified.
 
         Raises:
             SourceError: unreachable after retries, offline and not cached, or the
                 checksum does not match.
         """
-        owner = self._owner_of(file)
-        if owner is not self:
-            return owner.fetch_one(file)
-        direct = self._direct_path(file)
-        if direct is not None:
-            return direct
         if _hub_offline():
             raise SourceError(
                 file.url, "HF_HUB_OFFLINE is set and the file is not in the Hub cache"

@@ -35,49 +35,44 @@ class ConfigError(UserError, ValueError):
         return (type(self), (self.args[0], self.field))
 
 
-class CorruptShardError(UserError, ValueError):
+class _PathError(UserError):
+    """Mixin: an error about one file or URL, ``"<path>: <message>"``, picklable.
+
+    Subclasses also inherit the nearest built-in (``ValueError``, ``OSError``) after it.
+
+    Attributes:
+        path: the offending file or URL, as a string.
+        reason: the message without the path.
+    """
+
+    def __init__(self, path: str, message: str):
+        super().__init__(f"{path}: {message}")
+        self.path = str(path)
+        self.reason = message
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.reason))
+
+
+class CorruptShardError(_PathError, ValueError):
     """A latent shard is unreadable or does not have the expected keys/shape/dtype.
 
     Attributes:
         path: the shard file.
     """
 
-    def __init__(self, path: str, message: str):
-        super().__init__(f"{path}: {message}")
-        self.path = str(path)
-        self.reason = message
 
-    def __reduce__(self):
-        return (type(self), (self.path, self.reason))
-
-
-class MetadataError(UserError, ValueError):
+class MetadataError(_PathError, ValueError):
     """The caption metadata table is unreadable or lacks a required column.
 
     Attributes:
         path: the metadata file.
     """
 
-    def __init__(self, path: str, message: str):
-        super().__init__(f"{path}: {message}")
-        self.path = str(path)
-        self.reason = message
 
-    def __reduce__(self):
-        return (type(self), (self.path, self.reason))
-
-
-class SourceError(UserError, OSError):
+class SourceError(_PathError, OSError):
     """A source location cannot be listed or a file cannot be fetched.
 
     Attributes:
         path: the URL or path that failed.
     """
-
-    def __init__(self, path: str, message: str):
-        super().__init__(f"{path}: {message}")
-        self.path = str(path)
-        self.reason = message
-
-    def __reduce__(self):
-        return (type(self), (self.path, self.reason))

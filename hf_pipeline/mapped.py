@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from hf_pipeline.errors import UserError
+from hf_pipeline.errors import _PathError
 
 __all__ = [
     "CacheFormatError",
@@ -47,21 +47,13 @@ _EMBEDDING = "embedding"
 _INDICES = "indices"
 
 
-class CacheFormatError(UserError, ValueError):
+class CacheFormatError(_PathError, ValueError):
     """A cache file is missing, unreadable, or lacks the expected column or layout.
 
     Attributes:
         path: the offending file (or the first file of a group).
         reason: what is wrong with it.
     """
-
-    def __init__(self, path: str, message: str):
-        super().__init__(f"{path}: {message}")
-        self.path = str(path)
-        self.reason = message
-
-    def __reduce__(self):
-        return (type(self), (self.path, self.reason))
 
 
 @dataclass(frozen=True)
@@ -150,6 +142,14 @@ def _walk_fixed_shape(path: str, column: str, arr: pa.Array):
 
 # madvise(2) advice values (same on Linux and macOS for these four).
 _MADVICE = {"normal": 0, "random": 1, "sequential": 2, "willneed": 3}
+
+
+def _checked_rows(rows, num_rows: int) -> np.ndarray:
+    """``rows`` as int64; IndexError if any is outside ``[0, num_rows)``."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if rows.size and (rows.min() < 0 or rows.max() >= num_rows):
+        raise IndexError(f"row ids must be in [0, {num_rows}), got [{rows.min()}, {rows.max()}]")
+    return rows
 
 
 def _madvise(address: int, size: int, advice: int) -> bool:
@@ -343,11 +343,7 @@ class MappedColumn:
         Raises:
             IndexError: a row id is outside ``[0, num_rows)``.
         """
-        rows = np.asarray(rows, dtype=np.int64)
-        if rows.size and (rows.min() < 0 or rows.max() >= self.num_rows):
-            raise IndexError(
-                f"row ids must be in [0, {self.num_rows}), got [{rows.min()}, {rows.max()}]"
-            )
+        rows = _checked_rows(rows, self.num_rows)
         chunk = np.searchsorted(self._starts, rows, side="right") - 1
         return self._chunk_rel[chunk] + (rows - self._starts[chunk]) * self.row_bytes
 
@@ -588,11 +584,7 @@ class SampleSource:
         Raises:
             IndexError: a row id is outside ``[0, num_rows)``.
         """
-        rows = np.asarray(rows, dtype=np.int64)
-        if rows.size and (rows.min() < 0 or rows.max() >= self.num_rows):
-            raise IndexError(
-                f"row ids must be in [0, {self.num_rows}), got [{rows.min()}, {rows.max()}]"
-            )
+        rows = _checked_rows(rows, self.num_rows)
         return rows if self._indices is None else self._indices[rows]
 
     def gather(

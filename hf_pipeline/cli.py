@@ -1,7 +1,7 @@
 """Shared command-line plumbing for ``scripts/``: common flags, config loading, exit codes.
 
 Exit codes: 0 success; 1 a coordination or runtime failure (timeout waiting for the
-cache, the builder failed, read-only cache without a build); 2 bad usage, config or
+cache, the builder failed, read-only cache without a build, disk full); 2 bad usage, config or
 input (one line on stderr, no traceback); 130 interrupted.
 """
 
@@ -99,6 +99,10 @@ def run(main: Callable[[argparse.Namespace], int | None], parser: argparse.Argum
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except _coordination_errors() as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        # Disk full, read-only or unreachable storage: the OS's own words, one line.
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

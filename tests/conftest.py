@@ -4,6 +4,7 @@ demo cache built once per session (through the real build: datasets, MiniLM)."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -61,3 +62,46 @@ def script_env(**extra: str) -> dict[str, str]:
 
 
 PYTHON = sys.executable
+
+
+# ------------------------------------------------------------ real mounts (root only)
+# Full disks are small tmpfs mounts and read-only caches are read-only bind mounts.
+
+
+def run_mount(*args: str) -> None:
+    subprocess.run(["mount", *args], check=True, capture_output=True, text=True)
+
+
+def _umount(path: Path) -> None:
+    subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def _can_mount(tmp_path: Path) -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to mount tmpfs / bind mounts"
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    try:
+        run_mount("-t", "tmpfs", "-o", "size=1m", "tmpfs", str(probe))
+    except (subprocess.CalledProcessError, FileNotFoundError) as e:
+        return f"mount not permitted here: {getattr(e, 'stderr', e)}"
+    _umount(probe)
+    return None
+
+
+@pytest.fixture
+def mounts(tmp_path):
+    reason = _can_mount(tmp_path)
+    if reason:
+        pytest.skip(reason)
+    mounted: list[Path] = []
+
+    def mount(*args: str) -> None:
+        run_mount(*args)
+        mounted.append(Path(args[-1]))
+
+    yield mount
+    for path in reversed(mounted):
+        _umount(path)
+
+

@@ -31,6 +31,7 @@ from dist import (
 from dist.coordinator import LEASE_FILE, LeaseLostError
 from dist.env import ProcessInfo
 from dist.markers import read_json
+from tests.conftest import run_mount as _mount
 
 REPO = Path(__file__).resolve().parent.parent
 RANK_SCRIPT = REPO / "tests" / "procs" / "dist_rank.py"
@@ -492,43 +493,6 @@ def test_wait_timeout_names_marker_and_builder(job, tmp_path):
 
 
 # ----------------------------------------------------------------------------- mounts
-
-
-def _mount(*args: str) -> None:
-    subprocess.run(["mount", *args], check=True, capture_output=True, text=True)
-
-
-def _umount(path: Path) -> None:
-    subprocess.run(["umount", "-l", str(path)], capture_output=True)
-
-
-def _can_mount(tmp_path: Path) -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to mount tmpfs / bind mounts"
-    probe = tmp_path / "probe"
-    probe.mkdir()
-    try:
-        _mount("-t", "tmpfs", "-o", "size=1m", "tmpfs", str(probe))
-    except (subprocess.CalledProcessError, FileNotFoundError) as e:
-        return f"mount not permitted here: {getattr(e, 'stderr', e)}"
-    _umount(probe)
-    return None
-
-
-@pytest.fixture
-def mounts(tmp_path):
-    reason = _can_mount(tmp_path)
-    if reason:
-        pytest.skip(reason)
-    mounted: list[Path] = []
-
-    def mount(*args: str) -> None:
-        _mount(*args)
-        mounted.append(Path(args[-1]))
-
-    yield mount
-    for path in reversed(mounted):
-        _umount(path)
 
 
 @pytest.mark.slow

@@ -1,0 +1,110 @@
+"""The whole build under real faults: a full disk (tmpfs) and read-only bind mounts."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from hf_pipeline.build import prepare_cache, resolve_inputs
+from hf_pipeline.cache import open_dataset, open_sample_source
+from hf_pipeline.config import load_config
+from tests.conftest import PYTHON, REPO, SMALL_DEMO, run_mount, script_env
+
+pytestmark = pytest.mark.slow
+
+
+def _local_copy(small_config, folder):
+    """The small demo's files in a plain folder (outside the cache root)."""
+    inputs = resolve_inputs(small_config)
+    folder.mkdir()
+    for f in [*inputs.shards, inputs.metadata]:
+        shutil.copy2(f.url, folder / f.name)
+    return folder
+
+
+def _snapshot(root):
+    return sorted(
+        (str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")
+    )
+
+
+def _published(root):
+    return sorted(p.name for p in root.rglob("*.json") if p.name in ("converted.json", "filtered.json"))
+
+
+def test_full_disk_fails_cleanly_for_every_rank_then_succeeds(small_config, built_cache, tmp_path, mounts):
+    data = _local_copy(small_config, tmp_path / "data")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounts("-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk))  # the rows need ~10 MB
+    args = ["-q", "--cache-dir", str(disk), "--set", f"data.shards={data}",
+            *[a for o in SMALL_DEMO for a in ("--set", o)], "--set", "coord.lease_timeout=60"]
+    procs = [
+        subprocess.Popen(
+            [PYTHON, str(REPO / "scripts/prebuild_cache.py"), *args],
+            env=script_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r)),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_out, err) in zip(procs, outs, strict=True):
+        # Both ranks fail fast with the builder's error (the waiter does not time out).
+        assert p.returncode == 1, err
+        assert "Traceback" not in err
+        lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+        assert len(lines) == 1 and "No space left on device" in lines[0], err
+    assert _published(disk) == []
+    assert not list(disk.rglob("converted")) and not list(disk.rglob("*.tmp-*"))
+
+    # Space again: the same command succeeds and the cache holds the demo's rows.
+    run_mount("-o", "remount,size=64m", str(disk))
+    p = subprocess.run([PYTHON, str(REPO / "scripts/prebuild_cache.py"), *args],
+                       env=script_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    cfg = load_config(None, [*SMALL_DEMO, f"build.cache_dir={disk}", f"data.shards={data}"], environ={})
+    res = prepare_cache(cfg, progress=False)
+    assert res.built is False
+    assert open_dataset(res.layout)["key"] == open_dataset(built_cache.layout)["key"]
+
+
+def test_read_only_mount_of_built_cache_loads_without_writing(small_config, built_cache, tmp_path, mounts):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    mounts("--bind", str(small_config.cache_root), str(ro))
+    run_mount("-o", "remount,bind,ro", str(ro))
+    before = _snapshot(ro)
+    cfg = load_config(None, [*SMALL_DEMO, f"build.cache_dir={ro}"], environ={})
+    res = prepare_cache(cfg, progress=False)
+    assert res.built is False and res.fingerprint == built_cache.fingerprint
+    src = open_sample_source(res.layout, res.fingerprint)
+    batch = src.gather(np.arange(4), 0)
+    assert batch["latents"].shape == (4, 4, 32, 32)
+    src.close()
+    assert _snapshot(ro) == before
+
+
+def test_read_only_unbuilt_cache_fails_at_once_with_advice(small_config, tmp_path, mounts):
+    data = _local_copy(small_config, tmp_path / "data")
+    ro = tmp_path / "ro"
+    (tmp_path / "empty").mkdir()
+    ro.mkdir()
+    mounts("--bind", str(tmp_path / "empty"), str(ro))
+    run_mount("-o", "remount,bind,ro", str(ro))
+    p = subprocess.run(
+        [PYTHON, str(REPO / "scripts/train.py"), "-q", "--cache-dir", str(ro),
+         "--set", f"data.shards={data}", *[a for o in SMALL_DEMO for a in ("--set", o)]],
+        env=script_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert p.returncode == 1, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1 and "prebuild_cache.py" in lines[0], p.stderr
+    assert "Traceback" not in p.stderr

@@ -92,3 +92,38 @@ def test_train_short_run_loss_falls(session_cache_root, built_cache):
     losses = [float(ln.split("loss")[1].split()[0]) for ln in lines]
     assert losses[-1] < losses[0] * 0.8, losses
     assert "done: 60 steps" in p.stdout
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_train_two_processes_jax_distributed(session_cache_root, built_cache):
+    """torchrun-style env + JAX_COORDINATOR_ADDRESS: one global batch sharded over 2 hosts."""
+    port = _free_port()
+    args = ["--cache-dir", str(session_cache_root), *_sets(SMALL_DEMO), "--steps", "20",
+            "--set", "train.log_every=10", "-q"]
+    procs = [
+        subprocess.Popen(
+            [PYTHON, str(REPO / "scripts/train.py"), *args],
+            env=script_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                           JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}"),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    assert "done: 20 steps" in outs[0][0] and "cache found" in outs[0][0]
+    assert "done:" not in outs[1][0]  # only rank 0 prints

@@ -735,6 +735,15 @@ class _Coordinator:
     def marker_path(self, stage: Stage) -> Path:
         return self.cache_dir / f"{stage.name}.json"
 
+    def _check_marker(self, stage: Stage) -> tuple[Marker | None, str | None]:
+        """``stage``'s marker checked against this cache: ``(marker, None)`` or ``(None, why)``."""
+        return check_marker(
+            self.marker_path(stage),
+            fingerprint=self.fingerprint,
+            base_dir=self.cache_dir,
+            stage=stage.name,
+        )
+
     def complete_markers(self, *, log: bool) -> dict[str, Marker] | None:
         """All markers if every one is valid, else None. Reads only, writes nothing."""
         # Cheap pre-check first: 1000 waiters polling should cost 1 stat each, not a
@@ -743,12 +752,7 @@ class _Coordinator:
             return None
         markers = {}
         for stage in self.stages:
-            marker, why = check_marker(
-                self.marker_path(stage),
-                fingerprint=self.fingerprint,
-                base_dir=self.cache_dir,
-                stage=stage.name,
-            )
+            marker, why = self._check_marker(stage)
             if marker is None:
                 reason = f"ignoring marker {self.marker_path(stage)}: {why}"
                 if log and reason != self._last_reason:
@@ -971,12 +975,7 @@ class _Coordinator:
         markers: dict[str, Marker] = {}
         first_invalid = len(self.stages)
         for i, stage in enumerate(self.stages):
-            marker, why = check_marker(
-                self.marker_path(stage),
-                fingerprint=self.fingerprint,
-                base_dir=self.cache_dir,
-                stage=stage.name,
-            )
+            marker, why = self._check_marker(stage)
             if marker is None:
                 reason = f"ignoring marker {self.marker_path(stage)}: {why}"
                 if why != "missing" and reason != self._last_reason:

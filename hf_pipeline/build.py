@@ -257,10 +257,8 @@ class _Builder:
         self.inputs = inputs
         self.fingerprint = fingerprint
         self.progress = progress
-        self.layout = None
 
     def converted(self, ctx) -> dict[str, Any]:
-        import datasets
         from datasets import Array4D, Dataset, Features, List, Value
 
         from hf_pipeline.captions import read_captions
@@ -295,8 +293,6 @@ class _Builder:
             }
         )
         shard_ds = Dataset.from_dict({"shard": [f.name for f in shards]})
-        if not self.progress:
-            datasets.disable_progress_bars()
         with Prefetcher(
             self.inputs.source, shards, data_config=cfg.data, num_workers=num_proc,
             progress=self.progress,
@@ -475,17 +471,26 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
         return Stage(name=name, build=run)
 
     c = cfg.coord
-    ensure_built(
-        layout.root,
-        fingerprint,
-        [stage(STAGES[0], builder.converted), stage(STAGES[1], builder.filtered)],
-        process=process,
-        builder=default_builder(process, c.scope),
-        poll_interval=c.poll_interval,
-        max_wait=c.max_wait,
-        lease_timeout=c.lease_timeout,
-        heartbeat_interval=c.heartbeat_interval,
-    )
+    from datasets.utils import logging as ds_logging
+
+    bars_were_on = ds_logging.is_progress_bar_enabled()
+    if not progress:
+        ds_logging.disable_progress_bars()
+    try:
+        ensure_built(
+            layout.root,
+            fingerprint,
+            [stage(STAGES[0], builder.converted), stage(STAGES[1], builder.filtered)],
+            process=process,
+            builder=default_builder(process, c.scope),
+            poll_interval=c.poll_interval,
+            max_wait=c.max_wait,
+            lease_timeout=c.lease_timeout,
+            heartbeat_interval=c.heartbeat_interval,
+        )
+    finally:
+        if bars_were_on and not progress:
+            ds_logging.enable_progress_bars()
     report = layout.read_report()
     return BuildResult(
         fingerprint=fingerprint,

@@ -471,11 +471,11 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
         return Stage(name=name, build=run)
 
     c = cfg.coord
-    from datasets.utils import logging as ds_logging
+    from datasets import utils as ds_utils
 
-    bars_were_on = ds_logging.is_progress_bar_enabled()
+    bars_were_on = ds_utils.is_progress_bar_enabled()
     if not progress:
-        ds_logging.disable_progress_bars()
+        ds_utils.disable_progress_bars()
     try:
         ensure_built(
             layout.root,
@@ -490,7 +490,7 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
         )
     finally:
         if bars_were_on and not progress:
-            ds_logging.enable_progress_bars()
+            ds_utils.enable_progress_bars()
     report = layout.read_report()
     return BuildResult(
         fingerprint=fingerprint,

@@ -64,6 +64,31 @@ def script_env(**extra: str) -> dict[str, str]:
 PYTHON = sys.executable
 
 
+def run_ranks(argv, world: int, *, timeout: float = 300, **env: str) -> list[tuple[int, str, str]]:
+    """Start ``world`` real processes of ``argv`` with torchrun's RANK/WORLD_SIZE variables.
+
+    Returns ``(returncode, stdout, stderr)`` per rank; every process is killed (never
+    left behind) if the wait times out or the test fails.
+    """
+    procs = [
+        subprocess.Popen(
+            [PYTHON, *map(str, argv)],
+            env=script_env(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                           LOCAL_WORLD_SIZE=str(world), **env),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for r in range(world)
+    ]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs, strict=True)]
+
+
 # ------------------------------------------------------------ real mounts (root only)
 # Full disks are small tmpfs mounts and read-only caches are read-only bind mounts.
 

@@ -11,7 +11,7 @@ import pytest
 from hf_pipeline.build import prepare_cache, resolve_inputs
 from hf_pipeline.cache import open_dataset, open_sample_source
 from hf_pipeline.config import load_config
-from tests.conftest import PYTHON, REPO, SMALL_DEMO, run_mount, script_env
+from tests.conftest import PYTHON, REPO, SMALL_DEMO, run_mount, run_ranks, script_env
 
 pytestmark = pytest.mark.slow
 
@@ -42,23 +42,10 @@ def test_full_disk_fails_cleanly_for_every_rank_then_succeeds(small_config, buil
     mounts("-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk))  # the rows need ~10 MB
     args = ["-q", "--cache-dir", str(disk), "--set", f"data.shards={data}",
             *[a for o in SMALL_DEMO for a in ("--set", o)], "--set", "coord.lease_timeout=60"]
-    procs = [
-        subprocess.Popen(
-            [PYTHON, str(REPO / "scripts/prebuild_cache.py"), *args],
-            env=script_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r)),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        for r in range(2)
-    ]
-    try:
-        outs = [p.communicate(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, (_out, err) in zip(procs, outs, strict=True):
+    results = run_ranks([REPO / "scripts/prebuild_cache.py", *args], 2)
+    for code, _out, err in results:
         # Both ranks fail fast with the builder's error (the waiter does not time out).
-        assert p.returncode == 1, err
+        assert code == 1, err
         assert "Traceback" not in err
         lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
         assert len(lines) == 1 and "No space left on device" in lines[0], err

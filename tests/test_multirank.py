@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import numpy as np
 import pytest
 
-from tests.conftest import PYTHON, REPO, SMALL_DEMO, script_env
+from tests.conftest import REPO, SMALL_DEMO, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -17,27 +16,12 @@ def test_four_ranks_one_build_identical_data_disjoint_slices(tmp_path):
     hf_home = tmp_path / "hf_home"
     world = 4
     overrides = [*SMALL_DEMO, "loader.global_batch_size=32", "coord.poll_interval=0.2"]
-    procs = []
-    try:
-        for rank in range(world):
-            env = script_env(
-                HF_HOME=str(hf_home), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                LOCAL_WORLD_SIZE=str(world),
-            )
-            procs.append(
-                subprocess.Popen(
-                    [PYTHON, str(REPO / "tests/procs/rank_loader.py"), str(tmp_path / f"r{rank}.json"), *overrides],
-                    env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                )
-            )
-        outs = [p.communicate(timeout=420)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, out in zip(procs, outs, strict=True):
-        assert p.returncode == 0, out[-3000:]
+    runs = run_ranks(
+        [REPO / "tests/procs/rank_loader.py", tmp_path / "r{rank}.json", *overrides], world,
+        timeout=420, HF_HOME=str(hf_home),
+    )
+    for code, out, err in runs:
+        assert code == 0, (out + err)[-3000:]
     results = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(world)]
 
     assert sum(r["built"] for r in results) == 1, "exactly one rank builds"

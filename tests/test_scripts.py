@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import PYTHON, REPO, SMALL_DEMO, script_env
+from tests.conftest import PYTHON, REPO, SMALL_DEMO, run_ranks, script_env
 
 
 def _run(script, *args, env=None, timeout=600):
@@ -108,22 +108,10 @@ def test_train_two_processes_jax_distributed(session_cache_root, built_cache):
     port = _free_port()
     args = ["--cache-dir", str(session_cache_root), *_sets(SMALL_DEMO), "--steps", "20",
             "--set", "train.log_every=10", "-q"]
-    procs = [
-        subprocess.Popen(
-            [PYTHON, str(REPO / "scripts/train.py"), *args],
-            env=script_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
-                           JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}"),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        for r in range(2)
-    ]
-    try:
-        outs = [p.communicate(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, (_out, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err[-3000:]
+    results = run_ranks([REPO / "scripts/train.py", *args], 2,
+                        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}")
+    for code, _out, err in results:
+        assert code == 0, err[-3000:]
+    outs = [(out, err) for _code, out, err in results]
     assert "done: 20 steps" in outs[0][0] and "cache found" in outs[0][0]
     assert "done:" not in outs[1][0]  # only rank 0 prints

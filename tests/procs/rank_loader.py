@@ -1,7 +1,7 @@
 """One rank of the multi-rank test: build-or-wait, then read one epoch of its slices.
 
 Rank and world size come from RANK/WORLD_SIZE like under torchrun. Writes a JSON
-result: whether this process built, the fingerprint, a content hash of the cache as
+result to the path given first (``{rank}`` in it is replaced by this rank): whether this process built, the fingerprint, a content hash of the cache as
 this rank reads it, and the keys of its share of every global batch.
 """
 
@@ -38,7 +38,7 @@ def main() -> None:
     ) as loader:
         for batch in loader:
             batches.append(np.asarray(batch["keys"]).tolist())
-    with open(out_path, "w") as fh:
+    with open(out_path.format(rank=process.rank), "w") as fh:
         json.dump(
             {
                 "rank": process.rank,

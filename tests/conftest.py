@@ -64,17 +64,21 @@ def script_env(**extra: str) -> dict[str, str]:
 PYTHON = sys.executable
 
 
-def run_ranks(argv, world: int, *, timeout: float = 300, **env: str) -> list[tuple[int, str, str]]:
+def run_ranks(
+    argv, world: int, *, timeout: float = 300, rank_env=None, **env: str
+) -> list[tuple[int, str, str]]:
     """Start ``world`` real processes of ``argv`` with torchrun's RANK/WORLD_SIZE variables.
 
+    ``rank_env(rank)`` may return more variables for one rank (e.g. its node).
     Returns ``(returncode, stdout, stderr)`` per rank; every process is killed (never
     left behind) if the wait times out or the test fails.
     """
     procs = [
         subprocess.Popen(
             [PYTHON, *map(str, argv)],
-            env=script_env(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
-                           LOCAL_WORLD_SIZE=str(world), **env),
+            env=script_env(**{"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
+                              "LOCAL_WORLD_SIZE": str(world), **env,
+                              **(rank_env(r) if rank_env else {})}),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for r in range(world)

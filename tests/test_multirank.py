@@ -51,3 +51,26 @@ def test_four_ranks_one_build_identical_data_disjoint_slices(tmp_path):
         assert flat == whole
         assert len(set(flat)) == len(flat)
     src.close()
+
+
+def test_node_scope_one_build_per_node(tmp_path):
+    """coord.scope=node: 2 nodes x 2 ranks, each node a local cache; local rank 0 builds."""
+
+    def node_env(rank: int) -> dict[str, str]:
+        node = rank // 2
+        return {"LOCAL_RANK": str(rank % 2), "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(node),
+                "HF_PIPELINE_CACHE": str(tmp_path / f"node{node}")}
+
+    overrides = [*SMALL_DEMO, "coord.scope=node", "loader.global_batch_size=32"]
+    runs = run_ranks(
+        [REPO / "tests/procs/rank_loader.py", tmp_path / "r{rank}.json", *overrides], 4,
+        timeout=420, rank_env=node_env,
+    )
+    for code, out, err in runs:
+        assert code == 0, (out + err)[-3000:]
+    results = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(4)]
+    assert [r["built"] for r in results] == [True, False, True, False]
+    assert len({r["content"] for r in results}) == 1, "both nodes built the same data"
+    for node in (0, 1):
+        caches = [p for p in (tmp_path / f"node{node}").iterdir() if not p.name.startswith(".")]
+        assert len(caches) == 1 and (caches[0] / "filtered.json").is_file()

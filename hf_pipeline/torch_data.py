@@ -23,6 +23,7 @@ import torch.utils.data as tud
 from hf_pipeline.sampler import GlobalSampler, SamplerOptions
 
 __all__ = [
+    "LatentDataModule",
     "TorchBatches",
     "torch_loader",
 ]
@@ -149,3 +150,65 @@ def torch_loader(dataset: TorchBatches, *, num_workers: int = 2, pin_memory: boo
         raise ValueError("TorchBatches yields whole batches: leave batch_size unset")
     kw["batch_size"] = None
     return tud.DataLoader(dataset, num_workers=num_workers, pin_memory=pin_memory, **kw)
+
+
+class LatentDataModule:
+    """A thin Lightning-style DataModule over the shared cache (no lightning import).
+
+    ``setup()`` finds or builds the cache exactly like every other entry point (one rank
+    builds, the others wait); ``train_dataloader()`` serves :class:`TorchBatches` in the
+    loader's global order. Lightning's ``Trainer`` accepts it as a DataModule by duck
+    typing; without Lightning call the methods yourself. Call :meth:`set_epoch` at the
+    start of each epoch (with ``start_step`` to resume inside one).
+
+    Args:
+        cfg: the :class:`~hf_pipeline.config.Config` (``loader`` section for the order).
+        num_workers, pin_memory: ``DataLoader`` settings.
+        **loader_kw: ``DataLoader`` arguments (e.g. ``multiprocessing_context``).
+    """
+
+    def __init__(self, cfg, *, num_workers: int = 2, pin_memory: bool = False, **loader_kw):
+        self.cfg = cfg
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.loader_kw = loader_kw
+        self.source = None
+        self.dataset: TorchBatches | None = None
+
+    def prepare_data(self) -> None:
+        """Nothing to do: :meth:`setup` coordinates the build across ranks itself."""
+
+    def setup(self, stage: str | None = None) -> None:
+        from hf_pipeline.build import prepare_cache
+        from hf_pipeline.cache import open_sample_source
+
+        if self.source is not None:
+            return
+        built = prepare_cache(self.cfg, progress=False)
+        self.source = open_sample_source(built.layout, built.fingerprint)
+        lc = self.cfg.loader
+        self.dataset = TorchBatches(
+            self.source, global_batch_size=lc.global_batch_size, seed=lc.seed, crop=lc.crop,
+            shuffle=lc.shuffle, partition=lc.partition, block_size=lc.block_size,
+            window_blocks=lc.window_blocks, drop_last=lc.drop_last,
+            latents_dtype=lc.latents_dtype or None,
+        )
+
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        self._require().set_epoch(epoch, start_step)
+
+    def train_dataloader(self):
+        return torch_loader(
+            self._require(), num_workers=self.num_workers, pin_memory=self.pin_memory,
+            **self.loader_kw,
+        )
+
+    def teardown(self, stage: str | None = None) -> None:
+        if self.source is not None:
+            self.source.close()
+            self.source = self.dataset = None
+
+    def _require(self) -> TorchBatches:
+        if self.dataset is None:
+            raise RuntimeError("call setup() first")
+        return self.dataset

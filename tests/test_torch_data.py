@@ -106,3 +106,24 @@ def test_pad_mask_bf16_and_spawned_workers(source):
     assert sorted(keys) == sorted(source.keys.tolist())
     with pytest.raises(ValueError, match="batch_size"):
         torch_loader(ds, batch_size=4)
+
+
+def test_datamodule_over_the_built_cache(small_config, built_cache):
+    """The Lightning-style DataModule: setup finds the cache, batches follow the loader order."""
+    import numpy as np
+
+    from hf_pipeline.torch_data import LatentDataModule, TorchBatches
+
+    dm = LatentDataModule(small_config, num_workers=0)
+    with pytest.raises(RuntimeError, match="setup"):
+        dm.train_dataloader()
+    dm.setup("fit")
+    dm.set_epoch(1, start_step=2)
+    got = [b["keys"].numpy() for b in dm.train_dataloader()]
+    ref = TorchBatches(dm.source, global_batch_size=16, seed=0, process_index=0, process_count=1,
+                       epoch=1, start_step=2)
+    assert len(got) == len(ref) > 0
+    for a, b in zip(got, ref, strict=True):
+        np.testing.assert_array_equal(a, b["keys"].numpy())
+    dm.teardown()
+    assert dm.source is None

@@ -19,6 +19,7 @@ Environment (read at call time): ``STORAGE_EMULATOR_HOST`` (GCS emulator),
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import glob as _glob
@@ -126,7 +127,7 @@ def _truthy(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
-class Source:
+class Source(abc.ABC):
     """A place holding shard files and (usually) the metadata parquet.
 
     Listing is done once and cached on the instance (thread-safe). Instances pickle
@@ -274,17 +275,21 @@ class Source:
         except _Cancelled as exc:  # pragma: no cover - no stop event here
             raise SourceError(file.url, "cancelled") from exc
 
+    @abc.abstractmethod
     def _list_shard_folder(self) -> list[RemoteFile]:
-        raise NotImplementedError
+        """The ``*.pt`` files of the shard location (unsorted)."""
 
+    @abc.abstractmethod
     def _metadata_folders(self) -> Iterator[list[RemoteFile]]:
-        raise NotImplementedError
+        """Folders to search for ``*meta*.parquet``, nearest first."""
 
+    @abc.abstractmethod
     def _stat(self, url: str) -> RemoteFile:
-        raise NotImplementedError
+        """Describe one file of this store."""
 
+    @abc.abstractmethod
     def _owns(self, url: str) -> bool:
-        raise NotImplementedError
+        """Whether ``url`` lives in this source's store (else a sibling source reads it)."""
 
     def _direct_path(self, file: RemoteFile) -> Path | None:
         """A path readable in place (local file, Hub cache hit), or None."""
@@ -294,7 +299,8 @@ class Source:
         self, file: RemoteFile, offset: int, deadline: float, stop: _threading.Event | None
     ) -> Iterator[bytes]:
         """Yield the bytes of ``file`` from ``offset`` on; raise on failure or deadline."""
-        raise NotImplementedError
+        # Only remote stores read ranges; local files are always read in place.
+        raise TypeError(f"{type(self).__name__} reads files in place, not by ranges")
 
     # -- helpers
     def _sibling_for(self, url: str) -> Source:

@@ -14,9 +14,11 @@ import hashlib
 import json
 import re
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlsplit
+
+from tests.servers.loopback import LoopbackServer
 
 __all__ = ["FakeHub"]
 
@@ -27,7 +29,7 @@ def _git_sha1(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
-class FakeHub:
+class FakeHub(LoopbackServer):
     """Serves dataset repos from memory. Thread-safe.
 
     Args:
@@ -39,13 +41,7 @@ class FakeHub:
         self._repos: dict[str, dict] = {}
         self._lock = threading.Lock()
         self.log: list[tuple[str, str]] = []
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
-        self._server.daemon_threads = True
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
+        super().__init__(self._handler_class())
 
     def add_commit(self, repo_id: str, files: dict[str, bytes], *, branch: str = "main") -> str:
         """Add a commit holding exactly ``files`` (path -> bytes); return its hash."""
@@ -74,24 +70,7 @@ class FakeHub:
         with self._lock:
             return sum(1 for m, p in self.log if m == method and match in p)
 
-    def start(self) -> FakeHub:
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="fake-hub", daemon=True
-        )
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        if self._thread is not None:
-            self._thread.join(10)
-
-    def __enter__(self) -> FakeHub:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    thread_name = "fake-hub"
 
     # -- request handling
     def _resolve(self, repo_id: str, rev: str) -> tuple[str, dict] | None:

@@ -15,8 +15,10 @@ import socket
 import struct
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import unquote, urlsplit
+
+from tests.servers.loopback import LoopbackServer
 
 __all__ = ["Fault", "FaultProxy"]
 
@@ -67,7 +69,7 @@ class _Logged:
     fault: str
 
 
-class FaultProxy:
+class FaultProxy(LoopbackServer):
     """Reverse proxy to ``upstream`` on 127.0.0.1 with scheduled faults. Thread-safe.
 
     Usage::
@@ -85,33 +87,13 @@ class FaultProxy:
         self._lock = threading.Lock()
         self.log: list[_Logged] = []
         self._stop = threading.Event()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
-        self._server.daemon_threads = True
-        self._thread: threading.Thread | None = None
+        super().__init__(self._handler_class())
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
-
-    def start(self) -> FaultProxy:
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="fault-proxy", daemon=True
-        )
-        self._thread.start()
-        return self
+    thread_name = "fault-proxy"
 
     def stop(self) -> None:
         self._stop.set()
-        self._server.shutdown()
-        self._server.server_close()
-        if self._thread is not None:
-            self._thread.join(10)
-
-    def __enter__(self) -> FaultProxy:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        super().stop()
 
     def add(self, *faults: Fault) -> None:
         with self._lock:

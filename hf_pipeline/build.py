@@ -119,6 +119,8 @@ def resolve_inputs(cfg: Config) -> Inputs:
         )
         shards_loc = str(Path(demo.shard_paths[0]).parent)
         meta_loc = str(demo.metadata_path)
+    # Under this config's cache root, keyed by location; prepare_cache narrows it to one
+    # folder per fingerprint once the inputs (and so the fingerprint) are known.
     staging = cfg.data.staging_dir or (
         cfg.cache_root / ".staging" / hashlib.sha1(shards_loc.encode()).hexdigest()[:16]
     )

@@ -1,23 +1,24 @@
 """Distributed coordination: who am I, marker files, "exactly one builds" protocol.
 
-Knows nothing of datasets or JAX models; see ``dist.coordinator`` for the protocol.
+Knows nothing of datasets or JAX models. One mechanism per module:
+
+- ``env``: who am I (rank, world size, local rank, node) from the launcher's variables;
+- ``atomic``: publish a file atomically (replace, or create-if-absent);
+- ``markers``: marker files (a published stage and its files), strict read, validation;
+- ``lease``: the builder's lease file and heartbeat;
+- ``layout``: what lives in a cache folder and which folders of a root are caches;
+- ``doorbell``: wake waiters through the job's key-value store;
+- ``errors``: the protocol's exceptions;
+- ``coordinator``: the "exactly one builds, everyone gets the result" protocol;
+- ``inventory``: status, verify and clean for operators.
 """
 
 from dist.atomic import atomic_write, fsync_dir, write_json_atomic
-from dist.coordinator import (
-    BuildFailedError,
-    CacheWaitTimeout,
-    Doorbell,
-    LeaseLostError,
-    ReadOnlyCacheError,
-    Stage,
-    StageContext,
-    StoreDoorbell,
-    default_builder,
-    ensure_built,
-)
+from dist.coordinator import Stage, StageContext, default_builder, ensure_built
+from dist.doorbell import Doorbell, StoreDoorbell
 from dist.env import EnvironmentConflictError, ProcessInfo, detect
-from dist.markers import FileEntry, Marker, read_marker, write_marker
+from dist.errors import BuildFailedError, CacheWaitTimeout, LeaseLostError, ReadOnlyCacheError
+from dist.markers import FileEntry, Marker, publish_marker, read_marker, write_marker
 
 __all__ = [
     "BuildFailedError",
@@ -37,6 +38,7 @@ __all__ = [
     "detect",
     "ensure_built",
     "fsync_dir",
+    "publish_marker",
     "read_marker",
     "write_json_atomic",
     "write_marker",

@@ -7,12 +7,14 @@ concurrent writers, threads included, never share one; the leading dot and ``.tm
 suffix are what scanners skip and what ``dist.coordinator`` sweeps up after a killed
 writer.
 
-Every function here is thread- and process-safe in that sense; the last writer wins.
+Every function here is thread- and process-safe in that sense; with :func:`atomic_write`
+the last writer wins, with :func:`create_new` the first one does (no overwrite).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
@@ -20,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["atomic_write", "fsync_dir", "write_json_atomic"]
+__all__ = ["atomic_write", "create_new", "fsync_dir", "write_json_atomic"]
 
 
 def fsync_dir(folder: str | os.PathLike) -> None:
@@ -96,3 +98,62 @@ def write_json_atomic(
     data = json.dumps(obj, **json_kw).encode("utf-8")
     with atomic_write(path, "wb", durable=durable) as fh:
         fh.write(data)
+
+
+def create_new(path: str | os.PathLike, data: bytes, *, durable: bool = True) -> bool:
+    """Publish ``data`` at ``path`` only if ``path`` does not exist yet (no overwrite).
+
+    The content is written to a temp file in the same folder, fsynced, then hard-linked
+    to ``path``: ``link`` fails with EEXIST rather than replace, and it is atomic on local
+    filesystems and NFS, so of several concurrent writers exactly one wins and a reader
+    sees either nothing or the complete file. Where the filesystem refuses hard links
+    (some FUSE and SMB mounts) it falls back to ``O_CREAT|O_EXCL`` and writes in place:
+    still one winner, but a reader may briefly see a partial file (readers parse markers
+    leniently, a partial one is "absent").
+
+    Args:
+        path: the file to create; its folder must exist.
+        data: the complete content.
+        durable: fsync the file and the folder.
+
+    Returns:
+        True if this call created ``path``; False if it already existed (nothing written).
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            if durable:
+                os.fsync(fh.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+                raise
+            return _create_exclusive(path, data, durable=durable)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    if durable:
+        fsync_dir(path.parent)
+    return True
+
+
+def _create_exclusive(path: Path, data: bytes, *, durable: bool) -> bool:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        if durable:
+            os.fsync(fh.fileno())
+    if durable:
+        fsync_dir(path.parent)
+    return True

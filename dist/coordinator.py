@@ -10,14 +10,16 @@ compares another host's clock (or file mtimes) with the local clock.
 Layout of ``cache_dir`` (one cache = one fingerprint; the caller picks the folder,
 e.g. ``root/<name>-<fingerprint>``)::
 
-    <stage>/                  published stage output (only ever created by one rename)
-    <stage>.json              marker: the stage is complete (dist.markers)
-    <stage>.tmp-<lease id>/   private build folder of one lease; never published if dead
+    <stage>.<lease id>/       the folder one lease builds the stage in; published (then
+                              never changed) when the marker names it
+    <stage>.json              marker: the stage is complete (dist.markers); created once
     lease                     the claim: JSON {lease_id, host, pid}, created O_EXCL, never
-                              rewritten in place
+                              rewritten in place (dist.lease)
     heartbeat-<lease id>.json the builder's heartbeat: counter, stage, phase (os.replace)
     failed-<lease id>.json    failure record of a lease whose build raised
-    lease.dead-*, lease.takeover-*, lease.released-*, <stage>.trash-*: bookkeeping
+    lease.dead-*, lease.takeover-*, lease.released-*, *.trash-*: bookkeeping
+
+(:mod:`dist.layout` has the naming rules, :mod:`dist.lease` the lease and heartbeat.)
 
 Protocol
 --------
@@ -52,24 +54,36 @@ is dead. No clock of another host is ever involved.
    missing lease and stands down (below). Either way ``lease`` never names two owners;
 3. claims a new lease with O_EXCL, which may lose to another claimer: fine.
 
-*A slow builder.* A builder paused longer than ``lease_timeout`` loses its lease while
-it still runs. Its heartbeat thread re-reads ``lease`` every beat and flags the loss;
-the builder also re-reads ``lease`` right before each irreversible step (removing a
-stale stage folder, renaming its tmp folder into place, writing a marker, writing a
-failure record) and stands down (removes its tmp folder and waits like everybody else)
-when it is no longer the owner. The window between that check and the step cannot be
-closed without a lock the filesystem does not offer, so the steps are built to be safe
-even if a stale owner slips through it: a stage folder only ever appears by renaming a
-*complete* build of the *same* fingerprint into place, ``rename`` onto an existing
-non-empty folder fails (so two owners can never mix files), and a marker lists the
-sizes and checksums of the files it vouches for, which every reader re-checks.
+*Fencing: a slow builder can never touch a published stage.* A builder paused longer
+than ``lease_timeout`` (GC, SIGSTOP, an NFS hang) loses its lease while it still runs,
+and may wake up anywhere, even between its last ownership check and its next step; no
+filesystem offers the lock that would close that window. So the steps are built so that
+a stale lease holder cannot win or spoil anything:
 
-*Publication order.* Build in ``<stage>.tmp-<id>/`` -> fsync files -> rename to
-``<stage>/`` -> fsync the folder -> write ``<stage>.json`` atomically. Readers trust only
-markers, so a crash at any point leaves either a complete stage or one the next builder
-discards: a ``<stage>/`` without a valid marker is removed and rebuilt, a dead lease's
-``*.tmp-*`` is removed, never published. A valid marker of stage k is kept (resume);
-an invalid one invalidates stages k, k+1, ... (they were derived from it).
+- every lease builds only under its own name, ``<stage>.<lease id>/``: two builders never
+  share a folder, and nothing is ever renamed into a shared name;
+- a marker is published create-if-absent (temp file + ``link``, which fails rather than
+  overwrite): of all the builders of a stage the first publication stands; a later one
+  finds the marker taken and stands down (a valid marker already there is used as is);
+- a published stage's files are never deleted or rewritten by a builder. A marker found
+  *invalid* (files missing or truncated, derived from another earlier stage) is moved
+  aside to ``<stage>.json.retired-<id>`` (re-checked after the move: if what was moved
+  turns out valid, it is linked back), and its folder is left to ``--clean``;
+- a lease's unpublished folders are deleted by itself when it fails or loses, and by
+  others only once the stage's marker is in place and names another folder (from then
+  on no marker can ever name them);
+- a builder that lost its lease stops at the next ownership check (stage builds call
+  :meth:`StageContext.check_ownership`, or ``ctx.probe.check()`` in worker processes,
+  per batch) and reports that it did not build (its lease is not in the markers).
+
+A later stage's marker records the folders of the earlier stages it was derived from
+(``inputs``); it is valid only over exactly those.
+
+*Publication order.* Build in ``<stage>.<id>/`` -> fsync the files -> describe them
+(sizes, checksums) -> publish ``<stage>.json`` (create-if-absent). Readers trust only
+markers, so a crash at any point leaves either a complete stage or an unpublished folder
+that the next builder collects once it has published. A valid marker of stage k is kept
+(resume).
 
 *Failure.* If a build raises, the builder removes its tmp folder (frees the space a full
 disk needs for the record), writes ``failed-<lease id>.json``, releases the lease, rings
@@ -95,7 +109,9 @@ and polling continues.
 byte (a read-only mount works). If the cache is incomplete and the folder is not
 writable it raises :class:`ReadOnlyCacheError` at once.
 
-Known limits: NFS caches negative directory lookups for up to ``acdirmax`` seconds, so a
+Known limits: a SIGKILLed builder's unpublished folder stays until the stage is
+published by its successor, so a takeover may briefly need twice the stage's disk space.
+NFS caches negative directory lookups for up to ``acdirmax`` seconds, so a
 waiter on another NFS client may see a marker up to that long after publication (the
 doorbell avoids this within one job).
 """
@@ -103,7 +119,6 @@ doorbell avoids this within one job).
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import errno
 import json
 import logging
@@ -112,27 +127,43 @@ import re
 import secrets
 import shutil
 import socket
-import sys
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
-import xxhash
-
-from dist.atomic import fsync_dir
+from dist.atomic import fsync_dir, write_json_atomic
+from dist.doorbell import Doorbell, StoreDoorbell, auto_doorbell
 from dist.env import ProcessInfo, detect
+from dist.errors import BuildFailedError, CacheWaitTimeout, LeaseLostError, ReadOnlyCacheError
+from dist.layout import (
+    marker_name,
+    parse_stage_dir,
+    retired_marker_name,
+    stage_dir_name,
+)
+from dist.lease import (
+    LEASE_FILE,
+    Lease,
+    LeaseProbe,
+    LeaseView,
+    heartbeat_counter,
+    heartbeat_path,
+    move_lease,
+    read_lease,
+    try_claim,
+)
 from dist.markers import (
     Marker,
     check_marker,
+    derived_from_problem,
     describe_files,
+    publish_marker,
     read_json,
-    write_json_atomic,
-    write_marker,
 )
 
 __all__ = [
+    "LEASE_FILE",
     "BuildFailedError",
     "CacheWaitTimeout",
     "Doorbell",
@@ -147,109 +178,14 @@ __all__ = [
 
 logger = logging.getLogger("dist")
 
-LEASE_FILE = "lease"
 _STAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_]*(-[A-Za-z0-9_]+)*$")
 _RESERVED = frozenset({"lease", "heartbeat", "failed"})
+#: Publication attempts of one stage before giving up (each lost one means a marker was
+#: taken by another lease and then found invalid: only a broken filesystem loops).
+_MAX_PUBLISH_ATTEMPTS = 5
 
-
-# ----------------------------------------------------------------------------- errors
-
-
-class BuildFailedError(RuntimeError):
-    """The builder's stage build raised; raised in the processes that waited for it.
-
-    Attributes:
-        path: the cache folder.
-        lease_id, host, pid: the failed builder.
-        error_type: the builder's exception type name (``"OSError"``).
-        reason: the builder's exception message.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        path: str,
-        *,
-        lease_id: str | None = None,
-        host: str | None = None,
-        pid: int | None = None,
-        error_type: str | None = None,
-        reason: str | None = None,
-    ):
-        super().__init__(message)
-        self.path = str(path)
-        self.lease_id = lease_id
-        self.host = host
-        self.pid = pid
-        self.error_type = error_type
-        self.reason = reason
-
-    def __reduce__(self):
-        kwargs = {
-            "lease_id": self.lease_id,
-            "host": self.host,
-            "pid": self.pid,
-            "error_type": self.error_type,
-            "reason": self.reason,
-        }
-        return (_rebuild_build_failed, (self.args[0], self.path, kwargs))
-
-
-def _rebuild_build_failed(message, path, kwargs):
-    return BuildFailedError(message, path, **kwargs)
-
-
-class _MessagePathError(Exception):
-    """Mixin: ``(message, path)``; ``str()`` is the message; pickles with both.
-
-    Put it before the built-in base (``class X(_MessagePathError, TimeoutError)``).
-    """
-
-    def __init__(self, message: str, path: str):
-        super().__init__(message)
-        self.path = str(path)
-
-    def __str__(self):
-        return self.args[0]
-
-    def __reduce__(self):
-        return (type(self), (self.args[0], self.path))
-
-
-class CacheWaitTimeout(_MessagePathError, TimeoutError):
-    """Waited ``max_wait`` seconds and the cache did not become complete.
-
-    Attributes:
-        path: the marker that never became valid.
-    """
-
-
-class ReadOnlyCacheError(_MessagePathError, PermissionError):
-    """The cache is incomplete and this process cannot write to its folder.
-
-    Attributes:
-        path: the cache folder.
-    """
-
-
-class LeaseLostError(RuntimeError):
-    """This process was the builder but another process took its lease over.
-
-    Handled inside :func:`ensure_built` (the process goes back to waiting); exported for
-    stage builds that want to check :meth:`StageContext.check_ownership` in long loops.
-
-    Attributes:
-        path: the cache folder.
-        lease_id: the lost lease.
-    """
-
-    def __init__(self, message: str, path: str, lease_id: str):
-        super().__init__(message)
-        self.path = str(path)
-        self.lease_id = lease_id
-
-    def __reduce__(self):
-        return (type(self), (self.args[0], self.path, self.lease_id))
+Scope = Literal["shared", "node", "process"]
+SCOPES: tuple[str, ...] = ("shared", "node", "process")
 
 
 # ----------------------------------------------------------------------------- options
@@ -261,12 +197,15 @@ class StageContext:
 
     Attributes:
         stage: this stage's name.
-        tmp_dir: the builder's private, empty folder; write the stage's files here.
+        tmp_dir: this lease's own, empty folder for the stage; write the stage's files
+            here (it is published as it is: the marker names it).
         cache_dir: the cache folder.
         fingerprint: the cache identity.
         previous: published folders of the earlier stages, by name.
         markers: markers of the earlier stages, by name.
         lease_id: this builder's lease.
+        probe: a picklable ownership check for worker processes (``probe.check()``
+            raises :class:`LeaseLostError` once another process took the build over).
     """
 
     stage: str
@@ -276,6 +215,7 @@ class StageContext:
     previous: Mapping[str, Path]
     markers: Mapping[str, Marker]
     lease_id: str
+    probe: LeaseProbe
     _check: Callable[[], None] = dataclasses.field(repr=False, compare=False)
 
     def check_ownership(self) -> None:
@@ -307,6 +247,30 @@ class Stage:
             raise TypeError(f"build must be callable, got {self.build!r}")
 
 
+def check_timing(
+    *, poll_interval: float, max_wait: float, lease_timeout: float, heartbeat_interval: float
+) -> None:
+    """Raise ValueError unless the timing values work together (the one place of the rules).
+
+    ``hf_pipeline.config`` calls this too, so a config is refused for exactly the values
+    the protocol refuses.
+    """
+    values = {
+        "poll_interval": poll_interval,
+        "max_wait": max_wait,
+        "lease_timeout": lease_timeout,
+        "heartbeat_interval": heartbeat_interval,
+    }
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value!r}")
+    if heartbeat_interval * 2 > lease_timeout:
+        raise ValueError(
+            "heartbeat_interval must be <= lease_timeout / 2 (else live builders look "
+            f"dead), got {heartbeat_interval} with lease_timeout {lease_timeout}"
+        )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _Timing:
     poll_interval: float
@@ -315,15 +279,7 @@ class _Timing:
     heartbeat_interval: float
 
     def __post_init__(self):
-        for name in ("poll_interval", "max_wait", "lease_timeout", "heartbeat_interval"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value!r}")
-        if self.heartbeat_interval * 2 > self.lease_timeout:
-            raise ValueError(
-                "heartbeat_interval must be <= lease_timeout / 2 (else live builders look "
-                f"dead), got {self.heartbeat_interval} with lease_timeout {self.lease_timeout}"
-            )
+        check_timing(**dataclasses.asdict(self))
 
 
 def default_builder(process: ProcessInfo, scope: str = "shared") -> bool:
@@ -348,188 +304,10 @@ def default_builder(process: ProcessInfo, scope: str = "shared") -> bool:
         return process.local_rank == 0
     if scope == "process":
         return True
-    raise ValueError(f"scope must be 'shared', 'node' or 'process', got {scope!r}")
+    raise ValueError(f"scope must be one of {', '.join(map(repr, SCOPES))}, got {scope!r}")
 
 
-# ----------------------------------------------------------------------------- doorbell
-
-
-class Doorbell(Protocol):
-    """A job-wide wake-up signal: ``token()`` before checking, then ``rung(token)``.
-
-    ``rung`` must be cheap and non-blocking (it is called every few hundred ms while
-    waiting); it is True once ``ring()`` was called after ``token()`` was taken.
-    Any exception drops the doorbell for the rest of the call (plain polling).
-    """
-
-    def token(self) -> Any: ...
-
-    def rung(self, token: Any) -> bool: ...
-
-    def ring(self) -> None: ...
-
-
-class StoreDoorbell:
-    """Doorbell on a key-value store: a ``torch.distributed`` Store or a JAX client.
-
-    Generations: ``token()`` reads counter n; ``ring()`` increments it to m and sets key
-    ``ring/m``; ``rung(n)`` checks whether ``ring/n+1`` exists. A ring between the token
-    and the check is therefore never missed. Only non-blocking store calls are used:
-    blocking waits with a timeout make c10d log a warning on every timeout, and hold the
-    store client (shared with the process group) for their whole duration.
-    """
-
-    def __init__(self, store: Any, key: str):
-        self._store = store
-        self._key = key
-        self._jax = not hasattr(store, "add")
-
-    def token(self) -> int:
-        if self._jax:
-            return int(self._store.key_value_increment(f"{self._key}/gen", 0))
-        return int(self._store.add(f"{self._key}/gen", 0))
-
-    def rung(self, token: int) -> bool:
-        key = f"{self._key}/ring/{token + 1}"
-        if self._jax:
-            try:
-                self._store.key_value_try_get(key)
-            except Exception as e:  # NOT_FOUND is an exception in this API
-                if "not found" in str(e).lower() or "not_found" in str(e).lower():
-                    return False
-                raise
-            return True
-        return bool(self._store.check([key]))
-
-    def ring(self) -> None:
-        if self._jax:
-            g = int(self._store.key_value_increment(f"{self._key}/gen", 1))
-            self._store.key_value_set(f"{self._key}/ring/{g}", "1")
-        else:
-            g = int(self._store.add(f"{self._key}/gen", 1))
-            self._store.set(f"{self._key}/ring/{g}", "1")
-
-
-def _private_torch_store(store: Any) -> Any:
-    """Our own client of the job's TCPStore, with a short timeout.
-
-    The process group's client has the group's timeout (30 min for gloo): if rank 0's
-    host were partitioned away, a store call on it could block a waiter that long. Our
-    client gives up after 5 s, and we then drop the doorbell and poll the filesystem.
-    """
-    import torch.distributed as td
-
-    base = store
-    while hasattr(base, "underlying_store"):  # PrefixStore
-        base = base.underlying_store
-    if isinstance(base, td.TCPStore):
-        return td.TCPStore(
-            base.host, base.port, is_master=False, timeout=datetime.timedelta(seconds=5)
-        )
-    return store  # FileStore/HashStore: local, cannot hang on the network
-
-
-def _auto_doorbell(cache_dir: Path, fingerprint: str) -> Doorbell | None:
-    key = "dist.ensure_built/" + xxhash.xxh64(f"{cache_dir}\0{fingerprint}".encode()).hexdigest()
-    torch_dist = sys.modules.get("torch.distributed")
-    try:
-        if torch_dist is not None and torch_dist.is_available() and torch_dist.is_initialized():
-            from torch.distributed import distributed_c10d
-
-            store = _private_torch_store(distributed_c10d._get_default_store())
-            return StoreDoorbell(store, key)
-    except Exception as e:
-        logger.warning("no torch.distributed doorbell, polling only: %s", e)
-    if "jax" in sys.modules:
-        try:
-            from jax._src import distributed as jax_dist  # type: ignore[import-not-found]
-
-            client = getattr(jax_dist.global_state, "client", None)
-            if client is not None:
-                return StoreDoorbell(client, key)
-        except Exception as e:
-            logger.warning("no jax.distributed doorbell, polling only: %s", e)
-    return None
-
-
-# ----------------------------------------------------------------------------- lease files
-
-
-@dataclasses.dataclass(frozen=True)
-class _LeaseView:
-    key: str  # the lease id, or a digest of unparsable content (a claimer died mid-write)
-    lease_id: str | None
-    host: str | None
-    pid: int | None
-
-
-def _parse_lease(raw: bytes) -> _LeaseView:
-    try:
-        d = json.loads(raw)
-        return _LeaseView(str(d["lease_id"]), str(d["lease_id"]), d.get("host"), d.get("pid"))
-    except (ValueError, KeyError, TypeError):
-        return _LeaseView("raw-" + xxhash.xxh64(raw).hexdigest(), None, None, None)
-
-
-def _read_lease(path: Path) -> _LeaseView | None:
-    try:
-        with open(path, "rb") as f:
-            return _parse_lease(f.read())
-    except FileNotFoundError:
-        return None
-
-
-def _try_claim(cache_dir: Path, lease_id: str, host: str, pid: int) -> bool:
-    path = cache_dir / LEASE_FILE
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        return False
-    try:
-        os.write(fd, json.dumps({"lease_id": lease_id, "host": host, "pid": pid}).encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    fsync_dir(cache_dir)
-    return True
-
-
-def _move_lease(cache_dir: Path, expected_key: str, purpose: str) -> bool:
-    """Atomically remove the lease if it is ``expected_key``; restore anything else.
-
-    Returns True if the lease ``expected_key`` was removed by this call.
-    """
-    lease = cache_dir / LEASE_FILE
-    moved = cache_dir / f"{LEASE_FILE}.{purpose}-{expected_key}-{secrets.token_hex(4)}"
-    try:
-        os.rename(lease, moved)
-    except FileNotFoundError:
-        return False
-    try:
-        view = _read_lease(moved)
-    except OSError:
-        view = None
-    if view is None:
-        return False  # vanished under us (someone cleaning up); nothing to restore
-    if view.key == expected_key:
-        try:
-            os.unlink(moved)
-        except OSError:
-            pass
-        return True
-    # ABA: we moved a newer lease; put it back unless yet another one appeared.
-    try:
-        os.link(moved, lease)
-    except FileExistsError:
-        logger.warning("lease %s displaced during a takeover; its owner will stand down", view.key)
-    except FileNotFoundError:
-        return False
-    _unlink(moved)
-    return False
-
-
-def _heartbeat_path(cache_dir: Path, lease_id: str) -> Path:
-    return cache_dir / f"heartbeat-{lease_id}.json"
+# ----------------------------------------------------------------------------- helpers
 
 
 def _failure_records(cache_dir: Path) -> set[str]:
@@ -537,115 +315,6 @@ def _failure_records(cache_dir: Path) -> set[str]:
         return {n for n in os.listdir(cache_dir) if n.startswith("failed-") and n.endswith(".json")}
     except FileNotFoundError:
         return set()
-
-
-class _Lease:
-    """This process's ownership of ``cache_dir`` and its heartbeat thread."""
-
-    def __init__(self, cache_dir: Path, lease_id: str, host: str, interval: float):
-        self.cache_dir = cache_dir
-        self.lease_id = lease_id
-        self.host = host
-        self.pid = os.getpid()
-        self._interval = interval
-        self._stop = threading.Event()
-        self._lost = threading.Event()
-        self._lock = threading.Lock()
-        self._stage = ""
-        self._phase = "claimed"
-        self._counter = 0
-        self._thread: threading.Thread | None = None
-        self._hb_error_logged = False
-
-    def start(self) -> None:
-        self._beat()
-        self._thread = threading.Thread(
-            target=self._run, name=f"dist-heartbeat-{self.lease_id[:12]}", daemon=True
-        )
-        self._thread.start()
-
-    def set_phase(self, stage: str, phase: str) -> None:
-        with self._lock:
-            self._stage, self._phase = stage, phase
-        self._beat()
-
-    def _beat(self) -> None:
-        with self._lock:
-            self._counter += 1
-            record = {
-                "lease_id": self.lease_id,
-                "host": self.host,
-                "pid": self.pid,
-                "counter": self._counter,
-                "stage": self._stage,
-                "phase": self._phase,
-                "wall_time": time.time(),  # informational; no reader compares clocks
-            }
-            try:
-                write_json_atomic(
-                    _heartbeat_path(self.cache_dir, self.lease_id), record, fsync=False
-                )
-            except OSError as e:
-                # A full disk can refuse even this; waiters will then judge us dead.
-                if not self._hb_error_logged:
-                    logger.warning("heartbeat write failed (%s); waiters may take over", e)
-                    self._hb_error_logged = True
-
-    def _run(self) -> None:
-        absent = 0
-        while not self._stop.wait(self._interval):
-            try:
-                view = _read_lease(self.cache_dir / LEASE_FILE)
-            except OSError as e:  # ESTALE/EIO on a flaky NFS mount: count as absent
-                logger.debug("heartbeat: cannot read lease: %s", e)
-                view = None
-            if view is None:
-                absent += 1  # may be a taker's ABA rename in flight: allow a few beats
-            else:
-                absent = 0
-            if (view is not None and view.key != self.lease_id) or absent >= 3:
-                logger.warning("lease %s was taken over; standing down", self.lease_id)
-                self._lost.set()
-                return
-            self._beat()
-
-    def owned(self) -> bool:
-        """Re-read ``lease`` now (a brief absence is tolerated: see _move_lease)."""
-        if self._lost.is_set():
-            return False
-        for attempt in range(4):
-            try:
-                view = _read_lease(self.cache_dir / LEASE_FILE)
-            except OSError:  # ESTALE/EIO: unknown, like absent; retry
-                view = None
-            if view is not None:
-                return view.key == self.lease_id
-            time.sleep(0.02 * (attempt + 1))
-        return False
-
-    def check(self) -> None:
-        if not self.owned():
-            self._lost.set()
-            raise LeaseLostError(
-                f"{self.cache_dir}: lease {self.lease_id} was taken over by another process",
-                str(self.cache_dir),
-                self.lease_id,
-            )
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=max(5.0, 2 * self._interval))
-            self._thread = None
-
-    def release(self) -> None:
-        self.stop()
-        if not self._lost.is_set():
-            _move_lease(self.cache_dir, self.lease_id, "released")
-        _unlink(_heartbeat_path(self.cache_dir, self.lease_id))
-
-
-# ----------------------------------------------------------------------------- helpers
 
 
 def _unlink(path: Path) -> None:
@@ -715,7 +384,7 @@ class _Coordinator:
         self.fingerprint = fingerprint
         self.stages = list(stages)
         self.builder = builder
-        self.t = timing
+        self.timing = timing
         self.doorbell = wakeup
         # Doorbell checks cost world_size / wake_step requests per second on the store's
         # server (rank 0): ~160/s for 8 ranks, capped near 4000/s for large jobs.
@@ -733,16 +402,24 @@ class _Coordinator:
             self._on_event(event, fields)
 
     def marker_path(self, stage: Stage) -> Path:
-        return self.cache_dir / f"{stage.name}.json"
+        return self.cache_dir / marker_name(stage.name)
 
-    def _check_marker(self, stage: Stage) -> tuple[Marker | None, str | None]:
-        """``stage``'s marker checked against this cache: ``(marker, None)`` or ``(None, why)``."""
-        return check_marker(
-            self.marker_path(stage),
+    def _check_marker(
+        self, stage: Stage, earlier: Mapping[str, Marker], path: Path | None = None
+    ) -> tuple[Marker | None, str | None]:
+        """``stage``'s marker (at ``path``, default its place) checked against this cache
+        and the ``earlier`` stages: ``(marker, None)`` or ``(None, why)``."""
+        marker, why = check_marker(
+            path or self.marker_path(stage),
             fingerprint=self.fingerprint,
             base_dir=self.cache_dir,
             stage=stage.name,
         )
+        if marker is not None:
+            why = derived_from_problem(marker, earlier)
+            if why is not None:
+                marker = None
+        return marker, why
 
     def complete_markers(self, *, log: bool) -> dict[str, Marker] | None:
         """All markers if every one is valid, else None. Reads only, writes nothing."""
@@ -750,9 +427,9 @@ class _Coordinator:
         # stat per listed file.
         if not all(self.marker_path(s).exists() for s in self.stages):
             return None
-        markers = {}
+        markers: dict[str, Marker] = {}
         for stage in self.stages:
-            marker, why = self._check_marker(stage)
+            marker, why = self._check_marker(stage, markers)
             if marker is None:
                 reason = f"ignoring marker {self.marker_path(stage)}: {why}"
                 if log and reason != self._last_reason:
@@ -813,7 +490,7 @@ class _Coordinator:
         failures_at_start = _failure_records(self.cache_dir)
         absent_since = start
         last_key: tuple | None = None
-        last_view: _LeaseView | None = None
+        last_view: LeaseView | None = None
         last_change = start
         reported_dead: tuple | None = None
         while True:
@@ -825,7 +502,7 @@ class _Coordinator:
             self._raise_new_failure(failures_at_start)
             now = time.monotonic()
             try:
-                view = _read_lease(self.cache_dir / LEASE_FILE)
+                view = read_lease(self.cache_dir / LEASE_FILE)
             except OSError as e:
                 # ESTALE/EIO from a flaky NFS mount: not a reason to fail; carry on with
                 # the lease we saw last (if the mount stays broken, its heartbeat stops
@@ -835,19 +512,17 @@ class _Coordinator:
             if view is None:
                 if last_key is not None:
                     absent_since, last_key = now, None
-                grace = 0.0 if self.builder else self.t.lease_timeout
+                grace = 0.0 if self.builder else self.timing.lease_timeout
                 if now - absent_since >= grace:
                     result = self._claim_and_build(takeover_of=None)
                     if result is not None:
                         return result
                     absent_since = time.monotonic()
             else:
-                hb = read_json(_heartbeat_path(self.cache_dir, view.key))
-                counter = hb.get("counter") if isinstance(hb, dict) else None
-                key = (view.key, counter)
+                key = (view.key, heartbeat_counter(self.cache_dir, view.key))
                 if key != last_key:
                     last_key, last_view, last_change = key, view, now
-                elif now - last_change >= self.t.lease_timeout:
+                elif now - last_change >= self.timing.lease_timeout:
                     stuck = now - last_change
                     if reported_dead != key:
                         reported_dead = key
@@ -862,9 +537,9 @@ class _Coordinator:
                     if result is not None:
                         return result
             elapsed = time.monotonic() - start
-            if elapsed >= self.t.max_wait:
+            if elapsed >= self.timing.max_wait:
                 self._raise_timeout(last_view, time.monotonic() - last_change, elapsed)
-            self._pause(min(self.t.poll_interval, self.t.max_wait - elapsed), token)
+            self._pause(min(self.timing.poll_interval, self.timing.max_wait - elapsed), token)
 
     def _raise_new_failure(self, seen: set[str]) -> None:
         for name in sorted(_failure_records(self.cache_dir) - seen):
@@ -883,7 +558,7 @@ class _Coordinator:
                 reason=record.get("message"),
             )
 
-    def _raise_timeout(self, view: _LeaseView | None, progress_age: float, elapsed: float):
+    def _raise_timeout(self, view: LeaseView | None, progress_age: float, elapsed: float):
         path = self.marker_path(self.stages[-1])
         who = (
             f"builder host {view.host}, pid {view.pid}, lease {view.key}, last heartbeat "
@@ -895,17 +570,17 @@ class _Coordinator:
             f"gave up after {elapsed:.1f}s (max_wait) waiting for {path}: {who}", str(path)
         )
 
-    def _takeover(self, view: _LeaseView, key: tuple, stuck: float) -> dict[str, Marker] | None:
-        generation = int(max(0.0, stuck - self.t.lease_timeout) // self.t.lease_timeout)
+    def _takeover(self, view: LeaseView, key: tuple, stuck: float) -> dict[str, Marker] | None:
+        lease_timeout = self.timing.lease_timeout
+        generation = int(max(0.0, stuck - lease_timeout) // lease_timeout)
         ticket = self.cache_dir / f"{LEASE_FILE}.takeover-{view.key}-{generation}"
         try:
             os.close(os.open(ticket, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
         except FileExistsError:
             return None  # someone else is taking over this generation
         # The builder may have woken up since we judged it: look once more.
-        hb = read_json(_heartbeat_path(self.cache_dir, view.key))
-        counter = hb.get("counter") if isinstance(hb, dict) else None
-        if (view.key, counter) != key or not _move_lease(self.cache_dir, view.key, "dead"):
+        now_key = (view.key, heartbeat_counter(self.cache_dir, view.key))
+        if now_key != key or not move_lease(self.cache_dir, view.key, "dead"):
             # Not dead after all, or already replaced: free the ticket so that a real
             # death of this same lease later is not delayed by a generation.
             _unlink(ticket)
@@ -924,7 +599,7 @@ class _Coordinator:
     def _claim_and_build(self, takeover_of: str | None) -> dict[str, Marker] | None:
         lease_id = secrets.token_hex(8)
         try:
-            claimed = _try_claim(self.cache_dir, lease_id, self.host, self.pid)
+            claimed = try_claim(self.cache_dir, lease_id, self.host, self.pid)
         except OSError as e:
             if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
                 raise _readonly_error(self.cache_dir, f" ({e.strerror})") from e
@@ -932,14 +607,14 @@ class _Coordinator:
         if not claimed:
             return None
         self.emit("claimed", lease_id=lease_id, takeover_of=takeover_of)
-        lease = _Lease(self.cache_dir, lease_id, self.host, self.t.heartbeat_interval)
+        lease = Lease(self.cache_dir, lease_id, self.host, self.timing.heartbeat_interval)
         lease.start()
         try:
             markers = self._build_all(lease)
         except LeaseLostError:
             self.emit("lease_lost", lease_id=lease_id)
             lease.stop()
-            _unlink(_heartbeat_path(self.cache_dir, lease_id))
+            _unlink(heartbeat_path(self.cache_dir, lease_id))
             return None  # back to waiting for whoever took over
         except BaseException:
             lease.release()
@@ -947,76 +622,135 @@ class _Coordinator:
             raise
         lease.release()
         self.ring()
-        self.emit("complete", built=True, lease_id=lease_id)
+        built = any(m.lease_id == lease_id for m in markers.values())
+        self.emit("complete", built=built, lease_id=lease_id)
         return markers
 
-    def _clean_leftovers(self, lease: _Lease) -> None:
-        """Remove what dead leases left behind. We own the lease, so nothing else is live
-        (a stale owner still writing into its tmp folder will fail and stand down)."""
-        mine = f".tmp-{lease.lease_id}"
+    def _clean_leftovers(self, lease: Lease) -> None:
+        """Remove bookkeeping that dead leases left behind. Never a stage folder another
+        lease could still publish (see :meth:`_collect_stage_garbage`)."""
         for name in os.listdir(self.cache_dir):
             path = self.cache_dir / name
-            if (".tmp-" in name and not name.endswith(mine)) or ".trash-" in name:
+            if ".trash-" in name:
+                shutil.rmtree(path, ignore_errors=True)
+            elif ".tmp-" in name and not name.startswith("."):
+                # A <stage>.tmp-<id>/ folder of hf_pipeline <= 0.1: never published by
+                # this protocol (nothing is renamed into place any more).
                 shutil.rmtree(path, ignore_errors=True)
             elif name.startswith(f"{LEASE_FILE}.takeover-") or (
                 name.startswith("failed-") and name.endswith(".json")
             ):
                 # Not lease.dead-*/lease.released-*: their movers delete them at once and
-                # may be mid-way (see _move_lease); a crashed mover's one is inventory's.
+                # may be mid-way (see move_lease); a crashed mover's one is inventory's.
                 _unlink(path)
-            elif name.startswith("heartbeat-") and name != f"heartbeat-{lease.lease_id}.json":
+            elif (
+                name.startswith("heartbeat-")
+                and name != heartbeat_path(self.cache_dir, lease.lease_id).name
+            ):
                 _unlink(path)
             elif name.startswith(".") and name.endswith(".tmp") and lease.lease_id not in name:
-                _unlink(path)  # a marker write interrupted before its os.replace
+                _unlink(path)  # a marker write interrupted before its link/replace
 
-    def _build_all(self, lease: _Lease) -> dict[str, Marker]:
+    def _build_all(self, lease: Lease) -> dict[str, Marker]:
         lease.check()
         self._clean_leftovers(lease)
         markers: dict[str, Marker] = {}
-        first_invalid = len(self.stages)
-        for i, stage in enumerate(self.stages):
-            marker, why = self._check_marker(stage)
-            if marker is None:
-                reason = f"ignoring marker {self.marker_path(stage)}: {why}"
-                if why != "missing" and reason != self._last_reason:
-                    logger.warning(
-                        "ignoring marker %s: %s; rebuilding", self.marker_path(stage), why
-                    )
-                first_invalid = i
-                break
-            markers[stage.name] = marker
-            self.emit("stage_skipped", stage=stage.name)
-        later = self.stages[first_invalid:]
-        # Markers first: they are what readers trust; then the folders they vouched for.
-        for stage in reversed(later):
-            lease.check()
-            _unlink(self.marker_path(stage))
-        for stage in later:
-            lease.check()
-            _discard_dir(self.cache_dir / stage.name)
-        for stage in later:
-            markers[stage.name] = self._build_stage(stage, lease, markers)
-        lease.check()
+        for stage in self.stages:
+            markers[stage.name] = self._stage(stage, lease, markers)
         return markers
 
-    def _build_stage(self, stage: Stage, lease: _Lease, markers: dict[str, Marker]) -> Marker:
-        tmp = self.cache_dir / f"{stage.name}.tmp-{lease.lease_id}"
-        final = self.cache_dir / stage.name
-        published = False
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+    def _stage(self, stage: Stage, lease: Lease, markers: dict[str, Marker]) -> Marker:
+        """The published marker of ``stage``: the valid one there, or ours once built."""
+        built: Marker | None = None
+        for _ in range(_MAX_PUBLISH_ATTEMPTS):
+            marker, why = self._check_marker(stage, markers)
+            if marker is None and why != "missing":
+                lease.check()
+                logger.warning("ignoring marker %s: %s; rebuilding", self.marker_path(stage), why)
+                self._retire_marker(stage, markers, lease)
+                continue
+            if marker is not None:
+                if built is None:
+                    self.emit("stage_skipped", stage=stage.name)
+                else:  # another lease published first: theirs stands
+                    self.emit("publish_lost", stage=stage.name, lease_id=lease.lease_id)
+                self._collect_stage_garbage(stage, marker, lease)
+                return marker
+            if built is None:
+                built = self._build_stage(stage, lease, markers)
+                if built.lease_id != lease.lease_id:
+                    return built  # published by another lease while ours failed
+            lease.check()
+            if publish_marker(self.marker_path(stage), built):
+                lease.set_phase(stage.name, "published")
+                self.emit("stage_built", stage=stage.name, lease_id=lease.lease_id, info=built.info)
+                self._collect_stage_garbage(stage, built, lease)
+                return built
+        raise RuntimeError(
+            f"{self.marker_path(stage)}: could not publish after {_MAX_PUBLISH_ATTEMPTS} "
+            "attempts (markers keep appearing and being found invalid)"
+        )
+
+    def _retire_marker(self, stage: Stage, earlier: Mapping[str, Marker], lease: Lease) -> None:
+        """Move an invalid marker aside; put it back if what we moved is valid after all
+        (a stale builder published between our judgement and the move)."""
+        path = self.marker_path(stage)
+        retired = self.cache_dir / retired_marker_name(stage.name, secrets.token_hex(8))
+        try:
+            os.rename(path, retired)
+        except FileNotFoundError:
+            return  # somebody else moved it
+        marker, _ = self._check_marker(stage, earlier, path=retired)
+        if marker is not None:
+            try:
+                os.link(retired, path)
+            except FileExistsError:
+                pass  # yet another publication: judged on the next round
+            _unlink(retired)
+            return
+        fsync_dir(self.cache_dir)
+        self.emit("marker_retired", stage=stage.name, lease_id=lease.lease_id)
+
+    def _collect_stage_garbage(self, stage: Stage, published: Marker, lease: Lease) -> None:
+        """Delete ``stage`` folders that no marker names and none ever can any more.
+
+        Safe once ``stage``'s marker is in place: publication is create-if-absent, so a
+        folder it does not name stays unpublished for good. Folders named by retired
+        markers are left for ``--clean`` (their readers may still hold them).
+        """
+        if not lease.owned():
+            return
+        retired_dirs = set()
+        for name in os.listdir(self.cache_dir):
+            if name.startswith(f"{marker_name(stage.name)}.retired-"):
+                d = read_json(self.cache_dir / name)
+                if isinstance(d, dict) and isinstance(d.get("directory"), str):
+                    retired_dirs.add(d["directory"])
+        for name in os.listdir(self.cache_dir):
+            parsed = parse_stage_dir(name)
+            ours = parsed is not None and parsed.stage == stage.name
+            legacy = name == stage.name  # hf_pipeline <= 0.1 folder, not (or no longer) named
+            if (ours or legacy) and name != published.directory and name not in retired_dirs:
+                _discard_dir(self.cache_dir / name)
+
+    def _build_stage(self, stage: Stage, lease: Lease, markers: dict[str, Marker]) -> Marker:
+        """Build ``stage`` into this lease's own folder; the marker, not yet published."""
+        folder = self.cache_dir / stage_dir_name(stage.name, lease.lease_id)
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
         try:
             lease.set_phase(stage.name, "building")
             self.emit("building", stage=stage.name, lease_id=lease.lease_id)
             started = time.time()
             ctx = StageContext(
                 stage=stage.name,
-                tmp_dir=tmp,
+                tmp_dir=folder,
                 cache_dir=self.cache_dir,
                 fingerprint=self.fingerprint,
-                previous={name: self.cache_dir / name for name in markers},
+                previous={name: self.cache_dir / m.directory for name, m in markers.items()},
                 markers=dict(markers),
                 lease_id=lease.lease_id,
+                probe=lease.probe,
                 _check=lease.check,
             )
             info = dict(stage.build(ctx) or {})
@@ -1024,62 +758,49 @@ class _Coordinator:
                 json.dumps(info)
             except (TypeError, ValueError) as e:
                 raise TypeError(f"stage {stage.name!r} build returned non-JSON info: {e}") from e
-            _fsync_tree(tmp)
-            files = describe_files(tmp, relative_to=tmp)
+            _fsync_tree(folder)
+            fsync_dir(self.cache_dir)
+            files = describe_files(folder, relative_to=self.cache_dir)
             lease.set_phase(stage.name, "publishing")
             self.emit("publishing", stage=stage.name, lease_id=lease.lease_id)
-            lease.check()
-            try:
-                os.rename(tmp, final)
-            except OSError as e:
-                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                    raise
-                # A stale owner slipped a complete folder in; if we still own the lease
-                # it has no valid marker (we removed it): replace it with ours.
-                lease.check()
-                _discard_dir(final)
-                os.rename(tmp, final)
-            published = True
-            fsync_dir(self.cache_dir)
-            self.emit("renamed", stage=stage.name, lease_id=lease.lease_id)
-            marker = Marker(
+            return Marker(
                 fingerprint=self.fingerprint,
                 stage=stage.name,
-                directory=stage.name,
+                directory=folder.name,
                 host=self.host,
                 pid=self.pid,
                 lease_id=lease.lease_id,
                 started_at=started,
                 finished_at=time.time(),
                 info=info,
-                files=tuple(dataclasses.replace(f, path=f"{stage.name}/{f.path}") for f in files),
+                files=files,
+                inputs={name: m.directory for name, m in markers.items()},
             )
-            lease.check()
-            write_marker(self.marker_path(stage), marker)
-            lease.set_phase(stage.name, "published")
-            self.emit("stage_built", stage=stage.name, lease_id=lease.lease_id, info=info)
-            return marker
         except LeaseLostError:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(folder, ignore_errors=True)
             raise
         except BaseException as e:
-            shutil.rmtree(tmp, ignore_errors=True)  # frees the space a full disk needs
-            owned = lease.owned()
-            if isinstance(e, Exception) and not owned:
-                # Probably failed *because* the new owner removed our tmp folder.
+            shutil.rmtree(folder, ignore_errors=True)  # frees the space a full disk needs
+            if not isinstance(e, Exception):
+                raise
+            if not lease.owned():
+                # Probably failed *because* we were taken over (our folder collected).
                 raise LeaseLostError(
                     f"{self.cache_dir}: lease {lease.lease_id} lost during the build "
                     f"({type(e).__name__}: {e})",
                     str(self.cache_dir),
                     lease.lease_id,
                 ) from e
-            if published and owned:
-                _discard_dir(final)
-            if isinstance(e, Exception):
-                self._write_failure(lease, stage, e)
+            marker, _ = self._check_marker(stage, markers)
+            if marker is not None:
+                # A stale lease published this stage meanwhile (and collected our folder):
+                # the cache is fine, our failure is moot.
+                self.emit("publish_lost", stage=stage.name, lease_id=lease.lease_id)
+                return marker
+            self._write_failure(lease, stage, e)
             raise
 
-    def _write_failure(self, lease: _Lease, stage: Stage, error: Exception) -> None:
+    def _write_failure(self, lease: Lease, stage: Stage, error: Exception) -> None:
         record = {
             "lease_id": lease.lease_id,
             "host": self.host,
@@ -1090,7 +811,9 @@ class _Coordinator:
             "wall_time": time.time(),
         }
         try:
-            write_json_atomic(self.cache_dir / f"failed-{lease.lease_id}.json", record)
+            write_json_atomic(
+                self.cache_dir / f"failed-{lease.lease_id}.json", record, sort_keys=True, indent=1
+            )
         except OSError as e:
             logger.error(
                 "%s: could not write failure record (%s); waiters will time out "
@@ -1139,8 +862,10 @@ def ensure_built(
             key-value store when one is initialised; None: poll only; or a
             :class:`Doorbell`.
         on_event: called as ``on_event(name, fields)`` for ``claimed``, ``takeover``,
-            ``lease_dead``, ``building``, ``publishing``, ``renamed``, ``stage_built``,
-            ``stage_skipped``, ``failed``, ``lease_lost``, ``complete`` (tests, metrics).
+            ``lease_dead``, ``building``, ``publishing``, ``stage_built``,
+            ``stage_skipped``, ``publish_lost``, ``marker_retired``, ``failed``,
+            ``lease_lost``, ``complete`` (tests, metrics). ``complete`` carries
+            ``built``: True only in the process whose lease published a stage.
 
     Returns:
         The stage markers by stage name.
@@ -1172,7 +897,7 @@ def ensure_built(
         builder = default_builder(process, "shared")
     world_size = process.world_size if process is not None else 1
     if wakeup == "auto":
-        wakeup = _auto_doorbell(cache_dir, fingerprint)
+        wakeup = auto_doorbell(cache_dir, fingerprint)
     coordinator = _Coordinator(
         cache_dir, fingerprint, stages, bool(builder), timing, wakeup, on_event, world_size
     )

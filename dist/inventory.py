@@ -1,6 +1,7 @@
 """Cache inventory for operators: status, verify and clean (``prebuild_cache.py``).
 
-Reads the layout written by :mod:`dist.coordinator` (one sub-folder of ``root`` per cache).
+Reads the layout written by :mod:`dist.coordinator` (one sub-folder of ``root`` per cache;
+:mod:`dist.layout` says which folders are caches and what lives in one).
 Liveness of a builder is judged the same way waiters judge it: a lease is live only if its
 heartbeat counter moves during an observation window on *this* machine's clock.
 """
@@ -15,8 +16,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from dist.coordinator import LEASE_FILE, _heartbeat_path, _read_lease
-from dist.markers import check_marker, read_json
+from dist.layout import is_cache_folder, is_retired_marker, marker_name, parse_stage_dir
+from dist.lease import LEASE_FILE, heartbeat_counter, heartbeat_path, read_lease
+from dist.markers import Marker, check_marker, derived_from_problem, read_json
 
 __all__ = ["DEFAULT_STAGES", "CacheStatus", "clean", "list_caches", "verify"]
 
@@ -64,11 +66,10 @@ class CacheStatus:
 
 
 def _lease_key(cache: Path) -> tuple | None:
-    view = _read_lease(cache / LEASE_FILE)
+    view = read_lease(cache / LEASE_FILE)
     if view is None:
         return None
-    hb = read_json(_heartbeat_path(cache, view.key))
-    return (view.key, hb.get("counter") if isinstance(hb, dict) else None)
+    return (view.key, heartbeat_counter(cache, view.key))
 
 
 def _size_and_age(cache: Path) -> tuple[int, float]:
@@ -90,28 +91,63 @@ def _size_and_age(cache: Path) -> tuple[int, float]:
 
 def _fingerprint(cache: Path, stages: Sequence[str]) -> str | None:
     for stage in stages:
-        d = read_json(cache / f"{stage}.json")
+        d = read_json(cache / marker_name(stage))
         if isinstance(d, dict) and isinstance(d.get("fingerprint"), str):
             return d["fingerprint"]
     return cache.name.rsplit("-", 1)[-1] if "-" in cache.name else None
 
 
-def _status(cache: Path, stages: Sequence[str], live: bool | None) -> CacheStatus:
-    fingerprint = _fingerprint(cache, stages)
+def _valid_markers(
+    cache: Path,
+    stages: Sequence[str],
+    fingerprint: str,
+    *,
+    verify: bool = False,
+    missing: bool = False,
+) -> tuple[dict[str, Marker], list[str]]:
+    """The leading stages with a valid marker, and one problem line per invalid marker."""
+    done: dict[str, Marker] = {}
     problems: list[str] = []
-    done: list[str] = []
-    corrupt = False
     for stage in stages:
         marker, why = check_marker(
-            cache / f"{stage}.json", fingerprint=fingerprint or "", base_dir=cache, stage=stage
+            cache / marker_name(stage),
+            fingerprint=fingerprint,
+            base_dir=cache,
+            stage=stage,
+            verify=verify,
         )
-        if marker is not None and len(done) == len(stages[: stages.index(stage)]):
-            done.append(stage)
-        elif why != "missing":
-            corrupt = True
-            problems.append(f"{stage}.json: {why}")
+        on_top = len(done) == stages.index(stage)  # every earlier stage is valid
+        if marker is not None and on_top:
+            why = derived_from_problem(marker, done)
+        if marker is not None and why is None and on_top:
+            done[stage] = marker
+        elif why is not None and (missing or why != "missing"):
+            problems.append(f"{stage}: {why}")
+    return done, problems
+
+
+def _leftovers(cache: Path, done: dict[str, Marker]) -> list[str]:
+    """Entries no valid marker vouches for: unpublished or retired stage folders, retired
+    markers, interrupted deletions."""
+    published = {m.directory for m in done.values()}
+    out = []
+    for n in sorted(os.listdir(cache)):
+        if n in published:
+            continue
+        if ".tmp-" in n or ".trash-" in n or is_retired_marker(n):
+            out.append(n)
+        elif parse_stage_dir(n) is not None and (cache / n).is_dir():
+            out.append(n)
+    return out
+
+
+def _status(cache: Path, stages: Sequence[str], live: bool | None) -> CacheStatus:
+    fingerprint = _fingerprint(cache, stages)
+    done, marker_problems = _valid_markers(cache, stages, fingerprint or "")
+    corrupt = bool(marker_problems)
+    problems = [p.replace(": ", ".json: ", 1) for p in marker_problems]
     names = sorted(os.listdir(cache))
-    leftovers = [n for n in names if ".tmp-" in n or ".trash-" in n]
+    leftovers = _leftovers(cache, done)
     unmarked = [s for s in stages if (cache / s).is_dir() and s not in done]
     failures = [n for n in names if n.startswith("failed-") and n.endswith(".json")]
     for n in leftovers:
@@ -125,8 +161,8 @@ def _status(cache: Path, stages: Sequence[str], live: bool | None) -> CacheStatu
                 f"failed build (host {record.get('host')}, pid {record.get('pid')}, stage "
                 f"{record.get('stage')}): {record.get('error_type')}: {record.get('message')}"
             )
-    view = _read_lease(cache / LEASE_FILE)
-    hb = read_json(_heartbeat_path(cache, view.key)) if view is not None else None
+    view = read_lease(cache / LEASE_FILE)
+    hb = read_json(heartbeat_path(cache, view.key)) if view is not None else None
     hb = hb if isinstance(hb, dict) else {}
     if view is not None and live is not False:
         state = "building"
@@ -142,7 +178,7 @@ def _status(cache: Path, stages: Sequence[str], live: bool | None) -> CacheStatu
     elif leftovers or unmarked:
         state = "stale"
     elif done:
-        state = done[-1]
+        state = list(done)[-1]
     else:
         state = "empty"
     size, age = _size_and_age(cache)
@@ -176,15 +212,16 @@ def list_caches(
             than the builders' heartbeat interval); 0 reports every lease as building.
 
     Returns:
-        One :class:`CacheStatus` per sub-folder (hidden folders skipped); [] if ``root``
-        does not exist. Reads only.
+        One :class:`CacheStatus` per cache folder (see :func:`dist.layout.is_cache_folder`:
+        hidden folders and folders holding no protocol file are not caches); [] if
+        ``root`` does not exist. Reads only.
     """
     if observe_s < 0:
         raise ValueError(f"observe_s must be >= 0, got {observe_s}")
     root = Path(root)
     if not root.is_dir():
         return []
-    caches = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    caches = sorted(p for p in root.iterdir() if is_cache_folder(p))
     live: dict[Path, bool | None] = {c: None for c in caches}
     if observe_s > 0:
         before = {c: _lease_key(c) for c in caches}
@@ -207,18 +244,10 @@ def verify(cache_dir: str | os.PathLike, stages: Sequence[str] = DEFAULT_STAGES)
         Problems, one line each (``"filtered: listed file ... checksum mismatch"``).
     """
     cache = Path(cache_dir)
-    fingerprint = _fingerprint(cache, stages) or ""
-    problems = []
-    for stage in stages:
-        marker, why = check_marker(
-            cache / f"{stage}.json",
-            fingerprint=fingerprint,
-            base_dir=cache,
-            stage=stage,
-            verify=True,
-        )
-        if marker is None:
-            problems.append(f"{stage}: {why}")
+    stages = list(stages)
+    _, problems = _valid_markers(
+        cache, stages, _fingerprint(cache, stages) or "", verify=True, missing=True
+    )
     return problems
 
 
@@ -274,10 +303,14 @@ def clean(
         else:  # complete or resumable: keep, but drop what dead builders left
             targets = [
                 cache / n
+                for n in _leftovers(
+                    cache, _valid_markers(cache, list(stages), status.fingerprint or "")[0]
+                )
+            ]
+            targets += [
+                cache / n
                 for n in sorted(os.listdir(cache))
-                if ".tmp-" in n
-                or ".trash-" in n
-                or n == LEASE_FILE  # dead (we observed it), or we would not be here
+                if n == LEASE_FILE  # dead (we observed it), or we would not be here
                 or n.startswith(_BOOKKEEPING_PREFIXES)
             ]
         for target in targets:

@@ -11,8 +11,9 @@ checksums). Anything else is "absent": :func:`read_marker` returns None and logs
 on the ``"dist"`` logger saying why. It never raises on a malformed marker.
 
 All functions here are process- and thread-safe in the sense that a reader can never see
-a half-written marker: writes go to a temp file in the same folder, are fsynced, then
-``os.replace``d over the target, and the folder is fsynced.
+a half-written marker: :func:`publish_marker` creates the marker only if none exists
+(temp file, fsync, ``link``: the first publication stands, a later one never overwrites
+it); :func:`write_marker` replaces (tests and tools only).
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ __all__ = [
     "FileEntry",
     "Marker",
     "check_marker",
+    "derived_from_problem",
     "describe_files",
     "file_checksum",
     "read_json",
+    "publish_marker",
     "read_marker",
-    "write_json_atomic",
     "write_marker",
 ]
 
@@ -81,6 +83,8 @@ class Marker:
         started_at, finished_at: wall-clock seconds since the epoch (informational only).
         info: caller-supplied JSON-able data (row counts...).
         files: the stage's files.
+        inputs: the folders of the earlier stages this one was derived from, by stage
+            name (a later stage is valid only over exactly those).
         schema_version: marker format version.
     """
 
@@ -94,11 +98,13 @@ class Marker:
     finished_at: float
     info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     files: tuple[FileEntry, ...] = ()
+    inputs: Mapping[str, str] = dataclasses.field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["info"] = dict(self.info)
+        d["inputs"] = dict(self.inputs)
         d["files"] = [dataclasses.asdict(f) for f in self.files]
         return d
 
@@ -114,6 +120,9 @@ class Marker:
         info = d.get("info", {})
         if not isinstance(info, Mapping):
             raise TypeError("info must be a JSON object")
+        inputs = d.get("inputs", {})
+        if not isinstance(inputs, Mapping):
+            raise TypeError("inputs must be a JSON object")
         return cls(
             fingerprint=str(d["fingerprint"]),
             stage=str(d["stage"]),
@@ -125,6 +134,7 @@ class Marker:
             finished_at=float(d["finished_at"]),
             info=dict(info),
             files=files,
+            inputs={str(k): str(v) for k, v in inputs.items()},
             schema_version=int(d["schema_version"]),
         )
 
@@ -181,11 +191,6 @@ def describe_files(
     return tuple(entries)
 
 
-def write_json_atomic(path: str | os.PathLike, obj: Any, *, fsync: bool = True) -> None:
-    """Write ``obj`` as sorted, indented JSON, atomically (see :mod:`dist.atomic`)."""
-    atomic.write_json_atomic(path, obj, durable=fsync, sort_keys=True, indent=1)
-
-
 def read_json(path: str | os.PathLike) -> Any | None:
     """Parse a JSON file; None if it is missing, unreadable or malformed."""
     try:
@@ -195,9 +200,27 @@ def read_json(path: str | os.PathLike) -> Any | None:
         return None
 
 
+def _marker_bytes(marker: Marker) -> bytes:
+    return json.dumps(marker.to_dict(), sort_keys=True, indent=1).encode("utf-8")
+
+
 def write_marker(path: str | os.PathLike, marker: Marker) -> None:
-    """Write ``marker`` atomically to ``path``."""
-    write_json_atomic(path, marker.to_dict())
+    """Write ``marker`` atomically to ``path``, replacing any marker there (tools, tests).
+
+    The build protocol never calls this: it publishes with :func:`publish_marker`.
+    """
+    with atomic.atomic_write(path, "wb") as fh:
+        fh.write(_marker_bytes(marker))
+
+
+def publish_marker(path: str | os.PathLike, marker: Marker) -> bool:
+    """Create the marker at ``path`` unless one exists: the first publication stands.
+
+    Returns:
+        True if this call published ``marker``; False if a marker was already there
+        (nothing written; the caller reads and judges the one that is).
+    """
+    return atomic.create_new(path, _marker_bytes(marker))
 
 
 def check_marker(
@@ -235,6 +258,19 @@ def check_marker(
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
         return None, problems[0] + more
     return marker, None
+
+
+def derived_from_problem(marker: Marker, earlier: Mapping[str, Marker]) -> str | None:
+    """Why ``marker`` does not belong on top of the ``earlier`` published stages, or None.
+
+    A later stage is valid only over exactly the folders it was derived from.
+    """
+    expected = {name: m.directory for name, m in earlier.items()}
+    if dict(marker.inputs) == expected:
+        return None
+    if not marker.inputs and all(m.directory == name for name, m in earlier.items()):
+        return None  # hf_pipeline <= 0.1: fixed folder names, no inputs recorded
+    return f"derived from {dict(marker.inputs)}, but the published earlier stages are {expected}"
 
 
 def _file_problems(marker: Marker, base: Path, *, verify: bool) -> list[str]:

@@ -27,7 +27,9 @@ import hashlib
 import logging
 import os
 import shutil
+import signal
 import socket
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -65,8 +67,10 @@ class BuildResult:
         fingerprint: cache identity.
         cache_dir: the cache folder.
         report: the build report (``rows_in``, ``rows_out``, ``dropped``, ...).
-        built: True when this process ran at least one stage.
+        built: True when this process published at least one stage (a builder that
+            lost its lease to another process reports False).
         seconds: wall time of :func:`prepare_cache` in this process.
+        stage_dirs: the published folder of each stage, from the markers.
     """
 
     fingerprint: str
@@ -74,10 +78,11 @@ class BuildResult:
     report: dict
     built: bool
     seconds: float
+    stage_dirs: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def layout(self) -> CacheLayout:
-        return CacheLayout(self.cache_dir)
+        return CacheLayout(self.cache_dir, dict(self.stage_dirs))
 
     def summary(self) -> dict[str, Any]:
         """The JSON summary of ``scripts/prebuild_cache.py --json``."""
@@ -159,9 +164,31 @@ def _tokenizer(cfg):
     return tok
 
 
+def _die_with_parent(parent_pid: int) -> None:
+    """Make this ``num_proc`` worker die when the builder dies (Linux: PR_SET_PDEATHSIG).
+
+    A SIGKILLed builder cannot shut its pool down; without this its workers linger
+    (seen: 75 s and more), holding shards, staging slots and memory.
+    """
+    if _DEATH_SIGNAL_SET or os.getpid() == parent_pid or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    _DEATH_SIGNAL_SET.append(True)
+    if os.getppid() != parent_pid:  # the builder died before the call: nobody to signal us
+        os._exit(1)
+
+
+_DEATH_SIGNAL_SET: list[bool] = []
+
+
 def _convert_shards(
     batch: Mapping[str, list],
     *,
+    probe,
+    builder_pid: int,
     client,
     files: Mapping[str, Any],
     captions_path: str,
@@ -169,14 +196,20 @@ def _convert_shards(
     fetch_timeout: float,
     encoder,
 ) -> dict[str, Any]:
-    """``datasets.map`` function: shard file names -> joined, tokenized latent rows."""
+    """``datasets.map`` function: shard file names -> joined, tokenized latent rows.
+
+    ``probe`` (:class:`dist.lease.LeaseProbe`) stops a builder that lost its lease at the
+    next shard.
+    """
     from hf_pipeline.captions import classify, reason_names
     from hf_pipeline.shards import LATENT_SHAPE, load_shard
 
     table = _captions(captions_path)
     tokenizer = _tokenizer(encoder)
+    _die_with_parent(builder_pid)
     keys, latents, captions, reasons, token_ids = [], [], [], [], []
     for name in batch["shard"]:
+        probe.check()
         f = files[name]
         path = client.acquire(f, timeout=fetch_timeout)
         if path is None:  # skipped under on_missing="skip"; recorded by the fetcher
@@ -219,10 +252,12 @@ def _embed_rows(
     reasons,
     indices: list,
     *,
+    probe,
     encoder,
     duplicate: np.ndarray,
 ) -> dict[str, Any]:
     """``datasets.map`` function (Arrow format): token ids -> embeddings (kept rows only)."""
+    probe.check()  # a builder that lost its lease stops at the next batch
     idx = np.asarray(indices, dtype=np.int64)
     final = np.asarray(reasons.to_pylist(), dtype=object)
     final[(final == "") & duplicate[idx]] = "duplicate_key"
@@ -308,6 +343,8 @@ class _Builder:
                 features=features,
                 remove_columns=["shard"],
                 fn_kwargs={
+                    "probe": ctx.probe,
+                    "builder_pid": os.getpid(),
                     "client": prefetch.client(),
                     "files": files,
                     "captions_path": captions_path,
@@ -346,7 +383,7 @@ class _Builder:
                     "drop_reason": Value("string"),
                 }
             ),
-            fn_kwargs={"encoder": encoder, "duplicate": duplicate},
+            fn_kwargs={"probe": ctx.probe, "encoder": encoder, "duplicate": duplicate},
             cache_file_name=str(tmp / "embeddings" / "data.arrow"),
             new_fingerprint=f"{self.fingerprint}-embeddings",
             keep_in_memory=False,
@@ -378,7 +415,7 @@ class _Builder:
         b = self.cfg.build
         tmp = Path(ctx.tmp_dir)
         conv = Path(ctx.previous["converted"])
-        layout = CacheLayout(Path(ctx.cache_dir))
+        layout = CacheLayout(Path(ctx.cache_dir), {"converted": conv.name})
         emb = concatenate_datasets(
             [Dataset.from_file(str(p)) for p in layout.embedding_files(conv)]
         )
@@ -462,11 +499,14 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
         # (different configs) must not delete each other's staged shards.
         inputs.source.staging_dir = cfg.cache_root / ".staging" / fingerprint
     builder = _Builder(cfg, inputs, fingerprint, progress)
-    ran: list[str] = []
+    our_leases: list[str] = []
+
+    def on_event(name: str, fields: dict) -> None:
+        if name == "claimed":
+            our_leases.append(fields["lease_id"])
 
     def stage(name, fn):
         def run(ctx):
-            ran.append(name)
             log.info("building stage %s of %s", name, layout.root)
             return fn(ctx)
 
@@ -479,7 +519,7 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
     if not progress:
         ds_utils.disable_progress_bars()
     try:
-        ensure_built(
+        markers = ensure_built(
             layout.root,
             fingerprint,
             [stage(STAGES[0], builder.converted), stage(STAGES[1], builder.filtered)],
@@ -489,15 +529,19 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
             max_wait=c.max_wait,
             lease_timeout=c.lease_timeout,
             heartbeat_interval=c.heartbeat_interval,
+            on_event=on_event,
         )
     finally:
         if bars_were_on and not progress:
             ds_utils.enable_progress_bars()
-    report = layout.read_report()
+    stage_dirs = {name: m.directory for name, m in markers.items()}
+    layout = CacheLayout(layout.root, stage_dirs)
     return BuildResult(
         fingerprint=fingerprint,
         cache_dir=layout.root,
-        report=report,
-        built=bool(ran),
+        report=layout.read_report(),
+        # A lease of ours published a stage; a builder taken over (fenced) did not.
+        built=any(m.lease_id in our_leases for m in markers.values()),
         seconds=time.monotonic() - t0,
+        stage_dirs=stage_dirs,
     )

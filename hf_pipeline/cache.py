@@ -81,21 +81,39 @@ def _plain(v: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
-    """Paths inside one cache folder. Pure path arithmetic; touches nothing."""
+    """Paths inside one cache folder.
+
+    Each stage is published as the folder its marker names (``converted.<lease id>/``,
+    see :mod:`dist.layout`). Pass ``stage_dirs`` (stage name -> folder name, from the
+    validated markers, as :class:`hf_pipeline.build.BuildResult` does); without it a
+    stage's folder is read from its marker file (leniently: the folder named by a
+    marker that is missing or malformed is ``<root>/<stage>``).
+    """
 
     root: Path
+    stage_dirs: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
     @classmethod
     def for_config(cls, cfg: Config, fingerprint: str) -> CacheLayout:
         return cls(cfg.cache_root / f"{cfg.name}-{fingerprint}")
 
+    def stage_dir(self, stage: str) -> Path:
+        """The published folder of ``stage``."""
+        if stage in self.stage_dirs:
+            return self.root / self.stage_dirs[stage]
+        from dist.markers import read_json
+
+        marker = read_json(self.root / f"{stage}.json")
+        directory = marker.get("directory") if isinstance(marker, dict) else None
+        return self.root / (directory if isinstance(directory, str) else stage)
+
     @property
     def converted(self) -> Path:
-        return self.root / "converted"
+        return self.stage_dir("converted")
 
     @property
     def filtered(self) -> Path:
-        return self.root / "filtered"
+        return self.stage_dir("filtered")
 
     @property
     def report_path(self) -> Path:

@@ -50,7 +50,7 @@ def test_full_disk_fails_cleanly_for_every_rank_then_succeeds(small_config, buil
         lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
         assert len(lines) == 1 and "No space left on device" in lines[0], err
     assert _published(disk) == []
-    assert not list(disk.rglob("converted")) and not list(disk.rglob("*.tmp-*"))
+    assert not list(disk.rglob("converted*")) and not list(disk.rglob("filtered*"))
 
     # Space again: the same command succeeds and the cache holds the demo's rows.
     run_mount("-o", "remount,size=64m", str(disk))

@@ -30,7 +30,7 @@ from dist import (
 )
 from dist.coordinator import LEASE_FILE, LeaseLostError
 from dist.env import ProcessInfo
-from dist.markers import read_json
+from dist.markers import Marker, read_json
 from tests.conftest import run_mount as _mount
 
 REPO = Path(__file__).resolve().parent.parent
@@ -162,6 +162,11 @@ STAGES = [Stage(name="converted", build=_write_parts), Stage(name="filtered", bu
 QUICK = dict(poll_interval=0.05, lease_timeout=1.0, heartbeat_interval=0.2, max_wait=30.0)
 
 
+def _published(markers) -> list[str]:
+    """What a complete cache folder holds: each stage's folder and marker, nothing else."""
+    return sorted([m.directory for m in markers.values()] + [f"{s}.json" for s in markers])
+
+
 def _recorder():
     events: list[tuple[str, dict]] = []
     return events, lambda name, fields: events.append((name, fields))
@@ -173,12 +178,15 @@ def test_builds_then_reuses_without_rebuilding(tmp_path):
     markers = ensure_built(cache, "fp", STAGES, builder=True, on_event=on_event, **QUICK)
     assert [e for e, _ in events].count("stage_built") == 2
     assert markers["converted"].info == {"rows": 2}
+    folder = markers["filtered"].directory
+    assert folder == f"filtered.{markers['filtered'].lease_id}"  # built under its own name
     assert [f.path for f in markers["filtered"].files] == [
-        "filtered/part-0.bin",
-        "filtered/part-1.bin",
+        f"{folder}/part-0.bin",
+        f"{folder}/part-1.bin",
     ]
+    assert markers["filtered"].inputs == {"converted": markers["converted"].directory}
     # Only published results and markers remain: no lease, heartbeat or tmp leftovers.
-    assert sorted(os.listdir(cache)) == ["converted", "converted.json", "filtered", "filtered.json"]
+    assert sorted(os.listdir(cache)) == _published(markers)
     events2, on_event2 = _recorder()
     again = ensure_built(cache, "fp", STAGES, builder=False, on_event=on_event2, **QUICK)
     assert again == markers
@@ -193,14 +201,14 @@ def test_later_stage_sees_published_earlier_stage(tmp_path):
         seen["files"] = sorted(p.name for p in ctx.previous["converted"].iterdir())
         return {}
 
-    ensure_built(
+    markers = ensure_built(
         tmp_path / "c",
         "fp",
         [Stage(name="converted", build=_write_parts), Stage(name="filtered", build=second)],
         builder=True,
         **QUICK,
     )
-    assert seen["previous"] == {"converted": tmp_path / "c" / "converted"}
+    assert seen["previous"] == {"converted": tmp_path / "c" / markers["converted"].directory}
     assert seen["files"] == ["part-0.bin", "part-1.bin"]
 
 
@@ -218,8 +226,9 @@ def test_resume_skips_valid_stage_and_removes_leftovers(tmp_path):
     assert ("stage_skipped", {"stage": "converted"}) in events
     assert names.count("stage_built") == 1
     assert not (cache / "filtered.tmp-deadbeef").exists()
-    assert sorted(p.name for p in (cache / "filtered").iterdir()) == ["part-0.bin", "part-1.bin"]
-    assert markers["filtered"].directory == "filtered"
+    folder = cache / markers["filtered"].directory
+    assert sorted(p.name for p in folder.iterdir()) == ["part-0.bin", "part-1.bin"]
+    assert sorted(os.listdir(cache)) == _published(markers)
 
 
 @pytest.mark.parametrize(
@@ -228,18 +237,19 @@ def test_resume_skips_valid_stage_and_removes_leftovers(tmp_path):
 )
 def test_untrusted_marker_is_rebuilt_with_reason_logged(tmp_path, caplog, damage):
     cache = tmp_path / "c"
-    ensure_built(cache, "fp", STAGES, builder=True, **QUICK)
+    old = ensure_built(cache, "fp", STAGES, builder=True, **QUICK)
     marker = cache / "converted.json"
     d = json.loads(marker.read_text())
+    part = cache / old["converted"].directory / "part-1.bin"
     if damage == "fingerprint":
         d["fingerprint"] = "other"
         marker.write_text(json.dumps(d))
         why = "fingerprint 'other', expected 'fp'"
     elif damage == "missing_file":
-        (cache / "converted" / "part-1.bin").unlink()
-        why = "'converted/part-1.bin' missing"
+        part.unlink()
+        why = f"'{old['converted'].directory}/part-1.bin' missing"
     elif damage == "truncated_file":
-        (cache / "converted" / "part-1.bin").write_bytes(b"\x02" * 10)
+        part.write_bytes(b"\x02" * 10)
         why = "has 10 bytes, expected 1000"
     elif damage == "malformed_json":
         marker.write_text('{"schema_version": 1, "fing')
@@ -258,7 +268,11 @@ def test_untrusted_marker_is_rebuilt_with_reason_logged(tmp_path, caplog, damage
         {"stage": "converted", "lease_id": markers["converted"].lease_id, "info": {"rows": 2}},
         {"stage": "filtered", "lease_id": markers["filtered"].lease_id, "info": {"rows": 2}},
     ]
-    assert (cache / "converted" / "part-1.bin").stat().st_size == 1000
+    assert (cache / markers["converted"].directory / "part-1.bin").stat().st_size == 1000
+    # The invalid markers were moved aside, not deleted; the new ones are elsewhere.
+    assert markers["converted"].directory != old["converted"].directory
+    retired = sorted(n for n in os.listdir(cache) if ".json.retired-" in n)
+    assert [n.split(".")[0] for n in retired] == ["converted", "filtered"]
 
 
 def test_build_error_is_reraised_and_leaves_nothing_published(tmp_path):
@@ -272,8 +286,9 @@ def test_build_error_is_reraised_and_leaves_nothing_published(tmp_path):
             cache, "fp", [STAGES[0], Stage(name="filtered", build=boom)], builder=True, **QUICK
         )
     names = sorted(os.listdir(cache))
-    assert names[:2] == ["converted", "converted.json"]  # stage 1 stays (resume)
-    assert not (cache / "filtered").exists() and LEASE_FILE not in names
+    stage1 = read_json(cache / "converted.json")["directory"]
+    assert names[:2] == [stage1, "converted.json"]  # stage 1 stays (resume)
+    assert not any(n.startswith("filtered") for n in names) and LEASE_FILE not in names
     assert not any(".tmp-" in n for n in names)
     (record,) = [n for n in names if n.startswith("failed-")]
     assert read_json(cache / record)["error_type"] == "ValueError"
@@ -301,10 +316,10 @@ def test_dead_lease_without_heartbeat_is_taken_over(tmp_path, content):
     (cache / "converted.tmp-dead0001").mkdir()
     events, on_event = _recorder()
     t0 = time.monotonic()
-    ensure_built(cache, "fp", STAGES, builder=True, on_event=on_event, **QUICK)
+    markers = ensure_built(cache, "fp", STAGES, builder=True, on_event=on_event, **QUICK)
     assert QUICK["lease_timeout"] <= time.monotonic() - t0 < QUICK["lease_timeout"] + 2
     assert [e for e, _ in events][:3] == ["lease_dead", "takeover", "claimed"]
-    assert sorted(os.listdir(cache)) == ["converted", "converted.json", "filtered", "filtered.json"]
+    assert sorted(os.listdir(cache)) == _published(markers)
 
 
 def test_argument_validation_messages(tmp_path):
@@ -383,8 +398,8 @@ def test_eight_processes_exactly_one_build_per_round(job, tmp_path):
         "build-converted",  # inside stage 1's build, files half written
         "stage_built",  # after the converted marker, before stage 2 starts
         "build-filtered",  # inside stage 2's build
-        "publishing",  # files complete, about to rename into place
-        "renamed",  # renamed into place, marker not yet written
+        "publishing",  # files complete and described, marker about to be published
+        "publishing-filtered",  # the same for the last stage
     ],
 )
 def test_sigkill_builder_at_each_phase(job, tmp_path, phase):
@@ -407,12 +422,13 @@ def test_sigkill_builder_at_each_phase(job, tmp_path, phase):
         "build-converted": ["converted", "converted", "filtered"],
         "stage_built": ["converted", "filtered"],  # stage 1 resumed from its marker
         "build-filtered": ["converted", "filtered", "filtered"],
-        "publishing": ["converted", "converted", "filtered"],
-        "renamed": ["converted", "converted", "filtered"],  # folder without marker: redone
+        "publishing": ["converted", "converted", "filtered"],  # folder without marker: redone
+        "publishing-filtered": ["converted", "filtered", "filtered"],
     }[phase]
     assert [line.split()[0] for line in job.builds(cache)] == expected_builds
-    leftovers = [n for n in os.listdir(cache) if ".tmp-" in n or ".trash-" in n]
-    assert leftovers == [] and not (cache / LEASE_FILE).exists()
+    # The victim's unpublished folder was collected once the taker published the stage.
+    markers = {k: Marker.from_dict(v) for k, v in results[0]["markers"].items()}
+    assert sorted(os.listdir(cache)) == _published(markers)
 
 
 @pytest.mark.slow
@@ -604,8 +620,12 @@ def test_inventory_status_verify_and_clean(job, tmp_path):
     root = tmp_path / "root"
     ensure_built(root / "c-complete", "complete", STAGES, builder=True, **QUICK)
     ensure_built(root / "c-partial", "partial", STAGES[:1], builder=True, **QUICK)
-    ensure_built(root / "c-corrupt", "corrupt", STAGES, builder=True, **QUICK)
-    (root / "c-corrupt" / "filtered" / "part-0.bin").write_bytes(b"short")
+    corrupt = ensure_built(root / "c-corrupt", "corrupt", STAGES, builder=True, **QUICK)
+    (root / "c-corrupt" / corrupt["filtered"].directory / "part-0.bin").write_bytes(b"short")
+    # Not caches: a dot-folder and a folder of unrelated JSON files (e.g. a listing cache).
+    (root / ".staging").mkdir()
+    (root / "hub_listings").mkdir()
+    (root / "hub_listings" / "org--repo-main.json").write_text("{}")
     with pytest.raises(ZeroDivisionError):
         ensure_built(
             root / "c-failed",
@@ -646,17 +666,24 @@ def test_inventory_status_verify_and_clean(job, tmp_path):
     assert verify(root / "c-complete") == []
     (problem,) = verify(root / "c-corrupt")
     assert problem.startswith("filtered: ") and "part-0.bin" in problem
-    part = root / "c-complete" / "converted" / "part-1.bin"
+    complete = read_json(root / "c-complete" / "converted.json")["directory"]
+    part = root / "c-complete" / complete / "part-1.bin"
     part.write_bytes(b"\x00" * part.stat().st_size)  # same size, other bytes
     assert verify(root / "c-complete") == [
-        "converted: listed file 'converted/part-1.bin' checksum mismatch"
+        f"converted: listed file '{complete}/part-1.bin' checksum mismatch"
     ]
 
     expected = {root / "c-corrupt", root / "c-dead", root / "c-failed"}
     assert set(clean(root, dry_run=True, observe_s=0.8)) == expected
     assert all(p.exists() for p in expected)
     assert set(clean(root, dry_run=False, observe_s=0.8)) == expected
-    assert sorted(p.name for p in root.iterdir()) == ["c-complete", "c-live", "c-partial"]
+    assert sorted(p.name for p in root.iterdir()) == [
+        ".staging",
+        "c-complete",
+        "c-live",
+        "c-partial",
+        "hub_listings",
+    ]
     os.kill(live.pid, signal.SIGKILL)
 
 
@@ -680,43 +707,3 @@ def test_gloo_builder_sigkilled_waiters_fall_back_to_polling_and_take_over(job, 
     results = job.wait(procs[1:], timeout=60)
     _assert_same_cache(results, reference)
     assert sum(bool(_events(r, "takeover")) for r in results) == 1
-
-
-def test_store_doorbell_generations_on_a_real_tcpstore():
-    td = pytest.importorskip("torch.distributed")
-    from dist.coordinator import StoreDoorbell, _private_torch_store
-
-    server = td.TCPStore("127.0.0.1", 0, 1, True)
-    bell = StoreDoorbell(_private_torch_store(td.PrefixStore("default_pg", server)), "k")
-    other = StoreDoorbell(_private_torch_store(server), "k")  # another rank's client
-    token = bell.token()
-    assert not bell.rung(token)
-    other.ring()
-    assert bell.rung(token)  # a ring after the token is seen...
-    fresh = bell.token()
-    assert fresh == token + 1 and not bell.rung(fresh)  # ...and only once per token
-    t0 = time.monotonic()
-    for _ in range(200):
-        bell.rung(fresh)
-    assert (time.monotonic() - t0) / 200 < 0.01  # non-blocking
-
-
-@pytest.mark.slow
-def test_store_doorbell_on_jax_coordination_service():
-    code = """
-import socket, jax
-from pathlib import Path
-from dist.coordinator import _auto_doorbell
-s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=1, process_id=0)
-bell = _auto_doorbell(Path("/c"), "fp")
-t = bell.token()
-before = bell.rung(t)
-bell.ring()
-print(type(bell).__name__, before, bell.rung(t), bell.token() == t + 1)
-jax.distributed.shutdown()
-"""
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["StoreDoorbell", "False", "True", "True"]

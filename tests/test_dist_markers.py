@@ -10,6 +10,7 @@ import threading
 
 import pytest
 
+from dist.atomic import write_json_atomic
 from dist.markers import (
     SCHEMA_VERSION,
     FileEntry,
@@ -17,7 +18,6 @@ from dist.markers import (
     describe_files,
     file_checksum,
     read_marker,
-    write_json_atomic,
     write_marker,
 )
 
@@ -165,7 +165,7 @@ def test_atomic_write_readers_never_see_partial(tmp_path):
     t = threading.Thread(target=reader, daemon=True)
     t.start()
     for i in range(200):
-        write_json_atomic(path, {"v": i, "pad": "x" * 100_000}, fsync=False)
+        write_json_atomic(path, {"v": i, "pad": "x" * 100_000}, durable=False)
     stop.set()
     t.join(timeout=10)
     assert bad == []

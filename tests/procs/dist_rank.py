@@ -5,8 +5,10 @@ a JSON result (markers, content hash, error) to --result. Fault injection:
 ``--hold EVENT:SECONDS`` makes the first process (job-wide, via an O_EXCL ticket in
 --signal-dir) that reaches EVENT write ``<signal-dir>/at-EVENT`` (containing its pid) and
 sleep, so the test can SIGKILL it right there. EVENT is ``build-<stage>`` (inside the
-stage build, after half its files) or a coordinator event (``publishing``, ``renamed``,
-``stage_built``...).
+stage build, after half its files) or a coordinator event (``claimed``, ``publishing``,
+``stage_built``...), optionally for one stage only (``publishing-filtered``).
+``--layout N`` splits each stage into a different number of files (like two builders with
+different ``num_proc``: same content, other file names).
 """
 
 from __future__ import annotations
@@ -34,14 +36,15 @@ def _content(fingerprint: str, stage: str, index: int, size: int) -> bytes:
     return (seed * (size // len(seed) + 1))[:size]
 
 
-def tree_hash(cache_dir: Path) -> str:
-    """Hash of every published stage folder: relative paths and bytes."""
+def tree_hash(cache_dir: Path, markers: dict) -> str:
+    """Hash of every published stage folder (the one its marker names): the paths inside
+    it, prefixed by the stage name, and the bytes."""
     h = xxhash.xxh64()
     for stage in STAGES:
-        root = cache_dir / stage
+        root = cache_dir / markers[stage].directory
         for p in sorted(root.rglob("*")):
             if p.is_file():
-                h.update(p.relative_to(cache_dir).as_posix().encode())
+                h.update(f"{stage}/{p.relative_to(root).as_posix()}".encode())
                 h.update(p.read_bytes())
     return h.hexdigest()
 
@@ -80,6 +83,7 @@ def main() -> int:
     ap.add_argument("--max-wait", type=float, default=60.0)
     ap.add_argument("--size-mb", type=float, default=1.0)
     ap.add_argument("--files", type=int, default=3)
+    ap.add_argument("--layout", type=int, default=0, help="file-name variant (0: default)")
     ap.add_argument("--build-sleep", type=float, default=0.0)
     ap.add_argument("--hold", action="append", default=[])
     ap.add_argument("--fail-stage", default=None, help="raise RuntimeError in this stage")
@@ -113,9 +117,8 @@ def main() -> int:
                 if p.is_file():
                     digest.update(p.read_bytes())
         for i in range(args.files):
-            (ctx.tmp_dir / f"part-{i:05d}.bin").write_bytes(
-                _content(ctx.fingerprint, ctx.stage, i, size)
-            )
+            name = f"part-{i:05d}.bin" if not args.layout else f"v{args.layout}-{i:05d}.bin"
+            (ctx.tmp_dir / name).write_bytes(_content(ctx.fingerprint, ctx.stage, i, size))
             if i == args.files // 2:
                 faults.at(f"build-{ctx.stage}")
             if args.build_sleep:
@@ -126,6 +129,8 @@ def main() -> int:
     def on_event(name, fields):
         result["events"].append([name, time.time(), {k: str(v) for k, v in fields.items()}])
         faults.at(name)
+        if "stage" in fields:
+            faults.at(f"{name}-{fields['stage']}")
 
     if args.start_at:
         time.sleep(max(0.0, args.start_at - time.time()))
@@ -147,7 +152,10 @@ def main() -> int:
         result["returned_at"] = time.time()
         result["ok"] = True
         result["markers"] = {k: m.to_dict() for k, m in markers.items()}
-        result["content_hash"] = tree_hash(args.cache_dir)
+        result["content_hash"] = tree_hash(args.cache_dir, markers)
+        result["built"] = any(
+            e[0] == "complete" and e[2].get("built") == "True" for e in result["events"]
+        )
     except BaseException as e:  # report everything to the test
         result["returned_at"] = time.time()
         result["error_type"] = type(e).__name__

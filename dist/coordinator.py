@@ -681,7 +681,16 @@ class _Coordinator:
                 if built.lease_id != lease.lease_id:
                     return built  # published by another lease while ours failed
             lease.check()
-            if publish_marker(self.marker_path(stage), built):
+            # The window no check closes: a pause here wakes to a marker already taken
+            # (publish_marker then writes nothing) or publishes a complete, valid stage.
+            self.emit("marker_write", stage=stage.name, lease_id=lease.lease_id)
+            try:
+                published = publish_marker(self.marker_path(stage), built)
+            except OSError as e:
+                # Our temp file collected by a successor that claimed while we were paused?
+                lease.check()
+                raise OSError(e.errno, f"publishing {self.marker_path(stage)}: {e}") from e
+            if published:
                 lease.set_phase(stage.name, "published")
                 self.emit("stage_built", stage=stage.name, lease_id=lease.lease_id, info=built.info)
                 self._collect_stage_garbage(stage, built, lease)
@@ -862,7 +871,7 @@ def ensure_built(
             key-value store when one is initialised; None: poll only; or a
             :class:`Doorbell`.
         on_event: called as ``on_event(name, fields)`` for ``claimed``, ``takeover``,
-            ``lease_dead``, ``building``, ``publishing``, ``stage_built``,
+            ``lease_dead``, ``building``, ``publishing``, ``marker_write``, ``stage_built``,
             ``stage_skipped``, ``publish_lost``, ``marker_retired``, ``failed``,
             ``lease_lost``, ``complete`` (tests, metrics). ``complete`` carries
             ``built``: True only in the process whose lease published a stage.

@@ -22,6 +22,7 @@ latents are counted as ``no_latents``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -164,31 +165,43 @@ def _tokenizer(cfg):
     return tok
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Make this ``num_proc`` worker die when the builder dies (Linux: PR_SET_PDEATHSIG).
+def _die_with_builder() -> None:
+    """In a process forked during a build (the ``num_proc`` pool): die with the builder.
 
     A SIGKILLed builder cannot shut its pool down; without this its workers linger
-    (seen: 75 s and more), holding shards, staging slots and memory.
+    (seen: 75 s and more), holding shards, staging slots and memory. Runs right after
+    ``fork`` (``os.register_at_fork``), before the worker takes its first task.
     """
-    if _DEATH_SIGNAL_SET or os.getpid() == parent_pid or not sys.platform.startswith("linux"):
+    parent = _BUILDING.get("pid")
+    if parent is None or not sys.platform.startswith("linux"):
         return
     import ctypes
 
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    _DEATH_SIGNAL_SET.append(True)
-    if os.getppid() != parent_pid:  # the builder died before the call: nobody to signal us
+    if os.getppid() != parent:  # the builder died before the call: nobody will signal us
         os._exit(1)
 
 
-_DEATH_SIGNAL_SET: list[bool] = []
+#: ``{"pid": builder pid}`` while this process builds (read by the at-fork hook).
+_BUILDING: dict[str, int] = {}
+os.register_at_fork(after_in_child=_die_with_builder)
+
+
+@contextlib.contextmanager
+def _building():
+    """Processes forked inside this block die with this one (see _die_with_builder)."""
+    _BUILDING["pid"] = os.getpid()
+    try:
+        yield
+    finally:
+        _BUILDING.pop("pid", None)
 
 
 def _convert_shards(
     batch: Mapping[str, list],
     *,
     probe,
-    builder_pid: int,
     client,
     files: Mapping[str, Any],
     captions_path: str,
@@ -206,7 +219,6 @@ def _convert_shards(
 
     table = _captions(captions_path)
     tokenizer = _tokenizer(encoder)
-    _die_with_parent(builder_pid)
     keys, latents, captions, reasons, token_ids = [], [], [], [], []
     for name in batch["shard"]:
         probe.check()
@@ -330,7 +342,7 @@ class _Builder:
             }
         )
         shard_ds = Dataset.from_dict({"shard": [f.name for f in shards]})
-        with Prefetcher(
+        with _building(), Prefetcher(
             self.inputs.source, shards, data_config=cfg.data, num_workers=num_proc,
             progress=self.progress,
         ) as prefetch:
@@ -344,7 +356,6 @@ class _Builder:
                 remove_columns=["shard"],
                 fn_kwargs={
                     "probe": ctx.probe,
-                    "builder_pid": os.getpid(),
                     "client": prefetch.client(),
                     "files": files,
                     "captions_path": captions_path,
@@ -420,18 +431,19 @@ class _Builder:
             [Dataset.from_file(str(p)) for p in layout.embedding_files(conv)]
         )
         num_proc = max(1, min(b.effective_num_proc, max(1, len(emb) // 1000)))
-        kept = emb.filter(
-            _keep_rows,
-            input_columns=["drop_reason"],
-            batched=True,
-            batch_size=b.batch_size,
-            num_proc=num_proc if num_proc > 1 else None,
-            writer_batch_size=b.writer_batch_size,
-            cache_file_name=str(tmp / "indices.arrow"),
-            new_fingerprint=f"{self.fingerprint}-filtered",
-            keep_in_memory=False,
-            desc="Filter",
-        )
+        with _building():
+            kept = emb.filter(
+                _keep_rows,
+                input_columns=["drop_reason"],
+                batched=True,
+                batch_size=b.batch_size,
+                num_proc=num_proc if num_proc > 1 else None,
+                writer_batch_size=b.writer_batch_size,
+                cache_file_name=str(tmp / "indices.arrow"),
+                new_fingerprint=f"{self.fingerprint}-filtered",
+                keep_in_memory=False,
+                desc="Filter",
+            )
         rows_out = len(kept)
         conv_info = ctx.markers["converted"].info
         dropped = {r: int(conv_info["reasons"].get(r, 0)) for r in REASONS}

@@ -95,3 +95,37 @@ def test_read_only_unbuilt_cache_fails_at_once_with_advice(small_config, tmp_pat
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error: ")]
     assert len(lines) == 1 and "prebuild_cache.py" in lines[0], p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_sigkilled_builder_takes_its_join_workers_with_it(small_config, tmp_path):
+    """Issue 8: the num_proc pool workers of a SIGKILLed builder die with it (they used to
+    linger for 75 s and more, holding shards and memory)."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    data = _local_copy(small_config, tmp_path / "data")
+    args = ["-q", "--cache-dir", str(tmp_path / "cache"), "--set", f"data.shards={data}",
+            *[a for o in SMALL_DEMO for a in ("--set", o)], "--set", "data.demo.num_shards=4"]
+    proc = subprocess.Popen([PYTHON, str(REPO / "scripts/prebuild_cache.py"), *args],
+                            env=script_env(DATASET_NUM_PROC="2"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        builder = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 120
+        workers: list[psutil.Process] = []
+        while len(workers) < 2:  # the join's pool is up once two python children exist
+            assert proc.poll() is None, "the build ended before its pool was seen"
+            assert time.monotonic() < deadline, "no num_proc workers appeared"
+            workers = [c for c in builder.children() if "python" in c.name().lower()]
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        gone, alive = psutil.wait_procs(workers, timeout=10)
+        assert alive == [], f"pool workers outlived their builder: {[p.pid for p in alive]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

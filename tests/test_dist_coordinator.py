@@ -15,10 +15,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from dist import (
     BuildFailedError,
@@ -454,6 +456,111 @@ def test_paused_builder_loses_lease_and_stands_down(job, tmp_path):
     old = next(r for r in results if r["pid"] == victim)
     assert _events(old, "lease_lost"), "the paused builder did not notice it lost the lease"
     assert all(r["markers"]["converted"]["pid"] != victim for r in results)
+
+
+class _PublishedWatch:
+    """Polls a cache folder from the test process: the first time a marker is seen, it
+    records the marker's bytes and the content of every file it names; every later look
+    must find exactly those (a published stage never changes or disappears)."""
+
+    def __init__(self, cache: Path):
+        self.cache = cache
+        self.seen: dict[str, tuple[bytes, dict[str, bytes]]] = {}
+        self.violations: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="published-watch", daemon=True)
+        self._thread.start()
+
+    def _look(self) -> None:
+        for stage in ("converted", "filtered"):
+            try:
+                raw = (self.cache / f"{stage}.json").read_bytes()
+            except FileNotFoundError:
+                if stage in self.seen:
+                    self.violations.append(f"{stage}.json disappeared")
+                continue
+            d = json.loads(raw)
+            files = {}
+            for f in d["files"]:
+                try:
+                    files[f["path"]] = xxhash.xxh64((self.cache / f["path"]).read_bytes()).digest()
+                except FileNotFoundError:
+                    files[f["path"]] = b"missing"
+            if stage not in self.seen:
+                self.seen[stage] = (raw, files)
+            elif self.seen[stage] != (raw, files):
+                self.violations.append(f"{stage}: published marker or files changed")
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self._look()
+
+    def stop(self) -> list[str]:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._look()
+        return self.violations
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "window,layout,wake",
+    [
+        ("claimed", "same", "complete"),  # right after the O_EXCL claim
+        ("build-converted", "same", "complete"),  # inside stage 1's build
+        ("build-converted", "other", "complete"),
+        ("marker_write-converted", "same", "complete"),  # lease checked, marker not linked
+        ("marker_write-converted", "other", "complete"),
+        ("marker_write-converted", "other", "takeover"),  # wakes while the taker builds
+        ("build-filtered", "other", "complete"),  # inside stage 2's build
+        ("marker_write-filtered", "same", "complete"),
+        ("marker_write-filtered", "other", "takeover"),
+    ],
+)
+def test_paused_builder_never_changes_a_published_stage(job, tmp_path, window, layout, wake):
+    """Issue 8: a builder SIGSTOPped past its lease in any window of either stage, with the
+    same or another file layout than its successor (different num_proc), wakes up and can
+    neither overwrite, delete nor spoil what is published; it reports it did not build."""
+    cache = tmp_path / "shared"
+    victim_args = ["--layout", "1"] if layout == "other" else []
+    procs = [
+        job.start(cache, 0, *FAST, "--build-sleep", "0.6", *victim_args, "--hold", f"{window}:3"),
+        *[job.start(cache, r, *FAST, "--build-sleep", "0.6") for r in (1, 2)],
+    ]
+    victim = job.wait_for_signal(window)
+    os.kill(victim, signal.SIGSTOP)
+    watch = _PublishedWatch(cache)
+    try:
+        deadline = time.monotonic() + 30
+
+        def done() -> bool:
+            if wake == "complete":
+                return len(watch.seen) == 2
+            # the victim's lease is gone: it wakes while its successor still builds
+            return (read_json(cache / LEASE_FILE) or {}).get("pid") not in (None, victim)
+
+        while not done():
+            assert time.monotonic() < deadline, f"no {wake} while the builder was paused"
+            time.sleep(0.02)
+    finally:
+        os.kill(victim, signal.SIGCONT)
+    results = job.wait(procs)
+    assert watch.stop() == []
+    for r in results:
+        assert r["ok"], f"rank {r['rank']}: {r.get('error_type')}: {r.get('error')}\n{r['output']}"
+    assert len({r["content_hash"] for r in results}) == 1
+    assert all(r["markers"] == results[0]["markers"] for r in results)
+    # A process says it built exactly when its lease published a stage.
+    assert {r["pid"] for r in results if r["built"]} == {
+        m["pid"] for m in results[0]["markers"].values()
+    }
+    if wake == "complete":  # the paused stage is its successor's
+        stage = "converted" if window in ("claimed", "build-converted") else window.split("-")[-1]
+        assert results[0]["markers"][stage]["pid"] != victim
+        old = next(r for r in results if r["pid"] == victim)
+        assert old["built"] == (stage == "filtered")  # it did publish stage 1 before
+    markers = {k: Marker.from_dict(v) for k, v in results[0]["markers"].items()}
+    assert sorted(os.listdir(cache)) == _published(markers)  # unpublished folders collected
 
 
 @pytest.mark.slow

@@ -153,9 +153,9 @@ def main() -> int:
         result["ok"] = True
         result["markers"] = {k: m.to_dict() for k, m in markers.items()}
         result["content_hash"] = tree_hash(args.cache_dir, markers)
-        result["built"] = any(
-            e[0] == "complete" and e[2].get("built") == "True" for e in result["events"]
-        )
+        # As hf_pipeline's BuildResult.built: a lease of ours published a stage.
+        ours = {e[2]["lease_id"] for e in result["events"] if e[0] == "claimed"}
+        result["built"] = any(m.lease_id in ours for m in markers.values())
     except BaseException as e:  # report everything to the test
         result["returned_at"] = time.time()
         result["error_type"] = type(e).__name__

@@ -39,7 +39,13 @@ from typing import Any
 import numpy as np
 
 from dist.atomic import write_json_atomic
-from hf_pipeline.cache import STAGES, CacheLayout, compute_fingerprint
+from hf_pipeline.cache import (
+    DEMO_DATA_DIR,
+    STAGES,
+    STAGING_DIR,
+    CacheLayout,
+    compute_fingerprint,
+)
 from hf_pipeline.config import Config
 
 __all__ = ["BuildResult", "REASONS", "prepare_cache", "resolve_inputs"]
@@ -113,7 +119,7 @@ def resolve_inputs(cfg: Config) -> Inputs:
 
         d = cfg.data.demo
         # Dot-folders beside the caches: never listed or cleaned as caches by dist.inventory.
-        out = cfg.cache_root / ".demo-data" / (
+        out = cfg.cache_root / DEMO_DATA_DIR / (
             f"s{d.seed}-n{d.num_shards}x{d.samples_per_shard}-{d.latent_dtype}"
         )
         demo = generate_demo(
@@ -128,7 +134,7 @@ def resolve_inputs(cfg: Config) -> Inputs:
     # Under this config's cache root, keyed by location; prepare_cache narrows it to one
     # folder per fingerprint once the inputs (and so the fingerprint) are known.
     staging = cfg.data.staging_dir or (
-        cfg.cache_root / ".staging" / hashlib.sha1(shards_loc.encode()).hexdigest()[:16]
+        cfg.cache_root / STAGING_DIR / hashlib.sha1(shards_loc.encode()).hexdigest()[:16]
     )
     source = open_source(shards_loc, data_config=cfg.data, staging_dir=staging)
     shards = source.list_shards()
@@ -509,7 +515,7 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
     if not cfg.data.staging_dir:
         # One staging folder per identity: two builds of the same source on one host
         # (different configs) must not delete each other's staged shards.
-        inputs.source.staging_dir = cfg.cache_root / ".staging" / fingerprint
+        inputs.source.staging_dir = cfg.cache_root / STAGING_DIR / fingerprint
     builder = _Builder(cfg, inputs, fingerprint, progress)
     our_leases: list[str] = []
 

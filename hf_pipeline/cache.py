@@ -30,11 +30,22 @@ from hf_pipeline.config import Config
 __all__ = [
     "SCHEMA_VERSION",
     "STAGES",
+    "DEMO_DATA_DIR",
+    "HUB_LISTINGS_DIR",
+    "STAGING_DIR",
     "CacheLayout",
     "compute_fingerprint",
     "open_dataset",
     "open_sample_source",
 ]
+
+#: Folders of the cache root that are not caches. They start with a dot, so that
+#: ``dist.inventory`` (``prebuild_cache.py --status/--clean``) never lists or cleans
+#: them (see ``dist.layout``): staged downloads, the generated demo inputs, and the
+#: Hub listing cache that offline rebuilds read.
+STAGING_DIR = ".staging"
+DEMO_DATA_DIR = ".demo-data"
+HUB_LISTINGS_DIR = ".hub_listings"
 
 #: Bump whenever the layout or the meaning of a column changes.
 SCHEMA_VERSION = 1

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import unquote
 
 from dist.atomic import write_json_atomic
+from hf_pipeline.cache import HUB_LISTINGS_DIR, STAGING_DIR
 from hf_pipeline.config import default_cache_root
 from hf_pipeline.errors import SourceError
 from hf_pipeline.fetch import (
@@ -157,7 +158,7 @@ class Source(abc.ABC):
         self.policy = policy or RetryPolicy.from_config(data_config)
         if staging_dir is None:
             staging_dir = data_config.staging_dir or (
-                default_cache_root() / "staging" / hashlib.sha1(location.encode()).hexdigest()[:16]
+                default_cache_root() / STAGING_DIR / hashlib.sha1(location.encode()).hexdigest()[:16]
             )
         self.staging_dir = Path(staging_dir).expanduser()
         self._lock = threading.Lock()
@@ -589,7 +590,7 @@ class HubSource(Source):
     def _listing_cache(self) -> Path:
         key = hashlib.sha1(f"{self.repo_id}|{self.revision}".encode()).hexdigest()[:16]
         return (
-            default_cache_root() / "hub_listings" / f"{self.repo_id.replace('/', '--')}-{key}.json"
+            default_cache_root() / HUB_LISTINGS_DIR / f"{self.repo_id.replace('/', '--')}-{key}.json"
         )
 
     def _load_listing(self) -> dict:

@@ -9,6 +9,7 @@ heartbeat counter moves during an observation window on *this* machine's clock.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import secrets
 import shutil
@@ -20,10 +21,29 @@ from dist.layout import is_cache_folder, is_retired_marker, marker_name, parse_s
 from dist.lease import LEASE_FILE, heartbeat_counter, heartbeat_path, read_lease
 from dist.markers import Marker, check_marker, derived_from_problem, read_json
 
-__all__ = ["DEFAULT_STAGES", "CacheStatus", "clean", "list_caches", "verify"]
+__all__ = ["DEFAULT_STAGES", "CacheState", "CacheStatus", "clean", "list_caches", "verify"]
 
 DEFAULT_STAGES: tuple[str, ...] = ("converted", "filtered")
 _BOOKKEEPING_PREFIXES = (f"{LEASE_FILE}.", "heartbeat-", "failed-")
+
+
+class CacheState(str, enum.Enum):
+    """What a cache folder looks like now (a ``str``: compares equal to its value)."""
+
+    BUILDING = "building"  # a lease whose heartbeat moved while we watched (or unwatched)
+    COMPLETE = "complete"  # every stage marker valid
+    PARTIAL = "partial"  # the leading stages valid, no builder: resumable
+    FAILED = "failed"  # a build raised (failure record)
+    STALE = "stale"  # a dead lease, or leftovers of one
+    CORRUPT = "corrupt"  # a marker lists missing or truncated files, or is malformed
+    EMPTY = "empty"  # protocol files but nothing built
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: States that ``clean`` removes whole.
+_REMOVABLE = frozenset({CacheState.STALE, CacheState.CORRUPT, CacheState.FAILED, CacheState.EMPTY})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,12 +53,8 @@ class CacheStatus:
     Attributes:
         path: the cache folder.
         fingerprint: from its markers (else the folder-name suffix after the last ``-``).
-        state: ``"building"`` (a lease whose heartbeat moved while we watched, or that
-            we did not watch), ``"complete"`` (every stage marker valid), the name of the
-            last valid stage (``"converted"``: resumable), ``"failed"`` (a build raised),
-            ``"stale"`` (dead lease or leftovers of one), ``"corrupt"`` (a marker that
-            lists missing or truncated files, or is malformed), ``"empty"``.
-        stages_done: stages with a valid marker.
+        state: a :class:`CacheState`.
+        stages_done: stages with a valid marker (for ``PARTIAL``: where a build resumes).
         lease_id, builder_host, builder_pid: the lease holder, if any.
         heartbeat_counter, heartbeat_stage, heartbeat_phase: its last heartbeat.
         live: True/False if the heartbeat was observed to move / not move; None if not
@@ -51,7 +67,7 @@ class CacheStatus:
 
     path: Path
     fingerprint: str | None
-    state: str
+    state: CacheState
     stages_done: tuple[str, ...] = ()
     lease_id: str | None = None
     builder_host: str | None = None
@@ -165,22 +181,22 @@ def _status(cache: Path, stages: Sequence[str], live: bool | None) -> CacheStatu
     hb = read_json(heartbeat_path(cache, view.key)) if view is not None else None
     hb = hb if isinstance(hb, dict) else {}
     if view is not None and live is not False:
-        state = "building"
+        state = CacheState.BUILDING
     elif len(done) == len(stages):
-        state = "complete"
+        state = CacheState.COMPLETE
     elif corrupt:
-        state = "corrupt"
+        state = CacheState.CORRUPT
     elif view is not None:
-        state = "stale"
+        state = CacheState.STALE
         problems.append(f"dead lease {view.key} (host {view.host}, pid {view.pid})")
     elif failures:
-        state = "failed"
+        state = CacheState.FAILED
     elif leftovers or unmarked:
-        state = "stale"
+        state = CacheState.STALE
     elif done:
-        state = list(done)[-1]
+        state = CacheState.PARTIAL
     else:
-        state = "empty"
+        state = CacheState.EMPTY
     size, age = _size_and_age(cache)
     return CacheStatus(
         path=cache,
@@ -291,14 +307,14 @@ def clean(
         raise ValueError(f"observe_s must be > 0, got {observe_s}")
     removed: list[Path] = []
     for status in list_caches(root, stages=stages, observe_s=observe_s):
-        if status.state == "building":
+        if status.state is CacheState.BUILDING:
             continue
         cache = status.path
         if _lease_key(cache) != (
             None if status.lease_id is None else (status.lease_id, status.heartbeat_counter)
         ):
             continue  # somebody claimed or beat since we looked
-        if status.state in ("stale", "corrupt", "failed", "empty"):
+        if status.state in _REMOVABLE:
             targets = [cache]
         else:  # complete or resumable: keep, but drop what dead builders left
             targets = [

@@ -29,12 +29,22 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     cli.add_common_args(p)
-    p.add_argument("--json", metavar="PATH", help="write the build summary as JSON to PATH ('-' = stdout)")
+    p.add_argument(
+        "--json", metavar="PATH", help="write the build summary as JSON to PATH ('-' = stdout)"
+    )
     ops = p.add_mutually_exclusive_group()
     ops.add_argument("--status", action="store_true", help="list the caches under the cache root")
-    ops.add_argument("--verify", action="store_true", help="re-check every cache's files against its markers")
-    ops.add_argument("--clean", action="store_true", help="remove stale, failed or corrupt caches (never a live one)")
-    p.add_argument("--dry-run", action="store_true", help="with --clean: only say what would be removed")
+    ops.add_argument(
+        "--verify", action="store_true", help="re-check every cache's files against its markers"
+    )
+    ops.add_argument(
+        "--clean",
+        action="store_true",
+        help="remove stale, failed or corrupt caches (never a live one)",
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="with --clean: only say what would be removed"
+    )
     return p
 
 
@@ -63,10 +73,14 @@ def _print_summary(result) -> None:
 
 
 def _describe(st) -> str:
-    if st.state == "building":
+    from dist.inventory import CacheState
+
+    if st.state is CacheState.BUILDING:
         who = f"{st.builder_host}/{st.builder_pid}" if st.builder_host else "?"
         return f"building by {who} ({st.heartbeat_stage or '-'})"
-    return st.state
+    if st.state is CacheState.PARTIAL:
+        return f"partial ({', '.join(st.stages_done)} done)"
+    return str(st.state)
 
 
 def _admin(args, cfg) -> int:
@@ -97,7 +111,9 @@ def _admin(args, cfg) -> int:
             bad += bool(problems)
             print(f"{st.path.name}: " + ("ok" if not problems else "; ".join(problems)))
         return 1 if bad else 0
-    removed = inventory.clean(root, dry_run=args.dry_run, stages=STAGES, observe_s=max(observe, 1.0))
+    removed = inventory.clean(
+        root, dry_run=args.dry_run, stages=STAGES, observe_s=max(observe, 1.0)
+    )
     verb = "would remove" if args.dry_run else "removed"
     for path in removed:
         print(f"{verb} {path}")

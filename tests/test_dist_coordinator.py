@@ -761,8 +761,9 @@ def test_inventory_status_verify_and_clean(job, tmp_path):
         "c-dead": "stale",
         "c-failed": "failed",
         "c-live": "building",
-        "c-partial": "converted",
+        "c-partial": "partial",
     }
+    assert states["c-partial"].stages_done == ("converted",)  # resumes after stage 1
     assert states["c-live"].builder_pid == live.pid and states["c-live"].live is True
     assert states["c-live"].heartbeat_stage == "filtered"
     assert states["c-dead"].live is False and states["c-dead"].builder_pid == dead.pid

@@ -15,8 +15,10 @@ from dist.markers import (
     SCHEMA_VERSION,
     FileEntry,
     Marker,
+    derived_from_problem,
     describe_files,
     file_checksum,
+    publish_marker,
     read_marker,
     write_marker,
 )
@@ -184,3 +186,29 @@ def test_dataclass_validation():
         FileEntry(path="a", size=-1, checksum="0")
     with pytest.raises(dataclasses.FrozenInstanceError):
         FileEntry(path="a", size=1, checksum="0").size = 2  # type: ignore[misc]
+
+
+def test_publish_marker_first_publication_stands(stage):
+    cache, marker = stage
+    path = cache / "other.json"
+    assert publish_marker(path, marker) is True
+    later = dataclasses.replace(marker, lease_id="M", info={"rows": 8})
+    assert publish_marker(path, later) is False  # never overwrites
+    assert Marker.from_dict(json.loads(path.read_text())) == marker
+
+
+def test_later_stage_valid_only_over_the_folders_it_was_derived_from(stage):
+    _, converted = stage
+    filtered = dataclasses.replace(
+        converted, stage="filtered", directory="filtered.aaaa", inputs={"converted": "converted"}
+    )
+    assert derived_from_problem(filtered, {"converted": converted}) is None
+    moved = dataclasses.replace(converted, directory="converted.bbbb")
+    why = derived_from_problem(filtered, {"converted": moved})
+    assert "derived from {'converted': 'converted'}" in why and "converted.bbbb" in why
+    # hf_pipeline 0.1 markers recorded no inputs: valid over the fixed folder names only.
+    legacy = dataclasses.replace(filtered, inputs={})
+    assert derived_from_problem(legacy, {"converted": converted}) is None
+    assert derived_from_problem(legacy, {"converted": moved}) is not None
+    # inputs survive the JSON round trip
+    assert Marker.from_dict(json.loads(json.dumps(filtered.to_dict()))) == filtered

@@ -130,6 +130,8 @@ class EncoderConfig:
     dtype: str = "float32"
     device: str = "auto"
     micro_batch_size: int = 256
+    tokens_per_batch: int = 0
+    compile: bool = False
     output_dtype: str = "float32"
     normalize: bool = False
 
@@ -146,6 +148,11 @@ class EncoderConfig:
             self.micro_batch_size >= 1,
             "encoder.micro_batch_size",
             f"must be >= 1, got {self.micro_batch_size}",
+        )
+        _check(
+            self.tokens_per_batch >= 0,
+            "encoder.tokens_per_batch",
+            f"must be >= 0 (0: no token limit), got {self.tokens_per_batch}",
         )
         _check(
             self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),

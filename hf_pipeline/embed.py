@@ -19,7 +19,13 @@ import numpy as np
 from hf_pipeline.config import EncoderConfig
 from hf_pipeline.errors import ConfigError
 
-__all__ = ["CaptionTokenizer", "TextEncoder", "encoder_identity", "resolve_encoder_path"]
+__all__ = [
+    "CaptionTokenizer",
+    "TextEncoder",
+    "encoder_identity",
+    "micro_batches",
+    "resolve_encoder_path",
+]
 
 log = logging.getLogger("hf_pipeline")
 
@@ -200,6 +206,9 @@ class TextEncoder:
         self.dim = int(hidden)
         self._torch = torch
         self._out_dtype = np.dtype(cfg.output_dtype)
+        # One compiled graph per (rows, width) shape: the widths are multiples of 32 and
+        # the rows mostly tokens_per_batch // width, so a build compiles a few shapes.
+        self._forward = torch.compile(self._pool, dynamic=False) if cfg.compile else self._pool
 
     @property
     def output_dtype(self) -> np.dtype:
@@ -214,10 +223,11 @@ class TextEncoder:
     def encode_ids(self, ids) -> np.ndarray:
         """Embed token-id sequences (a ``pyarrow`` list array, e.g. from the cache).
 
-        Sequences are sorted by length and cut into micro-batches of
-        ``micro_batch_size``, so padding (wasted compute) stays small; results stay on
-        the device until the end (one transfer, no per-micro-batch sync), and come back
-        in the input order.
+        Sequences are sorted by length and cut into micro-batches of at most
+        ``encoder.tokens_per_batch`` padded tokens (and ``micro_batch_size`` rows), so
+        short captions go in big batches and padding (wasted compute) stays small;
+        results stay on the device until the end (one transfer, no per-micro-batch
+        sync), and come back in the input order.
 
         Returns:
             ``(len(ids), dim)`` array of ``encoder.output_dtype``.
@@ -236,33 +246,65 @@ class TextEncoder:
         starts = offsets[:-1] - offsets[0]
         lengths = np.diff(offsets)
         order = np.argsort(lengths, kind="stable")
-        mb = self.cfg.micro_batch_size
         pad = self.tokenizer.pad_token_id
         pooled_parts = []
         with torch.inference_mode():
-            for first in range(0, n, mb):
-                idx = order[first : first + mb]
+            for first, stop, width in micro_batches(
+                lengths[order],
+                tokens_per_batch=self.cfg.tokens_per_batch,
+                max_rows=self.cfg.micro_batch_size,
+                max_length=self.cfg.max_length,
+            ):
+                idx = order[first:stop]
                 lens = lengths[idx]
-                # Round the padded width up to a multiple of 32: attention kernels (cuDNN
-                # SDPA) build a plan per shape, which cost 10 ms per micro-batch when
-                # every length-sorted micro-batch had its own width.
-                width = min(max(1, int(lens.max())), self.cfg.max_length)
-                width = max(width, min(self.cfg.max_length, -(-width // 32) * 32))
                 cols = np.arange(width)
                 valid = cols[None, :] < lens[:, None]
                 gather = np.where(valid, starts[idx, None] + cols[None, :], 0)
                 tokens = np.where(valid, flat[gather] if flat.size else pad, pad)
                 input_ids = torch.from_numpy(tokens).to(self.device, non_blocking=True)
                 mask = torch.from_numpy(valid.astype(np.int64)).to(self.device, non_blocking=True)
-                hidden = self.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
-                m = mask.unsqueeze(-1).to(hidden.dtype)
-                pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1)
-                if self.cfg.normalize:
-                    pooled = torch.nn.functional.normalize(pooled.float(), dim=-1)
-                pooled_parts.append(pooled.float())
+                pooled_parts.append(self._forward(input_ids, mask))
             result = torch.cat(pooled_parts).cpu().numpy()
         out[order] = result.astype(self._out_dtype, copy=False)
         return out
+
+    def _pool(self, input_ids, mask):
+        hidden = self.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
+        m = mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1)
+        if self.cfg.normalize:
+            pooled = self._torch.nn.functional.normalize(pooled.float(), dim=-1)
+        return pooled.float()
+
+
+def micro_batches(
+    sorted_lengths: np.ndarray, *, tokens_per_batch: int, max_rows: int, max_length: int
+) -> list[tuple[int, int, int]]:
+    """Cut length-sorted sequences into ``(start, stop, padded width)`` micro-batches.
+
+    Widths are rounded up to a multiple of 32 (capped at ``max_length``): attention
+    kernels (cuDNN SDPA) build a plan per shape, which cost 10 ms per micro-batch when
+    every length-sorted micro-batch had its own width, and ``torch.compile`` compiles
+    one graph per shape. Each micro-batch holds at most ``tokens_per_batch`` padded
+    tokens (0: no token limit) and ``max_rows`` rows, so short captions run in big
+    batches (a GPU is launch-bound on small ones) and long ones do not run out of memory.
+    """
+    n = len(sorted_lengths)
+    widths = np.minimum(-(-np.maximum(sorted_lengths, 1) // 32) * 32, max_length)
+    out = []
+    first = 0
+    while first < n:
+        # Ascending lengths: a batch is as wide as its last row; take the most rows that
+        # fit the token budget (rows * width grows with rows).
+        w = widths[first : first + max_rows]
+        rows = len(w)
+        if tokens_per_batch:
+            fits = np.arange(1, rows + 1) * w <= tokens_per_batch
+            rows = max(1, int(np.count_nonzero(fits)))
+        stop = first + rows
+        out.append((first, stop, int(widths[stop - 1])))
+        first = stop
+    return out
 
 
 def describe_device() -> str:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hf_pipeline.config import EncoderConfig
-from hf_pipeline.embed import TextEncoder, encoder_identity, resolve_encoder_path
+from hf_pipeline.embed import TextEncoder, encoder_identity, micro_batches, resolve_encoder_path
 from hf_pipeline.errors import ConfigError
 
 
@@ -57,3 +57,30 @@ def test_unloadable_model_is_a_config_error(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match="encoder.model"):
         TextEncoder(EncoderConfig(model=str(tmp_path)))
+
+
+def test_micro_batches_cover_every_row_once_within_the_token_budget():
+    rng = np.random.default_rng(0)
+    lengths = np.sort(rng.integers(1, 129, size=2000))  # <= max_length (truncated)
+    batches = micro_batches(lengths, tokens_per_batch=8192, max_rows=1024, max_length=128)
+    assert batches[0][0] == 0 and batches[-1][1] == len(lengths)
+    assert all(a[1] == b[0] for a, b in zip(batches, batches[1:], strict=False))
+    for first, stop, width in batches:
+        assert (stop - first) * width <= 8192 and stop - first <= 1024
+        assert width % 32 == 0 or width == 128
+        assert lengths[first:stop].max() <= width  # nothing truncated
+    # Short captions go in bigger batches than long ones (the point of a token budget).
+    assert batches[0][1] - batches[0][0] > batches[-1][1] - batches[-1][0]
+    # Without a budget: rows only.
+    rows_only = micro_batches(lengths, tokens_per_batch=0, max_rows=256, max_length=128)
+    assert [b[1] - b[0] for b in rows_only[:-1]] == [256] * (len(rows_only) - 1)
+
+
+def test_token_budget_and_compile_keep_the_embeddings(encoder):
+    texts = [f"a {'very ' * (i % 23)}small red circle number {i}" for i in range(70)]
+    ref = encoder.encode(texts)
+    budget = TextEncoder(EncoderConfig(micro_batch_size=512, tokens_per_batch=256))
+    np.testing.assert_allclose(budget.encode(texts), ref, atol=1e-5)
+    assert encoder_identity(EncoderConfig(tokens_per_batch=256, compile=True)) == (
+        encoder_identity(EncoderConfig())
+    )  # speed knobs keep the cache identity

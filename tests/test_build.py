@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from hf_pipeline.build import REASONS, prepare_cache, resolve_inputs
-from hf_pipeline.cache import CacheLayout, open_dataset, open_sample_source
+from hf_pipeline.cache import CacheLayout, compute_fingerprint, open_dataset, open_sample_source
 from hf_pipeline.config import load_config
 from hf_pipeline.errors import CorruptShardError, MetadataError
 from tests.conftest import SMALL_DEMO
+from tests.servers import make_shards
 
 
 def _reference(shard_paths, meta_path, caption_column="caption_llava"):
@@ -189,3 +190,82 @@ def test_report_is_json_and_complete(built_cache):
         assert field in r
     s = built_cache.summary()
     assert set(s) >= {"fingerprint", "cache_dir", "rows_in", "rows_out", "dropped", "seconds"}
+
+
+def shards_with_nonfinite_rows(folder: Path) -> tuple[Path, np.ndarray]:
+    """4 shards of 6 captioned keys (0-23) where key 8's row holds a NaN and key 14's an
+    inf, plus a fifth shard with a finite copy of key 8 and a plain duplicate of key 3.
+
+    Returns:
+        The folder and the finite latents of key 8 (from the fifth shard).
+    """
+    make_shards(folder, n_shards=4, per_shard=6)
+    for name, key, value in (("000006-000011.pt", 8, np.nan), ("000012-000017.pt", 14, np.inf)):
+        d = torch.load(folder / name, weights_only=True)
+        row = int((d["keys"] == key).nonzero()[0, 0])
+        d["latents"][row, 2, 1, 0, 5] = value
+        torch.save(d, folder / name)
+    late = torch.randn(2, 3, 4, 32, 32, generator=torch.Generator().manual_seed(5)).half()
+    torch.save({"keys": torch.tensor([8, 3]), "latents": late}, folder / "000100-000101.pt")
+    return folder, late[0].numpy()
+
+
+def _nan_config(data: Path, cache: Path, *extra: str, name: str = "nan"):
+    return load_config(
+        None,
+        [*SMALL_DEMO, f"name={name}", f"data.shards={data}", f"build.cache_dir={cache}", *extra],
+        environ={},
+    )
+
+
+def test_nonfinite_rows_are_dropped_counted_and_named(tmp_path):
+    # Before: one NaN failed the whole build (CorruptShardError, exit 2).
+    data, finite8 = shards_with_nonfinite_rows(tmp_path / "data")
+    res = prepare_cache(_nan_config(data, tmp_path / "c"), progress=False)
+    r = res.report
+    assert r["rows_in"] == 26
+    assert r["dropped"]["nonfinite_latents"] == 2 and r["dropped"]["duplicate_key"] == 1
+    assert r["bad_rows"] == {"nonfinite_latents": {"count": 2, "first_keys": [8, 14]}}
+    assert r["rows_out"] == 23 == r["rows_in"] - sum(r["dropped"][k] for k in REASONS)
+    assert res.summary()["dropped"]["nonfinite_latents"] == 2
+
+    ds = open_dataset(res.layout).with_format("numpy")
+    cols = ds[:]
+    # Key 14 is gone; key 8 comes from its first finite copy (the fifth shard), not
+    # dropped as a "duplicate" of its NaN copy.
+    expected = [k for k in range(24) if k not in (8, 14)] + [8]
+    assert cols["key"].tolist() == expected
+    np.testing.assert_array_equal(cols["latents"][-1], finite8)
+    assert np.isfinite(cols["latents"]).all() and np.isfinite(cols["embedding"]).all()
+    src = open_sample_source(res.layout, res.fingerprint)
+    try:
+        assert src.num_rows == 23
+        g = src.gather(np.arange(23), np.zeros(23, dtype=np.int64))
+        assert np.isfinite(g["latents"]).all() and np.isfinite(g["embeddings"]).all()
+    finally:
+        src.close()
+
+
+def test_nonfinite_row_under_on_bad_rows_fail_names_shard_and_key(tmp_path):
+    data, _ = shards_with_nonfinite_rows(tmp_path / "data")
+    cfg = _nan_config(data, tmp_path / "c", "data.on_bad_rows=fail", name="bad")
+    with pytest.raises(CorruptShardError) as ei:
+        prepare_cache(cfg, progress=False)
+    assert ei.value.path.endswith("000006-000011.pt")
+    assert "NaN/inf in 1 of 6 rows (first keys: 8)" in ei.value.reason
+    assert "data.on_bad_rows: drop" in ei.value.reason
+    _nothing_published(tmp_path / "c")
+
+
+def test_on_bad_rows_is_part_of_the_identity(small_config):
+    from hf_pipeline.embed import encoder_identity
+
+    inputs = resolve_inputs(small_config)
+    fail = load_config(None, [*SMALL_DEMO, "data.on_bad_rows=fail"], environ={})
+    args = (
+        [f.identity() for f in inputs.shards],
+        inputs.metadata.identity(),
+        encoder_identity(small_config.encoder),
+    )
+    assert small_config.data.on_bad_rows == "drop"
+    assert compute_fingerprint(small_config, *args) != compute_fingerprint(fail, *args)

@@ -282,8 +282,9 @@ def _closed_port_url() -> str:
 def test_a_hub_that_is_down_is_unreachable_not_bad_input(hub_env, tmp_path, monkeypatch):
     from hf_pipeline.errors import StoreUnreachableError
 
+    nope = open_source(f"hf://datasets/{REPO}@nope/x", data_config=_cfg(tmp_path), policy=FAST)
     with pytest.raises(SourceError) as ei:
-        open_source(f"hf://datasets/{REPO}@nope/x", data_config=_cfg(tmp_path), policy=FAST).commit
+        _ = nope.commit
     assert not isinstance(ei.value, StoreUnreachableError)  # the Hub answered: no such revision
     # A Hub that is down (stopping the server would not do: pooled keep-alive
     # connections outlive it).

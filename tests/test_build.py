@@ -17,7 +17,7 @@ from hf_pipeline.cache import CacheLayout, compute_fingerprint, open_dataset, op
 from hf_pipeline.config import load_config
 from hf_pipeline.errors import CorruptShardError, MetadataError
 from tests.conftest import SMALL_DEMO
-from tests.servers import make_shards
+from tests.servers import shards_with_nonfinite_rows
 
 
 def _reference(shard_paths, meta_path, caption_column="caption_llava"):
@@ -190,24 +190,6 @@ def test_report_is_json_and_complete(built_cache):
         assert field in r
     s = built_cache.summary()
     assert set(s) >= {"fingerprint", "cache_dir", "rows_in", "rows_out", "dropped", "seconds"}
-
-
-def shards_with_nonfinite_rows(folder: Path) -> tuple[Path, np.ndarray]:
-    """4 shards of 6 captioned keys (0-23) where key 8's row holds a NaN and key 14's an
-    inf, plus a fifth shard with a finite copy of key 8 and a plain duplicate of key 3.
-
-    Returns:
-        The folder and the finite latents of key 8 (from the fifth shard).
-    """
-    make_shards(folder, n_shards=4, per_shard=6)
-    for name, key, value in (("000006-000011.pt", 8, np.nan), ("000012-000017.pt", 14, np.inf)):
-        d = torch.load(folder / name, weights_only=True)
-        row = int((d["keys"] == key).nonzero()[0, 0])
-        d["latents"][row, 2, 1, 0, 5] = value
-        torch.save(d, folder / name)
-    late = torch.randn(2, 3, 4, 32, 32, generator=torch.Generator().manual_seed(5)).half()
-    torch.save({"keys": torch.tensor([8, 3]), "latents": late}, folder / "000100-000101.pt")
-    return folder, late[0].numpy()
 
 
 def _nan_config(data: Path, cache: Path, *extra: str, name: str = "nan"):

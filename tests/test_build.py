@@ -15,9 +15,9 @@ import torch
 from hf_pipeline.build import REASONS, prepare_cache, resolve_inputs
 from hf_pipeline.cache import CacheLayout, compute_fingerprint, open_dataset, open_sample_source
 from hf_pipeline.config import load_config
-from hf_pipeline.errors import CorruptShardError, MetadataError
+from hf_pipeline.errors import CorruptShardError, MetadataError, SourceError
 from tests.conftest import SMALL_DEMO
-from tests.servers import shards_with_nonfinite_rows
+from tests.servers import make_shards, shards_with_nonfinite_rows
 
 
 def _reference(shard_paths, meta_path, caption_column="caption_llava"):
@@ -251,3 +251,22 @@ def test_on_bad_rows_is_part_of_the_identity(small_config):
     )
     assert small_config.data.on_bad_rows == "drop"
     assert compute_fingerprint(small_config, *args) != compute_fingerprint(fail, *args)
+
+
+def test_a_dangling_shard_symlink_is_a_missing_shard(tmp_path):
+    # Before: left out silently (exit 0, nothing in the report) even under
+    # on_missing: fail.
+    data = make_shards(tmp_path / "data", n_shards=4, per_shard=6)
+    (data / "000024-000029.pt").symlink_to(tmp_path / "unmounted" / "000024-000029.pt")
+    with pytest.raises(SourceError, match="dangling symlink") as ei:
+        prepare_cache(_nan_config(data, tmp_path / "c", name="bad"), progress=False)
+    assert ei.value.path == str(data / "000024-000029.pt")
+    _nothing_published(tmp_path / "c")
+
+    res = prepare_cache(_nan_config(data, tmp_path / "c", "data.on_missing=skip"), progress=False)
+    r = res.report
+    assert [s["name"] for s in r["skipped_files"]] == ["000024-000029.pt"]
+    assert "dangling symlink" in r["skipped_files"][0]["reason"]
+    assert r["dropped"]["missing_shard_files"] == 1
+    assert r["rows_in"] == 24 == r["rows_out"] + sum(r["dropped"][k] for k in REASONS)
+    assert r["fetch"]["listing_retries"] == 0 and r["fetch"]["metadata_retries"] == 0

@@ -187,6 +187,11 @@ def test_fail_vs_skip_after_retries(proxy, gcs_bucket, tmp_path):
     with pytest.raises(SourceError) as ei:
         _fetch_all(src, cfg, policy=policy)
     assert bad in ei.value.path and "503" in ei.value.reason and "3 attempt(s)" in ei.value.reason
+    # Raised in the consumer from the prefetcher's "failed" marker: still "the store
+    # is down" (exit 1), not bad input.
+    from hf_pipeline.errors import StoreUnreachableError
+
+    assert isinstance(ei.value, StoreUnreachableError)
 
     cfg = _cfg(tmp_path, location, max_retries=2, on_missing="skip")
     got, stats = _fetch_all(src, cfg, policy=policy)

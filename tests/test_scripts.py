@@ -86,8 +86,14 @@ def _closed_port_url() -> str:
     [
         # No network here: storage.googleapis.com does not resolve.
         (
-            ["--config", "configs/coyo11m_gcs.yaml", "--set", "data.max_retries=0",
-             "--set", "data.file_timeout=3"],
+            [
+                "--config",
+                "configs/coyo11m_gcs.yaml",
+                "--set",
+                "data.max_retries=0",
+                "--set",
+                "data.file_timeout=3",
+            ],
             {},
             "gs://my-coyo-bucket",
         ),
@@ -103,8 +109,14 @@ def test_unreachable_store_is_one_line_exit_1(tmp_path, args, env, fragment):
     # Before: exit 2, which README reserves for bad input; the store failed, not the user.
     env = {k: _closed_port_url() if v == "closed" else v for k, v in env.items()}
     env = script_env(HF_HOME=str(tmp_path), **{"HF_HUB_OFFLINE": "1", **env})
-    p = subprocess.run([PYTHON, str(REPO / "scripts/prebuild_cache.py"), "-q", *args], env=env,
-                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    p = subprocess.run(
+        [PYTHON, str(REPO / "scripts/prebuild_cache.py"), "-q", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert p.returncode == 1, p.stderr
     assert "Traceback" not in p.stderr
     errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
@@ -117,9 +129,18 @@ def test_bad_row_under_on_bad_rows_fail_is_one_line_exit_2(tmp_path):
 
     data, _ = shards_with_nonfinite_rows(tmp_path / "data")
     cache = tmp_path / "cache"
-    p = _run("prebuild_cache.py", "-q", *_sets(SMALL_DEMO), "--set", f"data.shards={data}",
-             "--set", "data.on_bad_rows=fail", "--cache-dir", str(cache),
-             env=script_env(HF_HOME=str(tmp_path / "home")))
+    p = _run(
+        "prebuild_cache.py",
+        "-q",
+        *_sets(SMALL_DEMO),
+        "--set",
+        f"data.shards={data}",
+        "--set",
+        "data.on_bad_rows=fail",
+        "--cache-dir",
+        str(cache),
+        env=script_env(HF_HOME=str(tmp_path / "home")),
+    )
     assert p.returncode == 2, p.stderr
     assert "Traceback" not in p.stderr
     errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]

@@ -7,9 +7,10 @@ Stages (each published atomically by :mod:`dist.coordinator`, with a marker):
       shard list: each worker process reads one shard at a time
       (``torch.load(weights_only=True)``), joins captions by key with a vectorized
       ``searchsorted`` over a memory-mapped, key-sorted caption table, and writes
-      ``key, latents, caption, drop_reason`` rows.
+      ``key, latents, caption, drop_reason`` rows. A row with a NaN/inf latent is
+      ``nonfinite_latents`` (or, with ``data.on_bad_rows: fail``, fails the build).
    b. duplicates — one NumPy pass over the key column marks all but the first
-      occurrence of each key.
+      occurrence of each key (among rows with finite latents).
    c. *embed* — ``Dataset.map(batch_size=build.batch_size)`` in THIS process with the
       encoder on the accelerator (CUDA does not survive ``fork``); only rows that
       will be kept are encoded. Writes ``embedding, drop_reason``.
@@ -52,8 +53,12 @@ __all__ = ["BuildResult", "REASONS", "prepare_cache", "resolve_inputs"]
 
 log = logging.getLogger("hf_pipeline")
 
-#: Why a latent row was not kept (plus ``no_latents`` for metadata rows).
-REASONS = ("no_caption", "empty_caption", "duplicate_key")
+#: Why a latent row was not kept (plus ``no_latents`` for metadata rows). Each row
+#: gets one: ``nonfinite_latents`` first, then the caption's reason, then duplicates.
+REASONS = ("nonfinite_latents", "no_caption", "empty_caption", "duplicate_key")
+_NONFINITE = REASONS[0]
+#: How many offending keys the report (and a data.on_bad_rows: fail error) names.
+_FIRST_KEYS = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,6 +219,7 @@ def _convert_shards(
     latent_dtype: str,
     fetch_timeout: float,
     encoder,
+    on_bad_rows: str,
 ) -> dict[str, Any]:
     """``datasets.map`` function: shard file names -> joined, tokenized latent rows.
 
@@ -221,7 +227,8 @@ def _convert_shards(
     next shard.
     """
     from hf_pipeline.captions import classify, reason_names
-    from hf_pipeline.shards import LATENT_SHAPE, load_shard
+    from hf_pipeline.errors import CorruptShardError
+    from hf_pipeline.shards import LATENT_SHAPE, load_shard, nonfinite_rows
 
     table = _captions(captions_path)
     tokenizer = _tokenizer(encoder)
@@ -236,8 +243,25 @@ def _convert_shards(
             k, lat = load_shard(path, dtype=latent_dtype)
         finally:
             client.release(f)  # frees the staging slot even when the shard is corrupt
+        bad = nonfinite_rows(lat)
+        if bad.any():
+            first = ", ".join(map(str, k[bad][:_FIRST_KEYS].tolist()))
+            if on_bad_rows == "fail":
+                raise CorruptShardError(
+                    f.url,
+                    f"latents must be finite, got NaN/inf in {int(bad.sum())} of {len(k)} rows "
+                    f"(first keys: {first}); data.on_bad_rows: drop builds without such rows",
+                )
+            log.warning(
+                "%s: dropping %d row(s) with NaN/inf latents (first keys: %s)",
+                f.name,
+                int(bad.sum()),
+                first,
+            )
         caps, found = table.lookup(k)
-        why = reason_names(classify(caps, found))
+        # object dtype: a fixed-width str array would truncate the longer reason names.
+        why = reason_names(classify(caps, found)).astype(object)
+        why[bad] = _NONFINITE
         texts = caps.fill_null("").to_pylist()
         ids: list[list[int]] = [[] for _ in texts]
         keep = np.flatnonzero(why == "")
@@ -368,6 +392,7 @@ class _Builder:
                     "latent_dtype": b.latent_dtype,
                     "fetch_timeout": cfg.data.file_timeout * (cfg.data.max_retries + 1),
                     "encoder": cfg.encoder,
+                    "on_bad_rows": cfg.data.on_bad_rows,
                 },
                 cache_file_name=str(tmp / "rows" / "data.arrow"),
                 new_fingerprint=f"{self.fingerprint}-rows",
@@ -379,7 +404,17 @@ class _Builder:
 
         keys = rows.data.column("key").to_numpy()
         pre = np.asarray(rows.data.column("drop_reason").to_pylist(), dtype=object)
-        duplicate = _first_occurrence_mask(keys)
+        # A key's first row with finite latents wins: a NaN copy must not shadow a
+        # good one (the key would vanish although usable latents exist).
+        nonfinite = pre == _NONFINITE
+        duplicate = np.zeros(len(keys), dtype=bool)
+        duplicate[~nonfinite] = _first_occurrence_mask(keys[~nonfinite])
+        bad_rows = {
+            _NONFINITE: {
+                "count": int(nonfinite.sum()),
+                "first_keys": [int(x) for x in keys[nonfinite][:_FIRST_KEYS]],
+            }
+        }
         no_latents = int(table.count_absent(np.unique(keys)))
 
         t1 = time.monotonic()
@@ -418,6 +453,7 @@ class _Builder:
             "pre_duplicate_reasons": _count(pre),
             "no_latents": no_latents,
             "duplicate_meta_rows": int(getattr(table, "duplicate_meta_rows", 0)),
+            "bad_rows": bad_rows,
             "embed_dim": int(embed_dim),
             "shards": len(shards),
             "fetch": fetch_stats,
@@ -465,6 +501,7 @@ class _Builder:
             "dropped": dropped,
             "embed_dim": conv_info["embed_dim"],
             "duplicate_meta_rows": conv_info["duplicate_meta_rows"],
+            "bad_rows": conv_info.get("bad_rows", {}),
             "skipped_files": skipped,
             "fetch": conv_info.get("fetch", {}),
             "seconds_convert": conv_info["seconds_convert"],

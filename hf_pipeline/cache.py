@@ -78,9 +78,15 @@ def compute_fingerprint(
         "key_column": cfg.data.key_column,
         "caption_column": cfg.data.caption_column,
         "on_missing": cfg.data.on_missing,
+        "on_bad_rows": cfg.data.on_bad_rows,
         "latent_dtype": cfg.build.latent_dtype,
         "encoder": {k: _plain(v) for k, v in sorted(encoder.items())},
-        "drop_rules": ["no_caption", "empty_caption", "duplicate_key:keep_first"],
+        "drop_rules": [
+            "nonfinite_latents",
+            "no_caption",
+            "empty_caption",
+            "duplicate_key:keep_first_finite",
+        ],
     }
     blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:16]

@@ -1,8 +1,9 @@
 """Shared command-line plumbing for ``scripts/``: common flags, config loading, exit codes.
 
 Exit codes: 0 success; 1 a coordination or runtime failure (timeout waiting for the
-cache, the builder failed, read-only cache without a build, disk full); 2 bad usage, config or
-input (one line on stderr, no traceback); 130 interrupted.
+cache, the builder failed, read-only cache without a build, disk full, a store that did not
+answer after every retry); 2 bad usage, config or input (one line on stderr, no traceback);
+130 interrupted.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from hf_pipeline.config import Config, load_config
-from hf_pipeline.errors import UserError
+from hf_pipeline.errors import StoreUnreachableError, UserError
 
 __all__ = ["add_common_args", "config_from_args", "run"]
 
@@ -95,6 +96,10 @@ def run(main: Callable[[argparse.Namespace], int | None], parser: argparse.Argum
     _setup_logging(args)
     try:
         return int(main(args) or 0)
+    except StoreUnreachableError as exc:
+        # Before UserError (its base): the store is down, the input may be fine.
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -24,7 +24,7 @@ import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from hf_pipeline.errors import ConfigError
 
@@ -36,6 +36,7 @@ __all__ = [
     "DemoConfig",
     "EncoderConfig",
     "LoaderConfig",
+    "OnBadRows",
     "TrainConfig",
     "default_cache_root",
     "load_config",
@@ -43,6 +44,10 @@ __all__ = [
 
 #: Packaged configs (``configs/*.yaml`` of the repository).
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+#: What the build does with a latent row it cannot use (a NaN or inf value): drop it
+#: under the counted reason ``nonfinite_latents``, or fail the build naming it.
+OnBadRows = Literal["drop", "fail"]
 
 _CAPTION_COLUMNS = ("caption_llava", "caption", "caption_llava_short")
 _DTYPES = ("float32", "float16", "bfloat16")
@@ -92,6 +97,7 @@ class DataConfig:
     caption_column: str = "caption_llava"
     local_mirror: str = ""
     on_missing: str = "fail"
+    on_bad_rows: OnBadRows = "drop"
     prefetch_ahead: int = 4
     download_workers: int = 8
     staging_dir: str = ""
@@ -108,6 +114,11 @@ class DataConfig:
             self.on_missing in ("fail", "skip"),
             "data.on_missing",
             f"must be 'fail' or 'skip', got {self.on_missing!r}",
+        )
+        _check(
+            self.on_bad_rows in get_args(OnBadRows),
+            "data.on_bad_rows",
+            f"must be {' or '.join(map(repr, get_args(OnBadRows)))}, got {self.on_bad_rows!r}",
         )
         _check(self.prefetch_ahead >= 0, "data.prefetch_ahead", f"must be >= 0, got {self.prefetch_ahead}")
         _check(self.download_workers >= 1, "data.download_workers", f"must be >= 1, got {self.download_workers}")
@@ -385,6 +396,8 @@ def _build(cls, values: Mapping[str, Any], prefix: str):
             known = ", ".join(sorted(fields))
             raise ConfigError(f"unknown config field {dotted!r} (known: {known})", field=dotted)
         ftype = fields[key].type
+        if ftype in _LITERALS:
+            ftype = "str"  # the section's __post_init__ checks the value set
         sub = _SECTIONS.get(ftype if isinstance(ftype, str) else getattr(ftype, "__name__", ""))
         if sub is not None:
             kwargs[key] = _build(sub, value or {}, dotted)
@@ -392,6 +405,9 @@ def _build(cls, values: Mapping[str, Any], prefix: str):
             kwargs[key] = _coerce(value, ftype, dotted)
     return cls(**kwargs)
 
+
+#: Literal field types (annotations are strings here: ``from __future__ import annotations``).
+_LITERALS = {"OnBadRows": OnBadRows}
 
 _SECTIONS = {
     "DemoConfig": DemoConfig,

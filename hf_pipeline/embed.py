@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from hf_pipeline.config import EncoderConfig
-from hf_pipeline.errors import ConfigError
+from hf_pipeline.errors import ConfigError, SourceError
 
 __all__ = [
     "CaptionTokenizer",
@@ -70,22 +70,27 @@ def _folder_digest(folder: Path) -> str:
 
 
 def _hub_commit(model_id: str, revision: str) -> str:
-    """Resolve a Hub model revision (branch, tag or empty) to a commit hash."""
-    if len(revision) == 40 and all(c in "0123456789abcdef" for c in revision):
-        return revision
-    rev = revision or "main"
+    """Resolve a Hub model revision (branch, tag or empty) to a commit hash, or raise.
+
+    Never falls back to the revision's name: a rank whose Hub call failed would compute
+    another fingerprint than its peers and wait for (or build) a cache nobody else uses.
+
+    Raises:
+        SourceError: no such model or revision, or offline without a cached ref.
+        StoreUnreachableError: the Hub did not answer and no ref is cached.
+    """
+    from hf_pipeline.sources import resolve_hub_commit
+
     try:
-        from huggingface_hub import HfApi
-
-        return HfApi().model_info(model_id, revision=rev).sha or rev
-    except Exception as exc:  # offline, or no network: fall back to the local cache's ref
-        from huggingface_hub import constants
-
-        ref = Path(constants.HF_HUB_CACHE) / f"models--{model_id.replace('/', '--')}" / "refs" / rev
-        if ref.is_file():
-            return ref.read_text().strip()
-        log.warning("could not resolve %s@%s to a commit (%s); using the name", model_id, rev, exc)
-        return rev
+        return resolve_hub_commit(model_id, revision, repo_type="model")
+    except SourceError as err:
+        # Same class (exit code 2, or 1 when the Hub is down), plus how to get past it.
+        raise type(err)(
+            err.path,
+            f"cannot resolve the encoder.model revision to a commit: {err.reason}; pin "
+            "encoder.revision to a 40-hex commit, or run once online so that "
+            "huggingface_hub's cache records the revision",
+        ) from err
 
 
 def encoder_identity(cfg: EncoderConfig) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 Each subclasses the nearest built-in and :class:`UserError`, carries the offending
 path or field as an attribute, and pickles (they cross ``datasets`` worker process
-boundaries). Scripts print a :class:`UserError` as one line and exit with code 2.
+boundaries). Scripts print a :class:`UserError` as one line and exit with code 2,
+except :class:`StoreUnreachableError`: a store that did not answer is a fault of the
+environment, not of the input, so scripts exit with code 1 for it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ __all__ = [
     "CorruptShardError",
     "MetadataError",
     "SourceError",
+    "StoreUnreachableError",
     "UserError",
 ]
 
@@ -72,6 +75,19 @@ class MetadataError(_PathError, ValueError):
 
 class SourceError(_PathError, OSError):
     """A source location cannot be listed or a file cannot be fetched.
+
+    Attributes:
+        path: the URL or path that failed.
+    """
+
+
+class StoreUnreachableError(SourceError):
+    """A store did not answer: connection failures, timeouts or 5xx after every retry.
+
+    Still a :class:`SourceError`, so ``data.on_missing: skip`` and ``data.local_mirror``
+    treat it like any failed file; but it says nothing about the user's input (the
+    same command may work in a minute), so scripts exit with code 1, not 2. A store
+    that answers "not found" or "forbidden" raises a plain :class:`SourceError`.
 
     Attributes:
         path: the URL or path that failed.

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dist.atomic import write_json_atomic
-from hf_pipeline.errors import SourceError
+from hf_pipeline.errors import SourceError, StoreUnreachableError
 
 if TYPE_CHECKING:  # pragma: no cover
     from hf_pipeline.config import DataConfig
@@ -182,8 +182,10 @@ def _with_retries(
         What ``fn`` returned.
 
     Raises:
-        SourceError: permanent failure, or retries exhausted; names ``what`` and the
-            last failure.
+        SourceError: permanent failure (not found, forbidden, ...); names ``what``.
+        StoreUnreachableError: transient failures until the retries ran out (the
+            store is down or unreachable: a fault, not bad input); names ``what`` and
+            the last failure.
     """
     attempt = 0
     while True:
@@ -199,7 +201,7 @@ def _with_retries(
             if not _is_transient(exc):
                 raise SourceError(what, f"{_describe(exc)} (not retried)") from exc
             if attempt >= policy.max_retries:
-                raise SourceError(
+                raise StoreUnreachableError(
                     what, f"failed after {attempt + 1} attempt(s); last error: {_describe(exc)}"
                 ) from exc
             attempt += 1
@@ -232,6 +234,7 @@ class FetchStats:
         self.bytes = 0
         self.files = 0
         self.retries = 0
+        self.listing_retries = 0  # listing, stat and revision calls (not downloads)
         self.failures: list[dict[str, str]] = []
         self.skipped: list[dict[str, str]] = []
         self.staging_hits = 0
@@ -265,6 +268,7 @@ class FetchStats:
                 "bytes": self.bytes,
                 "files": self.files,
                 "retries": self.retries,
+                "listing_retries": self.listing_retries,
                 "failures": list(self.failures),
                 "skipped": list(self.skipped),
                 "staging_hits": self.staging_hits,
@@ -280,6 +284,7 @@ def _merge_stats(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "bytes": 0,
         "files": 0,
         "retries": 0,
+        "listing_retries": 0,
         "failures": [],
         "skipped": [],
         "staging_hits": 0,
@@ -739,7 +744,9 @@ class StagingClient:
                 return staging.path(file)
             failed = _read_json(ctl / _ctl_name(file, "failed"))
             if isinstance(failed, dict):
-                err = SourceError(file.url, str(failed.get("reason", "fetch failed")))
+                # The marker carries the kind, so "store down" keeps exit code 1 here too.
+                kind = StoreUnreachableError if failed.get("unreachable") else SourceError
+                err = kind(file.url, str(failed.get("reason", "fetch failed")))
                 return self._skip_or_raise(file, err)
             if (ctl / _ctl_name(file, "unknown")).exists():
                 return False  # not in the prefetcher's list: fetch it ourselves
@@ -754,7 +761,7 @@ class StagingClient:
                 )
                 return False
             if timeout is not None and now - start > timeout:
-                raise SourceError(file.url, f"not staged within {timeout:g}s")
+                raise StoreUnreachableError(file.url, f"not staged within {timeout:g}s")
             time.sleep(_POLL)
 
     def release(self, file: RemoteFile) -> None:
@@ -934,11 +941,17 @@ class Prefetcher:
     def stats(self) -> dict[str, Any]:
         """Bytes, files, mean MB/s, retries, failures, skipped files, staging hits/misses.
 
-        Merges the prefetcher's counters with those the workers reported.
+        Merges the prefetcher's counters with those the workers reported, and the
+        source's own (this process): ``listing_retries`` (listing, stat and revision
+        calls), ``metadata_retries`` (downloads through ``Source.fetch_one``) and the
+        shards the listing already found missing (``skipped``, first).
         """
-        parts = [self._stats.as_dict()]
+        src = self.source.fetch_stats.as_dict()
+        parts = [{"skipped": src["skipped"], "listing_retries": src["listing_retries"]}]
+        parts.append(self._stats.as_dict())
         parts.extend(self._worker_stats())
         out = _merge_stats(parts)
+        out["metadata_retries"] = src["retries"]
         out["prefetch_ahead"] = self.ahead
         return out
 
@@ -1084,7 +1097,10 @@ class Prefetcher:
             with self._lock:
                 self._state[_safe_name(f)] = "failed"
             with contextlib.suppress(OSError):
-                write_json_atomic(self.ctl_dir / _ctl_name(f, "failed"), {"reason": err.reason})
+                write_json_atomic(
+                    self.ctl_dir / _ctl_name(f, "failed"),
+                    {"reason": err.reason, "unreachable": isinstance(err, StoreUnreachableError)},
+                )
             return
         except BaseException as exc:  # noqa: BLE001 - surfaced to the worker as a failure, never swallowed
             logger.exception("unexpected error fetching %s", f.url)

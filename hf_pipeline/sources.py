@@ -22,6 +22,8 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import errno
+import fnmatch
 import glob as _glob
 import hashlib
 import json
@@ -38,7 +40,7 @@ from urllib.parse import unquote
 from dist.atomic import write_json_atomic
 from hf_pipeline.cache import HUB_LISTINGS_DIR, STAGING_DIR
 from hf_pipeline.config import default_cache_root
-from hf_pipeline.errors import SourceError
+from hf_pipeline.errors import SourceError, StoreUnreachableError
 from hf_pipeline.fetch import (
     _CHUNK,
     FetchStats,
@@ -64,11 +66,16 @@ __all__ = [
     "Source",
     "natural_key",
     "open_source",
+    "resolve_hub_commit",
 ]
 
 logger = logging.getLogger(__name__)
 
 _SHARD_SUFFIX = ".pt"
+#: What a shard found by listing a folder must be called: its row range
+#: (``000000-000009.pt``). Any other ``*.pt`` there (``latest.pt``) is refused; a glob
+#: the user writes may name any file.
+_SHARD_NAME = re.compile(r"\d+-\d+\.pt")
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 
@@ -189,16 +196,29 @@ class Source(abc.ABC):
     def list_shards(self) -> list[RemoteFile]:
         """All ``*.pt`` shards, natural-sorted by their numeric ranges.
 
+        Listing a folder takes only files named by their row range
+        (``000000-000009.pt``) and refuses any other ``*.pt`` there; a location with a
+        glob in its file name part (``.../0*.pt``, ``.../*.pt``) takes what the glob
+        matches. A shard the listing finds but cannot read (a dangling symlink, a
+        symlink loop) is a missing shard: an error under ``data.on_missing: fail``,
+        else recorded in ``fetch_stats.skipped`` (and so in the build report).
+
         Returns:
             The shards (cached after the first call).
 
         Raises:
-            SourceError: the location cannot be listed (after retries) or holds no
-                shards.
+            SourceError: the location cannot be listed, holds no shards, holds
+                ``*.pt`` files not named by a row range, or a missing shard under
+                ``on_missing: fail``.
+            StoreUnreachableError: the store did not answer after every retry.
         """
         with self._lock:
             if self._shards is None:
                 files = [f for f in self._list_shard_folder() if f.name.endswith(_SHARD_SUFFIX)]
+                missing = [m for m in self._unreadable_shards() if m[0].endswith(_SHARD_SUFFIX)]
+                if not self._name_glob:
+                    self._refuse_stray_names([f.name for f in files] + [m[0] for m in missing])
+                self._missing_shards(missing)
                 if not files:
                     raise SourceError(self.location, f"no *{_SHARD_SUFFIX} shards found")
                 self._shards = sorted(files, key=lambda f: natural_key(f.name))
@@ -267,6 +287,62 @@ class Source(abc.ABC):
         return self._fetch_missing(file)
 
     # -- for subclasses
+    #: The file name pattern of a location such as ``.../0000*.pt`` ("" for a folder).
+    _name_glob: str = ""
+
+    def _unreadable_shards(self) -> list[tuple[str, str, str]]:
+        """``(name, url, why)`` of entries the last listing saw but cannot read."""
+        return []
+
+    def _count_listing_retry(self, exc: BaseException) -> None:
+        self.fetch_stats.add(listing_retries=1)
+
+    def _filter_glob(self, files: list[RemoteFile]) -> list[RemoteFile]:
+        """The files whose name matches ``_name_glob`` (all of them without one)."""
+        pat = self._name_glob
+        if not pat:
+            return files
+        # Like a shell glob: "*" does not match a leading dot (partial downloads).
+        return [
+            f
+            for f in files
+            if fnmatch.fnmatchcase(f.name, pat) and (pat.startswith(".") or f.name[:1] != ".")
+        ]
+
+    def _refuse_stray_names(self, names: list[str]) -> None:
+        stray = sorted((n for n in names if not _SHARD_NAME.fullmatch(n)), key=natural_key)
+        if not stray:
+            return
+        shown = ", ".join(stray[:10]) + (f" and {len(stray) - 10} more" if len(stray) > 10 else "")
+        where = self.location.rstrip("/")
+        raise SourceError(
+            self.location,
+            f"{len(stray)} *{_SHARD_SUFFIX} file(s) not named by a row range like "
+            f"000000-000009{_SHARD_SUFFIX}: {shown}; move them out of the folder, or name "
+            f"the files you mean with a glob (data.shards: {where}/*{_SHARD_SUFFIX} takes "
+            "every *.pt file)",
+        )
+
+    def _missing_shards(self, missing: list[tuple[str, str, str]]) -> None:
+        """Apply ``data.on_missing`` to shards the listing found unreadable."""
+        if not missing:
+            return
+        if self.data_config.on_missing == "fail":
+            name, url, why = missing[0]
+            more = (
+                f" (and {len(missing) - 1} more: {', '.join(m[0] for m in missing[1:])})"
+                if len(missing) > 1
+                else ""
+            )
+            raise SourceError(
+                url,
+                f"missing shard: {why}{more}; fix or remove it, or set data.on_missing: skip "
+                "to build without it",
+            )
+        for name, url, why in missing:
+            logger.warning("skipping missing shard %s: %s", url, why)
+            self.fetch_stats.add(skipped={"name": name, "url": url, "reason": why})
+
     def _fetch_missing(self, file: RemoteFile) -> Path:
         """Fetch ``file``, owned here and not readable in place; default: stage it."""
         try:
@@ -310,12 +386,15 @@ class Source(abc.ABC):
         parent = url.rsplit("/", 1)[0] if "://" in url else str(Path(url).parent)
         with self._lock:
             if parent not in self._siblings:
-                self._siblings[parent] = _make_source(
+                sibling = _make_source(
                     parent,
                     data_config=self.data_config,
                     policy=self.policy,
                     staging_dir=self.staging_dir,
                 )
+                # One set of counters: the metadata's retries belong to this build too.
+                sibling.fetch_stats = self.fetch_stats
+                self._siblings[parent] = sibling
             return self._siblings[parent]
 
     def _owner_of(self, file: RemoteFile) -> Source:
@@ -342,6 +421,9 @@ class LocalSource(Source):
         loc = os.path.expanduser(location)
         self._glob = loc if _GLOB_CHARS.search(loc) else os.path.join(loc, f"*{_SHARD_SUFFIX}")
         self._folder = Path(loc).parent if _GLOB_CHARS.search(loc) else Path(loc)
+        if _GLOB_CHARS.search(loc):
+            self._name_glob = os.path.basename(loc)  # glob.glob does the matching
+        self._unreadable: list[tuple[str, str, str]] = []
 
     @staticmethod
     def _file(path: Path) -> RemoteFile:
@@ -353,7 +435,21 @@ class LocalSource(Source):
     def _list_shard_folder(self) -> list[RemoteFile]:
         if not _GLOB_CHARS.search(os.path.expanduser(self.location)) and not self._folder.is_dir():
             raise SourceError(self.location, "folder does not exist")
-        return [self._file(Path(p)) for p in _glob.glob(self._glob) if os.path.isfile(p)]
+        files, unreadable = [], []
+        for p in sorted(_glob.glob(self._glob)):
+            if os.path.isfile(p):
+                files.append(self._file(Path(p)))
+            elif os.path.islink(p):
+                # isfile() is False for a link to nothing or a loop: a shard that is
+                # named but cannot be read must never vanish from the build silently.
+                why = _broken_link(p)
+                if why:
+                    unreadable.append((os.path.basename(p), os.path.abspath(p), why))
+        self._unreadable = unreadable
+        return files
+
+    def _unreadable_shards(self) -> list[tuple[str, str, str]]:
+        return list(self._unreadable)
 
     def _metadata_folders(self) -> Iterator[list[RemoteFile]]:
         for folder in (self._folder, self._folder.parent):
@@ -371,6 +467,37 @@ class LocalSource(Source):
 
     def _direct_path(self, file: RemoteFile) -> Path | None:
         return Path(file.url)
+
+
+def _broken_link(path: str) -> str:
+    """Why the symlink ``path`` cannot be read as a file, or "" (it points to a folder)."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        return f"dangling symlink (its target {target} does not exist)"
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "symlink loop (the link resolves to itself)"
+        return f"unreadable symlink ({exc.strerror or exc})"
+    return ""
+
+
+def _split_name_glob(location: str, path: str) -> tuple[str, str]:
+    """``"a/b/0*.pt"`` -> ``("a/b", "0*.pt")``; ``"a/b"`` -> ``("a/b", "")``.
+
+    Raises:
+        SourceError: a pattern outside the file name part (stores list one folder).
+    """
+    folder, _, name = path.rpartition("/")
+    if _GLOB_CHARS.search(folder):
+        raise SourceError(
+            location, "a pattern may only stand in the file name part (<folder>/<pattern>)"
+        )
+    return (folder, name) if _GLOB_CHARS.search(name) else (path, "")
 
 
 # --------------------------------------------------------------------------- GCS
@@ -419,6 +546,9 @@ class GCSSource(Source):
     def __init__(self, location: str, **kw: Any):
         super().__init__(location, **kw)
         path = location[len("gs://") :].strip("/")
+        if not path:
+            raise SourceError(location, "must look like gs://<bucket>/<prefix>")
+        path, self._name_glob = _split_name_glob(location, path)
         if not path:
             raise SourceError(location, "must look like gs://<bucket>/<prefix>")
         self._path = path
@@ -479,7 +609,9 @@ class GCSSource(Source):
             return self._fs().ls(path, detail=True, refresh=True)
 
         try:
-            entries = _with_retries(f"gs://{path}", go, self.policy)
+            entries = _with_retries(
+                f"gs://{path}", go, self.policy, on_retry=self._count_listing_retry
+            )
         except SourceError as err:
             if isinstance(err.__cause__, FileNotFoundError):
                 raise SourceError(f"gs://{path}", "no such bucket or prefix") from err.__cause__
@@ -489,10 +621,10 @@ class GCSSource(Source):
         return out
 
     def _list_shard_folder(self) -> list[RemoteFile]:
-        return self._ls(self._path)
+        return self._filter_glob(self._ls(self._path))
 
     def _metadata_folders(self) -> Iterator[list[RemoteFile]]:
-        yield self._list_shard_folder()
+        yield self._ls(self._path)
         if self._path != self._bucket:
             yield self._ls(self._bucket)
 
@@ -502,7 +634,12 @@ class GCSSource(Source):
     def _stat(self, url: str) -> RemoteFile:
         path = url[len("gs://") :]
         try:
-            info = _with_retries(url, lambda: self._fs().info(path, refresh=True), self.policy)
+            info = _with_retries(
+                url,
+                lambda: self._fs().info(path, refresh=True),
+                self.policy,
+                on_retry=self._count_listing_retry,
+            )
         except SourceError as err:
             if isinstance(err.__cause__, FileNotFoundError):
                 raise SourceError(url, "object does not exist") from err.__cause__
@@ -550,6 +687,90 @@ def _hub_offline() -> bool:
     return _truthy(os.environ.get("HF_HUB_OFFLINE")) or bool(constants.HF_HUB_OFFLINE)
 
 
+def _cached_ref(repo_id: str, repo_type: str, revision: str) -> tuple[Path, str]:
+    """huggingface_hub's cache ref file of ``revision`` and the commit it holds ("" if none)."""
+    folder = f"{repo_type}s--{repo_id.replace('/', '--')}"
+    ref = Path(_hub_cache_dir()) / folder / "refs" / revision
+    try:
+        commit = ref.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return ref, ""
+    return ref, commit if _COMMIT_RE.match(commit) else ""
+
+
+def resolve_hub_commit(
+    repo_id: str,
+    revision: str = "",
+    *,
+    repo_type: str = "model",
+    policy: RetryPolicy | None = None,
+) -> str:
+    """The commit a Hub revision (branch, tag or commit; "" is ``main``) stands for.
+
+    Never a guess: every process of a job must get the same answer or an error, or
+    their cache fingerprints differ. A 40-hex ``revision`` is returned as is. Online,
+    the Hub is asked (``HfApi.model_info``/``dataset_info``, with retries). With
+    ``HF_HUB_OFFLINE`` set, or when the Hub does not answer, the ref huggingface_hub's
+    cache recorded for this revision is used (a warning says so when the Hub was down).
+    Thread-safe.
+
+    Args:
+        repo_id: ``"org/name"``.
+        revision: branch, tag or commit.
+        repo_type: ``"model"`` or ``"dataset"``.
+        policy: retries for the Hub call (default: 3 retries, 0.5 s first backoff).
+
+    Returns:
+        The 40-hex commit hash.
+
+    Raises:
+        SourceError: the Hub answered that the repository or revision does not exist
+            (or is not accessible), or ``HF_HUB_OFFLINE`` is set and the cache has no
+            ref for the revision.
+        StoreUnreachableError: the Hub did not answer and the cache has no ref.
+    """
+    rev = revision or "main"
+    if _COMMIT_RE.match(rev):
+        return rev
+    where = f"{repo_id}@{rev}"
+    ref, cached = _cached_ref(repo_id, repo_type, rev)
+    if _hub_offline():
+        if cached:
+            return cached
+        raise SourceError(
+            where,
+            f"HF_HUB_OFFLINE is set and huggingface_hub's cache has no ref for revision {rev!r} "
+            f"({ref})",
+        )
+
+    def ask() -> str:
+        from huggingface_hub import HfApi
+
+        api = HfApi(endpoint=_hub_endpoint())
+        get = api.model_info if repo_type == "model" else api.dataset_info
+        return get(repo_id, revision=rev, timeout=30).sha or ""
+
+    try:
+        sha = _with_retries(where, ask, policy or RetryPolicy(max_retries=3))
+    except StoreUnreachableError as err:
+        if not cached:
+            raise StoreUnreachableError(
+                where,
+                f"the Hub did not answer ({err.reason}) and huggingface_hub's cache has no "
+                f"ref for revision {rev!r} ({ref})",
+            ) from err
+        logger.warning(
+            "%s: the Hub did not answer (%s); using commit %s from huggingface_hub's cache",
+            where,
+            err.reason,
+            cached,
+        )
+        return cached
+    if not _COMMIT_RE.match(sha):
+        raise SourceError(where, f"the Hub returned no commit for revision {rev!r} (got {sha!r})")
+    return sha
+
+
 class HubSource(Source):
     """``hf://datasets/<org>/<repo>[@<revision>]/<folder>`` through huggingface_hub.
 
@@ -578,7 +799,9 @@ class HubSource(Source):
         name, _, rev = parts[2].partition("@")
         self.repo_id = f"{parts[1]}/{name}"
         self.revision = unquote(rev) if rev else "main"
-        self.path_in_repo = "/".join(p for p in parts[3:] if p)
+        self.path_in_repo, self._name_glob = _split_name_glob(
+            location, "/".join(p for p in parts[3:] if p)
+        )
         self._commit: str | None = None
 
     # -- plumbing
@@ -629,9 +852,12 @@ class HubSource(Source):
                     return self._api().dataset_info(self.repo_id, revision=self.revision).sha
 
                 try:
-                    sha = _with_retries(self.location, resolve, self.policy)
+                    sha = _with_retries(
+                        self.location, resolve, self.policy, on_retry=self._count_listing_retry
+                    )
                 except SourceError as err:
-                    raise SourceError(
+                    # Same class: a Hub that is down stays "unreachable" (exit code 1).
+                    raise type(err)(
                         self.location, f"cannot resolve revision {self.revision!r}: {err.reason}"
                     ) from err
                 if not sha:
@@ -674,7 +900,9 @@ class HubSource(Source):
             )
 
         try:
-            entries = _with_retries(self._url(folder), go, self.policy)
+            entries = _with_retries(
+                self._url(folder), go, self.policy, on_retry=self._count_listing_retry
+            )
         except SourceError as err:
             if type(err.__cause__).__name__ in ("EntryNotFoundError", "RemoteEntryNotFoundError"):
                 raise SourceError(
@@ -706,10 +934,10 @@ class HubSource(Source):
         return [(f"{self.repo_id}@{self.revision}", 0, self.commit), *super().identity()]
 
     def _list_shard_folder(self) -> list[RemoteFile]:
-        return self._list(self.path_in_repo)
+        return self._filter_glob(self._list(self.path_in_repo))
 
     def _metadata_folders(self) -> Iterator[list[RemoteFile]]:
-        yield self._list_shard_folder()
+        yield self._list(self.path_in_repo)
         if self.path_in_repo:
             yield self._list("")
 
@@ -880,20 +1108,20 @@ def open_source(
         A :class:`Source`.
 
     Raises:
-        SourceError: bad location, or unreachable without a mirror.
+        SourceError: bad location.
+        StoreUnreachableError: unreachable (after retries) without a mirror.
     """
     src = _make_source(location, data_config=data_config, policy=policy, staging_dir=staging_dir)
     if src.is_local or not data_config.local_mirror:
         return src
     try:
         src.list_shards()
-    except SourceError as err:
-        cause = err.__cause__
-        if cause is None or not _is_transient(cause):
-            raise
+    except StoreUnreachableError as err:
         mirror = data_config.local_mirror
         logger.warning(
             "%s is unreachable (%s); using the local mirror %s", location, err.reason, mirror
         )
-        return LocalSource(mirror, data_config=data_config, policy=policy, staging_dir=staging_dir)
+        local = LocalSource(mirror, data_config=data_config, policy=policy, staging_dir=staging_dir)
+        local.fetch_stats = src.fetch_stats  # the retries that led here are reported too
+        return local
     return src

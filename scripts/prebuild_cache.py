@@ -6,7 +6,8 @@
   python scripts/prebuild_cache.py --status | --verify | --clean [--dry-run]
 
 Run it on one host with write access to the cache; training ranks then only read.
-Exit codes: 0 ok, 1 coordination failure / problems found by --verify, 2 bad input.
+Exit codes: 0 ok, 1 coordination failure / store unreachable / problems found by --verify,
+2 bad input.
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ def _print_summary(result) -> None:
     print(f"rows        {s['rows_in']} latent rows in -> {s['rows_out']} kept")
     dropped = ", ".join(f"{k} {v}" for k, v in sorted(s["dropped"].items())) or "none"
     print(f"dropped     {dropped}")
+    for reason, bad in sorted((result.report.get("bad_rows") or {}).items()):
+        if bad.get("count"):
+            keys = ", ".join(map(str, bad.get("first_keys", [])))
+            print(f"bad rows    {reason} {bad['count']} (first keys: {keys})")
     fetch = result.report.get("fetch") or {}
     if fetch.get("files"):
         print(

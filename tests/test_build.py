@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from hf_pipeline.build import REASONS, prepare_cache, resolve_inputs
-from hf_pipeline.cache import CacheLayout, open_dataset, open_sample_source
+from hf_pipeline.cache import CacheLayout, compute_fingerprint, open_dataset, open_sample_source
 from hf_pipeline.config import load_config
-from hf_pipeline.errors import CorruptShardError, MetadataError
+from hf_pipeline.errors import CorruptShardError, MetadataError, SourceError
 from tests.conftest import SMALL_DEMO
+from tests.servers import make_shards, shards_with_nonfinite_rows
 
 
 def _reference(shard_paths, meta_path, caption_column="caption_llava"):
@@ -189,3 +190,83 @@ def test_report_is_json_and_complete(built_cache):
         assert field in r
     s = built_cache.summary()
     assert set(s) >= {"fingerprint", "cache_dir", "rows_in", "rows_out", "dropped", "seconds"}
+
+
+def _nan_config(data: Path, cache: Path, *extra: str, name: str = "nan"):
+    return load_config(
+        None,
+        [*SMALL_DEMO, f"name={name}", f"data.shards={data}", f"build.cache_dir={cache}", *extra],
+        environ={},
+    )
+
+
+def test_nonfinite_rows_are_dropped_counted_and_named(tmp_path):
+    # Before: one NaN failed the whole build (CorruptShardError, exit 2).
+    data, finite8 = shards_with_nonfinite_rows(tmp_path / "data")
+    res = prepare_cache(_nan_config(data, tmp_path / "c"), progress=False)
+    r = res.report
+    assert r["rows_in"] == 26
+    assert r["dropped"]["nonfinite_latents"] == 2 and r["dropped"]["duplicate_key"] == 1
+    assert r["bad_rows"] == {"nonfinite_latents": {"count": 2, "first_keys": [8, 14]}}
+    assert r["rows_out"] == 23 == r["rows_in"] - sum(r["dropped"][k] for k in REASONS)
+    assert res.summary()["dropped"]["nonfinite_latents"] == 2
+
+    ds = open_dataset(res.layout).with_format("numpy")
+    cols = ds[:]
+    # Key 14 is gone; key 8 comes from its first finite copy (the fifth shard), not
+    # dropped as a "duplicate" of its NaN copy.
+    expected = [k for k in range(24) if k not in (8, 14)] + [8]
+    assert cols["key"].tolist() == expected
+    np.testing.assert_array_equal(cols["latents"][-1], finite8)
+    assert np.isfinite(cols["latents"]).all() and np.isfinite(cols["embedding"]).all()
+    src = open_sample_source(res.layout, res.fingerprint)
+    try:
+        assert src.num_rows == 23
+        g = src.gather(np.arange(23), np.zeros(23, dtype=np.int64))
+        assert np.isfinite(g["latents"]).all() and np.isfinite(g["embeddings"]).all()
+    finally:
+        src.close()
+
+
+def test_nonfinite_row_under_on_bad_rows_fail_names_shard_and_key(tmp_path):
+    data, _ = shards_with_nonfinite_rows(tmp_path / "data")
+    cfg = _nan_config(data, tmp_path / "c", "data.on_bad_rows=fail", name="bad")
+    with pytest.raises(CorruptShardError) as ei:
+        prepare_cache(cfg, progress=False)
+    assert ei.value.path.endswith("000006-000011.pt")
+    assert "NaN/inf in 1 of 6 rows (first keys: 8)" in ei.value.reason
+    assert "data.on_bad_rows: drop" in ei.value.reason
+    _nothing_published(tmp_path / "c")
+
+
+def test_on_bad_rows_is_part_of_the_identity(small_config):
+    from hf_pipeline.embed import encoder_identity
+
+    inputs = resolve_inputs(small_config)
+    fail = load_config(None, [*SMALL_DEMO, "data.on_bad_rows=fail"], environ={})
+    args = (
+        [f.identity() for f in inputs.shards],
+        inputs.metadata.identity(),
+        encoder_identity(small_config.encoder),
+    )
+    assert small_config.data.on_bad_rows == "drop"
+    assert compute_fingerprint(small_config, *args) != compute_fingerprint(fail, *args)
+
+
+def test_a_dangling_shard_symlink_is_a_missing_shard(tmp_path):
+    # Before: left out silently (exit 0, nothing in the report) even under
+    # on_missing: fail.
+    data = make_shards(tmp_path / "data", n_shards=4, per_shard=6)
+    (data / "000024-000029.pt").symlink_to(tmp_path / "unmounted" / "000024-000029.pt")
+    with pytest.raises(SourceError, match="dangling symlink") as ei:
+        prepare_cache(_nan_config(data, tmp_path / "c", name="bad"), progress=False)
+    assert ei.value.path == str(data / "000024-000029.pt")
+    _nothing_published(tmp_path / "c")
+
+    res = prepare_cache(_nan_config(data, tmp_path / "c", "data.on_missing=skip"), progress=False)
+    r = res.report
+    assert [s["name"] for s in r["skipped_files"]] == ["000024-000029.pt"]
+    assert "dangling symlink" in r["skipped_files"][0]["reason"]
+    assert r["dropped"]["missing_shard_files"] == 1
+    assert r["rows_in"] == 24 == r["rows_out"] + sum(r["dropped"][k] for k in REASONS)
+    assert r["fetch"]["listing_retries"] == 0 and r["fetch"]["metadata_retries"] == 0

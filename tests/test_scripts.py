@@ -58,11 +58,7 @@ def test_prebuild_status_verify_clean(session_cache_root, built_cache):
         (["--set", "loader.crop=9"], "loader.crop"),
         (["--config", "configs/nope.yaml"], "does not exist"),
         (["--set", "data.shards=/nonexistent/folder"], "/nonexistent/folder"),
-        (
-            ["--config", "configs/coyo11m_gcs.yaml", "--set", "data.max_retries=0",
-             "--set", "data.file_timeout=3"],
-            "gs://my-coyo-bucket",
-        ),
+        # Offline by choice and never listed online: fixable input, not an outage.
         (["--config", "configs/coyo11m.yaml"], "hf://datasets/KBlueLeaf"),
     ],
 )
@@ -75,6 +71,82 @@ def test_user_errors_are_one_line_exit_2(tmp_path, args, fragment):
     errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and fragment in errors[0], p.stderr
     assert not list(tmp_path.rglob("*.json")), "nothing may be published"
+
+
+def _closed_port_url() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"  # closed on return: refused
+
+
+@pytest.mark.parametrize(
+    "args, env, fragment",
+    [
+        # No network here: storage.googleapis.com does not resolve.
+        (
+            [
+                "--config",
+                "configs/coyo11m_gcs.yaml",
+                "--set",
+                "data.max_retries=0",
+                "--set",
+                "data.file_timeout=3",
+            ],
+            {},
+            "gs://my-coyo-bucket",
+        ),
+        # The Hub is down while the encoder's revision is resolved.
+        (
+            [*_sets(SMALL_DEMO), "--set", "encoder.model=test-org/tiny-encoder"],
+            {"HF_ENDPOINT": "closed", "HF_HUB_OFFLINE": "0"},
+            "test-org/tiny-encoder@main",
+        ),
+    ],
+)
+def test_unreachable_store_is_one_line_exit_1(tmp_path, args, env, fragment):
+    # Before: exit 2, which README reserves for bad input; the store failed, not the user.
+    env = {k: _closed_port_url() if v == "closed" else v for k, v in env.items()}
+    env = script_env(HF_HOME=str(tmp_path), **{"HF_HUB_OFFLINE": "1", **env})
+    p = subprocess.run(
+        [PYTHON, str(REPO / "scripts/prebuild_cache.py"), "-q", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert p.returncode == 1, p.stderr
+    assert "Traceback" not in p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and fragment in errors[0] and "attempt(s)" in errors[0], p.stderr
+    assert not list(tmp_path.rglob("converted.json"))
+
+
+def test_bad_row_under_on_bad_rows_fail_is_one_line_exit_2(tmp_path):
+    from tests.servers import shards_with_nonfinite_rows
+
+    data, _ = shards_with_nonfinite_rows(tmp_path / "data")
+    cache = tmp_path / "cache"
+    p = _run(
+        "prebuild_cache.py",
+        "-q",
+        *_sets(SMALL_DEMO),
+        "--set",
+        f"data.shards={data}",
+        "--set",
+        "data.on_bad_rows=fail",
+        "--cache-dir",
+        str(cache),
+        env=script_env(HF_HOME=str(tmp_path / "home")),
+    )
+    assert p.returncode == 2, p.stderr
+    assert "Traceback" not in p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, p.stderr
+    assert "000006-000011.pt" in errors[0] and "first keys: 8)" in errors[0]
+    assert not list(cache.rglob("converted.json")) and not list(cache.rglob("filtered"))
 
 
 def test_env_overrides_reach_the_build(tmp_path):

@@ -281,3 +281,87 @@ def test_unreachable_with_mirror_falls_back_and_says_so(shard_dir, hf_home, monk
         src = open_source("gs://b/p", data_config=cfg, policy=FAST)
     assert isinstance(src, LocalSource) and len(src.list_shards()) == 4
     assert any("unreachable" in r.message and str(shard_dir) in r.message for r in caplog.records)
+    # The retries that led to the mirror still reach the report.
+    assert src.fetch_stats.as_dict()["listing_retries"] == FAST.max_retries
+
+
+def test_dangling_symlink_and_loop_are_missing_shards(shard_dir, hf_home):
+    # Before: isfile() was False for both, so they vanished with exit 0 even under
+    # on_missing: fail, and the report said nothing.
+    (shard_dir / "000024-000029.pt").symlink_to(shard_dir / "gone" / "000024-000029.pt")
+    loop = shard_dir / "000030-000035.pt"
+    loop.symlink_to(loop)
+    # A symlink to a real shard is an ordinary shard.
+    (shard_dir / "000036-000041.pt").symlink_to(shard_dir / "000000-000005.pt")
+    cfg = DataConfig(shards=str(shard_dir))
+    with pytest.raises(SourceError) as ei:
+        open_source(str(shard_dir), data_config=cfg).list_shards()
+    err = ei.value
+    assert err.path == str(shard_dir / "000024-000029.pt")
+    assert "dangling symlink" in err.reason and "gone" in err.reason
+    assert "1 more: 000030-000035.pt" in err.reason and "data.on_missing: skip" in err.reason
+    assert pickle.loads(pickle.dumps(err)).reason == err.reason
+
+    cfg = DataConfig(shards=str(shard_dir), on_missing="skip")
+    src = open_source(str(shard_dir), data_config=cfg)
+    files = src.list_shards()
+    assert [f.name for f in files][-1] == "000036-000041.pt" and len(files) == 5
+    with Prefetcher(src, files, data_config=cfg, progress=False) as pf:
+        for f in files:
+            pf.client().acquire(f)
+    skipped = pf.stats()["skipped"]
+    assert [s["name"] for s in skipped] == ["000024-000029.pt", "000030-000035.pt"]
+    assert "dangling symlink" in skipped[0]["reason"] and "loop" in skipped[1]["reason"]
+    assert skipped[1]["url"] == str(loop)
+
+
+def test_stray_pt_names_are_refused_unless_a_glob_names_them(shard_dir, hf_home):
+    # Before: accepted and sorted before the numbered shards, so a "latest.pt" copy
+    # decided which duplicate key won.
+    one = (shard_dir / "000000-000005.pt").read_bytes()
+    for name in ("latest.pt", "shard_final.pt", ".000042-000047.pt"):
+        (shard_dir / name).write_bytes(one)
+    cfg = DataConfig(shards=str(shard_dir))
+    with pytest.raises(SourceError) as ei:
+        open_source(str(shard_dir), data_config=cfg).list_shards()
+    assert ei.value.path == str(shard_dir)
+    assert "2 *.pt file(s) not named by a row range" in ei.value.reason
+    assert "latest.pt, shard_final.pt;" in ei.value.reason
+    assert f"{shard_dir}/*.pt" in ei.value.reason and ".000042" not in ei.value.reason
+
+    every = [f.name for f in open_source(str(shard_dir / "*.pt"), data_config=cfg).list_shards()]
+    assert every == [
+        "latest.pt",
+        "shard_final.pt",
+        "000000-000005.pt",
+        "000006-000011.pt",
+        "000012-000017.pt",
+        "000018-000023.pt",
+    ]
+    numbered = open_source(str(shard_dir / "0*.pt"), data_config=cfg).list_shards()
+    assert [f.name for f in numbered] == every[2:]
+
+
+def test_unreachable_store_is_a_fault_not_bad_input(hf_home, monkeypatch):
+    import socket
+
+    from hf_pipeline.errors import StoreUnreachableError, UserError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again below: connection refused
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    src = open_source("gs://b/p", data_config=DataConfig(shards="gs://b/p"), policy=FAST)
+    with pytest.raises(StoreUnreachableError) as ei:
+        src.list_shards()
+    assert isinstance(ei.value, SourceError) and isinstance(ei.value, UserError)
+    assert "4 attempt(s)" in ei.value.reason
+    again = pickle.loads(pickle.dumps(ei.value))
+    assert type(again) is StoreUnreachableError and again.reason == ei.value.reason
+    # Every listing retry is counted, for the report's fetch section.
+    assert src.fetch_stats.as_dict()["listing_retries"] == FAST.max_retries
+    # A permanent answer is not retried and stays bad input.
+    with pytest.raises(SourceError) as ei:
+        _with_retries("x", lambda: (_ for _ in ()).throw(FileNotFoundError("x")), FAST)
+    assert type(ei.value) is SourceError and "not retried" in ei.value.reason

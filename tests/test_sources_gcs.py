@@ -187,6 +187,11 @@ def test_fail_vs_skip_after_retries(proxy, gcs_bucket, tmp_path):
     with pytest.raises(SourceError) as ei:
         _fetch_all(src, cfg, policy=policy)
     assert bad in ei.value.path and "503" in ei.value.reason and "3 attempt(s)" in ei.value.reason
+    # Raised in the consumer from the prefetcher's "failed" marker: still "the store
+    # is down" (exit 1), not bad input.
+    from hf_pipeline.errors import StoreUnreachableError
+
+    assert isinstance(ei.value, StoreUnreachableError)
 
     cfg = _cfg(tmp_path, location, max_retries=2, on_missing="skip")
     got, stats = _fetch_all(src, cfg, policy=policy)
@@ -376,3 +381,53 @@ def test_unlisted_file_reacquire_progress_and_dead_prefetcher(gcs_bucket, tmp_pa
         )
     finally:
         pf.close()
+
+
+def test_listing_and_metadata_retries_reach_the_fetch_summary(proxy, gcs_bucket, tmp_path):
+    _, location, local = gcs_bucket
+    proxy.add(
+        Fault(match="prefix=latents/", action="status", status=503, times=1),
+        Fault(match="o/coyo11m-meta.parquet?alt=media", action="status", status=503, times=2),
+    )
+    cfg = _cfg(tmp_path, location)
+    src = open_source(location, data_config=cfg, policy=FAST)
+    meta = src.find_metadata()
+    assert src.fetch_one(meta).read_bytes() == (local / "coyo11m-meta.parquet").read_bytes()
+    got, stats = _fetch_all(src, cfg)
+    assert all(got[n] == (local / n).read_bytes() for n in got)
+    # Before: only shard downloads were counted; a flaky listing left no trace.
+    assert stats["listing_retries"] == 1 and stats["metadata_retries"] == 2
+    assert stats["retries"] == 0
+
+
+def test_stray_names_are_refused_and_a_glob_names_them(gcs_bucket, tmp_path):
+    from tests.servers import gcs_fs
+
+    server, location, local = gcs_bucket
+    gcs_fs(server).put_file(str(local / "000000-000005.pt"), f"{location[5:]}/latest.pt")
+    cfg = _cfg(tmp_path, location)
+    with pytest.raises(SourceError) as ei:
+        open_source(location, data_config=cfg, policy=FAST).list_shards()
+    assert "not named by a row range" in ei.value.reason and "latest.pt;" in ei.value.reason
+    assert f"{location}/*.pt" in ei.value.reason
+
+    every = open_source(f"{location}/*.pt", data_config=cfg, policy=FAST)
+    names = [f.name for f in every.list_shards()]
+    assert names == ["latest.pt", *sorted(p.name for p in local.glob("*.pt"))]
+    assert every.find_metadata().name == "coyo11m-meta.parquet"
+    got, _ = _fetch_all(every, cfg)
+    assert got["latest.pt"] == (local / "000000-000005.pt").read_bytes()
+    numbered = open_source(f"{location}/0*.pt", data_config=cfg, policy=FAST).list_shards()
+    assert [f.name for f in numbered] == names[1:]
+    with pytest.raises(SourceError, match="file name part"):
+        open_source("gs://b/*/x.pt", data_config=cfg)
+
+
+def test_a_missing_bucket_is_bad_input_not_an_outage(gcs_bucket, tmp_path):
+    from hf_pipeline.errors import StoreUnreachableError
+
+    _, location, _ = gcs_bucket
+    cfg = _cfg(tmp_path, location)
+    with pytest.raises(SourceError, match="no such bucket or prefix|no \\*.pt") as ei:
+        open_source("gs://no-such-bucket-x/p", data_config=cfg, policy=FAST).list_shards()
+    assert not isinstance(ei.value, StoreUnreachableError)

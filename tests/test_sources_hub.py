@@ -177,6 +177,7 @@ def test_faults_on_the_hub_are_retried_and_verified(hub_env, shard_dir, tmp_path
                 assert _sha(client.acquire(f, timeout=30)) == _sha(shard_dir / f.name)
         stats = pf.stats()
         assert stats["retries"] >= 4 and stats["failures"] == []
+        assert stats["listing_retries"] == 1  # the 502 on /revision/main
         meta = src.find_metadata()
         assert _sha(src.fetch_one(meta)) == _sha(shard_dir / "coyo11m-meta.parquet")
         # Both injected faults hit the metadata download (huggingface_hub's own
@@ -252,3 +253,43 @@ def test_files_already_in_the_hub_cache_are_used_in_place(
         with pytest.raises(SourceError, match="HF_HUB_OFFLINE"):
             client.acquire(files[0], timeout=10)
     assert hub.count("/resolve/") == before
+
+
+def test_stray_names_are_refused_and_a_glob_names_them(hub_env, shard_dir, tmp_path):
+    hub = hub_env
+    files = _repo_files(shard_dir)
+    files["latents-3crop/latest.pt"] = files["latents-3crop/000000-000005.pt"]
+    hub.add_commit(REPO, files)
+    with pytest.raises(SourceError) as ei:
+        open_source(LOCATION, data_config=_cfg(tmp_path), policy=FAST).list_shards()
+    assert "not named by a row range" in ei.value.reason and "latest.pt;" in ei.value.reason
+    every = open_source(f"{LOCATION}/*.pt", data_config=_cfg(tmp_path), policy=FAST)
+    names = [f.name for f in every.list_shards()]
+    assert names == ["latest.pt", *sorted(p.name for p in shard_dir.glob("*.pt"))]
+    assert every.find_metadata().name == "coyo11m-meta.parquet"
+    numbered = open_source(f"{LOCATION}/0*.pt", data_config=_cfg(tmp_path), policy=FAST)
+    assert [f.name for f in numbered.list_shards()] == names[1:]
+
+
+def _closed_port_url() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"  # closed on return: refused
+
+
+def test_a_hub_that_is_down_is_unreachable_not_bad_input(hub_env, tmp_path, monkeypatch):
+    from hf_pipeline.errors import StoreUnreachableError
+
+    nope = open_source(f"hf://datasets/{REPO}@nope/x", data_config=_cfg(tmp_path), policy=FAST)
+    with pytest.raises(SourceError) as ei:
+        _ = nope.commit
+    assert not isinstance(ei.value, StoreUnreachableError)  # the Hub answered: no such revision
+    # A Hub that is down (stopping the server would not do: pooled keep-alive
+    # connections outlive it).
+    monkeypatch.setenv("HF_ENDPOINT", _closed_port_url())
+    src = open_source(LOCATION, data_config=_cfg(tmp_path), policy=FAST)
+    with pytest.raises(StoreUnreachableError, match="cannot resolve revision 'main'"):
+        _ = src.commit
+    assert src.fetch_stats.as_dict()["listing_retries"] == FAST.max_retries

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,6 +25,7 @@ __all__ = [
     "hf_home",
     "make_shards",
     "shard_dir",
+    "shards_with_nonfinite_rows",
     "upload_folder",
 ]
 
@@ -63,6 +65,27 @@ def make_shards(
         )
         pq.write_table(table, folder / "coyo11m-meta.parquet")
     return folder
+
+
+def shards_with_nonfinite_rows(folder: Path) -> tuple[Path, Any]:
+    """4 shards of 6 captioned keys (0-23) where key 8's row holds a NaN and key 14's an
+    inf, plus a fifth shard with a finite copy of key 8 and a plain duplicate of key 3.
+
+    Returns:
+        The folder and the finite latents of key 8 (from the fifth shard).
+    """
+    import numpy as np
+    import torch
+
+    make_shards(folder, n_shards=4, per_shard=6)
+    for name, key, value in (("000006-000011.pt", 8, np.nan), ("000012-000017.pt", 14, np.inf)):
+        d = torch.load(folder / name, weights_only=True)
+        row = int((d["keys"] == key).nonzero()[0, 0])
+        d["latents"][row, 2, 1, 0, 5] = value
+        torch.save(d, folder / name)
+    late = torch.randn(2, 3, 4, 32, 32, generator=torch.Generator().manual_seed(5)).half()
+    torch.save({"keys": torch.tensor([8, 3]), "latents": late}, folder / "000100-000101.pt")
+    return folder, late[0].numpy()
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """A local server speaking the part of the Hugging Face Hub HTTP API huggingface_hub uses.
 
-Enough for ``HfApi.dataset_info``, ``HfApi.list_repo_tree`` (cursor pagination via the
+Enough for ``HfApi.dataset_info`` and ``HfApi.model_info`` (one namespace of repos
+serves both), ``HfApi.list_repo_tree`` (cursor pagination via the
 ``Link`` header, like the Hub) and ``hf_hub_download`` / streaming downloads
 (``HEAD``/``GET /datasets/{repo}/resolve/{rev}/{path}`` with ``X-Repo-Commit``,
 ``ETag``, ``X-Linked-Etag``, ``X-Linked-Size`` and ``Range``). Files ending in
@@ -140,11 +141,11 @@ class FakeHub(LoopbackServer):
                     hub.log.append((self.command, unquote(parts.path)))
                 segs = parts.path.split("/")  # quoted segments: revision may hold %2F
                 q = parse_qs(parts.query)
-                # /api/datasets/{org}/{name}/revision/{rev}
+                # /api/{datasets,models}/{org}/{name}/revision/{rev}
                 if (
                     len(segs) >= 7
                     and segs[1] == "api"
-                    and segs[2] == "datasets"
+                    and segs[2] in ("datasets", "models")
                     and segs[5] == "revision"
                 ):
                     repo_id, rev = f"{segs[3]}/{segs[4]}", unquote(segs[6])

@@ -23,6 +23,7 @@ import time
 import pytest
 
 from dist.markers import check_marker
+from tests.conftest import REPO, SMALL_DEMO, run_ranks
 from tests.test_dist_coordinator import Job
 
 pytestmark = pytest.mark.slow
@@ -195,7 +196,7 @@ def test_paused_builder_on_other_host_never_replaces_the_published_cache(host_vi
     views = host_views(cache_s=N)
     reference = _clean_hash(job, tmp_path)
     builder = _start(job, views, 0, 0, "--hold", "build-converted:1.0")
-    taker = _start(job, views, 1, 1, "--build-sleep", "2")  # still building when A wakes
+    taker = _start(job, views, 1, 1, "--build-sleep", "1.5")  # still building when A wakes
     victim = job.wait_for_signal("build-converted")
     os.kill(victim, signal.SIGSTOP)
     try:
@@ -216,3 +217,27 @@ def test_paused_builder_on_other_host_never_replaces_the_published_cache(host_vi
         "a published marker was rewritten after host B published it: "
         f"builds {job.builds(views.a / 'c')}, rank 0 events {[e[0] for e in old['events']]}"
     )
+
+
+def test_whole_build_across_hosts(host_views, tmp_path):
+    """prepare_cache + Loader with one rank per host (tests/test_multirank.py across two
+    lagging views of one HF_HOME): one build, and host B reads the very same data."""
+    views = host_views(cache_s=N)
+    world = 2
+    overrides = [*SMALL_DEMO, "loader.global_batch_size=32"]
+    runs = run_ranks(
+        [REPO / "tests/procs/rank_loader.py", tmp_path / "r{rank}.json", *overrides], world,
+        timeout=300, rank_env=lambda rank: {"HF_HOME": str(views.view(rank) / "hf_home")},
+    )  # fmt: skip
+    for code, out, err in runs:
+        assert code == 0, (out + err)[-3000:]
+    results = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(world)]
+    assert [r["built"] for r in results] == [True, False]
+    assert len({r["fingerprint"] for r in results}) == 1
+    assert len({r["content"] for r in results}) == 1, "host B read other data than host A"
+    steps = {len(r["batches"]) for r in results}
+    assert len(steps) == 1 and steps.pop() > 0
+    for parts in zip(*(r["batches"] for r in results), strict=True):
+        assert not set(parts[0]) & set(parts[1])
+    caches = list((views.shared / "hf_home" / "datasets" / "hf_pipeline").glob("demo-*"))
+    assert len(caches) == 1

@@ -131,6 +131,7 @@ from dist.markers import (
     write_json_atomic,
     write_marker,
 )
+from dist.timing import timing_problem
 
 __all__ = [
     "BuildFailedError",
@@ -315,15 +316,9 @@ class _Timing:
     heartbeat_interval: float
 
     def __post_init__(self):
-        for name in ("poll_interval", "max_wait", "lease_timeout", "heartbeat_interval"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value!r}")
-        if self.heartbeat_interval * 2 > self.lease_timeout:
-            raise ValueError(
-                "heartbeat_interval must be <= lease_timeout / 2 (else live builders look "
-                f"dead), got {self.heartbeat_interval} with lease_timeout {self.lease_timeout}"
-            )
+        problem = timing_problem(**dataclasses.asdict(self))  # config checks the same rules
+        if problem is not None:
+            raise ValueError(problem[1])
 
 
 def default_builder(process: ProcessInfo, scope: str = "shared") -> bool:

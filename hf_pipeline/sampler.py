@@ -43,6 +43,7 @@ __all__ = [
     "GlobalSampler",
     "ProcessBatch",
     "SamplerOptions",
+    "crop_problem",
 ]
 
 SHUFFLES = ("block", "global", "sequential")
@@ -65,6 +66,29 @@ def _normalize_crop(crop) -> str | int:
     if isinstance(crop, str) and crop.isdigit():
         return int(crop)
     return crop
+
+
+def crop_problem(crop, num_crops: int | None = None) -> str | None:
+    """Why ``crop`` is not a valid crop choice, or None: the one rule for crop values.
+
+    Valid: ``"random"``, ``"all"``, or a crop index (int or digit string) below
+    ``num_crops`` (any index >= 0 while ``num_crops`` is unknown). ``hf_pipeline.config``
+    checks ``loader.crop`` with this and the shards' crop count.
+
+    Returns:
+        ``"must be 'random', 'all' or a crop index 0-2, got '7'"`` (without the field's
+        name, which the caller puts in front), or None.
+    """
+    c = _normalize_crop(crop)
+    if isinstance(c, bool):
+        pass  # True is an int to Python, not a crop index
+    elif isinstance(c, int):
+        if c >= 0 and (num_crops is None or c < num_crops):
+            return None
+    elif c in CROPS:
+        return None
+    index = "an index >= 0" if num_crops is None else f"a crop index 0-{num_crops - 1}"
+    return f"must be 'random', 'all' or {index}, got {crop!r}"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -101,10 +125,10 @@ class SamplerOptions:
             raise ValueError(f"shuffle must be one of {SHUFFLES}, got {self.shuffle!r}")
         if self.partition not in PARTITIONS:
             raise ValueError(f"partition must be one of {PARTITIONS}, got {self.partition!r}")
-        crop = _normalize_crop(self.crop)
-        if not (isinstance(crop, int) and crop >= 0) and crop not in CROPS:
-            raise ValueError(f"crop must be 'random', 'all' or an index >= 0, got {self.crop!r}")
-        object.__setattr__(self, "crop", crop)
+        problem = crop_problem(self.crop)
+        if problem is not None:
+            raise ValueError(f"crop {problem}")
+        object.__setattr__(self, "crop", _normalize_crop(self.crop))
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.window_blocks < 1:
@@ -155,8 +179,9 @@ class GlobalSampler:
             raise ValueError(f"num_rows must be >= 0, got {num_rows}")
         if num_crops < 1:
             raise ValueError(f"num_crops must be >= 1, got {num_crops}")
-        if isinstance(options.crop, int) and options.crop >= num_crops:
-            raise ValueError(f"crop must be < num_crops ({num_crops}), got {options.crop}")
+        problem = crop_problem(options.crop, num_crops)
+        if problem is not None:
+            raise ValueError(f"crop {problem} (the data has {num_crops} crops per row)")
         self.options = options
         self.num_rows = int(num_rows)
         self.num_crops = int(num_crops)

@@ -199,8 +199,10 @@ def test_validation_messages():
     with pytest.raises(ValueError, match="crop must be"):
         SamplerOptions(global_batch_size=1, crop="x")
     assert SamplerOptions(global_batch_size=1, crop="2").crop == 2
-    with pytest.raises(ValueError, match="crop must be < num_crops"):
+    with pytest.raises(ValueError, match=r"crop must be 'random', 'all' or a crop index 0-2, got 3"):
         GlobalSampler(10, global_batch_size=1, crop=3)
+    with pytest.raises(ValueError, match="crop must be 'random', 'all' or an index >= 0, got True"):
+        SamplerOptions(global_batch_size=1, crop=True)  # an int to Python, not an index
     s = GlobalSampler(10, global_batch_size=6)
     with pytest.raises(ValueError, match="divisible by the number of processes"):
         s.process_positions(0, 4)

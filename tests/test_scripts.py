@@ -54,7 +54,7 @@ def test_prebuild_status_verify_clean(session_cache_root, built_cache):
 @pytest.mark.parametrize(
     "args, fragment",
     [
-        (["--set", "build.num_proc=-2"], "build.num_proc must be >= 1, got -2"),
+        (["--set", "build.num_proc=-2"], "build.num_proc must be >= 0 (0: min(8, CPUs)), got -2"),
         (["--set", "loader.crop=9"], "loader.crop"),
         (["--config", "configs/nope.yaml"], "does not exist"),
         (["--set", "data.shards=/nonexistent/folder"], "/nonexistent/folder"),

@@ -4,8 +4,9 @@ The order depends only on ``(seed, epoch, num_rows, options)``, never on the num
 processes: global batch ``g`` of an epoch is the fixed slice ``[g*G, (g+1)*G)`` of the
 epoch's order, and process ``p`` of ``W`` takes its part of every global batch
 (``partition="contiguous"``: ``[p*G/W, (p+1)*G/W)``; ``partition="strided"``: every
-``W``-th sample from ``p``, i.e. :class:`torch.utils.data.DistributedSampler`'s index
-sets over the same order). A run saved on ``W`` processes and resumed on ``W'`` therefore
+``W``-th sample from ``p``, i.e. the batches of ``DataLoader(batch_size=G/W,
+drop_last=True)`` over :class:`torch.utils.data.DistributedSampler` on the same order;
+not its index sets, which also hold the tail that ``DataLoader`` drops: see README). A run saved on ``W`` processes and resumed on ``W'`` therefore
 sees the same global batches.
 
 Samples: with ``crop="all"`` each row gives ``num_crops`` samples (sample id
@@ -99,7 +100,7 @@ class SamplerOptions:
         global_batch_size: samples per global batch (all processes together).
         seed: non-negative seed of the order and of random crops.
         shuffle: ``"global"``, ``"block"`` or ``"sequential"``.
-        partition: ``"contiguous"`` or ``"strided"`` (DistributedSampler index sets).
+        partition: ``"contiguous"`` or ``"strided"`` (DistributedSampler's batches).
         crop: ``"random"``, ``"all"`` or a fixed crop index (int or digit string).
         block_size: samples per block for ``shuffle="block"``.
         window_blocks: blocks shuffled together for ``shuffle="block"``.

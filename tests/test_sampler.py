@@ -144,6 +144,35 @@ def test_strided_matches_distributed_sampler(n, w, per, seed, drop_last, shuffle
             np.testing.assert_array_equal(flat[: len(expect)], expect)
 
 
+@SETTINGS
+@given(n=st.integers(1, 150), w=st.integers(1, 6), per=st.integers(1, 5))
+def test_strided_equals_distributed_sampler_batches_not_index_sets(n, w, per):
+    """What README promises, exactly: per-process batches equal DistributedSampler +
+    DataLoader(drop_last=True); the index sets differ iff N mod G >= W; with
+    DistributedSampler's default drop_last=False the DataLoader yields one more batch
+    iff N mod G > G - W."""
+    import torch.utils.data as tud
+
+    g = w * per
+    s = GlobalSampler(n, global_batch_size=g, seed=3, partition="strided", crop=0)
+    order = s.epoch_order(0)
+    for p in range(w):
+        ours = [b.rows for b in s.process_stream(0, p, w)]
+        our_set = sorted(np.concatenate(ours).tolist()) if ours else []
+        for ds_drop_last in (True, False):
+            ds = tud.DistributedSampler(
+                range(n), num_replicas=w, rank=p, shuffle=False, drop_last=ds_drop_last
+            )
+            indices = order[np.asarray(list(ds), dtype=np.int64)]
+            batches = list(tud.DataLoader(indices.tolist(), batch_size=per, drop_last=True))
+            for theirs, mine in zip(batches, ours, strict=False):
+                np.testing.assert_array_equal(np.asarray(theirs), mine)
+            extra = len(batches) - len(ours)
+            assert extra == (0 if ds_drop_last else int(n % g > g - w))
+            if ds_drop_last:
+                assert (sorted(indices.tolist()) == our_set) == (n % g < w)
+
+
 def test_distributed_sampler_shuffle_via_torch_permutation():
     """Feeding torch's own permutation shows the index sets are DistributedSampler's."""
     import torch
@@ -199,7 +228,9 @@ def test_validation_messages():
     with pytest.raises(ValueError, match="crop must be"):
         SamplerOptions(global_batch_size=1, crop="x")
     assert SamplerOptions(global_batch_size=1, crop="2").crop == 2
-    with pytest.raises(ValueError, match=r"crop must be 'random', 'all' or a crop index 0-2, got 3"):
+    with pytest.raises(
+        ValueError, match=r"crop must be 'random', 'all' or a crop index 0-2, got 3"
+    ):
         GlobalSampler(10, global_batch_size=1, crop=3)
     with pytest.raises(ValueError, match="crop must be 'random', 'all' or an index >= 0, got True"):
         SamplerOptions(global_batch_size=1, crop=True)  # an int to Python, not an index

@@ -54,6 +54,8 @@ def _print_summary(result) -> None:
     print(f"rows        {s['rows_in']} latent rows in -> {s['rows_out']} kept")
     dropped = ", ".join(f"{k} {v}" for k, v in sorted(s["dropped"].items())) or "none"
     print(f"dropped     {dropped}")
+    dup = s["duplicate_meta_rows"]
+    print(f"metadata    {dup} rows repeating an earlier key ignored (first wins)")
     fetch = result.report.get("fetch") or {}
     if fetch.get("files"):
         print(

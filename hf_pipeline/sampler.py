@@ -39,6 +39,7 @@ import numpy as np
 
 __all__ = [
     "CROPS",
+    "ORDER_VERSION",
     "PARTITIONS",
     "SHUFFLES",
     "GlobalSampler",
@@ -46,6 +47,14 @@ __all__ = [
     "SamplerOptions",
     "crop_problem",
 ]
+
+#: Version of the sample order: which samples, crops and process shares every global
+#: batch of every (seed, epoch, num_rows, options) holds. A saved loader state names
+#: global batches, so any change to ``_compute_order``, ``random_crops``,
+#: ``samples_to_rows`` or ``process_positions`` that moves a sample silently changes every
+#: resumed run: such a change must bump this (tests/test_sampler.py pins each version's
+#: order with golden arrays, and the loader refuses a state saved under another version).
+ORDER_VERSION = 1
 
 SHUFFLES = ("block", "global", "sequential")
 PARTITIONS = ("contiguous", "strided")

@@ -182,8 +182,11 @@ def test_sigkill_builder_across_hosts(host_views, job, tmp_path, phase):
                     "filtered": takers[0]["pid"]}  # fmt: skip
 
 
+# Not strict: on today's code it fails unless host A's "no such file" entries for both
+# markers happen to expire in the ~0.1 s between B's publication and its release of the
+# lease (a few percent). Remove the marker with the fix.
 @pytest.mark.xfail(
-    strict=True,
+    strict=False,
     reason="dist.coordinator: a preferred builder that lost its lease re-claims as soon as "
     "the lease is released and, not yet seeing the taker's markers (negative lookup "
     "cache), discards and rebuilds the published stages (reported to the lead)",

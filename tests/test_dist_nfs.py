@@ -121,9 +121,10 @@ def test_lease_timeout_below_cache_time_takes_over_a_live_builder(host_views, jo
     takes over a builder that is alive and well."""
     views = host_views(cache_s=N)
     lease = 1.5  # < N
-    _start(job, views, 0, 0, "--build-sleep", "3", "--size-mb", "0.25", lease=lease)
+    builder = _start(job, views, 0, 0, "--build-sleep", "3", "--size-mb", "0.25", lease=lease)
     waiter = _start(job, views, 1, 1, "--size-mb", "0.25", lease=lease)
     (result,) = job.wait([waiter], timeout=30)  # the builder is killed with the job
+    assert builder.poll() is None, "the builder was not alive when it was taken over"
     (taken,) = _events(result, "takeover")
     live_builds = [line.split() for line in job.builds(views.a / "c")]
     assert taken[2]["lease_id"] == live_builds[0][2], "the taker did not take the live lease"

@@ -6,8 +6,9 @@ epoch's order, and process ``p`` of ``W`` takes its part of every global batch
 (``partition="contiguous"``: ``[p*G/W, (p+1)*G/W)``; ``partition="strided"``: every
 ``W``-th sample from ``p``, i.e. the batches of ``DataLoader(batch_size=G/W,
 drop_last=True)`` over :class:`torch.utils.data.DistributedSampler` on the same order;
-not its index sets, which also hold the tail that ``DataLoader`` drops: see README). A run saved on ``W`` processes and resumed on ``W'`` therefore
-sees the same global batches.
+not its index sets, which also hold the tail that ``DataLoader`` drops: see README).
+A run saved on ``W`` processes and resumed on ``W'`` therefore sees the same global
+batches.
 
 Samples: with ``crop="all"`` each row gives ``num_crops`` samples (sample id
 ``row * num_crops + crop``); otherwise one sample per row whose crop is either fixed or
@@ -90,9 +91,7 @@ def crop_problem(crop, num_crops: int | None = None) -> str | None:
         name, which the caller puts in front), or None.
     """
     c = _normalize_crop(crop)
-    if isinstance(c, bool):
-        pass  # True is an int to Python, not a crop index
-    elif isinstance(c, int):
+    if isinstance(c, int) and not isinstance(c, bool):  # True is an int to Python
         if c >= 0 and (num_crops is None or c < num_crops):
             return None
     elif c in CROPS:

@@ -161,6 +161,7 @@ from dist.markers import (
     publish_marker,
     read_json,
 )
+from dist.timing import timing_problem
 
 __all__ = [
     "LEASE_FILE",
@@ -247,30 +248,6 @@ class Stage:
             raise TypeError(f"build must be callable, got {self.build!r}")
 
 
-def check_timing(
-    *, poll_interval: float, max_wait: float, lease_timeout: float, heartbeat_interval: float
-) -> None:
-    """Raise ValueError unless the timing values work together (the one place of the rules).
-
-    ``hf_pipeline.config`` calls this too, so a config is refused for exactly the values
-    the protocol refuses.
-    """
-    values = {
-        "poll_interval": poll_interval,
-        "max_wait": max_wait,
-        "lease_timeout": lease_timeout,
-        "heartbeat_interval": heartbeat_interval,
-    }
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{name} must be > 0, got {value!r}")
-    if heartbeat_interval * 2 > lease_timeout:
-        raise ValueError(
-            "heartbeat_interval must be <= lease_timeout / 2 (else live builders look "
-            f"dead), got {heartbeat_interval} with lease_timeout {lease_timeout}"
-        )
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _Timing:
     poll_interval: float
@@ -279,7 +256,9 @@ class _Timing:
     heartbeat_interval: float
 
     def __post_init__(self):
-        check_timing(**dataclasses.asdict(self))
+        problem = timing_problem(**dataclasses.asdict(self))  # config checks the same rules
+        if problem is not None:
+            raise ValueError(problem[1])
 
 
 def default_builder(process: ProcessInfo, scope: str = "shared") -> bool:
@@ -615,7 +594,11 @@ class _Coordinator:
             self.emit("lease_lost", lease_id=lease_id)
             lease.stop()
             _unlink(heartbeat_path(self.cache_dir, lease_id))
-            return None  # back to waiting for whoever took over
+            # Back to waiting for whoever took over, no longer as the preferred builder:
+            # when its lease goes, its markers may reach this host's lookup cache late
+            # (NFS), and an immediate claim would rebuild what was just published.
+            self.builder = False
+            return None
         except BaseException:
             lease.release()
             self.ring()
@@ -664,6 +647,11 @@ class _Coordinator:
         built: Marker | None = None
         for _ in range(_MAX_PUBLISH_ATTEMPTS):
             marker, why = self._check_marker(stage, markers)
+            if marker is None and why != "missing" and "missing" in why:
+                # Files another host just published may reach our attribute cache late
+                # (NFS acregmax): look again before judging the stage broken.
+                time.sleep(min(self.timing.lease_timeout, 5.0))
+                marker, why = self._check_marker(stage, markers)
             if marker is None and why != "missing":
                 lease.check()
                 logger.warning("ignoring marker %s: %s; rebuilding", self.marker_path(stage), why)
@@ -695,10 +683,18 @@ class _Coordinator:
                 self.emit("stage_built", stage=stage.name, lease_id=lease.lease_id, info=built.info)
                 self._collect_stage_garbage(stage, built, lease)
                 return built
+            self._await_visible(self.marker_path(stage))
         raise RuntimeError(
             f"{self.marker_path(stage)}: could not publish after {_MAX_PUBLISH_ATTEMPTS} "
             "attempts (markers keep appearing and being found invalid)"
         )
+
+    def _await_visible(self, path: Path) -> None:
+        """``link`` said the marker exists; this host's negative lookup cache (NFS
+        ``acdirmax``) may hide it for a while: wait for it, boundedly."""
+        deadline = time.monotonic() + self.timing.lease_timeout
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(self.timing.poll_interval)
 
     def _retire_marker(self, stage: Stage, earlier: Mapping[str, Marker], lease: Lease) -> None:
         """Move an invalid marker aside; put it back if what we moved is valid after all

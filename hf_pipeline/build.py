@@ -105,6 +105,8 @@ class BuildResult:
             "rows_in": r["rows_in"],
             "rows_out": r["rows_out"],
             "dropped": dict(r["dropped"]),
+            # Metadata rows, not latent rows: outside the rows_in accounting.
+            "duplicate_meta_rows": int(r["duplicate_meta_rows"]),
             "seconds": round(self.seconds, 3),
             "built": self.built,
         }

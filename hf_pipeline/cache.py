@@ -167,8 +167,9 @@ def open_sample_source(layout: CacheLayout, fingerprint: str):
 def open_dataset(layout: CacheLayout):
     """The built cache as a plain ``datasets.Dataset`` (memory-mapped, filtered rows).
 
-    Columns: key, latents, caption, embedding. For inspection and for users who want
-    ``datasets`` formatting; the training loader uses :func:`open_sample_source`.
+    Columns: key, latents, caption, input_ids (the caption's token ids), embedding.
+    For inspection and for users who want ``datasets`` formatting; the training loader
+    uses :func:`open_sample_source`.
     """
     import numpy as np
     import pyarrow as pa

@@ -26,7 +26,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from dist.timing import timing_problem
 from hf_pipeline.errors import ConfigError
+from hf_pipeline.sampler import crop_problem
+from hf_pipeline.shards import LATENT_SHAPE
 
 __all__ = [
     "BuildConfig",
@@ -183,7 +186,11 @@ class BuildConfig:
     latent_dtype: str = "float16"
 
     def __post_init__(self):
-        _check(self.num_proc >= 0, "build.num_proc", f"must be >= 1, got {self.num_proc}")
+        _check(
+            self.num_proc >= 0,
+            "build.num_proc",
+            f"must be >= 0 (0: min(8, CPUs)), got {self.num_proc}",
+        )
         _check(self.batch_size >= 1, "build.batch_size", f"must be >= 1, got {self.batch_size}")
         _check(
             self.writer_batch_size >= 1,
@@ -224,14 +231,17 @@ class CoordConfig:
             "coord.scope",
             f"must be 'shared' or 'node', got {self.scope!r}",
         )
-        _check(self.poll_interval > 0, "coord.poll_interval", f"must be > 0, got {self.poll_interval}")
-        _check(self.max_wait > 0, "coord.max_wait", f"must be > 0, got {self.max_wait}")
-        _check(self.lease_timeout > 0, "coord.lease_timeout", f"must be > 0, got {self.lease_timeout}")
-        _check(
-            0 < self.heartbeat_interval < self.lease_timeout,
-            "coord.heartbeat_interval",
-            f"must be > 0 and < lease_timeout ({self.lease_timeout}), got {self.heartbeat_interval}",
+        # The coordinator's own rules, so that a config that loads is one it accepts.
+        problem = timing_problem(
+            poll_interval=self.poll_interval,
+            max_wait=self.max_wait,
+            lease_timeout=self.lease_timeout,
+            heartbeat_interval=self.heartbeat_interval,
+            prefix="coord.",
         )
+        if problem is not None:
+            field, message = problem
+            raise ConfigError(message, field=field)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -240,7 +250,7 @@ class LoaderConfig:
 
     global_batch_size: int = 64
     seed: int = 0
-    crop: str = "random"  # "random", "0", "1", "2" or "all"
+    crop: str = "random"  # "random", "all" or a crop index "0".."2" (sampler.crop_problem)
     shuffle: str = "global"  # "global", "block" or "sequential"
     partition: str = "contiguous"  # or "strided" (DistributedSampler order)
     block_size: int = 4096
@@ -256,11 +266,9 @@ class LoaderConfig:
             "loader.global_batch_size",
             f"must be >= 1, got {self.global_batch_size}",
         )
-        _check(
-            self.crop in ("random", "all", "0", "1", "2"),
-            "loader.crop",
-            f"must be 'random', 'all' or a crop index 0-2, got {self.crop!r}",
-        )
+        # The sampler's rule, with the crop count every shard must have.
+        problem = crop_problem(self.crop, LATENT_SHAPE[0])
+        _check(problem is None, "loader.crop", problem or "")
         _check(
             self.shuffle in ("global", "block", "sequential"),
             "loader.shuffle",

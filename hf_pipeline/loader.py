@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from hf_pipeline.sampler import GlobalSampler, ProcessBatch, SamplerOptions
+from hf_pipeline.sampler import ORDER_VERSION, GlobalSampler, ProcessBatch, SamplerOptions
 
 _log = logging.getLogger("hf_pipeline")
 
@@ -504,6 +504,7 @@ class Loader:
         o = self._options
         return {
             "version": _STATE_VERSION,
+            "order_version": ORDER_VERSION,
             "epoch": self._epoch,
             "step": self._step,
             "seed": o.seed,
@@ -526,12 +527,21 @@ class Loader:
 
         Raises:
             ValueError: the state belongs to another cache (fingerprint), global batch
-                size, seed, crop or shuffle mode, or is malformed.
+                size, seed, crop or shuffle mode, or sample order version
+                (``hf_pipeline.sampler.ORDER_VERSION``), or is malformed.
         """
         if not isinstance(state, dict) or "epoch" not in state or "step" not in state:
             raise ValueError(f"not a loader state: {state!r}")
         if state.get("version") != _STATE_VERSION:
             raise ValueError(f"loader state version {state.get('version')} != {_STATE_VERSION}")
+        # States written before the field existed were written under order version 1.
+        saved_order = state.get("order_version", 1)
+        if saved_order != ORDER_VERSION:
+            raise ValueError(
+                f"loader state was saved under sample order version {saved_order!r} but this "
+                f"code draws order version {ORDER_VERSION}; resuming would not continue the "
+                "same sequence (use the hf_pipeline release that saved it)"
+            )
         mine = self.state_dict()
         for key in _ORDER_FIELDS:
             if key in state and state[key] != mine[key]:

@@ -4,9 +4,11 @@ The order depends only on ``(seed, epoch, num_rows, options)``, never on the num
 processes: global batch ``g`` of an epoch is the fixed slice ``[g*G, (g+1)*G)`` of the
 epoch's order, and process ``p`` of ``W`` takes its part of every global batch
 (``partition="contiguous"``: ``[p*G/W, (p+1)*G/W)``; ``partition="strided"``: every
-``W``-th sample from ``p``, i.e. :class:`torch.utils.data.DistributedSampler`'s index
-sets over the same order). A run saved on ``W`` processes and resumed on ``W'`` therefore
-sees the same global batches.
+``W``-th sample from ``p``, i.e. the batches of ``DataLoader(batch_size=G/W,
+drop_last=True)`` over :class:`torch.utils.data.DistributedSampler` on the same order;
+not its index sets, which also hold the tail that ``DataLoader`` drops: see README).
+A run saved on ``W`` processes and resumed on ``W'`` therefore sees the same global
+batches.
 
 Samples: with ``crop="all"`` each row gives ``num_crops`` samples (sample id
 ``row * num_crops + crop``); otherwise one sample per row whose crop is either fixed or
@@ -38,12 +40,22 @@ import numpy as np
 
 __all__ = [
     "CROPS",
+    "ORDER_VERSION",
     "PARTITIONS",
     "SHUFFLES",
     "GlobalSampler",
     "ProcessBatch",
     "SamplerOptions",
+    "crop_problem",
 ]
+
+#: Version of the sample order: which samples, crops and process shares every global
+#: batch of every (seed, epoch, num_rows, options) holds. A saved loader state names
+#: global batches, so any change to ``_compute_order``, ``random_crops``,
+#: ``samples_to_rows`` or ``process_positions`` that moves a sample silently changes every
+#: resumed run: such a change must bump this (tests/test_sampler.py pins each version's
+#: order with golden arrays, and the loader refuses a state saved under another version).
+ORDER_VERSION = 1
 
 SHUFFLES = ("block", "global", "sequential")
 PARTITIONS = ("contiguous", "strided")
@@ -67,6 +79,27 @@ def _normalize_crop(crop) -> str | int:
     return crop
 
 
+def crop_problem(crop, num_crops: int | None = None) -> str | None:
+    """Why ``crop`` is not a valid crop choice, or None: the one rule for crop values.
+
+    Valid: ``"random"``, ``"all"``, or a crop index (int or digit string) below
+    ``num_crops`` (any index >= 0 while ``num_crops`` is unknown). ``hf_pipeline.config``
+    checks ``loader.crop`` with this and the shards' crop count.
+
+    Returns:
+        ``"must be 'random', 'all' or a crop index 0-2, got '7'"`` (without the field's
+        name, which the caller puts in front), or None.
+    """
+    c = _normalize_crop(crop)
+    if isinstance(c, int) and not isinstance(c, bool):  # True is an int to Python
+        if c >= 0 and (num_crops is None or c < num_crops):
+            return None
+    elif c in CROPS:
+        return None
+    index = "an index >= 0" if num_crops is None else f"a crop index 0-{num_crops - 1}"
+    return f"must be 'random', 'all' or {index}, got {crop!r}"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplerOptions:
     """How the global order is drawn and split.
@@ -75,7 +108,7 @@ class SamplerOptions:
         global_batch_size: samples per global batch (all processes together).
         seed: non-negative seed of the order and of random crops.
         shuffle: ``"global"``, ``"block"`` or ``"sequential"``.
-        partition: ``"contiguous"`` or ``"strided"`` (DistributedSampler index sets).
+        partition: ``"contiguous"`` or ``"strided"`` (DistributedSampler's batches).
         crop: ``"random"``, ``"all"`` or a fixed crop index (int or digit string).
         block_size: samples per block for ``shuffle="block"``.
         window_blocks: blocks shuffled together for ``shuffle="block"``.
@@ -101,10 +134,10 @@ class SamplerOptions:
             raise ValueError(f"shuffle must be one of {SHUFFLES}, got {self.shuffle!r}")
         if self.partition not in PARTITIONS:
             raise ValueError(f"partition must be one of {PARTITIONS}, got {self.partition!r}")
-        crop = _normalize_crop(self.crop)
-        if not (isinstance(crop, int) and crop >= 0) and crop not in CROPS:
-            raise ValueError(f"crop must be 'random', 'all' or an index >= 0, got {self.crop!r}")
-        object.__setattr__(self, "crop", crop)
+        problem = crop_problem(self.crop)
+        if problem is not None:
+            raise ValueError(f"crop {problem}")
+        object.__setattr__(self, "crop", _normalize_crop(self.crop))
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.window_blocks < 1:
@@ -155,8 +188,9 @@ class GlobalSampler:
             raise ValueError(f"num_rows must be >= 0, got {num_rows}")
         if num_crops < 1:
             raise ValueError(f"num_crops must be >= 1, got {num_crops}")
-        if isinstance(options.crop, int) and options.crop >= num_crops:
-            raise ValueError(f"crop must be < num_crops ({num_crops}), got {options.crop}")
+        problem = crop_problem(options.crop, num_crops)
+        if problem is not None:
+            raise ValueError(f"crop {problem} (the data has {num_crops} crops per row)")
         self.options = options
         self.num_rows = int(num_rows)
         self.num_crops = int(num_crops)

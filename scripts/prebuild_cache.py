@@ -69,6 +69,8 @@ def _print_summary(result) -> None:
         if bad.get("count"):
             keys = ", ".join(map(str, bad.get("first_keys", [])))
             print(f"bad rows    {reason} {bad['count']} (first keys: {keys})")
+    dup = s["duplicate_meta_rows"]
+    print(f"metadata    {dup} rows repeating an earlier key ignored (first wins)")
     fetch = result.report.get("fetch") or {}
     if fetch.get("files"):
         print(

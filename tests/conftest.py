@@ -3,9 +3,12 @@ demo cache built once per session (through the real build: datasets, MiniLM)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -54,7 +57,11 @@ def built_cache(small_config):
 
 def script_env(**extra: str) -> dict[str, str]:
     """Environment for running scripts/ in a subprocess (repo importable, offline)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_", "DATASET_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_", "DATASET_"))
+    }
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
@@ -76,10 +83,19 @@ def run_ranks(
     procs = [
         subprocess.Popen(
             [PYTHON, *map(str, argv)],
-            env=script_env(**{"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
-                              "LOCAL_WORLD_SIZE": str(world), **env,
-                              **(rank_env(r) if rank_env else {})}),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=script_env(
+                **{
+                    "RANK": str(r),
+                    "WORLD_SIZE": str(world),
+                    "LOCAL_RANK": str(r),
+                    "LOCAL_WORLD_SIZE": str(world),
+                    **env,
+                    **(rank_env(r) if rank_env else {}),
+                }
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for r in range(world)
     ]
@@ -134,3 +150,97 @@ def mounts(tmp_path):
         _umount(path)
 
 
+# ------------------------------------------------- two hosts' views of one share (FUSE)
+# An NFS client caches attributes, lookups and negative lookups (acregmax/acdirmax), so a
+# file written on host A can stay invisible, or keep its old content, on host B for
+# seconds. Two bindfs views of one folder with kernel caches of N seconds behave like
+# that: each view is one host (its processes share one cache), and a change made
+# through one view reaches the other only once the other's cache entry expires.
+
+#: bindfs options of one "host": lookups, negative lookups and attributes cached for N s,
+#: and file data kept until an attribute refresh shows a new mtime or size (auto_cache),
+#: as an NFS client validates its data cache against attributes cached up to acregmax.
+#: Without auto_cache bindfs re-reads data on every open but cuts it to the cached size:
+#: JSON files come out torn rather than late.
+BINDFS_OPTIONS = "attr_timeout={n},entry_timeout={n},negative_timeout={n},auto_cache"
+
+
+@dataclasses.dataclass(frozen=True)
+class HostViews:
+    """One shared folder seen through two caching hosts."""
+
+    shared: Path  # the real folder (the NFS server's export)
+    a: Path  # host A's mount of it
+    b: Path  # host B's mount of it
+    cache_s: float  # how long either host may see stale names, attributes and data
+
+    def view(self, host: int) -> Path:
+        return (self.a, self.b)[host % 2]
+
+
+def _bindfs_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to mount FUSE"
+    if shutil.which("bindfs") is None:
+        return "bindfs is not installed (apt-get install -y bindfs; .ci/run does)"
+    if not os.path.exists("/dev/fuse"):
+        return "no /dev/fuse"
+    return None
+
+
+def _mount_bindfs(source: Path, target: Path, cache_s: float) -> subprocess.Popen:
+    """Start bindfs in the foreground (so the test owns its pid) and wait for the mount."""
+    opts = BINDFS_OPTIONS.format(n=cache_s)
+    proc = subprocess.Popen(
+        ["bindfs", "-f", "-o", opts, str(source), str(target)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 10
+    while not os.path.ismount(target):
+        if proc.poll() is not None:
+            raise RuntimeError(f"bindfs {source} {target} exited: {proc.stderr.read()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"bindfs {source} {target} did not mount in 10 s")
+        time.sleep(0.01)
+    return proc
+
+
+def _unmount_bindfs(target: Path, proc: subprocess.Popen) -> None:
+    # Lazy: a rank process the test has not reaped yet may still hold a file open.
+    subprocess.run(["umount", "-l", str(target)], capture_output=True)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if proc.stderr:
+        proc.stderr.close()
+
+
+@pytest.fixture
+def host_views(tmp_path):
+    """``host_views(cache_s)``: a fresh shared folder and two caching views of it.
+
+    Every mount is undone when the test ends, pass or fail (request this fixture before
+    any fixture that starts processes on the views, so those are killed first).
+    """
+    reason = _bindfs_unavailable()
+    if reason:
+        pytest.skip(reason)
+    mounted: list[tuple[Path, subprocess.Popen]] = []
+
+    def make(cache_s: float = 3.0, name: str = "share") -> HostViews:
+        shared, a, b = (tmp_path / f"{name}-{part}" for part in ("export", "host-a", "host-b"))
+        for p in (shared, a, b):
+            p.mkdir()
+        for target in (a, b):
+            mounted.append((target, _mount_bindfs(shared, target, cache_s)))
+        return HostViews(shared=shared, a=a, b=b, cache_s=cache_s)
+
+    try:
+        yield make
+    finally:
+        for target, proc in reversed(mounted):
+            _unmount_bindfs(target, proc)

@@ -52,6 +52,8 @@ def test_join_matches_pandas_reference(built_cache, small_config):
     kept = ref[ref["reason"] == ""]
 
     ds = open_dataset(built_cache.layout)
+    # README lists these columns.
+    assert ds.column_names == ["key", "latents", "caption", "input_ids", "embedding"]
     assert ds["key"] == kept["key"].tolist()  # same rows, same (shard, row) order
     assert ds["caption"] == kept["caption_llava"].tolist()
 

@@ -44,6 +44,21 @@ def _df():
 # ----------------------------------------------------------------------------- reading
 
 
+def test_duplicate_key_first_row_in_file_wins_even_without_caption(tmp_path):
+    """README: the first row in file order wins, whatever its caption; later rows with
+    the same key are only counted."""
+    df = pd.DataFrame(
+        {
+            "key": np.array([7, 3, 7, 7, 3], dtype=np.int64),
+            "caption_llava": [None, "three", "seven", "seven again", ""],
+        }
+    )
+    t = read_captions(_write(tmp_path / "m.parquet", df))
+    assert t.keys.tolist() == [3, 7]
+    assert t.captions.to_pylist() == ["three", None]
+    assert t.duplicate_meta_rows == 3
+
+
 def test_read_captions_key_column_and_duplicates(tmp_path):
     path = _write(tmp_path / "m.parquet", _df())
     t = read_captions(path)

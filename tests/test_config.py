@@ -52,7 +52,7 @@ def test_frozen_and_effective_num_proc():
 @pytest.mark.parametrize(
     "override, field, fragment",
     [
-        (["build.num_proc=-1"], "build.num_proc", "must be >= 1, got -1"),
+        (["build.num_proc=-1"], "build.num_proc", "must be >= 0 (0: min(8, CPUs)), got -1"),
         (["build.batch_size=abc"], "build.batch_size", "must be int, got 'abc'"),
         (["loader.crop=7"], "loader.crop", "crop index 0-2, got '7'"),
         (["data.on_missing=ignore"], "data.on_missing", "'fail' or 'skip'"),
@@ -60,7 +60,14 @@ def test_frozen_and_effective_num_proc():
         (["data.on_bad_rows=[drop]"], "data.on_bad_rows", "must be str"),
         (["nope.x=1"], "nope", "unknown config field 'nope'"),
         (["loader.bogus=1"], "loader.bogus", "unknown config field 'loader.bogus'"),
-        (["coord.heartbeat_interval=100"], "coord.heartbeat_interval", "< lease_timeout"),
+        (
+            ["coord.heartbeat_interval=100"],
+            "coord.heartbeat_interval",
+            "coord.heartbeat_interval must be <= coord.lease_timeout / 2",
+        ),
+        (["coord.poll_interval=0"], "coord.poll_interval", "coord.poll_interval must be > 0, got 0"),
+        (["loader.crop=3"], "loader.crop", "crop index 0-2, got '3'"),
+        (["loader.crop=-1"], "loader.crop", "crop index 0-2, got '-1'"),
         (["justtext"], "justtext", "section.field=value"),
     ],
 )
@@ -92,3 +99,29 @@ def test_cache_root_from_env(tmp_path):
     cfg = load_config(None, environ={"HF_PIPELINE_CACHE": str(tmp_path / "x")})
     assert cfg.cache_root == tmp_path / "x"
     assert isinstance(Config().to_dict()["loader"], dict)
+
+
+@pytest.mark.parametrize("lease", [1.0, 4.0, 60.0])
+@pytest.mark.parametrize("heartbeat", [0.1, 0.5, 0.6, 2.0, 30.0, 31.0, 0.0, -1.0])
+@pytest.mark.parametrize("poll", [0.05, 0.0])
+def test_coord_timing_config_accepts_exactly_what_the_coordinator_accepts(
+    tmp_path, lease, heartbeat, poll
+):
+    from dist import ensure_built
+
+    values = {"poll_interval": poll, "lease_timeout": lease, "heartbeat_interval": heartbeat}
+    overrides = [f"coord.{k}={v}" for k, v in values.items()]
+    try:
+        load_config(None, overrides, environ={})
+        config_error = None
+    except ConfigError as e:
+        config_error = str(e)
+    # Valid timing makes ensure_built go on to reject the empty stage list.
+    with pytest.raises(ValueError) as info:
+        ensure_built(tmp_path, "fp", [], max_wait=3600.0, **values)
+    coordinator_error = None if "stages must not be empty" in str(info.value) else str(info.value)
+    assert (config_error is None) == (coordinator_error is None), (config_error, coordinator_error)
+    if config_error is not None:
+        # The same rule, named as the user set it.
+        assert config_error.replace("coord.", "") == coordinator_error
+        assert config_error.startswith("coord.")

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from hf_pipeline.config import LoaderConfig
 from hf_pipeline.loader import Loader
 from hf_pipeline.mapped import SampleSource
-from hf_pipeline.sampler import GlobalSampler
+from hf_pipeline.sampler import ORDER_VERSION, GlobalSampler
 from tests.test_mapped import build_cache
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -239,6 +239,18 @@ def test_state_mismatch_is_refused():
             ld.load_state_dict({**state, "seed": 1, "step": 99})
         with pytest.raises(ValueError, match="not a loader state"):
             ld.load_state_dict({"foo": 1})
+    # The order's version travels with the state; a state from before the field was
+    # added was drawn by order version 1.
+    assert state["order_version"] == ORDER_VERSION
+    with Loader(src, global_batch_size=8, process_index=0, process_count=1) as ld:
+        with pytest.raises(ValueError, match="sample order version 0 but this code"):
+            ld.load_state_dict({**state, "order_version": 0})
+        old = {k: v for k, v in state.items() if k != "order_version"}
+        if ORDER_VERSION == 1:
+            ld.load_state_dict(old)
+        else:
+            with pytest.raises(ValueError, match="sample order version 1 but this code"):
+                ld.load_state_dict(old)
 
 
 @pytest.mark.parametrize("threads", [1, 3])

@@ -144,6 +144,35 @@ def test_strided_matches_distributed_sampler(n, w, per, seed, drop_last, shuffle
             np.testing.assert_array_equal(flat[: len(expect)], expect)
 
 
+@SETTINGS
+@given(n=st.integers(1, 150), w=st.integers(1, 6), per=st.integers(1, 5))
+def test_strided_equals_distributed_sampler_batches_not_index_sets(n, w, per):
+    """What README promises, exactly: per-process batches equal DistributedSampler +
+    DataLoader(drop_last=True); the index sets differ iff N mod G >= W; with
+    DistributedSampler's default drop_last=False the DataLoader yields one more batch
+    iff N mod G > G - W."""
+    import torch.utils.data as tud
+
+    g = w * per
+    s = GlobalSampler(n, global_batch_size=g, seed=3, partition="strided", crop=0)
+    order = s.epoch_order(0)
+    for p in range(w):
+        ours = [b.rows for b in s.process_stream(0, p, w)]
+        our_set = sorted(np.concatenate(ours).tolist()) if ours else []
+        for ds_drop_last in (True, False):
+            ds = tud.DistributedSampler(
+                range(n), num_replicas=w, rank=p, shuffle=False, drop_last=ds_drop_last
+            )
+            indices = order[np.asarray(list(ds), dtype=np.int64)]
+            batches = list(tud.DataLoader(indices.tolist(), batch_size=per, drop_last=True))
+            for theirs, mine in zip(batches, ours, strict=False):
+                np.testing.assert_array_equal(np.asarray(theirs), mine)
+            extra = len(batches) - len(ours)
+            assert extra == (0 if ds_drop_last else int(n % g > g - w))
+            if ds_drop_last:
+                assert (sorted(indices.tolist()) == our_set) == (n % g < w)
+
+
 def test_distributed_sampler_shuffle_via_torch_permutation():
     """Feeding torch's own permutation shows the index sets are DistributedSampler's."""
     import torch
@@ -199,10 +228,116 @@ def test_validation_messages():
     with pytest.raises(ValueError, match="crop must be"):
         SamplerOptions(global_batch_size=1, crop="x")
     assert SamplerOptions(global_batch_size=1, crop="2").crop == 2
-    with pytest.raises(ValueError, match="crop must be < num_crops"):
+    with pytest.raises(
+        ValueError, match=r"crop must be 'random', 'all' or a crop index 0-2, got 3"
+    ):
         GlobalSampler(10, global_batch_size=1, crop=3)
+    with pytest.raises(ValueError, match="crop must be 'random', 'all' or an index >= 0, got True"):
+        SamplerOptions(global_batch_size=1, crop=True)  # an int to Python, not an index
     s = GlobalSampler(10, global_batch_size=6)
     with pytest.raises(ValueError, match="divisible by the number of processes"):
         s.process_positions(0, 4)
     with pytest.raises(IndexError):
         s.process_batch(0, 1)
+
+
+# Golden sample orders, by ORDER_VERSION: (rows, crops) of every global batch of epochs 0
+# and 3, seed 7, for a few settings; computed once from the code that defined the version.
+# Every saved loader state points into these sequences. If this test fails, the order
+# changed: if that is deliberate, bump hf_pipeline.sampler.ORDER_VERSION and add the new
+# version's arrays here (keep the old ones); otherwise the change is a bug.
+GOLDEN_SETTINGS = {
+    "global-random": dict(num_rows=20, global_batch_size=6, shuffle="global", crop="random"),
+    "global-all": dict(num_rows=9, global_batch_size=4, shuffle="global", crop="all"),
+    "block-fixed": dict(
+        num_rows=23, global_batch_size=5, shuffle="block", crop=1, block_size=4, window_blocks=2
+    ),
+    "block-random": dict(
+        num_rows=30, global_batch_size=8, shuffle="block", crop="random", block_size=5,
+        window_blocks=3,
+    ),
+    "sequential-all": dict(num_rows=7, global_batch_size=4, shuffle="sequential", crop="all"),
+}  # fmt: skip
+# fmt: off
+GOLDEN = {
+    1: {
+        ("global-random", 0): (
+            [3, 8, 12, 13, 14, 16, 10, 15, 1, 6, 0, 7, 4, 18, 5, 19, 17, 2],
+            [2, 0, 1, 0, 0, 2, 2, 0, 1, 2, 1, 1, 2, 2, 0, 1, 2, 1],
+        ),
+        ("global-random", 3): (
+            [8, 5, 2, 12, 19, 13, 10, 18, 3, 4, 0, 15, 11, 7, 14, 17, 16, 1],
+            [0, 0, 1, 0, 0, 1, 1, 1, 0, 2, 1, 0, 2, 1, 1, 1, 2, 0],
+        ),
+        ("global-all", 0): (
+            [5, 1, 8, 4, 1, 4, 4, 6, 6, 8, 0, 7, 6, 3, 2, 2, 0, 5, 2, 5, 1, 8, 7, 0],
+            [2, 1, 1, 1, 0, 2, 0, 0, 1, 0, 0, 1, 2, 1, 2, 1, 1, 0, 0, 1, 2, 2, 2, 2],
+        ),
+        ("global-all", 3): (
+            [8, 4, 3, 6, 8, 6, 4, 2, 6, 0, 1, 5, 7, 2, 1, 1, 7, 0, 7, 3, 5, 4, 8, 5],
+            [1, 1, 1, 1, 2, 2, 0, 1, 0, 2, 2, 2, 2, 2, 1, 0, 0, 0, 1, 2, 0, 2, 0, 1],
+        ),
+        ("block-fixed", 0): (
+            [8, 10, 9, 20, 21, 22, 11, 16, 2, 0, 3, 19, 1, 18, 17, 15, 7, 12, 5, 14],
+            [1] * 20,
+        ),
+        ("block-fixed", 3): (
+            [0, 18, 1, 16, 3, 19, 2, 17, 14, 11, 13, 9, 10, 12, 8, 15, 6, 7, 5, 20],
+            [1] * 20,
+        ),
+        ("block-random", 0): (
+            [0, 4, 13, 28, 3, 26, 2, 11, 25, 12, 29, 14, 10, 1, 27, 17, 19, 24, 9, 6, 16, 7, 23, 8],
+            [1, 2, 0, 1, 2, 1, 1, 2, 2, 1, 2, 0, 2, 1, 0, 2, 1, 1, 2, 2, 2, 1, 2, 0],
+        ),
+        ("block-random", 3): (
+            [3, 0, 22, 17, 1, 18, 15, 4, 23, 24, 20, 19, 16, 2, 21, 10, 26, 13, 29, 5, 8, 9, 14, 12],
+            [0, 1, 1, 1, 0, 1, 0, 2, 2, 0, 2, 0, 2, 1, 2, 1, 2, 1, 1, 0, 0, 1, 1, 0],
+        ),
+        ("sequential-all", 0): (
+            [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4, 5, 5, 5, 6, 6],
+            [0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1],
+        ),
+        ("sequential-all", 3): (
+            [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4, 5, 5, 5, 6, 6],
+            [0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1],
+        ),
+        # drop_last=False: the last global batch of "global-random", epoch 0, wraps around.
+        "padded-last-batch": ([9, 11, 3, 8, 12, 13], [2, 2, 2, 0, 1, 0], [1, 1, 0, 0, 0, 0]),
+        # Step 1 of "global-random", epoch 0, split over 3 processes.
+        "shares": {
+            "contiguous": [[10, 15], [1, 6], [0, 7]],
+            "strided": [[10, 6], [15, 0], [1, 7]],
+        },
+    }
+}
+# fmt: on
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_SETTINGS))
+@pytest.mark.parametrize("epoch", [0, 3])
+def test_golden_order_of_this_order_version(name, epoch):
+    from hf_pipeline.sampler import ORDER_VERSION
+
+    settings = dict(GOLDEN_SETTINGS[name])
+    s = GlobalSampler(settings.pop("num_rows"), seed=7, **settings)
+    rows, crops = [], []
+    for step in range(s.steps_per_epoch):
+        b = s.process_batch(epoch, step)
+        rows += b.rows.tolist()
+        crops += b.crops.tolist()
+    assert (rows, crops) == GOLDEN[ORDER_VERSION][(name, epoch)]
+
+
+def test_golden_padding_and_process_shares_of_this_order_version():
+    from hf_pipeline.sampler import ORDER_VERSION
+
+    golden = GOLDEN[ORDER_VERSION]
+    settings = dict(GOLDEN_SETTINGS["global-random"], seed=7)
+    n = settings.pop("num_rows")
+    padded = GlobalSampler(n, drop_last=False, **settings).process_batch(0, 3)
+    assert (padded.rows.tolist(), padded.crops.tolist(), padded.mask.astype(int).tolist()) == (
+        golden["padded-last-batch"]
+    )
+    for partition, shares in golden["shares"].items():
+        s = GlobalSampler(n, partition=partition, **settings)
+        assert [s.process_batch(0, 1, p, 3).rows.tolist() for p in range(3)] == shares

@@ -38,6 +38,10 @@ def test_prebuild_json_then_found(tmp_path, session_cache_root, built_cache):
     assert set(s) >= {"fingerprint", "cache_dir", "rows_in", "rows_out", "dropped", "seconds"}
     assert s["fingerprint"] == built_cache.fingerprint and s["built"] is False
     assert "found" in p.stdout and str(s["rows_out"]) in p.stdout
+    # The demo repeats one metadata row: counted, outside the latent-row accounting.
+    assert s["duplicate_meta_rows"] == built_cache.report["duplicate_meta_rows"] >= 1
+    line = f"metadata    {s['duplicate_meta_rows']} rows repeating an earlier key ignored"
+    assert line in p.stdout
 
 
 def test_prebuild_status_verify_clean(session_cache_root, built_cache):
@@ -54,7 +58,7 @@ def test_prebuild_status_verify_clean(session_cache_root, built_cache):
 @pytest.mark.parametrize(
     "args, fragment",
     [
-        (["--set", "build.num_proc=-2"], "build.num_proc must be >= 1, got -2"),
+        (["--set", "build.num_proc=-2"], "build.num_proc must be >= 0 (0: min(8, CPUs)), got -2"),
         (["--set", "loader.crop=9"], "loader.crop"),
         (["--config", "configs/nope.yaml"], "does not exist"),
         (["--set", "data.shards=/nonexistent/folder"], "/nonexistent/folder"),

@@ -24,7 +24,7 @@ import pytest
 
 from dist.markers import check_marker
 from tests.conftest import REPO, SMALL_DEMO, run_ranks
-from tests.test_dist_coordinator import Job
+from tests.helpers.dist_job import Job
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,1 @@
+"""Scaffolding shared by several test modules (not tests themselves)."""

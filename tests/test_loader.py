@@ -148,7 +148,9 @@ def test_no_full_batch_ends_immediately():
         assert _run_with_timeout(lambda: list(ld)) == []
         # Raised by the call itself, as a UserError naming the batch size and the rows
         # (scripts turn it into one line, exit 2).
-        with pytest.raises(ConfigError, match=r"global_batch_size \(8\) is larger .* 5 samples \(5 rows"):
+        with pytest.raises(
+            ConfigError, match=r"global_batch_size \(8\) is larger .* 5 samples \(5 rows"
+        ):
             ld.epochs()
 
 

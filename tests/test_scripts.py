@@ -97,8 +97,17 @@ def test_train_short_run_loss_falls(session_cache_root, built_cache):
 def test_train_batch_larger_than_data_is_one_line_exit_2(session_cache_root, built_cache):
     rows = built_cache.report["rows_out"]
     big = rows + 1
-    p = _run("train.py", "--cache-dir", str(session_cache_root), *_sets(SMALL_DEMO),
-             "--batch-size", str(big), "--steps", "5", "-q")
+    p = _run(
+        "train.py",
+        "--cache-dir",
+        str(session_cache_root),
+        *_sets(SMALL_DEMO),
+        "--batch-size",
+        str(big),
+        "--steps",
+        "5",
+        "-q",
+    )
     assert p.returncode == 2, p.stderr[-3000:]
     assert "Traceback" not in p.stderr
     errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]

@@ -346,6 +346,38 @@ def test_mesh_single_device(source):
         Loader(source, global_batch_size=16, mesh=mesh, data_axis="batch")
 
 
+def test_bfloat16_cache_yields_bfloat16_jax_arrays(tmp_path):
+    """A bfloat16 cache reaches JAX as bfloat16 with the stored bits (subnormals too)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    files = build_cache(tmp_path, 90, dtype="bfloat16", num_proc=1, embed_dim=8)
+    with SampleSource(*files, fingerprint="bf", latent_dtype="bfloat16") as src:
+        kw = dict(global_batch_size=12, seed=2, process_index=0, process_count=1)
+        with Loader(src, **kw) as ld, Loader(src, latents_dtype="float32", **kw) as wide:
+            for step, (b, w) in enumerate(zip(ld, wide, strict=True)):
+                pb = ld.sampler.process_batch(0, step, 0, 1)
+                ref = src.gather(pb.rows, pb.crops)["latents"]
+                assert b["latents"].dtype == jnp.bfloat16
+                got = np.asarray(b["latents"])
+                np.testing.assert_array_equal(got.view(np.uint16), ref.view(np.uint16))
+                assert (got.view(np.uint16)[:, 0, 0, 0] == 3).all()  # a subnormal, kept
+                # The cast on the device widens exactly.
+                assert w["latents"].dtype == jnp.float32
+                np.testing.assert_array_equal(np.asarray(w["latents"]), ref.astype(np.float32))
+            assert step == 60 // 12 - 1
+        mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+        with Loader(src, global_batch_size=12, mesh=mesh) as ld:
+            b = next(iter(ld))
+            pb = ld.sampler.process_batch(0, 0, 0, 1)
+            ref = src.gather(pb.rows, pb.crops)["latents"]
+            assert b["latents"].dtype == jnp.bfloat16
+            np.testing.assert_array_equal(
+                np.asarray(b["latents"]).view(np.uint16), ref.view(np.uint16)
+            )
+
+
 _MULTI_DEVICE = textwrap.dedent(
     """
     import json, sys

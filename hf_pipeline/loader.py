@@ -301,7 +301,9 @@ class Loader:
             shuffled fp16 latents into an H200 (benchmarks/bench_loader.py).
         mesh: optional ``jax.sharding.Mesh``; batches become global arrays.
         data_axis: mesh axis (or axes) the batch dimension is sharded over.
-        latents_dtype: optional output dtype of the latents (``"bfloat16"``, ...).
+        latents_dtype: optional output dtype of the latents (``"bfloat16"``, ...); by
+            default the cache's storage dtype (a bfloat16 cache's ``ml_dtypes.bfloat16``
+            arrays become ``jnp.bfloat16`` on the device, bit for bit).
         start_epoch: epoch to start at (ignored after :meth:`load_state_dict`).
 
     Raises:

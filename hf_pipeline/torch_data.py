@@ -63,6 +63,8 @@ class TorchBatches(tud.IterableDataset):
     Yields:
         ``{"latents": (b, C, H, W), "embeddings": (b, D), "keys": (b,)}`` tensors (and
         ``"mask"`` with ``drop_last=False``), ``b = global_batch_size // process_count``.
+        Latents come in the cache's storage dtype (``torch.bfloat16`` for a bfloat16
+        cache) unless ``latents_dtype`` says otherwise.
 
     Raises:
         ValueError: invalid options or a global batch not divisible by the ranks.

@@ -337,24 +337,24 @@ class _Builder:
         shards = self.inputs.shards
         num_proc = max(1, min(b.effective_num_proc, len(shards)))
         files = {f.name: f for f in shards}
-        storage = self._storage()
         precision_dir = work / "precision"
         precision_dir.mkdir()
-        features = Features(
-            {
-                "key": Value("int64"),
-                # Arrow has no bfloat16: its bits are stored as uint16 (see precision).
-                "latents": Array4D(LATENT_SHAPE, arrow_dtype(storage.dtype)),
-                "caption": Value("string"),
-                "drop_reason": Value("string"),
-                "input_ids": List(Value("int32")),
-            }
-        )
         shard_ds = Dataset.from_dict({"shard": [f.name for f in shards]})
         with Prefetcher(
             self.inputs.source, shards, data_config=cfg.data, num_workers=num_proc,
             progress=self.progress,
         ) as prefetch:
+            storage = self._storage(prefetch.client(), cfg.data.file_timeout)
+            features = Features(
+                {
+                    "key": Value("int64"),
+                    # Arrow has no bfloat16: its bits are stored as uint16 (see precision).
+                    "latents": Array4D(LATENT_SHAPE, arrow_dtype(storage.dtype)),
+                    "caption": Value("string"),
+                    "drop_reason": Value("string"),
+                    "input_ids": List(Value("int32")),
+                }
+            )
             rows = shard_ds.map(
                 _convert_shards,
                 batched=True,
@@ -450,28 +450,25 @@ class _Builder:
             "precision": precision,
         }
 
-    def _storage(self) -> _Storage:
+    def _storage(self, client, timeout: float) -> _Storage:
         """The storage dtype: explicit, or (``source``) the first readable shard's dtype.
 
         ``source`` reads one shard's header here, before the workers start, because the
         Arrow column type must be fixed up front; the workers then check every shard.
+        The shard comes through the run's staging client: local files are read in place,
+        a remote one is downloaded by the prefetcher (counted in the fetch stats, other
+        shards downloading meanwhile) and left staged for the worker that converts it,
+        which releases it.
         """
-        from hf_pipeline.errors import SourceError
         from hf_pipeline.shards import shard_latent_dtype
 
         wanted = self.cfg.build.latent_dtype
         if wanted != "source":
             return _Storage(wanted)
         for f in self.inputs.shards:
-            try:
-                # Local (and Hub-cached) files are read in place; a remote one is staged
-                # and then served from staging to the worker that converts it.
-                path = self.inputs.source.fetch_one(f)
-            except SourceError:
-                if self.cfg.data.on_missing == "skip":
-                    continue  # the worker skips and records it too
-                raise
-            return _Storage(shard_latent_dtype(path), reference=f.name)
+            path = client.acquire(f, timeout=timeout * (self.cfg.data.max_retries + 1))
+            if path is not None:  # None: skipped under on_missing="skip" (and recorded)
+                return _Storage(shard_latent_dtype(path), reference=f.name)
         # Every shard is missing (and skipped): nothing is stored; float32 holds anything.
         return _Storage("float32")
 

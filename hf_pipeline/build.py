@@ -339,12 +339,13 @@ class _Builder:
         files = {f.name: f for f in shards}
         precision_dir = work / "precision"
         precision_dir.mkdir()
+        fetch_timeout = cfg.data.file_timeout * (cfg.data.max_retries + 1)
         shard_ds = Dataset.from_dict({"shard": [f.name for f in shards]})
         with Prefetcher(
             self.inputs.source, shards, data_config=cfg.data, num_workers=num_proc,
             progress=self.progress,
         ) as prefetch:
-            storage = self._storage(prefetch.client(), cfg.data.file_timeout)
+            storage = self._storage(prefetch.client(), fetch_timeout)
             features = Features(
                 {
                     "key": Value("int64"),
@@ -370,7 +371,7 @@ class _Builder:
                     "captions_path": captions_path,
                     "storage": storage,
                     "precision_dir": str(precision_dir),
-                    "fetch_timeout": cfg.data.file_timeout * (cfg.data.max_retries + 1),
+                    "fetch_timeout": fetch_timeout,
                     "encoder": cfg.encoder,
                 },
                 cache_file_name=str(tmp / "rows" / "data.arrow"),
@@ -466,7 +467,7 @@ class _Builder:
         if wanted != "source":
             return _Storage(wanted)
         for f in self.inputs.shards:
-            path = client.acquire(f, timeout=timeout * (self.cfg.data.max_retries + 1))
+            path = client.acquire(f, timeout=timeout)
             if path is not None:  # None: skipped under on_missing="skip" (and recorded)
                 return _Storage(shard_latent_dtype(path), reference=f.name)
         # Every shard is missing (and skipped): nothing is stored; float32 holds anything.
@@ -514,7 +515,8 @@ class _Builder:
             "fetch": conv_info.get("fetch", {}),
             "seconds_convert": conv_info["seconds_convert"],
             "seconds_embed": conv_info["seconds_embed"],
-            "precision": conv_info["precision"],
+            # Absent when the converted stage was published by a release before it.
+            "precision": conv_info.get("precision"),
             "builder": {"host": socket.gethostname(), "pid": os.getpid()},
             "config": self.cfg.to_dict(),
         }

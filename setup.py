@@ -22,6 +22,8 @@ setup(
         "huggingface_hub>=0.24",
         "transformers>=4.40",
         "jax>=0.4.30",
+        # NumPy's bfloat16 (the one JAX uses); a jax dependency, imported directly here.
+        "ml_dtypes>=0.2",
         "numpy>=1.24",
         "pyarrow>=15",
         "pandas>=2.0",

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -152,6 +153,37 @@ def resolve_inputs(cfg: Config) -> Inputs:
 # --------------------------------------------------------------------------- stage 1
 
 
+@dataclasses.dataclass(frozen=True)
+class _Storage:
+    """The latent storage dtype of one build.
+
+    ``reference`` is the shard the dtype was read from when ``build.latent_dtype`` is
+    ``source`` (then every shard must hold that dtype), else ``""``.
+    """
+
+    dtype: str
+    reference: str = ""
+
+
+def _precision_summary(parts: list[dict[str, Any]], storage: str) -> dict[str, Any]:
+    """The report's ``precision`` block from the per-shard files of the convert workers."""
+    from hf_pipeline.precision import PrecisionLoss, is_exact
+
+    by_dtype: dict[str, int] = {}
+    loss = PrecisionLoss()
+    for part in parts:
+        by_dtype[part["source_dtype"]] = by_dtype.get(part["source_dtype"], 0) + 1
+        loss = loss + PrecisionLoss(**{k: v for k, v in part.items() if k != "source_dtype"})
+    sources = sorted(by_dtype)
+    return {
+        "source_dtype": sources[0] if len(sources) == 1 else ("mixed" if sources else ""),
+        "source_dtypes": by_dtype,
+        "storage_dtype": storage,
+        "lossy": not all(is_exact(d, storage) for d in sources),
+        **loss.as_dict(),
+    }
+
+
 _CAPTIONS: dict[str, Any] = {}
 _TOKENIZERS: dict[Any, Any] = {}
 
@@ -213,12 +245,14 @@ def _building():
 
 def _convert_shards(
     batch: Mapping[str, list],
+    indices: list[int],
     *,
     probe,
     client,
     files: Mapping[str, Any],
     captions_path: str,
-    latent_dtype: str,
+    storage: _Storage,
+    precision_dir: str,
     fetch_timeout: float,
     encoder,
     on_bad_rows: str,
@@ -230,22 +264,38 @@ def _convert_shards(
     """
     from hf_pipeline.captions import classify, reason_names
     from hf_pipeline.errors import CorruptShardError
-    from hf_pipeline.shards import LATENT_SHAPE, load_shard, nonfinite_rows
+    from hf_pipeline.precision import arrow_dtype, to_arrow
+    from hf_pipeline.shards import LATENT_SHAPE, read_shard
 
     table = _captions(captions_path)
     tokenizer = _tokenizer(encoder)
     keys, latents, captions, reasons, token_ids = [], [], [], [], []
-    for name in batch["shard"]:
+    for index, name in zip(indices, batch["shard"], strict=True):
         probe.check()
         f = files[name]
         path = client.acquire(f, timeout=fetch_timeout)
         if path is None:  # skipped under on_missing="skip"; recorded by the fetcher
             continue
         try:
-            k, lat = load_shard(path, dtype=latent_dtype)
+            shard = read_shard(path, dtype="source" if storage.reference else storage.dtype)
         finally:
             client.release(f)  # frees the staging slot even when the shard is corrupt
-        bad = nonfinite_rows(lat)
+        if storage.reference and shard.source_dtype != storage.dtype:
+            raise CorruptShardError(
+                str(path),
+                f"latents are {shard.source_dtype}, but the first shard "
+                f"{storage.reference} holds {storage.dtype}; build.latent_dtype: source "
+                "stores one dtype for all shards: set build.latent_dtype explicitly "
+                "(float32 stores float16, bfloat16 and float32 exactly)",
+            )
+        # One small file per shard: the builder adds them up for the report.
+        write_json_atomic(
+            Path(precision_dir) / f"{index:09d}.json",
+            {"source_dtype": shard.source_dtype, **shard.loss.as_dict()},
+            durable=False,
+        )
+        k, lat = shard.keys, to_arrow(shard.latents)
+        bad = shard.nonfinite
         if bad.any():
             first = ", ".join(map(str, k[bad][:_FIRST_KEYS].tolist()))
             if on_bad_rows == "fail":
@@ -277,7 +327,7 @@ def _convert_shards(
     if not keys:
         return {
             "key": np.zeros(0, np.int64),
-            "latents": np.zeros((0, *LATENT_SHAPE), latent_dtype),
+            "latents": np.zeros((0, *LATENT_SHAPE), arrow_dtype(storage.dtype)),
             "caption": [],
             "drop_reason": [],
             "input_ids": [],
@@ -345,6 +395,7 @@ class _Builder:
         from hf_pipeline.captions import read_captions
         from hf_pipeline.embed import TextEncoder, describe_device
         from hf_pipeline.fetch import Prefetcher
+        from hf_pipeline.precision import arrow_dtype
         from hf_pipeline.shards import LATENT_SHAPE
 
         cfg, b = self.cfg, self.cfg.build
@@ -364,24 +415,30 @@ class _Builder:
         shards = self.inputs.shards
         num_proc = max(1, min(b.effective_num_proc, len(shards)))
         files = {f.name: f for f in shards}
-        features = Features(
-            {
-                "key": Value("int64"),
-                "latents": Array4D(LATENT_SHAPE, b.latent_dtype),
-                "caption": Value("string"),
-                "drop_reason": Value("string"),
-                "input_ids": List(Value("int32")),
-            }
-        )
+        precision_dir = work / "precision"
+        precision_dir.mkdir()
+        fetch_timeout = cfg.data.file_timeout * (cfg.data.max_retries + 1)
         shard_ds = Dataset.from_dict({"shard": [f.name for f in shards]})
         with _building(), Prefetcher(
             self.inputs.source, shards, data_config=cfg.data, num_workers=num_proc,
             progress=self.progress,
         ) as prefetch:
+            storage = self._storage(prefetch.client(), fetch_timeout)
+            features = Features(
+                {
+                    "key": Value("int64"),
+                    # Arrow has no bfloat16: its bits are stored as uint16 (see precision).
+                    "latents": Array4D(LATENT_SHAPE, arrow_dtype(storage.dtype)),
+                    "caption": Value("string"),
+                    "drop_reason": Value("string"),
+                    "input_ids": List(Value("int32")),
+                }
+            )
             rows = shard_ds.map(
                 _convert_shards,
                 batched=True,
                 batch_size=1,
+                with_indices=True,
                 num_proc=num_proc if num_proc > 1 else None,
                 writer_batch_size=b.writer_batch_size,
                 features=features,
@@ -391,8 +448,9 @@ class _Builder:
                     "client": prefetch.client(),
                     "files": files,
                     "captions_path": captions_path,
-                    "latent_dtype": b.latent_dtype,
-                    "fetch_timeout": cfg.data.file_timeout * (cfg.data.max_retries + 1),
+                    "storage": storage,
+                    "precision_dir": str(precision_dir),
+                    "fetch_timeout": fetch_timeout,
                     "encoder": cfg.encoder,
                     "on_bad_rows": cfg.data.on_bad_rows,
                 },
@@ -403,6 +461,23 @@ class _Builder:
             )
             fetch_stats = prefetch.stats()
         t_convert = time.monotonic() - t0
+        precision = _precision_summary(
+            [json.loads(p.read_text()) for p in sorted(precision_dir.glob("*.json"))],
+            storage.dtype,
+        )
+        if precision["lossy"]:
+            log.warning(
+                "build.latent_dtype %s is lossy for %s latents: %d of %d values changed, "
+                "%d flushed to zero, %d beyond 1 ulp of %s (build.latent_dtype: source "
+                "stores them exactly)",
+                storage.dtype,
+                precision["source_dtype"],
+                precision["changed"],
+                precision["values"],
+                precision["flushed_to_zero"],
+                precision["beyond_1ulp"],
+                storage.dtype,
+            )
 
         keys = rows.data.column("key").to_numpy()
         pre = np.asarray(rows.data.column("drop_reason").to_pylist(), dtype=object)
@@ -462,7 +537,32 @@ class _Builder:
             "seconds_convert": round(t_convert, 3),
             "seconds_embed": round(t_embed, 3),
             "num_proc": num_proc,
+            # Readers view the latents column through this (bfloat16 is uint16 in Arrow).
+            "latent_dtype": storage.dtype,
+            "precision": precision,
         }
+
+    def _storage(self, client, timeout: float) -> _Storage:
+        """The storage dtype: explicit, or (``source``) the first readable shard's dtype.
+
+        ``source`` reads one shard's header here, before the workers start, because the
+        Arrow column type must be fixed up front; the workers then check every shard.
+        The shard comes through the run's staging client: local files are read in place,
+        a remote one is downloaded by the prefetcher (counted in the fetch stats, other
+        shards downloading meanwhile) and left staged for the worker that converts it,
+        which releases it.
+        """
+        from hf_pipeline.shards import shard_latent_dtype
+
+        wanted = self.cfg.build.latent_dtype
+        if wanted != "source":
+            return _Storage(wanted)
+        for f in self.inputs.shards:
+            path = client.acquire(f, timeout=timeout)
+            if path is not None:  # None: skipped under on_missing="skip" (and recorded)
+                return _Storage(shard_latent_dtype(path), reference=f.name)
+        # Every shard is missing (and skipped): nothing is stored; float32 holds anything.
+        return _Storage("float32")
 
     def filtered(self, ctx) -> dict[str, Any]:
         from datasets import Dataset, concatenate_datasets
@@ -508,6 +608,8 @@ class _Builder:
             "fetch": conv_info.get("fetch", {}),
             "seconds_convert": conv_info["seconds_convert"],
             "seconds_embed": conv_info["seconds_embed"],
+            # Absent when the converted stage was published by a release before it.
+            "precision": conv_info.get("precision"),
             "builder": {"host": socket.gethostname(), "pid": os.getpid()},
             "config": self.cfg.to_dict(),
         }

@@ -152,15 +152,23 @@ class CacheLayout:
 def open_sample_source(layout: CacheLayout, fingerprint: str):
     """Memory-map a built cache for batch gathers (``hf_pipeline.mapped.SampleSource``).
 
-    Opens files read-only; safe to call from any number of processes at once.
+    Opens files read-only; safe to call from any number of processes at once. The
+    latents come in the cache's storage dtype, which the build report records (a
+    bfloat16 cache's uint16 bits are read as ``ml_dtypes.bfloat16``).
     """
     from hf_pipeline.mapped import SampleSource
 
+    try:
+        precision = layout.read_report().get("precision") or {}
+    except FileNotFoundError:
+        precision = {}
+    # Caches built before the report said so store float16/float32, read as they are.
     return SampleSource(
         layout.rows_files(),
         layout.embedding_files(),
         layout.indices_files(),
         fingerprint=fingerprint,
+        latent_dtype=precision.get("storage_dtype"),
     )
 
 
@@ -169,7 +177,9 @@ def open_dataset(layout: CacheLayout):
 
     Columns: key, latents, caption, input_ids (the caption's token ids), embedding.
     For inspection and for users who want ``datasets`` formatting; the training loader
-    uses :func:`open_sample_source`.
+    uses :func:`open_sample_source`. Arrow has no bfloat16: in a bfloat16 cache (report
+    ``precision.storage_dtype``) ``latents`` holds the values' uint16 bits; view them with
+    ``hf_pipeline.precision.from_arrow(array, "bfloat16")`` (no copy).
     """
     import numpy as np
     import pyarrow as pa
@@ -180,10 +190,14 @@ def open_dataset(layout: CacheLayout):
     full = concatenate_datasets(
         [rows.remove_columns("drop_reason"), emb.remove_columns("drop_reason")], axis=1
     )
-    idx_tables = [pa.ipc.open_stream(pa.memory_map(str(p))).read_all() for p in layout.indices_files()]
+    idx_tables = [
+        pa.ipc.open_stream(pa.memory_map(str(p))).read_all() for p in layout.indices_files()
+    ]
+    # The filter writes uint64 row ids; Dataset.select's contiguous fast path (kept rows
+    # forming one run, e.g. nothing dropped) indexes with them and raises IndexError.
     indices = (
-        np.concatenate([t.column("indices").to_numpy() for t in idx_tables])
+        np.concatenate([t.column("indices").to_numpy() for t in idx_tables]).astype(np.int64)
         if idx_tables
-        else np.zeros(0, np.uint64)
+        else np.zeros(0, np.int64)
     )
     return full.select(indices)

@@ -38,8 +38,12 @@ __all__ = [
     "DataConfig",
     "DemoConfig",
     "EncoderConfig",
+    "LATENT_DTYPES",
+    "LatentDtype",
     "LoaderConfig",
     "OnBadRows",
+    "STORAGE_DTYPES",
+    "StorageDtype",
     "TrainConfig",
     "default_cache_root",
     "load_config",
@@ -53,7 +57,15 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 OnBadRows = Literal["drop", "fail"]
 
 _CAPTION_COLUMNS = ("caption_llava", "caption", "caption_llava_short")
-_DTYPES = ("float32", "float16", "bfloat16")
+
+#: Float dtypes of latents (in shards and in the cache) and of encoder compute.
+StorageDtype = Literal["float32", "float16", "bfloat16"]
+STORAGE_DTYPES: tuple[str, ...] = get_args(StorageDtype)
+#: ``build.latent_dtype``: ``"source"`` keeps each shard's own dtype bit for bit (the
+#: default); a named dtype converts to it, lossy or not (the build report says).
+LatentDtype = Literal["source", StorageDtype]
+LATENT_DTYPES: tuple[str, ...] = get_args(LatentDtype)
+_DTYPES = STORAGE_DTYPES
 
 
 def _check(cond: bool, field: str, message: str) -> None:
@@ -183,7 +195,7 @@ class BuildConfig:
     num_proc: int = 0  # 0: min(8, cpus)
     batch_size: int = 1000
     writer_batch_size: int = 10000
-    latent_dtype: str = "float16"
+    latent_dtype: str = "source"  # one of LATENT_DTYPES
 
     def __post_init__(self):
         _check(
@@ -198,9 +210,9 @@ class BuildConfig:
             f"must be >= 1, got {self.writer_batch_size}",
         )
         _check(
-            self.latent_dtype in ("float16", "float32"),
+            self.latent_dtype in LATENT_DTYPES,
             "build.latent_dtype",
-            f"must be 'float16' or 'float32', got {self.latent_dtype!r}",
+            f"must be one of {LATENT_DTYPES}, got {self.latent_dtype!r}",
         )
 
     @property

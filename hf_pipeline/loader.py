@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from hf_pipeline.errors import ConfigError
 from hf_pipeline.sampler import ORDER_VERSION, GlobalSampler, ProcessBatch, SamplerOptions
 
 _log = logging.getLogger("hf_pipeline")
@@ -300,7 +301,9 @@ class Loader:
             shuffled fp16 latents into an H200 (benchmarks/bench_loader.py).
         mesh: optional ``jax.sharding.Mesh``; batches become global arrays.
         data_axis: mesh axis (or axes) the batch dimension is sharded over.
-        latents_dtype: optional output dtype of the latents (``"bfloat16"``, ...).
+        latents_dtype: optional output dtype of the latents (``"bfloat16"``, ...); by
+            default the cache's storage dtype (a bfloat16 cache's ``ml_dtypes.bfloat16``
+            arrays become ``jnp.bfloat16`` on the device, bit for bit).
         start_epoch: epoch to start at (ignored after :meth:`load_state_dict`).
 
     Raises:
@@ -640,11 +643,6 @@ class Loader:
     def _iterate(self, num_epochs: int | None):
         if self._closed:
             raise RuntimeError("the loader is closed")
-        if num_epochs is None and self.steps_per_epoch == 0:
-            raise ValueError(
-                f"an epoch of {self._sampler.num_samples} samples has no full batch of "
-                f"{self._options.global_batch_size}; infinite iteration would never yield"
-            )
         self._stop_prefetch()
         pf = _Prefetcher(
             self._produce,
@@ -684,10 +682,22 @@ class Loader:
         The prefetch thread runs across epoch boundaries without a bubble.
 
         Raises:
-            ValueError: ``num_epochs`` is None and an epoch has no full batch.
+            ConfigError: ``num_epochs`` is None and an epoch has no full batch (a
+                ``global_batch_size`` larger than the data with ``drop_last``); raised
+                here, not at the first ``next``. A ``ValueError`` and a ``UserError``:
+                scripts print it as one line and exit 2.
         """
         if num_epochs is not None and num_epochs < 0:
             raise ValueError(f"num_epochs must be >= 0 or None, got {num_epochs}")
+        if num_epochs is None and self.steps_per_epoch == 0:
+            s = self._sampler
+            raise ConfigError(
+                f"loader.global_batch_size ({s.global_batch_size}) is larger than an epoch "
+                f"of {s.num_samples} samples ({s.num_rows} rows in the cache): with drop_last "
+                "there is no full batch to train on; use a batch of at most "
+                f"{s.num_samples} or set loader.drop_last: false",
+                field="loader.global_batch_size",
+            )
         return self._iterate(num_epochs)
 
     # ------------------------------------------------------------------ stats & life

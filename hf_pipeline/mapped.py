@@ -201,12 +201,14 @@ class MappedColumn:
     Thread-safety: ``gather`` is safe from several threads; ``close`` is not.
     """
 
-    def __init__(self, paths, maps, chunks, row_shape, dtype, column):
+    def __init__(self, paths, maps, chunks, row_shape, dtype, column, stored_dtype=None):
         self._paths = list(paths)
         self._maps = maps  # (memory map, whole-file buffer) per file, kept alive
         self._column = column
         self.row_shape: tuple[int, ...] = tuple(row_shape)
         self.dtype: np.dtype = np.dtype(dtype)
+        #: The dtype Arrow stores (``dtype`` is what gathers return; same width).
+        self.stored_dtype: np.dtype = np.dtype(dtype if stored_dtype is None else stored_dtype)
         self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
         starts = np.zeros(len(chunks) + 1, dtype=np.int64)
         starts[1:] = np.cumsum([c.num_rows for c in chunks], dtype=np.int64)
@@ -235,13 +237,18 @@ class MappedColumn:
     # ------------------------------------------------------------------ opening
 
     @classmethod
-    def open(cls, files: Sequence[str | os.PathLike], column: str) -> MappedColumn:
+    def open(
+        cls, files: Sequence[str | os.PathLike], column: str, *, view_as: np.dtype | None = None
+    ) -> MappedColumn:
         """Memory-map ``files`` and index ``column``'s chunks.
 
         Args:
             files: Arrow IPC files in row order (``data_00000_of_00004.arrow``, ...).
             column: a fixed-shape numeric column (``ArrayXD``, fixed-size list, or
                 primitive).
+            view_as: optional dtype of the same width as the stored one to read the
+                values as (``ml_dtypes.bfloat16`` for bfloat16 bits stored as uint16);
+                gathers reinterpret the bytes, no conversion and no extra copy.
 
         Returns:
             The opened column.
@@ -249,7 +256,7 @@ class MappedColumn:
         Raises:
             CacheFormatError: a file is missing or unreadable, lacks ``column``, or the
                 column has nulls, ragged rows, compressed buffers or a row shape or
-                dtype that differs between chunks.
+                dtype that differs between chunks, or ``view_as`` has another width.
         """
         paths = [os.fspath(f) for f in files]
         if not paths:
@@ -308,7 +315,21 @@ class MappedColumn:
             raise
         if row_shape is None:  # every file empty: shape unknown, zero rows
             row_shape, dtype = (), np.dtype(np.uint8)
-        return cls(paths, maps, chunks, row_shape, dtype, column)
+            if view_as is not None:
+                dtype = np.dtype(view_as)
+        stored = dtype
+        if view_as is not None:
+            view_as = np.dtype(view_as)
+            if view_as.itemsize != stored.itemsize:
+                for mm, _ in maps:
+                    mm.close()
+                raise CacheFormatError(
+                    paths[0],
+                    f"column {column!r} stores {stored} ({stored.itemsize} bytes per value); "
+                    f"it cannot be read as {view_as} ({view_as.itemsize} bytes)",
+                )
+            dtype = view_as
+        return cls(paths, maps, chunks, row_shape, dtype, column, stored_dtype=stored)
 
     # ------------------------------------------------------------------ reading
 
@@ -465,11 +486,16 @@ class SampleSource:
             physical row ids kept). Without them every row is kept.
         fingerprint: the cache identity; recorded in loader state so a resume against
             another cache is refused.
+        latent_dtype: the cache's recorded latent storage dtype (build report
+            ``precision.storage_dtype``): ``"bfloat16"`` reads the stored uint16 bits as
+            ``ml_dtypes.bfloat16`` (zero-copy). None: the Arrow dtype, which must then
+            be float16 or float32 (uint16 bits are never guessed to be bfloat16).
 
     Raises:
         CacheFormatError: missing files or columns, unreadable files, latents without a
             ``(crops, C, H, W)`` row shape, row counts of rows and embedding files that
-            differ, or indices out of range / not ascending.
+            differ, indices out of range / not ascending, or latents whose stored type
+            does not match ``latent_dtype`` (or is uint16 without one).
 
     Thread-safety: ``gather`` is safe from several threads; ``close`` is not.
     """
@@ -481,19 +507,45 @@ class SampleSource:
         indices_files: Sequence[str | os.PathLike] | None = None,
         *,
         fingerprint: str = "",
+        latent_dtype: str | None = None,
     ):
+        from hf_pipeline.precision import arrow_dtype, numpy_dtype
+
         self.fingerprint = str(fingerprint)
         self._args = (
             [os.fspath(f) for f in rows_files],
             [os.fspath(f) for f in embedding_files],
             None if indices_files is None else [os.fspath(f) for f in indices_files],
         )
+        self._latent_dtype_name = latent_dtype
         self._latents = self._keys = self._emb = None
         try:
-            self._latents = MappedColumn.open(rows_files, _LATENTS)
+            self._latents = MappedColumn.open(
+                rows_files,
+                _LATENTS,
+                view_as=None if latent_dtype is None else numpy_dtype(latent_dtype),
+            )
+            stored = self._latents.stored_dtype
+            first_rows = self._latents.files[0]
+            if latent_dtype is None and self._latents.num_rows and stored.kind != "f":
+                raise CacheFormatError(
+                    first_rows,
+                    f"latents are stored as {stored}; pass the cache's storage dtype "
+                    "(latent_dtype='bfloat16' for bfloat16 bits, see the build report's "
+                    "precision.storage_dtype)",
+                )
+            if (
+                latent_dtype is not None
+                and self._latents.num_rows
+                and stored != np.dtype(arrow_dtype(latent_dtype))
+            ):
+                raise CacheFormatError(
+                    first_rows,
+                    f"latents are stored as {stored}, but the cache says {latent_dtype} "
+                    f"(stored as {arrow_dtype(latent_dtype)})",
+                )
             self._keys = MappedColumn.open(rows_files, _KEY)
             self._emb = MappedColumn.open(embedding_files, _EMBEDDING)
-            first_rows = self._latents.files[0]
             if len(self._latents.row_shape) != 4:
                 raise CacheFormatError(
                     first_rows,
@@ -551,7 +603,7 @@ class SampleSource:
 
     @property
     def latent_dtype(self) -> np.dtype:
-        """Dtype of the latents in the cache."""
+        """Dtype of the latents in the cache (``ml_dtypes.bfloat16`` for a bfloat16 cache)."""
         return self._latents.dtype
 
     @property
@@ -618,7 +670,7 @@ class SampleSource:
 
     def __reduce__(self):
         # Pickles as its file lists: a spawned worker process maps the files itself.
-        return (_reopen_source, (*self._args, self.fingerprint))
+        return (_reopen_source, (*self._args, self.fingerprint, self._latent_dtype_name))
 
     def close(self) -> None:
         """Close the memory maps (idempotent)."""
@@ -640,5 +692,11 @@ class SampleSource:
         )
 
 
-def _reopen_source(rows_files, embedding_files, indices_files, fingerprint):
-    return SampleSource(rows_files, embedding_files, indices_files, fingerprint=fingerprint)
+def _reopen_source(rows_files, embedding_files, indices_files, fingerprint, latent_dtype=None):
+    return SampleSource(
+        rows_files,
+        embedding_files,
+        indices_files,
+        fingerprint=fingerprint,
+        latent_dtype=latent_dtype,
+    )

@@ -14,30 +14,37 @@ with latents in float16, bfloat16 or float32 (3 crops of a 4-channel 32x32 laten
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import pickle
 import re
+import zipfile
 from pathlib import Path
 
 import numpy as np
 
+# STORAGE_DTYPES: the dtypes read_shard can return (what the cache stores); defined once
+# in config, re-exported here where it always was.
+from hf_pipeline.config import LATENT_DTYPES, STORAGE_DTYPES
 from hf_pipeline.errors import CorruptShardError, SourceError
+from hf_pipeline.precision import PrecisionLoss
 
 __all__ = [
     "LATENT_SHAPE",
     "STORAGE_DTYPES",
+    "LoadedShard",
     "list_local_shards",
     "load_shard",
     "nonfinite_rows",
+    "read_shard",
+    "shard_latent_dtype",
     "shard_sort_key",
 ]
 
 #: Shape of one sample's latents: 3 crops x 4 channels x 32 x 32.
 LATENT_SHAPE: tuple[int, int, int, int] = (3, 4, 32, 32)
 
-#: dtypes :func:`load_shard` can return (what the cache stores).
-STORAGE_DTYPES: tuple[str, ...] = ("float16", "float32")
 
 _DIGITS = re.compile(r"(\d+)")
 _GLOB_CHARS = set("*?[")
@@ -102,16 +109,106 @@ def list_local_shards(folder_or_glob: str | os.PathLike) -> list[Path]:
     return sorted(found, key=shard_sort_key)
 
 
-def load_shard(path: str | os.PathLike, *, dtype: str = "float16") -> tuple[np.ndarray, np.ndarray]:
-    """Load one latent shard safely and validate it.
+@dataclasses.dataclass(frozen=True)
+class LoadedShard:
+    """One validated shard, its latents in the requested storage dtype.
 
-    bfloat16 latents are widened to float32 exactly (a 16-bit shift of the raw bits):
-    numpy has no native bfloat16. Only ``torch.load`` touches torch; all arithmetic is
-    NumPy, so this is safe in forked worker processes. Thread- and process-safe.
+    Attributes:
+        keys: int64 array (N,).
+        latents: array (N, 3, 4, 32, 32) in the storage dtype (bfloat16 as
+            ``ml_dtypes.bfloat16``), C-contiguous.
+        source_dtype: the shard's own latent dtype (``"float16"``, ``"bfloat16"``,
+            ``"float32"``).
+        loss: what the conversion to the storage dtype changed
+            (:class:`hf_pipeline.precision.PrecisionLoss`; all zeros when exact; rows
+            in ``nonfinite`` are not counted).
+        nonfinite: bool (N,): rows holding a NaN or inf. They are returned as they are
+            (one bad row is a row-level defect the build drops under a counted reason,
+            not a reason to refuse the shard).
+    """
+
+    keys: np.ndarray
+    latents: np.ndarray
+    source_dtype: str
+    loss: PrecisionLoss
+    nonfinite: np.ndarray
+
+
+def read_shard(path: str | os.PathLike, *, dtype: str = "source") -> LoadedShard:
+    """Load one latent shard safely, validate it, and convert it to a storage dtype.
+
+    Only ``torch.load`` touches torch; all arithmetic is NumPy, so this is safe in forked
+    worker processes. Thread- and process-safe.
 
     Args:
         path: the ``.pt`` file.
-        dtype: storage dtype of the returned latents, ``"float16"`` or ``"float32"``.
+        dtype: ``"source"`` keeps the shard's own dtype bit for bit (bfloat16 included);
+            ``"float16"``, ``"bfloat16"`` or ``"float32"`` converts (round to nearest),
+            counting what changed.
+
+    Returns:
+        :class:`LoadedShard`. N may be 0.
+
+    Raises:
+        CorruptShardError: unreadable file, refused pickle, wrong structure, shape,
+            dtype, or finite values that overflow ``dtype`` (one line saying expected vs
+            found).
+        SourceError: the file does not exist or cannot be opened.
+        ValueError: ``dtype`` is not one of ``LATENT_DTYPES``.
+    """
+    import torch
+
+    from hf_pipeline.precision import dtype_name, to_storage
+
+    if dtype not in LATENT_DTYPES:
+        raise ValueError(f"dtype must be one of {LATENT_DTYPES}, got {dtype!r}")
+    path = os.fspath(path)
+    keys, latents = _validated(path, _torch_load(path))
+    n = keys.shape[0]
+    # From here on NumPy only: this runs inside forked ``datasets`` workers, and a torch
+    # op there can deadlock on the OpenMP pool the parent initialised before the fork.
+    keys_np = _keys_to_int64(path, keys)
+    # No .contiguous()/.to() either: on a strided (saved-view) tensor they are parallel
+    # copy kernels. .numpy() and a same-width .view(dtype) are metadata only.
+    raw = latents.detach()
+    if raw.dtype == torch.bfloat16:
+        # NumPy has no native bfloat16: take the 16 bits and view them as ml_dtypes'.
+        bits = raw.view(torch.int16).numpy().view(np.uint16)
+        # Non-finite bfloat16 <=> all exponent bits set; integer ops, no float copy.
+        finite_values = (bits & np.uint16(0x7F80)) != np.uint16(0x7F80)
+        lat = bits.view(_bfloat16())
+    else:
+        lat = raw.numpy()
+        finite_values = np.isfinite(lat)
+    finite = finite_values.reshape(n, -1).all(axis=1) if n else np.ones(0, dtype=bool)
+    del finite_values
+    source = dtype_name(lat.dtype)
+    if dtype == "source":
+        values = int(lat[finite].size) if not finite.all() else int(lat.size)
+        return LoadedShard(
+            keys_np, np.ascontiguousarray(lat), source, PrecisionLoss(values=values), ~finite
+        )
+    try:
+        if finite.all():
+            stored, loss = to_storage(lat, dtype)
+        else:  # convert (and count) the finite rows; NaN/inf stay NaN/inf in any format
+            good, loss = to_storage(lat[finite], dtype)
+            stored = np.empty(lat.shape, dtype=good.dtype)
+            stored[finite] = good
+            with np.errstate(invalid="ignore", over="ignore"):
+                stored[~finite] = lat[~finite].astype(good.dtype)
+    except OverflowError as exc:
+        raise CorruptShardError(path, str(exc)) from None
+    return LoadedShard(keys_np, stored, source, loss, ~finite)
+
+
+def load_shard(path: str | os.PathLike, *, dtype: str = "float16") -> tuple[np.ndarray, np.ndarray]:
+    """Load one latent shard safely and validate it (:func:`read_shard` without the report).
+
+    Args:
+        path: the ``.pt`` file.
+        dtype: storage dtype of the returned latents (``"float16"``, ``"bfloat16"``,
+            ``"float32"``) or ``"source"`` for the shard's own dtype.
 
     Returns:
         ``(keys, latents)``: int64 array of shape (N,) and an array of shape
@@ -122,18 +219,53 @@ def load_shard(path: str | os.PathLike, *, dtype: str = "float16") -> tuple[np.n
     not a reason to refuse the shard.
 
     Raises:
-        CorruptShardError: unreadable file, refused pickle, wrong structure, shape,
-            dtype, or finite values that overflow float16 storage (one line saying
-            expected vs found).
-        SourceError: the file does not exist or cannot be opened.
-        ValueError: ``dtype`` is not a storage dtype.
+        As :func:`read_shard`.
     """
+    shard = read_shard(path, dtype=dtype)
+    return shard.keys, shard.latents
+
+
+def nonfinite_rows(latents: np.ndarray) -> np.ndarray:
+    """Which rows hold at least one NaN or inf value (bool array of shape (N,)).
+
+    Args:
+        latents: an array of shape (N, ...), as :func:`load_shard` returns (float16,
+            float32, or ``ml_dtypes.bfloat16``).
+    """
+    n = latents.shape[0]
+    if n == 0:
+        return np.zeros(0, dtype=bool)
+    if latents.dtype == _bfloat16():  # non-finite <=> all exponent bits set
+        bits = latents.view(np.uint16).reshape(n, -1)
+        return ((bits & np.uint16(0x7F80)) == np.uint16(0x7F80)).any(axis=1)
+    return ~np.isfinite(latents.reshape(n, -1)).all(axis=1)
+
+
+def shard_latent_dtype(path: str | os.PathLike) -> str:
+    """The latent dtype of a shard, from its header (the tensor data is not read).
+
+    Validates the structure like :func:`read_shard` (not the values).
+
+    Raises:
+        CorruptShardError, SourceError: as :func:`read_shard`.
+    """
+    path = os.fspath(path)
+    # mmap: only the pickle is parsed; storages stay unread pages of the zip. Legacy
+    # (non-zip) files cannot be mapped and are read whole.
+    _, latents = _validated(path, _torch_load(path, mmap=zipfile.is_zipfile(path)))
+    return str(latents.dtype).removeprefix("torch.")  # _validated: one of STORAGE_DTYPES
+
+
+def _bfloat16() -> np.dtype:
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def _validated(path: str, obj):
+    """``(keys, latents)`` tensors of a loaded shard, or CorruptShardError."""
     import torch
 
-    if dtype not in STORAGE_DTYPES:
-        raise ValueError(f"dtype must be one of {STORAGE_DTYPES}, got {dtype!r}")
-    path = os.fspath(path)
-    obj = _torch_load(path)
     if not isinstance(obj, dict):
         raise CorruptShardError(
             path, f"expected a dict with 'keys' and 'latents', got {type(obj).__name__}"
@@ -173,55 +305,17 @@ def load_shard(path: str | os.PathLike, *, dtype: str = "float16") -> tuple[np.n
         raise CorruptShardError(
             path, f"latents must be float16, bfloat16 or float32, got {latents.dtype}"
         )
-    # From here on NumPy only: this runs inside forked ``datasets`` workers, and a torch
-    # op there can deadlock on the OpenMP pool the parent initialised before the fork.
-    keys_np = _keys_to_int64(path, keys)
-    # No .contiguous()/.to() either: on a strided (saved-view) tensor they are parallel
-    # copy kernels. .numpy() and a same-width .view(dtype) are metadata only.
-    raw = latents.detach()
-    if raw.dtype == torch.bfloat16:
-        # bfloat16 is the top half of a float32: widen exactly by a 16-bit shift.
-        bits = raw.view(torch.int16).numpy().view(np.uint16)
-        lat32 = (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
-    else:
-        lat32 = raw.numpy()
-    target = np.float16 if dtype == "float16" else np.float32
-    with np.errstate(over="ignore", invalid="ignore"):
-        lat = np.ascontiguousarray(lat32, dtype=target)
-    if n and target == np.float16 and lat32.dtype != np.float16:
-        # float32/bfloat16 values beyond +-65504 overflow to inf in float16; NaN/inf
-        # already in the source are the rows nonfinite_rows() reports, not overflow.
-        finite = np.isfinite(lat)
-        if not finite.all() and not np.array_equal(finite, np.isfinite(lat32)):
-            raise CorruptShardError(
-                path, f"latents ({latents.dtype}) overflow float16 storage (|x| > 65504)"
-            )
-    return keys_np, lat
+    return keys, latents
 
 
-def nonfinite_rows(latents: np.ndarray) -> np.ndarray:
-    """Which rows hold at least one NaN or inf value.
-
-    Args:
-        latents: an array of shape (N, ...), as :func:`load_shard` returns.
-
-    Returns:
-        A bool array of shape (N,).
-    """
-    n = latents.shape[0]
-    if n == 0:
-        return np.zeros(0, dtype=bool)
-    return ~np.isfinite(latents.reshape(n, -1)).all(axis=1)
-
-
-def _torch_load(path: str):
+def _torch_load(path: str, mmap: bool = False):
     """``torch.load(weights_only=True)`` with each failure mapped to a one-line error."""
     import torch
 
     if not os.path.exists(path):
         raise SourceError(path, "shard file does not exist")
     try:
-        return torch.load(path, weights_only=True, map_location="cpu")
+        return torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
     except pickle.UnpicklingError as exc:
         # weights_only's restricted unpickler refuses globals it does not allow-list;
         # that is the "malicious or non-tensor pickle" case, never to be retried unsafely.

@@ -29,6 +29,15 @@ __all__ = [
 ]
 
 
+def _to_tensor(a: np.ndarray) -> torch.Tensor:
+    """A NumPy batch array as a tensor; bfloat16 (``ml_dtypes``) keeps its bits exactly."""
+    a = np.ascontiguousarray(a)
+    if a.dtype.name == "bfloat16":
+        # torch.from_numpy does not know ml_dtypes: share the 16 bits, then view them.
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
 def _default_rank() -> tuple[int, int]:
     import torch.distributed as dist
 
@@ -54,6 +63,8 @@ class TorchBatches(tud.IterableDataset):
     Yields:
         ``{"latents": (b, C, H, W), "embeddings": (b, D), "keys": (b,)}`` tensors (and
         ``"mask"`` with ``drop_last=False``), ``b = global_batch_size // process_count``.
+        Latents come in the cache's storage dtype (``torch.bfloat16`` for a bfloat16
+        cache) unless ``latents_dtype`` says otherwise.
 
     Raises:
         ValueError: invalid options or a global batch not divisible by the ranks.
@@ -124,7 +135,7 @@ class TorchBatches(tud.IterableDataset):
         """This rank's batch ``step`` of the current epoch as torch tensors."""
         pb = self.sampler.batch_at(self.epoch, step, self._local)
         arrays = self.source.gather(pb.rows, pb.crops)
-        out = {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in arrays.items()}
+        out = {name: _to_tensor(a) for name, a in arrays.items()}
         if self.latents_dtype is not None:
             out["latents"] = out["latents"].to(self.latents_dtype)
         if not self.sampler.options.drop_last:

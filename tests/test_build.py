@@ -272,3 +272,223 @@ def test_a_dangling_shard_symlink_is_a_missing_shard(tmp_path):
     assert r["dropped"]["missing_shard_files"] == 1
     assert r["rows_in"] == 24 == r["rows_out"] + sum(r["dropped"][k] for k in REASONS)
     assert r["fetch"]["listing_retries"] == 0 and r["fetch"]["metadata_retries"] == 0
+
+
+# ------------------------------------------------------------------ storage precision
+
+# Values every source dtype must keep bit for bit by default. float16's smallest normal is
+# 6.1e-5 and its smallest subnormal 6e-8: the small ones are what float16 storage lost.
+_PLANTED = {
+    "bfloat16": [1e-9, -3e-8, 5.9e-8, 1e-6, 9.2e-41, -0.0, 3e-5, 1.0009765625],
+    "float16": [2.0**-24, -3 * 2.0**-24, 1e-6, -0.0, 65504.0, 6.1e-5],
+    "float32": [1e-40, -1e-30, 1e-9, 3e38, -0.0, 1.0000001],
+}
+_TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _write_clean_inputs(folder: Path, dtypes, rows: int = 6) -> list[Path]:
+    """Shards (one per entry of ``dtypes``) + a parquet captioning every key: no defects.
+
+    Latents are random normals with the dtype's awkward values planted at the start
+    of every row.
+    """
+    folder.mkdir(parents=True)
+    g = torch.Generator().manual_seed(len(dtypes))
+    paths, keys = [], []
+    for i, dtype in enumerate(dtypes):
+        k = torch.arange(100 * i, 100 * i + rows, dtype=torch.int64) * 7 + 3
+        lat = torch.randn((rows, 3, 4, 32, 32), generator=g).to(_TORCH[dtype])
+        planted = torch.tensor(_PLANTED[dtype], dtype=torch.float32).to(_TORCH[dtype])
+        lat.view(rows, -1)[:, : len(planted)] = planted
+        path = folder / f"{i * rows:06d}-{i * rows + rows - 1:06d}.pt"
+        torch.save({"keys": k, "latents": lat}, path)
+        paths.append(path)
+        keys += k.tolist()
+    pd.DataFrame({"key": keys, "caption_llava": [f"a photo number {k}" for k in keys]}).to_parquet(
+        folder / "coyo11m-meta.parquet"
+    )
+    return paths
+
+
+def _tiny_config(data: Path, cache: Path, *overrides: str):
+    return load_config(
+        None,
+        [
+            *SMALL_DEMO,
+            "name=tiny",
+            f"data.shards={data}",
+            f"build.cache_dir={cache}",
+            "build.num_proc=1",
+            *overrides,
+        ],
+        environ={},
+    )
+
+
+def _bits(a) -> np.ndarray:
+    """The raw bits of a float array (NumPy, ml_dtypes or torch) as unsigned ints."""
+    if isinstance(a, torch.Tensor):
+        a = a.view({2: torch.int16, 4: torch.int32}[a.element_size()]).numpy()
+    a = np.asarray(a)
+    return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+@pytest.fixture(scope="module")
+def clean_builds(tmp_path_factory):
+    """``{dtype: (BuildResult, shard paths)}`` for default-config builds of clean inputs."""
+    root = tmp_path_factory.mktemp("clean")
+    out = {}
+    for dtype in _PLANTED:
+        paths = _write_clean_inputs(root / dtype, [dtype, dtype])
+        out[dtype] = (prepare_cache(_tiny_config(root / dtype, root / "c"), progress=False), paths)
+    return out
+
+
+@pytest.mark.parametrize("dtype", list(_PLANTED))
+def test_default_storage_keeps_the_source_bits(clean_builds, dtype):
+    from hf_pipeline.loader import Loader
+    from hf_pipeline.precision import arrow_dtype, from_arrow
+
+    built, paths = clean_builds[dtype]
+    assert load_config(None, environ={}).build.latent_dtype == "source"
+    p = built.report["precision"]
+    assert p == {
+        "source_dtype": dtype,
+        "source_dtypes": {dtype: 2},
+        "storage_dtype": dtype,
+        "lossy": False,
+        "values": 12 * 3 * 4 * 32 * 32,
+        "changed": 0,
+        "flushed_to_zero": 0,
+        "beyond_1ulp": 0,
+    }
+    src_bits = {}
+    for path in paths:
+        d = torch.load(path, weights_only=True)
+        assert d["latents"].dtype == _TORCH[dtype]
+        src_bits.update(zip(d["keys"].tolist(), _bits(d["latents"]), strict=True))
+    assert built.report["rows_out"] == len(src_bits) == 12
+
+    # Zero-copy reader: every crop of every row, byte for byte.
+    with open_sample_source(built.layout, built.fingerprint) as source:
+        assert source.latent_dtype.name == dtype
+        for crop in range(3):
+            got = source.gather(np.arange(12), crop)
+            for k, lat in zip(got["keys"].tolist(), _bits(got["latents"]), strict=True):
+                np.testing.assert_array_equal(lat, src_bits[k][crop])
+        # The JAX loader, batches as jax.Arrays.
+        with Loader(
+            source,
+            global_batch_size=6,
+            crop="all",
+            shuffle="sequential",
+            process_index=0,
+            process_count=1,
+        ) as ld:
+            seen = set()
+            for step, b in enumerate(ld):
+                assert b["latents"].dtype.name == dtype
+                crops = ld.sampler.process_batch(0, step, 0, 1).crops.tolist()
+                keys = np.asarray(b["keys"]).tolist()
+                for k, c, lat in zip(keys, crops, _bits(b["latents"]), strict=True):
+                    np.testing.assert_array_equal(lat, src_bits[k][c])
+                    seen.add((k, c))
+            assert len(seen) == 36
+    # datasets view (nothing was dropped: one contiguous run of kept rows).
+    ds = open_dataset(built.layout)
+    assert len(ds) == 12
+    # datasets' numpy format widens by default (uint16 -> int64, float16 -> float32):
+    # ask for the stored type, then view it in the storage dtype.
+    stored = ds.with_format("numpy", columns=["latents"], dtype=arrow_dtype(dtype))
+    lat = from_arrow(stored[:]["latents"], dtype)
+    for k, bits in zip(ds["key"], _bits(lat), strict=True):
+        np.testing.assert_array_equal(bits, src_bits[k])
+
+
+def test_open_dataset_when_nothing_was_dropped(clean_builds):
+    """Regression: uint64 indices of a contiguous kept run made Dataset.select raise."""
+    built, paths = clean_builds["float16"]
+    assert built.report["rows_out"] == built.report["rows_in"] == 12
+    ds = open_dataset(built.layout)
+    keys = [k for p in paths for k in torch.load(p, weights_only=True)["keys"].tolist()]
+    assert ds["key"] == keys
+    assert ds["caption"] == [f"a photo number {k}" for k in keys]
+    assert len(ds[3:5]["embedding"]) == 2
+
+
+def _expected_loss(src32: np.ndarray, stored32: np.ndarray, mantissa_bits: int) -> dict:
+    """Flushes and moves beyond one ulp (at the source magnitude), computed directly."""
+    x, y = src32.astype(np.float64).ravel(), stored32.astype(np.float64).ravel()
+    nz = x != 0
+    ulp = np.zeros_like(x)
+    ulp[nz] = 2.0 ** (np.floor(np.log2(np.abs(x[nz]))) - mantissa_bits)
+    return {
+        "values": x.size,
+        "changed": int((x != y).sum()),
+        "flushed_to_zero": int((nz & (y == 0)).sum()),
+        "beyond_1ulp": int((nz & (np.abs(y - x) > ulp)).sum()),
+    }
+
+
+@pytest.mark.parametrize(
+    "source, storage, bits",
+    [("bfloat16", "float16", 10), ("float32", "bfloat16", 7), ("float32", "float16", 10)],
+)
+def test_explicit_lossy_storage_is_counted(tmp_path, caplog, source, storage, bits):
+    paths = _write_clean_inputs(tmp_path / "d", [source, source])
+    if storage == "float16":
+        for p in paths:  # 3e38 overflows float16 (the build refuses that): plant 1.0 instead
+            d = torch.load(p, weights_only=True)
+            lat = d["latents"]
+            d["latents"] = torch.where(lat.float().abs() > 65504, 1.0, lat.float()).to(lat.dtype)
+            torch.save(d, p)
+    cfg = _tiny_config(tmp_path / "d", tmp_path / "c", f"build.latent_dtype={storage}")
+    with caplog.at_level("WARNING", logger="hf_pipeline"):
+        built = prepare_cache(cfg, progress=False)
+    src32 = np.concatenate(
+        [torch.load(p, weights_only=True)["latents"].float().numpy() for p in paths]
+    )
+    # Independent reference cast: torch's (round to nearest even), not the build's NumPy.
+    stored32 = torch.from_numpy(src32).to(_TORCH[storage]).float().numpy()
+    expected = _expected_loss(src32, stored32, bits)
+    # The planted values exercise both counters (bfloat16 keeps float32's exponent range,
+    # so nothing planted flushes there; its subnormals still lose precision).
+    assert expected["flushed_to_zero"] > 0 or storage == "bfloat16"
+    assert expected["beyond_1ulp"] > expected["flushed_to_zero"]
+    p = built.report["precision"]
+    assert p["source_dtype"] == source and p["storage_dtype"] == storage and p["lossy"] is True
+    assert {k: p[k] for k in expected} == expected
+    warned = [r.getMessage() for r in caplog.records if "is lossy" in r.getMessage()]
+    assert len(warned) == 1
+    assert f"{expected['flushed_to_zero']} flushed to zero" in warned[0]
+    assert f"{expected['beyond_1ulp']} beyond 1 ulp of {storage}" in warned[0]
+    # What was stored is the rounded value, read back in the storage dtype.
+    with open_sample_source(built.layout, built.fingerprint) as source_:
+        assert source_.latent_dtype.name == storage
+        got = source_.gather(np.arange(12), 1)["latents"]
+        want = torch.from_numpy(stored32[:, 1]).to(_TORCH[storage])
+        np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+def test_source_storage_refuses_mixed_shard_dtypes(tmp_path):
+    paths = _write_clean_inputs(tmp_path / "d", ["bfloat16", "bfloat16", "float32"])
+    cfg = _tiny_config(tmp_path / "d", tmp_path / "c", "name=bad")
+    with pytest.raises(CorruptShardError) as ei:
+        prepare_cache(cfg, progress=False)
+    assert ei.value.path == str(paths[2])
+    msg = str(ei.value)
+    assert f"latents are float32, but the first shard {paths[0].name} holds bfloat16" in msg
+    assert "set build.latent_dtype explicitly" in msg
+    _nothing_published(tmp_path / "c")
+    # An explicit float32 stores both exactly.
+    built = prepare_cache(
+        _tiny_config(tmp_path / "d", tmp_path / "c", "build.latent_dtype=float32"), progress=False
+    )
+    p = built.report["precision"]
+    assert p["source_dtype"] == "mixed" and p["source_dtypes"] == {"bfloat16": 2, "float32": 1}
+    assert p["lossy"] is False and p["changed"] == 0
+    ref = np.concatenate(
+        [torch.load(q, weights_only=True)["latents"].float().numpy() for q in paths]
+    )
+    with open_sample_source(built.layout, built.fingerprint) as src:
+        np.testing.assert_array_equal(src.gather(np.arange(18), 0)["latents"], ref[:, 0])

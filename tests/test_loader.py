@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_pipeline.config import LoaderConfig
+from hf_pipeline.errors import ConfigError
 from hf_pipeline.loader import Loader
 from hf_pipeline.mapped import SampleSource
 from hf_pipeline.sampler import ORDER_VERSION, GlobalSampler
@@ -145,8 +146,12 @@ def test_epochs_and_infinite_iteration():
 def test_no_full_batch_ends_immediately():
     with Loader(FakeSource(5), global_batch_size=8, process_count=1, process_index=0) as ld:
         assert _run_with_timeout(lambda: list(ld)) == []
-        with pytest.raises(ValueError, match="never yield"):
-            next(iter(ld.epochs()))
+        # Raised by the call itself, as a UserError naming the batch size and the rows
+        # (scripts turn it into one line, exit 2).
+        with pytest.raises(
+            ConfigError, match=r"global_batch_size \(8\) is larger .* 5 samples \(5 rows"
+        ):
+            ld.epochs()
 
 
 @settings(max_examples=15, deadline=None)
@@ -351,6 +356,38 @@ def test_mesh_single_device(source):
         assert b["latents"].sharding.spec == jax.sharding.PartitionSpec("data")
     with pytest.raises(ValueError, match="not an axis"):
         Loader(source, global_batch_size=16, mesh=mesh, data_axis="batch")
+
+
+def test_bfloat16_cache_yields_bfloat16_jax_arrays(tmp_path):
+    """A bfloat16 cache reaches JAX as bfloat16 with the stored bits (subnormals too)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    files = build_cache(tmp_path, 90, dtype="bfloat16", num_proc=1, embed_dim=8)
+    with SampleSource(*files, fingerprint="bf", latent_dtype="bfloat16") as src:
+        kw = dict(global_batch_size=12, seed=2, process_index=0, process_count=1)
+        with Loader(src, **kw) as ld, Loader(src, latents_dtype="float32", **kw) as wide:
+            for step, (b, w) in enumerate(zip(ld, wide, strict=True)):
+                pb = ld.sampler.process_batch(0, step, 0, 1)
+                ref = src.gather(pb.rows, pb.crops)["latents"]
+                assert b["latents"].dtype == jnp.bfloat16
+                got = np.asarray(b["latents"])
+                np.testing.assert_array_equal(got.view(np.uint16), ref.view(np.uint16))
+                assert (got.view(np.uint16)[:, 0, 0, 0] == 3).all()  # a subnormal, kept
+                # The cast on the device widens exactly.
+                assert w["latents"].dtype == jnp.float32
+                np.testing.assert_array_equal(np.asarray(w["latents"]), ref.astype(np.float32))
+            assert step == 60 // 12 - 1
+        mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+        with Loader(src, global_batch_size=12, mesh=mesh) as ld:
+            b = next(iter(ld))
+            pb = ld.sampler.process_batch(0, 0, 0, 1)
+            ref = src.gather(pb.rows, pb.crops)["latents"]
+            assert b["latents"].dtype == jnp.bfloat16
+            np.testing.assert_array_equal(
+                np.asarray(b["latents"]).view(np.uint16), ref.view(np.uint16)
+            )
 
 
 _MULTI_DEVICE = textwrap.dedent(

@@ -36,6 +36,8 @@ def build_cache(
     Latent values encode (key, crop, position) so mix-ups show; keys are
     ``1000 + 7 * i`` so they differ from row ids. Rows whose key is a multiple of
     ``drop_every`` are filtered out (``None``: no filter, no indices files).
+    ``dtype="bfloat16"`` stores the bits as uint16, as the build does, with the first
+    values of each crop set to bfloat16 subnormals and values below float16's range.
 
     ``datasets`` forks its ``num_proc`` workers; once JAX (multithreaded) is imported
     in this process that may deadlock, so then the build runs in a fresh interpreter.
@@ -74,10 +76,12 @@ def build_cache(
     def keep(k):
         return drop_every is None or k % drop_every != 0
 
+    from hf_pipeline.precision import arrow_dtype, numpy_dtype, to_arrow
+
     feats = datasets.Features(
         {
             "key": datasets.Value("int64"),
-            "latents": datasets.Array4D(latent_shape, dtype),
+            "latents": datasets.Array4D(latent_shape, arrow_dtype(dtype)),
             "caption": datasets.Value("string"),
             "drop_reason": datasets.Value("string"),
         }
@@ -91,10 +95,13 @@ def build_cache(
         crop = np.arange(latent_shape[0])[None, :, None]
         pos = np.arange(size)[None, None, :] % 61
         lat = (key[:, None, None] % 997) + crop * 0.25 + pos / 64
-        lat = lat.reshape(len(i), *latent_shape).astype(dtype)
+        if dtype == "bfloat16":
+            # A bfloat16 subnormal, a value float16 would flush to zero, a negative zero.
+            lat[:, :, :3] = [9.2e-41 * 3, -3e-8, -0.0]
+        lat = lat.reshape(len(i), *latent_shape).astype(numpy_dtype(dtype))
         return {
             "key": key,
-            "latents": lat,
+            "latents": to_arrow(lat),
             "caption": [f"caption {k}" for k in key],
             "drop_reason": ["" if keep(k) else "filtered" for k in key],
         }
@@ -307,3 +314,42 @@ def test_advise(cache):
         np.testing.assert_array_equal(src.gather(np.arange(10), 1)["latents"], before)
         with pytest.raises(ValueError, match="pattern must be one of"):
             src.advise("fast")
+
+
+def test_bfloat16_bits_are_read_as_bfloat16(tmp_path):
+    """Arrow has no bfloat16: the uint16 bits come back as ml_dtypes.bfloat16, unchanged."""
+    import ml_dtypes
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    files = build_cache(tmp_path, 60, dtype="bfloat16", num_proc=1, writer_batch_size=7)
+    ref_rows, _, idx = _reference(*files)
+    assert ref_rows.features["latents"].dtype == "uint16"
+    bits = ref_rows[:]["latents"]  # the bits, widened to int64 by datasets' numpy format
+    assert bits.min() >= 0 and bits.max() < 2**16
+    bits = bits.astype(np.uint16)
+    assert (bits[:, :, 0, 0, 0] == 3).all()  # the planted subnormal survived the write
+    with SampleSource(*files, fingerprint="fp", latent_dtype="bfloat16") as src:
+        assert src.latent_dtype == bf16
+        rows = np.array([0, src.num_rows - 1, 5, 5, 17])
+        crops = np.array([2, 0, 1, 1, 0])
+        got = src.gather(rows, crops)["latents"]
+        assert got.dtype == bf16 and got.shape == (5, 4, 32, 32)
+        np.testing.assert_array_equal(got.view(np.uint16), bits[idx[rows], crops])
+        assert float(got[0, 0, 0, 1]) == np.float32(-3e-8).astype(bf16).astype(np.float32)
+        assert np.signbit(got[0, 0, 0, 2]) and float(got[0, 0, 0, 2]) == 0.0
+        out = {"latents": np.empty((5, 4, 32, 32), bf16)}
+        src.gather(rows, crops, out=out)
+        np.testing.assert_array_equal(out["latents"].view(np.uint16), got.view(np.uint16))
+        clone = pickle.loads(pickle.dumps(src))  # spawned workers reopen it as bfloat16
+        with clone:
+            assert clone.latent_dtype == bf16
+            np.testing.assert_array_equal(
+                clone.gather(rows, crops)["latents"].view(np.uint16), got.view(np.uint16)
+            )
+    # uint16 is never guessed to be bfloat16, and a wrong declaration is refused.
+    with pytest.raises(CacheFormatError, match="stored as uint16; pass the cache's storage"):
+        SampleSource(*files)
+    with pytest.raises(CacheFormatError, match="the cache says float16"):
+        SampleSource(*files, latent_dtype="float16")
+    with pytest.raises(CacheFormatError, match="cannot be read as float32"):
+        SampleSource(*files, latent_dtype="float32")

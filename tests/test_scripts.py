@@ -170,6 +170,28 @@ def test_train_short_run_loss_falls(session_cache_root, built_cache):
     assert "done: 60 steps" in p.stdout
 
 
+def test_train_batch_larger_than_data_is_one_line_exit_2(session_cache_root, built_cache):
+    rows = built_cache.report["rows_out"]
+    big = rows + 1
+    p = _run(
+        "train.py",
+        "--cache-dir",
+        str(session_cache_root),
+        *_sets(SMALL_DEMO),
+        "--batch-size",
+        str(big),
+        "--steps",
+        "5",
+        "-q",
+    )
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, p.stderr
+    assert f"loader.global_batch_size ({big})" in errors[0]
+    assert f"{rows} rows" in errors[0]
+
+
 def _free_port() -> int:
     import socket
 

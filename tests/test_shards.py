@@ -15,6 +15,8 @@ from hf_pipeline.shards import (
     list_local_shards,
     load_shard,
     nonfinite_rows,
+    read_shard,
+    shard_latent_dtype,
     shard_sort_key,
 )
 
@@ -119,10 +121,27 @@ def test_load_shard_empty_and_other_int_keys(tmp_path):
     assert load_shard(path)[0].shape == (2,)
 
 
+@pytest.mark.parametrize("src", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("zipped", [True, False])
+def test_read_shard_source_keeps_the_bits_and_header_names_the_dtype(tmp_path, src, zipped):
+    obj = _good(4, src)
+    obj["latents"].view(4, -1)[:, :3] = torch.tensor([1e-9, -0.0, 1e-40]).to(src)
+    path = str(tmp_path / "000000-000003.pt")
+    torch.save(obj, path, _use_new_zipfile_serialization=zipped)
+    name = str(src).removeprefix("torch.")
+    assert shard_latent_dtype(path) == name
+    shard = read_shard(path)  # dtype="source"
+    assert shard.source_dtype == name and shard.latents.dtype.name == name
+    assert shard.latents.flags.c_contiguous and shard.loss.changed == 0
+    int_type = {2: torch.int16, 4: torch.int32}[obj["latents"].element_size()]
+    want = obj["latents"].view(int_type).numpy()
+    np.testing.assert_array_equal(shard.latents.view(want.dtype), want)
+
+
 def test_load_shard_rejects_bad_dtype_argument(tmp_path):
     path = _save(tmp_path / "a.pt", _good(2))
     with pytest.raises(ValueError, match="dtype must be one of"):
-        load_shard(path, dtype="bfloat16")
+        load_shard(path, dtype="int8")
 
 
 # ----------------------------------------------------------------------------- bad shards
@@ -176,7 +195,7 @@ def _bad_cases():
         ),
         "overflow_f16": (
             {"keys": good["keys"], "latents": _with(lat.float(), 1, 1e6)},
-            r"latents \(torch.float32\) overflow float16 storage",
+            r"float32 latents overflow float16 storage \(\|x\| up to 1e\+06 > 65504\)",
         ),
         "overflow_f16_beside_a_nan_row": (
             {"keys": good["keys"], "latents": _with(_with(lat.float(), 0, float("nan")), 3, -1e6)},

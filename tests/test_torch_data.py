@@ -108,6 +108,40 @@ def test_pad_mask_bf16_and_spawned_workers(source):
         torch_loader(ds, batch_size=4)
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_bfloat16_cache_gives_bfloat16_tensors(tmp_path, num_workers):
+    """torch.from_numpy refuses ml_dtypes: the bits are shared as int16 and viewed."""
+    files = build_cache(tmp_path, 60, dtype="bfloat16", num_proc=1, embed_dim=8)
+    with SampleSource(*files, fingerprint="bf", latent_dtype="bfloat16") as src:
+        ds = TorchBatches(src, global_batch_size=8, seed=1, process_index=0, process_count=1)
+        ctx = _ctx() if num_workers else None
+        dl = torch_loader(
+            ds,
+            num_workers=num_workers,
+            multiprocessing_context=ctx,
+            timeout=60 if num_workers else 0,
+        )
+        batches = list(dl)
+        assert len(batches) == len(ds) == 5
+        for step, b in enumerate(batches):
+            exp = _expected(ds, step)["latents"]
+            assert b["latents"].dtype == torch.bfloat16
+            bits = b["latents"].view(torch.int16).numpy().view(np.uint16)
+            np.testing.assert_array_equal(bits, exp.view(np.uint16))
+            assert (bits[:, 0, 0, 0] == 3).all()  # the planted subnormal, unchanged
+        wide = TorchBatches(
+            src,
+            global_batch_size=8,
+            seed=1,
+            latents_dtype="float32",
+            process_index=0,
+            process_count=1,
+        )
+        np.testing.assert_array_equal(
+            wide.batch(0)["latents"].numpy(), _expected(ds, 0)["latents"].astype(np.float32)
+        )
+
+
 def test_datamodule_over_the_built_cache(small_config, built_cache):
     """The Lightning-style DataModule: setup finds the cache, batches follow the loader order."""
     import numpy as np

@@ -48,3 +48,35 @@ def test_checkpoint_resume_continues_the_same_run(small_config, source, tmp_path
     expected = [h["loss"] for h in straight.history]
     np.testing.assert_allclose(resumed, expected, rtol=1e-4)
     assert second.loader_state == straight.loader_state
+
+
+def test_trains_on_a_bfloat16_cache(tmp_path):
+    """bf16 demo shards are stored as bf16 (default) and the model reads them as float32."""
+    import ml_dtypes
+
+    from hf_pipeline.build import prepare_cache
+    from hf_pipeline.config import load_config
+    from hf_pipeline.trainer import train
+    from tests.conftest import SMALL_DEMO
+
+    cfg = load_config(
+        None,
+        [
+            *SMALL_DEMO,
+            "data.demo.num_shards=2",
+            "data.demo.latent_dtype=bfloat16",
+            "build.num_proc=1",  # JAX is up in this process: no forked build workers
+            f"build.cache_dir={tmp_path}",
+            "train.steps=40",
+            "train.log_every=10",
+        ],
+        environ={},
+    )
+    built = prepare_cache(cfg, progress=False)
+    assert built.report["precision"]["storage_dtype"] == "bfloat16"
+    with open_sample_source(built.layout, built.fingerprint) as src:
+        assert src.latent_dtype == np.dtype(ml_dtypes.bfloat16)
+        out = train(cfg, src)
+    losses = [h["loss"] for h in out.history]
+    assert out.steps == 40 and all(np.isfinite(losses))
+    assert out.last_loss < out.first_loss

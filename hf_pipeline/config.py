@@ -28,8 +28,8 @@ from typing import Any, Literal, get_args
 
 from dist.timing import timing_problem
 from hf_pipeline.errors import ConfigError
+from hf_pipeline.latents import LATENT_DTYPES, LATENT_SHAPE, STORAGE_DTYPES
 from hf_pipeline.sampler import crop_problem
-from hf_pipeline.shards import LATENT_SHAPE
 
 __all__ = [
     "BuildConfig",
@@ -38,12 +38,8 @@ __all__ = [
     "DataConfig",
     "DemoConfig",
     "EncoderConfig",
-    "LATENT_DTYPES",
-    "LatentDtype",
     "LoaderConfig",
     "OnBadRows",
-    "STORAGE_DTYPES",
-    "StorageDtype",
     "TrainConfig",
     "default_cache_root",
     "load_config",
@@ -58,13 +54,6 @@ OnBadRows = Literal["drop", "fail"]
 
 _CAPTION_COLUMNS = ("caption_llava", "caption", "caption_llava_short")
 
-#: Float dtypes of latents (in shards and in the cache) and of encoder compute.
-StorageDtype = Literal["float32", "float16", "bfloat16"]
-STORAGE_DTYPES: tuple[str, ...] = get_args(StorageDtype)
-#: ``build.latent_dtype``: ``"source"`` keeps each shard's own dtype bit for bit (the
-#: default); a named dtype converts to it, lossy or not (the build report says).
-LatentDtype = Literal["source", StorageDtype]
-LATENT_DTYPES: tuple[str, ...] = get_args(LatentDtype)
 _DTYPES = STORAGE_DTYPES
 
 

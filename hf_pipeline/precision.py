@@ -19,7 +19,7 @@ import dataclasses
 
 import numpy as np
 
-from hf_pipeline.config import STORAGE_DTYPES
+from hf_pipeline.latents import STORAGE_DTYPES
 
 __all__ = [
     "PrecisionLoss",

@@ -24,10 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
+from hf_pipeline.errors import CorruptShardError, SourceError
+
 # STORAGE_DTYPES: the dtypes read_shard can return (what the cache stores); defined once
 # in config, re-exported here where it always was.
-from hf_pipeline.config import LATENT_DTYPES, STORAGE_DTYPES
-from hf_pipeline.errors import CorruptShardError, SourceError
+from hf_pipeline.latents import LATENT_DTYPES, LATENT_SHAPE, STORAGE_DTYPES
 from hf_pipeline.precision import PrecisionLoss
 
 __all__ = [
@@ -42,8 +43,6 @@ __all__ = [
     "shard_sort_key",
 ]
 
-#: Shape of one sample's latents: 3 crops x 4 channels x 32 x 32.
-LATENT_SHAPE: tuple[int, int, int, int] = (3, 4, 32, 32)
 
 
 _DIGITS = re.compile(r"(\d+)")

@@ -286,41 +286,7 @@ def detect(
     """
     env = os.environ if environ is None else environ
     readings = _env_readings(env)
-
-    base: ProcessInfo
-    from_pg = _torch_rank()
-    source_pg = "torch.distributed"
-    if from_pg is None:
-        from_pg = _jax_rank()
-        source_pg = "jax.distributed"
-    if from_pg is not None:
-        r, w = from_pg
-        local = _local_fields(readings, r, w)
-        if local is None:
-            # JAX is one process per host; torch without launcher info: assume one node.
-            local = (0, 1, r) if source_pg == "jax.distributed" else (r, w, 0)
-        base = ProcessInfo(
-            rank=r,
-            world_size=w,
-            local_rank=local[0],
-            local_world_size=local[1],
-            node_rank=local[2],
-            source=source_pg,
-        )
-    elif readings:
-        first = readings[0]
-        lr, lw, node = _fill_local(first)
-        base = ProcessInfo(
-            rank=first.rank,
-            world_size=first.world_size,
-            local_rank=lr,
-            local_world_size=lw,
-            node_rank=node,
-            source=first.source,
-        )
-    else:
-        base = ProcessInfo()
-
+    base = _from_process_group(readings) or _from_launcher(readings) or ProcessInfo()
     overrides = {
         k: v
         for k, v in (
@@ -332,14 +298,55 @@ def detect(
         )
         if v is not None
     }
-    if not overrides:
-        return base
+    return _with_overrides(base, overrides) if overrides else base
+
+
+def _from_process_group(readings: list[_Reading]) -> ProcessInfo | None:
+    """An initialised torch.distributed or jax.distributed job, with local fields from
+    the launcher variables that describe the same world."""
+    source, found = "torch.distributed", _torch_rank()
+    if found is None:
+        source, found = "jax.distributed", _jax_rank()
+    if found is None:
+        return None
+    r, w = found
+    local = _local_fields(readings, r, w)
+    if local is None:
+        # JAX is one process per host; torch without launcher info: assume one node.
+        local = (0, 1, r) if source == "jax.distributed" else (r, w, 0)
+    return ProcessInfo(
+        rank=r,
+        world_size=w,
+        local_rank=local[0],
+        local_world_size=local[1],
+        node_rank=local[2],
+        source=source,
+    )
+
+
+def _from_launcher(readings: list[_Reading]) -> ProcessInfo | None:
+    """The first launcher's variables (torchrun, SLURM, Open MPI, PMI), if any."""
+    if not readings:
+        return None
+    first = readings[0]
+    lr, lw, node = _fill_local(first)
+    return ProcessInfo(
+        rank=first.rank,
+        world_size=first.world_size,
+        local_rank=lr,
+        local_world_size=lw,
+        node_rank=node,
+        source=first.source,
+    )
+
+
+def _with_overrides(base: ProcessInfo, overrides: dict[str, int]) -> ProcessInfo:
+    """``base`` with the explicitly given fields (source ``"explicit"``)."""
     fields = dataclasses.asdict(base)
     fields.update(overrides)
     fields["source"] = "explicit"
-    if ("rank" in overrides or "world_size" in overrides) and not (
-        {"local_rank", "local_world_size"} & overrides.keys()
-    ):
+    moved = "rank" in overrides or "world_size" in overrides
+    if moved and not ({"local_rank", "local_world_size"} & overrides.keys()):
         # A new global position invalidates the detected local one unless it still fits.
         if (
             fields["local_world_size"] > fields["world_size"]

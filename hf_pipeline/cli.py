@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from dist.errors import BuildFailedError, CacheWaitTimeout, ReadOnlyCacheError
 from hf_pipeline.config import Config, load_config
 from hf_pipeline.errors import StoreUnreachableError, UserError
 
@@ -76,15 +77,6 @@ def _setup_logging(args: argparse.Namespace) -> None:
         os.environ.setdefault("TQDM_DISABLE", "1")
 
 
-def _coordination_errors() -> tuple[type[BaseException], ...]:
-    try:
-        import dist.coordinator as c
-    except ImportError:  # pragma: no cover
-        return ()
-    names = ("CacheWaitTimeout", "BuildFailedError", "ReadOnlyCacheError", "CoordinationError")
-    return tuple(getattr(c, n) for n in names if isinstance(getattr(c, n, None), type))
-
-
 def run(main: Callable[[argparse.Namespace], int | None], parser: argparse.ArgumentParser,
         argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, run ``main(args)``, and turn known errors into exit codes.
@@ -103,7 +95,7 @@ def run(main: Callable[[argparse.Namespace], int | None], parser: argparse.Argum
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except _coordination_errors() as exc:
+    except (CacheWaitTimeout, BuildFailedError, ReadOnlyCacheError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:

@@ -499,10 +499,7 @@ def load_config(
     for var, dotted in _ENV_FIELDS.items():
         raw = env.get(var)
         if raw is not None and raw.strip() != "":
-            try:
-                _set_dotted(tree, dotted, raw.strip())
-            except ConfigError:
-                raise
+            _set_dotted(tree, dotted, raw.strip())
     items = overrides.items() if isinstance(overrides, Mapping) else []
     if not isinstance(overrides, Mapping):
         parsed = []

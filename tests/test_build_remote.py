@@ -401,6 +401,8 @@ def test_a_want_answered_before_the_scan_is_not_a_second_request(gcs_env, tmp_pa
             for f in files:
                 assert client.acquire(f, timeout=60) is not None
                 client.release(f)
-            time.sleep(1.0)  # give a wrong re-download time to happen
+            # A wrong re-download would be started by a scan after the last release
+            # and be in flight: wait for a scan that leaves nothing downloading.
+            assert pf.wait_idle(timeout=30)
         assert {f.name: proxy.count(f.name) for f in files} == {f.name: 1 for f in files}
     assert not list((tmp_path / "staging").glob("*.pt"))

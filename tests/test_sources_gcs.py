@@ -215,7 +215,8 @@ def test_window_and_byte_budget_bound_the_staging_area(proxy, gcs_bucket, tmp_pa
     ) as pf:
         client = pf.client()
         assert client.acquire(files[0], timeout=30) is not None
-        time.sleep(0.5)
+        # The fetcher has decided: what it started has landed, and it starts no more.
+        assert pf.wait_idle(timeout=30)
         # One being converted + prefetch_ahead=1: files[2:] must not be fetched yet.
         assert sum(staging.is_staged(f) for f in files) == 2
         assert proxy.count(files[2].name) == 0 and proxy.count(files[3].name) == 0
@@ -232,7 +233,7 @@ def test_window_and_byte_budget_bound_the_staging_area(proxy, gcs_bucket, tmp_pa
     ) as pf:
         client = pf.client()
         assert client.acquire(files[0], timeout=30) is not None
-        time.sleep(0.5)
+        assert pf.wait_idle(timeout=30)
         assert proxy.count(files[1].name) == 0
         client.release(files[0])
         assert client.acquire(files[1], timeout=30) is not None
@@ -299,6 +300,21 @@ def test_datasets_map_workers(gcs_bucket, tmp_path, ahead):
     assert stats["bytes"] == sum(f.size for f in files)
 
 
+def _part_growing(staging: Path, local: Path, seen: dict[str, int]) -> bool:
+    """Whether a part file grew since the last look (``seen``) and is below half its shard."""
+    for part in staging.glob(".*.part.*"):
+        name = part.name.split(".pt")[0].lstrip(".") + ".pt"
+        try:
+            size = part.stat().st_size
+        except FileNotFoundError:
+            continue  # published (or adopted) meanwhile
+        before = seen.setdefault(part.name, size)
+        seen[part.name] = size
+        if before < size < (local / name).stat().st_size // 2:
+            return True
+    return False
+
+
 @pytest.mark.slow
 def test_sigkill_mid_download_then_resume(proxy, gcs_bucket, tmp_path):
     _, location, local = gcs_bucket
@@ -316,12 +332,13 @@ def test_sigkill_mid_download_then_resume(proxy, gcs_bucket, tmp_path):
     )
     try:
         deadline = time.monotonic() + 60
+        seen: dict[str, int] = {}
         while time.monotonic() < deadline:
             done = list(staging.glob(".*.staged.json"))
-            if len(done) >= 2:
+            # Then kill while the next shard is partway: its part exists and grows.
+            if len(done) >= 2 and _part_growing(staging, local, seen):
                 break
             time.sleep(0.05)
-        time.sleep(0.5)  # let the next downloads get partway
         child.send_signal(signal.SIGKILL)
     finally:
         child.kill()

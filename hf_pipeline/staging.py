@@ -243,7 +243,7 @@ class StagingFolder:
                 p.unlink()
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True)
 class _Download:
     """One file's download into one staging folder; :meth:`attempt` is one try."""
 
@@ -351,15 +351,7 @@ def stage_file(
     # that vanished between the two checks is seen as released, never fetched again.
     if unwanted is not None and unwanted():
         return None
-    download = _Download(
-        reader=reader,
-        file=file,
-        staging=staging,
-        policy=policy,
-        stats=stats,
-        stop=stop,
-        on_bytes=on_bytes,
-    )
+    download = _Download(reader, file, staging, policy, stats, stop, on_bytes)
     started = time.monotonic()
     try:
         path = with_retries(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import time
 
 import pytest
 
@@ -200,6 +201,27 @@ def test_local_prefetcher_hands_out_originals(shard_dir, hf_home):
             client.release(f)
             assert p.exists(), "release must never delete an original"
     assert pf.stats()["failures"] == []
+
+
+def test_wait_idle_answers_for_the_scheduler_it_has(shard_dir, hf_home, tmp_path):
+    # Local: no scheduler, nothing is ever downloaded here: idle at once.
+    cfg = DataConfig(shards=str(shard_dir))
+    src = open_source(str(shard_dir), data_config=cfg)
+    with ShardFetcher(src, src.list_shards(), data_config=cfg, progress=False) as pf:
+        assert pf.wait_idle(timeout=5)
+    # Remote, nothing to fetch: the first pass is idle; closed: no pass will come.
+    cfg = DataConfig(shards="gs://b/p", staging_dir=str(tmp_path / "staging"))
+    remote = open_source("gs://b/p", data_config=cfg)
+    pf = ShardFetcher(remote, [], data_config=cfg, progress=False)
+    assert not pf.wait_idle(timeout=0.1), "not started: no scheduler to wait for"
+    pf.start()
+    try:
+        assert pf.wait_idle(timeout=10)
+    finally:
+        pf.close()
+    started = time.monotonic()
+    assert not pf.wait_idle(timeout=10)
+    assert time.monotonic() - started < 5, "a closed fetcher must not make callers wait"
 
 
 def test_staging_sidecar_guards_identity(tmp_path):

@@ -421,6 +421,8 @@ class ShardFetcher:
                 return
             self._closed = True
         self._stop.set()
+        with self._pass_done:
+            self._pass_done.notify_all()  # wait_idle callers: no pass will come
         if self._thread is not None:
             self._thread.join(timeout)
         if self._pool is not None:

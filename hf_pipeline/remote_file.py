@@ -9,8 +9,13 @@ depending on them (the sources depend on staging).
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
-__all__ = ["RemoteFile"]
+__all__ = ["ChecksumKind", "RemoteFile"]
+
+#: The checksums stores publish: ``crc32c``/``md5`` (base64, GCS), ``sha256`` (hex, Hub
+#: LFS files) and ``gitsha1`` (hex git blob id, small Hub files).
+ChecksumKind = Literal["crc32c", "md5", "sha256", "gitsha1"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

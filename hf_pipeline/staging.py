@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from dist.atomic import write_json_atomic
 from dist.markers import read_json
 from hf_pipeline.fetch_stats import FetchStats
-from hf_pipeline.remote_file import RemoteFile
+from hf_pipeline.remote_file import ChecksumKind, RemoteFile
 from hf_pipeline.retry import Cancelled, RetryPolicy, TransientError, with_retries
 
 __all__ = [
@@ -86,13 +86,12 @@ def _glob_escape(text: str) -> str:
     return re.sub(r"([\[\]*?])", r"[\1]", text)
 
 
-def checksum_of(path: Path, kind: str) -> str:
+def checksum_of(path: Path, kind: ChecksumKind) -> str:
     """Checksum of a whole file in the encoding the store publishes.
 
     Args:
         path: the file.
-        kind: ``crc32c`` or ``md5`` (base64, as GCS publishes them), ``sha256`` or
-            ``gitsha1`` (hex, as the Hub publishes LFS and git blob ids).
+        kind: which checksum, in the encoding its store publishes.
 
     Raises:
         ValueError: an unknown ``kind``.

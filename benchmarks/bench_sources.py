@@ -34,7 +34,8 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hf_pipeline.config import DataConfig  # noqa: E402
-from hf_pipeline.fetch import Prefetcher, RetryPolicy, consumption_order  # noqa: E402
+from hf_pipeline.fetch import ShardFetcher, consumption_order  # noqa: E402
+from hf_pipeline.retry import RetryPolicy  # noqa: E402
 from hf_pipeline.sources import open_source  # noqa: E402
 
 
@@ -78,7 +79,7 @@ def _pipeline(src, files, cfg, workers: int, mode: str, sleep_s: float) -> dict:
     waits = [0.0] * workers
     errors: list[BaseException] = []
     t0 = time.perf_counter()
-    with Prefetcher(src, files, data_config=cfg, num_workers=workers, progress=False) as pf:
+    with ShardFetcher(src, files, data_config=cfg, num_workers=workers, progress=False) as pf:
         client = pf.client()
 
         def run(i):
@@ -181,7 +182,7 @@ def main(argv=None) -> int:
         src, cfg = source("raw", prefetch_ahead=args.shards)
         files = src.list_shards()
         t = time.perf_counter()
-        with Prefetcher(src, files, data_config=cfg, num_workers=1, progress=False) as pf:
+        with ShardFetcher(src, files, data_config=cfg, num_workers=1, progress=False) as pf:
             client = pf.client()
             for f in consumption_order(files, 1):
                 client.acquire(f, timeout=600)

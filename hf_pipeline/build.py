@@ -394,7 +394,7 @@ class _Builder:
 
         from hf_pipeline.captions import read_captions
         from hf_pipeline.embed import TextEncoder, describe_device
-        from hf_pipeline.fetch import Prefetcher
+        from hf_pipeline.fetch import ShardFetcher
         from hf_pipeline.precision import arrow_dtype
         from hf_pipeline.shards import LATENT_SHAPE
 
@@ -419,7 +419,7 @@ class _Builder:
         precision_dir.mkdir()
         fetch_timeout = cfg.data.file_timeout * (cfg.data.max_retries + 1)
         shard_ds = Dataset.from_dict({"shard": [f.name for f in shards]})
-        with _building(), Prefetcher(
+        with _building(), ShardFetcher(
             self.inputs.source, shards, data_config=cfg.data, num_workers=num_proc,
             progress=self.progress,
         ) as prefetch:

@@ -16,6 +16,11 @@ Environment variables:
 ``HF_PIPELINE_CACHE``           ``build.cache_dir``
 ``HF_DATASETS_CACHE``/``HF_HOME``  default cache root (``$HF_HOME/datasets``)
 ==============================  ==========================================
+
+Read by the remote sources, each through one function here, at call time:
+``HF_ENDPOINT`` (:func:`hub_endpoint`), ``HF_HUB_OFFLINE`` (:func:`hub_offline`),
+``HF_HUB_CACHE``/``HF_HOME`` (:func:`hub_cache_dir`) and ``STORAGE_EMULATOR_HOST``
+(:func:`gcs_emulator_host`).
 """
 
 from __future__ import annotations
@@ -40,8 +45,13 @@ __all__ = [
     "EncoderConfig",
     "LoaderConfig",
     "OnBadRows",
+    "OnMissing",
     "TrainConfig",
     "default_cache_root",
+    "gcs_emulator_host",
+    "hub_cache_dir",
+    "hub_endpoint",
+    "hub_offline",
     "load_config",
 ]
 
@@ -51,6 +61,10 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 #: What the build does with a latent row it cannot use (a NaN or inf value): drop it
 #: under the counted reason ``nonfinite_latents``, or fail the build naming it.
 OnBadRows = Literal["drop", "fail"]
+
+#: What the build does with a shard it cannot fetch or read: fail naming it, or skip it
+#: and list it in the report (``skipped_files``).
+OnMissing = Literal["fail", "skip"]
 
 _CAPTION_COLUMNS = ("caption_llava", "caption", "caption_llava_short")
 
@@ -100,7 +114,7 @@ class DataConfig:
     key_column: str = "key"
     caption_column: str = "caption_llava"
     local_mirror: str = ""
-    on_missing: str = "fail"
+    on_missing: OnMissing = "fail"
     on_bad_rows: OnBadRows = "drop"
     prefetch_ahead: int = 4
     download_workers: int = 8
@@ -115,9 +129,9 @@ class DataConfig:
         _check(bool(self.key_column), "data.key_column", "must be non-empty")
         _check(bool(self.caption_column), "data.caption_column", "must be non-empty")
         _check(
-            self.on_missing in ("fail", "skip"),
+            self.on_missing in get_args(OnMissing),
             "data.on_missing",
-            f"must be 'fail' or 'skip', got {self.on_missing!r}",
+            f"must be {' or '.join(map(repr, get_args(OnMissing)))}, got {self.on_missing!r}",
         )
         _check(
             self.on_bad_rows in get_args(OnBadRows),
@@ -331,6 +345,47 @@ class Config:
         return dataclasses.asdict(self)
 
 
+def _env_flag(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hub_endpoint(environ: Mapping[str, str] | None = None) -> str:
+    """The Hub's URL: ``HF_ENDPOINT``, else huggingface_hub's default; no trailing slash.
+
+    Read at call time: huggingface_hub freezes its own copy at import.
+    """
+    env = os.environ if environ is None else environ
+    from huggingface_hub import constants
+
+    return (env.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+
+
+def hub_offline(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``HF_HUB_OFFLINE`` is set now, or was when huggingface_hub was imported."""
+    env = os.environ if environ is None else environ
+    from huggingface_hub import constants
+
+    return _env_flag(env.get("HF_HUB_OFFLINE")) or bool(constants.HF_HUB_OFFLINE)
+
+
+def hub_cache_dir(environ: Mapping[str, str] | None = None) -> str:
+    """huggingface_hub's cache: ``HF_HUB_CACHE``, else ``$HF_HOME/hub``, else its default."""
+    env = os.environ if environ is None else environ
+    if env.get("HF_HUB_CACHE"):
+        return os.path.expanduser(env["HF_HUB_CACHE"])
+    if env.get("HF_HOME"):
+        return os.path.join(os.path.expanduser(env["HF_HOME"]), "hub")
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
+
+
+def gcs_emulator_host(environ: Mapping[str, str] | None = None) -> str:
+    """``STORAGE_EMULATOR_HOST`` (a GCS emulator, anonymous access), or "" for real GCS."""
+    env = os.environ if environ is None else environ
+    return env.get("STORAGE_EMULATOR_HOST", "")
+
+
 def default_cache_root(environ: Mapping[str, str] | None = None) -> Path:
     """``$HF_DATASETS_CACHE/hf_pipeline``, else ``$HF_HOME/datasets/hf_pipeline``.
 
@@ -416,7 +471,7 @@ def _build(cls, values: Mapping[str, Any], prefix: str):
 
 
 #: Literal field types (annotations are strings here: ``from __future__ import annotations``).
-_LITERALS = {"OnBadRows": OnBadRows}
+_LITERALS = {"OnBadRows": OnBadRows, "OnMissing": OnMissing}
 
 _SECTIONS = {
     "DemoConfig": DemoConfig,

@@ -380,13 +380,13 @@ def test_a_want_answered_before_the_scan_is_not_a_second_request(gcs_env, tmp_pa
     upload_folder(gcs_env, make_shards(tmp_path / "src", 6, 6), f"{bucket}/lat")
     with FaultProxy(gcs_env) as proxy:
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
-        scan = fetch.Prefetcher._poll_markers
+        scan = fetch.ShardFetcher._poll_markers
 
         def late_scan(self):  # a scheduler thread starved of CPU
             time.sleep(0.3)
             return scan(self)
 
-        monkeypatch.setattr(fetch.Prefetcher, "_poll_markers", late_scan)
+        monkeypatch.setattr(fetch.ShardFetcher, "_poll_markers", late_scan)
         location = f"gs://{bucket}/lat"
         cfg = DataConfig(
             shards=location,
@@ -396,11 +396,13 @@ def test_a_want_answered_before_the_scan_is_not_a_second_request(gcs_env, tmp_pa
         )
         src = open_source(location, data_config=cfg)
         files = src.list_shards()
-        with fetch.Prefetcher(src, files, data_config=cfg, progress=False) as pf:
+        with fetch.ShardFetcher(src, files, data_config=cfg, progress=False) as pf:
             client = pf.client()
             for f in files:
                 assert client.acquire(f, timeout=60) is not None
                 client.release(f)
-            time.sleep(1.0)  # give a wrong re-download time to happen
+            # A wrong re-download would be started by a scan after the last release
+            # and be in flight: wait for a scan that leaves nothing downloading.
+            assert pf.wait_idle(timeout=30)
         assert {f.name: proxy.count(f.name) for f in files} == {f.name: 1 for f in files}
     assert not list((tmp_path / "staging").glob("*.pt"))

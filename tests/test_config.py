@@ -93,6 +93,19 @@ def test_missing_or_invalid_yaml(tmp_path):
         load_config(bad, environ={})
 
 
+def test_store_settings_are_read_from_the_environment_given(tmp_path):
+    from hf_pipeline.config import gcs_emulator_host, hub_cache_dir, hub_endpoint, hub_offline
+
+    assert hub_endpoint({"HF_ENDPOINT": "http://127.0.0.1:5/"}) == "http://127.0.0.1:5"
+    assert hub_endpoint({}).startswith("https://")  # huggingface_hub's default
+    assert hub_offline({"HF_HUB_OFFLINE": "yes"}) and hub_offline({"HF_HUB_OFFLINE": "1"})
+    cache = str(tmp_path / "c")
+    assert hub_cache_dir({"HF_HUB_CACHE": cache, "HF_HOME": "x"}) == cache
+    assert hub_cache_dir({"HF_HOME": str(tmp_path)}) == str(tmp_path / "hub")
+    assert gcs_emulator_host({"STORAGE_EMULATOR_HOST": "localhost:9"}) == "localhost:9"
+    assert gcs_emulator_host({}) == ""
+
+
 def test_cache_root_from_env(tmp_path):
     assert default_cache_root({"HF_HOME": str(tmp_path)}) == tmp_path / "datasets" / "hf_pipeline"
     assert default_cache_root({"HF_DATASETS_CACHE": str(tmp_path / "d")}) == tmp_path / "d" / "hf_pipeline"

@@ -5,21 +5,14 @@ from __future__ import annotations
 
 import logging
 import pickle
+import time
 
 import pytest
 
 from hf_pipeline.config import DataConfig
 from hf_pipeline.errors import SourceError
-from hf_pipeline.fetch import (
-    Prefetcher,
-    RetryPolicy,
-    StagingClient,
-    _is_transient,
-    _Staging,
-    _TransientError,
-    _with_retries,
-    consumption_order,
-)
+from hf_pipeline.fetch import ShardFetcher, StagingClient, consumption_order
+from hf_pipeline.retry import RetryPolicy, TransientError, is_transient, with_retries
 from hf_pipeline.sources import (
     GCSSource,
     HubSource,
@@ -28,6 +21,7 @@ from hf_pipeline.sources import (
     natural_key,
     open_source,
 )
+from hf_pipeline.staging import StagingFolder
 from tests.servers import hf_home, make_shards, shard_dir  # noqa: F401
 
 FAST = RetryPolicy(max_retries=3, file_timeout=5, backoff_base=0.001)
@@ -83,12 +77,12 @@ class _Status(Exception):
         (TimeoutError("t"), True),
         (ConnectionResetError("r"), True),
         (FileNotFoundError("x"), False),
-        (_TransientError("size mismatch"), True),
+        (TransientError("size mismatch"), True),
         (ValueError("bad"), False),
     ],
 )
 def test_transient_classification(exc, transient):
-    assert _is_transient(exc) is transient
+    assert is_transient(exc) is transient
 
 
 def test_with_retries_retries_then_succeeds_and_names_the_file():
@@ -101,11 +95,11 @@ def test_with_retries_retries_then_succeeds_and_names_the_file():
         return "ok"
 
     retried = []
-    assert _with_retries("gs://b/x.pt", flaky, FAST, on_retry=retried.append) == "ok"
+    assert with_retries("gs://b/x.pt", flaky, FAST, on_retry=retried.append) == "ok"
     assert len(calls) == 3 and len(retried) == 2
 
     with pytest.raises(SourceError) as ei:
-        _with_retries("gs://b/y.pt", lambda: (_ for _ in ()).throw(_Status(503)), FAST)
+        with_retries("gs://b/y.pt", lambda: (_ for _ in ()).throw(_Status(503)), FAST)
     assert ei.value.path == "gs://b/y.pt"
     assert "4 attempt(s)" in ei.value.reason and "503" in ei.value.reason
 
@@ -116,7 +110,7 @@ def test_with_retries_retries_then_succeeds_and_names_the_file():
         raise FileNotFoundError("gone")
 
     with pytest.raises(SourceError, match="not retried"):
-        _with_retries("gs://b/z.pt", missing, FAST)
+        with_retries("gs://b/z.pt", missing, FAST)
     assert len(calls) == 1
 
 
@@ -199,7 +193,7 @@ def test_local_prefetcher_hands_out_originals(shard_dir, hf_home):
     cfg = DataConfig(shards=str(shard_dir))
     src = open_source(str(shard_dir), data_config=cfg)
     files = src.list_shards()
-    with Prefetcher(src, files, data_config=cfg, num_workers=2, progress=False) as pf:
+    with ShardFetcher(src, files, data_config=cfg, num_workers=2, progress=False) as pf:
         client = pickle.loads(pickle.dumps(pf.client()))
         for f in files:
             p = client.acquire(f)
@@ -209,8 +203,29 @@ def test_local_prefetcher_hands_out_originals(shard_dir, hf_home):
     assert pf.stats()["failures"] == []
 
 
+def test_wait_idle_answers_for_the_scheduler_it_has(shard_dir, hf_home, tmp_path):
+    # Local: no scheduler, nothing is ever downloaded here: idle at once.
+    cfg = DataConfig(shards=str(shard_dir))
+    src = open_source(str(shard_dir), data_config=cfg)
+    with ShardFetcher(src, src.list_shards(), data_config=cfg, progress=False) as pf:
+        assert pf.wait_idle(timeout=5)
+    # Remote, nothing to fetch: the first pass is idle; closed: no pass will come.
+    cfg = DataConfig(shards="gs://b/p", staging_dir=str(tmp_path / "staging"))
+    remote = open_source("gs://b/p", data_config=cfg)
+    pf = ShardFetcher(remote, [], data_config=cfg, progress=False)
+    assert not pf.wait_idle(timeout=0.1), "not started: no scheduler to wait for"
+    pf.start()
+    try:
+        assert pf.wait_idle(timeout=10)
+    finally:
+        pf.close()
+    started = time.monotonic()
+    assert not pf.wait_idle(timeout=10)
+    assert time.monotonic() - started < 5, "a closed fetcher must not make callers wait"
+
+
 def test_staging_sidecar_guards_identity(tmp_path):
-    st = _Staging(tmp_path)
+    st = StagingFolder(tmp_path)
     f = RemoteFile(name="a.pt", url="gs://b/a.pt", size=3, etag="1", checksum="md5:x")
     part, have = st.claim_part(f)
     assert have == 0
@@ -232,7 +247,7 @@ def test_staging_adopts_a_dead_owners_part(tmp_path):
     import subprocess
     import sys
 
-    st = _Staging(tmp_path)
+    st = StagingFolder(tmp_path)
     f = RemoteFile(name="a.pt", url="gs://b/a.pt", size=10, etag="1")
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
@@ -306,7 +321,7 @@ def test_dangling_symlink_and_loop_are_missing_shards(shard_dir, hf_home):
     src = open_source(str(shard_dir), data_config=cfg)
     files = src.list_shards()
     assert [f.name for f in files][-1] == "000036-000041.pt" and len(files) == 5
-    with Prefetcher(src, files, data_config=cfg, progress=False) as pf:
+    with ShardFetcher(src, files, data_config=cfg, progress=False) as pf:
         for f in files:
             pf.client().acquire(f)
     skipped = pf.stats()["skipped"]
@@ -363,5 +378,5 @@ def test_unreachable_store_is_a_fault_not_bad_input(hf_home, monkeypatch):
     assert src.fetch_stats.as_dict()["listing_retries"] == FAST.max_retries
     # A permanent answer is not retried and stays bad input.
     with pytest.raises(SourceError) as ei:
-        _with_retries("x", lambda: (_ for _ in ()).throw(FileNotFoundError("x")), FAST)
+        with_retries("x", lambda: (_ for _ in ()).throw(FileNotFoundError("x")), FAST)
     assert type(ei.value) is SourceError and "not retried" in ei.value.reason

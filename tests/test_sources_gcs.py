@@ -16,8 +16,10 @@ import pytest
 
 from hf_pipeline.config import DataConfig
 from hf_pipeline.errors import SourceError
-from hf_pipeline.fetch import Prefetcher, RetryPolicy, _Staging
+from hf_pipeline.fetch import ShardFetcher
+from hf_pipeline.retry import RetryPolicy
 from hf_pipeline.sources import GCSSource, open_source
+from hf_pipeline.staging import StagingFolder
 from tests.servers import gcs_bucket, gcs_server, hf_home, shard_dir  # noqa: F401
 from tests.servers.proxy import Fault, FaultProxy
 
@@ -46,7 +48,7 @@ def proxy(gcs_bucket, monkeypatch):
 def _fetch_all(src, cfg, *, num_workers=1, policy=FAST, release=False):
     files = src.list_shards()
     got = {}
-    with Prefetcher(
+    with ShardFetcher(
         src, files, data_config=cfg, num_workers=num_workers, progress=False, policy=policy
     ) as pf:
         client = pf.client()
@@ -149,14 +151,14 @@ def test_truncated_body_is_never_staged(proxy, gcs_bucket, tmp_path):
     f = next(x for x in src.list_shards() if x.name == name)
     # The first two ranged reads succeed, the third is cut short.
     proxy.add(Fault(match=name, action="truncate", times=1, skip=2))
-    with Prefetcher(src, [f], data_config=cfg, progress=False, policy=policy) as pf:
+    with ShardFetcher(src, [f], data_config=cfg, progress=False, policy=policy) as pf:
         with pytest.raises(SourceError) as ei:
             pf.client().acquire(f, timeout=30)
     assert name in str(ei.value)
-    staging = _Staging(tmp_path / "staging")
+    staging = StagingFolder(tmp_path / "staging")
     assert not staging.path(f).exists() and not staging.is_staged(f)
     # The next run resumes from the kept prefix with a ranged read and verifies.
-    with Prefetcher(src, [f], data_config=cfg, progress=False, policy=policy) as pf:
+    with ShardFetcher(src, [f], data_config=cfg, progress=False, policy=policy) as pf:
         p = pf.client().acquire(f, timeout=30)
     assert p.read_bytes() == (local / name).read_bytes()
     ranged = [r.range for r in proxy.log if name in r.path and "alt=media" in r.path]
@@ -174,7 +176,7 @@ def test_corrupt_body_fails_checksum(proxy, gcs_bucket, tmp_path):
     bad = type(f)(name=f.name, url=f.url, size=f.size, etag=f.etag, checksum="crc32c:AAAAAA==")
     with pytest.raises(SourceError, match="crc32c mismatch"):
         src.fetch_one(bad)
-    assert not _Staging(tmp_path / "staging").path(bad).exists()
+    assert not StagingFolder(tmp_path / "staging").path(bad).exists()
 
 
 def test_fail_vs_skip_after_retries(proxy, gcs_bucket, tmp_path):
@@ -207,11 +209,14 @@ def test_window_and_byte_budget_bound_the_staging_area(proxy, gcs_bucket, tmp_pa
     cfg = _cfg(tmp_path, location, prefetch_ahead=1, download_workers=4)
     src = open_source(location, data_config=cfg, policy=FAST)
     files = src.list_shards()
-    staging = _Staging(tmp_path / "staging")
-    with Prefetcher(src, files, data_config=cfg, num_workers=1, progress=False, policy=FAST) as pf:
+    staging = StagingFolder(tmp_path / "staging")
+    with ShardFetcher(
+        src, files, data_config=cfg, num_workers=1, progress=False, policy=FAST
+    ) as pf:
         client = pf.client()
         assert client.acquire(files[0], timeout=30) is not None
-        time.sleep(0.5)
+        # The fetcher has decided: what it started has landed, and it starts no more.
+        assert pf.wait_idle(timeout=30)
         # One being converted + prefetch_ahead=1: files[2:] must not be fetched yet.
         assert sum(staging.is_staged(f) for f in files) == 2
         assert proxy.count(files[2].name) == 0 and proxy.count(files[3].name) == 0
@@ -223,10 +228,12 @@ def test_window_and_byte_budget_bound_the_staging_area(proxy, gcs_bucket, tmp_pa
     proxy.clear()
     size = files[0].size
     cfg = _cfg(tmp_path, location, prefetch_ahead=3, staging_max_gb=1.5 * size / (1 << 30))
-    with Prefetcher(src, files, data_config=cfg, num_workers=1, progress=False, policy=FAST) as pf:
+    with ShardFetcher(
+        src, files, data_config=cfg, num_workers=1, progress=False, policy=FAST
+    ) as pf:
         client = pf.client()
         assert client.acquire(files[0], timeout=30) is not None
-        time.sleep(0.5)
+        assert pf.wait_idle(timeout=30)
         assert proxy.count(files[1].name) == 0
         client.release(files[0])
         assert client.acquire(files[1], timeout=30) is not None
@@ -237,7 +244,9 @@ def test_a_worker_ahead_of_the_order_is_served_first(proxy, gcs_bucket, tmp_path
     cfg = _cfg(tmp_path, location, prefetch_ahead=1, download_workers=1)
     src = open_source(location, data_config=cfg, policy=FAST)
     files = src.list_shards()
-    with Prefetcher(src, files, data_config=cfg, num_workers=1, progress=False, policy=FAST) as pf:
+    with ShardFetcher(
+        src, files, data_config=cfg, num_workers=1, progress=False, policy=FAST
+    ) as pf:
         client = pf.client()
         # Window is full with files[0:2], nobody releases: the want marker must still
         # get files[3] fetched instead of waiting forever.
@@ -270,7 +279,9 @@ def test_datasets_map_workers(gcs_bucket, tmp_path, ahead):
     src = open_source(location, data_config=cfg, policy=FAST)
     files = src.list_shards()
     ds = datasets.Dataset.from_dict({"i": list(range(len(files)))})
-    with Prefetcher(src, files, data_config=cfg, num_workers=2, progress=False, policy=FAST) as pf:
+    with ShardFetcher(
+        src, files, data_config=cfg, num_workers=2, progress=False, policy=FAST
+    ) as pf:
         client = pickle.loads(pickle.dumps(pf.client()))
         out = ds.map(
             _convert,
@@ -287,6 +298,21 @@ def test_datasets_map_workers(gcs_bucket, tmp_path, ahead):
     assert not list((tmp_path / "staging").glob("*.pt")), "workers released everything"
     assert stats["failures"] == [] and stats["staging_hits"] + stats["staging_misses"] == len(files)
     assert stats["bytes"] == sum(f.size for f in files)
+
+
+def _part_growing(staging: Path, local: Path, seen: dict[str, int]) -> bool:
+    """Whether a part file grew since the last look (``seen``) and is below half its shard."""
+    for part in staging.glob(".*.part.*"):
+        name = part.name.split(".pt")[0].lstrip(".") + ".pt"
+        try:
+            size = part.stat().st_size
+        except FileNotFoundError:
+            continue  # published (or adopted) meanwhile
+        before = seen.setdefault(part.name, size)
+        seen[part.name] = size
+        if before < size < (local / name).stat().st_size // 2:
+            return True
+    return False
 
 
 @pytest.mark.slow
@@ -306,12 +332,13 @@ def test_sigkill_mid_download_then_resume(proxy, gcs_bucket, tmp_path):
     )
     try:
         deadline = time.monotonic() + 60
+        seen: dict[str, int] = {}
         while time.monotonic() < deadline:
             done = list(staging.glob(".*.staged.json"))
-            if len(done) >= 2:
+            # Then kill while the next shard is partway: its part exists and grows.
+            if len(done) >= 2 and _part_growing(staging, local, seen):
                 break
             time.sleep(0.05)
-        time.sleep(0.5)  # let the next downloads get partway
         child.send_signal(signal.SIGKILL)
     finally:
         child.kill()
@@ -350,7 +377,7 @@ def test_unlisted_file_reacquire_progress_and_dead_prefetcher(gcs_bucket, tmp_pa
     src = open_source(location, data_config=cfg, policy=FAST)
     files = src.list_shards()
     # progress=True: tqdm bars for files and bytes must not get in the way.
-    with Prefetcher(src, files[:2], data_config=cfg, progress=True, policy=FAST) as pf:
+    with ShardFetcher(src, files[:2], data_config=cfg, progress=True, policy=FAST) as pf:
         client = pf.client()
         # Not in the prefetcher's list: the worker is told to fetch it itself.
         assert (
@@ -368,7 +395,7 @@ def test_unlisted_file_reacquire_progress_and_dead_prefetcher(gcs_bucket, tmp_pa
         )
         client.release(files[0])
     monkeypatch.setattr(fetch, "_DEAD_AFTER", 0.3)
-    pf = Prefetcher(src, files[:3], data_config=cfg, progress=False, policy=FAST)
+    pf = ShardFetcher(src, files[:3], data_config=cfg, progress=False, policy=FAST)
     pf.start()
     try:
         # Simulate a dead prefetcher: its thread stops but the control folder stays.

@@ -20,7 +20,8 @@ import pytest
 
 from hf_pipeline.config import DataConfig
 from hf_pipeline.errors import SourceError
-from hf_pipeline.fetch import Prefetcher, RetryPolicy
+from hf_pipeline.fetch import ShardFetcher
+from hf_pipeline.retry import RetryPolicy
 from hf_pipeline.sources import HubSource, open_source
 from tests.servers import hf_home, shard_dir  # noqa: F401
 from tests.servers.hub import FakeHub
@@ -169,7 +170,7 @@ def test_faults_on_the_hub_are_retried_and_verified(hub_env, shard_dir, tmp_path
         cfg = _cfg(tmp_path, download_workers=2)
         src = open_source(LOCATION, data_config=cfg, policy=FAST)
         files = src.list_shards()
-        with Prefetcher(
+        with ShardFetcher(
             src, files, data_config=cfg, num_workers=2, progress=False, policy=FAST
         ) as pf:
             client = pf.client()
@@ -204,7 +205,7 @@ def test_skip_and_fail_on_the_hub(hub_env, shard_dir, tmp_path, monkeypatch):
             cfg = _cfg(tmp_path, on_missing=mode, max_retries=1)
             src = open_source(LOCATION, data_config=cfg, policy=policy)
             files = src.list_shards()
-            with Prefetcher(src, files, data_config=cfg, progress=False, policy=policy) as pf:
+            with ShardFetcher(src, files, data_config=cfg, progress=False, policy=policy) as pf:
                 client = pf.client()
                 if mode == "fail":
                     with pytest.raises(SourceError) as ei:
@@ -243,7 +244,7 @@ def test_files_already_in_the_hub_cache_are_used_in_place(
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     offline = open_source(LOCATION, data_config=_cfg(tmp_path / "fresh"), policy=FAST)
     assert offline.list_shards() == files  # from the saved listing
-    with Prefetcher(
+    with ShardFetcher(
         offline, files, data_config=offline.data_config, progress=False, policy=FAST
     ) as pf:
         client = pf.client()

@@ -14,7 +14,8 @@ import json
 import sys
 
 from hf_pipeline.config import DataConfig
-from hf_pipeline.fetch import Prefetcher, RetryPolicy
+from hf_pipeline.fetch import ShardFetcher
+from hf_pipeline.retry import RetryPolicy
 from hf_pipeline.sources import open_source
 
 
@@ -42,7 +43,7 @@ def main(argv=None) -> int:
         src.read_chunk = args.chunk
     files = src.list_shards()
     out: dict = {"identity": src.identity(), "files": {}}
-    with Prefetcher(
+    with ShardFetcher(
         src, files, data_config=cfg, num_workers=1, progress=False, policy=policy
     ) as pf:
         client = pf.client()

@@ -1,0 +1,122 @@
+"""The import graph of the library (STYLE.md §1, §11): no cycles, no private names across modules.
+
+Read with ``ast`` (nothing is imported), so imports under ``TYPE_CHECKING`` and inside
+functions count too: a cycle hidden there is still a cycle in the design.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from tests.conftest import REPO
+
+_PACKAGES = ("hf_pipeline", "dist")
+
+#: Known exceptions, each to be removed by its owner (issue 9).
+_PRIVATE_ALLOWED = {("hf_pipeline.mapped", "hf_pipeline.errors", "_PathError")}
+
+
+def _modules() -> dict[str, tuple[ast.Module, bool]]:
+    """Dotted module name -> (parsed source, is a package ``__init__``)."""
+    out = {}
+    for package in _PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            is_package = parts[-1] == "__init__"
+            name = ".".join(parts[:-1] if is_package else parts)
+            out[name] = (ast.parse(path.read_text(encoding="utf-8")), is_package)
+    return out
+
+
+def _absolute(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _graph() -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
+    """(module -> modules it imports, [(importer, module, private name)])."""
+    modules = _modules()
+    edges: dict[str, set[str]] = {name: set() for name in modules}
+    private = []
+    for name, (tree, is_package) in modules.items():
+        aliases = {}  # local name -> a project module bound to it
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in modules:
+                        edges[name].add(alias.name)
+                        aliases[alias.asname or alias.name] = alias.name
+            elif isinstance(node, ast.ImportFrom):
+                source = _absolute(name, is_package, node)
+                for alias in node.names:
+                    submodule = f"{source}.{alias.name}"
+                    if submodule in modules:
+                        edges[name].add(submodule)
+                        aliases[alias.asname or alias.name] = submodule
+                    elif source in modules and source != name:
+                        edges[name].add(source)
+                        if alias.name.startswith("_"):
+                            private.append((name, source, alias.name))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                target = aliases.get(node.value.id)
+                attr = node.attr
+                if target not in (None, name) and attr.startswith("_") and attr[:2] != "__":
+                    private.append((name, target, attr))
+    return edges, private
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (or a self-import)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in edges[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1 or node in edges[node]:
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_graph_sees_the_modules_and_their_imports():
+    edges, _ = _graph()
+    assert "hf_pipeline.sources.hub" in edges and "dist.atomic" in edges
+    assert "hf_pipeline.staging" in edges["hf_pipeline.sources.base"]
+    assert "hf_pipeline.sources.base" in edges["hf_pipeline.sources"]
+
+
+def test_no_import_cycles():
+    assert _cycles(_graph()[0]) == []
+
+
+def test_cycle_finder_finds_a_cycle():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(edges) == [["a", "b", "c"]]
+
+
+def test_no_module_uses_another_modules_private_names():
+    _, private = _graph()
+    assert sorted(set(private) - _PRIVATE_ALLOWED) == []

@@ -10,6 +10,7 @@ environment, not of the input, so scripts exit with code 1 for it.
 from __future__ import annotations
 
 __all__ = [
+    "CacheFormatError",
     "ConfigError",
     "CorruptShardError",
     "MetadataError",
@@ -70,6 +71,15 @@ class MetadataError(_PathError, ValueError):
 
     Attributes:
         path: the metadata file.
+    """
+
+
+class CacheFormatError(_PathError, ValueError):
+    """A cache file is missing, unreadable, or lacks the expected column or layout.
+
+    Attributes:
+        path: the offending file (or the first file of a group).
+        reason: what is wrong with it.
     """
 
 

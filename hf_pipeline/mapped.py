@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from hf_pipeline.errors import _PathError
+from hf_pipeline.errors import CacheFormatError
 
 __all__ = [
     "CacheFormatError",
@@ -45,15 +45,6 @@ _LATENTS = "latents"
 _KEY = "key"
 _EMBEDDING = "embedding"
 _INDICES = "indices"
-
-
-class CacheFormatError(_PathError, ValueError):
-    """A cache file is missing, unreadable, or lacks the expected column or layout.
-
-    Attributes:
-        path: the offending file (or the first file of a group).
-        reason: what is wrong with it.
-    """
 
 
 @dataclass(frozen=True)

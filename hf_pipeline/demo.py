@@ -133,16 +133,6 @@ class DemoData:
     params: dict
 
     @property
-    def shards(self) -> tuple[Path, ...]:
-        """Alias of :attr:`shard_paths` (the name ``build.resolve_inputs`` uses)."""
-        return self.shard_paths
-
-    @property
-    def metadata(self) -> Path:
-        """Alias of :attr:`metadata_path` (the name ``build.resolve_inputs`` uses)."""
-        return self.metadata_path
-
-    @property
     def num_unique_latent_keys(self) -> int:
         """Distinct latent keys."""
         return self.num_latent_rows - self.duplicate_latent_keys

@@ -15,12 +15,10 @@ with latents in float16, bfloat16 or float32 (3 crops of a 4-channel 32x32 laten
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
 import pickle
 import re
 import zipfile
-from pathlib import Path
 
 import numpy as np
 
@@ -35,77 +33,16 @@ __all__ = [
     "LATENT_SHAPE",
     "STORAGE_DTYPES",
     "LoadedShard",
-    "list_local_shards",
     "load_shard",
     "nonfinite_rows",
     "read_shard",
     "shard_latent_dtype",
-    "shard_sort_key",
 ]
 
 
 
 _DIGITS = re.compile(r"(\d+)")
 _GLOB_CHARS = set("*?[")
-
-
-def shard_sort_key(name: str | os.PathLike) -> tuple:
-    """Natural sort key of a shard file name, ordering numeric ranges by value.
-
-    ``000010-000019.pt`` sorts after ``000000-000009.pt`` and ``2-3.pt`` before
-    ``10-11.pt``. Only the base name counts; names without digits still sort (by text).
-
-    Args:
-        name: a file name or path.
-
-    Returns:
-        A tuple usable as a ``sorted`` key; equal only for equal base names.
-    """
-    base = os.path.basename(os.fspath(name))
-    parts: list[tuple[int, int | str]] = []
-    for i, piece in enumerate(_DIGITS.split(base)):
-        if not piece:
-            continue
-        # Tag numbers 0 and text 1 so an int is never compared with a str.
-        parts.append((0, int(piece)) if i % 2 else (1, piece))
-    # The raw name breaks ties such as "01.pt" vs "1.pt" deterministically.
-    return (tuple(parts), base)
-
-
-def list_local_shards(folder_or_glob: str | os.PathLike) -> list[Path]:
-    """List the ``*.pt`` shard files of a local folder (or glob, or single file).
-
-    Hidden files (``.name.pt``) are skipped: downloaders and rsync write partial files
-    under such names, and those must never be read as shards.
-
-    Args:
-        folder_or_glob: a folder (its direct ``*.pt`` children), a glob pattern such as
-            ``/data/latents/0000*.pt``, or one ``.pt`` file.
-
-    Returns:
-        The shard paths, sorted by :func:`shard_sort_key`.
-
-    Raises:
-        SourceError: nothing matched (the message says what was looked for).
-    """
-    spec = os.path.expanduser(os.fspath(folder_or_glob))
-    if _GLOB_CHARS & set(spec):
-        candidates = [Path(p) for p in glob.glob(spec)]
-        where = f"no files match the pattern {spec!r}"
-    elif os.path.isdir(spec):
-        candidates = list(Path(spec).glob("*.pt"))
-        where = "folder has no *.pt shard files"
-    elif os.path.isfile(spec):
-        candidates = [Path(spec)]
-        where = "is not a .pt shard file"
-    else:
-        raise SourceError(spec, "no such file or folder (expected a folder of *.pt latent shards)")
-    found = [
-        p for p in candidates if p.suffix == ".pt" and not p.name.startswith(".") and p.is_file()
-    ]
-    if not found:
-        raise SourceError(spec, where)
-    return sorted(found, key=shard_sort_key)
 
 
 @dataclasses.dataclass(frozen=True)

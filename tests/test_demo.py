@@ -17,9 +17,11 @@ import pytest
 import torch
 
 from hf_pipeline.captions import REASONS, classify, read_captions
+from hf_pipeline.config import DataConfig
 from hf_pipeline.demo import COLORS, METADATA_NAME, generate_demo
 from hf_pipeline.errors import SourceError
-from hf_pipeline.shards import LATENT_SHAPE, list_local_shards, load_shard
+from hf_pipeline.shards import LATENT_SHAPE, load_shard
+from hf_pipeline.sources import open_source
 
 _SMALL = {"num_shards": 3, "samples_per_shard": 200, "seed": 7}
 _REPO = Path(__file__).resolve().parent.parent
@@ -46,7 +48,8 @@ def test_real_format_and_names(tmp_path):
         "000200-000399.pt",
         "000400-000599.pt",
     ]
-    assert list_local_shards(demo.out_dir) == list(demo.shard_paths)
+    listed = open_source(str(demo.out_dir), data_config=DataConfig()).list_shards()
+    assert [f.name for f in listed] == [p.name for p in demo.shard_paths]
     raw = torch.load(demo.shard_paths[0], weights_only=True, map_location="cpu")
     assert set(raw) == {"keys", "latents"}
     assert raw["keys"].dtype == torch.int64 and raw["keys"].shape == (200,)

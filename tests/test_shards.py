@@ -12,12 +12,10 @@ import torch
 from hf_pipeline.errors import CorruptShardError, SourceError
 from hf_pipeline.shards import (
     LATENT_SHAPE,
-    list_local_shards,
     load_shard,
     nonfinite_rows,
     read_shard,
     shard_latent_dtype,
-    shard_sort_key,
 )
 
 
@@ -32,60 +30,6 @@ def _good(n: int = 5, dtype=torch.float16, seed: int = 0) -> dict:
         "keys": torch.arange(100, 100 + 7 * n, 7, dtype=torch.int64),
         "latents": torch.randn((n, *LATENT_SHAPE), generator=g).to(dtype),
     }
-
-
-# ----------------------------------------------------------------------------- sorting
-
-
-def test_shard_sort_key_orders_numeric_ranges():
-    names = ["000010-000019.pt", "10-11.pt", "000000-000009.pt", "2-3.pt", "000100-000109.pt"]
-    assert sorted(names, key=shard_sort_key) == [
-        "000000-000009.pt",
-        "2-3.pt",
-        "10-11.pt",
-        "000010-000019.pt",
-        "000100-000109.pt",
-    ]
-
-
-def test_shard_sort_key_small_before_large_and_handles_text():
-    assert shard_sort_key("2-3.pt") < shard_sort_key("10-11.pt")
-    assert shard_sort_key("/a/b/000000-000009.pt") < shard_sort_key("000010-000019.pt")
-    # Mixed names never compare int with str (no TypeError) and ties are deterministic.
-    names = ["b.pt", "a10.pt", "a2.pt", "01.pt", "1.pt", "x-1-y.pt"]
-    out = sorted(names, key=shard_sort_key)
-    assert out.index("a2.pt") < out.index("a10.pt")
-    assert sorted(reversed(names), key=shard_sort_key) == out
-
-
-def test_list_local_shards_folder_glob_and_errors(tmp_path):
-    for name in [
-        "000010-000019.pt",
-        "000000-000009.pt",
-        "2-3.pt",
-        ".000020-000029.pt",
-        "notes.txt",
-    ]:
-        (tmp_path / name).write_bytes(b"x")
-    (tmp_path / "dir.pt").mkdir()
-    got = list_local_shards(tmp_path)
-    assert [p.name for p in got] == ["000000-000009.pt", "2-3.pt", "000010-000019.pt"]
-    assert [p.name for p in list_local_shards(str(tmp_path / "0000*.pt"))] == [
-        "000000-000009.pt",
-        "000010-000019.pt",
-    ]
-    assert list_local_shards(tmp_path / "2-3.pt") == [tmp_path / "2-3.pt"]
-
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    with pytest.raises(SourceError, match=r"no \*\.pt shard files") as info:
-        list_local_shards(empty)
-    assert info.value.path == str(empty)
-    assert isinstance(info.value, OSError)
-    with pytest.raises(SourceError, match="no such file or folder"):
-        list_local_shards(tmp_path / "missing")
-    with pytest.raises(SourceError, match="no files match"):
-        list_local_shards(str(tmp_path / "zzz*.pt"))
 
 
 # ----------------------------------------------------------------------------- good shards

@@ -11,13 +11,18 @@ Stages (each published atomically by :mod:`dist.coordinator`, with a marker):
    b. duplicates — one NumPy pass over the key column marks all but the first
       occurrence of each key.
    c. *embed* — ``Dataset.map(batch_size=build.batch_size)`` in THIS process with the
-      encoder on the accelerator (CUDA does not survive ``fork``); only rows that
+      encoder on the accelerator (one model, big batches); only rows that
       will be kept are encoded. Writes ``embedding, drop_reason``.
 2. ``filtered`` — ``Dataset.filter(num_proc=...)`` on ``drop_reason == ""`` writes
    the kept row indices; the build report lands next to them.
 
 Every latent row is either kept or counted under a reason; metadata rows with no
 latents are counted as ``no_latents``.
+
+The ``num_proc`` workers are spawned, never forked (:mod:`hf_pipeline.workers`): the
+caller has usually initialised JAX or CUDA first and the build runs threads of its own,
+so a fork could deadlock. Safe to call after ``jax.distributed.initialize()``; a
+script that calls :func:`prepare_cache` needs an ``if __name__ == "__main__":`` guard.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import numpy as np
 from dist.atomic import write_json_atomic
 from hf_pipeline.cache import STAGES, CacheLayout, compute_fingerprint
 from hf_pipeline.config import Config
+from hf_pipeline.workers import check_not_bootstrapping, spawned_workers
 
 __all__ = ["BuildResult", "REASONS", "prepare_cache", "resolve_inputs"]
 
@@ -447,6 +453,7 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
     from dist.env import detect
     from hf_pipeline.embed import encoder_identity
 
+    check_not_bootstrapping()
     t0 = time.monotonic()
     process = process or detect()
     inputs = resolve_inputs(cfg)
@@ -468,7 +475,8 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
         def run(ctx):
             ran.append(name)
             log.info("building stage %s of %s", name, layout.root)
-            return fn(ctx)
+            with spawned_workers():  # the num_proc pools: see hf_pipeline.workers
+                return fn(ctx)
 
         return Stage(name=name, build=run)
 

@@ -112,6 +112,10 @@ def test_train_two_processes_jax_distributed(session_cache_root, built_cache):
                         JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}")
     for code, _out, err in results:
         assert code == 0, err[-3000:]
+        # JAX is joined before the build and left in order (hf_pipeline.trainer): no
+        # fork warning, no coordination-service trace at the end of a good run.
+        assert "os.fork() was called" not in err
+        assert "WatchTasks" not in err and "CANCELLED" not in err
     outs = [(out, err) for _code, out, err in results]
     assert "done: 20 steps" in outs[0][0] and "cache found" in outs[0][0]
     assert "done:" not in outs[1][0]  # only rank 0 prints

@@ -18,6 +18,7 @@ from hf_pipeline.config import DataConfig
 from hf_pipeline.errors import SourceError
 from hf_pipeline.fetch import Prefetcher, RetryPolicy, _Staging
 from hf_pipeline.sources import GCSSource, open_source
+from hf_pipeline.workers import spawned_workers
 from tests.servers import gcs_bucket, gcs_server, hf_home, shard_dir  # noqa: F401
 from tests.servers.proxy import Fault, FaultProxy
 
@@ -267,15 +268,16 @@ def test_datasets_map_workers(gcs_bucket, tmp_path, ahead):
     ds = datasets.Dataset.from_dict({"i": list(range(len(files)))})
     with Prefetcher(src, files, data_config=cfg, num_workers=2, progress=False, policy=FAST) as pf:
         client = pickle.loads(pickle.dumps(pf.client()))
-        out = ds.map(
-            _convert,
-            batched=True,
-            batch_size=1,
-            num_proc=2,
-            fn_kwargs={"files": files, "client": client},
-            load_from_cache_file=False,
-            cache_file_name=str(tmp_path / "map" / "out.arrow"),
-        )
+        with spawned_workers():  # as the build starts them: the client crosses by pickle
+            out = ds.map(
+                _convert,
+                batched=True,
+                batch_size=1,
+                num_proc=2,
+                fn_kwargs={"files": files, "client": client},
+                load_from_cache_file=False,
+                cache_file_name=str(tmp_path / "map" / "out.arrow"),
+            )
         stats = pf.stats()
     want = [int(torch.load(local / f.name, weights_only=True)["keys"].sum()) for f in files]
     assert out["keysum"] == want

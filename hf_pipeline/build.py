@@ -144,7 +144,7 @@ _TOKENIZERS: dict[Any, Any] = {}
 
 
 def _captions(path: str):
-    # One memory-mapped caption table per worker process (opened lazily after fork).
+    # One memory-mapped caption table per worker process (opened lazily, by path).
     table = _CAPTIONS.get(path)
     if table is None:
         from hf_pipeline.captions import CaptionTable
@@ -154,7 +154,7 @@ def _captions(path: str):
 
 
 def _tokenizer(cfg):
-    # One tokenizer per worker process, loaded after the fork. The workers already run
+    # One tokenizer per worker process, loaded there. The workers already run
     # in parallel, so each tokenizes on one thread (no oversubscription).
     tok = _TOKENIZERS.get(cfg)
     if tok is None:

@@ -23,15 +23,17 @@ process agree); the standard library's ``multiprocessing`` is never touched. A c
 that chose ``spawn`` or ``forkserver`` for ``multiprocess`` keeps its choice.
 
 Cost. A spawned worker imports ``datasets``, torch and the tokenizer itself instead of
-inheriting them: on the 2-CPU development machine a ``num_proc=2`` pool takes about
-1.5 s to start against 0.13 s forked, which made the demo build's join stage
-(4 shards x 100 rows) about 3 s slower. That is a fixed cost per stage, noise
-against a real build. Considered and not taken:
+inheriting them, about 3 CPU-seconds per worker per stage. Measured on the 2-CPU
+development machine: a ``num_proc=2`` pool of a trivial function starts in 1.5 s
+against 0.13 s forked (idle machine); the demo's join stage (4 shards x 100 rows,
+``num_proc=2``) costs its child processes 7 CPU-s against 0.25 forked (two workers
+and the manager process ``datasets`` starts beside them). A fixed cost per stage,
+noise against a real build. Considered and not taken:
 
-* ``forkserver`` (one server imports the libraries once, then forks each worker from
-  itself; 0.16 s per pool after the first): workers then see the environment of the
-  moment the server started, not of the build (``HF_TOKEN``, ``STORAGE_EMULATOR_HOST``
-  set later are missing), and the server outlives the build.
+* ``forkserver`` with the libraries preloaded (2.3 s for the first pool, then 0.16 s
+  per pool): workers then see the environment of the moment the server started, not
+  of the build (``HF_TOKEN`` or ``STORAGE_EMULATOR_HOST`` set later are missing), and
+  the server outlives the build.
 * running the whole build in a clean child process when JAX or CUDA is up: the
   stage functions need the parent's lease (heartbeat thread, ownership checks, the
   doorbell's client), and a second path taken only "when JAX is up" is one that most

@@ -111,9 +111,12 @@ def test_train_two_processes_jax_distributed(session_cache_root, built_cache):
     # The debug flag makes jax.extend.backend.clear_backends() raise if a JAX array
     # (and so its backend client) survives train.py's run: on a GPU such a client
     # logs "WatchTasksAsync failed ... CANCELLED" when jax.distributed shuts down.
-    results = run_ranks([REPO / "scripts/train.py", *args], 2,
-                        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                        JAX_DEBUG_LEAKED_CLIENTS_ON_CLEAR_BACKENDS="1")
+    results = run_ranks(
+        [REPO / "scripts/train.py", *args],
+        2,
+        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+        JAX_DEBUG_LEAKED_CLIENTS_ON_CLEAR_BACKENDS="1",
+    )
     for code, _out, err in results:
         assert code == 0, err[-3000:]
         # JAX is joined before the build and left in order (hf_pipeline.trainer): no

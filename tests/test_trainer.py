@@ -48,3 +48,16 @@ def test_checkpoint_resume_continues_the_same_run(small_config, source, tmp_path
     expected = [h["loss"] for h in straight.history]
     np.testing.assert_allclose(resumed, expected, rtol=1e-4)
     assert second.loader_state == straight.loader_state
+
+
+def test_jax_distributed_is_a_no_op_for_one_process():
+    import jax
+
+    from dist.env import detect
+    from hf_pipeline.trainer import jax_distributed, shutdown_jax_distributed
+
+    process = detect(environ={})
+    with jax_distributed(process, environ={"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1"}) as joined:
+        assert joined is False
+    assert not jax.distributed.is_initialized()
+    shutdown_jax_distributed()  # nothing joined: returns without waiting

@@ -12,13 +12,18 @@ Stages (each published atomically by :mod:`dist.coordinator`, with a marker):
    b. duplicates — one NumPy pass over the key column marks all but the first
       occurrence of each key (among rows with finite latents).
    c. *embed* — ``Dataset.map(batch_size=build.batch_size)`` in THIS process with the
-      encoder on the accelerator (CUDA does not survive ``fork``); only rows that
+      encoder on the accelerator (one model, big batches); only rows that
       will be kept are encoded. Writes ``embedding, drop_reason``.
 2. ``filtered`` — ``Dataset.filter(num_proc=...)`` on ``drop_reason == ""`` writes
    the kept row indices; the build report lands next to them.
 
 Every latent row is either kept or counted under a reason; metadata rows with no
 latents are counted as ``no_latents``.
+
+The ``num_proc`` workers are spawned, never forked (:mod:`hf_pipeline.workers`): the
+caller has usually initialised JAX or CUDA first and the build runs threads of its own,
+so a fork could deadlock. Safe to call after ``jax.distributed.initialize()``; a
+script that calls :func:`prepare_cache` needs an ``if __name__ == "__main__":`` guard.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from hf_pipeline.cache import (
     compute_fingerprint,
 )
 from hf_pipeline.config import Config
+from hf_pipeline.workers import check_not_bootstrapping, spawned_workers
 
 __all__ = ["BuildResult", "REASONS", "prepare_cache", "resolve_inputs"]
 
@@ -189,7 +195,7 @@ _TOKENIZERS: dict[Any, Any] = {}
 
 
 def _captions(path: str):
-    # One memory-mapped caption table per worker process (opened lazily after fork).
+    # One memory-mapped caption table per worker process (opened lazily, by path).
     table = _CAPTIONS.get(path)
     if table is None:
         from hf_pipeline.captions import CaptionTable
@@ -199,7 +205,7 @@ def _captions(path: str):
 
 
 def _tokenizer(cfg):
-    # One tokenizer per worker process, loaded after the fork. The workers already run
+    # One tokenizer per worker process, loaded there. The workers already run
     # in parallel, so each tokenizes on one thread (no oversubscription).
     tok = _TOKENIZERS.get(cfg)
     if tok is None:
@@ -643,6 +649,7 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
     from dist.env import detect
     from hf_pipeline.embed import encoder_identity
 
+    check_not_bootstrapping()
     t0 = time.monotonic()
     process = process or detect()
     inputs = resolve_inputs(cfg)
@@ -667,7 +674,8 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
     def stage(name, fn):
         def run(ctx):
             log.info("building stage %s of %s", name, layout.root)
-            return fn(ctx)
+            with spawned_workers():  # the num_proc pools: see hf_pipeline.workers
+                return fn(ctx)
 
         return Stage(name=name, build=run)
 

@@ -48,24 +48,11 @@ def main(args: argparse.Namespace) -> int:
 
     from dist.env import detect
     from hf_pipeline.build import prepare_cache
+    from hf_pipeline.cache import open_sample_source
+    from hf_pipeline.trainer import jax_distributed, train
 
     process = detect()
     lead = process.rank == 0
-    result = prepare_cache(cfg, process=process, progress=lead and not args.quiet)
-    if lead:
-        how = "built" if result.built else "found"
-        print(
-            f"[rank {process.rank}/{process.world_size}] cache {how}: {result.cache_dir} "
-            f"({result.report['rows_out']} rows, {result.seconds:.1f} s)",
-            flush=True,
-        )
-
-    # JAX only after the build: datasets forks worker processes while building.
-    from hf_pipeline.cache import open_sample_source
-    from hf_pipeline.trainer import init_jax_distributed, train
-
-    init_jax_distributed(process)
-    source = open_sample_source(result.layout, result.fingerprint)
 
     def log(rec):
         if lead:
@@ -75,10 +62,26 @@ def main(args: argparse.Namespace) -> int:
                 flush=True,
             )
 
-    with source:
-        out = train(
-            cfg, source, process_index=process.rank, process_count=process.world_size, on_log=log
-        )
+    # JAX first, as in most training scripts: the build spawns (never forks) its
+    # workers, and waiting ranks are woken through JAX's key-value store. Every rank
+    # leaves jax.distributed in order at the end, so a good run ends quietly.
+    with jax_distributed(process):
+        result = prepare_cache(cfg, process=process, progress=lead and not args.quiet)
+        if lead:
+            how = "built" if result.built else "found"
+            print(
+                f"[rank {process.rank}/{process.world_size}] cache {how}: {result.cache_dir} "
+                f"({result.report['rows_out']} rows, {result.seconds:.1f} s)",
+                flush=True,
+            )
+        with open_sample_source(result.layout, result.fingerprint) as source:
+            out = train(
+                cfg,
+                source,
+                process_index=process.rank,
+                process_count=process.world_size,
+                on_log=log,
+            )
     if lead:
         drop = 100 * (1 - out.last_loss / out.first_loss) if out.first_loss else 0.0
         print(

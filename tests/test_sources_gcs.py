@@ -20,6 +20,7 @@ from hf_pipeline.fetch import ShardFetcher
 from hf_pipeline.retry import RetryPolicy
 from hf_pipeline.sources import GCSSource, open_source
 from hf_pipeline.staging import StagingFolder
+from hf_pipeline.workers import spawned_workers
 from tests.servers import gcs_bucket, gcs_server, hf_home, shard_dir  # noqa: F401
 from tests.servers.proxy import Fault, FaultProxy
 
@@ -283,15 +284,16 @@ def test_datasets_map_workers(gcs_bucket, tmp_path, ahead):
         src, files, data_config=cfg, num_workers=2, progress=False, policy=FAST
     ) as pf:
         client = pickle.loads(pickle.dumps(pf.client()))
-        out = ds.map(
-            _convert,
-            batched=True,
-            batch_size=1,
-            num_proc=2,
-            fn_kwargs={"files": files, "client": client},
-            load_from_cache_file=False,
-            cache_file_name=str(tmp_path / "map" / "out.arrow"),
-        )
+        with spawned_workers():  # as the build starts them: the client crosses by pickle
+            out = ds.map(
+                _convert,
+                batched=True,
+                batch_size=1,
+                num_proc=2,
+                fn_kwargs={"files": files, "client": client},
+                load_from_cache_file=False,
+                cache_file_name=str(tmp_path / "map" / "out.arrow"),
+            )
         stats = pf.stats()
     want = [int(torch.load(local / f.name, weights_only=True)["keys"].sum()) for f in files]
     assert out["keysum"] == want

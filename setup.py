@@ -7,8 +7,7 @@ setup(
     name="hf_pipeline",
     version="0.1.0",
     description=(
-        "Crash-safe shared HuggingFace Datasets cache for latent/caption data, "
-        "streamed into JAX"
+        "Crash-safe shared HuggingFace Datasets cache for latent/caption data, streamed into JAX"
     ),
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",

@@ -3,6 +3,7 @@ real worker processes, exact checkpoint/resume."""
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import shutil
 
@@ -221,3 +222,26 @@ def test_map_dataset_iterator_checkpoint_resume(src):
     it2 = iter(ds.to_iter_dataset())
     it2.set_state(state)
     _assert_batches_equal(head + _copy(it2), full)
+
+
+def test_global_batches_recipe_gives_the_loaders_batches(src):
+    """README's fast path: one Grain record per global batch of our own order."""
+    from hf_pipeline.loader import Loader
+
+    order = GlobalSampler(len(src), global_batch_size=16, seed=4)
+    share = order.process_positions(1, 2)  # process 1 of 2
+    spe = order.steps_per_epoch
+
+    def global_batch(g):
+        ids, _ = order.global_batch(g // spe, g % spe)
+        return src.get_batch(ids[share])
+
+    by_step = grain.MapDataset.range(2 * spe).map(global_batch)
+    with Loader(
+        src.sample_source, global_batch_size=16, seed=4, process_index=1, process_count=2
+    ) as ld:
+        want = [np.asarray(b["keys"]) for b in itertools.islice(ld.epochs(2), 2 * spe)]
+    got = [b["keys"] for b in by_step.to_iter_dataset()]
+    assert len(got) == len(want) == 2 * spe
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)

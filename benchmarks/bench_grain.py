@@ -81,6 +81,7 @@ def main(argv=None) -> dict:
     p.add_argument("--cache-dir", default="", help="reuse/keep the cache here")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
+    load_at_start = os.getloadavg()[0]
 
     from absl import flags
 
@@ -226,6 +227,7 @@ def main(argv=None) -> dict:
     out = {
         "host": platform.node(),
         "cpus": os.cpu_count(),
+        "load_avg_1m_at_start": load_at_start,
         "load_avg_1m_at_end": os.getloadavg()[0],
         "grain": grain.__version__,
         "rows": args.rows,

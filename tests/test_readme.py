@@ -32,3 +32,9 @@ def test_readme_python_examples_run(small_config, built_cache, monkeypatch):
     assert namespace["emb"].shape == (16, 384)
     assert tuple(namespace["latents"].shape) == (64, 4, 32, 32)  # the torch example's batch
     assert namespace["state"]["step"] == 10
+    # Lightning: fit to step 10 with a checkpoint at 5, then resumed from it to 10.
+    assert namespace["resumed"].global_step == 10
+    # Grain: per-record and global-batch paths give Loader-shaped batches.
+    assert namespace["first"]["latents"].shape == (16, 4, 32, 32)
+    assert namespace["sixth"]["keys"].shape == (16,)
+    assert namespace["step_batch"]["keys"].shape == (16,)

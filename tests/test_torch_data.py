@@ -32,8 +32,8 @@ def _ctx():
     return "forkserver" if "jax" in sys.modules else None
 
 
-def _expected(ds: TorchBatches, step: int):
-    pb = ds.sampler.batch_at(ds.epoch, step, ds._local)
+def _expected(ds: TorchBatches, step: int, epoch: int | None = None):
+    pb = ds.sampler.batch_at(ds.epoch if epoch is None else epoch, step, ds._local)
     return ds.source.gather(pb.rows, pb.crops)
 
 
@@ -154,10 +154,171 @@ def test_datamodule_over_the_built_cache(small_config, built_cache):
     dm.setup("fit")
     dm.set_epoch(1, start_step=2)
     got = [b["keys"].numpy() for b in dm.train_dataloader()]
-    ref = TorchBatches(dm.source, global_batch_size=16, seed=0, process_index=0, process_count=1,
-                       epoch=1, start_step=2)
+    ref = TorchBatches(
+        dm.source,
+        global_batch_size=16,
+        seed=0,
+        process_index=0,
+        process_count=1,
+        epoch=1,
+        start_step=2,
+    )
     assert len(got) == len(ref) > 0
     for a, b in zip(got, ref, strict=True):
         np.testing.assert_array_equal(a, b["keys"].numpy())
     dm.teardown()
     assert dm.source is None
+
+
+def test_iteration_keeps_the_epoch_it_started_with(source):
+    """set_epoch between iter() and the first batch (Lightning's order on resume) does not
+    move an iteration that has begun; the next iteration follows it."""
+    ds = TorchBatches(source, global_batch_size=16, seed=1, process_index=0, process_count=1)
+    it = iter(ds)
+    ds.set_epoch(5, start_step=3)
+    got = [b["keys"].tolist() for b in it]
+    assert got == [_expected(ds, s, epoch=0)["keys"].tolist() for s in range(len(got))]
+    assert len(got) == source.num_rows // 16
+    assert [b["keys"].tolist() for b in ds][0] == _expected(ds, 3, epoch=5)["keys"].tolist()
+
+
+def test_loader_sampler_set_epoch_reaches_the_dataset(source):
+    ds = TorchBatches(source, global_batch_size=16, seed=1, process_index=0, process_count=1)
+    dl = torch_loader(ds, num_workers=0)
+    dl.sampler.set_epoch(3)  # what Lightning's fit loop calls before each epoch
+    assert (ds.epoch, ds.start_step) == (3, 0)
+    first = next(iter(dl))
+    np.testing.assert_array_equal(first["keys"].numpy(), _expected(ds, 0, epoch=3)["keys"])
+    with pytest.raises(ValueError, match="persistent_workers"):
+        torch_loader(ds, num_workers=2, persistent_workers=True)
+
+
+def _datamodule(cfg, **kw):
+    from hf_pipeline.torch_data import LatentDataModule
+
+    return LatentDataModule(cfg, **kw)
+
+
+def test_datamodule_state_is_the_consumer_position(small_config, built_cache):
+    """state_dict names the next batch handed out, not how far the workers ran ahead."""
+    dm = _datamodule(small_config, num_workers=2, multiprocessing_context=_ctx(), timeout=120)
+    dm.setup("fit")
+    dm.set_epoch(1)
+    dl = dm.train_dataloader()
+    spe = dm.dataset.sampler.steps_per_epoch
+    assert len(dl) == spe  # the whole epoch: Lightning numbers a resumed epoch on
+    it = iter(dl)
+    head = [next(it)["keys"].tolist() for _ in range(3)]
+    state = dm.state_dict()
+    assert (state["epoch"], state["step"]) == (1, 3)
+    assert dl.state_dict() == state
+    assert state["fingerprint"] == built_cache.fingerprint and state["version"] == 1
+    rest = [b["keys"].tolist() for b in it]
+    assert dm.state_dict()["epoch"] == 2 and dm.state_dict()["step"] == 0  # epoch done
+    # A fresh DataModule given the state before setup continues exactly there.
+    dm2 = _datamodule(small_config, num_workers=0)
+    dm2.load_state_dict(state)
+    dm2.setup("fit")
+    assert [b["keys"].tolist() for b in dm2.train_dataloader()] == rest
+    full = TorchBatches(
+        dm.source, global_batch_size=16, seed=0, process_index=0, process_count=1, epoch=1
+    )
+    assert head + rest == [b["keys"].tolist() for b in full]
+    dm.teardown()
+    assert dm.source is None and dm.state_dict()["epoch"] == 2  # the position outlives it
+    dm2.teardown()
+
+
+def test_datamodule_state_format_golden(small_config, built_cache):
+    """Version 1 of the state, written out: checkpoints of today keep loading."""
+    dm = _datamodule(small_config, num_workers=0)
+    golden = {
+        "version": 1,
+        "epoch": 2,
+        "step": 5,
+        "global_batch_size": 16,
+        "seed": 0,
+        "shuffle": "global",
+        "partition": "contiguous",
+        "crop": "random",
+        "block_size": 4096,
+        "window_blocks": 4,
+        "drop_last": True,
+        "fingerprint": built_cache.fingerprint,
+    }
+    dm.load_state_dict(golden)  # before setup: kept, checked by setup
+    dm.setup()
+    golden["num_rows"] = dm.dataset.sampler.num_rows
+    assert dm.state_dict() == golden
+    want = TorchBatches(
+        dm.source, global_batch_size=16, process_index=0, process_count=1, epoch=2, start_step=5
+    )
+    got = next(iter(dm.train_dataloader()))
+    np.testing.assert_array_equal(got["keys"].numpy(), next(iter(want))["keys"].numpy())
+    dm.teardown()
+
+
+def test_datamodule_refuses_a_state_of_another_order(small_config, built_cache):
+    dm = _datamodule(small_config, num_workers=0)
+    dm.setup()
+    state = dm.state_dict()
+    for key, value in (("seed", 7), ("fingerprint", "0" * 16), ("global_batch_size", 8)):
+        with pytest.raises(ValueError, match=f"{key}="):
+            dm.load_state_dict({**state, key: value})
+    with pytest.raises(ValueError, match="version"):
+        dm.load_state_dict({**state, "version": 2})
+    with pytest.raises(ValueError, match="step in"):
+        dm.load_state_dict({**state, "step": 10_000})
+    dm.load_state_dict({**state, "partition": "strided", "step": 4})  # another split: fine
+    assert dm.state_dict()["step"] == 4
+    dm.teardown()
+
+
+def test_datamodule_state_interchanges_with_the_jax_loader(small_config, built_cache):
+    """Same fields, same global order: a Loader state resumes a DataModule and back."""
+    from hf_pipeline.loader import Loader
+
+    dm = _datamodule(small_config, num_workers=0)
+    dm.setup()
+    with Loader.from_config(dm.source, small_config.loader, process_index=0, process_count=1) as ld:
+        it = iter(ld)
+        for _ in range(4):
+            next(it)
+        state = ld.state_dict()
+        want = np.asarray(next(it)["keys"]).tolist()
+        it.close()
+        dm.load_state_dict(state)
+        assert next(iter(dm.train_dataloader()))["keys"].tolist() == want
+        ld.load_state_dict(dm.state_dict())  # 5 batches handed out by now
+        assert ld.step == 5
+    dm.teardown()
+
+
+def test_plain_datamodule_without_lightning(small_config, built_cache, monkeypatch):
+    from hf_pipeline import torch_data
+
+    monkeypatch.setitem(sys.modules, "lightning", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "pytorch_lightning", None)
+    plain = torch_data._make_datamodule_class()
+    assert plain.__mro__[1:] == (torch_data._LatentDataModule, object)
+    dm = plain(small_config, num_workers=0)
+    dm.setup()
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["latents"].shape == (16, 4, 32, 32) and dm.state_dict()["step"] == 1
+    dm.teardown()
+
+
+def test_importing_torch_data_does_not_import_lightning():
+    import subprocess
+
+    from tests.conftest import PYTHON, script_env
+
+    code = (
+        "import sys, hf_pipeline.torch_data as t; assert 'lightning' not in sys.modules; "
+        "t.LatentDataModule; print('lightning' in sys.modules)"
+    )
+    out = subprocess.run(
+        [PYTHON, "-c", code], env=script_env(), capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "True"

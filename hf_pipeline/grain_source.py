@@ -1,0 +1,287 @@
+"""A Grain random-access data source over the memory-mapped cache.
+
+:class:`GrainSource` serves one training sample per record (``__len__`` /
+``__getitem__``, Grain's ``RandomAccessDataSource`` protocol) as NumPy arrays, gathered
+by :class:`~hf_pipeline.mapped.SampleSource` from the Arrow files of a built cache. Grain
+owns the order (``MapDataset.shuffle``, ``IndexSampler``), the sharding, the batching
+and the checkpoint; this module only turns a record index into a sample.
+
+Records: ``{"latents": (C, H, W), "embeddings": (D,), "keys": int64 scalar}`` in the
+cache dtypes, so Grain's default batching gives the same names and shapes as
+:class:`hf_pipeline.loader.Loader` batches. Record ``i`` is a *sample id* of
+:mod:`hf_pipeline.sampler`: with ``crop="random"`` or a fixed crop index it is logical
+row ``i``; with ``crop="all"`` it is crop ``i % num_crops`` of row ``i // num_crops``.
+A random crop is a hash of ``(seed, row)`` (the sampler's epoch-0 crop), so a record's
+value never depends on which worker, batch or resume reads it: Grain's checkpoints stay
+exact. It is the same every epoch (Grain's sources see no epoch); ``crop="all"`` makes
+every crop its own record instead.
+
+Worker processes: Grain pickles the source into each worker (spawned processes). A
+pickled GrainSource is its cache folder, stage folders, fingerprint and options — a few
+hundred bytes, never the arrays — and each process maps the files itself on first read
+(the page cache is shared, so N workers do not hold N copies).
+
+Speed: in grain 0.2.x both ``MapDataset.batch`` and ``DataLoader`` fetch records one by
+one (``_getitems``, the batched read that :meth:`GrainSource._getitems` implements, is
+behind a disabled experiment in ``BatchMapDataset``), then ``np.stack`` them: per-record
+Python. :meth:`GrainSource.get_batch` is the batched path: batch *indices* in Grain, then
+one NumPy gather per batch (README "Grain", ``benchmarks/bench_grain.py``).
+
+Thread-safety: reads are safe from several threads (Grain's read threads); the lazy
+open is locked. ``close`` must not race with reads.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hf_pipeline.cache import STAGES, CacheLayout, open_sample_source
+from hf_pipeline.mapped import CacheFormatError, SampleSource
+from hf_pipeline.sampler import GlobalSampler, SamplerOptions
+
+__all__ = ["GrainSource"]
+
+# Random crops are drawn as the sampler draws them for this epoch; Grain's sources see
+# no epoch, so every epoch reuses it.
+_CROP_EPOCH = 0
+
+
+def _published_stage_dirs(root: Path, fingerprint: str | None) -> tuple[dict[str, str], str]:
+    """The stage folders that the cache's valid markers name, and its fingerprint.
+
+    Raises:
+        CacheFormatError: a stage marker is missing or not trusted (naming the marker
+            and why), or the markers state another fingerprint than ``fingerprint``.
+    """
+    from dist.layout import marker_name
+    from dist.markers import check_marker, derived_from_problem, read_json
+
+    if not root.is_dir():
+        raise CacheFormatError(str(root), "cache folder does not exist")
+    if fingerprint is None:
+        first = root / marker_name(STAGES[0])
+        stated = read_json(first)
+        if not isinstance(stated, dict) or not isinstance(stated.get("fingerprint"), str):
+            raise CacheFormatError(
+                str(first), "missing or malformed: not a built cache (build it first)"
+            )
+        fingerprint = stated["fingerprint"]
+    done: dict = {}
+    for stage in STAGES:
+        path = root / marker_name(stage)
+        marker, why = check_marker(path, fingerprint=fingerprint, base_dir=root, stage=stage)
+        if marker is not None:
+            why = derived_from_problem(marker, done)
+        if why is not None:
+            raise CacheFormatError(str(path), f"not a trusted {stage} marker: {why}")
+        done[stage] = marker
+    return {stage: m.directory for stage, m in done.items()}, fingerprint
+
+
+class GrainSource:
+    """Samples of a built cache as a Grain random-access data source.
+
+    Args:
+        cache_dir: a built cache folder (``BuildResult.cache_dir``:
+            ``<cache_root>/<name>-<fingerprint>``). Its stage markers must be valid.
+        crop: ``"random"`` (one crop per row, a hash of ``(seed, row)``), a fixed crop
+            index, or ``"all"`` (each crop of each row is a record), as ``loader.crop``.
+        seed: seed of the random crops (not of the order: Grain shuffles).
+        fingerprint: the expected cache identity; default the one its markers state.
+
+    Raises:
+        CacheFormatError: not a complete cache (the message names the marker or file),
+            or its files do not hold the expected columns.
+        ValueError: invalid ``crop`` or ``seed``, or a crop index ``>= num_crops``.
+
+    Thread-safety: reads may run on several threads at once; ``close`` may not.
+    """
+
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike,
+        *,
+        crop: str | int = "random",
+        seed: int = 0,
+        fingerprint: str | None = None,
+    ):
+        root = Path(cache_dir)
+        stage_dirs, fp = _published_stage_dirs(root, fingerprint)
+        self._init(root, stage_dirs, fp, crop, seed)
+
+    @classmethod
+    def from_layout(
+        cls, layout: CacheLayout, fingerprint: str, *, crop: str | int = "random", seed: int = 0
+    ) -> GrainSource:
+        """A source over ``layout``, trusted as given (as :func:`open_sample_source` does).
+
+        The stage folders are resolved once here, so every worker maps the same files.
+        """
+        self = cls.__new__(cls)
+        stage_dirs = {stage: layout.stage_dir(stage).name for stage in STAGES}
+        self._init(Path(layout.root), stage_dirs, str(fingerprint), crop, seed)
+        return self
+
+    @classmethod
+    def from_build(cls, built, *, crop: str | int = "random", seed: int = 0) -> GrainSource:
+        """A source over the cache of a :class:`hf_pipeline.build.BuildResult`."""
+        return cls.from_layout(built.layout, built.fingerprint, crop=crop, seed=seed)
+
+    def _init(self, root: Path, stage_dirs, fingerprint: str, crop, seed: int) -> None:
+        # SamplerOptions checks crop and seed with the loader's messages; global batch
+        # size plays no part in a sample id -> (row, crop) mapping.
+        options = SamplerOptions(global_batch_size=1, seed=seed, crop=crop)
+        self._root = root
+        self._stage_dirs = dict(stage_dirs)
+        self._fingerprint = fingerprint
+        self._options = options
+        self._lock = threading.Lock()
+        self._source: SampleSource | None = None
+        self._sampler: GlobalSampler | None = None
+        self._open()  # here, so that a bad cache or crop fails at construction
+
+    # ------------------------------------------------------------------ opening
+
+    def _open(self) -> tuple[SampleSource, GlobalSampler]:
+        source, sampler = self._source, self._sampler
+        if source is not None and sampler is not None:
+            return source, sampler
+        with self._lock:  # Grain reads on several threads; map the files once
+            if self._source is None:
+                layout = CacheLayout(self._root, self._stage_dirs)
+                source = open_sample_source(layout, self._fingerprint)
+                try:
+                    self._sampler = GlobalSampler(
+                        source.num_rows, self._options, num_crops=source.num_crops
+                    )
+                except BaseException:
+                    source.close()
+                    raise
+                self._source = source
+            return self._source, self._sampler
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Paths and options only: each process maps the files itself on first read.
+        return {
+            "root": str(self._root),
+            "stage_dirs": dict(self._stage_dirs),
+            "fingerprint": self._fingerprint,
+            "crop": self._options.crop,
+            "seed": self._options.seed,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._root = Path(state["root"])
+        self._stage_dirs = dict(state["stage_dirs"])
+        self._fingerprint = state["fingerprint"]
+        self._options = SamplerOptions(global_batch_size=1, seed=state["seed"], crop=state["crop"])
+        self._lock = threading.Lock()
+        self._source = self._sampler = None
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def cache_dir(self) -> Path:
+        """The cache folder."""
+        return self._root
+
+    @property
+    def fingerprint(self) -> str:
+        """The cache identity."""
+        return self._fingerprint
+
+    @property
+    def crop(self) -> str | int:
+        """``"random"``, ``"all"`` or the fixed crop index."""
+        return self._options.crop
+
+    @property
+    def seed(self) -> int:
+        """Seed of the random crops."""
+        return self._options.seed
+
+    @property
+    def sample_source(self) -> SampleSource:
+        """The memory-mapped :class:`SampleSource` of this process (opened on demand)."""
+        return self._open()[0]
+
+    # ------------------------------------------------------------------ reading
+
+    def __len__(self) -> int:
+        """Records: rows, or rows x crops with ``crop="all"``."""
+        return self._open()[1].num_samples
+
+    def _rows_and_crops(self, indices) -> tuple[SampleSource, np.ndarray, np.ndarray]:
+        source, sampler = self._open()
+        ids = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= sampler.num_samples):
+            bad = ids[(ids < 0) | (ids >= sampler.num_samples)][0]
+            raise IndexError(f"record index must be in [0, {sampler.num_samples}), got {bad}")
+        rows, crops = sampler.samples_to_rows(ids, _CROP_EPOCH)
+        return source, rows, crops
+
+    def get_batch(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
+        """Records ``indices`` stacked into one batch by a single NumPy gather.
+
+        Meant for ``MapDataset.range(len(src)).shuffle(...).batch(B).map(src.get_batch)``:
+        Grain batches the indices, this assembles the batch without per-record Python.
+
+        Returns:
+            ``{"latents": (B, C, H, W), "embeddings": (B, D), "keys": (B,)}``.
+
+        Raises:
+            IndexError: an index outside ``[0, len(self))``.
+        """
+        source, rows, crops = self._rows_and_crops(indices)
+        return source.gather(rows, crops)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        """Record ``index``: ``{"latents": (C, H, W), "embeddings": (D,), "keys": int64}``.
+
+        Raises:
+            IndexError: ``index`` outside ``[0, len(self))``.
+        """
+        batch = self.get_batch([index])
+        return {
+            "latents": batch["latents"][0],
+            "embeddings": batch["embeddings"][0],
+            "keys": batch["keys"][0],
+        }
+
+    def _getitems(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+        """Grain's batched read (``SupportsBatchedReadRandomAccessDataSource``): one gather."""
+        batch = self.get_batch(indices)
+        return [
+            {"latents": lat, "embeddings": emb, "keys": key}
+            for lat, emb, key in zip(
+                batch["latents"], batch["embeddings"], batch["keys"], strict=True
+            )
+        ]
+
+    def close(self) -> None:
+        """Unmap the files of this process (idempotent); a later read maps them again."""
+        with self._lock:
+            if self._source is not None:
+                self._source.close()
+            self._source = self._sampler = None
+
+    def __enter__(self) -> GrainSource:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        # Grain's DataLoader compares repr(source) when it restores a checkpoint: name
+        # the identity (fingerprint) and options, not the mount point, so a checkpoint
+        # restores on a host that mounts the same cache elsewhere.
+        return (
+            f"GrainSource(fingerprint={self._fingerprint!r}, crop={self._options.crop!r}, "
+            f"seed={self._options.seed})"
+        )

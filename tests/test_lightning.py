@@ -1,0 +1,138 @@
+"""LatentDataModule under the real Lightning Trainer (CPU): every epoch its own order,
+and a checkpoint resumes at exactly the next batch."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+
+import pytest
+import torch
+
+L = pytest.importorskip("lightning")
+
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+from hf_pipeline.torch_data import LatentDataModule, TorchBatches, torch_loader  # noqa: E402
+
+
+class KeyRecorder(L.LightningModule):
+    """A tiny regression from caption embedding to mean latent; records every batch."""
+
+    def __init__(self, embed_dim: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(embed_dim, 1)
+        self.seen: list[tuple[int, int, list[int]]] = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append((self.current_epoch, batch_idx, batch["keys"].tolist()))
+        target = batch["latents"].float().mean(dim=(1, 2, 3))
+        return torch.nn.functional.mse_loss(self.lin(batch["embeddings"]).squeeze(-1), target)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def _ctx() -> str | None:
+    # Forking a process that runs JAX threads may deadlock the child (tests/test_torch_data).
+    return "forkserver" if "jax" in sys.modules else None
+
+
+def _trainer(root, max_steps: int, callbacks=()) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=bool(callbacks),
+        callbacks=list(callbacks),
+        default_root_dir=str(root),
+    )
+
+
+def _datamodule(cfg, num_workers: int) -> LatentDataModule:
+    kw = {"multiprocessing_context": _ctx(), "timeout": 120} if num_workers else {}
+    return LatentDataModule(cfg, num_workers=num_workers, **kw)
+
+
+def _epoch_keys(source, cfg, epoch: int) -> list[list[int]]:
+    ref = TorchBatches(
+        source,
+        global_batch_size=cfg.loader.global_batch_size,
+        seed=cfg.loader.seed,
+        process_index=0,
+        process_count=1,
+        epoch=epoch,
+    )
+    return [b["keys"].tolist() for b in ref]
+
+
+def test_is_a_real_lightning_datamodule(small_config):
+    dm = LatentDataModule(small_config, num_workers=0)
+    assert isinstance(dm, L.LightningDataModule)
+    assert callable(dm.on_exception)  # the AttributeError of issue 11
+    assert LatentDataModule.__module__ == "hf_pipeline.torch_data"
+    assert LatentDataModule.__qualname__ == "LatentDataModule"
+    assert dm.state_dict() == {}  # nothing to save before setup
+    # Picklable by name (spawned strategies send the DataModule to new processes).
+    clone = pickle.loads(pickle.dumps(dm))
+    assert type(clone) is LatentDataModule and clone.cfg == small_config
+
+
+@pytest.mark.parametrize(
+    "num_workers", [0, pytest.param(2, marks=pytest.mark.slow)], ids=["inline", "workers"]
+)
+def test_fit_orders_each_epoch_and_resumes_at_the_next_batch(
+    small_config, built_cache, tmp_path, num_workers
+):
+    from hf_pipeline.cache import open_sample_source
+
+    with open_sample_source(built_cache.layout, built_cache.fingerprint) as source:
+        spe = source.num_rows // small_config.loader.global_batch_size
+        epochs = [_epoch_keys(source, small_config, e) for e in range(3)]
+        dim = source.embed_dim
+    assert spe >= 8 and epochs[0] != epochs[1]
+    every = spe // 2  # checkpoints mid-epoch and at every epoch boundary
+    total = 2 * spe + every + 1
+    ckpt_dir = tmp_path / "ckpt"
+    model = KeyRecorder(dim)
+    saver = ModelCheckpoint(
+        dirpath=ckpt_dir, every_n_train_steps=every, save_top_k=-1, filename="{step}"
+    )
+    _trainer(tmp_path, total, [saver]).fit(model, datamodule=_datamodule(small_config, num_workers))
+    full = model.seen
+    assert len(full) == total
+    # Lightning reached set_epoch: each epoch is that epoch's order, batch for batch.
+    for e in range(3):
+        got = [keys for epoch, _, keys in full if epoch == e]
+        assert got == epochs[e][: len(got)], f"epoch {e}"
+    assert [i for e, i, _ in full if e == 1] == list(range(spe))
+
+    for step in (every, spe, spe + every):  # mid-epoch 0, epoch boundary, mid-epoch 1
+        ckpt = ckpt_dir / f"step={step}.ckpt"
+        saved = torch.load(ckpt, map_location="cpu", weights_only=True)
+        state = saved["LatentDataModule"]
+        assert (state["epoch"], state["step"]) == divmod(step, spe)
+        assert state["fingerprint"] == built_cache.fingerprint
+        resumed = KeyRecorder(dim)
+        _trainer(tmp_path / f"resume{step}", total).fit(
+            resumed, datamodule=_datamodule(small_config, num_workers), ckpt_path=ckpt
+        )
+        assert resumed.seen == full[step:], f"resumed from step {step}"
+
+
+def test_plain_dataloader_under_trainer_gets_each_epoch(built_cache, small_config, tmp_path):
+    """torch_loader's DataLoader too: Lightning's set_epoch reaches TorchBatches."""
+    from hf_pipeline.cache import open_sample_source
+
+    with open_sample_source(built_cache.layout, built_cache.fingerprint) as source:
+        ds = TorchBatches(source, global_batch_size=16, seed=0, process_index=0, process_count=1)
+        spe = len(ds)
+        model = KeyRecorder(source.embed_dim)
+        _trainer(tmp_path, 2 * spe).fit(model, train_dataloaders=torch_loader(ds, num_workers=0))
+        for e in range(2):
+            assert [k for epoch, _, k in model.seen if epoch == e] == _epoch_keys(
+                source, small_config, e
+            )

@@ -1,21 +1,20 @@
 """Build the cache: join captions to latents -> embed -> filter, through ``datasets``.
 
-Stages (each published atomically by :mod:`dist.coordinator`, with a marker):
+:func:`prepare_cache` is what every rank calls: it resolves the inputs, computes the
+fingerprint and runs the two stages through :func:`dist.coordinator.ensure_built`
+(exactly one process builds; each stage is published with a marker):
 
 1. ``converted``
-   a. *convert* — ``Dataset.map(num_proc=build.num_proc, batch_size=1)`` over the
-      shard list: each worker process reads one shard at a time
-      (``torch.load(weights_only=True)``), joins captions by key with a vectorized
-      ``searchsorted`` over a memory-mapped, key-sorted caption table, and writes
-      ``key, latents, caption, drop_reason`` rows. A row with a NaN/inf latent is
-      ``nonfinite_latents`` (or, with ``data.on_bad_rows: fail``, fails the build).
-   b. duplicates — one NumPy pass over the key column marks all but the first
-      occurrence of each key (among rows with finite latents).
-   c. *embed* — ``Dataset.map(batch_size=build.batch_size)`` in THIS process with the
-      encoder on the accelerator (one model, big batches); only rows that
-      will be kept are encoded. Writes ``embedding, drop_reason``.
-2. ``filtered`` — ``Dataset.filter(num_proc=...)`` on ``drop_reason == ""`` writes
-   the kept row indices; the build report lands next to them.
+   a. *join* (:mod:`hf_pipeline.convert`) — ``Dataset.map(num_proc=build.num_proc)``
+      over the shard list: read and validate each shard, convert the latents to the
+      storage dtype, join captions by key, tokenize, mark ``nonfinite_latents``.
+   b. *duplicates* (:mod:`hf_pipeline.accounting`) — one NumPy pass over the key
+      column marks all but the first occurrence of each key (among finite rows).
+   c. *embed* (:mod:`hf_pipeline.embed_stage`) — ``Dataset.map`` in this process with
+      the encoder on the accelerator; only rows that will be kept are encoded.
+2. ``filtered`` — ``Dataset.filter`` on ``drop_reason == ""`` writes the kept row
+   indices; the build report (:func:`hf_pipeline.accounting.build_report`) lands next
+   to them.
 
 Every latent row is either kept or counted under a reason; metadata rows with no
 latents are counted as ``no_latents``.
@@ -28,16 +27,12 @@ script that calls :func:`prepare_cache` needs an ``if __name__ == "__main__":`` 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
-import json
 import logging
 import os
 import shutil
-import signal
 import socket
-import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -46,6 +41,15 @@ from typing import Any
 import numpy as np
 
 from dist.atomic import write_json_atomic
+from hf_pipeline.accounting import (
+    KEEP,
+    NONFINITE,
+    REASONS,
+    ReasonCodes,
+    bad_rows_summary,
+    build_report,
+    later_duplicates,
+)
 from hf_pipeline.cache import (
     DEMO_DATA_DIR,
     STAGES,
@@ -59,13 +63,6 @@ from hf_pipeline.workers import check_not_bootstrapping, spawned_workers
 __all__ = ["BuildResult", "REASONS", "prepare_cache", "resolve_inputs"]
 
 log = logging.getLogger("hf_pipeline")
-
-#: Why a latent row was not kept (plus ``no_latents`` for metadata rows). Each row
-#: gets one: ``nonfinite_latents`` first, then the caption's reason, then duplicates.
-REASONS = ("nonfinite_latents", "no_caption", "empty_caption", "duplicate_key")
-_NONFINITE = REASONS[0]
-#: How many offending keys the report (and a data.on_bad_rows: fail error) names.
-_FIRST_KEYS = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,8 +130,10 @@ def resolve_inputs(cfg: Config) -> Inputs:
 
         d = cfg.data.demo
         # Dot-folders beside the caches: never listed or cleaned as caches by dist.inventory.
-        out = cfg.cache_root / DEMO_DATA_DIR / (
-            f"s{d.seed}-n{d.num_shards}x{d.samples_per_shard}-{d.latent_dtype}"
+        out = (
+            cfg.cache_root
+            / DEMO_DATA_DIR
+            / (f"s{d.seed}-n{d.num_shards}x{d.samples_per_shard}-{d.latent_dtype}")
         )
         demo = generate_demo(
             out,
@@ -156,236 +155,6 @@ def resolve_inputs(cfg: Config) -> Inputs:
     return Inputs(source=source, shards=shards, metadata=metadata, demo=demo)
 
 
-# --------------------------------------------------------------------------- stage 1
-
-
-@dataclasses.dataclass(frozen=True)
-class _Storage:
-    """The latent storage dtype of one build.
-
-    ``reference`` is the shard the dtype was read from when ``build.latent_dtype`` is
-    ``source`` (then every shard must hold that dtype), else ``""``.
-    """
-
-    dtype: str
-    reference: str = ""
-
-
-def _precision_summary(parts: list[dict[str, Any]], storage: str) -> dict[str, Any]:
-    """The report's ``precision`` block from the per-shard files of the convert workers."""
-    from hf_pipeline.precision import PrecisionLoss, is_exact
-
-    by_dtype: dict[str, int] = {}
-    loss = PrecisionLoss()
-    for part in parts:
-        by_dtype[part["source_dtype"]] = by_dtype.get(part["source_dtype"], 0) + 1
-        loss = loss + PrecisionLoss(**{k: v for k, v in part.items() if k != "source_dtype"})
-    sources = sorted(by_dtype)
-    return {
-        "source_dtype": sources[0] if len(sources) == 1 else ("mixed" if sources else ""),
-        "source_dtypes": by_dtype,
-        "storage_dtype": storage,
-        "lossy": not all(is_exact(d, storage) for d in sources),
-        **loss.as_dict(),
-    }
-
-
-_CAPTIONS: dict[str, Any] = {}
-_TOKENIZERS: dict[Any, Any] = {}
-
-
-def _captions(path: str):
-    # One memory-mapped caption table per worker process (opened lazily, by path).
-    table = _CAPTIONS.get(path)
-    if table is None:
-        from hf_pipeline.captions import CaptionTable
-
-        table = _CAPTIONS[path] = CaptionTable.open(path)
-    return table
-
-
-def _tokenizer(cfg):
-    # One tokenizer per worker process, loaded there. The workers already run
-    # in parallel, so each tokenizes on one thread (no oversubscription).
-    tok = _TOKENIZERS.get(cfg)
-    if tok is None:
-        from hf_pipeline.embed import CaptionTokenizer
-
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        tok = _TOKENIZERS[cfg] = CaptionTokenizer(cfg)
-    return tok
-
-
-def _die_with_builder() -> None:
-    """In a process forked during a build (the ``num_proc`` pool): die with the builder.
-
-    A SIGKILLed builder cannot shut its pool down; without this its workers linger
-    (seen: 75 s and more), holding shards, staging slots and memory. Runs right after
-    ``fork`` (``os.register_at_fork``), before the worker takes its first task.
-    """
-    parent = _BUILDING.get("pid")
-    if parent is None or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent:  # the builder died before the call: nobody will signal us
-        os._exit(1)
-
-
-#: ``{"pid": builder pid}`` while this process builds (read by the at-fork hook).
-_BUILDING: dict[str, int] = {}
-os.register_at_fork(after_in_child=_die_with_builder)
-
-
-@contextlib.contextmanager
-def _building():
-    """Processes forked inside this block die with this one (see _die_with_builder)."""
-    _BUILDING["pid"] = os.getpid()
-    try:
-        yield
-    finally:
-        _BUILDING.pop("pid", None)
-
-
-def _convert_shards(
-    batch: Mapping[str, list],
-    indices: list[int],
-    *,
-    probe,
-    client,
-    files: Mapping[str, Any],
-    captions_path: str,
-    storage: _Storage,
-    precision_dir: str,
-    fetch_timeout: float,
-    encoder,
-    on_bad_rows: str,
-) -> dict[str, Any]:
-    """``datasets.map`` function: shard file names -> joined, tokenized latent rows.
-
-    ``probe`` (:class:`dist.lease.LeaseProbe`) stops a builder that lost its lease at the
-    next shard.
-    """
-    from hf_pipeline.captions import classify, reason_names
-    from hf_pipeline.errors import CorruptShardError
-    from hf_pipeline.precision import arrow_dtype, to_arrow
-    from hf_pipeline.shards import LATENT_SHAPE, read_shard
-
-    table = _captions(captions_path)
-    tokenizer = _tokenizer(encoder)
-    keys, latents, captions, reasons, token_ids = [], [], [], [], []
-    for index, name in zip(indices, batch["shard"], strict=True):
-        probe.check()
-        f = files[name]
-        path = client.acquire(f, timeout=fetch_timeout)
-        if path is None:  # skipped under on_missing="skip"; recorded by the fetcher
-            continue
-        try:
-            shard = read_shard(path, dtype="source" if storage.reference else storage.dtype)
-        finally:
-            client.release(f)  # frees the staging slot even when the shard is corrupt
-        if storage.reference and shard.source_dtype != storage.dtype:
-            raise CorruptShardError(
-                str(path),
-                f"latents are {shard.source_dtype}, but the first shard "
-                f"{storage.reference} holds {storage.dtype}; build.latent_dtype: source "
-                "stores one dtype for all shards: set build.latent_dtype explicitly "
-                "(float32 stores float16, bfloat16 and float32 exactly)",
-            )
-        # One small file per shard: the builder adds them up for the report.
-        write_json_atomic(
-            Path(precision_dir) / f"{index:09d}.json",
-            {"source_dtype": shard.source_dtype, **shard.loss.as_dict()},
-            durable=False,
-        )
-        k, lat = shard.keys, to_arrow(shard.latents)
-        bad = shard.nonfinite
-        if bad.any():
-            first = ", ".join(map(str, k[bad][:_FIRST_KEYS].tolist()))
-            if on_bad_rows == "fail":
-                raise CorruptShardError(
-                    f.url,
-                    f"latents must be finite, got NaN/inf in {int(bad.sum())} of {len(k)} rows "
-                    f"(first keys: {first}); data.on_bad_rows: drop builds without such rows",
-                )
-            log.warning(
-                "%s: dropping %d row(s) with NaN/inf latents (first keys: %s)",
-                f.name,
-                int(bad.sum()),
-                first,
-            )
-        caps, found = table.lookup(k)
-        # object dtype: a fixed-width str array would truncate the longer reason names.
-        why = reason_names(classify(caps, found)).astype(object)
-        why[bad] = _NONFINITE
-        texts = caps.fill_null("").to_pylist()
-        ids: list[list[int]] = [[] for _ in texts]
-        keep = np.flatnonzero(why == "")
-        for i, seq in zip(keep, tokenizer([texts[i] for i in keep]), strict=True):
-            ids[i] = seq
-        reasons.append(why)
-        captions.append(texts)
-        token_ids.append(ids)
-        keys.append(k)
-        latents.append(lat)
-    if not keys:
-        return {
-            "key": np.zeros(0, np.int64),
-            "latents": np.zeros((0, *LATENT_SHAPE), arrow_dtype(storage.dtype)),
-            "caption": [],
-            "drop_reason": [],
-            "input_ids": [],
-        }
-    return {
-        "key": np.concatenate(keys),
-        "latents": np.concatenate(latents),
-        "caption": [c for part in captions for c in part],
-        "drop_reason": [str(r) for part in reasons for r in part],
-        "input_ids": [x for part in token_ids for x in part],
-    }
-
-
-def _embed_rows(
-    input_ids,
-    reasons,
-    indices: list,
-    *,
-    probe,
-    encoder,
-    duplicate: np.ndarray,
-) -> dict[str, Any]:
-    """``datasets.map`` function (Arrow format): token ids -> embeddings (kept rows only)."""
-    probe.check()  # a builder that lost its lease stops at the next batch
-    idx = np.asarray(indices, dtype=np.int64)
-    final = np.asarray(reasons.to_pylist(), dtype=object)
-    final[(final == "") & duplicate[idx]] = "duplicate_key"
-    keep = np.flatnonzero(final == "")
-    emb = np.zeros((len(idx), encoder.dim), dtype=encoder.output_dtype)
-    if len(keep):
-        emb[keep] = encoder.encode_ids(input_ids.take(keep))
-    return {"embedding": emb, "drop_reason": final.tolist()}
-
-
-def _keep_rows(reasons: list) -> list[bool]:
-    """``datasets.filter`` predicate: keep rows with no drop reason."""
-    return [r == "" for r in reasons]
-
-
-def _first_occurrence_mask(keys: np.ndarray) -> np.ndarray:
-    """True for every row whose key appeared in an earlier row."""
-    _, first = np.unique(keys, return_index=True)
-    dup = np.ones(len(keys), dtype=bool)
-    dup[first] = False
-    return dup
-
-
-def _count(values: np.ndarray) -> dict[str, int]:
-    names, counts = np.unique(values.astype(str), return_counts=True)
-    return {str(n): int(c) for n, c in zip(names, counts, strict=True)}
-
-
 class _Builder:
     """The two stage functions, sharing the resolved inputs and the config."""
 
@@ -396,15 +165,12 @@ class _Builder:
         self.progress = progress
 
     def converted(self, ctx) -> dict[str, Any]:
-        from datasets import Array4D, Dataset, Features, List, Value
-
+        """Stage 1: join (num_proc workers) -> duplicates -> embed (the accelerator)."""
         from hf_pipeline.captions import read_captions
-        from hf_pipeline.embed import TextEncoder, describe_device
-        from hf_pipeline.fetch import ShardFetcher
-        from hf_pipeline.precision import arrow_dtype
-        from hf_pipeline.shards import LATENT_SHAPE
+        from hf_pipeline.convert import join_shards
+        from hf_pipeline.embed_stage import embed_joined_rows
 
-        cfg, b = self.cfg, self.cfg.build
+        cfg = self.cfg
         tmp = Path(ctx.tmp_dir)
         work = tmp / "_work"
         work.mkdir(parents=True, exist_ok=True)
@@ -418,159 +184,58 @@ class _Builder:
         table.save(captions_path)
         log.info("captions: %d keys from %s", len(table.keys), meta_path)
 
-        shards = self.inputs.shards
-        num_proc = max(1, min(b.effective_num_proc, len(shards)))
-        files = {f.name: f for f in shards}
-        precision_dir = work / "precision"
-        precision_dir.mkdir()
-        fetch_timeout = cfg.data.file_timeout * (cfg.data.max_retries + 1)
-        shard_ds = Dataset.from_dict({"shard": [f.name for f in shards]})
-        with _building(), ShardFetcher(
-            self.inputs.source, shards, data_config=cfg.data, num_workers=num_proc,
+        joined = join_shards(
+            cfg=cfg,
+            source=self.inputs.source,
+            shards=self.inputs.shards,
+            captions_path=captions_path,
+            probe=ctx.probe,
+            out_file=tmp / "rows" / "data.arrow",
+            work_dir=work,
+            fingerprint=self.fingerprint,
             progress=self.progress,
-        ) as prefetch:
-            storage = self._storage(prefetch.client(), fetch_timeout)
-            features = Features(
-                {
-                    "key": Value("int64"),
-                    # Arrow has no bfloat16: its bits are stored as uint16 (see precision).
-                    "latents": Array4D(LATENT_SHAPE, arrow_dtype(storage.dtype)),
-                    "caption": Value("string"),
-                    "drop_reason": Value("string"),
-                    "input_ids": List(Value("int32")),
-                }
-            )
-            rows = shard_ds.map(
-                _convert_shards,
-                batched=True,
-                batch_size=1,
-                with_indices=True,
-                num_proc=num_proc if num_proc > 1 else None,
-                writer_batch_size=b.writer_batch_size,
-                features=features,
-                remove_columns=["shard"],
-                fn_kwargs={
-                    "probe": ctx.probe,
-                    "client": prefetch.client(),
-                    "files": files,
-                    "captions_path": captions_path,
-                    "storage": storage,
-                    "precision_dir": str(precision_dir),
-                    "fetch_timeout": fetch_timeout,
-                    "encoder": cfg.encoder,
-                    "on_bad_rows": cfg.data.on_bad_rows,
-                },
-                cache_file_name=str(tmp / "rows" / "data.arrow"),
-                new_fingerprint=f"{self.fingerprint}-rows",
-                keep_in_memory=False,
-                desc="Join + tokenize captions",
-            )
-            fetch_stats = prefetch.stats()
-        t_convert = time.monotonic() - t0
-        precision = _precision_summary(
-            [json.loads(p.read_text()) for p in sorted(precision_dir.glob("*.json"))],
-            storage.dtype,
         )
-        if precision["lossy"]:
-            log.warning(
-                "build.latent_dtype %s is lossy for %s latents: %d of %d values changed, "
-                "%d flushed to zero, %d beyond 1 ulp of %s (build.latent_dtype: source "
-                "stores them exactly)",
-                storage.dtype,
-                precision["source_dtype"],
-                precision["changed"],
-                precision["values"],
-                precision["flushed_to_zero"],
-                precision["beyond_1ulp"],
-                storage.dtype,
-            )
+        t_convert = time.monotonic() - t0
 
-        keys = rows.data.column("key").to_numpy()
-        pre = np.asarray(rows.data.column("drop_reason").to_pylist(), dtype=object)
+        keys = joined.rows.data.column("key").to_numpy()
+        pre = ReasonCodes(joined.rows.data.column("drop_reason"))
         # A key's first row with finite latents wins: a NaN copy must not shadow a
         # good one (the key would vanish although usable latents exist).
-        nonfinite = pre == _NONFINITE
-        duplicate = np.zeros(len(keys), dtype=bool)
-        duplicate[~nonfinite] = _first_occurrence_mask(keys[~nonfinite])
-        bad_rows = {
-            _NONFINITE: {
-                "count": int(nonfinite.sum()),
-                "first_keys": [int(x) for x in keys[nonfinite][:_FIRST_KEYS]],
-            }
-        }
+        nonfinite = pre.mask(NONFINITE)
+        duplicate = later_duplicates(keys, eligible=~nonfinite)
         no_latents = int(table.count_absent(np.unique(keys)))
 
         t1 = time.monotonic()
-        encoder = TextEncoder(cfg.encoder)
-        log.info("encoder %s (dim %d) on %s", cfg.encoder.model, encoder.dim, describe_device())
-        emb_type = "float16" if cfg.encoder.output_dtype == "float16" else "float32"
-        embedded = rows.with_format("arrow").map(
-            _embed_rows,
-            batched=True,
-            batch_size=b.batch_size,
-            writer_batch_size=b.writer_batch_size,
-            input_columns=["input_ids", "drop_reason"],
-            with_indices=True,
-            remove_columns=rows.column_names,
-            features=Features(
-                {
-                    "embedding": List(Value(emb_type), length=encoder.dim),
-                    "drop_reason": Value("string"),
-                }
-            ),
-            fn_kwargs={"probe": ctx.probe, "encoder": encoder, "duplicate": duplicate},
-            cache_file_name=str(tmp / "embeddings" / "data.arrow"),
-            new_fingerprint=f"{self.fingerprint}-embeddings",
-            keep_in_memory=False,
-            desc="Embed captions",
+        embedded = embed_joined_rows(
+            joined.rows,
+            duplicate,
+            cfg=cfg,
+            probe=ctx.probe,
+            out_file=tmp / "embeddings" / "data.arrow",
+            fingerprint=self.fingerprint,
         )
-        final = np.asarray(embedded.data.column("drop_reason").to_pylist(), dtype=object)
         t_embed = time.monotonic() - t1
-        embed_dim = encoder.dim
-        del rows, embedded, encoder
         shutil.rmtree(work, ignore_errors=True)
-        reasons = _count(final)
         return {
             "rows_in": int(len(keys)),
-            "reasons": reasons,
-            "pre_duplicate_reasons": _count(pre),
+            "reasons": embedded.reasons.counts(),
+            "pre_duplicate_reasons": pre.counts(),
             "no_latents": no_latents,
             "duplicate_meta_rows": int(getattr(table, "duplicate_meta_rows", 0)),
-            "bad_rows": bad_rows,
-            "embed_dim": int(embed_dim),
-            "shards": len(shards),
-            "fetch": fetch_stats,
+            "bad_rows": bad_rows_summary(keys, nonfinite),
+            "embed_dim": int(embedded.dim),
+            "shards": len(self.inputs.shards),
+            "fetch": joined.fetch,
             "seconds_convert": round(t_convert, 3),
             "seconds_embed": round(t_embed, 3),
-            "num_proc": num_proc,
+            "num_proc": joined.num_proc,
             # Readers view the latents column through this (bfloat16 is uint16 in Arrow).
-            "latent_dtype": storage.dtype,
-            "precision": precision,
+            "latent_dtype": joined.storage.dtype,
+            "precision": joined.precision,
         }
 
-    def _storage(self, client, timeout: float) -> _Storage:
-        """The storage dtype: explicit, or (``source``) the first readable shard's dtype.
-
-        ``source`` reads one shard's header here, before the workers start, because the
-        Arrow column type must be fixed up front; the workers then check every shard.
-        The shard comes through the run's staging client: local files are read in place,
-        a remote one is downloaded by the prefetcher (counted in the fetch stats, other
-        shards downloading meanwhile) and left staged for the worker that converts it,
-        which releases it.
-        """
-        from hf_pipeline.shards import shard_latent_dtype
-
-        wanted = self.cfg.build.latent_dtype
-        if wanted != "source":
-            return _Storage(wanted)
-        for f in self.inputs.shards:
-            path = client.acquire(f, timeout=timeout)
-            if path is not None:  # None: skipped under on_missing="skip" (and recorded)
-                return _Storage(shard_latent_dtype(path), reference=f.name)
-        # Every shard is missing (and skipped): nothing is stored; float32 holds anything.
-        return _Storage("float32")
-
     def filtered(self, ctx) -> dict[str, Any]:
+        """Stage 2: the kept-row indices and the build report."""
         from datasets import Dataset, concatenate_datasets
 
         b = self.cfg.build
@@ -580,50 +245,33 @@ class _Builder:
         emb = concatenate_datasets(
             [Dataset.from_file(str(p)) for p in layout.embedding_files(conv)]
         )
-        num_proc = max(1, min(b.effective_num_proc, max(1, len(emb) // 1000)))
-        with _building():
-            kept = emb.filter(
-                _keep_rows,
-                input_columns=["drop_reason"],
-                batched=True,
-                batch_size=b.batch_size,
-                num_proc=num_proc if num_proc > 1 else None,
-                writer_batch_size=b.writer_batch_size,
-                cache_file_name=str(tmp / "indices.arrow"),
-                new_fingerprint=f"{self.fingerprint}-filtered",
-                keep_in_memory=False,
-                desc="Filter",
-            )
-        rows_out = len(kept)
-        conv_info = ctx.markers["converted"].info
-        dropped = {r: int(conv_info["reasons"].get(r, 0)) for r in REASONS}
-        dropped["no_latents"] = int(conv_info["no_latents"])
-        skipped = conv_info.get("fetch", {}).get("skipped", [])
-        if skipped:
-            dropped["missing_shard_files"] = len(skipped)
-        report = {
-            "fingerprint": self.fingerprint,
-            "cache_dir": str(ctx.cache_dir),
-            "rows_in": int(conv_info["rows_in"]),
-            "rows_out": int(rows_out),
-            "dropped": dropped,
-            "embed_dim": conv_info["embed_dim"],
-            "duplicate_meta_rows": conv_info["duplicate_meta_rows"],
-            "bad_rows": conv_info.get("bad_rows", {}),
-            "skipped_files": skipped,
-            "fetch": conv_info.get("fetch", {}),
-            "seconds_convert": conv_info["seconds_convert"],
-            "seconds_embed": conv_info["seconds_embed"],
-            # Absent when the converted stage was published by a release before it.
-            "precision": conv_info.get("precision"),
-            "builder": {"host": socket.gethostname(), "pid": os.getpid()},
-            "config": self.cfg.to_dict(),
-        }
-        accounted = rows_out + sum(dropped[r] for r in REASONS)
-        if accounted != report["rows_in"]:  # internal invariant, not input validation
-            raise AssertionError(f"row accounting broken: {accounted} != {report['rows_in']}")
+        # One process: a trivial predicate does not pay for spawning a pool.
+        kept = emb.filter(
+            _keep_rows,
+            input_columns=["drop_reason"],
+            batched=True,
+            batch_size=b.batch_size,
+            writer_batch_size=b.writer_batch_size,
+            cache_file_name=str(tmp / "indices.arrow"),
+            new_fingerprint=f"{self.fingerprint}-filtered",
+            keep_in_memory=False,
+            desc="Filter",
+        )
+        report = build_report(
+            fingerprint=self.fingerprint,
+            cache_dir=str(ctx.cache_dir),
+            rows_out=len(kept),
+            converted=ctx.markers["converted"].info,
+            builder={"host": socket.gethostname(), "pid": os.getpid()},
+            config=self.cfg.to_dict(),
+        )
         write_json_atomic(tmp / "report.json", report, indent=2, sort_keys=True, default=str)
-        return {"rows_out": int(rows_out), "dropped": dropped}
+        return {"rows_out": report["rows_out"], "dropped": report["dropped"]}
+
+
+def _keep_rows(reasons: list) -> list[bool]:
+    """``datasets.filter`` predicate: keep rows with no drop reason."""
+    return [r == KEEP for r in reasons]
 
 
 def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildResult:

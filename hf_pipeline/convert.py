@@ -1,0 +1,334 @@
+"""Stage 1a, the join: latent shards + caption table -> ``key, latents, caption,
+drop_reason, input_ids`` rows, through ``Dataset.map(num_proc=build.num_proc)``.
+
+Each ``num_proc`` worker (spawned: :mod:`hf_pipeline.workers`) takes one shard at a
+time from the :class:`~hf_pipeline.fetch.StagingClient` (downloads run ahead in the
+builder), reads it with ``torch.load(weights_only=True)`` and validates it
+(:func:`hf_pipeline.shards.read_shard`), converts the latents to the storage dtype,
+looks the keys up in the memory-mapped caption table (``searchsorted``, no per-row dict),
+tokenizes the captions it keeps (so tokenization scales with ``num_proc``) and marks
+rows with NaN/inf latents ``nonfinite_latents`` (or fails, ``data.on_bad_rows: fail``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dist.atomic import write_json_atomic
+from hf_pipeline.accounting import FIRST_KEYS, NONFINITE
+
+__all__ = [
+    "JoinResult",
+    "Storage",
+    "choose_storage",
+    "convert_shards",
+    "join_shards",
+    "summarize_precision",
+]
+
+log = logging.getLogger("hf_pipeline")
+
+
+@dataclasses.dataclass(frozen=True)
+class Storage:
+    """The latent storage dtype of one build.
+
+    ``reference`` is the shard the dtype was read from when ``build.latent_dtype`` is
+    ``source`` (then every shard must hold that dtype), else ``""``.
+    """
+
+    dtype: str
+    reference: str = ""
+
+
+def summarize_precision(parts: list[dict[str, Any]], storage: str) -> dict[str, Any]:
+    """The report's ``precision`` block from the per-shard files of the convert workers."""
+    from hf_pipeline.precision import PrecisionLoss, is_exact
+
+    by_dtype: dict[str, int] = {}
+    loss = PrecisionLoss()
+    for part in parts:
+        by_dtype[part["source_dtype"]] = by_dtype.get(part["source_dtype"], 0) + 1
+        loss = loss + PrecisionLoss(**{k: v for k, v in part.items() if k != "source_dtype"})
+    sources = sorted(by_dtype)
+    return {
+        "source_dtype": sources[0] if len(sources) == 1 else ("mixed" if sources else ""),
+        "source_dtypes": by_dtype,
+        "storage_dtype": storage,
+        "lossy": not all(is_exact(d, storage) for d in sources),
+        **loss.as_dict(),
+    }
+
+
+def choose_storage(wanted: str, shards: Sequence[Any], client, timeout: float) -> Storage:
+    """The storage dtype: explicit, or (``source``) the first readable shard's dtype.
+
+    ``source`` reads one shard's header here, before the workers start, because the
+    Arrow column type must be fixed up front; the workers then check every shard.
+    The shard comes through the run's staging client: local files are read in place,
+    a remote one is downloaded by the fetcher (counted in the fetch stats, other
+    shards downloading meanwhile) and left staged for the worker that converts it,
+    which releases it.
+    """
+    from hf_pipeline.shards import shard_latent_dtype
+
+    if wanted != "source":
+        return Storage(wanted)
+    for f in shards:
+        path = client.acquire(f, timeout=timeout)
+        if path is not None:  # None: skipped under on_missing="skip" (and recorded)
+            return Storage(shard_latent_dtype(path), reference=f.name)
+    # Every shard is missing (and skipped): nothing is stored; float32 holds anything.
+    return Storage("float32")
+
+
+_CAPTIONS: dict[str, Any] = {}
+_TOKENIZERS: dict[Any, Any] = {}
+
+
+def _captions(path: str):
+    # One memory-mapped caption table per worker process (opened lazily, by path).
+    table = _CAPTIONS.get(path)
+    if table is None:
+        from hf_pipeline.captions import CaptionTable
+
+        table = _CAPTIONS[path] = CaptionTable.open(path)
+    return table
+
+
+def _tokenizer(cfg):
+    # One tokenizer per worker process, loaded there. The workers already run
+    # in parallel, so each tokenizes on one thread (no oversubscription).
+    tok = _TOKENIZERS.get(cfg)
+    if tok is None:
+        from hf_pipeline.embed import CaptionTokenizer
+
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        tok = _TOKENIZERS[cfg] = CaptionTokenizer(cfg)
+    return tok
+
+
+def convert_shards(
+    batch: Mapping[str, list],
+    indices: list[int],
+    *,
+    probe,
+    client,
+    files: Mapping[str, Any],
+    captions_path: str,
+    storage: Storage,
+    precision_dir: str,
+    fetch_timeout: float,
+    encoder,
+    on_bad_rows: str,
+) -> dict[str, Any]:
+    """``datasets.map`` function: shard file names -> joined, tokenized latent rows.
+
+    Runs in the spawned ``num_proc`` workers (everything it gets is pickled).
+    ``probe`` (:class:`dist.lease.LeaseProbe`) stops a builder that lost its lease at the
+    next shard; ``precision_dir`` gets one small JSON per shard (what the storage cast
+    changed), which :func:`summarize_precision` adds up.
+    """
+    from hf_pipeline.captions import classify, reason_names
+    from hf_pipeline.errors import CorruptShardError
+    from hf_pipeline.precision import arrow_dtype, to_arrow
+    from hf_pipeline.shards import LATENT_SHAPE, read_shard
+
+    table = _captions(captions_path)
+    tokenizer = _tokenizer(encoder)
+    keys, latents, captions, reasons, token_ids = [], [], [], [], []
+    for index, name in zip(indices, batch["shard"], strict=True):
+        probe.check()
+        f = files[name]
+        path = client.acquire(f, timeout=fetch_timeout)
+        if path is None:  # skipped under on_missing="skip"; recorded by the fetcher
+            continue
+        try:
+            shard = read_shard(path, dtype="source" if storage.reference else storage.dtype)
+        finally:
+            client.release(f)  # frees the staging slot even when the shard is corrupt
+        if storage.reference and shard.source_dtype != storage.dtype:
+            raise CorruptShardError(
+                str(path),
+                f"latents are {shard.source_dtype}, but the first shard "
+                f"{storage.reference} holds {storage.dtype}; build.latent_dtype: source "
+                "stores one dtype for all shards: set build.latent_dtype explicitly "
+                "(float32 stores float16, bfloat16 and float32 exactly)",
+            )
+        # One small file per shard: the builder adds them up for the report.
+        write_json_atomic(
+            Path(precision_dir) / f"{index:09d}.json",
+            {"source_dtype": shard.source_dtype, **shard.loss.as_dict()},
+            durable=False,
+        )
+        k, lat = shard.keys, to_arrow(shard.latents)
+        bad = shard.nonfinite
+        if bad.any():
+            first = ", ".join(map(str, k[bad][:FIRST_KEYS].tolist()))
+            if on_bad_rows == "fail":
+                raise CorruptShardError(
+                    f.url,
+                    f"latents must be finite, got NaN/inf in {int(bad.sum())} of {len(k)} rows "
+                    f"(first keys: {first}); data.on_bad_rows: drop builds without such rows",
+                )
+            log.warning(
+                "%s: dropping %d row(s) with NaN/inf latents (first keys: %s)",
+                f.name,
+                int(bad.sum()),
+                first,
+            )
+        caps, found = table.lookup(k)
+        # object dtype: a fixed-width str array would truncate the longer reason names.
+        why = reason_names(classify(caps, found)).astype(object)
+        why[bad] = NONFINITE
+        texts = caps.fill_null("").to_pylist()
+        ids: list[list[int]] = [[] for _ in texts]
+        keep = np.flatnonzero(why == "")
+        for i, seq in zip(keep, tokenizer([texts[i] for i in keep]), strict=True):
+            ids[i] = seq
+        reasons.append(why)
+        captions.append(texts)
+        token_ids.append(ids)
+        keys.append(k)
+        latents.append(lat)
+    if not keys:
+        return {
+            "key": np.zeros(0, np.int64),
+            "latents": np.zeros((0, *LATENT_SHAPE), arrow_dtype(storage.dtype)),
+            "caption": [],
+            "drop_reason": [],
+            "input_ids": [],
+        }
+    return {
+        "key": np.concatenate(keys),
+        "latents": np.concatenate(latents),
+        "caption": [c for part in captions for c in part],
+        "drop_reason": [str(r) for part in reasons for r in part],
+        "input_ids": [x for part in token_ids for x in part],
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class JoinResult:
+    """What the join wrote and measured.
+
+    Attributes:
+        rows: the joined rows (a memory-mapped ``datasets.Dataset``).
+        storage: the latent storage dtype.
+        precision: the report's ``precision`` block.
+        fetch: the fetcher's stats (downloads, retries, skipped files).
+        num_proc: workers used.
+    """
+
+    rows: Any
+    storage: Storage
+    precision: dict[str, Any]
+    fetch: dict[str, Any]
+    num_proc: int
+
+
+def join_shards(
+    *,
+    cfg,
+    source,
+    shards: Sequence[Any],
+    captions_path: str,
+    probe,
+    out_file: Path,
+    work_dir: Path,
+    fingerprint: str,
+    progress: bool,
+) -> JoinResult:
+    """Run the join over ``shards`` into ``out_file`` (Arrow) with ``build.num_proc`` workers.
+
+    Args:
+        cfg: the :class:`hf_pipeline.config.Config`.
+        source: the :class:`hf_pipeline.sources.Source` the shards come from.
+        shards: the shard files (``RemoteFile``), in build order.
+        captions_path: the saved, key-sorted caption table.
+        probe: a :class:`dist.lease.LeaseProbe` (workers stop when the lease is lost).
+        out_file: where ``datasets`` writes the rows.
+        work_dir: scratch folder (per-shard precision files).
+        fingerprint: used for the ``datasets`` cache fingerprint.
+        progress: show the fetcher's progress bar.
+    """
+    from datasets import Array4D, Dataset, Features, List, Value
+
+    from hf_pipeline.fetch import ShardFetcher
+    from hf_pipeline.latents import LATENT_SHAPE
+    from hf_pipeline.precision import arrow_dtype
+
+    build = cfg.build
+    num_proc = max(1, min(build.effective_num_proc, len(shards)))
+    precision_dir = work_dir / "precision"
+    precision_dir.mkdir(parents=True, exist_ok=True)
+    fetch_timeout = cfg.data.file_timeout * (cfg.data.max_retries + 1)
+    shard_names = Dataset.from_dict({"shard": [f.name for f in shards]})
+    with ShardFetcher(
+        source, shards, data_config=cfg.data, num_workers=num_proc, progress=progress
+    ) as fetcher:
+        storage = choose_storage(build.latent_dtype, shards, fetcher.client(), fetch_timeout)
+        features = Features(
+            {
+                "key": Value("int64"),
+                # Arrow has no bfloat16: its bits are stored as uint16 (see precision).
+                "latents": Array4D(LATENT_SHAPE, arrow_dtype(storage.dtype)),
+                "caption": Value("string"),
+                "drop_reason": Value("string"),
+                "input_ids": List(Value("int32")),
+            }
+        )
+        rows = shard_names.map(
+            convert_shards,
+            batched=True,
+            batch_size=1,
+            with_indices=True,
+            num_proc=num_proc if num_proc > 1 else None,
+            writer_batch_size=build.writer_batch_size,
+            features=features,
+            remove_columns=["shard"],
+            fn_kwargs={
+                "probe": probe,
+                "client": fetcher.client(),
+                "files": {f.name: f for f in shards},
+                "captions_path": captions_path,
+                "storage": storage,
+                "precision_dir": str(precision_dir),
+                "fetch_timeout": fetch_timeout,
+                "encoder": cfg.encoder,
+                "on_bad_rows": cfg.data.on_bad_rows,
+            },
+            cache_file_name=str(out_file),
+            new_fingerprint=f"{fingerprint}-rows",
+            keep_in_memory=False,
+            desc="Join + tokenize captions",
+        )
+        fetch_stats = fetcher.stats()
+    precision = summarize_precision(
+        [json.loads(p.read_text()) for p in sorted(precision_dir.glob("*.json"))],
+        storage.dtype,
+    )
+    if precision["lossy"]:
+        log.warning(
+            "build.latent_dtype %s is lossy for %s latents: %d of %d values changed, "
+            "%d flushed to zero, %d beyond 1 ulp of %s (build.latent_dtype: source "
+            "stores them exactly)",
+            storage.dtype,
+            precision["source_dtype"],
+            precision["changed"],
+            precision["values"],
+            precision["flushed_to_zero"],
+            precision["beyond_1ulp"],
+            storage.dtype,
+        )
+    return JoinResult(
+        rows=rows, storage=storage, precision=precision, fetch=fetch_stats, num_proc=num_proc
+    )

@@ -36,7 +36,7 @@ import socket
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -58,7 +58,12 @@ from hf_pipeline.cache import (
     compute_fingerprint,
 )
 from hf_pipeline.config import Config
+from hf_pipeline.remote_file import RemoteFile
 from hf_pipeline.workers import check_not_bootstrapping, spawned_workers
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hf_pipeline.demo import DemoData
+    from hf_pipeline.sources import Source
 
 __all__ = ["BuildResult", "REASONS", "prepare_cache", "resolve_inputs"]
 
@@ -67,12 +72,23 @@ log = logging.getLogger("hf_pipeline")
 
 @dataclasses.dataclass(frozen=True)
 class Inputs:
-    """The resolved raw inputs of a build."""
+    """The resolved raw inputs of a build.
 
-    source: Any  # hf_pipeline.sources.Source
-    shards: list  # list[RemoteFile]
-    metadata: Any  # RemoteFile
-    demo: Any = None
+    Attributes:
+        source: where the shards live (listing done, identity known).
+        shards: the shard files, in build order.
+        metadata: the caption parquet.
+        demo: the generated demo data when ``data.shards`` is ``demo``.
+    """
+
+    source: Source
+    shards: list[RemoteFile]
+    metadata: RemoteFile
+    demo: DemoData | None = None
+
+    def staged_in(self, staging_dir: str | os.PathLike) -> Inputs:
+        """The same inputs, downloading into ``staging_dir``."""
+        return dataclasses.replace(self, source=self.source.with_staging_dir(staging_dir))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,8 +160,8 @@ def resolve_inputs(cfg: Config) -> Inputs:
         )
         shards_loc = str(Path(demo.shard_paths[0]).parent)
         meta_loc = str(demo.metadata_path)
-    # Under this config's cache root, keyed by location; prepare_cache narrows it to one
-    # folder per fingerprint once the inputs (and so the fingerprint) are known.
+    # Until the fingerprint is known (prepare_cache then stages per identity): a folder
+    # per location under this config's cache root.
     staging = cfg.data.staging_dir or (
         cfg.cache_root / STAGING_DIR / hashlib.sha1(shards_loc.encode()).hexdigest()[:16]
     )
@@ -238,7 +254,7 @@ class _Builder:
         """Stage 2: the kept-row indices and the build report."""
         from datasets import Dataset, concatenate_datasets
 
-        b = self.cfg.build
+        build = self.cfg.build
         tmp = Path(ctx.tmp_dir)
         conv = Path(ctx.previous["converted"])
         layout = CacheLayout(Path(ctx.cache_dir), {"converted": conv.name})
@@ -250,8 +266,8 @@ class _Builder:
             _keep_rows,
             input_columns=["drop_reason"],
             batched=True,
-            batch_size=b.batch_size,
-            writer_batch_size=b.writer_batch_size,
+            batch_size=build.batch_size,
+            writer_batch_size=build.writer_batch_size,
             cache_file_name=str(tmp / "indices.arrow"),
             new_fingerprint=f"{self.fingerprint}-filtered",
             keep_in_memory=False,
@@ -311,7 +327,7 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
     if not cfg.data.staging_dir:
         # One staging folder per identity: two builds of the same source on one host
         # (different configs) must not delete each other's staged shards.
-        inputs.source.staging_dir = cfg.cache_root / STAGING_DIR / fingerprint
+        inputs = inputs.staged_in(cfg.cache_root / STAGING_DIR / fingerprint)
     builder = _Builder(cfg, inputs, fingerprint, progress)
     our_leases: list[str] = []
 
@@ -327,7 +343,7 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
 
         return Stage(name=name, build=run)
 
-    c = cfg.coord
+    coord = cfg.coord
     from datasets import utils as ds_utils
 
     bars_were_on = ds_utils.is_progress_bar_enabled()
@@ -339,11 +355,11 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
             fingerprint,
             [stage(STAGES[0], builder.converted), stage(STAGES[1], builder.filtered)],
             process=process,
-            builder=default_builder(process, c.scope),
-            poll_interval=c.poll_interval,
-            max_wait=c.max_wait,
-            lease_timeout=c.lease_timeout,
-            heartbeat_interval=c.heartbeat_interval,
+            builder=default_builder(process, coord.scope),
+            poll_interval=coord.poll_interval,
+            max_wait=coord.max_wait,
+            lease_timeout=coord.lease_timeout,
+            heartbeat_interval=coord.heartbeat_interval,
             on_event=on_event,
         )
     finally:

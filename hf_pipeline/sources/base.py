@@ -175,6 +175,19 @@ class Source(abc.ABC):
         self._siblings: dict[str, Source] = {}
         self.fetch_stats = FetchStats()
 
+    def with_staging_dir(self, staging_dir: str | os.PathLike) -> Source:
+        """This source (same listing, identity and stats) downloading into ``staging_dir``.
+
+        The build stages into one folder per cache identity, which is known only after
+        the listing: it asks for that folder here rather than changing this source.
+        """
+        # Not copy.copy: that goes through __getstate__, which drops the stats and locks
+        # (it is for pickling to workers); this clone shares them with the original.
+        clone = object.__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        clone.staging_dir = Path(staging_dir).expanduser()
+        return clone
+
     def __getstate__(self):
         state = dict(self.__dict__)
         for k in ("_lock", "fetch_stats"):

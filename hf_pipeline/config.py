@@ -31,10 +31,20 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from dist.coordinator import SCOPES, Scope
 from dist.timing import timing_problem
 from hf_pipeline.errors import ConfigError
-from hf_pipeline.latents import LATENT_DTYPES, LATENT_SHAPE, STORAGE_DTYPES
-from hf_pipeline.sampler import crop_problem
+from hf_pipeline.latents import (
+    EMBEDDING_DTYPES,
+    LATENT_DTYPES,
+    LATENT_SHAPE,
+    STORAGE_DTYPES,
+    EmbeddingDtype,
+    LatentDtype,
+    StorageDtype,
+)
+from hf_pipeline.sampler import PARTITIONS, SHUFFLES, Partition, Shuffle, crop_problem
+from hf_pipeline.workers import usable_cpus
 
 __all__ = [
     "BuildConfig",
@@ -66,14 +76,22 @@ OnBadRows = Literal["drop", "fail"]
 #: and list it in the report (``skipped_files``).
 OnMissing = Literal["fail", "skip"]
 
-_CAPTION_COLUMNS = ("caption_llava", "caption", "caption_llava_short")
-
-_DTYPES = STORAGE_DTYPES
+#: The coordinator's scopes a config may name. ``"process"`` (every process builds its
+#: own cache) needs a cache folder per process, which one ``build.cache_dir`` for the
+#: whole job cannot give; it is for callers of ``dist.ensure_built`` that pass one.
+_CONFIG_SCOPES = tuple(scope for scope in SCOPES if scope != "process")
 
 
 def _check(cond: bool, field: str, message: str) -> None:
     if not cond:
         raise ConfigError(f"{field} {message}", field=field)
+
+
+def _check_choice(value: str, choices: Sequence[str], field: str) -> None:
+    """``field`` must be one of ``choices``: "must be 'a', 'b' or 'c', got 'x'"."""
+    quoted = [repr(choice) for choice in choices]
+    allowed = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+    _check(value in choices, field, f"must be {allowed}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -83,7 +101,7 @@ class DemoConfig:
     num_shards: int = 6
     samples_per_shard: int = 500
     seed: int = 0
-    latent_dtype: str = "float16"
+    latent_dtype: StorageDtype = "float16"
 
     def __post_init__(self):
         _check(self.num_shards >= 1, "demo.num_shards", f"must be >= 1, got {self.num_shards}")
@@ -93,9 +111,9 @@ class DemoConfig:
             f"must be >= 10, got {self.samples_per_shard}",
         )
         _check(
-            self.latent_dtype in _DTYPES,
+            self.latent_dtype in STORAGE_DTYPES,
             "demo.latent_dtype",
-            f"must be one of {_DTYPES}, got {self.latent_dtype!r}",
+            f"must be one of {STORAGE_DTYPES}, got {self.latent_dtype!r}",
         )
 
 
@@ -128,16 +146,8 @@ class DataConfig:
         _check(bool(self.shards), "data.shards", "must name a location, got ''")
         _check(bool(self.key_column), "data.key_column", "must be non-empty")
         _check(bool(self.caption_column), "data.caption_column", "must be non-empty")
-        _check(
-            self.on_missing in get_args(OnMissing),
-            "data.on_missing",
-            f"must be {' or '.join(map(repr, get_args(OnMissing)))}, got {self.on_missing!r}",
-        )
-        _check(
-            self.on_bad_rows in get_args(OnBadRows),
-            "data.on_bad_rows",
-            f"must be {' or '.join(map(repr, get_args(OnBadRows)))}, got {self.on_bad_rows!r}",
-        )
+        _check_choice(self.on_missing, get_args(OnMissing), "data.on_missing")
+        _check_choice(self.on_bad_rows, get_args(OnBadRows), "data.on_bad_rows")
         _check(self.prefetch_ahead >= 0, "data.prefetch_ahead", f"must be >= 0, got {self.prefetch_ahead}")
         _check(self.download_workers >= 1, "data.download_workers", f"must be >= 1, got {self.download_workers}")
         _check(self.max_retries >= 0, "data.max_retries", f"must be >= 0, got {self.max_retries}")
@@ -156,23 +166,23 @@ class EncoderConfig:
     model: str = "minilm"
     revision: str = ""
     max_length: int = 64
-    dtype: str = "float32"
+    dtype: StorageDtype = "float32"
     device: str = "auto"
     micro_batch_size: int = 256
     tokens_per_batch: int = 0
     compile: bool = False
-    output_dtype: str = "float32"
+    output_dtype: EmbeddingDtype = "float32"
     normalize: bool = False
 
     def __post_init__(self):
         _check(bool(self.model), "encoder.model", "must be non-empty")
         _check(self.max_length >= 1, "encoder.max_length", f"must be >= 1, got {self.max_length}")
-        _check(self.dtype in _DTYPES, "encoder.dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
         _check(
-            self.output_dtype in ("float32", "float16"),
-            "encoder.output_dtype",
-            f"must be 'float32' or 'float16', got {self.output_dtype!r}",
+            self.dtype in STORAGE_DTYPES,
+            "encoder.dtype",
+            f"must be one of {STORAGE_DTYPES}, got {self.dtype!r}",
         )
+        _check_choice(self.output_dtype, EMBEDDING_DTYPES, "encoder.output_dtype")
         _check(
             self.micro_batch_size >= 1,
             "encoder.micro_batch_size",
@@ -198,7 +208,7 @@ class BuildConfig:
     num_proc: int = 0  # 0: min(8, cpus)
     batch_size: int = 1000
     writer_batch_size: int = 10000
-    latent_dtype: str = "source"  # one of LATENT_DTYPES
+    latent_dtype: LatentDtype = "source"
 
     def __post_init__(self):
         _check(
@@ -223,29 +233,21 @@ class BuildConfig:
         """``num_proc``, with 0 meaning min(8, usable CPUs)."""
         if self.num_proc:
             return self.num_proc
-        try:
-            cpus = len(os.sched_getaffinity(0))
-        except AttributeError:  # pragma: no cover - not Linux
-            cpus = os.cpu_count() or 1
-        return max(1, min(8, cpus))
+        return max(1, min(8, usable_cpus()))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CoordConfig:
     """Cross-process coordination of the build (see ``dist.coordinator``)."""
 
-    scope: str = "shared"
+    scope: Scope = "shared"
     poll_interval: float = 5.0
     max_wait: float = 3600.0
     lease_timeout: float = 60.0
     heartbeat_interval: float = 2.0
 
     def __post_init__(self):
-        _check(
-            self.scope in ("shared", "node"),
-            "coord.scope",
-            f"must be 'shared' or 'node', got {self.scope!r}",
-        )
+        _check_choice(self.scope, _CONFIG_SCOPES, "coord.scope")
         # The coordinator's own rules, so that a config that loads is one it accepts.
         problem = timing_problem(
             poll_interval=self.poll_interval,
@@ -266,8 +268,8 @@ class LoaderConfig:
     global_batch_size: int = 64
     seed: int = 0
     crop: str = "random"  # "random", "all" or a crop index "0".."2" (sampler.crop_problem)
-    shuffle: str = "global"  # "global", "block" or "sequential"
-    partition: str = "contiguous"  # or "strided" (DistributedSampler order)
+    shuffle: Shuffle = "global"
+    partition: Partition = "contiguous"  # or "strided" (DistributedSampler order)
     block_size: int = 4096
     window_blocks: int = 4
     drop_last: bool = True
@@ -284,16 +286,8 @@ class LoaderConfig:
         # The sampler's rule, with the crop count every shard must have.
         problem = crop_problem(self.crop, LATENT_SHAPE[0])
         _check(problem is None, "loader.crop", problem or "")
-        _check(
-            self.shuffle in ("global", "block", "sequential"),
-            "loader.shuffle",
-            f"must be 'global', 'block' or 'sequential', got {self.shuffle!r}",
-        )
-        _check(
-            self.partition in ("contiguous", "strided"),
-            "loader.partition",
-            f"must be 'contiguous' or 'strided', got {self.partition!r}",
-        )
+        _check_choice(self.shuffle, SHUFFLES, "loader.shuffle")
+        _check_choice(self.partition, PARTITIONS, "loader.partition")
         _check(self.block_size >= 1, "loader.block_size", f"must be >= 1, got {self.block_size}")
         _check(self.prefetch >= 1, "loader.prefetch", f"must be >= 1, got {self.prefetch}")
         _check(self.window_blocks >= 1, "loader.window_blocks", f"must be >= 1, got {self.window_blocks}")
@@ -471,7 +465,16 @@ def _build(cls, values: Mapping[str, Any], prefix: str):
 
 
 #: Literal field types (annotations are strings here: ``from __future__ import annotations``).
-_LITERALS = {"OnBadRows": OnBadRows, "OnMissing": OnMissing}
+_LITERALS = {
+    "EmbeddingDtype": EmbeddingDtype,
+    "LatentDtype": LatentDtype,
+    "OnBadRows": OnBadRows,
+    "OnMissing": OnMissing,
+    "Partition": Partition,
+    "Scope": Scope,
+    "Shuffle": Shuffle,
+    "StorageDtype": StorageDtype,
+}
 
 _SECTIONS = {
     "DemoConfig": DemoConfig,

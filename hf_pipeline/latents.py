@@ -1,14 +1,23 @@
 """The latent data format, in one place: the shape of a sample and the float dtypes.
 
-Imported by the config (which validates ``build.latent_dtype`` and crop indices), the
-shard reader and the precision helpers; it imports nothing of the package.
+Imported by the config (which validates ``build.latent_dtype``,
+``encoder.output_dtype`` and crop indices), the shard reader and the precision helpers;
+it imports nothing of the package.
 """
 
 from __future__ import annotations
 
 from typing import Literal, get_args
 
-__all__ = ["LATENT_DTYPES", "LATENT_SHAPE", "STORAGE_DTYPES", "LatentDtype", "StorageDtype"]
+__all__ = [
+    "EMBEDDING_DTYPES",
+    "LATENT_DTYPES",
+    "LATENT_SHAPE",
+    "STORAGE_DTYPES",
+    "EmbeddingDtype",
+    "LatentDtype",
+    "StorageDtype",
+]
 
 #: Shape of one sample's latents: 3 crops x 4 channels x 32 x 32.
 LATENT_SHAPE: tuple[int, int, int, int] = (3, 4, 32, 32)
@@ -20,3 +29,6 @@ STORAGE_DTYPES: tuple[str, ...] = get_args(StorageDtype)
 #: default); a named dtype converts to it, lossy or not (the build report says).
 LatentDtype = Literal["source", StorageDtype]
 LATENT_DTYPES: tuple[str, ...] = get_args(LatentDtype)
+#: Float dtypes of the caption embeddings in the cache (``encoder.output_dtype``).
+EmbeddingDtype = Literal["float32", "float16"]
+EMBEDDING_DTYPES: tuple[str, ...] = get_args(EmbeddingDtype)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from typing import Literal, get_args
 
 import numpy as np
 
@@ -43,10 +44,14 @@ __all__ = [
     "ORDER_VERSION",
     "PARTITIONS",
     "SHUFFLES",
+    "CropMode",
     "GlobalSampler",
+    "Partition",
     "ProcessBatch",
     "SamplerOptions",
+    "Shuffle",
     "crop_problem",
+    "sampler_options",
 ]
 
 #: Version of the sample order: which samples, crops and process shares every global
@@ -57,9 +62,15 @@ __all__ = [
 #: order with golden arrays, and the loader refuses a state saved under another version).
 ORDER_VERSION = 1
 
-SHUFFLES = ("block", "global", "sequential")
-PARTITIONS = ("contiguous", "strided")
-CROPS = ("all", "random")
+#: How an epoch's samples are ordered (``loader.shuffle``; see the module docstring).
+Shuffle = Literal["block", "global", "sequential"]
+SHUFFLES: tuple[str, ...] = get_args(Shuffle)
+#: How a global batch is split over processes (``loader.partition``).
+Partition = Literal["contiguous", "strided"]
+PARTITIONS: tuple[str, ...] = get_args(Partition)
+#: The named crop choices (``loader.crop``); a crop index is the other kind of choice.
+CropMode = Literal["all", "random"]
+CROPS: tuple[str, ...] = get_args(CropMode)
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -90,11 +101,11 @@ def crop_problem(crop, num_crops: int | None = None) -> str | None:
         ``"must be 'random', 'all' or a crop index 0-2, got '7'"`` (without the field's
         name, which the caller puts in front), or None.
     """
-    c = _normalize_crop(crop)
-    if isinstance(c, int) and not isinstance(c, bool):  # True is an int to Python
-        if c >= 0 and (num_crops is None or c < num_crops):
+    normalized = _normalize_crop(crop)
+    if isinstance(normalized, int) and not isinstance(normalized, bool):  # True is an int
+        if normalized >= 0 and (num_crops is None or normalized < num_crops):
             return None
-    elif c in CROPS:
+    elif normalized in CROPS:
         return None
     index = "an index >= 0" if num_crops is None else f"a crop index 0-{num_crops - 1}"
     return f"must be 'random', 'all' or {index}, got {crop!r}"
@@ -109,7 +120,8 @@ class SamplerOptions:
         seed: non-negative seed of the order and of random crops.
         shuffle: ``"global"``, ``"block"`` or ``"sequential"``.
         partition: ``"contiguous"`` or ``"strided"`` (DistributedSampler's batches).
-        crop: ``"random"``, ``"all"`` or a fixed crop index (int or digit string).
+        crop: ``"random"``, ``"all"`` or a fixed crop index (an int, or a digit string
+            that becomes one).
         block_size: samples per block for ``shuffle="block"``.
         window_blocks: blocks shuffled together for ``shuffle="block"``.
         drop_last: drop the last partial global batch (default). ``False`` pads it by
@@ -118,9 +130,9 @@ class SamplerOptions:
 
     global_batch_size: int
     seed: int = 0
-    shuffle: str = "global"
-    partition: str = "contiguous"
-    crop: str | int = "random"
+    shuffle: Shuffle = "global"
+    partition: Partition = "contiguous"
+    crop: CropMode | int = "random"
     block_size: int = 4096
     window_blocks: int = 4
     drop_last: bool = True
@@ -142,6 +154,23 @@ class SamplerOptions:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.window_blocks < 1:
             raise ValueError(f"window_blocks must be >= 1, got {self.window_blocks}")
+
+
+def sampler_options(options: SamplerOptions | None = None, **fields) -> SamplerOptions:
+    """``options`` with ``fields`` replaced, or new options made of ``fields`` alone.
+
+    The one rule by which :class:`GlobalSampler`, :class:`hf_pipeline.loader.Loader` and
+    :class:`hf_pipeline.torch_data.TorchBatches` take either options or their fields as
+    keywords.
+
+    Raises:
+        TypeError: a field that :class:`SamplerOptions` does not have, or no
+            ``global_batch_size`` without ``options``.
+        ValueError: an invalid value.
+    """
+    if options is None:
+        return SamplerOptions(**fields)
+    return dataclasses.replace(options, **fields) if fields else options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,10 +209,7 @@ class GlobalSampler:
     def __init__(
         self, num_rows: int, options: SamplerOptions | None = None, *, num_crops: int = 3, **kw
     ):
-        if options is None:
-            options = SamplerOptions(**kw)
-        elif kw:
-            options = dataclasses.replace(options, **kw)
+        options = sampler_options(options, **kw)
         if num_rows < 0:
             raise ValueError(f"num_rows must be >= 0, got {num_rows}")
         if num_crops < 1:
@@ -217,31 +243,31 @@ class GlobalSampler:
     @property
     def steps_per_epoch(self) -> int:
         """Global batches per epoch (partial last batch dropped unless ``drop_last=False``)."""
-        g = self.options.global_batch_size
+        batch = self.options.global_batch_size
         if self.options.drop_last:
-            return self.num_samples // g
-        return -(-self.num_samples // g)
+            return self.num_samples // batch
+        return -(-self.num_samples // batch)
 
     # ------------------------------------------------------------------ order
 
     def _compute_order(self, epoch: int) -> np.ndarray:
-        n, opts = self.num_samples, self.options
-        if opts.shuffle == "sequential" or n == 0:
-            return np.arange(n, dtype=np.int64)
-        rng = np.random.default_rng([opts.seed, epoch])
-        if opts.shuffle == "global":
-            return rng.permutation(n).astype(np.int64, copy=False)
+        num_samples, options = self.num_samples, self.options
+        if options.shuffle == "sequential" or num_samples == 0:
+            return np.arange(num_samples, dtype=np.int64)
+        rng = np.random.default_rng([options.seed, epoch])
+        if options.shuffle == "global":
+            return rng.permutation(num_samples).astype(np.int64, copy=False)
         # Block shuffle: permute blocks, lay their samples out in that order (a matrix,
         # one laid-out block per row, -1 past the end of the data), then shuffle inside
         # windows of `window_blocks` laid-out blocks: O(n), no sort.
-        bs, wb = opts.block_size, opts.window_blocks
-        nblocks = -(-n // bs)
-        nwin = -(-nblocks // wb)
-        block_order = np.full(nwin * wb, -1, dtype=np.int64)
-        block_order[:nblocks] = rng.permutation(nblocks)
-        layout = block_order[:, None] * bs + np.arange(bs, dtype=np.int64)[None, :]
-        layout[(block_order[:, None] < 0) | (layout >= n)] = -1
-        layout = layout.reshape(nwin, wb * bs)
+        block_size, window_blocks = options.block_size, options.window_blocks
+        num_blocks = -(-num_samples // block_size)
+        num_windows = -(-num_blocks // window_blocks)
+        block_order = np.full(num_windows * window_blocks, -1, dtype=np.int64)
+        block_order[:num_blocks] = rng.permutation(num_blocks)
+        layout = block_order[:, None] * block_size + np.arange(block_size, dtype=np.int64)[None, :]
+        layout[(block_order[:, None] < 0) | (layout >= num_samples)] = -1
+        layout = layout.reshape(num_windows, window_blocks * block_size)
         rng.permuted(layout, axis=1, out=layout)
         return layout[layout >= 0]
 
@@ -280,8 +306,8 @@ class GlobalSampler:
         rows = np.asarray(rows, dtype=np.int64).astype(np.uint64)
         with np.errstate(over="ignore"):
             salt = _splitmix64(_splitmix64(np.uint64(self.options.seed)) ^ np.uint64(epoch))
-            h = _splitmix64(rows ^ salt)
-        return (h % np.uint64(self.num_crops)).astype(np.int64)
+            hashed = _splitmix64(rows ^ salt)
+        return (hashed % np.uint64(self.num_crops)).astype(np.int64)
 
     def _check_step(self, epoch: int, step: int) -> None:
         if not 0 <= step < self.steps_per_epoch:
@@ -291,8 +317,8 @@ class GlobalSampler:
 
     def global_positions(self, step: int) -> np.ndarray:
         """Positions in the epoch order of global batch ``step`` (may run past the end)."""
-        g = self.options.global_batch_size
-        return np.arange(step * g, (step + 1) * g, dtype=np.int64)
+        batch = self.options.global_batch_size
+        return np.arange(step * batch, (step + 1) * batch, dtype=np.int64)
 
     def global_batch(self, epoch: int, step: int) -> tuple[np.ndarray, np.ndarray]:
         """Sample ids of global batch ``step`` of ``epoch`` and the mask of real ones.
@@ -315,18 +341,18 @@ class GlobalSampler:
         Raises:
             ValueError: ``global_batch_size % process_count != 0`` or a bad index.
         """
-        g = self.options.global_batch_size
+        batch = self.options.global_batch_size
         if process_count < 1 or not 0 <= process_index < process_count:
             raise ValueError(f"process_index must be in [0, {process_count}), got {process_index}")
-        if g % process_count:
+        if batch % process_count:
             raise ValueError(
-                f"global_batch_size ({g}) must be divisible by the number of processes "
+                f"global_batch_size ({batch}) must be divisible by the number of processes "
                 f"({process_count})"
             )
-        b = g // process_count
+        share = batch // process_count
         if self.options.partition == "strided":
-            return np.arange(process_index, g, process_count, dtype=np.int64)
-        return np.arange(process_index * b, (process_index + 1) * b, dtype=np.int64)
+            return np.arange(process_index, batch, process_count, dtype=np.int64)
+        return np.arange(process_index * share, (process_index + 1) * share, dtype=np.int64)
 
     def process_batch(
         self, epoch: int, step: int, process_index: int = 0, process_count: int = 1

@@ -44,16 +44,20 @@ start method): a spawned worker imports the main script again as ``__mp_main__``
 so a script that calls ``prepare_cache`` must keep its entry point under
 ``if __name__ == "__main__":``. :func:`check_not_bootstrapping` turns a missing guard
 into one clear error instead of a worker that builds (or waits for) the cache itself.
+
+:func:`usable_cpus` is the CPU count that sizes worker pools and thread pools (the
+build's ``num_proc``, the loader's ``num_threads``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 from collections.abc import Iterator
 
-__all__ = ["check_not_bootstrapping", "spawned_workers"]
+__all__ = ["check_not_bootstrapping", "spawned_workers", "usable_cpus"]
 
 #: Start methods that never copy the calling process; a caller's choice of one is kept.
 _CLEAN = ("spawn", "forkserver")
@@ -61,6 +65,14 @@ _CLEAN = ("spawn", "forkserver")
 _lock = threading.Lock()
 _depth = 0
 _saved: str | None = None
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, which a job scheduler narrows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
 
 
 @contextlib.contextmanager

@@ -43,13 +43,22 @@ import numpy as np
 
 from hf_pipeline.cache import STAGES, CacheLayout, open_sample_source
 from hf_pipeline.mapped import CacheFormatError, SampleSource
-from hf_pipeline.sampler import GlobalSampler, SamplerOptions
+from hf_pipeline.sampler import CropMode, GlobalSampler, SamplerOptions
 
 __all__ = ["GrainSource"]
 
 # Random crops are drawn as the sampler draws them for this epoch; Grain's sources see
 # no epoch, so every epoch reuses it.
 _CROP_EPOCH = 0
+
+
+def _record_options(crop, seed: int) -> SamplerOptions:
+    """The sampler options that map a record index to ``(row, crop)``.
+
+    SamplerOptions checks crop and seed with the loader's messages; the global batch
+    size plays no part in that mapping (Grain batches).
+    """
+    return SamplerOptions(global_batch_size=1, seed=seed, crop=crop)
 
 
 def _published_stage_dirs(root: Path, fingerprint: str | None) -> tuple[dict[str, str], str]:
@@ -107,7 +116,7 @@ class GrainSource:
         self,
         cache_dir: str | os.PathLike,
         *,
-        crop: str | int = "random",
+        crop: CropMode | int = "random",
         seed: int = 0,
         fingerprint: str | None = None,
     ):
@@ -117,7 +126,12 @@ class GrainSource:
 
     @classmethod
     def from_layout(
-        cls, layout: CacheLayout, fingerprint: str, *, crop: str | int = "random", seed: int = 0
+        cls,
+        layout: CacheLayout,
+        fingerprint: str,
+        *,
+        crop: CropMode | int = "random",
+        seed: int = 0,
     ) -> GrainSource:
         """A source over ``layout``, trusted as given (as :func:`open_sample_source` does).
 
@@ -129,18 +143,15 @@ class GrainSource:
         return self
 
     @classmethod
-    def from_build(cls, built, *, crop: str | int = "random", seed: int = 0) -> GrainSource:
+    def from_build(cls, built, *, crop: CropMode | int = "random", seed: int = 0) -> GrainSource:
         """A source over the cache of a :class:`hf_pipeline.build.BuildResult`."""
         return cls.from_layout(built.layout, built.fingerprint, crop=crop, seed=seed)
 
     def _init(self, root: Path, stage_dirs, fingerprint: str, crop, seed: int) -> None:
-        # SamplerOptions checks crop and seed with the loader's messages; global batch
-        # size plays no part in a sample id -> (row, crop) mapping.
-        options = SamplerOptions(global_batch_size=1, seed=seed, crop=crop)
         self._root = root
         self._stage_dirs = dict(stage_dirs)
         self._fingerprint = fingerprint
-        self._options = options
+        self._options = _record_options(crop, seed)
         self._lock = threading.Lock()
         self._source: SampleSource | None = None
         self._sampler: GlobalSampler | None = None
@@ -180,7 +191,7 @@ class GrainSource:
         self._root = Path(state["root"])
         self._stage_dirs = dict(state["stage_dirs"])
         self._fingerprint = state["fingerprint"]
-        self._options = SamplerOptions(global_batch_size=1, seed=state["seed"], crop=state["crop"])
+        self._options = _record_options(state["crop"], state["seed"])
         self._lock = threading.Lock()
         self._source = self._sampler = None
 
@@ -197,7 +208,7 @@ class GrainSource:
         return self._fingerprint
 
     @property
-    def crop(self) -> str | int:
+    def crop(self) -> CropMode | int:
         """``"random"``, ``"all"`` or the fixed crop index."""
         return self._options.crop
 

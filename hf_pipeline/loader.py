@@ -5,6 +5,13 @@ process's share of each global batch with :meth:`SampleSource.gather` (NumPy ove
 memory map) and moves it to the device(s) on a background thread, ``prefetch`` batches
 ahead, so that assembly and transfer overlap the training step.
 
+What it draws and how it assembles batches is one :class:`LoaderOptions` (the order's
+:class:`~hf_pipeline.sampler.SamplerOptions` plus prefetch depth, threads and output
+dtype), made from the config's ``loader`` section by :meth:`LoaderOptions.from_config`
+or from keywords by :func:`loader_options`; where this process sits (process index,
+mesh) is given to the :class:`Loader` beside it. :mod:`hf_pipeline.torch_data` draws
+the same order from the same options.
+
 Exact resume: :meth:`Loader.state_dict` describes the NEXT batch the consumer will get
 (not how far the prefetch thread ran ahead). The state names global batches, not
 process shares, so a state saved with ``W`` processes restores with ``W'`` processes
@@ -19,7 +26,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import os
 import queue
 import threading
 import time
@@ -30,14 +36,23 @@ from typing import Any
 import numpy as np
 
 from hf_pipeline.errors import ConfigError
-from hf_pipeline.sampler import ORDER_VERSION, GlobalSampler, ProcessBatch, SamplerOptions
+from hf_pipeline.sampler import (
+    ORDER_VERSION,
+    GlobalSampler,
+    ProcessBatch,
+    SamplerOptions,
+    sampler_options,
+)
+from hf_pipeline.workers import usable_cpus
 
 _log = logging.getLogger("hf_pipeline")
 
 __all__ = [
     "BatchLayout",
     "Loader",
+    "LoaderOptions",
     "LoaderStats",
+    "loader_options",
 ]
 
 _STATE_VERSION = 1
@@ -53,14 +68,11 @@ _ORDER_FIELDS = (
     "drop_last",
     "num_rows",
 )
-_POLL = 0.1  # seconds between stop-event checks in blocking queue calls
-
-
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+# Seconds each blocking queue/future/join call of the prefetcher waits before it looks
+# at the stop event again: how late a close() is noticed.
+_STOP_CHECK_S = 0.1
+#: Threads assembling batches when ``num_threads`` is not given: min(this, usable CPUs).
+_DEFAULT_MAX_THREADS = 4
 
 
 class _End:
@@ -68,6 +80,94 @@ class _End:
 
 
 _END = _End()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoaderOptions:
+    """What a :class:`Loader` draws and how it assembles batches.
+
+    Where the process sits (process index and count, a mesh) is not an option: it is
+    given to the :class:`Loader` beside them.
+
+    Attributes:
+        order: the global order (seed, batch size, shuffle, crop, ...); the part a
+            saved state must match.
+        prefetch: batches assembled ahead (queue bound).
+        num_threads: threads assembling batches in parallel (gather + transfer release
+            the GIL); batches still arrive in order. 1: the prefetch thread alone;
+            None: ``min(4, CPUs)``, counted when the loader is made. On a 16-core host 8
+            threads reached ~11 GB/s of shuffled fp16 latents into an H200
+            (benchmarks/bench_loader.py).
+        latents_dtype: output dtype of the latents (``"bfloat16"``, ...); None (or "")
+            keeps the cache's storage dtype (a bfloat16 cache's ``ml_dtypes.bfloat16``
+            arrays become ``jnp.bfloat16`` on the device, bit for bit).
+    """
+
+    order: SamplerOptions
+    prefetch: int = 4
+    num_threads: int | None = None
+    latents_dtype: Any = None
+
+    def __post_init__(self):
+        if not isinstance(self.order, SamplerOptions):
+            raise TypeError(f"order must be a SamplerOptions, got {type(self.order).__name__}")
+        if self.prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if isinstance(self.latents_dtype, str) and not self.latents_dtype:
+            object.__setattr__(self, "latents_dtype", None)
+
+    @classmethod
+    def from_config(cls, loader_config) -> LoaderOptions:
+        """The options of a :class:`~hf_pipeline.config.LoaderConfig` (``loader`` section).
+
+        The config's ``num_threads: 0`` and ``latents_dtype: ""`` are the defaults (None).
+        """
+        return loader_options(
+            global_batch_size=loader_config.global_batch_size,
+            seed=loader_config.seed,
+            crop=loader_config.crop,
+            shuffle=loader_config.shuffle,
+            partition=loader_config.partition,
+            block_size=loader_config.block_size,
+            window_blocks=loader_config.window_blocks,
+            drop_last=loader_config.drop_last,
+            prefetch=loader_config.prefetch,
+            num_threads=loader_config.num_threads or None,
+            latents_dtype=loader_config.latents_dtype or None,
+        )
+
+
+_SAMPLER_FIELDS = frozenset(field.name for field in dataclasses.fields(SamplerOptions))
+_LOADER_FIELDS = frozenset(field.name for field in dataclasses.fields(LoaderOptions)) - {"order"}
+
+
+def loader_options(options: LoaderOptions | None = None, **fields) -> LoaderOptions:
+    """``options`` with ``fields`` replaced, or new options made of ``fields`` alone.
+
+    The one place that maps flat keywords to :class:`LoaderOptions`: a field of
+    :class:`~hf_pipeline.sampler.SamplerOptions` (``global_batch_size``, ``seed``,
+    ``crop``, ...) goes to ``order``, the others (``prefetch``, ``num_threads``,
+    ``latents_dtype``) stay. ``Loader(source, **fields)`` calls it.
+
+    Raises:
+        TypeError: a keyword that is no field of either, or no ``global_batch_size``
+            without ``options``.
+        ValueError: an invalid value.
+    """
+    unknown = sorted(set(fields) - _SAMPLER_FIELDS - _LOADER_FIELDS)
+    if unknown:
+        known = ", ".join(sorted(_SAMPLER_FIELDS | _LOADER_FIELDS))
+        raise TypeError(f"unexpected keyword argument {unknown[0]!r} (loader options: {known})")
+    order_fields = {name: value for name, value in fields.items() if name in _SAMPLER_FIELDS}
+    own_fields = {name: value for name, value in fields.items() if name in _LOADER_FIELDS}
+    if options is None:
+        return LoaderOptions(order=sampler_options(**order_fields), **own_fields)
+    if not fields:
+        return options
+    order = sampler_options(options.order, **order_fields)
+    return dataclasses.replace(options, order=order, **own_fields)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -151,7 +251,7 @@ class _Prefetcher:
     def _put(self, entry) -> bool:
         while not self._stop.is_set():
             try:
-                self._queue.put(entry, timeout=_POLL)
+                self._queue.put(entry, timeout=_STOP_CHECK_S)
                 return True
             except queue.Full:
                 continue
@@ -179,7 +279,7 @@ class _Prefetcher:
 
         pending: collections.deque = collections.deque()
         positions = iter(self._positions)
-        ex = ThreadPoolExecutor(self._threads, thread_name_prefix=f"{self._thread.name}-worker")
+        pool = ThreadPoolExecutor(self._threads, thread_name_prefix=f"{self._thread.name}-worker")
         try:
             exhausted = False
             while True:
@@ -189,15 +289,15 @@ class _Prefetcher:
                     if pos is _END:
                         exhausted = True
                     else:
-                        pending.append((pos, ex.submit(self._produce, pos)))
+                        pending.append((pos, pool.submit(self._produce, pos)))
                 if not pending:
                     return True
-                pos, fut = pending[0]
+                pos, future = pending[0]
                 while True:
                     if self._stop.is_set():
                         return False
                     try:
-                        item = fut.result(timeout=_POLL)
+                        item = future.result(timeout=_STOP_CHECK_S)
                         break
                     except FutureTimeout:
                         continue
@@ -205,11 +305,11 @@ class _Prefetcher:
                 if not self._put((item, pos, None)):
                     return False
         finally:
-            for _, fut in pending:
-                fut.cancel()
+            for _, future in pending:
+                future.cancel()
             # Running produce() calls are short (one batch); wait for them so no worker
             # thread outlives close().
-            ex.shutdown(wait=True, cancel_futures=True)
+            pool.shutdown(wait=True, cancel_futures=True)
 
     @property
     def depth(self) -> int:
@@ -223,7 +323,7 @@ class _Prefetcher:
         """
         while True:
             try:
-                item, pos, err = self._queue.get(timeout=_POLL)
+                item, pos, err = self._queue.get(timeout=_STOP_CHECK_S)
             except queue.Empty:
                 if self._stop.is_set():
                     return None
@@ -253,7 +353,7 @@ class _Prefetcher:
                     self._queue.get_nowait()
             except queue.Empty:
                 pass
-            self._thread.join(_POLL)
+            self._thread.join(_STOP_CHECK_S)
         while True:
             try:
                 self._queue.get_nowait()
@@ -280,33 +380,30 @@ class Loader:
     with a ``mesh``, global ``jax.Array`` s of ``global_batch_size`` rows sharded over
     ``data_axis``.
 
+    ``Loader(source, options)`` takes a :class:`LoaderOptions`; as a convenience the
+    fields of the options may be given as keywords instead, flat (``Loader(source,
+    global_batch_size=64, crop=0, prefetch=2)``, see :func:`loader_options`), or beside
+    ``options`` to replace some of its fields. :meth:`from_config` makes one from the
+    config's ``loader`` section.
+
     Args:
         source: the :class:`SampleSource` (anything with ``num_rows``, ``num_crops``,
             ``fingerprint`` and ``gather(rows, crops)``).
-        global_batch_size: samples per step over all processes.
-        seed: seed of the order and random crops.
+        options: the :class:`LoaderOptions`.
         process_index, process_count: this process's share; default
             ``jax.process_index()`` / ``jax.process_count()`` (or, with a mesh, the
             position of this process's devices along the data axis).
-        crop: ``"random"``, ``"all"`` or a fixed crop index.
-        shuffle: ``"global"``, ``"block"`` or ``"sequential"``.
-        partition: ``"contiguous"`` or ``"strided"``.
-        block_size: block size for ``shuffle="block"``.
-        window_blocks: blocks shuffled together for ``shuffle="block"``.
-        drop_last: drop the last partial batch; ``False`` pads it and adds a mask.
-        prefetch: batches assembled ahead (queue bound).
-        num_threads: threads assembling batches in parallel (gather + transfer release
-            the GIL); batches still arrive in order. 1: the prefetch thread alone;
-            default ``min(4, CPUs)``. On a 16-core host 8 threads reached ~11 GB/s of
-            shuffled fp16 latents into an H200 (benchmarks/bench_loader.py).
         mesh: optional ``jax.sharding.Mesh``; batches become global arrays.
         data_axis: mesh axis (or axes) the batch dimension is sharded over.
-        latents_dtype: optional output dtype of the latents (``"bfloat16"``, ...); by
-            default the cache's storage dtype (a bfloat16 cache's ``ml_dtypes.bfloat16``
-            arrays become ``jnp.bfloat16`` on the device, bit for bit).
         start_epoch: epoch to start at (ignored after :meth:`load_state_dict`).
+        **option_fields: fields of :class:`LoaderOptions` or of its ``order``
+            (:class:`~hf_pipeline.sampler.SamplerOptions`): ``global_batch_size``,
+            ``seed``, ``crop``, ``shuffle``, ``partition``, ``block_size``,
+            ``window_blocks``, ``drop_last``, ``prefetch``, ``num_threads``,
+            ``latents_dtype``.
 
     Raises:
+        TypeError: an unknown keyword, or neither ``options`` nor ``global_batch_size``.
         ValueError: invalid options, or a global batch not divisible by the process
             count or the number of devices along ``data_axis``.
     """
@@ -314,79 +411,47 @@ class Loader:
     def __init__(
         self,
         source,
+        options: LoaderOptions | None = None,
         *,
-        global_batch_size: int,
-        seed: int = 0,
         process_index: int | None = None,
         process_count: int | None = None,
-        crop: str | int = "random",
-        shuffle: str = "global",
-        partition: str = "contiguous",
-        block_size: int = 4096,
-        window_blocks: int = 4,
-        drop_last: bool = True,
-        prefetch: int = 4,
-        num_threads: int | None = None,
         mesh=None,
         data_axis: str | tuple[str, ...] = "data",
-        latents_dtype: Any = None,
         start_epoch: int = 0,
+        **option_fields,
     ):
         import jax
 
-        if prefetch < 1:
-            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
-        if num_threads is None:
-            num_threads = min(4, _usable_cpus())
-        if num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        options = loader_options(options, **option_fields)
         if start_epoch < 0:
             raise ValueError(f"start_epoch must be >= 0, got {start_epoch}")
         self._source = source
-        self._options = SamplerOptions(
-            global_batch_size=global_batch_size,
-            seed=seed,
-            shuffle=shuffle,
-            partition=partition,
-            crop=crop,
-            block_size=block_size,
-            window_blocks=window_blocks,
-            drop_last=drop_last,
-        )
-        self._sampler = GlobalSampler(source.num_rows, self._options, num_crops=source.num_crops)
-        self._prefetch = int(prefetch)
-        self._num_threads = int(num_threads)
+        self._options = options
+        self._order = options.order
+        self._sampler = GlobalSampler(source.num_rows, self._order, num_crops=source.num_crops)
+        self._prefetch = int(options.prefetch)
+        if options.num_threads is None:
+            self._num_threads = min(_DEFAULT_MAX_THREADS, usable_cpus())
+        else:
+            self._num_threads = int(options.num_threads)
         self._mesh = mesh
         self._data_axis = data_axis
         self._latents_dtype = None
-        if latents_dtype not in (None, ""):
+        if options.latents_dtype is not None:
             import jax.numpy as jnp
 
-            self._latents_dtype = np.dtype(jnp.dtype(latents_dtype))
-        g = global_batch_size
+            self._latents_dtype = np.dtype(jnp.dtype(options.latents_dtype))
         if mesh is None:
-            pc = jax.process_count() if process_count is None else int(process_count)
-            pi = jax.process_index() if process_index is None else int(process_index)
-            self._local = self._sampler.process_positions(pi, pc)
-            self._sharding = None
-            self._layout = BatchLayout(
-                global_batch_size=g,
-                process_count=pc,
-                process_index=pi,
-                per_process_batch=g // pc,
-                devices=pc,
-                local_devices=1,
-                per_device_batch=g // pc,
-            )
+            self._init_processes(jax, process_index, process_count)
         else:
-            self._init_mesh(jax, process_index, process_count)
+            self._init_mesh(process_index, process_count)
         advise = getattr(source, "advise", None)
         if advise is not None:
             # Shuffled reads of a cache larger than RAM must not pull 128 KiB of
             # read-ahead per 8 KiB sample; ordered reads want the read-ahead.
-            advise("random" if shuffle == "global" else "sequential")
+            advise("random" if self._order.shuffle == "global" else "sequential")
         self._epoch, self._step = int(start_epoch), 0
-        self._pf: _Prefetcher | None = None
+        self._prefetcher: _Prefetcher | None = None
         self._closed = False
         self._keys_warned = False
         self._cast = None
@@ -399,75 +464,86 @@ class Loader:
         Args:
             source: the :class:`SampleSource`.
             loader_config: the ``loader`` section of the config.
-            **overrides: any ``Loader`` keyword (``mesh=...``, ``process_index=...``).
+            **overrides: any ``Loader`` keyword (``mesh=...``, ``process_index=...``,
+                or an option field, which replaces the config's).
         """
-        kw = {
-            "global_batch_size": loader_config.global_batch_size,
-            "seed": loader_config.seed,
-            "crop": loader_config.crop,
-            "shuffle": loader_config.shuffle,
-            "partition": loader_config.partition,
-            "block_size": loader_config.block_size,
-            "drop_last": loader_config.drop_last,
-            "prefetch": loader_config.prefetch,
-            "latents_dtype": loader_config.latents_dtype or None,
-            "window_blocks": loader_config.window_blocks,
-            "num_threads": loader_config.num_threads or None,
-        }
-        kw.update(overrides)
-        return cls(source, **kw)
+        return cls(source, LoaderOptions.from_config(loader_config), **overrides)
 
-    def _init_mesh(self, jax, process_index, process_count) -> None:
+    def _init_processes(self, jax, process_index, process_count) -> None:
+        """Without a mesh: one device per process, the share from the process index."""
+        global_batch = self._order.global_batch_size
+        if process_count is None:
+            process_count = jax.process_count()
+        if process_index is None:
+            process_index = jax.process_index()
+        process_count, process_index = int(process_count), int(process_index)
+        self._local = self._sampler.process_positions(process_index, process_count)
+        self._sharding = None
+        self._layout = BatchLayout(
+            global_batch_size=global_batch,
+            process_count=process_count,
+            process_index=process_index,
+            per_process_batch=global_batch // process_count,
+            devices=process_count,
+            local_devices=1,
+            per_device_batch=global_batch // process_count,
+        )
+
+    def _init_mesh(self, process_index, process_count) -> None:
+        """With a mesh: the share is the rows of the global batch this process's devices hold."""
         from jax.sharding import NamedSharding, PartitionSpec
 
-        g = self._options.global_batch_size
+        global_batch = self._order.global_batch_size
         axes = self._data_axis if isinstance(self._data_axis, tuple) else (self._data_axis,)
-        for a in axes:
-            if a not in self._mesh.shape:
+        for axis in axes:
+            if axis not in self._mesh.shape:
                 raise ValueError(
-                    f"data_axis {a!r} is not an axis of the mesh {dict(self._mesh.shape)}"
+                    f"data_axis {axis!r} is not an axis of the mesh {dict(self._mesh.shape)}"
                 )
-        ndev = int(np.prod([self._mesh.shape[a] for a in axes]))
-        if g % ndev:
+        devices = int(np.prod([self._mesh.shape[axis] for axis in axes]))
+        if global_batch % devices:
             raise ValueError(
-                f"global_batch_size ({g}) must be divisible by the {ndev} devices along "
-                f"data axis {self._data_axis!r}"
+                f"global_batch_size ({global_batch}) must be divisible by the {devices} "
+                f"devices along data axis {self._data_axis!r}"
             )
         self._sharding = NamedSharding(self._mesh, PartitionSpec(self._data_axis))
         # Which rows of the global array this process's devices hold decides its share:
         # it must be one contiguous block for make_array_from_process_local_data.
-        idx = self._sharding.addressable_devices_indices_map((g,))
+        indices = self._sharding.addressable_devices_indices_map((global_batch,))
         spans = sorted(
-            {(s[0].start or 0, g if s[0].stop is None else s[0].stop) for s in idx.values()}
+            {
+                (rows.start or 0, global_batch if rows.stop is None else rows.stop)
+                for rows, *_ in indices.values()
+            }
         )
         lo, hi = spans[0][0], spans[-1][1]
         if (
-            any(a != b for (_, a), (b, _) in zip(spans, spans[1:], strict=False))
-            or g % (hi - lo)
+            any(end != start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
+            or global_batch % (hi - lo)
             or lo % (hi - lo)
         ):
             raise ValueError(
                 f"this process's devices hold rows {spans} of the global batch; the loader "
                 "needs one contiguous, evenly sized block per process"
             )
-        b = hi - lo
-        pc, pi = g // b, lo // b
-        if (process_count is not None and process_count != pc) or (
-            process_index is not None and process_index != pi
+        share = hi - lo
+        count, index = global_batch // share, lo // share
+        if (process_count is not None and process_count != count) or (
+            process_index is not None and process_index != index
         ):
             raise ValueError(
-                f"with this mesh this process is {pi} of {pc} along the data axis, but "
+                f"with this mesh this process is {index} of {count} along the data axis, but "
                 f"process_index={process_index}, process_count={process_count} were given"
             )
-        self._local = self._sampler.process_positions(pi, pc)
+        self._local = self._sampler.process_positions(index, count)
         self._layout = BatchLayout(
-            global_batch_size=g,
-            process_count=pc,
-            process_index=pi,
-            per_process_batch=b,
-            devices=ndev,
+            global_batch_size=global_batch,
+            process_count=count,
+            process_index=index,
+            per_process_batch=share,
+            devices=devices,
             local_devices=len(spans),
-            per_device_batch=g // ndev,
+            per_device_batch=global_batch // devices,
         )
 
     # ------------------------------------------------------------------ properties
@@ -504,22 +580,22 @@ class Loader:
 
         Independent of the number of processes; JSON-serialisable.
         """
-        o = self._options
+        order = self._order
         return {
             "version": _STATE_VERSION,
             "order_version": ORDER_VERSION,
             "epoch": self._epoch,
             "step": self._step,
-            "seed": o.seed,
-            "global_batch_size": o.global_batch_size,
+            "seed": order.seed,
+            "global_batch_size": order.global_batch_size,
             "fingerprint": str(getattr(self._source, "fingerprint", "")),
-            "crop": o.crop,
-            "shuffle": o.shuffle,
-            "block_size": o.block_size,
-            "window_blocks": o.window_blocks,
-            "drop_last": o.drop_last,
+            "crop": order.crop,
+            "shuffle": order.shuffle,
+            "block_size": order.block_size,
+            "window_blocks": order.window_blocks,
+            "drop_last": order.drop_last,
             "num_rows": self._sampler.num_rows,
-            "partition": o.partition,
+            "partition": order.partition,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -559,41 +635,41 @@ class Loader:
         self._epoch, self._step = self._normalize(epoch, step)
 
     def _normalize(self, epoch: int, step: int) -> tuple[int, int]:
-        spe = self.steps_per_epoch
-        if spe and step >= spe:
+        steps = self.steps_per_epoch
+        if steps and step >= steps:
             return epoch + 1, 0
         return epoch, step
 
     # ------------------------------------------------------------------ iteration
 
     def _positions(self, epoch: int, step: int, num_epochs: int | None):
-        spe = self.steps_per_epoch
+        steps = self.steps_per_epoch
         end = None if num_epochs is None else epoch + num_epochs
         while end is None or epoch < end:
-            while step < spe:
+            while step < steps:
                 yield epoch, step
                 step += 1
             epoch, step = epoch + 1, 0
 
-    def _produce(self, pos: tuple[int, int]) -> dict[str, Any]:
-        epoch, step = pos
-        pb: ProcessBatch = self._sampler.batch_at(epoch, step, self._local)
-        batch = self._source.gather(pb.rows, pb.crops)
-        if not self._options.drop_last:
-            batch["mask"] = pb.mask
+    def _produce(self, position: tuple[int, int]) -> dict[str, Any]:
+        epoch, step = position
+        share: ProcessBatch = self._sampler.batch_at(epoch, step, self._local)
+        batch = self._source.gather(share.rows, share.crops)
+        if not self._order.drop_last:
+            batch["mask"] = share.mask
         return self._to_device(batch)
 
-    def _cast_latents(self, x):
+    def _cast_latents(self, latents):
         # Cast on the device: transfers stay in the (smaller) cache dtype, and XLA's
         # vectorized convert beats ml_dtypes' per-element NumPy cast (~4x for fp16->bf16).
-        if self._latents_dtype is None or x.dtype == self._latents_dtype:
-            return x
+        if self._latents_dtype is None or latents.dtype == self._latents_dtype:
+            return latents
         if self._cast is None:
             import jax
 
             dtype = self._latents_dtype
-            self._cast = jax.jit(lambda a: a.astype(dtype))
-        return self._cast(x)
+            self._cast = jax.jit(lambda array: array.astype(dtype))
+        return self._cast(latents)
 
     def _keys_for_jax(self, keys: np.ndarray):
         import jax
@@ -611,8 +687,8 @@ class Loader:
         out: dict[str, Any] = {}
         for name, arr in batch.items():
             if name == "keys":
-                conv = self._keys_for_jax(arr)
-                if conv is None:
+                converted = self._keys_for_jax(arr)
+                if converted is None:
                     if not self._keys_warned:
                         # Expected with real (COYO) ids: say it once, quietly.
                         self._keys_warned = True
@@ -622,42 +698,44 @@ class Loader:
                         )
                     out[name] = arr
                     continue
-                arr = conv
+                arr = converted
             host[name] = arr
         if self._sharding is None:
             out.update(jax.device_put(host))  # one call: the transfers are issued together
         else:
             for name, arr in host.items():
-                gshape = (self._options.global_batch_size, *arr.shape[1:])
-                out[name] = jax.make_array_from_process_local_data(self._sharding, arr, gshape)
+                global_shape = (self._order.global_batch_size, *arr.shape[1:])
+                out[name] = jax.make_array_from_process_local_data(
+                    self._sharding, arr, global_shape
+                )
         out["latents"] = self._cast_latents(out["latents"])
         # Finish the transfers here, on the prefetch thread, not in the training step.
         jax.block_until_ready([v for v in out.values() if isinstance(v, jax.Array)])
         return {name: out[name] for name in batch}  # keep the key order
 
     def _stop_prefetch(self) -> None:
-        pf, self._pf = self._pf, None
-        if pf is not None:
-            pf.close()
+        prefetcher, self._prefetcher = self._prefetcher, None
+        if prefetcher is not None:
+            prefetcher.close()
 
     def _iterate(self, num_epochs: int | None):
         if self._closed:
             raise RuntimeError("the loader is closed")
         self._stop_prefetch()
-        pf = _Prefetcher(
+        prefetcher = _Prefetcher(
             self._produce,
             self._positions(self._epoch, self._step, num_epochs),
             self._prefetch,
             name=f"hf_pipeline-prefetch-p{self._layout.process_index}",
             threads=self._num_threads,
         )
-        self._pf = pf
+        self._prefetcher = prefetcher
         try:
             while True:
                 t0 = time.perf_counter()
                 if self._t_first is None:
                     self._t_first = t0
-                got = pf.get()
+                got = prefetcher.get()
                 if got is None:
                     return
                 item, (epoch, step) = got
@@ -668,9 +746,9 @@ class Loader:
                 self._epoch, self._step = self._normalize(epoch, step + 1)
                 yield item
         finally:
-            pf.close()
-            if self._pf is pf:
-                self._pf = None
+            prefetcher.close()
+            if self._prefetcher is prefetcher:
+                self._prefetcher = None
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """The remaining batches of the current epoch (then the state moves to the next)."""
@@ -690,12 +768,12 @@ class Loader:
         if num_epochs is not None and num_epochs < 0:
             raise ValueError(f"num_epochs must be >= 0 or None, got {num_epochs}")
         if num_epochs is None and self.steps_per_epoch == 0:
-            s = self._sampler
+            sampler = self._sampler
             raise ConfigError(
-                f"loader.global_batch_size ({s.global_batch_size}) is larger than an epoch "
-                f"of {s.num_samples} samples ({s.num_rows} rows in the cache): with drop_last "
-                "there is no full batch to train on; use a batch of at most "
-                f"{s.num_samples} or set loader.drop_last: false",
+                f"loader.global_batch_size ({sampler.global_batch_size}) is larger than an "
+                f"epoch of {sampler.num_samples} samples ({sampler.num_rows} rows in the "
+                "cache): with drop_last there is no full batch to train on; use a batch of "
+                f"at most {sampler.num_samples} or set loader.drop_last: false",
                 field="loader.global_batch_size",
             )
         return self._iterate(num_epochs)
@@ -716,7 +794,7 @@ class Loader:
             samples=self._samples,
             wait_s=self._wait_s,
             mean_wait_s=self._wait_s / self._batches if self._batches else 0.0,
-            queue_depth=self._pf.depth if self._pf is not None else 0,
+            queue_depth=self._prefetcher.depth if self._prefetcher is not None else 0,
             elapsed_s=elapsed,
             samples_per_s=self._samples / elapsed if elapsed > 0 else 0.0,
         )

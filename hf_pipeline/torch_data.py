@@ -7,6 +7,10 @@ Under a ``DataLoader`` with ``num_workers=K`` worker ``k`` assembles the steps
 batches arrive in step order, each exactly once. Use ``batch_size=None`` (the dataset
 already batches) — :func:`torch_loader` does that.
 
+The order is the Loader's: a :class:`~hf_pipeline.sampler.SamplerOptions` (a
+:class:`~hf_pipeline.loader.LoaderOptions`' ``order``, or its fields as keywords), so
+rank ``p`` gets the same samples from either.
+
 Workers inherit the memory maps when forked and reopen them by path when spawned
 (:class:`SampleSource` pickles as its file lists).
 
@@ -32,7 +36,8 @@ import numpy as np
 import torch
 import torch.utils.data as tud
 
-from hf_pipeline.sampler import GlobalSampler, SamplerOptions
+from hf_pipeline.loader import LoaderOptions
+from hf_pipeline.sampler import GlobalSampler, SamplerOptions, sampler_options
 
 __all__ = [
     "STATE_VERSION",
@@ -52,10 +57,10 @@ def _to_tensor(a: np.ndarray) -> torch.Tensor:
 
 
 def _default_rank() -> tuple[int, int]:
-    import torch.distributed as dist
+    import torch.distributed as torch_dist  # not the package ``dist``
 
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        return torch_dist.get_rank(), torch_dist.get_world_size()
     return 0, 1
 
 
@@ -64,14 +69,18 @@ class TorchBatches(tud.IterableDataset):
 
     Args:
         source: a :class:`~hf_pipeline.mapped.SampleSource`.
-        global_batch_size: samples per step over all ranks.
-        seed, crop, shuffle, partition, block_size, window_blocks, drop_last: as for
-            :class:`hf_pipeline.loader.Loader` (same order, same shares).
+        order: the :class:`~hf_pipeline.sampler.SamplerOptions` of the global order,
+            as a :class:`hf_pipeline.loader.Loader`'s ``options.order`` (same order,
+            same shares).
         process_index, process_count: this rank's share; default the
             ``torch.distributed`` rank and world size, else 0 of 1.
         epoch: the epoch to iterate (see :meth:`set_epoch`).
         start_step: first step of the epoch to produce (resume).
         latents_dtype: optional torch dtype (or name) for the latents, e.g. bfloat16.
+        **order_fields: fields of the order as keywords, instead of ``order`` or
+            replacing some of its fields (``global_batch_size``, ``seed``, ``crop``,
+            ``shuffle``, ``partition``, ``block_size``, ``window_blocks``,
+            ``drop_last``): ``TorchBatches(source, global_batch_size=64, seed=0)``.
 
     Yields:
         ``{"latents": (b, C, H, W), "embeddings": (b, D), "keys": (b,)}`` tensors (and
@@ -80,6 +89,7 @@ class TorchBatches(tud.IterableDataset):
         cache) unless ``latents_dtype`` says otherwise.
 
     Raises:
+        TypeError: an unknown keyword, or neither ``order`` nor ``global_batch_size``.
         ValueError: invalid options or a global batch not divisible by the ranks.
 
     Thread-safety: each DataLoader worker iterates its own copy.
@@ -88,32 +98,17 @@ class TorchBatches(tud.IterableDataset):
     def __init__(
         self,
         source,
+        order: SamplerOptions | None = None,
         *,
-        global_batch_size: int,
-        seed: int = 0,
-        crop: str | int = "random",
-        shuffle: str = "global",
-        partition: str = "contiguous",
-        block_size: int = 4096,
-        window_blocks: int = 4,
-        drop_last: bool = True,
         process_index: int | None = None,
         process_count: int | None = None,
         epoch: int = 0,
         start_step: int = 0,
         latents_dtype: torch.dtype | str | None = None,
+        **order_fields,
     ):
         super().__init__()
-        options = SamplerOptions(
-            global_batch_size=global_batch_size,
-            seed=seed,
-            crop=crop,
-            shuffle=shuffle,
-            partition=partition,
-            block_size=block_size,
-            window_blocks=window_blocks,
-            drop_last=drop_last,
-        )
+        options = sampler_options(order, **order_fields)
         if process_index is None or process_count is None:
             rank, world = _default_rank()
             process_index = rank if process_index is None else process_index
@@ -141,19 +136,19 @@ class TorchBatches(tud.IterableDataset):
     def steps(self) -> range:
         """The steps this worker produces (all remaining steps outside a worker)."""
         info = tud.get_worker_info()
-        k, n = (0, 1) if info is None else (info.id, info.num_workers)
-        return range(self.start_step + k, self.sampler.steps_per_epoch, n)
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        return range(self.start_step + worker, self.sampler.steps_per_epoch, workers)
 
     def batch(self, step: int, epoch: int | None = None) -> dict[str, Any]:
         """This rank's batch ``step`` of ``epoch`` (default the current one) as tensors."""
         epoch = self.epoch if epoch is None else epoch
-        pb = self.sampler.batch_at(epoch, step, self._local)
-        arrays = self.source.gather(pb.rows, pb.crops)
-        out = {name: _to_tensor(a) for name, a in arrays.items()}
+        share = self.sampler.batch_at(epoch, step, self._local)
+        arrays = self.source.gather(share.rows, share.crops)
+        out = {name: _to_tensor(array) for name, array in arrays.items()}
         if self.latents_dtype is not None:
             out["latents"] = out["latents"].to(self.latents_dtype)
         if not self.sampler.options.drop_last:
-            out["mask"] = torch.from_numpy(pb.mask)
+            out["mask"] = torch.from_numpy(share.mask)
         return out
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -321,19 +316,9 @@ class _LatentDataModule:
             return
         built = prepare_cache(self.cfg, progress=False)
         self.source = open_sample_source(built.layout, built.fingerprint)
-        lc = self.cfg.loader
-        self.dataset = TorchBatches(
-            self.source,
-            global_batch_size=lc.global_batch_size,
-            seed=lc.seed,
-            crop=lc.crop,
-            shuffle=lc.shuffle,
-            partition=lc.partition,
-            block_size=lc.block_size,
-            window_blocks=lc.window_blocks,
-            drop_last=lc.drop_last,
-            latents_dtype=lc.latents_dtype or None,
-        )
+        # The Loader's options: the same order and output dtype as Loader.from_config.
+        options = LoaderOptions.from_config(self.cfg.loader)
+        self.dataset = TorchBatches(self.source, options.order, latents_dtype=options.latents_dtype)
         self._identity = {
             **dataclasses.asdict(self.dataset.sampler.options),
             "fingerprint": str(built.fingerprint),
@@ -352,14 +337,14 @@ class _LatentDataModule:
             RuntimeError: before :meth:`setup`.
             ValueError: a negative epoch or a step outside the epoch.
         """
-        ds = self._require()
-        if epoch < 0 or not 0 <= start_step <= ds.sampler.steps_per_epoch:
+        dataset = self._require()
+        if epoch < 0 or not 0 <= start_step <= dataset.sampler.steps_per_epoch:
             raise ValueError(
-                f"position must be epoch >= 0 and step in [0, {ds.sampler.steps_per_epoch}], "
+                f"position must be epoch >= 0 and step in [0, {dataset.sampler.steps_per_epoch}], "
                 f"got epoch={epoch}, step={start_step}"
             )
         self._position = (int(epoch), int(start_step))
-        ds.set_epoch(*self._position)
+        dataset.set_epoch(*self._position)
 
     def train_dataloader(self) -> tud.DataLoader:
         """This rank's batches from the current position, in the loader's global order.
@@ -388,8 +373,8 @@ class _LatentDataModule:
 
     def _next_position(self) -> tuple[int, int]:
         epoch, step = self._position
-        spe = self._steps_per_epoch
-        return (epoch + 1, 0) if spe and step >= spe else (epoch, step)
+        steps = self._steps_per_epoch
+        return (epoch + 1, 0) if steps and step >= steps else (epoch, step)
 
     def state_dict(self) -> dict[str, Any]:
         """The position of the NEXT batch the training step gets, and the order's identity.

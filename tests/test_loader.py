@@ -23,7 +23,7 @@ from hf_pipeline.errors import ConfigError
 from hf_pipeline.loader import Loader
 from hf_pipeline.mapped import SampleSource
 from hf_pipeline.sampler import ORDER_VERSION, GlobalSampler
-from tests.test_mapped import build_cache
+from tests.helpers.caches import build_cache, open_source
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -90,10 +90,8 @@ def _run_with_timeout(fn, timeout=30.0):
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    files = build_cache(tmp_path_factory.mktemp("loader_cache"), 240, embed_dim=8)
-    src = SampleSource(*files, fingerprint="fp-test")
-    yield src
-    src.close()
+    with open_source(tmp_path_factory.mktemp("loader_cache"), 240, fingerprint="fp-test") as src:
+        yield src
 
 
 @pytest.fixture(autouse=True)

@@ -12,15 +12,13 @@ import torch
 
 from hf_pipeline.mapped import SampleSource
 from hf_pipeline.torch_data import TorchBatches, torch_loader
-from tests.test_mapped import build_cache
+from tests.helpers.caches import build_cache, open_source
 
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    files = build_cache(tmp_path_factory.mktemp("torch_cache"), 200, embed_dim=8)
-    src = SampleSource(*files, fingerprint="fp")
-    yield src
-    src.close()
+    with open_source(tmp_path_factory.mktemp("torch_cache"), 200, fingerprint="fp") as src:
+        yield src
 
 
 def _ctx():

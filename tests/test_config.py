@@ -138,3 +138,30 @@ def test_coord_timing_config_accepts_exactly_what_the_coordinator_accepts(
         # The same rule, named as the user set it.
         assert config_error.replace("coord.", "") == coordinator_error
         assert config_error.startswith("coord.")
+
+
+def test_closed_value_sets_are_their_owners():
+    """The config accepts exactly the values the code that uses them knows (each set is
+    defined once, where it is used), and names them all when refusing one."""
+    from dist.coordinator import SCOPES
+    from hf_pipeline.latents import EMBEDDING_DTYPES
+    from hf_pipeline.sampler import PARTITIONS, SHUFFLES
+
+    # coord.scope: "process" needs a cache folder per process, which a config cannot name.
+    settable = {
+        "loader.shuffle": SHUFFLES,
+        "loader.partition": PARTITIONS,
+        "encoder.output_dtype": EMBEDDING_DTYPES,
+        "coord.scope": tuple(s for s in SCOPES if s != "process"),
+    }
+    for field, values in settable.items():
+        section, name = field.split(".")
+        for value in values:
+            cfg = load_config(None, [f"{field}={value}"], environ={})
+            assert getattr(getattr(cfg, section), name) == value
+        with pytest.raises(ConfigError) as ei:
+            load_config(None, [f"{field}=nope"], environ={})
+        assert ei.value.field == field
+        assert all(repr(value) in str(ei.value) for value in values), str(ei.value)
+    with pytest.raises(ConfigError, match="coord.scope must be 'shared' or 'node'"):
+        load_config(None, ["coord.scope=process"], environ={})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import json
@@ -20,9 +21,9 @@ from hypothesis import strategies as st
 
 from hf_pipeline.config import LoaderConfig
 from hf_pipeline.errors import ConfigError
-from hf_pipeline.loader import Loader
+from hf_pipeline.loader import Loader, LoaderOptions, loader_options
 from hf_pipeline.mapped import SampleSource
-from hf_pipeline.sampler import ORDER_VERSION, GlobalSampler
+from hf_pipeline.sampler import ORDER_VERSION, GlobalSampler, SamplerOptions
 from tests.helpers.caches import build_cache, open_source
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -342,6 +343,85 @@ def test_pad_mode_mask_dtype_and_from_config(source):
         )
 
 
+def test_options_keywords_and_config_make_the_same_loader():
+    """One map from keywords to LoaderOptions: the options object, flat keywords and the
+    config section give the same order, state and batches."""
+    cfg = LoaderConfig(
+        global_batch_size=8,
+        seed=3,
+        crop="1",
+        shuffle="block",
+        block_size=4,
+        window_blocks=2,
+        drop_last=False,
+        prefetch=2,
+        num_threads=2,
+        latents_dtype="float32",
+    )
+    fields = dict(
+        global_batch_size=8,
+        seed=3,
+        crop=1,
+        shuffle="block",
+        block_size=4,
+        window_blocks=2,
+        drop_last=False,
+        prefetch=2,
+        num_threads=2,
+        latents_dtype="float32",
+    )
+    options = LoaderOptions.from_config(cfg)
+    assert options == loader_options(**fields)
+    assert options.order == SamplerOptions(
+        global_batch_size=8,
+        seed=3,
+        crop=1,
+        shuffle="block",
+        block_size=4,
+        window_blocks=2,
+        drop_last=False,
+    )
+    assert (options.prefetch, options.num_threads, options.latents_dtype) == (2, 2, "float32")
+    # The config's "use the default" values are the options' None.
+    default = LoaderOptions.from_config(LoaderConfig())
+    assert default.num_threads is None and default.latents_dtype is None
+    # Keywords beside options replace those fields only.
+    replaced = loader_options(options, seed=4, prefetch=3)
+    assert replaced.order == dataclasses.replace(options.order, seed=4)
+    assert (replaced.prefetch, replaced.num_threads) == (3, 2)
+    where = dict(process_index=0, process_count=1)
+    src = FakeSource(21)
+    with (
+        Loader(src, options, **where) as by_options,
+        Loader(src, **fields, **where) as by_keywords,
+        Loader.from_config(src, cfg, **where) as by_config,
+        Loader.from_config(src, cfg, seed=4, **where) as overridden,
+    ):
+        loaders = (by_options, by_keywords, by_config)
+        assert by_options.state_dict() == by_keywords.state_dict() == by_config.state_dict()
+        assert overridden.state_dict()["seed"] == 4
+        batches = [_run_with_timeout(lambda ld=ld: _keys(ld)) for ld in loaders]
+        assert batches[0] == batches[1] == batches[2] and len(batches[0]) == 3
+        assert _run_with_timeout(lambda: _keys(overridden)) != batches[0]
+
+
+@pytest.mark.parametrize(
+    "fields, error, message",
+    [
+        ({"prefetch": 0}, ValueError, "prefetch must be >= 1, got 0"),
+        ({"num_threads": 0}, ValueError, "num_threads must be >= 1, got 0"),
+        ({"shuffle": "nope"}, ValueError, "shuffle must be one of"),
+        ({"start_epoch": -1}, ValueError, "start_epoch must be >= 0, got -1"),
+        ({"prefetchh": 2}, TypeError, "unexpected keyword argument 'prefetchh'"),
+    ],
+)
+def test_bad_options_are_refused(fields, error, message):
+    with pytest.raises(error, match=message):
+        Loader(FakeSource(10), global_batch_size=2, process_index=0, process_count=1, **fields)
+    with pytest.raises(TypeError, match="global_batch_size"):
+        Loader(FakeSource(10), process_index=0, process_count=1)
+
+
 def test_mesh_single_device(source):
     import jax
     from jax.sharding import Mesh
@@ -394,7 +474,7 @@ _MULTI_DEVICE = textwrap.dedent(
     import numpy as np
     import jax
     from jax.sharding import Mesh
-    from hf_pipeline.loader import Loader
+    from hf_pipeline.loader import Loader, LoaderOptions, loader_options
     from hf_pipeline.mapped import SampleSource
     files = json.loads(sys.argv[1])
     src = SampleSource(*files)
@@ -458,7 +538,7 @@ _MULTI_PROCESS = textwrap.dedent(
         initialization_timeout=60,
     )
     from jax.sharding import Mesh
-    from hf_pipeline.loader import Loader
+    from hf_pipeline.loader import Loader, LoaderOptions, loader_options
     from hf_pipeline.mapped import SampleSource
     src = SampleSource(*files)
     mesh = Mesh(np.array(jax.devices()), ("data",))

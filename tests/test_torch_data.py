@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import sys
 import warnings
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from hf_pipeline.mapped import SampleSource
+from hf_pipeline.sampler import SamplerOptions
 from hf_pipeline.torch_data import TorchBatches, torch_loader
 from tests.helpers.caches import build_cache, open_source
 
@@ -189,6 +191,22 @@ def test_loader_sampler_set_epoch_reaches_the_dataset(source):
     np.testing.assert_array_equal(first["keys"].numpy(), _expected(ds, 0, epoch=3)["keys"])
     with pytest.raises(ValueError, match="persistent_workers"):
         torch_loader(ds, num_workers=2, persistent_workers=True)
+
+
+def test_order_as_options_or_keywords_gives_the_same_batches(source):
+    order = SamplerOptions(global_batch_size=16, seed=2, shuffle="block", block_size=8, crop=1)
+    where = dict(process_index=1, process_count=2)
+    by_options = TorchBatches(source, order, **where)
+    by_keywords = TorchBatches(
+        source, global_batch_size=16, seed=2, shuffle="block", block_size=8, crop=1, **where
+    )
+    replaced = TorchBatches(source, dataclasses.replace(order, seed=9), seed=2, **where)
+    assert by_options.sampler.options == by_keywords.sampler.options == order
+    assert replaced.sampler.options == order
+    keys = [[b["keys"].tolist() for b in ds] for ds in (by_options, by_keywords, replaced)]
+    assert keys[0] == keys[1] == keys[2] and len(keys[0]) == len(by_options)
+    with pytest.raises(TypeError, match="bogus"):
+        TorchBatches(source, global_batch_size=16, bogus=1, **where)
 
 
 def _datamodule(cfg, **kw):

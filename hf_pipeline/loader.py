@@ -260,10 +260,10 @@ class _Prefetcher:
     def _run(self) -> None:
         try:
             if self._threads == 1:
-                for pos in self._positions:
+                for position in self._positions:
                     if self._stop.is_set():
                         return
-                    if not self._put((self._produce(pos), pos, None)):
+                    if not self._put((self._produce(position), position, None)):
                         return
             elif not self._run_pool():
                 return
@@ -285,14 +285,14 @@ class _Prefetcher:
             while True:
                 # Keep every worker busy; the queue bounds how far results run ahead.
                 while not exhausted and len(pending) < self._threads:
-                    pos = next(positions, _END)
-                    if pos is _END:
+                    position = next(positions, _END)
+                    if position is _END:
                         exhausted = True
                     else:
-                        pending.append((pos, pool.submit(self._produce, pos)))
+                        pending.append((position, pool.submit(self._produce, position)))
                 if not pending:
                     return True
-                pos, future = pending[0]
+                position, future = pending[0]
                 while True:
                     if self._stop.is_set():
                         return False
@@ -302,7 +302,7 @@ class _Prefetcher:
                     except FutureTimeout:
                         continue
                 pending.popleft()
-                if not self._put((item, pos, None)):
+                if not self._put((item, position, None)):
                     return False
         finally:
             for _, future in pending:
@@ -323,25 +323,25 @@ class _Prefetcher:
         """
         while True:
             try:
-                item, pos, err = self._queue.get(timeout=_STOP_CHECK_S)
+                item, position, error = self._queue.get(timeout=_STOP_CHECK_S)
             except queue.Empty:
                 if self._stop.is_set():
                     return None
                 if not self._thread.is_alive():
                     try:  # the thread may have put its last entry just before exiting
-                        item, pos, err = self._queue.get_nowait()
+                        item, position, error = self._queue.get_nowait()
                     except queue.Empty:
                         raise RuntimeError(
                             f"prefetch thread {self._thread.name} exited without a result"
                         ) from None
                 else:
                     continue
-            if err is _END:
+            if error is _END:
                 return None
-            if err is not None:
+            if error is not None:
                 self._stop.set()
-                raise err
-            return item, pos
+                raise error
+            return item, position
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the thread, drop queued batches, and join (idempotent)."""
@@ -710,7 +710,7 @@ class Loader:
                 )
         out["latents"] = self._cast_latents(out["latents"])
         # Finish the transfers here, on the prefetch thread, not in the training step.
-        jax.block_until_ready([v for v in out.values() if isinstance(v, jax.Array)])
+        jax.block_until_ready([value for value in out.values() if isinstance(value, jax.Array)])
         return {name: out[name] for name in batch}  # keep the key order
 
     def _stop_prefetch(self) -> None:

@@ -47,13 +47,13 @@ __all__ = [
 ]
 
 
-def _to_tensor(a: np.ndarray) -> torch.Tensor:
+def _to_tensor(array: np.ndarray) -> torch.Tensor:
     """A NumPy batch array as a tensor; bfloat16 (``ml_dtypes``) keeps its bits exactly."""
-    a = np.ascontiguousarray(a)
-    if a.dtype.name == "bfloat16":
+    array = np.ascontiguousarray(array)
+    if array.dtype.name == "bfloat16":
         # torch.from_numpy does not know ml_dtypes: share the 16 bits, then view them.
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 def _default_rank() -> tuple[int, int]:

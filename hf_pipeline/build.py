@@ -38,17 +38,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from dist.atomic import write_json_atomic
 from hf_pipeline.accounting import (
     KEEP,
-    NONFINITE,
     REASONS,
-    ReasonCodes,
-    bad_rows_summary,
     build_report,
-    later_duplicates,
 )
 from hf_pipeline.cache import (
     DEMO_DATA_DIR,
@@ -58,6 +52,7 @@ from hf_pipeline.cache import (
     compute_fingerprint,
 )
 from hf_pipeline.config import Config
+from hf_pipeline.parts import REASONS_FILE
 from hf_pipeline.remote_file import RemoteFile
 from hf_pipeline.workers import check_not_bootstrapping, spawned_workers
 
@@ -171,84 +166,96 @@ def resolve_inputs(cfg: Config) -> Inputs:
     return Inputs(source=source, shards=shards, metadata=metadata, demo=demo)
 
 
-class _Builder:
-    """The two stage functions, sharing the resolved inputs and the config."""
+def _save_captions(cfg: Config, inputs: Inputs, path: Path):
+    """Fetch the metadata parquet and save its key-sorted caption table at ``path``."""
+    from hf_pipeline.captions import read_captions
 
-    def __init__(self, cfg: Config, inputs: Inputs, fingerprint: str, progress: bool):
+    meta_path = inputs.source.fetch_one(inputs.metadata)
+    table = read_captions(
+        meta_path, key_column=cfg.data.key_column, caption_column=cfg.data.caption_column
+    )
+    table.save(str(path))
+    log.info("captions: %d keys from %s", len(table.keys), meta_path)
+    return table
+
+
+def _encoder(cfg: Config, process):
+    """The encoder of this process: with ``build.parallel: ranks`` and ``device: auto``,
+    each rank of a node on its own GPU (``cuda:<local rank>``)."""
+    from hf_pipeline.embed import TextEncoder, describe_device
+
+    enc_cfg = cfg.encoder
+    if cfg.build.parallel == "ranks" and enc_cfg.device == "auto" and process is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            device = f"cuda:{process.local_rank % torch.cuda.device_count()}"
+            enc_cfg = dataclasses.replace(enc_cfg, device=device)
+    encoder = TextEncoder(enc_cfg)
+    log.info("encoder %s (dim %d) on %s", enc_cfg.model, encoder.dim, describe_device())
+    return encoder
+
+
+class _Builder:
+    """The stage functions, sharing the resolved inputs and the config.
+
+    ``parts`` (``build.parallel: ranks``): the part folders and infos the ranks
+    published, in shard order, and the caption table they used; the ``converted``
+    stage then only assembles them. Otherwise it builds every part itself.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        inputs: Inputs,
+        fingerprint: str,
+        progress: bool,
+        *,
+        process=None,
+        parts: list[tuple[Path, dict]] | None = None,
+        captions_path: Path | None = None,
+    ):
         self.cfg = cfg
         self.inputs = inputs
         self.fingerprint = fingerprint
         self.progress = progress
+        self.process = process
+        self.parts = parts
+        self.captions_path = captions_path
 
     def converted(self, ctx) -> dict[str, Any]:
-        """Stage 1: join (num_proc workers) -> duplicates -> embed (the accelerator)."""
-        from hf_pipeline.captions import read_captions
-        from hf_pipeline.convert import join_shards
-        from hf_pipeline.embed_stage import embed_joined_rows
+        """Stage 1: per part, join (num_proc workers) and embed (the accelerator); then
+        the duplicates across parts and the final drop reasons (:mod:`hf_pipeline.parts`)."""
+        from hf_pipeline.captions import CaptionTable
+        from hf_pipeline.parts import assemble, build_part, plan_parts
 
-        cfg = self.cfg
         tmp = Path(ctx.tmp_dir)
+        if self.parts is not None:  # built by the ranks: hard-link their files in
+            table = CaptionTable.open(str(self.captions_path))
+            return assemble(tmp, self.parts, table=table, link_from=True)
         work = tmp / "_work"
         work.mkdir(parents=True, exist_ok=True)
-        t0 = time.monotonic()
-
-        meta_path = self.inputs.source.fetch_one(self.inputs.metadata)
-        table = read_captions(
-            meta_path, key_column=cfg.data.key_column, caption_column=cfg.data.caption_column
-        )
-        captions_path = str(work / "captions.arrow")
-        table.save(captions_path)
-        log.info("captions: %d keys from %s", len(table.keys), meta_path)
-
-        joined = join_shards(
-            cfg=cfg,
-            source=self.inputs.source,
-            shards=self.inputs.shards,
-            captions_path=captions_path,
-            probe=ctx.probe,
-            out_file=tmp / "rows" / "data.arrow",
-            work_dir=work,
-            fingerprint=self.fingerprint,
-            progress=self.progress,
-        )
-        t_convert = time.monotonic() - t0
-
-        keys = joined.rows.data.column("key").to_numpy()
-        pre = ReasonCodes(joined.rows.data.column("drop_reason"))
-        # A key's first row with finite latents wins: a NaN copy must not shadow a
-        # good one (the key would vanish although usable latents exist).
-        nonfinite = pre.mask(NONFINITE)
-        duplicate = later_duplicates(keys, eligible=~nonfinite)
-        no_latents = int(table.count_absent(np.unique(keys)))
-
-        t1 = time.monotonic()
-        embedded = embed_joined_rows(
-            joined.rows,
-            duplicate,
-            cfg=cfg,
-            probe=ctx.probe,
-            out_file=tmp / "embeddings" / "data.arrow",
-            fingerprint=self.fingerprint,
-        )
-        t_embed = time.monotonic() - t1
+        table = _save_captions(self.cfg, self.inputs, work / "captions.arrow")
+        encoder = _encoder(self.cfg, self.process)
+        shards = self.inputs.shards
+        built = []
+        for plan in plan_parts(len(shards), self.cfg.build.part_shards):
+            folder = tmp / "parts" / plan.name
+            info = build_part(
+                cfg=self.cfg,
+                source=self.inputs.source,
+                shards=shards[plan.start : plan.stop],
+                captions_path=str(work / "captions.arrow"),
+                probe=ctx.probe,
+                encoder=encoder,
+                out_dir=folder,
+                fingerprint=f"{self.fingerprint}-{plan.name}",
+                progress=self.progress,
+            )
+            built.append((folder, {**info, "builder": _me()}))
+        info = assemble(tmp, built, table=table, link_from=False)
         shutil.rmtree(work, ignore_errors=True)
-        return {
-            "rows_in": int(len(keys)),
-            "reasons": embedded.reasons.counts(),
-            "pre_duplicate_reasons": pre.counts(),
-            "no_latents": no_latents,
-            "duplicate_meta_rows": int(getattr(table, "duplicate_meta_rows", 0)),
-            "bad_rows": bad_rows_summary(keys, nonfinite),
-            "embed_dim": int(embedded.dim),
-            "shards": len(self.inputs.shards),
-            "fetch": joined.fetch,
-            "seconds_convert": round(t_convert, 3),
-            "seconds_embed": round(t_embed, 3),
-            "num_proc": joined.num_proc,
-            # Readers view the latents column through this (bfloat16 is uint16 in Arrow).
-            "latent_dtype": joined.storage.dtype,
-            "precision": joined.precision,
-        }
+        return info
 
     def filtered(self, ctx) -> dict[str, Any]:
         """Stage 2: the kept-row indices and the build report."""
@@ -257,10 +264,13 @@ class _Builder:
         build = self.cfg.build
         tmp = Path(ctx.tmp_dir)
         conv = Path(ctx.previous["converted"])
-        layout = CacheLayout(Path(ctx.cache_dir), {"converted": conv.name})
-        emb = concatenate_datasets(
-            [Dataset.from_file(str(p)) for p in layout.embedding_files(conv)]
-        )
+        if (conv / REASONS_FILE).exists():  # the final reasons, across parts
+            emb = Dataset.from_file(str(conv / REASONS_FILE))
+        else:  # published by hf_pipeline 0.1: in the embedding files
+            layout = CacheLayout(Path(ctx.cache_dir), {"converted": conv.name})
+            emb = concatenate_datasets(
+                [Dataset.from_file(str(p)) for p in layout.embedding_files(conv)]
+            )
         # One process: a trivial predicate does not pay for spawning a pool.
         kept = emb.filter(
             _keep_rows,
@@ -278,11 +288,15 @@ class _Builder:
             cache_dir=str(ctx.cache_dir),
             rows_out=len(kept),
             converted=ctx.markers["converted"].info,
-            builder={"host": socket.gethostname(), "pid": os.getpid()},
+            builder=_me(),
             config=self.cfg.to_dict(),
         )
         write_json_atomic(tmp / "report.json", report, indent=2, sort_keys=True, default=str)
         return {"rows_out": report["rows_out"], "dropped": report["dropped"]}
+
+
+def _me() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid()}
 
 
 def _keep_rows(reasons: list) -> list[bool]:

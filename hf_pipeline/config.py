@@ -62,6 +62,11 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 #: under the counted reason ``nonfinite_latents``, or fail the build naming it.
 OnBadRows = Literal["drop", "fail"]
 
+#: Who builds a cache: ``one`` process (rank 0, or local rank 0 with ``coord.scope:
+#: node``), or every rank of the job (of the node) together, a share of the shards each.
+ParallelMode = Literal["one", "ranks"]
+PARALLEL_MODES: tuple[str, ...] = get_args(ParallelMode)
+
 #: What the build does with a shard it cannot fetch or read: fail naming it, or skip it
 #: and list it in the report (``skipped_files``).
 OnMissing = Literal["fail", "skip"]
@@ -199,8 +204,20 @@ class BuildConfig:
     batch_size: int = 1000
     writer_batch_size: int = 10000
     latent_dtype: str = "source"  # one of LATENT_DTYPES
+    parallel: str = "one"  # one of PARALLEL_MODES
+    part_shards: int = 0
 
     def __post_init__(self):
+        _check(
+            self.parallel in PARALLEL_MODES,
+            "build.parallel",
+            f"must be one of {PARALLEL_MODES}, got {self.parallel!r}",
+        )
+        _check(
+            self.part_shards >= 0,
+            "build.part_shards",
+            f"must be >= 0 (0: one part per builder), got {self.part_shards}",
+        )
         _check(
             self.num_proc >= 0,
             "build.num_proc",

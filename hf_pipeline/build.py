@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dist.atomic import write_json_atomic
+from dist.layout import parse_stage_dir
 from hf_pipeline.accounting import (
     KEEP,
     REASONS,
@@ -94,8 +95,9 @@ class BuildResult:
         fingerprint: cache identity.
         cache_dir: the cache folder.
         report: the build report (``rows_in``, ``rows_out``, ``dropped``, ...).
-        built: True when this process published at least one stage (a builder that
-            lost its lease to another process reports False).
+        built: True when this process published at least one stage or, with
+            ``build.parallel: ranks``, one part (a builder that lost its lease to
+            another process reports False).
         seconds: wall time of :func:`prepare_cache` in this process.
         stage_dirs: the published folder of each stage, from the markers.
     """
@@ -304,6 +306,77 @@ def _keep_rows(reasons: list) -> list[bool]:
     return [r == KEEP for r in reasons]
 
 
+def _stage(name: str, fn):
+    """A coordinator Stage running ``fn`` with spawned num_proc pools."""
+    from dist.coordinator import Stage
+
+    def run(ctx):
+        log.info("building stage %s of %s", name, ctx.cache_dir)
+        with spawned_workers():  # the num_proc pools: see hf_pipeline.workers
+            return fn(ctx)
+
+    return Stage(name=name, build=run)
+
+
+def _build_parts_together(cfg, inputs, fingerprint, layout, process, progress, timing):
+    """``build.parallel: ranks``: every rank (of the job, or of the node with
+    ``coord.scope: node``) builds its share of the parts on its own accelerator.
+
+    Each part, and the caption table before them, is its own cache unit under
+    ``<cache>/parts/``, built through :func:`dist.coordinator.ensure_built` under its
+    builder's lease: a rank claims its own parts at once, then waits for the others
+    and takes over a part whose builder died (only that part is redone).
+
+    Returns:
+        The published parts ``[(folder, info)]`` in shard order, and the caption table.
+    """
+    from dist.coordinator import ensure_built
+    from hf_pipeline.parts import build_part, plan_parts
+
+    local = cfg.coord.scope == "node"
+    count = process.local_world_size if local else process.world_size
+    me = process.local_rank if local else process.rank
+    root = layout.root / "parts"
+    root.mkdir(parents=True, exist_ok=True)
+
+    def captions(ctx):
+        table = _save_captions(cfg, inputs, Path(ctx.tmp_dir) / "captions.arrow")
+        return {"keys": len(table.keys)}
+
+    cap = ensure_built(
+        root / "captions", f"{fingerprint}.captions", [_stage("captions", captions)],
+        builder=me == 0, **timing,
+    )["captions"]  # fmt: skip
+    captions_path = root / "captions" / cap.directory / "captions.arrow"
+    shards = inputs.shards
+    plans = plan_parts(len(shards), cfg.build.part_shards or -(-len(shards) // max(1, count)))
+    encoder = []  # loaded on the first part this rank builds
+
+    def part_builder(plan):
+        def build(ctx):
+            if not encoder:
+                encoder.append(_encoder(cfg, process))
+            info = build_part(
+                cfg=cfg, source=inputs.source, shards=shards[plan.start : plan.stop],
+                captions_path=str(captions_path), probe=ctx.probe, encoder=encoder[0],
+                out_dir=Path(ctx.tmp_dir), fingerprint=f"{fingerprint}-{plan.name}",
+                progress=progress,
+            )  # fmt: skip
+            return {**info, "builder": _me()}
+
+        return build
+
+    mine = [p for p in plans if p.index % count == me]
+    published = {}
+    for plan in mine + [p for p in plans if p.index % count != me]:
+        marker = ensure_built(
+            root / plan.name, f"{fingerprint}.{plan.name}.of{len(plans)}",
+            [_stage("part", part_builder(plan))], builder=plan in mine, **timing,
+        )["part"]  # fmt: skip
+        published[plan.index] = (root / plan.name / marker.directory, dict(marker.info))
+    return [published[p.index] for p in plans], captions_path
+
+
 def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildResult:
     """Find or build the cache for ``cfg``; every rank of a job calls this.
 
@@ -323,7 +396,7 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
         UserError subclasses for bad input; ``dist`` errors for coordination
         failures (timeout, failed builder, read-only cache without markers).
     """
-    from dist.coordinator import Stage, default_builder, ensure_built
+    from dist.coordinator import complete_markers, default_builder, ensure_built
     from dist.env import detect
     from hf_pipeline.embed import encoder_identity
 
@@ -342,51 +415,59 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
         # One staging folder per identity: two builds of the same source on one host
         # (different configs) must not delete each other's staged shards.
         inputs = inputs.staged_in(cfg.cache_root / STAGING_DIR / fingerprint)
-    builder = _Builder(cfg, inputs, fingerprint, progress)
     our_leases: list[str] = []
 
     def on_event(name: str, fields: dict) -> None:
         if name == "claimed":
             our_leases.append(fields["lease_id"])
 
-    def stage(name, fn):
-        def run(ctx):
-            log.info("building stage %s of %s", name, layout.root)
-            with spawned_workers():  # the num_proc pools: see hf_pipeline.workers
-                return fn(ctx)
-
-        return Stage(name=name, build=run)
-
     coord = cfg.coord
+    timing = {
+        "poll_interval": coord.poll_interval,
+        "max_wait": coord.max_wait,
+        "lease_timeout": coord.lease_timeout,
+        "heartbeat_interval": coord.heartbeat_interval,
+        "on_event": on_event,
+        "process": process,
+    }
     from datasets import utils as ds_utils
 
     bars_were_on = ds_utils.is_progress_bar_enabled()
     if not progress:
         ds_utils.disable_progress_bars()
     try:
+        parts = captions = None
+        if (
+            cfg.build.parallel == "ranks"
+            and complete_markers(layout.root, fingerprint, STAGES) is None
+        ):
+            parts, captions = _build_parts_together(
+                cfg, inputs, fingerprint, layout, process, progress, timing
+            )
+        builder = _Builder(
+            cfg, inputs, fingerprint, progress, process=process, parts=parts, captions_path=captions
+        )
         markers = ensure_built(
             layout.root,
             fingerprint,
-            [stage(STAGES[0], builder.converted), stage(STAGES[1], builder.filtered)],
-            process=process,
+            [_stage(STAGES[0], builder.converted), _stage(STAGES[1], builder.filtered)],
             builder=default_builder(process, coord.scope),
-            poll_interval=coord.poll_interval,
-            max_wait=coord.max_wait,
-            lease_timeout=coord.lease_timeout,
-            heartbeat_interval=coord.heartbeat_interval,
-            on_event=on_event,
+            **timing,
         )
     finally:
         if bars_were_on and not progress:
             ds_utils.enable_progress_bars()
     stage_dirs = {name: m.directory for name, m in markers.items()}
     layout = CacheLayout(layout.root, stage_dirs)
+    # The leases that published the stages, and the parts (build.parallel: ranks).
+    published_by = [m.lease_id for m in markers.values()]
+    published_by += [parse_stage_dir(folder.name).lease_id for folder, _ in parts or []]
     return BuildResult(
         fingerprint=fingerprint,
         cache_dir=layout.root,
         report=layout.read_report(),
         # A lease of ours published a stage; a builder taken over (fenced) did not.
-        built=any(m.lease_id in our_leases for m in markers.values()),
+        built=any(lease in our_leases for lease in published_by),
         seconds=time.monotonic() - t0,
         stage_dirs=stage_dirs,
     )

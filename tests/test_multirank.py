@@ -74,3 +74,60 @@ def test_node_scope_one_build_per_node(tmp_path):
     for node in (0, 1):
         caches = [p for p in (tmp_path / f"node{node}").iterdir() if not p.name.startswith(".")]
         assert len(caches) == 1 and (caches[0] / "filtered.json").is_file()
+
+
+def _copy_inputs(small_config, folder):
+    """The small demo's files in a plain folder: both builds must see the same files."""
+    import shutil
+
+    from hf_pipeline.build import resolve_inputs
+
+    inputs = resolve_inputs(small_config)
+    folder.mkdir()
+    for f in [*inputs.shards, inputs.metadata]:
+        shutil.copy2(f.url, folder / f.name)
+    return folder
+
+
+def _everything(res):
+    from hf_pipeline.cache import open_dataset
+
+    ds = open_dataset(res.layout).with_format("numpy")
+    return ds[:]
+
+
+def test_four_ranks_build_in_parts_equal_to_one_builder(small_config, tmp_path):
+    """build.parallel=ranks: 4 real processes each build a part; rank 0 assembles. The
+    cache equals a single builder's: same fingerprint, same kept keys in the same order,
+    byte-identical latents and captions, embeddings equal up to float noise."""
+    from hf_pipeline.build import prepare_cache
+    from hf_pipeline.config import load_config
+
+    data = _copy_inputs(small_config, tmp_path / "data")
+    base = [*SMALL_DEMO, f"data.shards={data}", "coord.poll_interval=0.1"]
+    one = prepare_cache(
+        load_config(None, [*base, f"build.cache_dir={tmp_path / 'one'}"], environ={}),
+        progress=False,
+    )
+    par = [*base, f"build.cache_dir={tmp_path / 'par'}", "build.parallel=ranks"]
+    runs = run_ranks(
+        [REPO / "tests/procs/rank_loader.py", tmp_path / "r{rank}.json", *par], 4, timeout=600
+    )
+    for code, out, err in runs:
+        assert code == 0, (out + err)[-3000:]
+    results = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(4)]
+    assert {r["fingerprint"] for r in results} == {one.fingerprint}  # a speed knob
+    assert all(r["built"] for r in results), "every rank built its part"
+    assert len({r["content"] for r in results}) == 1
+    res = prepare_cache(load_config(None, par, environ={}), progress=False)
+    assert res.built is False and res.fingerprint == one.fingerprint
+    parts = res.report["parts"]  # the report says who built which shards
+    assert [p["shards"] for p in parts] == [1, 1, 1, 1]
+    assert len({p["builder"]["pid"] for p in parts}) == 4
+    a, b = _everything(one), _everything(res)
+    assert a["key"].tolist() == b["key"].tolist()
+    assert a["caption"].tolist() == b["caption"].tolist()
+    np.testing.assert_array_equal(a["latents"], b["latents"])
+    np.testing.assert_allclose(a["embedding"], b["embedding"], atol=1e-5)
+    assert res.report["dropped"] == one.report["dropped"]
+    assert res.report["rows_out"] == one.report["rows_out"]

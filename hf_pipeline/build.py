@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import os
+import pickle
 import shutil
 import socket
 import time
@@ -61,7 +63,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from hf_pipeline.demo import DemoData
     from hf_pipeline.sources import Source
 
-__all__ = ["BuildResult", "REASONS", "prepare_cache", "resolve_inputs"]
+__all__ = ["BuildResult", "REASONS", "prepare_cache", "resolve_inputs", "resolve_job_inputs"]
 
 log = logging.getLogger("hf_pipeline")
 
@@ -306,6 +308,49 @@ def _keep_rows(reasons: list) -> list[bool]:
     return [r == KEEP for r in reasons]
 
 
+_RESOLUTIONS: dict[str, int] = {}  # resolutions of each config so far, this process
+
+
+def resolve_job_inputs(cfg: Config, process) -> tuple[Inputs, dict[str, Any]]:
+    """The inputs and the encoder's identity, resolved by one rank for the whole job.
+
+    With a remote source (``hf://``, ``gs://``) and an initialised ``torch.distributed``
+    or ``jax.distributed`` job, global rank 0 lists the shards, finds the metadata and
+    resolves the revisions, and shares the result (with its error, if it failed) through
+    the job's key-value store: 800 ranks make one set of Hub/GCS API calls, not 800 (the
+    Hub answers a stampede with 429s), and every rank computes the same fingerprint.
+    Local folders (and the demo) are resolved by each rank: no API calls, and a
+    node-local copy is what that rank reads.
+    """
+    from dist.kvstore import job_store
+    from hf_pipeline.embed import encoder_identity
+
+    remote = cfg.data.shards.startswith(("hf://", "gs://"))
+    store = job_store() if remote and process.world_size > 1 else None
+    if store is None:
+        return resolve_inputs(cfg), encoder_identity(cfg.encoder)
+    config_key = hashlib.sha256(
+        json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()
+    ).hexdigest()[:16]
+    # Every rank makes the same sequence of prepare_cache calls: the n-th call of one
+    # config reads the n-th resolution, never a stale one.
+    n = _RESOLUTIONS[config_key] = _RESOLUTIONS.get(config_key, 0) + 1
+    key = f"hf_pipeline.inputs/{config_key}/{n}"
+    if process.rank == 0:
+        try:
+            resolved = (resolve_inputs(cfg), encoder_identity(cfg.encoder))
+        except Exception as e:
+            store.set(key, pickle.dumps(("error", e)))
+            raise
+        store.set(key, pickle.dumps(("ok", resolved)))
+        return resolved
+    # Sent by rank 0 of this very job through its own store: trusted like our own code.
+    kind, value = pickle.loads(store.get(key, timeout=cfg.coord.max_wait))
+    if kind == "error":
+        raise value
+    return value
+
+
 def _stage(name: str, fn):
     """A coordinator Stage running ``fn`` with spawned num_proc pools."""
     from dist.coordinator import Stage
@@ -398,17 +443,13 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
     """
     from dist.coordinator import complete_markers, default_builder, ensure_built
     from dist.env import detect
-    from hf_pipeline.embed import encoder_identity
 
     check_not_bootstrapping()
     t0 = time.monotonic()
     process = process or detect()
-    inputs = resolve_inputs(cfg)
+    inputs, encoder = resolve_job_inputs(cfg, process)
     fingerprint = compute_fingerprint(
-        cfg,
-        [f.identity() for f in inputs.shards],
-        inputs.metadata.identity(),
-        encoder_identity(cfg.encoder),
+        cfg, [f.identity() for f in inputs.shards], inputs.metadata.identity(), encoder
     )
     layout = CacheLayout.for_config(cfg, fingerprint)
     if not cfg.data.staging_dir:

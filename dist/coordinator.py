@@ -173,6 +173,7 @@ __all__ = [
     "Stage",
     "StageContext",
     "StoreDoorbell",
+    "complete_markers",
     "default_builder",
     "ensure_built",
 ]
@@ -827,6 +828,25 @@ class _Coordinator:
                 e,
             )
         self.emit("failed", stage=stage.name, error=f"{type(error).__name__}: {error}")
+
+
+def complete_markers(
+    cache_dir: str | os.PathLike, fingerprint: str, stages: Sequence[str]
+) -> dict[str, Marker] | None:
+    """The markers of ``stages`` if every one is valid (the cache is complete), else None.
+
+    Reads only; what :func:`ensure_built` checks first. Process-safe.
+    """
+    markers: dict[str, Marker] = {}
+    for name in stages:
+        marker, why = check_marker(
+            Path(cache_dir) / marker_name(name), fingerprint=fingerprint,
+            base_dir=Path(cache_dir), stage=name,
+        )  # fmt: skip
+        if marker is None or derived_from_problem(marker, markers) is not None:
+            return None
+        markers[name] = marker
+    return markers
 
 
 def ensure_built(

@@ -131,6 +131,8 @@ def build_report(
         "embed_dim": converted["embed_dim"],
         "duplicate_meta_rows": converted["duplicate_meta_rows"],
         "bad_rows": converted.get("bad_rows", {}),
+        # Who built which shards (one part unless build.part_shards / parallel: ranks).
+        "parts": converted.get("parts", []),
         "skipped_files": skipped,
         "fetch": converted.get("fetch", {}),
         "seconds_convert": converted["seconds_convert"],

@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import os
+import pickle
 import shutil
 import socket
 import time
@@ -38,17 +40,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from dist.atomic import write_json_atomic
+from dist.layout import parse_stage_dir
 from hf_pipeline.accounting import (
     KEEP,
-    NONFINITE,
     REASONS,
-    ReasonCodes,
-    bad_rows_summary,
     build_report,
-    later_duplicates,
 )
 from hf_pipeline.cache import (
     DEMO_DATA_DIR,
@@ -58,6 +55,7 @@ from hf_pipeline.cache import (
     compute_fingerprint,
 )
 from hf_pipeline.config import Config
+from hf_pipeline.parts import REASONS_FILE
 from hf_pipeline.remote_file import RemoteFile
 from hf_pipeline.workers import check_not_bootstrapping, spawned_workers
 
@@ -65,7 +63,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from hf_pipeline.demo import DemoData
     from hf_pipeline.sources import Source
 
-__all__ = ["BuildResult", "REASONS", "prepare_cache", "resolve_inputs"]
+__all__ = ["BuildResult", "REASONS", "prepare_cache", "resolve_inputs", "resolve_job_inputs"]
 
 log = logging.getLogger("hf_pipeline")
 
@@ -99,8 +97,9 @@ class BuildResult:
         fingerprint: cache identity.
         cache_dir: the cache folder.
         report: the build report (``rows_in``, ``rows_out``, ``dropped``, ...).
-        built: True when this process published at least one stage (a builder that
-            lost its lease to another process reports False).
+        built: True when this process published at least one stage or, with
+            ``build.parallel: ranks``, one part (a builder that lost its lease to
+            another process reports False).
         seconds: wall time of :func:`prepare_cache` in this process.
         stage_dirs: the published folder of each stage, from the markers.
     """
@@ -171,84 +170,96 @@ def resolve_inputs(cfg: Config) -> Inputs:
     return Inputs(source=source, shards=shards, metadata=metadata, demo=demo)
 
 
-class _Builder:
-    """The two stage functions, sharing the resolved inputs and the config."""
+def _save_captions(cfg: Config, inputs: Inputs, path: Path):
+    """Fetch the metadata parquet and save its key-sorted caption table at ``path``."""
+    from hf_pipeline.captions import read_captions
 
-    def __init__(self, cfg: Config, inputs: Inputs, fingerprint: str, progress: bool):
+    meta_path = inputs.source.fetch_one(inputs.metadata)
+    table = read_captions(
+        meta_path, key_column=cfg.data.key_column, caption_column=cfg.data.caption_column
+    )
+    table.save(str(path))
+    log.info("captions: %d keys from %s", len(table.keys), meta_path)
+    return table
+
+
+def _encoder(cfg: Config, process):
+    """The encoder of this process: with ``build.parallel: ranks`` and ``device: auto``,
+    each rank of a node on its own GPU (``cuda:<local rank>``)."""
+    from hf_pipeline.embed import TextEncoder, describe_device
+
+    enc_cfg = cfg.encoder
+    if cfg.build.parallel == "ranks" and enc_cfg.device == "auto" and process is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            device = f"cuda:{process.local_rank % torch.cuda.device_count()}"
+            enc_cfg = dataclasses.replace(enc_cfg, device=device)
+    encoder = TextEncoder(enc_cfg)
+    log.info("encoder %s (dim %d) on %s", enc_cfg.model, encoder.dim, describe_device())
+    return encoder
+
+
+class _Builder:
+    """The stage functions, sharing the resolved inputs and the config.
+
+    ``parts`` (``build.parallel: ranks``): the part folders and infos the ranks
+    published, in shard order, and the caption table they used; the ``converted``
+    stage then only assembles them. Otherwise it builds every part itself.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        inputs: Inputs,
+        fingerprint: str,
+        progress: bool,
+        *,
+        process=None,
+        parts: list[tuple[Path, dict]] | None = None,
+        captions_path: Path | None = None,
+    ):
         self.cfg = cfg
         self.inputs = inputs
         self.fingerprint = fingerprint
         self.progress = progress
+        self.process = process
+        self.parts = parts
+        self.captions_path = captions_path
 
     def converted(self, ctx) -> dict[str, Any]:
-        """Stage 1: join (num_proc workers) -> duplicates -> embed (the accelerator)."""
-        from hf_pipeline.captions import read_captions
-        from hf_pipeline.convert import join_shards
-        from hf_pipeline.embed_stage import embed_joined_rows
+        """Stage 1: per part, join (num_proc workers) and embed (the accelerator); then
+        the duplicates across parts and the final drop reasons (:mod:`hf_pipeline.parts`)."""
+        from hf_pipeline.captions import CaptionTable
+        from hf_pipeline.parts import assemble, build_part, plan_parts
 
-        cfg = self.cfg
         tmp = Path(ctx.tmp_dir)
+        if self.parts is not None:  # built by the ranks: hard-link their files in
+            table = CaptionTable.open(str(self.captions_path))
+            return assemble(tmp, self.parts, table=table, link_from=True)
         work = tmp / "_work"
         work.mkdir(parents=True, exist_ok=True)
-        t0 = time.monotonic()
-
-        meta_path = self.inputs.source.fetch_one(self.inputs.metadata)
-        table = read_captions(
-            meta_path, key_column=cfg.data.key_column, caption_column=cfg.data.caption_column
-        )
-        captions_path = str(work / "captions.arrow")
-        table.save(captions_path)
-        log.info("captions: %d keys from %s", len(table.keys), meta_path)
-
-        joined = join_shards(
-            cfg=cfg,
-            source=self.inputs.source,
-            shards=self.inputs.shards,
-            captions_path=captions_path,
-            probe=ctx.probe,
-            out_file=tmp / "rows" / "data.arrow",
-            work_dir=work,
-            fingerprint=self.fingerprint,
-            progress=self.progress,
-        )
-        t_convert = time.monotonic() - t0
-
-        keys = joined.rows.data.column("key").to_numpy()
-        pre = ReasonCodes(joined.rows.data.column("drop_reason"))
-        # A key's first row with finite latents wins: a NaN copy must not shadow a
-        # good one (the key would vanish although usable latents exist).
-        nonfinite = pre.mask(NONFINITE)
-        duplicate = later_duplicates(keys, eligible=~nonfinite)
-        no_latents = int(table.count_absent(np.unique(keys)))
-
-        t1 = time.monotonic()
-        embedded = embed_joined_rows(
-            joined.rows,
-            duplicate,
-            cfg=cfg,
-            probe=ctx.probe,
-            out_file=tmp / "embeddings" / "data.arrow",
-            fingerprint=self.fingerprint,
-        )
-        t_embed = time.monotonic() - t1
+        table = _save_captions(self.cfg, self.inputs, work / "captions.arrow")
+        encoder = _encoder(self.cfg, self.process)
+        shards = self.inputs.shards
+        built = []
+        for plan in plan_parts(len(shards), self.cfg.build.part_shards):
+            folder = tmp / "parts" / plan.name
+            info = build_part(
+                cfg=self.cfg,
+                source=self.inputs.source,
+                shards=shards[plan.start : plan.stop],
+                captions_path=str(work / "captions.arrow"),
+                probe=ctx.probe,
+                encoder=encoder,
+                out_dir=folder,
+                fingerprint=f"{self.fingerprint}-{plan.name}",
+                progress=self.progress,
+            )
+            built.append((folder, {**info, "builder": _me()}))
+        info = assemble(tmp, built, table=table, link_from=False)
         shutil.rmtree(work, ignore_errors=True)
-        return {
-            "rows_in": int(len(keys)),
-            "reasons": embedded.reasons.counts(),
-            "pre_duplicate_reasons": pre.counts(),
-            "no_latents": no_latents,
-            "duplicate_meta_rows": int(getattr(table, "duplicate_meta_rows", 0)),
-            "bad_rows": bad_rows_summary(keys, nonfinite),
-            "embed_dim": int(embedded.dim),
-            "shards": len(self.inputs.shards),
-            "fetch": joined.fetch,
-            "seconds_convert": round(t_convert, 3),
-            "seconds_embed": round(t_embed, 3),
-            "num_proc": joined.num_proc,
-            # Readers view the latents column through this (bfloat16 is uint16 in Arrow).
-            "latent_dtype": joined.storage.dtype,
-            "precision": joined.precision,
-        }
+        return info
 
     def filtered(self, ctx) -> dict[str, Any]:
         """Stage 2: the kept-row indices and the build report."""
@@ -257,10 +268,13 @@ class _Builder:
         build = self.cfg.build
         tmp = Path(ctx.tmp_dir)
         conv = Path(ctx.previous["converted"])
-        layout = CacheLayout(Path(ctx.cache_dir), {"converted": conv.name})
-        emb = concatenate_datasets(
-            [Dataset.from_file(str(p)) for p in layout.embedding_files(conv)]
-        )
+        if (conv / REASONS_FILE).exists():  # the final reasons, across parts
+            emb = Dataset.from_file(str(conv / REASONS_FILE))
+        else:  # published by hf_pipeline 0.1: in the embedding files
+            layout = CacheLayout(Path(ctx.cache_dir), {"converted": conv.name})
+            emb = concatenate_datasets(
+                [Dataset.from_file(str(p)) for p in layout.embedding_files(conv)]
+            )
         # One process: a trivial predicate does not pay for spawning a pool.
         kept = emb.filter(
             _keep_rows,
@@ -278,16 +292,134 @@ class _Builder:
             cache_dir=str(ctx.cache_dir),
             rows_out=len(kept),
             converted=ctx.markers["converted"].info,
-            builder={"host": socket.gethostname(), "pid": os.getpid()},
+            builder=_me(),
             config=self.cfg.to_dict(),
         )
         write_json_atomic(tmp / "report.json", report, indent=2, sort_keys=True, default=str)
         return {"rows_out": report["rows_out"], "dropped": report["dropped"]}
 
 
+def _me() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
 def _keep_rows(reasons: list) -> list[bool]:
     """``datasets.filter`` predicate: keep rows with no drop reason."""
     return [r == KEEP for r in reasons]
+
+
+_RESOLUTIONS: dict[str, int] = {}  # resolutions of each config so far, this process
+
+
+def resolve_job_inputs(cfg: Config, process) -> tuple[Inputs, dict[str, Any]]:
+    """The inputs and the encoder's identity, resolved by one rank for the whole job.
+
+    With a remote source (``hf://``, ``gs://``) and an initialised ``torch.distributed``
+    or ``jax.distributed`` job, global rank 0 lists the shards, finds the metadata and
+    resolves the revisions, and shares the result (with its error, if it failed) through
+    the job's key-value store: 800 ranks make one set of Hub/GCS API calls, not 800 (the
+    Hub answers a stampede with 429s), and every rank computes the same fingerprint.
+    Local folders (and the demo) are resolved by each rank: no API calls, and a
+    node-local copy is what that rank reads.
+    """
+    from dist.kvstore import job_store
+    from hf_pipeline.embed import encoder_identity
+
+    remote = cfg.data.shards.startswith(("hf://", "gs://"))
+    store = job_store() if remote and process.world_size > 1 else None
+    if store is None:
+        return resolve_inputs(cfg), encoder_identity(cfg.encoder)
+    config_key = hashlib.sha256(
+        json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()
+    ).hexdigest()[:16]
+    # Every rank makes the same sequence of prepare_cache calls: the n-th call of one
+    # config reads the n-th resolution, never a stale one.
+    n = _RESOLUTIONS[config_key] = _RESOLUTIONS.get(config_key, 0) + 1
+    key = f"hf_pipeline.inputs/{config_key}/{n}"
+    if process.rank == 0:
+        try:
+            resolved = (resolve_inputs(cfg), encoder_identity(cfg.encoder))
+        except Exception as e:
+            store.set(key, pickle.dumps(("error", e)))
+            raise
+        store.set(key, pickle.dumps(("ok", resolved)))
+        return resolved
+    # Sent by rank 0 of this very job through its own store: trusted like our own code.
+    kind, value = pickle.loads(store.get(key, timeout=cfg.coord.max_wait))
+    if kind == "error":
+        raise value
+    return value
+
+
+def _stage(name: str, fn):
+    """A coordinator Stage running ``fn`` with spawned num_proc pools."""
+    from dist.coordinator import Stage
+
+    def run(ctx):
+        log.info("building stage %s of %s", name, ctx.cache_dir)
+        with spawned_workers():  # the num_proc pools: see hf_pipeline.workers
+            return fn(ctx)
+
+    return Stage(name=name, build=run)
+
+
+def _build_parts_together(cfg, inputs, fingerprint, layout, process, progress, timing):
+    """``build.parallel: ranks``: every rank (of the job, or of the node with
+    ``coord.scope: node``) builds its share of the parts on its own accelerator.
+
+    Each part, and the caption table before them, is its own cache unit under
+    ``<cache>/parts/``, built through :func:`dist.coordinator.ensure_built` under its
+    builder's lease: a rank claims its own parts at once, then waits for the others
+    and takes over a part whose builder died (only that part is redone).
+
+    Returns:
+        The published parts ``[(folder, info)]`` in shard order, and the caption table.
+    """
+    from dist.coordinator import ensure_built
+    from hf_pipeline.parts import build_part, plan_parts
+
+    local = cfg.coord.scope == "node"
+    count = process.local_world_size if local else process.world_size
+    me = process.local_rank if local else process.rank
+    root = layout.root / "parts"
+    root.mkdir(parents=True, exist_ok=True)
+
+    def captions(ctx):
+        table = _save_captions(cfg, inputs, Path(ctx.tmp_dir) / "captions.arrow")
+        return {"keys": len(table.keys)}
+
+    cap = ensure_built(
+        root / "captions", f"{fingerprint}.captions", [_stage("captions", captions)],
+        builder=me == 0, **timing,
+    )["captions"]  # fmt: skip
+    captions_path = root / "captions" / cap.directory / "captions.arrow"
+    shards = inputs.shards
+    plans = plan_parts(len(shards), cfg.build.part_shards or -(-len(shards) // max(1, count)))
+    encoder = []  # loaded on the first part this rank builds
+
+    def part_builder(plan):
+        def build(ctx):
+            if not encoder:
+                encoder.append(_encoder(cfg, process))
+            info = build_part(
+                cfg=cfg, source=inputs.source, shards=shards[plan.start : plan.stop],
+                captions_path=str(captions_path), probe=ctx.probe, encoder=encoder[0],
+                out_dir=Path(ctx.tmp_dir), fingerprint=f"{fingerprint}-{plan.name}",
+                progress=progress,
+            )  # fmt: skip
+            return {**info, "builder": _me()}
+
+        return build
+
+    mine = [p for p in plans if p.index % count == me]
+    published = {}
+    for plan in mine + [p for p in plans if p.index % count != me]:
+        marker = ensure_built(
+            root / plan.name, f"{fingerprint}.{plan.name}.of{len(plans)}",
+            [_stage("part", part_builder(plan))], builder=plan in mine, **timing,
+        )["part"]  # fmt: skip
+        published[plan.index] = (root / plan.name / marker.directory, dict(marker.info))
+    return [published[p.index] for p in plans], captions_path
 
 
 def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildResult:
@@ -309,70 +441,74 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
         UserError subclasses for bad input; ``dist`` errors for coordination
         failures (timeout, failed builder, read-only cache without markers).
     """
-    from dist.coordinator import Stage, default_builder, ensure_built
+    from dist.coordinator import complete_markers, default_builder, ensure_built
     from dist.env import detect
-    from hf_pipeline.embed import encoder_identity
 
     check_not_bootstrapping()
     t0 = time.monotonic()
     process = process or detect()
-    inputs = resolve_inputs(cfg)
+    inputs, encoder = resolve_job_inputs(cfg, process)
     fingerprint = compute_fingerprint(
-        cfg,
-        [f.identity() for f in inputs.shards],
-        inputs.metadata.identity(),
-        encoder_identity(cfg.encoder),
+        cfg, [f.identity() for f in inputs.shards], inputs.metadata.identity(), encoder
     )
     layout = CacheLayout.for_config(cfg, fingerprint)
     if not cfg.data.staging_dir:
         # One staging folder per identity: two builds of the same source on one host
         # (different configs) must not delete each other's staged shards.
         inputs = inputs.staged_in(cfg.cache_root / STAGING_DIR / fingerprint)
-    builder = _Builder(cfg, inputs, fingerprint, progress)
     our_leases: list[str] = []
 
     def on_event(name: str, fields: dict) -> None:
         if name == "claimed":
             our_leases.append(fields["lease_id"])
 
-    def stage(name, fn):
-        def run(ctx):
-            log.info("building stage %s of %s", name, layout.root)
-            with spawned_workers():  # the num_proc pools: see hf_pipeline.workers
-                return fn(ctx)
-
-        return Stage(name=name, build=run)
-
     coord = cfg.coord
+    timing = {
+        "poll_interval": coord.poll_interval,
+        "max_wait": coord.max_wait,
+        "lease_timeout": coord.lease_timeout,
+        "heartbeat_interval": coord.heartbeat_interval,
+        "on_event": on_event,
+        "process": process,
+    }
     from datasets import utils as ds_utils
 
     bars_were_on = ds_utils.is_progress_bar_enabled()
     if not progress:
         ds_utils.disable_progress_bars()
     try:
+        parts = captions = None
+        if (
+            cfg.build.parallel == "ranks"
+            and complete_markers(layout.root, fingerprint, STAGES) is None
+        ):
+            parts, captions = _build_parts_together(
+                cfg, inputs, fingerprint, layout, process, progress, timing
+            )
+        builder = _Builder(
+            cfg, inputs, fingerprint, progress, process=process, parts=parts, captions_path=captions
+        )
         markers = ensure_built(
             layout.root,
             fingerprint,
-            [stage(STAGES[0], builder.converted), stage(STAGES[1], builder.filtered)],
-            process=process,
+            [_stage(STAGES[0], builder.converted), _stage(STAGES[1], builder.filtered)],
             builder=default_builder(process, coord.scope),
-            poll_interval=coord.poll_interval,
-            max_wait=coord.max_wait,
-            lease_timeout=coord.lease_timeout,
-            heartbeat_interval=coord.heartbeat_interval,
-            on_event=on_event,
+            **timing,
         )
     finally:
         if bars_were_on and not progress:
             ds_utils.enable_progress_bars()
     stage_dirs = {name: m.directory for name, m in markers.items()}
     layout = CacheLayout(layout.root, stage_dirs)
+    # The leases that published the stages, and the parts (build.parallel: ranks).
+    published_by = [m.lease_id for m in markers.values()]
+    published_by += [parse_stage_dir(folder.name).lease_id for folder, _ in parts or []]
     return BuildResult(
         fingerprint=fingerprint,
         cache_dir=layout.root,
         report=layout.read_report(),
         # A lease of ours published a stage; a builder taken over (fenced) did not.
-        built=any(m.lease_id in our_leases for m in markers.values()),
+        built=any(lease in our_leases for lease in published_by),
         seconds=time.monotonic() - t0,
         stage_dirs=stage_dirs,
     )

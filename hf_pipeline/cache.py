@@ -137,10 +137,18 @@ class CacheLayout:
         return self.filtered / "report.json"
 
     def rows_files(self, converted: Path | None = None) -> list[Path]:
-        return sorted((converted or self.converted).joinpath("rows").glob("*.arrow"))
+        """The joined rows' Arrow files, in row order (part by part)."""
+        return self._part_files(converted or self.converted, "rows")
 
     def embedding_files(self, converted: Path | None = None) -> list[Path]:
-        return sorted((converted or self.converted).joinpath("embeddings").glob("*.arrow"))
+        """The embedding files, row-aligned with :meth:`rows_files`."""
+        return self._part_files(converted or self.converted, "embeddings")
+
+    @staticmethod
+    def _part_files(converted: Path, kind: str) -> list[Path]:
+        # parts/part-NNNNN/<kind>/*.arrow (hf_pipeline 0.1: <kind>/*.arrow, one part)
+        in_parts = sorted(converted.glob(f"parts/*/{kind}/*.arrow"))
+        return in_parts or sorted(converted.joinpath(kind).glob("*.arrow"))
 
     def indices_files(self, filtered: Path | None = None) -> list[Path]:
         return sorted((filtered or self.filtered).glob("indices*.arrow"))

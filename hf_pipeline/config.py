@@ -72,6 +72,11 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 #: under the counted reason ``nonfinite_latents``, or fail the build naming it.
 OnBadRows = Literal["drop", "fail"]
 
+#: Who builds a cache: ``one`` process (rank 0, or local rank 0 with ``coord.scope:
+#: node``), or every rank of the job (of the node) together, a share of the shards each.
+ParallelMode = Literal["one", "ranks"]
+PARALLEL_MODES: tuple[str, ...] = get_args(ParallelMode)
+
 #: What the build does with a shard it cannot fetch or read: fail naming it, or skip it
 #: and list it in the report (``skipped_files``).
 OnMissing = Literal["fail", "skip"]
@@ -209,8 +214,16 @@ class BuildConfig:
     batch_size: int = 1000
     writer_batch_size: int = 10000
     latent_dtype: LatentDtype = "source"
+    parallel: ParallelMode = "one"
+    part_shards: int = 0
 
     def __post_init__(self):
+        _check_choice(self.parallel, PARALLEL_MODES, "build.parallel")
+        _check(
+            self.part_shards >= 0,
+            "build.part_shards",
+            f"must be >= 0 (0: one part per builder), got {self.part_shards}",
+        )
         _check(
             self.num_proc >= 0,
             "build.num_proc",
@@ -470,6 +483,7 @@ _LITERALS = {
     "LatentDtype": LatentDtype,
     "OnBadRows": OnBadRows,
     "OnMissing": OnMissing,
+    "ParallelMode": ParallelMode,
     "Partition": Partition,
     "Scope": Scope,
     "Shuffle": Shuffle,

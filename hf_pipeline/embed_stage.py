@@ -54,13 +54,15 @@ class EmbedResult:
 
 
 def embed_joined_rows(
-    rows, duplicate: np.ndarray, *, cfg, probe, out_file: Path, fingerprint: str
+    rows, duplicate: np.ndarray, *, encoder, cfg, probe, out_file: Path, fingerprint: str
 ) -> EmbedResult:
     """Embed the kept rows of ``rows`` (the join's output) into ``out_file``.
 
     Args:
         rows: the joined rows (``datasets.Dataset`` with ``input_ids, drop_reason``).
         duplicate: True for rows whose key appeared in an earlier eligible row.
+        encoder: the loaded :class:`hf_pipeline.embed.TextEncoder` (one per process:
+            the model loads once for all parts).
         cfg: the :class:`hf_pipeline.config.Config` (encoder, batch sizes).
         probe: a :class:`dist.lease.LeaseProbe` checked every batch.
         out_file: where ``datasets`` writes ``embedding, drop_reason``.
@@ -68,10 +70,6 @@ def embed_joined_rows(
     """
     from datasets import Features, List, Value
 
-    from hf_pipeline.embed import TextEncoder, describe_device
-
-    encoder = TextEncoder(cfg.encoder)
-    log.info("encoder %s (dim %d) on %s", cfg.encoder.model, encoder.dim, describe_device())
     emb_type = "float16" if cfg.encoder.output_dtype == "float16" else "float32"
     embedded = rows.with_format("arrow").map(
         embed_rows,

@@ -74,3 +74,124 @@ def test_node_scope_one_build_per_node(tmp_path):
     for node in (0, 1):
         caches = [p for p in (tmp_path / f"node{node}").iterdir() if not p.name.startswith(".")]
         assert len(caches) == 1 and (caches[0] / "filtered.json").is_file()
+
+
+def _copy_inputs(small_config, folder):
+    """The small demo's files in a plain folder: both builds must see the same files."""
+    import shutil
+
+    from hf_pipeline.build import resolve_inputs
+
+    inputs = resolve_inputs(small_config)
+    folder.mkdir()
+    for f in [*inputs.shards, inputs.metadata]:
+        shutil.copy2(f.url, folder / f.name)
+    return folder
+
+
+def _everything(res):
+    from hf_pipeline.cache import open_dataset
+
+    ds = open_dataset(res.layout).with_format("numpy")
+    return ds[:]
+
+
+def test_four_ranks_build_in_parts_equal_to_one_builder(small_config, tmp_path):
+    """build.parallel=ranks: 4 real processes each build a part; rank 0 assembles. The
+    cache equals a single builder's: same fingerprint, same kept keys in the same order,
+    byte-identical latents and captions, embeddings equal up to float noise."""
+    from hf_pipeline.build import prepare_cache
+    from hf_pipeline.config import load_config
+
+    data = _copy_inputs(small_config, tmp_path / "data")
+    base = [*SMALL_DEMO, f"data.shards={data}", "coord.poll_interval=0.1"]
+    one = prepare_cache(
+        load_config(None, [*base, f"build.cache_dir={tmp_path / 'one'}"], environ={}),
+        progress=False,
+    )
+    par = [*base, f"build.cache_dir={tmp_path / 'par'}", "build.parallel=ranks"]
+    runs = run_ranks(
+        [REPO / "tests/procs/rank_loader.py", tmp_path / "r{rank}.json", *par], 4, timeout=600
+    )
+    for code, out, err in runs:
+        assert code == 0, (out + err)[-3000:]
+    results = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(4)]
+    assert {r["fingerprint"] for r in results} == {one.fingerprint}  # a speed knob
+    assert all(r["built"] for r in results), "every rank built its part"
+    assert len({r["content"] for r in results}) == 1
+    res = prepare_cache(load_config(None, par, environ={}), progress=False)
+    assert res.built is False and res.fingerprint == one.fingerprint
+    parts = res.report["parts"]  # the report says who built which shards
+    assert [p["shards"] for p in parts] == [1, 1, 1, 1]
+    assert len({p["builder"]["pid"] for p in parts}) == 4
+    a, b = _everything(one), _everything(res)
+    assert a["key"].tolist() == b["key"].tolist()
+    assert a["caption"].tolist() == b["caption"].tolist()
+    np.testing.assert_array_equal(a["latents"], b["latents"])
+    np.testing.assert_allclose(a["embedding"], b["embedding"], atol=1e-5)
+    assert res.report["dropped"] == one.report["dropped"]
+    assert res.report["rows_out"] == one.report["rows_out"]
+
+
+def test_sigkilled_part_builder_only_its_part_is_redone(small_config, tmp_path):
+    """build.parallel=ranks, 4 ranks: rank 2 is SIGKILLed while it builds its part; a live
+    rank takes that part over (only it is redone) and the cache equals a clean build."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from dist.markers import read_json
+    from hf_pipeline.build import prepare_cache
+    from hf_pipeline.config import load_config
+    from tests.conftest import PYTHON, script_env
+
+    data = _copy_inputs(small_config, tmp_path / "data")
+    base = [*SMALL_DEMO, f"data.shards={data}", "coord.poll_interval=0.1"]
+    par = [*base, f"build.cache_dir={tmp_path / 'par'}", "build.parallel=ranks",
+           "coord.lease_timeout=4", "coord.heartbeat_interval=0.5"]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [PYTHON, str(REPO / "tests/procs/rank_loader.py"), str(tmp_path / "r{rank}.json"), *par],
+            env=script_env(RANK=str(r), WORLD_SIZE="4", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="4"),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for r in range(4)
+    ]  # fmt: skip
+    try:
+        victim = procs[2]
+        deadline = time.monotonic() + 240
+        part2 = None
+        while part2 is None:  # rank 2 holds part 2's lease and has started building it
+            assert time.monotonic() < deadline, "rank 2 never started its part"
+            for lease in (tmp_path / "par").glob("*/parts/part-00002/lease"):
+                info = read_json(lease)
+                if isinstance(info, dict) and info.get("pid") == victim.pid:
+                    if any(lease.parent.glob("part.*/")):
+                        part2 = lease.parent
+            time.sleep(0.05)
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(timeout=10)
+        outs = [p.communicate(timeout=400)[0] for p in procs if p is not victim]
+        for p, out in zip([p for p in procs if p is not victim], outs, strict=True):
+            assert p.returncode == 0, out[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    res = prepare_cache(load_config(None, par, environ={}), progress=False)
+    parts = res.report["parts"]
+    pids = [p["builder"]["pid"] for p in parts]
+    assert pids[2] != victim.pid and pids[2] in {p.pid for p in procs}
+    assert pids[0] == procs[0].pid and pids[1] == procs[1].pid and pids[3] == procs[3].pid
+    # Exactly one published copy of each part: only part 2 was built twice.
+    assert len(list(part2.glob("part.*/"))) == 1
+    one = prepare_cache(
+        load_config(None, [*base, f"build.cache_dir={tmp_path / 'one'}"], environ={}),
+        progress=False,
+    )
+    a, b = _everything(one), _everything(res)
+    assert a["key"].tolist() == b["key"].tolist()
+    np.testing.assert_array_equal(a["latents"], b["latents"])
+    np.testing.assert_allclose(a["embedding"], b["embedding"], atol=1e-5)

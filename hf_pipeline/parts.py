@@ -1,0 +1,283 @@
+"""The build in parts: contiguous shard ranges, each joined and embedded on its own.
+
+A *part* is a contiguous range of the shard list. :func:`build_part` runs the join
+(:mod:`hf_pipeline.convert`, ``num_proc`` workers) and the embedding
+(:mod:`hf_pipeline.embed_stage`, the accelerator) of one part into a folder::
+
+    <part>/rows/data*.arrow         key, latents, caption, drop_reason, input_ids
+    <part>/embeddings/data*.arrow   embedding, drop_reason (duplicates within the part)
+
+and :func:`assemble` turns the parts, in shard order, into the ``converted`` stage:
+the duplicate pass across parts (the first finite occurrence in global shard order
+wins, as with one part), the final drop reason of every row (``reasons.arrow``) and
+the stage's report info. The latents are never copied: with ``build.parallel: ranks``
+the parts are published by the ranks that built them (each under its own lease, see
+:func:`hf_pipeline.build.prepare_cache`) and the assembly hard-links their files.
+
+One builder is the special case of one part (the default), so both modes give the same
+cache: same kept keys in the same order, byte-identical latents and captions; the
+embeddings differ only by float noise (the encoder batches rows differently).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from hf_pipeline.accounting import (
+    DUPLICATE,
+    KEEP,
+    NONFINITE,
+    ReasonCodes,
+    bad_rows_summary,
+    later_duplicates,
+)
+
+__all__ = [
+    "REASONS_FILE",
+    "PartPlan",
+    "assemble",
+    "build_part",
+    "part_files",
+    "plan_parts",
+]
+
+log = logging.getLogger("hf_pipeline")
+
+#: The final drop reason of every row of the stage, in row order (one string column).
+REASONS_FILE = "reasons.arrow"
+_PARTS = "parts"
+
+
+@dataclasses.dataclass(frozen=True)
+class PartPlan:
+    """Part ``index`` covers shards ``start`` to ``stop`` (exclusive) of the shard list."""
+
+    index: int
+    start: int
+    stop: int
+
+    @property
+    def name(self) -> str:
+        return f"part-{self.index:05d}"
+
+
+def plan_parts(num_shards: int, part_shards: int) -> list[PartPlan]:
+    """Contiguous parts of ``part_shards`` shards (the last may be shorter).
+
+    Args:
+        num_shards: shards in the build.
+        part_shards: shards per part; 0 means one part holding every shard.
+    """
+    if num_shards == 0:
+        return [PartPlan(0, 0, 0)]
+    size = part_shards if part_shards > 0 else num_shards
+    return [
+        PartPlan(i, start, min(num_shards, start + size))
+        for i, start in enumerate(range(0, num_shards, size))
+    ]
+
+
+def build_part(
+    *,
+    cfg,
+    source,
+    shards: Sequence[Any],
+    captions_path: str,
+    probe,
+    encoder,
+    out_dir: Path,
+    fingerprint: str,
+    progress: bool,
+) -> dict[str, Any]:
+    """Join and embed one part's ``shards`` into ``out_dir``; its info (JSON-able).
+
+    Args:
+        cfg: the :class:`hf_pipeline.config.Config`.
+        source: where the shards come from.
+        shards: this part's shard files, in build order.
+        captions_path: the saved, key-sorted caption table.
+        probe: a :class:`dist.lease.LeaseProbe` (the work stops when the lease is lost).
+        encoder: the loaded :class:`hf_pipeline.embed.TextEncoder` (one per process).
+        out_dir: the part's folder (created).
+        fingerprint: the ``datasets`` cache fingerprint prefix.
+        progress: show the fetcher's progress bar.
+    """
+    from hf_pipeline.convert import join_shards
+    from hf_pipeline.embed_stage import embed_joined_rows
+
+    t0 = time.monotonic()
+    joined = join_shards(
+        cfg=cfg,
+        source=source,
+        shards=shards,
+        captions_path=captions_path,
+        probe=probe,
+        out_file=out_dir / "rows" / "data.arrow",
+        work_dir=out_dir / "_work",
+        fingerprint=fingerprint,
+        progress=progress,
+    )
+    t_convert = time.monotonic() - t0
+    keys = joined.rows.data.column("key").to_numpy()
+    pre = ReasonCodes(joined.rows.data.column("drop_reason"))
+    nonfinite = pre.mask(NONFINITE)
+    t1 = time.monotonic()
+    embed_joined_rows(
+        joined.rows,
+        later_duplicates(keys, eligible=~nonfinite),
+        encoder=encoder,
+        cfg=cfg,
+        probe=probe,
+        out_file=out_dir / "embeddings" / "data.arrow",
+        fingerprint=fingerprint,
+    )
+    shutil.rmtree(out_dir / "_work", ignore_errors=True)
+    return {
+        "shards": len(shards),
+        "rows_in": int(len(keys)),
+        "pre_duplicate_reasons": pre.counts(),
+        "bad_rows": bad_rows_summary(keys, nonfinite),
+        "embed_dim": int(encoder.dim),
+        "fetch": joined.fetch,
+        "precision": joined.precision,
+        "latent_dtype": joined.storage.dtype,
+        "seconds_convert": round(t_convert, 3),
+        "seconds_embed": round(time.monotonic() - t1, 3),
+        "num_proc": joined.num_proc,
+    }
+
+
+def part_files(part_dir: Path, kind: str) -> list[Path]:
+    """The Arrow files of ``kind`` (``"rows"`` or ``"embeddings"``) of one part, in order."""
+    return sorted((part_dir / kind).glob("*.arrow"))
+
+
+def _column(files: Sequence[Path], name: str) -> pa.ChunkedArray:
+    chunks = []
+    for path in files:
+        with pa.memory_map(str(path)) as source:
+            table = pa.ipc.open_stream(source).read_all()
+        chunks.extend(table.column(name).chunks)
+    return pa.chunked_array(chunks, type=pa.string() if name == "drop_reason" else None)
+
+
+def assemble(
+    stage_dir: Path,
+    parts: Sequence[tuple[Path, Mapping[str, Any]]],
+    *,
+    table,
+    link_from: bool,
+) -> dict[str, Any]:
+    """Assemble ``parts`` (folder, info), in shard order, into the ``converted`` stage.
+
+    Args:
+        stage_dir: the stage folder being built; the parts end up in
+            ``stage_dir/parts/part-NNNNN/``.
+        parts: each part's folder and :func:`build_part` info.
+        table: the caption table (for ``no_latents``).
+        link_from: the part folders are elsewhere (published by other leases): hard-link
+            their files in (never a copy of the latents); else they already are in place.
+
+    Returns:
+        The ``converted`` stage info (the report's inputs).
+    """
+    placed = []
+    for i, (folder, _) in enumerate(parts):
+        target = stage_dir / _PARTS / f"part-{i:05d}"
+        if link_from:
+            _link_tree(folder, target)
+        placed.append(target)
+    rows_files = [f for d in placed for f in part_files(d, "rows")]
+    emb_files = [f for d in placed for f in part_files(d, "embeddings")]
+    keys = _column(rows_files, "key").to_numpy() if rows_files else np.zeros(0, np.int64)
+    pre = ReasonCodes(_column(rows_files, "drop_reason")) if rows_files else None
+    final = ReasonCodes(_column(emb_files, "drop_reason")) if emb_files else None
+    if pre is not None and final is not None:
+        # Across parts: the first finite occurrence of a key in global shard order wins.
+        nonfinite = pre.mask(NONFINITE)
+        dup = later_duplicates(keys, eligible=~nonfinite)
+        final.codes[(final.codes == final.code(KEEP)) & dup] = final.code(DUPLICATE)
+        reasons = pa.DictionaryArray.from_arrays(
+            pa.array(final.codes.astype(np.int32)), pa.array(final.names, pa.string())
+        ).cast(pa.string())
+    else:
+        nonfinite = np.zeros(0, dtype=bool)
+        reasons = pa.array([], pa.string())
+    _write_reasons(stage_dir / REASONS_FILE, reasons)
+    infos = [info for _, info in parts]
+    counts = final.counts() if final is not None else {}
+    return {
+        "rows_in": int(len(keys)),
+        "reasons": counts,
+        "pre_duplicate_reasons": pre.counts() if pre is not None else {},
+        "no_latents": int(table.count_absent(np.unique(keys))),
+        "duplicate_meta_rows": int(getattr(table, "duplicate_meta_rows", 0)),
+        "bad_rows": bad_rows_summary(keys, nonfinite),
+        "embed_dim": int(max((i["embed_dim"] for i in infos), default=0)),
+        "shards": sum(int(i["shards"]) for i in infos),
+        "parts": [
+            {k: i.get(k) for k in ("shards", "rows_in", "builder", "seconds_convert")}
+            for i in infos
+        ],
+        "fetch": _merge_fetch([i.get("fetch", {}) for i in infos]),
+        "seconds_convert": round(sum(float(i["seconds_convert"]) for i in infos), 3),
+        "seconds_embed": round(sum(float(i["seconds_embed"]) for i in infos), 3),
+        "num_proc": int(max((i["num_proc"] for i in infos), default=1)),
+        "latent_dtype": infos[0]["latent_dtype"] if infos else "float32",
+        "precision": _combine_precision([i["precision"] for i in infos]),
+    }
+
+
+def _merge_fetch(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The parts' fetch stats together. Listing and metadata retries are counters of
+    the source (each part's stats repeat them): the largest, not the sum."""
+    from hf_pipeline.fetch_stats import merge_fetch_stats
+
+    merged = merge_fetch_stats(list(parts))
+    for key in ("listing_retries", "metadata_retries", "prefetch_ahead"):
+        merged[key] = max((int(p.get(key, 0)) for p in parts), default=0)
+    return merged
+
+
+def _combine_precision(blocks: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One ``precision`` block from the parts' blocks (counts added, dtypes merged)."""
+    if not blocks:
+        return {}
+    by_dtype: dict[str, int] = {}
+    for b in blocks:
+        for dtype, n in b.get("source_dtypes", {}).items():
+            by_dtype[dtype] = by_dtype.get(dtype, 0) + int(n)
+    sources = sorted(by_dtype)
+    counted = ("values", "changed", "flushed_to_zero", "beyond_1ulp")
+    return {
+        "source_dtype": sources[0] if len(sources) == 1 else ("mixed" if sources else ""),
+        "source_dtypes": by_dtype,
+        "storage_dtype": blocks[0]["storage_dtype"],
+        "lossy": any(b.get("lossy") for b in blocks),
+        **{k: sum(int(b.get(k, 0)) for b in blocks) for k in counted},
+    }
+
+
+def _write_reasons(path: Path, reasons: pa.Array | pa.ChunkedArray) -> None:
+    table = pa.table({"drop_reason": reasons})
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table, max_chunksize=1 << 20)
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """Hard-link every file of ``src`` into ``dst`` (same relative paths)."""
+    for dirpath, _, filenames in os.walk(src):
+        rel = Path(dirpath).relative_to(src)
+        (dst / rel).mkdir(parents=True, exist_ok=True)
+        for name in filenames:
+            os.link(Path(dirpath) / name, dst / rel / name)

@@ -7,7 +7,9 @@ Knows nothing of datasets or JAX models. One mechanism per module:
 - ``markers``: marker files (a published stage and its files), strict read, validation;
 - ``lease``: the builder's lease file and heartbeat;
 - ``layout``: what lives in a cache folder and which folders of a root are caches;
-- ``doorbell``: wake waiters through the job's key-value store;
+- ``kvstore``: find the job's key-value store (torch.distributed, jax.distributed) and
+  share small values through it;
+- ``doorbell``: wake waiters through that store;
 - ``errors``: the protocol's exceptions;
 - ``coordinator``: the "exactly one builds, everyone gets the result" protocol;
 - ``inventory``: status, verify and clean for operators.

@@ -5,22 +5,19 @@ publishing (or failing) and waiters check it between their filesystem polls. A b
 that the builder never reaches (SIGKILL) would hang every rank until the process group's
 timeout; a store wait with a short timeout cannot. :func:`auto_doorbell` finds the
 store of an initialised ``torch.distributed`` (TCPStore) or ``jax.distributed`` (the
-coordination service) job.
+coordination service) job through :func:`dist.kvstore.job_client`.
 """
 
 from __future__ import annotations
 
-import datetime
-import logging
-import sys
 from pathlib import Path
 from typing import Any, Protocol
 
 import xxhash
 
-__all__ = ["Doorbell", "StoreDoorbell", "auto_doorbell", "private_torch_store"]
+from dist.kvstore import job_client, private_torch_store
 
-logger = logging.getLogger("dist")
+__all__ = ["Doorbell", "StoreDoorbell", "auto_doorbell"]
 
 
 class Doorbell(Protocol):
@@ -79,43 +76,7 @@ class StoreDoorbell:
             self._store.set(f"{self._key}/ring/{g}", "1")
 
 
-def private_torch_store(store: Any) -> Any:
-    """Our own client of the job's TCPStore, with a short timeout.
-
-    The process group's client has the group's timeout (30 min for gloo): if rank 0's
-    host were partitioned away, a store call on it could block a waiter that long. Our
-    client gives up after 5 s, and we then drop the doorbell and poll the filesystem.
-    """
-    import torch.distributed as td
-
-    base = store
-    while hasattr(base, "underlying_store"):  # PrefixStore
-        base = base.underlying_store
-    if isinstance(base, td.TCPStore):
-        return td.TCPStore(
-            base.host, base.port, is_master=False, timeout=datetime.timedelta(seconds=5)
-        )
-    return store  # FileStore/HashStore: local, cannot hang on the network
-
-
 def auto_doorbell(cache_dir: Path, fingerprint: str) -> Doorbell | None:
     key = "dist.ensure_built/" + xxhash.xxh64(f"{cache_dir}\0{fingerprint}".encode()).hexdigest()
-    torch_dist = sys.modules.get("torch.distributed")
-    try:
-        if torch_dist is not None and torch_dist.is_available() and torch_dist.is_initialized():
-            from torch.distributed import distributed_c10d
-
-            store = private_torch_store(distributed_c10d._get_default_store())
-            return StoreDoorbell(store, key)
-    except Exception as e:
-        logger.warning("no torch.distributed doorbell, polling only: %s", e)
-    if "jax" in sys.modules:
-        try:
-            from jax._src import distributed as jax_dist  # type: ignore[import-not-found]
-
-            client = getattr(jax_dist.global_state, "client", None)
-            if client is not None:
-                return StoreDoorbell(client, key)
-        except Exception as e:
-            logger.warning("no jax.distributed doorbell, polling only: %s", e)
-    return None
+    client = job_client(private_torch_store, "doorbell, polling only")
+    return None if client is None else StoreDoorbell(client, key)

@@ -12,7 +12,8 @@ from tests.conftest import REPO
 
 def test_store_doorbell_generations_on_a_real_tcpstore():
     td = pytest.importorskip("torch.distributed")
-    from dist.doorbell import StoreDoorbell, private_torch_store
+    from dist.doorbell import StoreDoorbell
+    from dist.kvstore import private_torch_store
 
     server = td.TCPStore("127.0.0.1", 0, 1, True)
     bell = StoreDoorbell(private_torch_store(td.PrefixStore("default_pg", server)), "k")

@@ -346,41 +346,14 @@ def test_pad_mode_mask_dtype_and_from_config(source):
 def test_options_keywords_and_config_make_the_same_loader():
     """One map from keywords to LoaderOptions: the options object, flat keywords and the
     config section give the same order, state and batches."""
-    cfg = LoaderConfig(
-        global_batch_size=8,
-        seed=3,
-        crop="1",
-        shuffle="block",
-        block_size=4,
-        window_blocks=2,
-        drop_last=False,
-        prefetch=2,
-        num_threads=2,
-        latents_dtype="float32",
+    order = dict(
+        global_batch_size=8, seed=3, shuffle="block", block_size=4, window_blocks=2, drop_last=False
     )
-    fields = dict(
-        global_batch_size=8,
-        seed=3,
-        crop=1,
-        shuffle="block",
-        block_size=4,
-        window_blocks=2,
-        drop_last=False,
-        prefetch=2,
-        num_threads=2,
-        latents_dtype="float32",
-    )
+    fields = dict(order, crop=1, prefetch=2, num_threads=2, latents_dtype="float32")
+    cfg = LoaderConfig(**dict(fields, crop="1"))  # the config holds a crop index as text
     options = LoaderOptions.from_config(cfg)
     assert options == loader_options(**fields)
-    assert options.order == SamplerOptions(
-        global_batch_size=8,
-        seed=3,
-        crop=1,
-        shuffle="block",
-        block_size=4,
-        window_blocks=2,
-        drop_last=False,
-    )
+    assert options.order == SamplerOptions(**order, crop=1)
     assert (options.prefetch, options.num_threads, options.latents_dtype) == (2, 2, "float32")
     # The config's "use the default" values are the options' None.
     default = LoaderOptions.from_config(LoaderConfig())

@@ -153,11 +153,23 @@ class DataConfig:
         _check(bool(self.caption_column), "data.caption_column", "must be non-empty")
         _check_choice(self.on_missing, get_args(OnMissing), "data.on_missing")
         _check_choice(self.on_bad_rows, get_args(OnBadRows), "data.on_bad_rows")
-        _check(self.prefetch_ahead >= 0, "data.prefetch_ahead", f"must be >= 0, got {self.prefetch_ahead}")
-        _check(self.download_workers >= 1, "data.download_workers", f"must be >= 1, got {self.download_workers}")
+        _check(
+            self.prefetch_ahead >= 0,
+            "data.prefetch_ahead",
+            f"must be >= 0, got {self.prefetch_ahead}",
+        )
+        _check(
+            self.download_workers >= 1,
+            "data.download_workers",
+            f"must be >= 1, got {self.download_workers}",
+        )
         _check(self.max_retries >= 0, "data.max_retries", f"must be >= 0, got {self.max_retries}")
         _check(self.file_timeout > 0, "data.file_timeout", f"must be > 0, got {self.file_timeout}")
-        _check(self.staging_max_gb > 0, "data.staging_max_gb", f"must be > 0, got {self.staging_max_gb}")
+        _check(
+            self.staging_max_gb > 0,
+            "data.staging_max_gb",
+            f"must be > 0, got {self.staging_max_gb}",
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -303,7 +315,11 @@ class LoaderConfig:
         _check_choice(self.partition, PARTITIONS, "loader.partition")
         _check(self.block_size >= 1, "loader.block_size", f"must be >= 1, got {self.block_size}")
         _check(self.prefetch >= 1, "loader.prefetch", f"must be >= 1, got {self.prefetch}")
-        _check(self.window_blocks >= 1, "loader.window_blocks", f"must be >= 1, got {self.window_blocks}")
+        _check(
+            self.window_blocks >= 1,
+            "loader.window_blocks",
+            f"must be >= 1, got {self.window_blocks}",
+        )
         _check(self.num_threads >= 0, "loader.num_threads", f"must be >= 0, got {self.num_threads}")
 
 
@@ -320,7 +336,9 @@ class TrainConfig:
 
     def __post_init__(self):
         _check(self.steps >= 1, "train.steps", f"must be >= 1, got {self.steps}")
-        _check(self.learning_rate > 0, "train.learning_rate", f"must be > 0, got {self.learning_rate}")
+        _check(
+            self.learning_rate > 0, "train.learning_rate", f"must be > 0, got {self.learning_rate}"
+        )
         _check(self.hidden >= 8, "train.hidden", f"must be >= 8, got {self.hidden}")
         _check(self.log_every >= 1, "train.log_every", f"must be >= 1, got {self.log_every}")
 
@@ -457,7 +475,8 @@ def _coerce(value: Any, target: Any, field: str) -> Any:
 def _build(cls, values: Mapping[str, Any], prefix: str):
     if not isinstance(values, Mapping):
         raise ConfigError(
-            f"{prefix or 'config'} must be a mapping, got {type(values).__name__}", field=prefix or None
+            f"{prefix or 'config'} must be a mapping, got {type(values).__name__}",
+            field=prefix or None,
         )
     fields = _field_types(cls)
     kwargs = {}
@@ -522,11 +541,15 @@ def _read_yaml(path: Path) -> dict:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}", field="--config") from None
+        raise ConfigError(
+            f"config file {path} is not valid YAML: {exc}", field="--config"
+        ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping at the top level", field="--config")
+        raise ConfigError(
+            f"config file {path} must hold a mapping at the top level", field="--config"
+        )
     return data
 
 
@@ -577,7 +600,9 @@ def load_config(
         parsed = []
         for item in overrides:
             if "=" not in item:
-                raise ConfigError(f"override {item!r} must look like section.field=value", field=item)
+                raise ConfigError(
+                    f"override {item!r} must look like section.field=value", field=item
+                )
             key, raw = item.split("=", 1)
             try:
                 value = yaml.safe_load(raw) if raw.strip() else ""

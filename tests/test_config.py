@@ -23,7 +23,9 @@ def test_demo_is_default_and_bundled_configs_load():
     assert load_config(None, ["data.on_bad_rows=fail"], environ={}).data.on_bad_rows == "fail"
     assert resolve_config_path(None) == CONFIG_DIR / "demo.yaml"
     hub = load_config("coyo11m", environ={})
-    assert hub.data.shards.startswith("hf://datasets/") and hub.encoder.model == "google/gemma-3-270m"
+    assert (
+        hub.data.shards.startswith("hf://datasets/") and hub.encoder.model == "google/gemma-3-270m"
+    )
     gcs = load_config(CONFIG_DIR / "coyo11m_gcs.yaml", environ={})
     assert gcs.data.shards.startswith("gs://")
 
@@ -65,7 +67,11 @@ def test_frozen_and_effective_num_proc():
             "coord.heartbeat_interval",
             "coord.heartbeat_interval must be <= coord.lease_timeout / 2",
         ),
-        (["coord.poll_interval=0"], "coord.poll_interval", "coord.poll_interval must be > 0, got 0"),
+        (
+            ["coord.poll_interval=0"],
+            "coord.poll_interval",
+            "coord.poll_interval must be > 0, got 0",
+        ),
         (["loader.crop=3"], "loader.crop", "crop index 0-2, got '3'"),
         (["loader.crop=-1"], "loader.crop", "crop index 0-2, got '-1'"),
         (["justtext"], "justtext", "section.field=value"),
@@ -108,7 +114,10 @@ def test_store_settings_are_read_from_the_environment_given(tmp_path):
 
 def test_cache_root_from_env(tmp_path):
     assert default_cache_root({"HF_HOME": str(tmp_path)}) == tmp_path / "datasets" / "hf_pipeline"
-    assert default_cache_root({"HF_DATASETS_CACHE": str(tmp_path / "d")}) == tmp_path / "d" / "hf_pipeline"
+    assert (
+        default_cache_root({"HF_DATASETS_CACHE": str(tmp_path / "d")})
+        == tmp_path / "d" / "hf_pipeline"
+    )
     cfg = load_config(None, environ={"HF_PIPELINE_CACHE": str(tmp_path / "x")})
     assert cfg.cache_root == tmp_path / "x"
     assert isinstance(Config().to_dict()["loader"], dict)

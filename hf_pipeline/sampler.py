@@ -24,6 +24,10 @@ Orders (``shuffle``):
   window reads ``window_blocks * block_size`` nearby rows, so a cache larger than RAM
   streams from disk with locality while batches still mix several regions.
 
+The choices (:data:`Shuffle`, :data:`Partition`, :data:`CropMode`) are defined here,
+once; ``hf_pipeline.config`` checks ``loader.*`` against them, and
+:func:`sampler_options` is the one rule for taking options or their fields as keywords.
+
 Everything is vectorized NumPy; one epoch's order (int64, one entry per sample) is the
 largest allocation.
 

@@ -122,7 +122,7 @@ def test_bad_caches_and_options_are_refused(built_cache, tmp_path, src):
     with pytest.raises(CacheFormatError, match="missing") as e:
         GrainSource(copy)
     assert e.value.path.endswith(f"{STAGES[-1]}.json")
-    with pytest.raises(ValueError, match="crop must be < num_crops"):
+    with pytest.raises(ValueError, match="a crop index 0-2, got 3"):
         GrainSource(built_cache.cache_dir, crop=3)
     with pytest.raises(ValueError, match="crop must be"):
         GrainSource(built_cache.cache_dir, crop="middle")

@@ -37,6 +37,7 @@ import shutil
 import socket
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -183,6 +184,20 @@ def _save_captions(cfg: Config, inputs: Inputs, path: Path):
     return table
 
 
+def _load_encoder_in_background(cfg: Config, process):
+    """Start loading this process's encoder on a thread; the executor and the future.
+
+    transformers is imported here first: ``datasets`` inspects ``transformers`` (when it
+    is in ``sys.modules``) while it fingerprints a map, and must never see it half
+    imported by the loading thread.
+    """
+    import transformers  # noqa: F401
+    from transformers import AutoModel, PreTrainedTokenizerBase  # noqa: F401
+
+    loader = ThreadPoolExecutor(1, thread_name_prefix="hf_pipeline-encoder-load")
+    return loader, loader.submit(_encoder, cfg, process)
+
+
 def _encoder(cfg: Config, process):
     """The encoder of this process: with ``build.parallel: ranks`` and ``device: auto``,
     each rank of a node on its own GPU (``cuda:<local rank>``)."""
@@ -239,24 +254,27 @@ class _Builder:
             return assemble(tmp, self.parts, table=table, link_from=True)
         work = tmp / "_work"
         work.mkdir(parents=True, exist_ok=True)
-        table = _save_captions(self.cfg, self.inputs, work / "captions.arrow")
-        encoder = _encoder(self.cfg, self.process)
         shards = self.inputs.shards
         built = []
-        for plan in plan_parts(len(shards), self.cfg.build.part_shards):
-            folder = tmp / "parts" / plan.name
-            info = build_part(
-                cfg=self.cfg,
-                source=self.inputs.source,
-                shards=shards[plan.start : plan.stop],
-                captions_path=str(work / "captions.arrow"),
-                probe=ctx.probe,
-                encoder=encoder,
-                out_dir=folder,
-                fingerprint=f"{self.fingerprint}-{plan.name}",
-                progress=self.progress,
-            )
-            built.append((folder, {**info, "builder": _me()}))
+        # The model loads (disk, then the accelerator) while the caption table is written
+        # and the num_proc workers join: it is ready when the first embedding starts.
+        loader, encoder = _load_encoder_in_background(self.cfg, self.process)
+        with loader:
+            table = _save_captions(self.cfg, self.inputs, work / "captions.arrow")
+            for plan in plan_parts(len(shards), self.cfg.build.part_shards):
+                folder = tmp / "parts" / plan.name
+                info = build_part(
+                    cfg=self.cfg,
+                    source=self.inputs.source,
+                    shards=shards[plan.start : plan.stop],
+                    captions_path=str(work / "captions.arrow"),
+                    probe=ctx.probe,
+                    encoder=encoder,
+                    out_dir=folder,
+                    fingerprint=f"{self.fingerprint}-{plan.name}",
+                    progress=self.progress,
+                )
+                built.append((folder, {**info, "builder": _me()}))
         info = assemble(tmp, built, table=table, link_from=False)
         shutil.rmtree(work, ignore_errors=True)
         return info
@@ -383,27 +401,29 @@ def _build_parts_together(cfg, inputs, fingerprint, layout, process, progress, t
     me = process.local_rank if local else process.rank
     root = layout.root / "parts"
     root.mkdir(parents=True, exist_ok=True)
+    # The model loads in the background while the caption table and the first join run.
+    loader, encoder = _load_encoder_in_background(cfg, process)
 
     def captions(ctx):
         table = _save_captions(cfg, inputs, Path(ctx.tmp_dir) / "captions.arrow")
         return {"keys": len(table.keys)}
 
-    cap = ensure_built(
-        root / "captions", f"{fingerprint}.captions", [_stage("captions", captions)],
-        builder=me == 0, **timing,
-    )["captions"]  # fmt: skip
+    try:
+        cap = ensure_built(
+            root / "captions", f"{fingerprint}.captions", [_stage("captions", captions)],
+            builder=me == 0, **timing,
+        )["captions"]  # fmt: skip
+    except BaseException:
+        loader.shutdown(wait=True)
+        raise
     captions_path = root / "captions" / cap.directory / "captions.arrow"
     shards = inputs.shards
     plans = plan_parts(len(shards), cfg.build.part_shards or -(-len(shards) // max(1, count)))
-    encoder = []  # loaded on the first part this rank builds
-
     def part_builder(plan):
         def build(ctx):
-            if not encoder:
-                encoder.append(_encoder(cfg, process))
             info = build_part(
                 cfg=cfg, source=inputs.source, shards=shards[plan.start : plan.stop],
-                captions_path=str(captions_path), probe=ctx.probe, encoder=encoder[0],
+                captions_path=str(captions_path), probe=ctx.probe, encoder=encoder,
                 out_dir=Path(ctx.tmp_dir), fingerprint=f"{fingerprint}-{plan.name}",
                 progress=progress,
             )  # fmt: skip
@@ -413,12 +433,15 @@ def _build_parts_together(cfg, inputs, fingerprint, layout, process, progress, t
 
     mine = [p for p in plans if p.index % count == me]
     published = {}
-    for plan in mine + [p for p in plans if p.index % count != me]:
-        marker = ensure_built(
-            root / plan.name, f"{fingerprint}.{plan.name}.of{len(plans)}",
-            [_stage("part", part_builder(plan))], builder=plan in mine, **timing,
-        )["part"]  # fmt: skip
-        published[plan.index] = (root / plan.name / marker.directory, dict(marker.info))
+    try:
+        for plan in mine + [p for p in plans if p.index % count != me]:
+            marker = ensure_built(
+                root / plan.name, f"{fingerprint}.{plan.name}.of{len(plans)}",
+                [_stage("part", part_builder(plan))], builder=plan in mine, **timing,
+            )["part"]  # fmt: skip
+            published[plan.index] = (root / plan.name / marker.directory, dict(marker.info))
+    finally:
+        loader.shutdown(wait=True)
     return [published[p.index] for p in plans], captions_path
 
 

@@ -107,7 +107,8 @@ def build_part(
         shards: this part's shard files, in build order.
         captions_path: the saved, key-sorted caption table.
         probe: a :class:`dist.lease.LeaseProbe` (the work stops when the lease is lost).
-        encoder: the loaded :class:`hf_pipeline.embed.TextEncoder` (one per process).
+        encoder: the :class:`hf_pipeline.embed.TextEncoder` (one per process), or a
+            future of it (loading in the background while this part joins).
         out_dir: the part's folder (created).
         fingerprint: the ``datasets`` cache fingerprint prefix.
         progress: show the fetcher's progress bar.
@@ -131,6 +132,8 @@ def build_part(
     keys = joined.rows.data.column("key").to_numpy()
     pre = ReasonCodes(joined.rows.data.column("drop_reason"))
     nonfinite = pre.mask(NONFINITE)
+    if hasattr(encoder, "result"):  # a Future: waits here, re-raises a load error
+        encoder = encoder.result()
     t1 = time.monotonic()
     embed_joined_rows(
         joined.rows,

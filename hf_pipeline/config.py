@@ -37,6 +37,8 @@ __all__ = [
     "CoordConfig",
     "DataConfig",
     "DemoConfig",
+    "EncoderAttention",
+    "EncoderCompile",
     "EncoderConfig",
     "LoaderConfig",
     "OnBadRows",
@@ -51,6 +53,15 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 #: What the build does with a latent row it cannot use (a NaN or inf value): drop it
 #: under the counted reason ``nonfinite_latents``, or fail the build naming it.
 OnBadRows = Literal["drop", "fail"]
+
+#: How the encoder runs its forward: ``auto`` (``reduce-overhead`` on CUDA, ``eager`` on
+#: the CPU, where compiling costs more than it saves), ``eager`` (no compilation),
+#: ``default`` (``torch.compile``) or ``reduce-overhead`` (``torch.compile`` replaying
+#: CUDA graphs of fixed shape buckets). A speed knob: the embeddings differ by float noise.
+EncoderCompile = Literal["auto", "eager", "default", "reduce-overhead"]
+
+#: The encoder's attention kernels (transformers' ``attn_implementation``).
+EncoderAttention = Literal["sdpa", "eager"]
 
 _CAPTION_COLUMNS = ("caption_llava", "caption", "caption_llava_short")
 
@@ -144,9 +155,11 @@ class EncoderConfig:
     max_length: int = 64
     dtype: str = "float32"
     device: str = "auto"
-    micro_batch_size: int = 256
-    tokens_per_batch: int = 0
-    compile: bool = False
+    micro_batch_size: int = 4096  # rows per micro-batch at most
+    tokens_per_batch: int = 262144  # padded tokens per micro-batch at most (0: no limit)
+    compile: EncoderCompile = "auto"
+    attn_implementation: EncoderAttention = "sdpa"
+    tf32: bool = False  # float32 matmuls on TF32 tensor cores (CUDA): other numerics
     output_dtype: str = "float32"
     normalize: bool = False
 
@@ -169,6 +182,15 @@ class EncoderConfig:
             "encoder.tokens_per_batch",
             f"must be >= 0 (0: no token limit), got {self.tokens_per_batch}",
         )
+        for field, value, allowed in (
+            ("compile", self.compile, get_args(EncoderCompile)),
+            ("attn_implementation", self.attn_implementation, get_args(EncoderAttention)),
+        ):
+            _check(
+                value in allowed,
+                f"encoder.{field}",
+                f"must be one of {', '.join(allowed)}, got {value!r}",
+            )
         _check(
             self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
             "encoder.device",
@@ -416,7 +438,11 @@ def _build(cls, values: Mapping[str, Any], prefix: str):
 
 
 #: Literal field types (annotations are strings here: ``from __future__ import annotations``).
-_LITERALS = {"OnBadRows": OnBadRows}
+_LITERALS = {
+    "OnBadRows": OnBadRows,
+    "EncoderCompile": EncoderCompile,
+    "EncoderAttention": EncoderAttention,
+}
 
 _SECTIONS = {
     "DemoConfig": DemoConfig,

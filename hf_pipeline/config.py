@@ -54,10 +54,10 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 #: under the counted reason ``nonfinite_latents``, or fail the build naming it.
 OnBadRows = Literal["drop", "fail"]
 
-#: How the encoder runs its forward: ``auto`` (``reduce-overhead`` on CUDA, ``eager`` on
-#: the CPU, where compiling costs more than it saves), ``eager`` (no compilation),
-#: ``default`` (``torch.compile``) or ``reduce-overhead`` (``torch.compile`` replaying
-#: CUDA graphs of fixed shape buckets). A speed knob: the embeddings differ by float noise.
+#: How the encoder runs its forward: ``auto`` (``default`` on CUDA, ``eager`` on the CPU,
+#: where compiling takes minutes), ``eager`` (no compilation), ``default``
+#: (``torch.compile``) or ``reduce-overhead`` (``torch.compile`` replaying CUDA graphs of
+#: a few row-count buckets per width). A speed knob: the embeddings differ by float noise.
 EncoderCompile = Literal["auto", "eager", "default", "reduce-overhead"]
 
 #: The encoder's attention kernels (transformers' ``attn_implementation``).

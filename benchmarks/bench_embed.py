@@ -4,25 +4,31 @@
 For all-MiniLM-L6-v2 and a model shaped like ``google/gemma-3-270m`` (random weights
 built from their configs: the speed is the architecture's, no download needed), in each
 compute dtype, times :meth:`hf_pipeline.embed.TextEncoder.encode_ids` on the same
-synthetic token ids (COYO llava-caption lengths, truncated to ``max_length``) with:
+synthetic token ids (COYO llava-caption lengths, ~95 tokens, truncated to ``max_length``)
+with the variants named in ``--variants`` (see ``VARIANTS``): ``rows256`` is the 0.1
+behaviour and the reference (micro-batches of 256 rows, eager); ``tokNk`` micro-batches
+of N*1024 padded tokens; ``+compile`` is ``encoder.compile: default`` (``torch.compile``),
+``+graphs`` is ``reduce-overhead`` (``torch.compile`` replaying CUDA graphs),
+``+eager_attn`` transformers' eager attention instead of SDPA. With ``--tf32`` every float32
+variant is timed once more with ``encoder.tf32`` (TF32 matmuls: other numerics, an explicit
+option).
 
-- ``rows``: micro-batches of ``micro_batch_size`` rows (the 0.1 behaviour, the reference);
-- ``tokens``: micro-batches of ``encoder.tokens_per_batch`` padded tokens;
-- ``tokens+compile``: the same with ``encoder.compile`` (one graph per padded shape; the
-  compile time is reported apart and a second, timed pass reuses the graphs).
-
-Reports rows/s, the ratio to the ``rows`` reference of the same run, and the model FLOP
-utilisation: useful FLOPs (2 x non-embedding parameters per real token, plus attention
-4 x layers x hidden x length per real token) per second over the card's dense peak for
-the dtype (H100/H200: 989 TFLOP/s bf16/fp16, 67 fp32 without TF32).
+Each variant: a first pass (compilation, CUDA graph recording, kernel plans; reported as
+``first_pass_s``), then the best of ``--repeat`` timed passes. Reports rows/s, the ratio to
+``rows256`` of the same run, the embeddings' largest relative L2 difference from
+``rows256``'s, and the model FLOP utilisation: useful FLOPs (2 x non-embedding parameters
+per real token, plus attention 4 x layers x attention width x length per real token;
+padding counts as waste) per second over the card's dense peak for the dtype (H100/H200
+SXM: 989 TFLOP/s bf16/fp16 and tf32 495, 67 fp32).
 
 Usage: ``python benchmarks/bench_embed.py --json out.json`` (a GPU; on the CPU it is a
-smoke run with tiny sizes).
+smoke run: use ``--rows`` small). ``--json`` is rewritten after each variant.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -33,7 +39,35 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-_PEAK_TFLOPS = {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0}  # H100/H200 SXM dense
+_PEAK_TFLOPS = {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0, "tf32": 494.5}
+
+#: name -> EncoderConfig overrides (on top of model, dtype, device, max_length).
+VARIANTS = {
+    "rows256": dict(micro_batch_size=256, tokens_per_batch=0, compile="eager"),
+    **{
+        f"tok{k}k": dict(micro_batch_size=1 << 20, tokens_per_batch=k * 1024, compile="eager")
+        for k in (16, 32, 64, 128, 256)
+    },
+    **{
+        f"tok{k}k+compile": dict(
+            micro_batch_size=1 << 20, tokens_per_batch=k * 1024, compile="default"
+        )
+        for k in (16, 32, 64, 128, 256)
+    },
+    **{
+        f"tok{k}k+graphs": dict(
+            micro_batch_size=1 << 20, tokens_per_batch=k * 1024, compile="reduce-overhead"
+        )  # fmt: skip
+        for k in (16, 32, 64, 128, 256)
+    },
+    "tok64k+eager_attn": dict(
+        micro_batch_size=1 << 20,
+        tokens_per_batch=65536,
+        compile="eager",
+        attn_implementation="eager",
+    ),  # fmt: skip
+    "defaults": {},  # whatever EncoderConfig defaults to (encoder.compile: auto)
+}
 
 
 def _tokenizer_folder(args) -> Path:
@@ -46,7 +80,10 @@ def _tokenizer_folder(args) -> Path:
 
 
 def _random_model(kind: str, folder: Path, tok: Path) -> tuple[str, int, int]:
-    """Save a random-weight model of ``kind`` with the MiniLM tokenizer; (path, layers, hidden)."""
+    """Save a random-weight model of ``kind`` with the MiniLM tokenizer.
+
+    Returns (path, layers, attention width = heads x head dim).
+    """
     import torch
     from transformers import AutoModel, AutoTokenizer, BertConfig, Gemma3TextConfig
 
@@ -54,20 +91,25 @@ def _random_model(kind: str, folder: Path, tok: Path) -> tuple[str, int, int]:
         cfg = BertConfig(vocab_size=30522, hidden_size=384, num_hidden_layers=6,
                          num_attention_heads=12, intermediate_size=1536,
                          max_position_embeddings=512)  # fmt: skip
+        attn = cfg.hidden_size
     else:
         cfg = Gemma3TextConfig(vocab_size=262144, hidden_size=640, intermediate_size=2048,
                                num_hidden_layers=18, num_attention_heads=4,
                                num_key_value_heads=1, head_dim=256,
                                max_position_embeddings=32768)  # fmt: skip
+        attn = cfg.num_attention_heads * cfg.head_dim
     torch.manual_seed(0)
     AutoModel.from_config(cfg).save_pretrained(folder)
     AutoTokenizer.from_pretrained(str(tok)).save_pretrained(folder)
-    return str(folder), cfg.num_hidden_layers, cfg.hidden_size
+    return str(folder), cfg.num_hidden_layers, attn
 
 
 def _non_embedding_params(model) -> int:
+    import torch
+
     total = sum(p.numel() for p in model.parameters())
-    emb = sum(m.weight.numel() for m in model.modules() if m.__class__.__name__ == "Embedding")
+    # Table lookups, not matmuls (gemma's scaled word embedding subclasses nn.Embedding).
+    emb = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
     return total - emb
 
 
@@ -82,16 +124,34 @@ def _ids(n: int, max_length: int, vocab: int, seed: int = 0):
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat)), lengths
 
 
-def _time(fn, gpu: bool) -> float:
+def _timed(fn, gpu: bool) -> tuple[float, object]:
     import torch
 
     if gpu:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    fn()
+    out = fn()
     if gpu:
         torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, out
+
+
+def _rel_diff(a: np.ndarray, b: np.ndarray) -> float:
+    """Largest per-row relative L2 difference."""
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return float(
+        (np.linalg.norm(a - b, axis=1) / np.maximum(np.linalg.norm(b, axis=1), 1e-30)).max()
+    )
+
+
+def _measure(enc, ids, lengths, args, gpu, flops, peak) -> dict:
+    first, out = _timed(lambda: enc.encode_ids(ids), gpu)
+    dt = min(_timed(lambda: enc.encode_ids(ids), gpu)[0] for _ in range(args.repeat))
+    return {
+        "rows_per_s": len(lengths) / dt, "timed_pass_s": dt, "first_pass_s": first,
+        "tflops": flops / dt / 1e12, "mfu": flops / dt / (peak * 1e12) if gpu else None,
+        "out": out,
+    }  # fmt: skip
 
 
 def bench(args) -> list[dict]:
@@ -102,70 +162,135 @@ def bench(args) -> list[dict]:
 
     gpu = torch.cuda.is_available()
     device = "cuda" if gpu else "cpu"
+    card = torch.cuda.get_device_name() if gpu else "cpu"
     tok = _tokenizer_folder(args)
-    rows_out = []
+    rows_out: list[dict] = []
+    t_start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        for kind, max_len in (("minilm", args.minilm_length), ("gemma", args.gemma_length)):
-            if kind not in args.models:
-                continue
-            path, layers, hidden = _random_model(kind, Path(tmp) / kind, tok)
+        for kind in args.models:
+            max_len = args.minilm_length if kind == "minilm" else args.gemma_length
+            n = args.minilm_rows if kind == "minilm" else args.gemma_rows
+            path, layers, attn = _random_model(kind, Path(tmp) / kind, tok)
             for dtype in args.dtypes:
-                base = dict(model=path, dtype=dtype, device=device, max_length=max_len)
-                variants = {
-                    "rows": EncoderConfig(**base, micro_batch_size=args.micro_batch),
-                    "tokens": EncoderConfig(**base, micro_batch_size=4096,
-                                            tokens_per_batch=args.tokens),  # fmt: skip
-                    "tokens+compile": EncoderConfig(**base, micro_batch_size=4096,
-                                                    tokens_per_batch=args.tokens, compile=True),  # fmt: skip
-                }
-                ref = None
-                for name, cfg in variants.items():
-                    if name not in args.variants:
+                ref = ref_out = None
+                ids = lengths = None
+                for name in args.variants:
+                    if time.monotonic() - t_start > args.deadline:
+                        print(f"deadline: skipped {kind} {dtype} {name}", flush=True)
                         continue
+                    cfg = EncoderConfig(model=path, dtype=dtype, device=device,
+                                        max_length=max_len, **VARIANTS[name])  # fmt: skip
+                    torch._dynamo.reset()  # each variant compiles for itself
                     enc = TextEncoder(cfg)
-                    ids, lengths = _ids(args.rows, max_len, enc.model.config.vocab_size)
-                    warm = _time(lambda e=enc, i=ids: e.encode_ids(i), gpu)  # compile, plans
-                    dt = min(_time(lambda e=enc, i=ids: e.encode_ids(i), gpu) for _ in range(args.repeat))
+                    if ids is None:
+                        ids, lengths = _ids(n, max_len, enc.model.config.vocab_size)
                     p_ne = _non_embedding_params(enc.model)
-                    flops = float(2 * p_ne * lengths.sum() + 4 * layers * hidden * (lengths**2).sum())
-                    rate = args.rows / dt
-                    ref = rate if name == "rows" else ref
-                    row = {
-                        "model": kind, "dtype": dtype, "variant": name, "max_length": max_len,
-                        "rows": args.rows, "mean_tokens": float(lengths.mean()),
-                        "tokens_per_batch": cfg.tokens_per_batch, "rows_per_s": rate,
-                        "vs_rows_reference": rate / ref if ref else None,
-                        "first_pass_s": warm, "timed_pass_s": dt,
-                        "non_embedding_params": p_ne,
-                        "mfu": flops / dt / (_PEAK_TFLOPS[dtype] * 1e12) if gpu else None,
-                    }  # fmt: skip
-                    rows_out.append(row)
-                    print(json.dumps(row), flush=True)
+                    flops = float(2 * p_ne * lengths.sum() + 4 * layers * attn * (lengths**2).sum())
+                    tf32_runs = (
+                        [False, True] if (args.tf32 and dtype == "float32" and gpu) else [False]
+                    )
+                    for tf32 in tf32_runs:
+                        # Same encoder (compiled graphs reused), float32 matmul precision
+                        # switched through its config: encode_ids reads it at call time.
+                        enc.cfg = dataclasses.replace(cfg, tf32=tf32)
+                        peak = _PEAK_TFLOPS["tf32" if tf32 else dtype]
+                        m = _measure(enc, ids, lengths, args, gpu, flops, peak)
+                        out = m.pop("out")
+                        if name == "rows256" and not tf32:
+                            ref, ref_out = m["rows_per_s"], out
+                        row = {
+                            "card": card, "model": kind, "dtype": dtype,
+                            "variant": name + ("+tf32" if tf32 else ""),
+                            "max_length": max_len, "rows": n,
+                            "mean_tokens": float(lengths.mean()),
+                            "tokens_per_batch": cfg.tokens_per_batch,
+                            "micro_batch_size": cfg.micro_batch_size,
+                            "compile": enc.compile_mode,
+                            "attn": enc.model.config._attn_implementation,
+                            **m,
+                            "vs_rows256": m["rows_per_s"] / ref if ref else None,
+                            "max_rel_diff_vs_rows256": _rel_diff(out, ref_out) if ref_out is not None else None,
+                            "non_embedding_params": p_ne,
+                            "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
+                        }  # fmt: skip
+                        rows_out.append(row)
+                        print(json.dumps(row), flush=True)
+                        if args.json:
+                            Path(args.json).write_text(json.dumps(rows_out, indent=1))
+                        if gpu and name in args.profile and not tf32:
+                            try:
+                                _profile(enc, ids, f"{args.profile_dir}/profile_{kind}_{dtype}.txt")
+                            except Exception as exc:  # a profiler quirk must not cost the run
+                                print(f"profile failed: {exc!r}", flush=True)
                     del enc
                     if gpu:
                         torch.cuda.empty_cache()
     return rows_out
 
 
+def _profile(enc, ids, path: str) -> None:
+    """One more pass under torch.profiler: the kernels that take the GPU's time, and how
+    much of the pass the GPU was busy (the rest: host work and launch gaps)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        enc.encode_ids(ids)
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / 1e6
+    table = events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70)
+    text = f"wall {wall:.3f} s (profiled), kernels {busy:.3f} s ({100 * busy / wall:.0f}%)\n{table}"
+    Path(path).write_text(text)
+    print(text[:3000], flush=True)
+
+
+def _table(rows: list[dict]) -> str:
+    lines = [f"{'model':7} {'dtype':9} {'variant':24} {'rows/s':>10} {'x ref':>6} {'MFU':>6} "
+             f"{'first s':>8} {'reldiff':>8}"]  # fmt: skip
+    for r in rows:
+        mfu = f"{100 * r['mfu']:5.1f}%" if r["mfu"] is not None else "   -"
+        vs = f"{r['vs_rows256']:6.2f}" if r["vs_rows256"] else "     -"
+        rd = r["max_rel_diff_vs_rows256"]
+        lines.append(f"{r['model']:7} {r['dtype']:9} {r['variant']:24} {r['rows_per_s']:10.0f} "
+                     f"{vs} {mfu:>6} {r['first_pass_s']:8.1f} "
+                     f"{rd if rd is None else format(rd, '.1e'):>8}")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="minilm,gemma")
     p.add_argument("--dtypes", default="bfloat16,float32")
-    p.add_argument("--variants", default="rows,tokens,tokens+compile")
-    p.add_argument("--rows", type=int, default=100_000)
+    p.add_argument("--variants", default="rows256,tok64k,tok64k+compile,tok64k+graphs,defaults")
+    p.add_argument("--minilm-rows", type=int, default=100_000)
+    p.add_argument("--gemma-rows", type=int, default=30_000)
     p.add_argument("--repeat", type=int, default=2)
-    p.add_argument("--micro-batch", type=int, default=256, help="rows per micro-batch (reference)")
-    p.add_argument("--tokens", type=int, default=65536, help="tokens_per_batch of the variants")
     p.add_argument("--minilm-length", type=int, default=64)
     p.add_argument("--gemma-length", type=int, default=256)
+    p.add_argument(
+        "--tf32", action="store_true", help="also time float32 variants with TF32 matmuls"
+    )
+    p.add_argument("--deadline", type=float, default=1e9, help="skip variants starting after N s")
+    p.add_argument("--profile", default="", help="variants to profile once more (comma list)")
+    p.add_argument("--profile-dir", default=".", help="where profile_<model>_<dtype>.txt go")
     p.add_argument("--tokenizer", default="", help="folder with the MiniLM tokenizer files")
     p.add_argument("--json", default="")
     args = p.parse_args()
     args.models, args.dtypes = args.models.split(","), args.dtypes.split(",")
     args.variants = args.variants.split(",")
+    args.profile = args.profile.split(",") if args.profile else []
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown --variants {unknown}; known: {', '.join(VARIANTS)}")
+    if "rows256" in args.variants:  # the reference first: ratios and differences need it
+        args.variants.remove("rows256")
+        args.variants.insert(0, "rows256")
     rows = bench(args)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    print(_table(rows))
     return 0
 
 

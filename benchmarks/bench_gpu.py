@@ -3,7 +3,8 @@
 
 Runs on a GPU machine (falls back to the CPU, for a smoke run). Three parts:
 
-1. **embed** — :class:`hf_pipeline.embed.TextEncoder` rows/s on COYO-length captions
+1. **embed** — :class:`hf_pipeline.embed.TextEncoder` rows/s on COYO-length captions, with
+   the encoder's defaults (``benchmarks/bench_embed.py`` compares the encoder's variants)
    for all-MiniLM-L6-v2 (``--minilm`` folder; the packaged one by default) and for a
    model shaped like ``google/gemma-3-270m`` (640-d, 18 layers; random weights, built
    from its config: the speed is the architecture's, no download needed).
@@ -95,7 +96,9 @@ def bench_embed(args) -> list[dict]:
                 t0 = time.perf_counter()
                 ids = pa.array(enc.tokenizer(caps), type=pa.list_(pa.int32()))
                 tok_s = time.perf_counter() - t0
-                enc.encode_ids(ids[: args.micro_batch])  # warm-up (kernels, allocator)
+                # Warm-up on the same ids: kernels, allocator, and with the encoder's
+                # defaults on CUDA torch.compile's graphs (one compile per process, apart).
+                enc.encode_ids(ids)
                 if gpu:
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
@@ -216,7 +219,7 @@ def main() -> int:
     p.add_argument("--minilm", default="", help="all-MiniLM-L6-v2 folder (default: the packaged one)")
     p.add_argument("--embed-rows", type=int, default=20000)
     p.add_argument("--caption-words", type=int, default=60, help="mean words per caption (llava captions: ~60-120)")
-    p.add_argument("--micro-batch", type=int, default=512)
+    p.add_argument("--micro-batch", type=int, default=4096, help="encoder.micro_batch_size (rows)")
     p.add_argument("--rows", type=int, default=65536, help="rows in the memory-mapped source")
     p.add_argument("--dim", type=int, default=640)
     p.add_argument("--batch", type=int, default=2048)

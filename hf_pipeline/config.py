@@ -52,6 +52,8 @@ __all__ = [
     "CoordConfig",
     "DataConfig",
     "DemoConfig",
+    "EncoderAttention",
+    "EncoderCompile",
     "EncoderConfig",
     "LoaderConfig",
     "OnBadRows",
@@ -76,6 +78,16 @@ OnBadRows = Literal["drop", "fail"]
 #: node``), or every rank of the job (of the node) together, a share of the shards each.
 ParallelMode = Literal["one", "ranks"]
 PARALLEL_MODES: tuple[str, ...] = get_args(ParallelMode)
+
+#: How the encoder runs its forward: ``auto`` (``default`` on CUDA, ``eager`` on the CPU,
+#: where compiling takes minutes), ``eager`` (no compilation), ``default``
+#: (``torch.compile``) or ``reduce-overhead`` (``torch.compile`` replaying CUDA graphs of
+#: a few row-count buckets per width). A speed knob: the embeddings differ by float noise.
+EncoderCompile = Literal["auto", "eager", "default", "reduce-overhead"]
+
+#: The encoder's attention kernels (transformers' ``attn_implementation``).
+EncoderAttention = Literal["sdpa", "eager"]
+
 
 #: What the build does with a shard it cannot fetch or read: fail naming it, or skip it
 #: and list it in the report (``skipped_files``).
@@ -185,9 +197,11 @@ class EncoderConfig:
     max_length: int = 64
     dtype: StorageDtype = "float32"
     device: str = "auto"
-    micro_batch_size: int = 256
-    tokens_per_batch: int = 0
-    compile: bool = False
+    micro_batch_size: int = 4096  # rows per micro-batch at most
+    tokens_per_batch: int = 262144  # padded tokens per micro-batch at most (0: no limit)
+    compile: EncoderCompile = "auto"
+    attn_implementation: EncoderAttention = "sdpa"
+    tf32: bool = False  # float32 matmuls on TF32 tensor cores (CUDA): other numerics
     output_dtype: EmbeddingDtype = "float32"
     normalize: bool = False
 
@@ -210,6 +224,15 @@ class EncoderConfig:
             "encoder.tokens_per_batch",
             f"must be >= 0 (0: no token limit), got {self.tokens_per_batch}",
         )
+        for field, value, allowed in (
+            ("compile", self.compile, get_args(EncoderCompile)),
+            ("attn_implementation", self.attn_implementation, get_args(EncoderAttention)),
+        ):
+            _check(
+                value in allowed,
+                f"encoder.{field}",
+                f"must be one of {', '.join(allowed)}, got {value!r}",
+            )
         _check(
             self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
             "encoder.device",
@@ -507,6 +530,8 @@ _LITERALS = {
     "Scope": Scope,
     "Shuffle": Shuffle,
     "StorageDtype": StorageDtype,
+    "EncoderCompile": EncoderCompile,
+    "EncoderAttention": EncoderAttention,
 }
 
 _SECTIONS = {

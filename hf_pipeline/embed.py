@@ -12,7 +12,7 @@ import hashlib
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -21,6 +21,7 @@ from hf_pipeline.errors import ConfigError, SourceError
 
 __all__ = [
     "CaptionTokenizer",
+    "MicroBatch",
     "TextEncoder",
     "encoder_identity",
     "micro_batches",
@@ -30,6 +31,13 @@ __all__ = [
 log = logging.getLogger("hf_pipeline")
 
 _TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+
+#: What ``encoder.compile: auto`` means on a CUDA device. benchmarks/results/embed_h200.json:
+#: torch.compile fuses the elementwise work that eager runs one kernel at a time (gemma-3
+#: shape 3.1x the 0.1 path, MiniLM 1.85x); CUDA graphs on top gain nothing once
+#: micro-batches hold 64k+ tokens (launches are then a small share), and lose 9% on gemma
+#: to row-bucket filler. On the CPU ``auto`` is ``eager``: inductor takes minutes there.
+_CUDA_COMPILE = "default"
 
 
 def resolve_encoder_path(model: str) -> str:
@@ -108,6 +116,9 @@ def encoder_identity(cfg: EncoderConfig) -> dict[str, Any]:
         "pooling": "masked_mean",
         "normalize": cfg.normalize,
     }
+    if cfg.tf32 and cfg.dtype == "float32":
+        # Only when on: caches built before the option keep their fingerprint.
+        ident["tf32"] = True
     if Path(path).is_dir():
         ident["revision"] = cfg.revision or _folder_digest(Path(path))
     else:
@@ -122,7 +133,8 @@ def _pick_device(requested: str) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if requested.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(
-            f"encoder.device is {requested!r} but no CUDA device is available", field="encoder.device"
+            f"encoder.device is {requested!r} but no CUDA device is available",
+            field="encoder.device",
         )
     return requested
 
@@ -197,11 +209,15 @@ class TextEncoder:
         self.device = _pick_device(cfg.device)
         dtype = getattr(torch, _TORCH_DTYPES[cfg.dtype])
         if self.device == "cpu" and dtype != torch.float32:
-            log.info("encoder.dtype %s on CPU is slow or unsupported; computing in float32", cfg.dtype)
+            log.info(
+                "encoder.dtype %s on CPU is slow or unsupported; computing in float32", cfg.dtype
+            )
             dtype = torch.float32
         self.tokenizer = CaptionTokenizer(cfg)
         try:
-            self.model = AutoModel.from_pretrained(path, dtype=dtype, **kwargs)
+            self.model = AutoModel.from_pretrained(
+                path, dtype=dtype, attn_implementation=cfg.attn_implementation, **kwargs
+            )
         except (OSError, ValueError, KeyError) as exc:
             raise _load_error(cfg, exc) from None
         self.model.to(self.device).eval()
@@ -211,9 +227,20 @@ class TextEncoder:
         self.dim = int(hidden)
         self._torch = torch
         self._out_dtype = np.dtype(cfg.output_dtype)
-        # One compiled graph per (rows, width) shape: the widths are multiples of 32 and
-        # the rows mostly tokens_per_batch // width, so a build compiles a few shapes.
-        self._forward = torch.compile(self._pool, dynamic=False) if cfg.compile else self._pool
+        self.compile_mode = cfg.compile
+        if self.compile_mode == "auto":
+            self.compile_mode = _CUDA_COMPILE if self.device.startswith("cuda") else "eager"
+        # CUDA graphs replay fixed shapes: micro-batches then come in a few row counts
+        # per padded width (see micro_batches), or every call would record new graphs.
+        self._graphs = self.compile_mode == "reduce-overhead"
+        if self.compile_mode == "eager":
+            self._forward = self._pool
+        else:
+            # dynamic=None: the first shape compiles static, the second recompiles with
+            # symbolic sizes and serves every later shape (a compile per shape would hit
+            # dynamo's recompile limit, 8, and silently run eager beyond it).
+            mode = None if self.compile_mode == "default" else self.compile_mode
+            self._forward = torch.compile(self._pool, mode=mode, dynamic=None)
 
     @property
     def output_dtype(self) -> np.dtype:
@@ -251,27 +278,56 @@ class TextEncoder:
         starts = offsets[:-1] - offsets[0]
         lengths = np.diff(offsets)
         order = np.argsort(lengths, kind="stable")
-        pad = self.tokenizer.pad_token_id
-        pooled_parts = []
-        with torch.inference_mode():
-            for first, stop, width in micro_batches(
+        # The process-wide float32 matmul precision is pinned while the model runs (and
+        # restored after): a training script that enabled TF32 for itself must not change
+        # the embeddings, hence the cache, of an encoder configured for float32.
+        precision = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high" if self.cfg.tf32 else "highest")
+        try:
+            batches = micro_batches(
                 lengths[order],
                 tokens_per_batch=self.cfg.tokens_per_batch,
                 max_rows=self.cfg.micro_batch_size,
                 max_length=self.cfg.max_length,
-            ):
-                idx = order[first:stop]
-                lens = lengths[idx]
-                cols = np.arange(width)
-                valid = cols[None, :] < lens[:, None]
-                gather = np.where(valid, starts[idx, None] + cols[None, :], 0)
-                tokens = np.where(valid, flat[gather] if flat.size else pad, pad)
-                input_ids = torch.from_numpy(tokens).to(self.device, non_blocking=True)
-                mask = torch.from_numpy(valid.astype(np.int64)).to(self.device, non_blocking=True)
-                pooled_parts.append(self._forward(input_ids, mask))
-            result = torch.cat(pooled_parts).cpu().numpy()
+                pad_rows=self._graphs,
+                min_rows=1 if self.compile_mode == "eager" else 2,
+            )
+            with torch.inference_mode():
+                pooled = [self._micro_batch(mb, order, lengths, starts, flat) for mb in batches]
+                result = torch.cat(pooled).cpu().numpy()
+        finally:
+            torch.set_float32_matmul_precision(precision)
         out[order] = result.astype(self._out_dtype, copy=False)
         return out
+
+    def _micro_batch(self, mb: MicroBatch, order, lengths, starts, flat):
+        """Pooled embeddings (on the device) of the rows ``order[mb.start:mb.stop]``."""
+        torch = self._torch
+        pad = self.tokenizer.pad_token_id
+        idx = order[mb.start : mb.stop]
+        real_rows = len(idx)
+        # Filler rows (row-count buckets) hold one pad token: a fully masked row would be
+        # a 0/0 in the pooling; their outputs are dropped below.
+        lens = np.ones(mb.rows, dtype=lengths.dtype)
+        lens[:real_rows] = lengths[idx]
+        row_starts = np.zeros(mb.rows, dtype=starts.dtype)
+        row_starts[:real_rows] = starts[idx]
+        cols = np.arange(mb.width)
+        valid = cols[None, :] < lens[:, None]
+        real = valid.copy()
+        real[real_rows:] = False
+        gather = np.where(real, row_starts[:, None] + cols[None, :], 0)
+        tokens = np.where(real, flat[gather] if flat.size else pad, pad)
+        input_ids = torch.from_numpy(tokens).to(self.device, non_blocking=True)
+        mask = torch.from_numpy(valid.astype(np.int64)).to(self.device, non_blocking=True)
+        if self._graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        pooled = self._forward(input_ids, mask)
+        if self._graphs or mb.rows > real_rows:
+            # A CUDA graph's output lives in its pool and is overwritten by the next
+            # replay: keep a copy of the real rows.
+            pooled = pooled[:real_rows].clone()
+        return pooled
 
     def _pool(self, input_ids, mask):
         hidden = self.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
@@ -282,33 +338,55 @@ class TextEncoder:
         return pooled.float()
 
 
-def micro_batches(
-    sorted_lengths: np.ndarray, *, tokens_per_batch: int, max_rows: int, max_length: int
-) -> list[tuple[int, int, int]]:
-    """Cut length-sorted sequences into ``(start, stop, padded width)`` micro-batches.
+class MicroBatch(NamedTuple):
+    """Rows ``start:stop`` of the length-sorted sequences, padded to ``width`` tokens;
+    ``rows`` >= ``stop - start`` is the row count the model runs (filler rows pad it to
+    a bucket)."""
 
-    Widths are rounded up to a multiple of 32 (capped at ``max_length``): attention
-    kernels (cuDNN SDPA) build a plan per shape, which cost 10 ms per micro-batch when
-    every length-sorted micro-batch had its own width, and ``torch.compile`` compiles
-    one graph per shape. Each micro-batch holds at most ``tokens_per_batch`` padded
-    tokens (0: no token limit) and ``max_rows`` rows, so short captions run in big
+    start: int
+    stop: int
+    width: int
+    rows: int
+
+
+def micro_batches(
+    sorted_lengths: np.ndarray,
+    *,
+    tokens_per_batch: int,
+    max_rows: int,
+    max_length: int,
+    pad_rows: bool = False,
+    min_rows: int = 1,
+) -> list[MicroBatch]:
+    """Cut length-sorted sequences into micro-batches of one padded width each.
+
+    Widths are the lengths rounded up to a multiple of 32 (capped at ``max_length``):
+    attention kernels (cuDNN SDPA) build a plan per shape, which cost 10 ms per
+    micro-batch when every length-sorted micro-batch had its own width. Each width's
+    rows are cut into micro-batches of at most ``tokens_per_batch // width`` rows (all
+    rows with ``tokens_per_batch`` 0) and ``max_rows``, so short captions run in big
     batches (a GPU is launch-bound on small ones) and long ones do not run out of memory.
+
+    With ``pad_rows`` (CUDA graphs: one graph per shape), the last, partial micro-batch
+    of a width runs with its row count rounded up to a power of two (at most the full
+    count): a width has then at most log2(rows) + 1 shapes, whatever the input size.
+    Every micro-batch runs at least ``min_rows`` rows (``torch.compile`` specialises on
+    a dimension of size 1: a one-row micro-batch would compile the model once more).
     """
     n = len(sorted_lengths)
     widths = np.minimum(-(-np.maximum(sorted_lengths, 1) // 32) * 32, max_length)
+    cuts = np.concatenate([[0], np.flatnonzero(np.diff(widths)) + 1, [n]]) if n else []
     out = []
-    first = 0
-    while first < n:
-        # Ascending lengths: a batch is as wide as its last row; take the most rows that
-        # fit the token budget (rows * width grows with rows).
-        w = widths[first : first + max_rows]
-        rows = len(w)
-        if tokens_per_batch:
-            fits = np.arange(1, rows + 1) * w <= tokens_per_batch
-            rows = max(1, int(np.count_nonzero(fits)))
-        stop = first + rows
-        out.append((first, stop, int(widths[stop - 1])))
-        first = stop
+    for seg_start, seg_stop in zip(cuts[:-1], cuts[1:], strict=True):
+        width = int(widths[seg_start])
+        full = min(max_rows, max(1, tokens_per_batch // width)) if tokens_per_batch else max_rows
+        for first in range(int(seg_start), int(seg_stop), full):
+            stop = min(first + full, int(seg_stop))
+            rows = stop - first
+            if pad_rows and rows < full:
+                rows = min(full, 1 << (rows - 1).bit_length())
+            rows = max(rows, min_rows)
+            out.append(MicroBatch(first, stop, width, rows))
     return out
 
 

@@ -18,7 +18,13 @@ import numpy as np
 
 from hf_pipeline.accounting import DUPLICATE, KEEP, ReasonCodes
 
-__all__ = ["EmbedResult", "embed_joined_rows", "embed_rows"]
+__all__ = ["EMBED_ROWS_PER_CALL", "EmbedResult", "embed_joined_rows", "embed_rows"]
+
+#: Rows handed to the encoder per map batch at least: its micro-batches (a token budget
+#: of one padded width each) can only be as large as one width's share of a call, and
+#: the accelerator is launch-bound on small ones (MiniLM wants ~4k rows a call, a
+#: gemma-3-270m shape ~20k: benchmarks/bench_embed.py).
+EMBED_ROWS_PER_CALL = 16384
 
 log = logging.getLogger("hf_pipeline")
 
@@ -74,7 +80,7 @@ def embed_joined_rows(
     embedded = rows.with_format("arrow").map(
         embed_rows,
         batched=True,
-        batch_size=cfg.build.batch_size,
+        batch_size=max(cfg.build.batch_size, EMBED_ROWS_PER_CALL),
         writer_batch_size=cfg.build.writer_batch_size,
         input_columns=["input_ids", "drop_reason"],
         with_indices=True,

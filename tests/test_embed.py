@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hf_pipeline.config import EncoderConfig
+from hf_pipeline.config import EncoderConfig, load_config
 from hf_pipeline.embed import TextEncoder, encoder_identity, micro_batches, resolve_encoder_path
 from hf_pipeline.errors import ConfigError, SourceError, StoreUnreachableError
 from tests.servers import hf_home  # noqa: F401
@@ -54,7 +54,21 @@ def test_identity_tracks_output_changing_fields():
     assert base["revision"]  # digest of the packaged model folder
     assert encoder_identity(EncoderConfig()) == base
     assert encoder_identity(EncoderConfig(max_length=32)) != base
-    assert encoder_identity(EncoderConfig(micro_batch_size=8)) == base  # speed only
+    # Speed knobs keep the cache identity (their embeddings differ by float noise).
+    for speed in (
+        dict(micro_batch_size=8),
+        dict(tokens_per_batch=256),
+        dict(compile="reduce-overhead"),
+        dict(compile="eager"),
+        dict(attn_implementation="eager"),
+        dict(tf32=False),
+    ):
+        assert encoder_identity(EncoderConfig(**speed)) == base, speed
+    # TF32 matmuls are other numerics (~1e-3 relative): another cache, when on only.
+    assert encoder_identity(EncoderConfig(tf32=True)) == {**base, "tf32": True}
+    assert encoder_identity(EncoderConfig(dtype="bfloat16", tf32=True)) == (
+        encoder_identity(EncoderConfig(dtype="bfloat16"))
+    )
 
 
 def test_unloadable_model_is_a_config_error(tmp_path):
@@ -63,31 +77,141 @@ def test_unloadable_model_is_a_config_error(tmp_path):
         TextEncoder(EncoderConfig(model=str(tmp_path)))
 
 
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("encoder.compile=fast", "encoder.compile"),
+        ("encoder.compile=false", "encoder.compile"),  # YAML reads a bool: not a mode
+        ("encoder.attn_implementation=flash", "encoder.attn_implementation"),
+        ("encoder.tokens_per_batch=-1", "encoder.tokens_per_batch"),
+    ],
+)
+def test_bad_encoder_speed_knobs_are_config_errors(override, field):
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, [override], environ={})
+    assert ei.value.field == field and str(ei.value).startswith(field)
+    assert load_config(None, ["encoder.compile=reduce-overhead"], environ={}).encoder.compile == (
+        "reduce-overhead"
+    )
+
+
+def test_defaults_are_token_budgets_and_compile_only_on_cuda(encoder):
+    cfg = EncoderConfig()
+    assert (cfg.tokens_per_batch, cfg.micro_batch_size, cfg.compile) == (262144, 4096, "auto")
+    assert cfg.attn_implementation == "sdpa" and cfg.tf32 is False
+    # auto on the CPU: no compilation (inductor takes minutes there).
+    assert encoder.device == "cpu" and encoder.compile_mode == "eager"
+    assert encoder.model.config._attn_implementation == "sdpa"
+
+
+def _ids(lengths) -> np.ndarray:
+    return np.sort(np.asarray(lengths))
+
+
 def test_micro_batches_cover_every_row_once_within_the_token_budget():
     rng = np.random.default_rng(0)
-    lengths = np.sort(rng.integers(1, 129, size=2000))  # <= max_length (truncated)
+    lengths = _ids(rng.integers(1, 129, size=2000))  # <= max_length (truncated)
     batches = micro_batches(lengths, tokens_per_batch=8192, max_rows=1024, max_length=128)
-    assert batches[0][0] == 0 and batches[-1][1] == len(lengths)
-    assert all(a[1] == b[0] for a, b in zip(batches, batches[1:], strict=False))
-    for first, stop, width in batches:
-        assert (stop - first) * width <= 8192 and stop - first <= 1024
-        assert width % 32 == 0 or width == 128
-        assert lengths[first:stop].max() <= width  # nothing truncated
+    assert batches[0].start == 0 and batches[-1].stop == len(lengths)
+    assert all(a.stop == b.start for a, b in zip(batches, batches[1:], strict=False))
+    for mb in batches:
+        assert mb.rows == mb.stop - mb.start  # no filler rows unless asked
+        assert mb.rows * mb.width <= 8192 and mb.rows <= 1024
+        assert mb.width % 32 == 0 or mb.width == 128
+        # One width per micro-batch: every row needs it (nothing truncated, no row
+        # padded further than to its own multiple of 32).
+        assert lengths[mb.start : mb.stop].max() <= mb.width
+        assert lengths[mb.start : mb.stop].min() > mb.width - 32
     # Short captions go in bigger batches than long ones (the point of a token budget).
-    assert batches[0][1] - batches[0][0] > batches[-1][1] - batches[-1][0]
-    # Without a budget: rows only.
+    assert batches[0].rows > batches[-1].rows
+    # Without a budget: rows only (the last micro-batch of each width may be shorter).
     rows_only = micro_batches(lengths, tokens_per_batch=0, max_rows=256, max_length=128)
-    assert [b[1] - b[0] for b in rows_only[:-1]] == [256] * (len(rows_only) - 1)
+    assert {mb.rows for mb in rows_only} - {256} and max(mb.rows for mb in rows_only) == 256
+    assert sum(mb.rows for mb in rows_only) == len(lengths)
+    assert micro_batches(_ids([]), tokens_per_batch=64, max_rows=4, max_length=8) == []
 
 
-def test_token_budget_and_compile_keep_the_embeddings(encoder):
-    texts = [f"a {'very ' * (i % 23)}small red circle number {i}" for i in range(70)]
-    ref = encoder.encode(texts)
+def test_micro_batches_with_row_buckets_keep_the_shapes_few():
+    # CUDA graphs record one graph per shape: whatever the call sizes, a width may have
+    # only its full row count and powers of two below it.
+    rng = np.random.default_rng(1)
+    shapes = set()
+    for n in rng.integers(1, 3000, size=40):
+        lengths = _ids(rng.integers(1, 257, size=n))
+        batches = micro_batches(
+            lengths,
+            tokens_per_batch=16384,
+            max_rows=4096,
+            max_length=256,
+            pad_rows=True,
+            min_rows=2,
+        )
+        assert sum(mb.stop - mb.start for mb in batches) == n
+        for mb in batches:
+            full = min(4096, 16384 // mb.width)
+            assert mb.stop - mb.start <= mb.rows <= full and mb.rows >= 2
+            assert mb.rows == full or mb.rows & (mb.rows - 1) == 0  # a power of two
+            shapes.add((mb.rows, mb.width))
+    per_width = {w: {r for r, w2 in shapes if w2 == w} for _, w in shapes}
+    assert all(len(rows) <= 1 + (16384 // w).bit_length() for w, rows in per_width.items())
+    # min_rows: no one-row micro-batch (torch.compile would specialise on it).
+    one = micro_batches(_ids([5, 40]), tokens_per_batch=0, max_rows=8, max_length=64, min_rows=2)
+    assert [(mb.start, mb.stop, mb.width, mb.rows) for mb in one] == [(0, 1, 32, 2), (1, 2, 64, 2)]
+
+
+TEXTS = [f"a {'very ' * (i % 23)}small red circle number {i}" for i in range(70)] + [
+    "x " * 60,  # alone in its width: a one-row micro-batch
+]
+
+
+def test_token_budget_and_eager_attention_keep_the_embeddings(encoder):
+    ref = encoder.encode(TEXTS)
     budget = TextEncoder(EncoderConfig(micro_batch_size=512, tokens_per_batch=256))
-    np.testing.assert_allclose(budget.encode(texts), ref, atol=1e-5)
-    assert encoder_identity(EncoderConfig(tokens_per_batch=256, compile=True)) == (
-        encoder_identity(EncoderConfig())
-    )  # speed knobs keep the cache identity
+    np.testing.assert_allclose(budget.encode(TEXTS), ref, atol=1e-5)
+    eager_attn = TextEncoder(EncoderConfig(attn_implementation="eager"))
+    assert eager_attn.model.config._attn_implementation == "eager"
+    np.testing.assert_allclose(eager_attn.encode(TEXTS), ref, atol=1e-5)
+
+
+def test_float32_matmul_precision_is_pinned_while_the_model_runs(encoder):
+    import torch
+
+    seen = []
+    hook = encoder.model.register_forward_pre_hook(
+        lambda *_: seen.append(torch.get_float32_matmul_precision())
+    )
+    before = torch.get_float32_matmul_precision()
+    try:
+        # A training script that enabled TF32 for itself must not change a float32
+        # encoder's embeddings (the cache says float32): "highest" while it runs.
+        torch.set_float32_matmul_precision("high")
+        encoder.encode(TEXTS[:3])
+        assert seen and set(seen) == {"highest"}
+        assert torch.get_float32_matmul_precision() == "high"  # restored
+        tf32 = TextEncoder(EncoderConfig(tf32=True))
+        tf32.model.register_forward_pre_hook(
+            lambda *_: seen.append(torch.get_float32_matmul_precision())
+        )
+        seen.clear()
+        torch.set_float32_matmul_precision("highest")
+        tf32.encode(TEXTS[:3])
+        assert set(seen) == {"high"} and torch.get_float32_matmul_precision() == "highest"
+    finally:
+        hook.remove()
+        torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.slow
+def test_compiled_encoder_with_row_buckets_keeps_the_embeddings(encoder):
+    """torch.compile on the CPU (inductor; CUDA graphs are skipped there, the row buckets,
+    filler rows and output copies are not): the embeddings of the eager reference."""
+    ref = encoder.encode(TEXTS)
+    enc = TextEncoder(EncoderConfig(compile="reduce-overhead", tokens_per_batch=256))
+    assert enc.compile_mode == "reduce-overhead"
+    np.testing.assert_allclose(enc.encode(TEXTS), ref, atol=1e-5)
+    # Other call sizes reuse the (dynamic-shape) graph and keep the input order.
+    np.testing.assert_allclose(enc.encode(TEXTS[::-7]), ref[::-7], atol=1e-5)
+    assert enc.encode([]).shape == (0, 384)
 
 
 # ----------------------------------------------------------------- Hub model identity

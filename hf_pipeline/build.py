@@ -316,7 +316,7 @@ class _Builder:
     def converted(self, ctx) -> dict[str, Any]:
         from datasets import Array4D, Dataset, Features, List, Value
 
-        from hf_pipeline.captions import read_captions
+        from hf_pipeline.captions import write_sorted_captions
         from hf_pipeline.embed import TextEncoder, describe_device
         from hf_pipeline.fetch import Prefetcher
         from hf_pipeline.shards import LATENT_SHAPE
@@ -328,12 +328,16 @@ class _Builder:
         t0 = time.monotonic()
 
         meta_path = self.inputs.source.fetch_one(self.inputs.metadata)
-        table = read_captions(
-            meta_path, key_column=cfg.data.key_column, caption_column=cfg.data.caption_column
-        )
         captions_path = str(work / "captions.arrow")
-        table.save(captions_path)
-        log.info("captions: %d keys from %s", len(table.keys), meta_path)
+        # Streamed and sorted in bounded memory; the builder keeps only the memory map.
+        table = write_sorted_captions(
+            meta_path,
+            captions_path,
+            key_column=cfg.data.key_column,
+            caption_column=cfg.data.caption_column,
+            num_proc=b.effective_num_proc,
+        )
+        log.info("captions: %d keys from %s", len(table), meta_path)
 
         shards = self.inputs.shards
         num_proc = max(1, min(b.effective_num_proc, len(shards)))

@@ -13,8 +13,10 @@ pickled nor copied per process. :func:`read_captions` builds the same table in m
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
 import shutil
 import tempfile
 import threading
@@ -28,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dist.atomic import atomic_write
+from dist.atomic import fsync_dir
 from hf_pipeline.errors import MetadataError
 
 __all__ = [
@@ -254,10 +256,14 @@ class CaptionTable:
         schema = _file_schema(
             self.num_rows, self.duplicate_meta_rows, self.null_key_rows, self.source
         )
-        with atomic_write(path) as fh:
-            with pa.ipc.new_file(fh, schema) as writer:
-                for keys, caps in zip(self._keys, self._caps, strict=True):
-                    writer.write_batch(pa.record_batch([pa.array(keys), caps], schema=schema))
+        _write_ipc_file(
+            path,
+            schema,
+            (
+                pa.record_batch([pa.array(keys), caps], schema=schema)
+                for keys, caps in zip(self._keys, self._caps, strict=True)
+            ),
+        )
         self.path = str(path)
         return path
 
@@ -394,6 +400,31 @@ def _file_schema(num_rows: int, duplicate_meta_rows: int, null_key_rows: int, so
     )
 
 
+def _write_ipc_file(path: Path, schema: pa.Schema, batches: Iterable[pa.RecordBatch]) -> None:
+    """Write an Arrow IPC file and publish it atomically, as ``dist.atomic.atomic_write``
+    does (same temp name, fsync, ``os.replace``, fsync the folder).
+
+    Through a native ``pa.OSFile``: given a Python file object, pyarrow copies every
+    buffer into a new ``bytes`` first, which costs more than the write itself for GBs.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+    try:
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+            for batch in batches:
+                writer.write_batch(batch)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
 def _rebuild(keys, captions, num_rows, duplicate_meta_rows, null_key_rows, source) -> CaptionTable:
     return CaptionTable(
         keys,
@@ -504,6 +535,8 @@ def write_sorted_captions(
     unless ``chunk_rows`` says otherwise) plus 24 bytes per metadata row; the disk needs
     room for the captions twice (spill and output) while it runs. The file is published
     atomically (temp file, fsync, ``os.replace``); on error nothing is left behind.
+    Thread-safe, and several processes writing the same table to the same path is safe
+    (last wins, identical content).
 
     Args:
         meta_path: the metadata parquet file.
@@ -560,11 +593,14 @@ def write_sorted_captions(
     try:
         _scatter(pf, path, caption_column, dest, spill, num_proc)
         del dest
-        with atomic_write(out) as fh:
-            with pa.ipc.new_file(fh, schema) as writer:
-                for lo, caps in spill.gather(num_proc):
-                    keys_chunk = pa.array(sorted_keys[lo : lo + len(caps)])
-                    writer.write_batch(pa.record_batch([keys_chunk, caps], schema=schema))
+        _write_ipc_file(
+            out,
+            schema,
+            (
+                pa.record_batch([pa.array(sorted_keys[lo : lo + len(caps)]), caps], schema=schema)
+                for lo, caps in spill.gather(num_proc)
+            ),
+        )
     finally:
         spill.close()
     # The pool keeps freed chunks for reuse (its threads' heaps too); the builder goes on

@@ -155,8 +155,11 @@ def _peak_rss_mb() -> tuple[float, float]:
 
 def _child(spec: dict) -> int:
     """Run one caption step in this fresh process and print its figures as JSON."""
+    import logging
+
     from hf_pipeline import captions
 
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the phase times
     out = Path(spec["out"])
     load = os.getloadavg()[0]
     cpu0 = time.process_time()
@@ -236,7 +239,11 @@ def _run(spec: dict, root: Path, timeout: float) -> dict:
     line = next((x for x in p.stdout.splitlines() if x.startswith("BENCH_RESULT ")), None)
     if p.returncode != 0 or line is None:
         raise RuntimeError(f"{spec} failed (rc {p.returncode}):\n{p.stderr[-4000:]}")
-    return json.loads(line[len("BENCH_RESULT ") :])
+    res = json.loads(line[len("BENCH_RESULT ") :])
+    res["log"] = [x for x in p.stderr.splitlines() if x.startswith("captions:")]
+    for x in res["log"]:
+        print(f"    {x}", file=sys.stderr)
+    return res
 
 
 def _warm(path: Path) -> None:

@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import secrets
 import shutil
 import tempfile
 import threading
+import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -54,9 +56,15 @@ EMPTY_CAPTION = "empty_caption"
 #: Reason names indexed by the codes :func:`classify` returns (``REASONS[code]``).
 REASONS: tuple[str, ...] = (KEEP, NO_CAPTION, EMPTY_CAPTION)
 
+log = logging.getLogger("hf_pipeline")
+_T = TypeVar("_T")
+
 _CODE_KEEP, _CODE_NO_CAPTION, _CODE_EMPTY = 0, 1, 2
 _IPC_KEY, _IPC_CAPTION = "key", "caption"
 _COUNTS_META = b"hf_pipeline.caption_counts"
+_FILE_MAGIC = b"ARROW1"
+#: End of an IPC stream: continuation marker, then a zero metadata length.
+_STREAM_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 
 
 class CaptionTable:
@@ -256,11 +264,11 @@ class CaptionTable:
         schema = _file_schema(
             self.num_rows, self.duplicate_meta_rows, self.null_key_rows, self.source
         )
-        _write_ipc_file(
+        _write_ipc_stream(
             path,
             schema,
             (
-                pa.record_batch([pa.array(keys), caps], schema=schema)
+                pa.record_batch([pa.array(keys), caps], schema=schema).serialize()
                 for keys, caps in zip(self._keys, self._caps, strict=True)
             ),
         )
@@ -286,7 +294,12 @@ class CaptionTable:
         path = os.fspath(path)
         try:
             source = pa.memory_map(path, "r")
-            table = pa.ipc.open_file(source).read_all()
+            # The stream format (what save() and write_sorted_captions write: its batches
+            # can be written in parallel) or the file format (older saves).
+            is_file = source.read(len(_FILE_MAGIC)) == _FILE_MAGIC
+            source.seek(0)
+            reader = pa.ipc.open_file(source) if is_file else pa.ipc.open_stream(source)
+            table = reader.read_all()
         except FileNotFoundError:
             raise MetadataError(path, "caption table file does not exist") from None
         except (pa.ArrowInvalid, OSError) as exc:
@@ -400,20 +413,40 @@ def _file_schema(num_rows: int, duplicate_meta_rows: int, null_key_rows: int, so
     )
 
 
-def _write_ipc_file(path: Path, schema: pa.Schema, batches: Iterable[pa.RecordBatch]) -> None:
-    """Write an Arrow IPC file and publish it atomically, as ``dist.atomic.atomic_write``
-    does (same temp name, fsync, ``os.replace``, fsync the folder).
+def _write_ipc_stream(
+    path: Path, schema: pa.Schema, messages: Iterable[pa.Buffer], *, num_proc: int = 1
+) -> None:
+    """Write an Arrow IPC stream file of serialized record batches, and publish it
+    atomically as ``dist.atomic.atomic_write`` does (same temp name, fsync,
+    ``os.replace``, fsync the folder).
 
-    Through a native ``pa.OSFile``: given a Python file object, pyarrow copies every
-    buffer into a new ``bytes`` first, which costs more than the write itself for GBs.
+    Each message's place in the file is known as soon as the ones before it are
+    serialized, so ``num_proc`` threads write them (``pwrite``) at once: one writer
+    thread is what bounded the whole step at GBs of captions.
+
+    Args:
+        path: the file to publish.
+        schema: the stream's schema.
+        messages: ``RecordBatch.serialize()`` buffers, in file order.
+        num_proc: threads writing.
     """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
-            for batch in batches:
-                writer.write_batch(batch)
-        fd = os.open(tmp, os.O_RDONLY)
         try:
+            head = schema.serialize()
+            _pwrite_all(fd, head, 0)
+            offset = head.size
+            with ThreadPoolExecutor(num_proc, thread_name_prefix="caption-write") as pool:
+                pending: deque = deque()
+                for message in messages:
+                    pending.append(pool.submit(_pwrite_all, fd, message, offset))
+                    offset += message.size
+                    if len(pending) > num_proc:
+                        pending.popleft().result()
+                while pending:
+                    pending.popleft().result()
+            _pwrite_all(fd, _STREAM_END, offset)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -423,6 +456,13 @@ def _write_ipc_file(path: Path, schema: pa.Schema, batches: Iterable[pa.RecordBa
             os.unlink(tmp)
         raise
     fsync_dir(path.parent)
+
+
+def _pwrite_all(fd: int, data: pa.Buffer | bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        done = os.pwrite(fd, view, offset)
+        view, offset = view[done:], offset + done
 
 
 def _rebuild(keys, captions, num_rows, duplicate_meta_rows, null_key_rows, source) -> CaptionTable:
@@ -560,6 +600,7 @@ def write_sorted_captions(
         raise ValueError(f"chunk_rows must be >= 0, got {chunk_rows}")
     path = os.fspath(meta_path)
     out = Path(out_path)
+    t0 = time.monotonic()
     pf, key_field = _open_metadata(path, key_column, caption_column)
     try:
         key_arr = pf.read(columns=[key_field], use_pandas_metadata=False).column(0)
@@ -590,22 +631,32 @@ def write_sorted_captions(
         total=len(sorted_keys),
         chunk_rows=chunk_rows,
     )
+    t1 = time.monotonic()
     try:
         _scatter(pf, path, caption_column, dest, spill, num_proc)
         del dest
-        _write_ipc_file(
-            out,
-            schema,
-            (
-                pa.record_batch([pa.array(sorted_keys[lo : lo + len(caps)]), caps], schema=schema)
-                for lo, caps in spill.gather(num_proc)
-            ),
-        )
+        t2 = time.monotonic()
+
+        def message(lo: int, caps: pa.Array) -> pa.Buffer:
+            keys = pa.array(sorted_keys[lo : lo + len(caps)])
+            return pa.record_batch([keys, caps], schema=schema).serialize()
+
+        _write_ipc_stream(out, schema, spill.gather(num_proc, message), num_proc=num_proc)
     finally:
         spill.close()
     # The pool keeps freed chunks for reuse (its threads' heaps too); the builder goes on
     # to the join and the embedding, which do not need them.
     pa.default_memory_pool().release_unused()
+    log.info(
+        "captions: %d keys of %d rows sorted in %.1fs, scattered in %.1fs, gathered into "
+        "%d chunks in %.1fs",
+        len(sorted_keys),
+        num_rows,
+        t1 - t0,
+        t2 - t1,
+        spill.num_chunks,
+        time.monotonic() - t2,
+    )
     return CaptionTable.open(out)
 
 
@@ -717,23 +768,26 @@ class _Spill:
         rows_path.unlink()
         return out
 
-    def gather(self, num_proc: int) -> Iterator[tuple[int, pa.Array]]:
-        """Yield ``(first output position, captions in key order)`` chunk by chunk, in
-        order, with at most ``num_proc`` + 1 chunks in flight."""
+    def gather(self, num_proc: int, finish: Callable[[int, pa.Array], _T]) -> Iterator[_T]:
+        """Yield ``finish(first output position, captions in key order)`` chunk by chunk,
+        in order; ``finish`` runs in the gathering thread. At most ``num_proc`` + 1
+        chunks are in flight."""
         self._close_files()
+
+        def one(chunk: int) -> _T:
+            return finish(chunk * self.chunk_rows, self._gather_one(chunk))
+
         with ThreadPoolExecutor(num_proc, thread_name_prefix="caption-gather") as pool:
             pending: deque = deque()
             try:
                 for chunk in range(self.num_chunks):
-                    pending.append((chunk, pool.submit(self._gather_one, chunk)))
+                    pending.append(pool.submit(one, chunk))
                     if len(pending) > num_proc:
-                        done, fut = pending.popleft()
-                        yield done * self.chunk_rows, fut.result()
+                        yield pending.popleft().result()
                 while pending:
-                    done, fut = pending.popleft()
-                    yield done * self.chunk_rows, fut.result()
+                    yield pending.popleft().result()
             finally:
-                for _, fut in pending:
+                for fut in pending:
                     fut.cancel()
 
     def close(self) -> None:

@@ -13,18 +13,12 @@ pickled nor copied per process. :func:`read_captions` builds the same table in m
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import secrets
-import shutil
 import tempfile
-import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,7 +26,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from dist.atomic import fsync_dir
+from hf_pipeline.caption_sort import (
+    MAX_CHUNKS,
+    Spill,
+    as_large_string,
+    default_chunk_rows,
+    open_parquet,
+    scatter,
+    write_ipc_stream,
+)
 from hf_pipeline.errors import MetadataError
 
 __all__ = [
@@ -63,8 +65,6 @@ _CODE_KEEP, _CODE_NO_CAPTION, _CODE_EMPTY = 0, 1, 2
 _IPC_KEY, _IPC_CAPTION = "key", "caption"
 _COUNTS_META = b"hf_pipeline.caption_counts"
 _FILE_MAGIC = b"ARROW1"
-#: End of an IPC stream: continuation marker, then a zero metadata length.
-_STREAM_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 
 
 class CaptionTable:
@@ -125,7 +125,7 @@ class CaptionTable:
                 raise ValueError("keys must be sorted and unique")
         self._keys: tuple[np.ndarray, ...] = tuple(key_chunks)
         # 64-bit offsets: the production caption column exceeds 2 GiB of text.
-        self._caps: tuple[pa.Array, ...] = tuple(_as_large_string(c) for c in cap_chunks)
+        self._caps: tuple[pa.Array, ...] = tuple(as_large_string(c) for c in cap_chunks)
         self._firsts = np.array([k[0] for k in key_chunks], dtype=np.int64)
         self._len = sum(k.size for k in key_chunks)
         self.num_rows = self._len if num_rows is None else int(num_rows)
@@ -264,7 +264,7 @@ class CaptionTable:
         schema = _file_schema(
             self.num_rows, self.duplicate_meta_rows, self.null_key_rows, self.source
         )
-        _write_ipc_stream(
+        write_ipc_stream(
             path,
             schema,
             (
@@ -359,10 +359,6 @@ def _as_query(keys: np.ndarray | Iterable[int]) -> np.ndarray:
     return query
 
 
-def _as_large_string(arr: pa.Array) -> pa.Array:
-    return arr if pa.types.is_large_string(arr.type) else arr.cast(pa.large_string())
-
-
 def _split_chunks(
     keys: np.ndarray | pa.Array | pa.ChunkedArray, captions: pa.Array | pa.ChunkedArray
 ) -> tuple[list[np.ndarray], list[pa.Array]]:
@@ -411,58 +407,6 @@ def _file_schema(num_rows: int, duplicate_meta_rows: int, null_key_rows: int, so
     return pa.schema(
         [pa.field(_IPC_KEY, pa.int64()), pa.field(_IPC_CAPTION, pa.large_string())], metadata=meta
     )
-
-
-def _write_ipc_stream(
-    path: Path, schema: pa.Schema, messages: Iterable[pa.Buffer], *, num_proc: int = 1
-) -> None:
-    """Write an Arrow IPC stream file of serialized record batches, and publish it
-    atomically as ``dist.atomic.atomic_write`` does (same temp name, fsync,
-    ``os.replace``, fsync the folder).
-
-    Each message's place in the file is known as soon as the ones before it are
-    serialized, so ``num_proc`` threads write them (``pwrite``) at once: one writer
-    thread is what bounded the whole step at GBs of captions.
-
-    Args:
-        path: the file to publish.
-        schema: the stream's schema.
-        messages: ``RecordBatch.serialize()`` buffers, in file order.
-        num_proc: threads writing.
-    """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        try:
-            head = schema.serialize()
-            _pwrite_all(fd, head, 0)
-            offset = head.size
-            with ThreadPoolExecutor(num_proc, thread_name_prefix="caption-write") as pool:
-                pending: deque = deque()
-                for message in messages:
-                    pending.append(pool.submit(_pwrite_all, fd, message, offset))
-                    offset += message.size
-                    if len(pending) > num_proc:
-                        pending.popleft().result()
-                while pending:
-                    pending.popleft().result()
-            _pwrite_all(fd, _STREAM_END, offset)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(path.parent)
-
-
-def _pwrite_all(fd: int, data: pa.Buffer | bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        done = os.pwrite(fd, view, offset)
-        view, offset = view[done:], offset + done
 
 
 def _rebuild(keys, captions, num_rows, duplicate_meta_rows, null_key_rows, source) -> CaptionTable:
@@ -562,21 +506,24 @@ def write_sorted_captions(
     The same table as ``read_captions(meta_path, ...).save(out_path)`` — same keys,
     captions and counters, the same rules (first occurrence in file order wins, null keys
     dropped, null captions kept, key column or pandas index) and the same errors — but
-    the caption column is never held whole:
+    the caption column is never held whole (an external sort,
+    :mod:`hf_pipeline.caption_sort`):
 
-    1. the key column alone is read and sorted (8 bytes a row);
+    1. the key column alone is read and sorted;
     2. *scatter*: the caption column is streamed in batches, row groups in parallel, and
-       each kept row goes, in key order within the batch, to the spill file of the
-       output chunk it belongs to (a dot-folder next to ``out_path``, removed after);
-    3. *gather*: chunk by chunk, in parallel, a spill file is read, put in key order by
-       one ``take`` and appended to ``out_path`` as one record batch.
+       each kept row goes to the spill file of the output chunk it belongs to (a
+       dot-folder next to ``out_path``, removed after);
+    3. *gather*: chunk by chunk, in parallel, a spill file is put in key order by one
+       ``take`` and becomes one record batch of ``out_path`` (an Arrow IPC stream,
+       written in parallel).
 
-    Peak memory is about ``num_proc`` + 1 chunks of captions (a chunk is ~64 MiB of text
-    unless ``chunk_rows`` says otherwise) plus 24 bytes per metadata row; the disk needs
-    room for the captions twice (spill and output) while it runs. The file is published
-    atomically (temp file, fsync, ``os.replace``); on error nothing is left behind.
-    Thread-safe, and several processes writing the same table to the same path is safe
-    (last wins, identical content).
+    Memory: about 80 bytes per metadata row while the keys are sorted (0.9 GB at 11M
+    rows), then 16 bytes per row plus ``num_proc`` + 1 chunks of captions in flight (a
+    chunk is ~64 MiB of text unless ``chunk_rows`` says otherwise); no Python object per
+    row. Disk: room for the captions twice (spill and output) while it runs. The file is
+    published atomically (temp file, fsync, ``os.replace``); on error nothing is left
+    behind. Several processes writing the same table to the same path is safe (last
+    wins, identical content).
 
     Args:
         meta_path: the metadata parquet file.
@@ -621,19 +568,19 @@ def write_sorted_captions(
     del rows, first, valid_rows
 
     if not chunk_rows:
-        chunk_rows = _default_chunk_rows(pf, path, caption_column)
+        chunk_rows = default_chunk_rows(pf, path, caption_column)
     # Bounds the spill files open at once; only beyond 256 x 64 MiB do chunks grow.
-    chunk_rows = max(chunk_rows, -(-len(sorted_keys) // _MAX_CHUNKS))
+    chunk_rows = max(chunk_rows, -(-len(sorted_keys) // MAX_CHUNKS))
     schema = _file_schema(num_rows, dup, null_keys, path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    spill = _Spill(
+    spill = Spill(
         Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".spill", dir=out.parent)),
         total=len(sorted_keys),
         chunk_rows=chunk_rows,
     )
     t1 = time.monotonic()
     try:
-        _scatter(pf, path, caption_column, dest, spill, num_proc)
+        scatter(pf, path, caption_column, dest, spill, num_proc)
         del dest
         t2 = time.monotonic()
 
@@ -641,7 +588,7 @@ def write_sorted_captions(
             keys = pa.array(sorted_keys[lo : lo + len(caps)])
             return pa.record_batch([keys, caps], schema=schema).serialize()
 
-        _write_ipc_stream(out, schema, spill.gather(num_proc, message), num_proc=num_proc)
+        write_ipc_stream(out, schema, spill.gather(num_proc, message), num_proc=num_proc)
     finally:
         spill.close()
     # The pool keeps freed chunks for reuse (its threads' heaps too); the builder goes on
@@ -660,266 +607,16 @@ def write_sorted_captions(
     return CaptionTable.open(out)
 
 
-#: Target caption bytes of one output chunk: what one gather task holds (about 3x).
-_CHUNK_BYTES = 64 * 2**20
-#: At most this many chunks (spill files open at once); beyond, chunks grow instead.
-_MAX_CHUNKS = 256
-#: Rows per parquet read batch (~13 MB of COYO captions), and the read buffer: without
-#: one, the parquet reader loads a whole column chunk (a row group's captions) at once.
-_BATCH_ROWS = 32768
-_READ_BUFFER = 4 * 2**20
-
-
-class _Spill:
-    """Spill files of the external sort: per output chunk, the caption bytes of its rows
-    (``.data``) and per row its position in the chunk and byte length (``.rows``, int32
-    pairs; a null caption has length ``-1 - bytes``), both appended in arrival order.
-
-    Raw bytes rather than Arrow IPC: the gather maps a chunk's ``.data`` as one buffer
-    and builds the string array over it with no copy. ``write`` is thread-safe (a lock
-    per chunk); ``gather`` runs after all writes.
-    """
-
-    def __init__(self, folder: Path, *, total: int, chunk_rows: int):
-        self.folder = folder
-        self.total = total
-        self.chunk_rows = chunk_rows
-        self.num_chunks = -(-total // chunk_rows)
-        self._fds: list[tuple[int, int] | None] = [None] * self.num_chunks
-        self._locks = [threading.Lock() for _ in range(self.num_chunks)]
-
-    def _paths(self, chunk: int) -> tuple[Path, Path]:
-        stem = self.folder / f"chunk-{chunk:06d}"
-        return stem.with_suffix(".data"), stem.with_suffix(".rows")
-
-    def write(self, dest: np.ndarray, captions: pa.Array, valid: np.ndarray | None) -> None:
-        """Append the rows whose output positions are ``dest`` (sorted, unique).
-
-        Args:
-            dest: output positions, sorted and unique.
-            captions: their captions, large_string without a validity bitmap.
-            valid: which captions are not null (None: all).
-        """
-        n = len(captions)
-        offsets = np.frombuffer(
-            captions.buffers()[1], dtype=np.int64, count=n + 1, offset=captions.offset * 8
-        )
-        values = captions.buffers()[2]
-        data = memoryview(values) if values is not None else memoryview(b"")
-        rows = np.empty((n, 2), dtype=np.int32)
-        np.subtract(offsets[1:], offsets[:-1], out=rows[:, 1], casting="unsafe")
-        if valid is not None:
-            np.subtract(-1, rows[:, 1], out=rows[:, 1], where=~valid)
-        size = self.chunk_rows
-        lo_chunk, hi_chunk = int(dest[0]) // size, int(dest[-1]) // size
-        cuts = np.searchsorted(dest, np.arange(lo_chunk, hi_chunk + 2) * size)
-        for i, chunk in enumerate(range(lo_chunk, hi_chunk + 1)):
-            a, b = int(cuts[i]), int(cuts[i + 1])
-            if a == b:
-                continue
-            np.subtract(dest[a:b], chunk * size, out=rows[a:b, 0], casting="unsafe")
-            with self._locks[chunk]:
-                fds = self._fds[chunk]
-                if fds is None:
-                    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-                    fds = self._fds[chunk] = tuple(
-                        os.open(p, flags, 0o600) for p in self._paths(chunk)
-                    )
-                _write_all(fds[0], data[int(offsets[a]) : int(offsets[b])])
-                _write_all(fds[1], memoryview(rows[a:b]).cast("B"))
-
-    def _close_files(self) -> None:
-        for i, fds in enumerate(self._fds):
-            if fds is not None:
-                for fd in fds:
-                    os.close(fd)
-                self._fds[i] = None
-
-    def _gather_one(self, chunk: int) -> pa.Array:
-        n = min(self.chunk_rows, self.total - chunk * self.chunk_rows)
-        data_path, rows_path = self._paths(chunk)
-        rows = np.fromfile(rows_path, dtype=np.int32).reshape(-1, 2)
-        if rows.shape[0] != n:  # internal invariant: every kept row was spilled once
-            raise AssertionError(f"chunk {chunk}: {rows.shape[0]} rows spilled, {n} expected")
-        lengths = rows[:, 1].astype(np.int64)
-        valid = lengths >= 0
-        null_count = int(n - np.count_nonzero(valid))
-        np.copyto(lengths, -1 - lengths, where=~valid)
-        offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        order = np.empty(n, dtype=np.int64)
-        order[rows[:, 0]] = np.arange(n)
-        del rows, lengths
-        if offsets[-1] == 0:  # only empty or null captions: nothing to map or move
-            out = pa.LargeStringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(b""))
-        else:
-            # Mapped, not read: no copy; the pages leave this process's RSS with the map.
-            with pa.memory_map(str(data_path), "r") as src:
-                arr = pa.LargeStringArray.from_buffers(n, pa.py_buffer(offsets), src.read_buffer())
-                out = pc.take(arr, pa.array(order))
-                del arr
-        if null_count:
-            validity = pa.py_buffer(np.packbits(valid[order], bitorder="little"))
-            _, out_offsets, out_values = out.buffers()
-            out = pa.LargeStringArray.from_buffers(
-                n, out_offsets, out_values or pa.py_buffer(b""), validity, null_count
-            )
-        data_path.unlink()
-        rows_path.unlink()
-        return out
-
-    def gather(self, num_proc: int, finish: Callable[[int, pa.Array], _T]) -> Iterator[_T]:
-        """Yield ``finish(first output position, captions in key order)`` chunk by chunk,
-        in order; ``finish`` runs in the gathering thread. At most ``num_proc`` + 1
-        chunks are in flight."""
-        self._close_files()
-
-        def one(chunk: int) -> _T:
-            return finish(chunk * self.chunk_rows, self._gather_one(chunk))
-
-        with ThreadPoolExecutor(num_proc, thread_name_prefix="caption-gather") as pool:
-            pending: deque = deque()
-            try:
-                for chunk in range(self.num_chunks):
-                    pending.append(pool.submit(one, chunk))
-                    if len(pending) > num_proc:
-                        yield pending.popleft().result()
-                while pending:
-                    yield pending.popleft().result()
-            finally:
-                for fut in pending:
-                    fut.cancel()
-
-    def close(self) -> None:
-        """Close any open spill file and remove the spill folder (idempotent)."""
-        self._close_files()
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def _take_text(arr: pa.Array, indices: np.ndarray) -> tuple[pa.Array, np.ndarray | None]:
-    """``take`` on a text array, as ``(large_string values without validity, valid mask
-    or None when no nulls)``.
-
-    Arrow's ``take`` on strings is several times slower when the array has a validity
-    bitmap and the indices are random, so the values are taken without it (a null
-    slot's bytes ride along, unused) and the mask is taken with NumPy.
-    """
-    arr = _as_large_string(arr)
-    if not arr.null_count:
-        return pc.take(arr, pa.array(indices)), None
-    valid = arr.is_valid().to_numpy(zero_copy_only=False)[indices]
-    bare = pa.LargeStringArray.from_buffers(
-        len(arr), arr.buffers()[1], arr.buffers()[2], None, 0, arr.offset
-    )
-    return pc.take(bare, pa.array(indices)), valid
-
-
-def _write_all(fd: int, data: memoryview) -> None:
-    while data:
-        data = data[os.write(fd, data) :]
-
-
-def _scatter(
-    pf, path: str, caption_column: str, dest: np.ndarray, spill: _Spill, num_proc: int
-) -> None:
-    """Stream the caption column into ``spill``, row groups in parallel threads."""
-    import pyarrow.parquet as pq
-
-    meta = pf.metadata
-    starts = np.zeros(meta.num_row_groups + 1, dtype=np.int64)
-    np.cumsum([meta.row_group(i).num_rows for i in range(meta.num_row_groups)], out=starts[1:])
-    stop = threading.Event()
-
-    def one_row_group(rg: int) -> None:
-        # A reader per thread: a ParquetFile is not documented as thread-safe. Not memory
-        # mapped, so the file's pages never count in this process's RSS.
-        reader = pq.ParquetFile(
-            path, metadata=meta, memory_map=False, buffer_size=_READ_BUFFER, pre_buffer=False
-        )
-        row = int(starts[rg])
-        try:
-            batches = reader.iter_batches(
-                batch_size=_BATCH_ROWS, row_groups=[rg], columns=[caption_column], use_threads=False
-            )
-            for batch in batches:
-                if stop.is_set():
-                    return
-                n = batch.num_rows
-                if row + n > starts[rg + 1]:
-                    break
-                d = dest[row : row + n]
-                row += n
-                keep = np.flatnonzero(d >= 0)
-                if keep.size == 0:
-                    continue
-                d = d[keep]
-                order = np.argsort(d)
-                spill.write(d[order], *_take_text(batch.column(0), keep[order]))
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise MetadataError(
-                path, f"cannot read column {caption_column!r} (row group {rg}): {exc}"
-            ) from None
-        finally:
-            reader.close()
-        if row != starts[rg + 1]:
-            raise MetadataError(
-                path,
-                f"row group {rg} of column {caption_column!r} does not hold the "
-                f"{int(starts[rg + 1] - starts[rg])} rows its metadata says",
-            )
-
-    with ThreadPoolExecutor(num_proc, thread_name_prefix="caption-scatter") as pool:
-        futures = [pool.submit(one_row_group, rg) for rg in range(meta.num_row_groups)]
-        try:
-            for fut in futures:
-                fut.result()
-        except BaseException:
-            stop.set()
-            for fut in futures:
-                fut.cancel()
-            raise
-
-
-def _default_chunk_rows(pf, path: str, caption_column: str) -> int:
-    """Rows per output chunk for ~``_CHUNK_BYTES`` of captions, from the file's own sizes.
-
-    The parquet metadata's uncompressed size is the plain-encoded size, but a dictionary
-    encoded column counts each distinct caption once; a decoded sample of the first rows
-    covers that case.
-    """
-    meta = pf.metadata
-    if meta.num_rows == 0:
-        return 1
-    estimate = 0.0
-    for i in range(meta.num_row_groups):
-        rg = meta.row_group(i)
-        for j in range(rg.num_columns):
-            if rg.column(j).path_in_schema == caption_column:
-                estimate += rg.column(j).total_uncompressed_size
-    estimate /= meta.num_rows
-    try:
-        sample = next(pf.iter_batches(batch_size=4096, columns=[caption_column]), None)
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise MetadataError(path, f"cannot read column {caption_column!r}: {exc}") from None
-    if sample is not None and sample.num_rows:
-        text = pc.sum(pc.binary_length(_as_large_string(sample.column(0)))).as_py() or 0
-        estimate = max(estimate, text / sample.num_rows)
-    return max(1024, int(_CHUNK_BYTES // max(estimate, 1.0)))
-
-
 def _open_metadata(path: str, key_column: str, caption_column: str):
     """Open the parquet file and check its key and caption columns.
 
     Returns:
         ``(ParquetFile, key field name)``: the key column itself or the pandas index.
     """
-    import pyarrow.parquet as pq
-
     if not os.path.exists(path):
         raise MetadataError(path, "metadata parquet file does not exist")
     try:
-        # Not memory mapped: read pages then count in the page cache, not in our RSS.
-        pf = pq.ParquetFile(path, memory_map=False, buffer_size=_READ_BUFFER, pre_buffer=False)
+        pf = open_parquet(path)
         schema = pf.schema_arrow
     except (pa.ArrowInvalid, OSError) as exc:
         raise MetadataError(path, f"not a readable parquet file: {exc}") from None

@@ -514,3 +514,28 @@ def test_chunked_table_api(tmp_path):
         CaptionTable(np.array([1, 5, 9, 12]), caps)
     with pytest.raises(ValueError, match="keys must be a 1-D int64 array, got int32"):
         CaptionTable(np.array([1, 5, 9, 12, 20], dtype=np.int32), caps)
+
+
+def test_open_reads_the_ipc_file_format_of_earlier_saves(tmp_path):
+    # save() and write_sorted_captions write an IPC stream (batches written in parallel);
+    # a table saved as an IPC file (one record batch, as before) still opens, mapped.
+    ref = read_captions(_write(tmp_path / "m.parquet", _df()))
+    old = tmp_path / "old.arrow"
+    schema = pa.schema(
+        [("key", pa.int64()), ("caption", pa.large_string())],
+        metadata={
+            b"hf_pipeline.caption_counts": b'{"duplicate_meta_rows": 1, "null_key_rows": 0, '
+            b'"num_rows": 5, "source": "' + ref.source.encode() + b'"}'
+        },
+    )
+    table = pa.table({"key": pa.array(ref.keys), "caption": ref.captions}, schema=schema)
+    with pa.OSFile(str(old), "wb") as fh, pa.ipc.new_file(fh, schema) as w:
+        w.write_table(table)
+    assert old.read_bytes()[:6] == b"ARROW1"
+    o = CaptionTable.open(old)
+    _same_table(o, ref)
+    assert not o.keys.flags.writeable
+    new = tmp_path / "new.arrow"
+    ref.save(new)
+    assert new.read_bytes()[:6] != b"ARROW1"
+    _same_table(CaptionTable.open(new), ref)

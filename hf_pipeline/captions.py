@@ -20,7 +20,7 @@ import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -59,7 +59,6 @@ EMPTY_CAPTION = "empty_caption"
 REASONS: tuple[str, ...] = (KEEP, NO_CAPTION, EMPTY_CAPTION)
 
 log = logging.getLogger("hf_pipeline")
-_T = TypeVar("_T")
 
 _CODE_KEEP, _CODE_NO_CAPTION, _CODE_EMPTY = 0, 1, 2
 _IPC_KEY, _IPC_CAPTION = "key", "caption"
@@ -80,8 +79,6 @@ class CaptionTable:
     else by value.
 
     Attributes:
-        captions: ``pa.LargeStringArray`` aligned with :attr:`keys` (may hold nulls), or
-            a ``pa.ChunkedArray`` of them (zero copy) when the table has several chunks.
         num_rows: rows read from the metadata (before dropping duplicates/null keys).
         duplicate_meta_rows: rows dropped because their key appeared earlier in the file.
         null_key_rows: rows dropped because their key was null.
@@ -176,6 +173,8 @@ class CaptionTable:
 
     @property
     def captions(self) -> pa.Array | pa.ChunkedArray:
+        """Captions aligned with :attr:`keys`: one ``pa.LargeStringArray`` (may hold nulls),
+        or a ``pa.ChunkedArray`` of the chunks (zero copy) when there are several."""
         if len(self._caps) == 1:
             return self._caps[0]
         if not self._caps:
@@ -246,7 +245,7 @@ class CaptionTable:
         return len(self) - present
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the table as an Arrow IPC file (one record batch per chunk), atomically.
+        """Write the table as an Arrow IPC stream file (a record batch per chunk), atomically.
 
         Temp file in the same folder, fsync, ``os.replace``, fsync the folder: a reader
         sees either no file or the complete one, even if the writer is killed.
@@ -476,12 +475,11 @@ def read_captions(
     captions = captions.combine_chunks() if captions.num_chunks != 1 else captions.chunk(0)
     keys, valid_rows, null_keys = _non_null_keys(path, key_field, key_arr)
     del key_arr
-    if valid_rows is not None:
-        captions = pc.take(captions, pa.array(valid_rows))
-    sorted_keys, first = _first_rows(keys)
+    sorted_keys, first = _first_rows(keys)  # first is None: sorted and unique already
     dup = int(len(keys) - len(sorted_keys))
-    if first is not None:  # else already sorted and unique (a key-ordered export)
-        captions = pc.take(captions, pa.array(first))
+    rows = first if valid_rows is None else valid_rows if first is None else valid_rows[first]
+    if rows is not None:
+        captions = pc.take(captions, pa.array(rows))
     return CaptionTable(
         sorted_keys,
         captions,

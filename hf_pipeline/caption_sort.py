@@ -57,7 +57,7 @@ MAX_CHUNKS = 256
 #: one, the parquet reader loads a whole column chunk (a row group's captions) at once.
 _BATCH_ROWS = 32768
 _READ_BUFFER = 4 * 2**20
-#: Bytes per write call. Measured on a 2-core VM (benchmarks/bench_captions.py): 4.5 GB
+#: Bytes per write call. Measured on the 2-core VM of README's Performance section: 4.5 GB
 #: written in 64 MiB calls cost 5-7 s of CPU, in 256 KiB calls 1.2-2 s.
 _IO_BYTES = 256 * 1024
 #: End of an IPC stream: continuation marker, then a zero metadata length.
@@ -249,24 +249,26 @@ def scatter(
             batches = reader.iter_batches(
                 batch_size=_BATCH_ROWS, row_groups=[rg], columns=[caption_column], use_threads=False
             )
-            for batch in batches:
+            while True:
                 if stop.is_set():
-                    return
-                n = batch.num_rows
-                if row + n > starts[rg + 1]:
+                    return  # another row group failed: its error is the one raised
+                try:
+                    batch = next(batches, None)
+                except (pa.ArrowInvalid, OSError) as exc:
+                    # Only reading is the metadata file's fault; a failed spill write
+                    # (a full disk) propagates as the OSError it is.
+                    raise MetadataError(
+                        path, f"cannot read column {caption_column!r} (row group {rg}): {exc}"
+                    ) from None
+                if batch is None or row + batch.num_rows > starts[rg + 1]:
                     break
-                d = dest[row : row + n]
-                row += n
+                d = dest[row : row + batch.num_rows]
+                row += batch.num_rows
                 keep = np.flatnonzero(d >= 0)
-                if keep.size == 0:
-                    continue
-                d = d[keep]
-                order = np.argsort(d)
-                spill.write(d[order], *_take_text(batch.column(0), keep[order]))
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise MetadataError(
-                path, f"cannot read column {caption_column!r} (row group {rg}): {exc}"
-            ) from None
+                if keep.size:
+                    d = d[keep]
+                    order = np.argsort(d)
+                    spill.write(d[order], *_take_text(batch.column(0), keep[order]))
         finally:
             reader.close()
         if row != starts[rg + 1]:

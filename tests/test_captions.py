@@ -24,6 +24,7 @@ from hf_pipeline.captions import (
     write_sorted_captions,
 )
 from hf_pipeline.errors import MetadataError
+from tests.conftest import run_mount
 
 
 def _write(path, df: pd.DataFrame, index: bool = False) -> str:
@@ -539,3 +540,40 @@ def test_open_reads_the_ipc_file_format_of_earlier_saves(tmp_path):
     ref.save(new)
     assert new.read_bytes()[:6] != b"ARROW1"
     _same_table(CaptionTable.open(new), ref)
+
+
+@pytest.mark.parametrize("phase", ["spill", "output"])
+def test_write_sorted_captions_full_disk_leaves_nothing(tmp_path, mounts, phase):
+    # A real full disk (tmpfs). "spill": 4 MB of captions, 1 MB of disk: the spill fails.
+    # "output": 100k 6-byte captions in one chunk; the spill (1.4 MB: data + 8 bytes a
+    # row) fits in 1.8 MB, the sorted file (2.2 MB: data + 16 bytes a row) does not. Either way the OSError
+    # says so (not blamed on the metadata file), no spill or temp file is left, and the
+    # file published before stays as it was.
+    n, size = (12_000, "1m") if phase == "spill" else (100_000, "1800k")
+    rng = np.random.default_rng(3)
+    words = "caption words " * 24 if phase == "spill" else ""
+    path = tmp_path / "m.parquet"
+    pq.write_table(
+        pa.table(
+            {
+                "key": rng.permutation(n).astype(np.int64),
+                "caption_llava": [f"{i:06d}{words}" for i in range(n)],
+            }
+        ),
+        path,
+        row_group_size=n // 4,
+    )
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounts("-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk))
+    out = disk / "captions.arrow"
+    out.write_bytes(b"published before")
+    chunk_rows = 1500 if phase == "spill" else n
+    with pytest.raises(OSError, match="No space left on device") as info:
+        write_sorted_captions(path, out, num_proc=2, chunk_rows=chunk_rows)
+    assert not isinstance(info.value, MetadataError)
+    assert sorted(p.name for p in disk.iterdir()) == ["captions.arrow"]
+    assert out.read_bytes() == b"published before"
+    run_mount("-o", "remount,size=64m", str(disk))
+    t = write_sorted_captions(path, out, num_proc=2, chunk_rows=chunk_rows)
+    _same_table(t, read_captions(path))

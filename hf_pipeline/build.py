@@ -172,15 +172,22 @@ def resolve_inputs(cfg: Config) -> Inputs:
 
 
 def _save_captions(cfg: Config, inputs: Inputs, path: Path):
-    """Fetch the metadata parquet and save its key-sorted caption table at ``path``."""
-    from hf_pipeline.captions import read_captions
+    """Fetch the metadata parquet and write its key-sorted caption table at ``path``.
+
+    Streamed and sorted in bounded memory (:func:`hf_pipeline.captions.write_sorted_captions`);
+    the builder keeps only the memory map.
+    """
+    from hf_pipeline.captions import write_sorted_captions
 
     meta_path = inputs.source.fetch_one(inputs.metadata)
-    table = read_captions(
-        meta_path, key_column=cfg.data.key_column, caption_column=cfg.data.caption_column
+    table = write_sorted_captions(
+        meta_path,
+        str(path),
+        key_column=cfg.data.key_column,
+        caption_column=cfg.data.caption_column,
+        num_proc=cfg.build.effective_num_proc,
     )
-    table.save(str(path))
-    log.info("captions: %d keys from %s", len(table.keys), meta_path)
+    log.info("captions: %d keys from %s", len(table), meta_path)
     return table
 
 
@@ -406,7 +413,7 @@ def _build_parts_together(cfg, inputs, fingerprint, layout, process, progress, t
 
     def captions(ctx):
         table = _save_captions(cfg, inputs, Path(ctx.tmp_dir) / "captions.arrow")
-        return {"keys": len(table.keys)}
+        return {"keys": len(table)}
 
     try:
         cap = ensure_built(

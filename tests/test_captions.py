@@ -21,8 +21,10 @@ from hf_pipeline.captions import (
     classify,
     read_captions,
     reason_names,
+    write_sorted_captions,
 )
 from hf_pipeline.errors import MetadataError
+from tests.conftest import run_mount
 
 
 def _write(path, df: pd.DataFrame, index: bool = False) -> str:
@@ -312,3 +314,281 @@ def test_save_open_empty_and_bad_files(tmp_path):
             w.write_table(tbl)
     with pytest.raises(MetadataError, match=r"expected columns \['key', 'caption'\]"):
         CaptionTable.open(tmp_path / "other.arrow")
+
+
+# ----------------------------------------------------------------------------- streaming writer
+
+
+def _same_table(a: CaptionTable, b: CaptionTable) -> None:
+    assert a.keys.tolist() == b.keys.tolist()
+    assert a.captions.to_pylist() == b.captions.to_pylist()
+    assert a.counts == b.counts and a.source == b.source
+
+
+def _messy_table(n: int, seed: int) -> pa.Table:
+    """Shuffled keys with many duplicates (across row groups), null keys, null, empty and
+    non-ASCII captions."""
+    rng = np.random.default_rng(seed)
+    keys = rng.integers(-50, n // 2, size=n).astype(np.int64)  # ~half the rows duplicate
+    key_null = rng.random(n) < 0.05
+    pool = ["", "  ", "\u3000", "a cat", "\u00e9t\u00e9 \U0001f600", "x" * 300]
+    caps = [None if u < 0.1 else f"{pool[i % len(pool)]}#{i}" for i, u in enumerate(rng.random(n))]
+    return pa.table(
+        {
+            "key": pa.array(keys, mask=key_null),
+            "caption_llava": pa.array(caps, type=pa.string()),
+            "url": pa.array([f"u{i}" for i in range(n)]),
+        }
+    )
+
+
+@pytest.mark.parametrize("num_proc", [1, 3])
+@pytest.mark.parametrize("chunk_rows", [1, 7, 64, 0])
+def test_write_sorted_captions_equals_in_memory_table(tmp_path, num_proc, chunk_rows):
+    path = tmp_path / "m.parquet"
+    pq.write_table(_messy_table(600, seed=chunk_rows), path, row_group_size=97)
+    assert pq.ParquetFile(path).metadata.num_row_groups == 7
+    ref = read_captions(path)
+    assert ref.duplicate_meta_rows > 100 and ref.null_key_rows > 10 and ref.null_captions > 10
+    out = tmp_path / "out" / "captions.arrow"
+    t = write_sorted_captions(path, out, num_proc=num_proc, chunk_rows=chunk_rows)
+    _same_table(t, ref)
+    assert t.path == str(out) and out.exists()
+    if chunk_rows:
+        # Chunk boundaries at every size; at most 256 chunks (spill files open at once).
+        assert t.num_chunks == -(-len(ref) // max(chunk_rows, -(-len(ref) // 256)))
+        assert t.num_chunks == (138 if chunk_rows == 1 else -(-len(ref) // chunk_rows))
+    assert not [p.name for p in out.parent.iterdir() if p.name != "captions.arrow"]  # no spill
+    # Lookups across chunk boundaries agree, in any order, with misses and repeats.
+    rng = np.random.default_rng(0)
+    query = np.concatenate([ref.keys, ref.keys[::-1], rng.integers(-100, 400, 300)])
+    rng.shuffle(query)
+    got, found = t.lookup(query)
+    want, want_found = ref.lookup(query)
+    assert got.to_pylist() == want.to_pylist() and found.tolist() == want_found.tolist()
+    assert classify(got, found).tolist() == classify(want, want_found).tolist()
+    latent = rng.integers(-100, 400, 250)
+    assert t.count_absent(latent) == ref.count_absent(latent)
+    assert t.count_absent([]) == len(ref)
+    # Reopened by a worker: same table, from the map.
+    _same_table(pickle.loads(pickle.dumps(t)), ref)
+
+
+def test_write_sorted_captions_duplicate_rule_first_in_file_order(tmp_path):
+    # The same key in three row groups: the first row in the file wins, whichever chunk
+    # or thread sees it; a null key is never a duplicate of anything.
+    table = pa.table(
+        {
+            "key": pa.array([7, 3, None, 7, 3, 9, None, 7, 1], type=pa.int64()),
+            "caption_llava": ["7a", "3a", "n1", "7b", "3b", "9a", "n2", "7c", "1a"],
+        }
+    )
+    path = tmp_path / "m.parquet"
+    pq.write_table(table, path, row_group_size=3)
+    for num_proc in (1, 3):
+        t = write_sorted_captions(
+            path, tmp_path / f"o{num_proc}.arrow", num_proc=num_proc, chunk_rows=1
+        )
+        assert t.keys.tolist() == [1, 3, 7, 9]
+        assert t.captions.to_pylist() == ["1a", "3a", "7a", "9a"]
+        assert (t.num_rows, t.duplicate_meta_rows, t.null_key_rows) == (9, 3, 2)
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_write_sorted_captions_key_as_pandas_index(tmp_path, named):
+    df = _df().set_index("key")
+    if not named:
+        df.index.name = None
+    path = _write(tmp_path / "m.parquet", df, index=True)
+    t = write_sorted_captions(path, tmp_path / "c.arrow", chunk_rows=2)
+    _same_table(t, read_captions(path))
+    assert t.captions.to_pylist() == ["ten", "  ", None, "fifty"]
+
+
+def test_write_sorted_captions_types_sorted_input_and_empty(tmp_path):
+    # Categorical captions, int32 keys with nulls, an all-null caption column.
+    cat = pd.DataFrame(
+        {"key": [3, 1, 2, 1], "caption_llava": pd.Categorical(["c", "a", None, "z"])}
+    )
+    p = _write(tmp_path / "cat.parquet", cat)
+    _same_table(write_sorted_captions(p, tmp_path / "cat.arrow", chunk_rows=1), read_captions(p))
+    pq.write_table(
+        pa.table({"key": pa.array([3, None, 1], pa.int32()), "caption_llava": ["c", "x", "a"]}),
+        tmp_path / "i.parquet",
+    )
+    t = write_sorted_captions(tmp_path / "i.parquet", tmp_path / "i.arrow")
+    assert t.keys.tolist() == [1, 3] and t.null_key_rows == 1
+    pq.write_table(
+        pa.table({"key": [5, 4], "caption_llava": pa.array([None, None])}), tmp_path / "n.parquet"
+    )
+    t = write_sorted_captions(tmp_path / "n.parquet", tmp_path / "n.arrow")
+    assert t.captions.to_pylist() == [None, None] and t.null_captions == 2
+    # A key-ordered export (no duplicates) takes the same path and gives the same table.
+    keys = np.arange(0, 3000, 3, dtype=np.int64)
+    caps = [None if i % 7 == 0 else f"c{i}" for i in range(len(keys))]
+    pq.write_table(
+        pa.table({"key": keys, "caption_llava": caps}), tmp_path / "s.parquet", row_group_size=100
+    )
+    t = write_sorted_captions(
+        tmp_path / "s.parquet", tmp_path / "s.arrow", num_proc=2, chunk_rows=128
+    )
+    assert t.keys.tolist() == keys.tolist() and t.captions.to_pylist() == caps
+    # No rows at all, and only null keys.
+    for name, key in (("e", pa.array([], pa.int64())), ("z", pa.array([None, None], pa.int64()))):
+        pq.write_table(
+            pa.table({"key": key, "caption_llava": pa.array(["a", "b"][: len(key)], pa.string())}),
+            tmp_path / f"{name}.parquet",
+        )
+        t = write_sorted_captions(tmp_path / f"{name}.parquet", tmp_path / f"{name}.arrow")
+        _same_table(t, read_captions(tmp_path / f"{name}.parquet"))
+        assert len(t) == 0 and t.lookup([1])[1].tolist() == [False] and t.count_absent([1]) == 0
+
+
+def test_write_sorted_captions_errors_name_file_and_field(tmp_path):
+    path = _write(tmp_path / "m.parquet", _df())
+    out = tmp_path / "o" / "c.arrow"
+    with pytest.raises(
+        MetadataError, match=r"caption column 'nope' not found; columns: key"
+    ) as info:
+        write_sorted_captions(path, out, caption_column="nope")
+    assert info.value.path == path
+    with pytest.raises(
+        MetadataError, match=r"key column 'id' not found as a column or pandas index"
+    ):
+        write_sorted_captions(path, out, key_column="id")
+    with pytest.raises(MetadataError, match=r"key column 'url' must be an integer type"):
+        write_sorted_captions(path, out, key_column="url")
+    with pytest.raises(MetadataError, match="does not exist"):
+        write_sorted_captions(tmp_path / "missing.parquet", out)
+    big = tmp_path / "u.parquet"
+    pq.write_table(
+        pa.table({"key": pa.array([2**63 + 5], pa.uint64()), "caption_llava": ["a"]}), big
+    )
+    with pytest.raises(MetadataError, match=r"key column 'key' has values beyond int64"):
+        write_sorted_captions(big, out)
+    with pytest.raises(ValueError, match="num_proc must be >= 1, got 0"):
+        write_sorted_captions(path, out, num_proc=0)
+    with pytest.raises(ValueError, match="chunk_rows must be >= 0, got -1"):
+        write_sorted_captions(path, out, chunk_rows=-1)
+    assert not out.parent.exists() or not list(out.parent.iterdir())  # nothing half-written
+
+
+def test_write_sorted_captions_corrupt_row_group_leaves_nothing(tmp_path):
+    # A caption page damaged after the footer was written: the read fails mid-stream, in a
+    # worker thread; the error names the file and column, and neither the output nor a
+    # spill file is left.
+    path = tmp_path / "m.parquet"
+    n = 4000
+    pq.write_table(
+        pa.table(
+            {
+                "key": np.arange(n, dtype=np.int64)[::-1].copy(),
+                "caption_llava": [f"caption {i} " * 8 for i in range(n)],
+            }
+        ),
+        path,
+        row_group_size=1000,
+        compression="none",
+    )
+    md = pq.ParquetFile(path).metadata
+    col = md.row_group(2).column(1)
+    raw = bytearray(path.read_bytes())
+    start = col.data_page_offset
+    raw[start : start + 64] = b"\xff" * 64  # the page header: undecodable
+    path.write_bytes(bytes(raw))
+    out = tmp_path / "o" / "c.arrow"
+    with pytest.raises(MetadataError, match=r"cannot read column 'caption_llava'") as info:
+        write_sorted_captions(path, out, num_proc=2, chunk_rows=100)
+    assert info.value.path == str(path)
+    assert list(out.parent.iterdir()) == []
+
+
+def test_chunked_table_api(tmp_path):
+    # Several chunks in, several chunks out: open() never concatenates a column.
+    keys = pa.chunked_array([pa.array([1, 5], pa.int64()), pa.array([9, 12, 20], pa.int64())])
+    caps = pa.chunked_array([pa.array(["a", None]), pa.array(["c", "d", ""])])
+    t = CaptionTable(keys, caps)
+    assert t.num_chunks == 2 and len(t) == 5 and t.null_captions == 1
+    assert t.lookup([20, 0, 5, 9, 21, 1, 12])[0].to_pylist() == [
+        "",
+        None,
+        None,
+        "c",
+        None,
+        "a",
+        "d",
+    ]
+    t.save(tmp_path / "c.arrow")
+    o = CaptionTable.open(tmp_path / "c.arrow")
+    assert o.num_chunks == 2 and isinstance(o.captions, pa.ChunkedArray)
+    assert o.keys.tolist() == [1, 5, 9, 12, 20] and o.count_absent([5, 12, 99]) == 3
+    # A NumPy key array is split like the captions; order is checked across chunks too.
+    assert CaptionTable(np.array([1, 5, 9, 12, 20]), caps).num_chunks == 2
+    with pytest.raises(ValueError, match="sorted and unique"):
+        CaptionTable(np.array([1, 5, 5, 12, 20]), caps)
+    with pytest.raises(ValueError, match="captions has 5 rows but keys has 4"):
+        CaptionTable(np.array([1, 5, 9, 12]), caps)
+    with pytest.raises(ValueError, match="keys must be a 1-D int64 array, got int32"):
+        CaptionTable(np.array([1, 5, 9, 12, 20], dtype=np.int32), caps)
+
+
+def test_open_reads_the_ipc_file_format_of_earlier_saves(tmp_path):
+    # save() and write_sorted_captions write an IPC stream (batches written in parallel);
+    # a table saved as an IPC file (one record batch, as before) still opens, mapped.
+    ref = read_captions(_write(tmp_path / "m.parquet", _df()))
+    old = tmp_path / "old.arrow"
+    schema = pa.schema(
+        [("key", pa.int64()), ("caption", pa.large_string())],
+        metadata={
+            b"hf_pipeline.caption_counts": b'{"duplicate_meta_rows": 1, "null_key_rows": 0, '
+            b'"num_rows": 5, "source": "' + ref.source.encode() + b'"}'
+        },
+    )
+    table = pa.table({"key": pa.array(ref.keys), "caption": ref.captions}, schema=schema)
+    with pa.OSFile(str(old), "wb") as fh, pa.ipc.new_file(fh, schema) as w:
+        w.write_table(table)
+    assert old.read_bytes()[:6] == b"ARROW1"
+    o = CaptionTable.open(old)
+    _same_table(o, ref)
+    assert not o.keys.flags.writeable
+    new = tmp_path / "new.arrow"
+    ref.save(new)
+    assert new.read_bytes()[:6] != b"ARROW1"
+    _same_table(CaptionTable.open(new), ref)
+
+
+@pytest.mark.parametrize("phase", ["spill", "output"])
+def test_write_sorted_captions_full_disk_leaves_nothing(tmp_path, mounts, phase):
+    # A real full disk (tmpfs). "spill": 4 MB of captions, 1 MB of disk: the spill fails.
+    # "output": 100k 6-byte captions in one chunk; the spill (1.4 MB: data + 8 bytes a
+    # row) fits in 1.8 MB, the sorted file (2.2 MB: data + 16 bytes a row) does not. Either way the OSError
+    # says so (not blamed on the metadata file), no spill or temp file is left, and the
+    # file published before stays as it was.
+    n, size = (12_000, "1m") if phase == "spill" else (100_000, "1800k")
+    rng = np.random.default_rng(3)
+    words = "caption words " * 24 if phase == "spill" else ""
+    path = tmp_path / "m.parquet"
+    pq.write_table(
+        pa.table(
+            {
+                "key": rng.permutation(n).astype(np.int64),
+                "caption_llava": [f"{i:06d}{words}" for i in range(n)],
+            }
+        ),
+        path,
+        row_group_size=n // 4,
+    )
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounts("-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk))
+    out = disk / "captions.arrow"
+    out.write_bytes(b"published before")
+    chunk_rows = 1500 if phase == "spill" else n
+    with pytest.raises(OSError, match="No space left on device") as info:
+        write_sorted_captions(path, out, num_proc=2, chunk_rows=chunk_rows)
+    assert not isinstance(info.value, MetadataError)
+    assert sorted(p.name for p in disk.iterdir()) == ["captions.arrow"]
+    assert out.read_bytes() == b"published before"
+    run_mount("-o", "remount,size=64m", str(disk))
+    t = write_sorted_captions(path, out, num_proc=2, chunk_rows=chunk_rows)
+    _same_table(t, read_captions(path))

@@ -1,0 +1,119 @@
+#!/usr/bin/env python
+"""One builder on a GPU host: the whole build of a scaled demo, its stages, and the
+embed stage against the bare forward on the same token ids (same run).
+
+Generates the demo scaled to ``--rows`` (fp16 latents, ``--samples-per-shard`` a
+shard), builds it with ``DATASET_NUM_PROC`` workers and the encoder on the GPU, and
+reports: wall time of ``prepare_cache``, the join (``seconds_convert``) and embed
+(``seconds_embed``, the encoder's load overlapped with the join) stages, then times
+``TextEncoder.encode_ids`` alone on the cache's kept token ids (warm) and reports the
+embed stage's rows/s as a ratio to it.
+
+The encoder is ``--model`` (a folder; with ``--random-minilm TOKENIZER_DIR`` a random-
+weight MiniLM is made from its config: the speed is the architecture's, no download).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def _random_minilm(folder: Path, tokenizer: str) -> str:
+    import torch
+    from transformers import AutoModel, AutoTokenizer, BertConfig
+
+    cfg = BertConfig(vocab_size=30522, hidden_size=384, num_hidden_layers=6,
+                     num_attention_heads=12, intermediate_size=1536)  # fmt: skip
+    torch.manual_seed(0)
+    AutoModel.from_config(cfg).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer).save_pretrained(folder)
+    return str(folder)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=100_000)
+    ap.add_argument("--samples-per-shard", type=int, default=1000)
+    ap.add_argument("--model", default="minilm")
+    ap.add_argument("--random-minilm", default="", help="tokenizer folder: random MiniLM")
+    ap.add_argument("--dtype", default="float16", help="encoder.dtype")
+    ap.add_argument("--work-dir", default="")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+
+    import numpy as np
+    import torch
+
+    from hf_pipeline.build import prepare_cache
+    from hf_pipeline.config import load_config
+    from hf_pipeline.embed import TextEncoder
+
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="hfp_build_gpu_"))
+    model = args.model
+    if args.random_minilm:
+        model = _random_minilm(work / "minilm", args.random_minilm)
+    shards = max(1, args.rows // args.samples_per_shard)
+    overrides = [
+        f"build.cache_dir={work / 'cache'}",
+        f"data.demo.num_shards={shards}",
+        f"data.demo.samples_per_shard={args.samples_per_shard}",
+        f"encoder.model={model}",
+        f"encoder.dtype={args.dtype}",
+    ]
+    cfg = load_config(None, overrides)
+    # The demo is generated once (timed apart): the figures are the build's.
+    from hf_pipeline.build import resolve_inputs
+
+    t0 = time.perf_counter()
+    resolve_inputs(cfg)
+    generate_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    res = prepare_cache(cfg, progress=False)
+    wall = time.perf_counter() - t0
+    r = res.report
+    # The bare forward on the kept rows' token ids, warm, same process and GPU.
+    from hf_pipeline.cache import open_dataset
+
+    ids = open_dataset(res.layout).data.column("input_ids")
+    encoder = TextEncoder(cfg.encoder)
+    encoder.encode_ids(ids.slice(0, min(len(ids), 20_000)))  # warm: kernels, compile
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    t0 = time.perf_counter()
+    encoder.encode_ids(ids)
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    bare = time.perf_counter() - t0
+    embedded_rows = int(r["rows_out"]) + int(r["dropped"].get("duplicate_key", 0))
+    out = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "cpus": os.cpu_count(),
+        "num_proc": cfg.build.effective_num_proc,
+        "rows_in": r["rows_in"],
+        "rows_out": r["rows_out"],
+        "generate_s": round(generate_s, 2),
+        "build_wall_s": round(wall, 2),
+        "join_s": r["seconds_convert"],
+        "embed_stage_s": r["seconds_embed"],
+        "bare_forward_s": round(bare, 3),
+        "bare_forward_rows_per_s": round(len(ids) / bare),
+        "embed_stage_rows_per_s": round(embedded_rows / max(r["seconds_embed"], 1e-9)),
+        "embed_stage_vs_bare": round((embedded_rows / r["seconds_embed"]) / (len(ids) / bare), 3),
+        "encoder": {"dtype": cfg.encoder.dtype, "compile": cfg.encoder.compile,
+                    "tokens_per_batch": cfg.encoder.tokens_per_batch},
+    }  # fmt: skip
+    print(json.dumps(out, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    del np
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

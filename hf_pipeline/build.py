@@ -99,10 +99,12 @@ class BuildResult:
         fingerprint: cache identity.
         cache_dir: the cache folder.
         report: the build report (``rows_in``, ``rows_out``, ``dropped``, ...).
-        built: True when this process published at least one stage (a builder that
-            lost its lease to another process reports False).
+        built: True when this process built and published at least one stage (a
+            builder that lost its lease to another process reports False).
         seconds: wall time of :func:`prepare_cache` in this process.
         stage_dirs: the published folder of each stage, from the markers.
+        pulled: True when this process downloaded a stage from ``build.pull_from`` and
+            published it here (``built`` stays False: nothing was built).
     """
 
     fingerprint: str
@@ -111,6 +113,7 @@ class BuildResult:
     built: bool
     seconds: float
     stage_dirs: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    pulled: bool = False
 
     @property
     def layout(self) -> CacheLayout:
@@ -129,6 +132,7 @@ class BuildResult:
             "duplicate_meta_rows": int(r["duplicate_meta_rows"]),
             "seconds": round(self.seconds, 3),
             "built": self.built,
+            "pulled": self.pulled,
         }
 
 
@@ -343,6 +347,11 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
 
         return Stage(name=name, build=run)
 
+    stages = [stage(STAGES[0], builder.converted), stage(STAGES[1], builder.filtered)]
+    if cfg.build.pull_from:
+        from hf_pipeline.pull import pulled_stages
+
+        stages = pulled_stages(cfg, fingerprint, layout.root, stages)
     coord = cfg.coord
     from datasets import utils as ds_utils
 
@@ -353,7 +362,7 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
         markers = ensure_built(
             layout.root,
             fingerprint,
-            [stage(STAGES[0], builder.converted), stage(STAGES[1], builder.filtered)],
+            stages,
             process=process,
             builder=default_builder(process, coord.scope),
             poll_interval=coord.poll_interval,
@@ -365,14 +374,18 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
     finally:
         if bars_were_on and not progress:
             ds_utils.enable_progress_bars()
+    from hf_pipeline.pull import was_pulled
+
     stage_dirs = {name: m.directory for name, m in markers.items()}
     layout = CacheLayout(layout.root, stage_dirs)
+    # A lease of ours published a stage; a builder taken over (fenced) did not.
+    ours = [m for m in markers.values() if m.lease_id in our_leases]
     return BuildResult(
         fingerprint=fingerprint,
         cache_dir=layout.root,
         report=layout.read_report(),
-        # A lease of ours published a stage; a builder taken over (fenced) did not.
-        built=any(m.lease_id in our_leases for m in markers.values()),
+        built=any(not was_pulled(m) for m in ours),
         seconds=time.monotonic() - t0,
         stage_dirs=stage_dirs,
+        pulled=any(was_pulled(m) for m in ours),
     )

@@ -14,6 +14,7 @@ Environment variables:
 ``DATASET_MAX_WAIT``            ``coord.max_wait`` (seconds)
 ``DATASET_LEASE_TIMEOUT``       ``coord.lease_timeout`` (seconds)
 ``HF_PIPELINE_CACHE``           ``build.cache_dir``
+``HF_PIPELINE_PULL_FROM``       ``build.pull_from``
 ``HF_DATASETS_CACHE``/``HF_HOME``  default cache root (``$HF_HOME/datasets``)
 ==============================  ==========================================
 
@@ -46,6 +47,7 @@ __all__ = [
     "LoaderConfig",
     "OnBadRows",
     "OnMissing",
+    "PUBLISH_SCHEMES",
     "TrainConfig",
     "default_cache_root",
     "gcs_emulator_host",
@@ -65,6 +67,9 @@ OnBadRows = Literal["drop", "fail"]
 #: What the build does with a shard it cannot fetch or read: fail naming it, or skip it
 #: and list it in the report (``skipped_files``).
 OnMissing = Literal["fail", "skip"]
+
+#: The stores a cache can be published to and pulled from (``hf_pipeline.published``).
+PUBLISH_SCHEMES = ("gs://", "hf://datasets/")
 
 _CAPTION_COLUMNS = ("caption_llava", "caption", "caption_llava_short")
 
@@ -199,6 +204,10 @@ class BuildConfig:
     batch_size: int = 1000
     writer_batch_size: int = 10000
     latent_dtype: str = "source"  # one of LATENT_DTYPES
+    #: Where published caches live (``gs://<bucket>[/<prefix>]`` or
+    #: ``hf://datasets/<org>/<repo>[@<revision>][/<path>]``): the builder downloads the
+    #: cache of its fingerprint from there instead of building it ("" never pulls).
+    pull_from: str = ""
 
     def __post_init__(self):
         _check(
@@ -216,6 +225,12 @@ class BuildConfig:
             self.latent_dtype in LATENT_DTYPES,
             "build.latent_dtype",
             f"must be one of {LATENT_DTYPES}, got {self.latent_dtype!r}",
+        )
+        _check(
+            self.pull_from == "" or self.pull_from.startswith(PUBLISH_SCHEMES),
+            "build.pull_from",
+            "must be '' or gs://<bucket>[/<prefix>] or hf://datasets/<org>/<repo>[/<path>], "
+            f"got {self.pull_from!r}",
         )
 
     @property
@@ -408,6 +423,7 @@ _ENV_FIELDS = {
     "DATASET_MAX_WAIT": "coord.max_wait",
     "DATASET_LEASE_TIMEOUT": "coord.lease_timeout",
     "HF_PIPELINE_CACHE": "build.cache_dir",
+    "HF_PIPELINE_PULL_FROM": "build.pull_from",
 }
 
 

@@ -6,10 +6,12 @@ published file, and nothing published at all."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -18,7 +20,14 @@ from pathlib import Path
 import pytest
 
 from dist.layout import marker_name
-from dist.markers import FileEntry, Marker, read_json
+from dist.markers import (
+    FileEntry,
+    Marker,
+    describe_files,
+    read_json,
+    read_marker,
+    write_marker,
+)
 from hf_pipeline.build import prepare_cache
 from hf_pipeline.cache import STAGES
 from hf_pipeline.errors import CacheFormatError
@@ -290,6 +299,47 @@ def test_pull_refuses_a_tampered_hub_file(source_cache, hub_store, tmp_path):
     # converted was intact and is pulled; filtered is not published.
     assert (cache / marker_name("converted")).exists()
     assert not (cache / marker_name("filtered")).exists()
+
+
+# ------------------------------------------------------------------ a stage built here
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["same-content", "other-content"])
+def test_later_stage_pulled_only_over_the_published_earlier_stage(
+    same, source_cache, gcs_store, tmp_path, caplog
+):
+    """A cache whose first stage is already here (a run killed between stages, or a
+    build without pull_from): the second stage is pulled only when the local first
+    stage has the published one's content; otherwise it is built here."""
+    _, url = gcs_store
+    src = source_cache.result
+    publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
+    root = tmp_path / "cache"
+    cache = root / Path(src.cache_dir).name
+    shutil.copytree(src.cache_dir, cache)
+    (cache / marker_name("filtered")).unlink()
+    shutil.rmtree(cache / src.stage_dirs["filtered"])
+    if not same:  # one file more than the published stage: another build's content
+        (cache / src.stage_dirs["converted"] / "extra.txt").write_text("x")
+        marker = read_marker(
+            cache / marker_name("converted"), fingerprint=src.fingerprint, base_dir=cache
+        )
+        write_marker(
+            cache / marker_name("converted"),
+            dataclasses.replace(
+                marker,
+                files=describe_files(cache / marker.directory, relative_to=cache),
+            ),
+        )
+    caplog.set_level(logging.INFO, logger="hf_pipeline")
+    res = prepare_cache(config(source_cache.data, root, f"build.pull_from={url}"), progress=False)
+    filtered = read_json(cache / marker_name("filtered"))
+    assert res.stage_dirs["converted"] == src.stage_dirs["converted"]  # kept, not redone
+    assert (res.pulled, res.built) == (same, not same)
+    assert (PULLED_FROM in filtered["info"]) == same
+    assert filtered["info"]["rows_out"] == src.report["rows_out"]
+    warned = [r for r in caplog.records if "is not the published one" in r.getMessage()]
+    assert len(warned) == (0 if same else 1)
 
 
 # ------------------------------------------------------------------ nothing published

@@ -284,6 +284,15 @@ def bytes_digests(data: bytes, *, sha256: bool = False) -> ManifestEntry:
     return ManifestEntry(size=size, crc32c=crc, sha256=sha)
 
 
+def _checksum_of_bytes(data: bytes, kind: str) -> str:
+    """:func:`~hf_pipeline.staging.checksum_of` of bytes held in memory (md5, gitsha1)."""
+    if kind == "md5":
+        return base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode()
+    if kind == "gitsha1":
+        return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
+    return ""
+
+
 def same_content(remote: RemoteFile | None, entry: ManifestEntry, local: Path | bytes) -> bool:
     """Whether the store's ``remote`` holds exactly the bytes ``entry`` describes.
 
@@ -296,13 +305,11 @@ def same_content(remote: RemoteFile | None, entry: ManifestEntry, local: Path | 
     kind, _, value = remote.checksum.partition(":")
     ours = entry.checksum(kind)
     if not ours and kind in ("md5", "gitsha1"):
-        if isinstance(local, bytes):
-            with tempfile.NamedTemporaryFile() as tmp:
-                tmp.write(local)
-                tmp.flush()
-                ours = checksum_of(Path(tmp.name), kind)
-        else:
-            ours = checksum_of(Path(local), kind)
+        ours = (
+            _checksum_of_bytes(local, kind)
+            if isinstance(local, bytes)
+            else checksum_of(Path(local), kind)
+        )
     return bool(ours) and ours == value
 
 

@@ -5,6 +5,7 @@ resume, ``--status URL`` and the script's exit codes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -27,7 +28,9 @@ from hf_pipeline.published import (
     list_published,
     open_store,
     parse_location,
+    same_content,
 )
+from hf_pipeline.remote_file import RemoteFile
 from hf_pipeline.staging import checksum_of
 from tests.conftest import PYTHON, REPO, script_env
 from tests.helpers.publishing import (  # noqa: F401
@@ -114,6 +117,17 @@ def test_digests_use_the_stores_encodings(tmp_path):
     assert got.sha256 == checksum_of(p, "sha256")  # the Hub's LFS oid
     assert bytes_digests(p.read_bytes(), sha256=True) == got
     assert file_digests(p).sha256 == ""
+    # "Already there?" through whichever checksum the store publishes, file or bytes.
+    for kind in ("crc32c", "sha256", "md5", "gitsha1"):
+        remote = RemoteFile(
+            name="f.bin", url="x", size=got.size, checksum=f"{kind}:{checksum_of(p, kind)}"
+        )
+        assert same_content(remote, got, p) and same_content(remote, got, p.read_bytes()), kind
+        other = dataclasses.replace(remote, checksum=f"{kind}:AAAA")
+        assert not same_content(other, got, p) and not same_content(other, got, p.read_bytes())
+    assert not same_content(dataclasses.replace(remote, size=1), got, p)
+    assert not same_content(dataclasses.replace(remote, checksum=""), got, p)  # no checksum
+    assert not same_content(None, got, p)
 
 
 # ------------------------------------------------------------------- GCS

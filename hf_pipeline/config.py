@@ -68,7 +68,7 @@ OnBadRows = Literal["drop", "fail"]
 #: and list it in the report (``skipped_files``).
 OnMissing = Literal["fail", "skip"]
 
-#: The stores a cache can be published to and pulled from (``hf_pipeline.published``).
+#: The stores a cache can be published to and pulled from (``hf_pipeline.publish_store``).
 PUBLISH_SCHEMES = ("gs://", "hf://datasets/")
 
 _CAPTION_COLUMNS = ("caption_llava", "caption", "caption_llava_short")

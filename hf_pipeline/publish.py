@@ -3,7 +3,8 @@
 :func:`publish_cache` copies the complete cache in ``cache_dir`` — its stage markers and
 every file they list, nothing else (no lease, heartbeat or unpublished folder) — to
 ``URL/<name>-<fingerprint>/`` with a ``manifest.json`` of whole-file checksums
-(:mod:`hf_pipeline.published` has the layout and why the order below is safe):
+(:mod:`hf_pipeline.published` has the layout and why the order below is safe;
+:mod:`hf_pipeline.manifest` the manifest; :mod:`hf_pipeline.publish_store` the stores):
 
 * GCS: data files in parallel, then the manifest, then the markers (earlier stages
   first); each object is verified after upload (its crc32c against the local file's);
@@ -34,17 +35,16 @@ from dist.markers import Marker, check_marker, derived_from_problem, read_json
 from hf_pipeline.cache import STAGES
 from hf_pipeline.errors import CacheFormatError
 from hf_pipeline.fetch_stats import FetchStats
-from hf_pipeline.published import (
+from hf_pipeline.manifest import (
     MANIFEST_NAME,
     Manifest,
-    Upload,
     bytes_digests,
     file_digests,
-    find_published,
     new_manifest,
-    open_store,
     same_content,
 )
+from hf_pipeline.publish_store import Upload, open_store
+from hf_pipeline.published import find_published
 from hf_pipeline.retry import RetryPolicy
 from hf_pipeline.staging import StagingFolder, stage_file
 

@@ -51,13 +51,9 @@ from dist.markers import FileEntry, Marker, file_checksum
 from hf_pipeline.cache import STAGING_DIR
 from hf_pipeline.errors import CacheFormatError
 from hf_pipeline.fetch_stats import FetchStats
-from hf_pipeline.published import (
-    MANIFEST_NAME,
-    PublishedCache,
-    Store,
-    find_published,
-    open_store,
-)
+from hf_pipeline.manifest import MANIFEST_NAME
+from hf_pipeline.publish_store import Store, open_store
+from hf_pipeline.published import PublishedCache, find_published
 from hf_pipeline.remote_file import RemoteFile
 from hf_pipeline.retry import Cancelled, RetryPolicy
 from hf_pipeline.staging import StagingFolder, checksum_of, stage_file

@@ -153,7 +153,8 @@ def _published_status(url: str, cfg) -> int:
     import time
 
     from hf_pipeline.cache import STAGES
-    from hf_pipeline.published import list_published, open_store
+    from hf_pipeline.publish_store import open_store
+    from hf_pipeline.published import list_published
 
     rows = list_published(open_store(url, data_config=cfg.data), STAGES)
     if not rows:
@@ -199,7 +200,7 @@ def main(args: argparse.Namespace) -> int:
     from hf_pipeline.build import prepare_cache
 
     if args.publish:
-        from hf_pipeline.published import parse_location
+        from hf_pipeline.publish_store import parse_location
 
         parse_location(args.publish)  # a bad URL fails before the build, not after
     result = prepare_cache(cfg, progress=not args.quiet)

@@ -16,20 +16,18 @@ import pytest
 from dist.layout import marker_name
 from hf_pipeline.cache import STAGES
 from hf_pipeline.errors import CacheFormatError, SourceError
-from hf_pipeline.publish import publish_cache
-from hf_pipeline.published import (
+from hf_pipeline.manifest import (
     MANIFEST_NAME,
     MANIFEST_VERSION,
     Manifest,
     ManifestEntry,
     bytes_digests,
     file_digests,
-    find_published,
-    list_published,
-    open_store,
-    parse_location,
     same_content,
 )
+from hf_pipeline.publish import publish_cache
+from hf_pipeline.publish_store import open_store, parse_location
+from hf_pipeline.published import find_published, list_published
 from hf_pipeline.remote_file import RemoteFile
 from hf_pipeline.staging import checksum_of
 from tests.conftest import PYTHON, REPO, script_env
@@ -201,6 +199,8 @@ def test_publish_gcs_data_first_markers_last_idempotent_resumable(source_cache, 
         result.report["rows_out"],
     )
     assert status.size_bytes == sum((Path(result.cache_dir) / r).stat().st_size for r in listed)
+    fs.pipe_file(f"{url[5:]}/notes/readme.txt", b"not a cache")  # other folders: not listed
+    assert [s.name for s in list_published(store, STAGES)] == [name]
 
 
 def test_publish_refuses_a_damaged_local_cache(source_cache, gcs_store, tmp_path):

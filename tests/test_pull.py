@@ -80,6 +80,22 @@ def test_local_relpath_keeps_paths_inside_the_stage_folder():
     assert local_relpath(m, "converted.00aa.x/y") == "converted.00aa.x/y"
 
 
+def test_pull_from_config_and_env():
+    from hf_pipeline.config import load_config
+    from hf_pipeline.errors import ConfigError
+
+    assert load_config(None, [], environ={}).build.pull_from == ""
+    env = {"HF_PIPELINE_PULL_FROM": "gs://bucket/caches"}
+    assert load_config(None, [], environ=env).build.pull_from == "gs://bucket/caches"
+    flag = ["build.pull_from=hf://datasets/org/repo/caches"]
+    assert load_config(None, flag, environ=env).build.pull_from == flag[0].split("=", 1)[1]
+    with pytest.raises(
+        ConfigError,
+        match=r"build.pull_from must be .*got 's3://x' \(from \$HF_PIPELINE_PULL_FROM\)",
+    ):
+        load_config(None, [], environ={"HF_PIPELINE_PULL_FROM": "s3://x"})
+
+
 # ------------------------------------------------------------------ two nodes x two ranks
 
 

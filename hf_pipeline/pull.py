@@ -35,6 +35,7 @@ the stage folder under their cache-relative path, so the local marker still cove
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -59,7 +60,7 @@ from hf_pipeline.retry import Cancelled, RetryPolicy
 from hf_pipeline.staging import StagingFolder, checksum_of, stage_file
 
 if TYPE_CHECKING:  # pragma: no cover
-    from hf_pipeline.config import Config
+    from hf_pipeline.config import Config, DataConfig
 
 __all__ = ["PULLED_FROM", "local_relpath", "pulled_stages", "was_pulled"]
 
@@ -124,10 +125,38 @@ def pulled_stages(
     return [Stage(name=s.name, build=puller.stage_build(s)) for s in stages]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """One published file to fetch into the stage folder.
+
+    Attributes:
+        entry: the published marker's entry (cache-relative path, size, edge checksum).
+        file: the store's description of it (size, store checksum).
+        place: its path inside the local stage folder.
+        prechecked: the store's checksum equals the manifest's (so the verified
+            download is the published content; else the crc32c is computed after it).
+    """
+
+    entry: FileEntry
+    file: RemoteFile
+    place: str
+    prechecked: bool
+
+
 class _Puller:
     """The remote cache (looked up once) and the download of one stage's files."""
 
-    def __init__(self, *, url, cache_name, fingerprint, stage_names, data_config, staging, policy):
+    def __init__(
+        self,
+        *,
+        url: str,
+        cache_name: str,
+        fingerprint: str,
+        stage_names: tuple[str, ...],
+        data_config: DataConfig,
+        staging: Path,
+        policy: RetryPolicy | None,
+    ):
         self.url = url
         self.cache_name = cache_name
         self.fingerprint = fingerprint
@@ -193,20 +222,22 @@ class _Puller:
             raise CacheFormatError(
                 remote.file_url(f"{stage}.json"), "lists two files for one place in its folder"
             )
-        jobs = []
-        for entry, place in zip(marker.files, places, strict=True):
-            file = remote.files[entry.path]
-            jobs.append((entry, file, place, self._precheck(remote, entry, file)))
+        jobs = [
+            _Job(
+                entry=entry,
+                file=remote.files[entry.path],
+                place=place,
+                prechecked=self._precheck(remote, entry, remote.files[entry.path]),
+            )
+            for entry, place in zip(marker.files, places, strict=True)
+        ]
         t0 = time.monotonic()
         stats = FetchStats()
         stop = threading.Event()
         workers = max(1, min(self.data_config.download_workers, len(jobs) or 1))
         with ThreadPoolExecutor(workers, thread_name_prefix="hf_pipeline-pull") as pool:
             futures = [
-                pool.submit(
-                    self._fetch, remote, stage, entry, file, place, checked, ctx, stop, stats
-                )
-                for entry, file, place, checked in jobs
+                pool.submit(self._fetch, remote, stage, job, ctx, stop, stats) for job in jobs
             ]
             try:
                 pending = set(futures)
@@ -261,32 +292,38 @@ class _Puller:
             )
         return True
 
-    def _fetch(self, remote, stage, entry, file, place, checked, ctx, stop, stats) -> None:
+    def _fetch(
+        self,
+        remote: PublishedCache,
+        stage: str,
+        job: _Job,
+        ctx: StageContext,
+        stop: threading.Event,
+        stats: FetchStats,
+    ) -> None:
+        """Stage one file (verified, resumable), check it, link it into the stage folder.
+        Runs in a download thread."""
         assert self._store is not None
-        folder = StagingFolder(self.staging / "files" / PurePosixPath(entry.path).parent)
+        # Staged under its published path: a later lease (after a kill) finds it there.
+        folder = StagingFolder(self.staging / "files" / PurePosixPath(job.entry.path).parent)
         try:
-            path = stage_file(self._store.source, file, folder, self.policy, stats, stop=stop)
+            path = stage_file(self._store.source, job.file, folder, self.policy, stats, stop=stop)
         except Cancelled:
             return
-        self._verify(remote, stage, entry, file, checked, folder, path)
-        dest = Path(ctx.tmp_dir) / place
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        _link_or_copy(path, dest)
-
-    @staticmethod
-    def _verify(remote, stage, entry, file, checked, folder, path) -> None:
-        """Check a staged file against the manifest and its marker; drop it if wrong."""
         problem = ""
-        if not checked:
-            want = remote.manifest.files[entry.path].crc32c
+        if not job.prechecked:
+            want = remote.manifest.files[job.entry.path].crc32c
             got = checksum_of(path, "crc32c")
             if got != want:
                 problem = f"crc32c {got}, but {MANIFEST_NAME} says {want}"
-        if not problem and file_checksum(path, entry.size) != entry.checksum:
+        if not problem and file_checksum(path, job.entry.size) != job.entry.checksum:
             problem = f"its first/last MiB do not match the checksum {stage}.json lists"
         if problem:
-            folder.remove(file)  # a fixed store is fetched afresh, never trusted from here
-            raise CacheFormatError(file.url, f"does not match what was published: {problem}")
+            folder.remove(job.file)  # a fixed store is fetched afresh, never trusted from here
+            raise CacheFormatError(job.file.url, f"does not match what was published: {problem}")
+        dest = Path(ctx.tmp_dir) / job.place
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        _link_or_copy(path, dest)
 
 
 def _link_or_copy(src: Path, dest: Path) -> None:

@@ -98,11 +98,13 @@ class BuildResult:
         fingerprint: cache identity.
         cache_dir: the cache folder.
         report: the build report (``rows_in``, ``rows_out``, ``dropped``, ...).
-        built: True when this process published at least one stage or, with
-            ``build.parallel: ranks``, one part (a builder that lost its lease to
-            another process reports False).
+        built: True when this process built and published at least one stage or, with
+            ``build.parallel: ranks``, one part (a pulled stage is not built; a builder
+            that lost its lease to another process reports False).
         seconds: wall time of :func:`prepare_cache` in this process.
         stage_dirs: the published folder of each stage, from the markers.
+        pulled: True when this process downloaded a stage from ``build.pull_from`` and
+            published it here (``built`` stays False: nothing was built).
     """
 
     fingerprint: str
@@ -111,6 +113,7 @@ class BuildResult:
     built: bool
     seconds: float
     stage_dirs: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    pulled: bool = False
 
     @property
     def layout(self) -> CacheLayout:
@@ -129,6 +132,7 @@ class BuildResult:
             "duplicate_meta_rows": int(r["duplicate_meta_rows"]),
             "seconds": round(self.seconds, 3),
             "built": self.built,
+            "pulled": self.pulled,
         }
 
 
@@ -510,6 +514,7 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
         parts = captions = None
         if (
             cfg.build.parallel == "ranks"
+            and not cfg.build.pull_from  # a pull downloads; a missing one: one builder
             and complete_markers(layout.root, fingerprint, STAGES) is None
         ):
             parts, captions = _build_parts_together(
@@ -518,27 +523,34 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
         builder = _Builder(
             cfg, inputs, fingerprint, progress, process=process, parts=parts, captions_path=captions
         )
+        stages = [_stage(STAGES[0], builder.converted), _stage(STAGES[1], builder.filtered)]
+        if cfg.build.pull_from:
+            from hf_pipeline.pull import pulled_stages
+
+            stages = pulled_stages(cfg, fingerprint, layout.root, stages)
         markers = ensure_built(
             layout.root,
             fingerprint,
-            [_stage(STAGES[0], builder.converted), _stage(STAGES[1], builder.filtered)],
+            stages,
             builder=default_builder(process, coord.scope),
             **timing,
         )
     finally:
         if bars_were_on and not progress:
             ds_utils.enable_progress_bars()
+    from hf_pipeline.pull import was_pulled
+
     stage_dirs = {name: m.directory for name, m in markers.items()}
     layout = CacheLayout(layout.root, stage_dirs)
-    # The leases that published the stages, and the parts (build.parallel: ranks).
-    published_by = [m.lease_id for m in markers.values()]
-    published_by += [parse_stage_dir(folder.name).lease_id for folder, _ in parts or []]
+    # A lease of ours published a stage (or a part); a builder taken over did not.
+    ours = [m for m in markers.values() if m.lease_id in our_leases]
+    our_parts = [f for f, _ in parts or [] if parse_stage_dir(f.name).lease_id in our_leases]
     return BuildResult(
         fingerprint=fingerprint,
         cache_dir=layout.root,
         report=layout.read_report(),
-        # A lease of ours published a stage; a builder taken over (fenced) did not.
-        built=any(lease in our_leases for lease in published_by),
+        built=any(not was_pulled(m) for m in ours) or bool(our_parts),
         seconds=time.monotonic() - t0,
         stage_dirs=stage_dirs,
+        pulled=any(was_pulled(m) for m in ours),
     )

@@ -29,6 +29,7 @@ environment (override the config file; --set overrides both):
   DATASET_MAX_WAIT            coord.max_wait, seconds
   DATASET_LEASE_TIMEOUT       coord.lease_timeout, seconds (dead builder detection)
   HF_PIPELINE_CACHE           build.cache_dir
+  HF_PIPELINE_PULL_FROM       build.pull_from (gs://... or hf://datasets/...: pull, not build)
   HF_HOME / HF_DATASETS_CACHE default cache root ($HF_HOME/datasets/hf_pipeline)
   RANK, WORLD_SIZE, LOCAL_RANK (torchrun) or SLURM_PROCID, SLURM_NTASKS, ... (SLURM)
 """

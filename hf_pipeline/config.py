@@ -14,6 +14,7 @@ Environment variables:
 ``DATASET_MAX_WAIT``            ``coord.max_wait`` (seconds)
 ``DATASET_LEASE_TIMEOUT``       ``coord.lease_timeout`` (seconds)
 ``HF_PIPELINE_CACHE``           ``build.cache_dir``
+``HF_PIPELINE_PULL_FROM``       ``build.pull_from``
 ``HF_DATASETS_CACHE``/``HF_HOME``  default cache root (``$HF_HOME/datasets``)
 ==============================  ==========================================
 
@@ -58,6 +59,7 @@ __all__ = [
     "LoaderConfig",
     "OnBadRows",
     "OnMissing",
+    "PUBLISH_SCHEMES",
     "TrainConfig",
     "default_cache_root",
     "gcs_emulator_host",
@@ -97,6 +99,9 @@ OnMissing = Literal["fail", "skip"]
 #: own cache) needs a cache folder per process, which one ``build.cache_dir`` for the
 #: whole job cannot give; it is for callers of ``dist.ensure_built`` that pass one.
 _CONFIG_SCOPES = tuple(scope for scope in SCOPES if scope != "process")
+
+#: The stores a cache can be published to and pulled from (``hf_pipeline.publish_store``).
+PUBLISH_SCHEMES = ("gs://", "hf://datasets/")
 
 
 def _check(cond: bool, field: str, message: str) -> None:
@@ -251,6 +256,10 @@ class BuildConfig:
     latent_dtype: LatentDtype = "source"
     parallel: ParallelMode = "one"
     part_shards: int = 0
+    #: Where published caches live (``gs://<bucket>[/<prefix>]`` or
+    #: ``hf://datasets/<org>/<repo>[@<revision>][/<path>]``): the builder downloads the
+    #: cache of its fingerprint from there instead of building it ("" never pulls).
+    pull_from: str = ""
 
     def __post_init__(self):
         _check_choice(self.parallel, PARALLEL_MODES, "build.parallel")
@@ -274,6 +283,12 @@ class BuildConfig:
             self.latent_dtype in LATENT_DTYPES,
             "build.latent_dtype",
             f"must be one of {LATENT_DTYPES}, got {self.latent_dtype!r}",
+        )
+        _check(
+            self.pull_from == "" or self.pull_from.startswith(PUBLISH_SCHEMES),
+            "build.pull_from",
+            "must be '' or gs://<bucket>[/<prefix>] or hf://datasets/<org>/<repo>[/<path>], "
+            f"got {self.pull_from!r}",
         )
 
     @property
@@ -456,6 +471,7 @@ _ENV_FIELDS = {
     "DATASET_MAX_WAIT": "coord.max_wait",
     "DATASET_LEASE_TIMEOUT": "coord.lease_timeout",
     "HF_PIPELINE_CACHE": "build.cache_dir",
+    "HF_PIPELINE_PULL_FROM": "build.pull_from",
 }
 
 

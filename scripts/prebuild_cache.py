@@ -4,6 +4,8 @@
   python scripts/prebuild_cache.py                       # the demo
   python scripts/prebuild_cache.py --config configs/coyo11m.yaml --json build.json
   python scripts/prebuild_cache.py --status | --verify | --clean [--dry-run]
+  python scripts/prebuild_cache.py --publish gs://bucket/caches     # build if needed, upload
+  python scripts/prebuild_cache.py --status gs://bucket/caches      # what is published there
 
 Run it on one host with write access to the cache; training ranks then only read.
 Exit codes: 0 ok, 1 coordination failure / store unreachable / problems found by --verify,
@@ -34,7 +36,21 @@ def _parser() -> argparse.ArgumentParser:
         "--json", metavar="PATH", help="write the build summary as JSON to PATH ('-' = stdout)"
     )
     ops = p.add_mutually_exclusive_group()
-    ops.add_argument("--status", action="store_true", help="list the caches under the cache root")
+    ops.add_argument(
+        "--status",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="URL",
+        help="list the caches under the cache root, or those published at URL "
+        "(gs://... or hf://datasets/...)",
+    )
+    ops.add_argument(
+        "--publish",
+        metavar="URL",
+        help="build the cache if needed, then upload it to URL/<name>-<fingerprint>/ "
+        "(gs://<bucket>[/<prefix>] or hf://datasets/<org>/<repo>[/<path>]); resumable",
+    )
     ops.add_argument(
         "--verify", action="store_true", help="re-check every cache's files against its markers"
     )
@@ -59,7 +75,12 @@ def _human_bytes(n: float) -> str:
 
 def _print_summary(result) -> None:
     s = result.summary()
-    how = f"built in {s['seconds']:.1f} s" if result.built else f"found ({s['seconds']:.1f} s)"
+    if result.built:
+        how = f"built in {s['seconds']:.1f} s"
+    elif result.pulled:
+        how = f"pulled in {s['seconds']:.1f} s"
+    else:
+        how = f"found ({s['seconds']:.1f} s)"
     print(f"cache       {s['cache_dir']}  [{how}]")
     print(f"fingerprint {s['fingerprint']}")
     print(f"rows        {s['rows_in']} latent rows in -> {s['rows_out']} kept")
@@ -128,16 +149,73 @@ def _admin(args, cfg) -> int:
     return 0
 
 
+def _published_status(url: str, cfg) -> int:
+    import time
+
+    from hf_pipeline.cache import STAGES
+    from hf_pipeline.publish_store import open_store
+    from hf_pipeline.published import list_published
+
+    rows = list_published(open_store(url, data_config=cfg.data), STAGES)
+    if not rows:
+        print(f"no published caches at {url}")
+        return 0
+    print(f"{'cache':34} {'fingerprint':17} {'state':10} {'rows':>9} {'size':>10}  published")
+    for st in rows:
+        when = (
+            time.strftime("%Y-%m-%d %H:%M", time.localtime(st.published_at))
+            if st.published_at
+            else "-"
+        )
+        count = "-" if st.rows is None else str(st.rows)
+        print(
+            f"{st.name:34} {st.fingerprint:17} {st.state:10} {count:>9} "
+            f"{_human_bytes(st.size_bytes):>10}  {when}{f' by {st.host}' if st.host else ''}"
+        )
+        if st.problem:
+            print(f"    {st.problem}")
+    return 0
+
+
+def _print_publish(report) -> None:
+    verb = {
+        "published": "published",
+        "unchanged": "already there, unchanged",
+        "already_published": "already published by another build; left as it is",
+    }[report.state]
+    print(f"published   {report.url}  [{verb}]")
+    print(
+        f"uploaded    {report.uploaded_files} of {report.files} files, "
+        f"{_human_bytes(report.uploaded_bytes)} in {report.seconds:.1f} s "
+        f"({report.skipped_files} already there)"
+    )
+
+
 def main(args: argparse.Namespace) -> int:
     cfg = cli.config_from_args(args)
+    if isinstance(args.status, str):
+        return _published_status(args.status, cfg)
     if args.status or args.verify or args.clean:
         return _admin(args, cfg)
     from hf_pipeline.build import prepare_cache
 
+    if args.publish:
+        from hf_pipeline.publish_store import parse_location
+
+        parse_location(args.publish)  # a bad URL fails before the build, not after
     result = prepare_cache(cfg, progress=not args.quiet)
     _print_summary(result)
+    summary = result.summary()
+    if args.publish:
+        from hf_pipeline.publish import publish_cache
+
+        report = publish_cache(
+            result.cache_dir, result.fingerprint, args.publish, data_config=cfg.data
+        )
+        _print_publish(report)
+        summary["publish"] = report.as_dict()
     if args.json:
-        text = json.dumps(result.summary(), indent=2, sort_keys=True)
+        text = json.dumps(summary, indent=2, sort_keys=True)
         if args.json == "-":
             print(text)
         else:

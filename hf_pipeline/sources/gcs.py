@@ -105,7 +105,13 @@ class GCSSource(Source, scheme="gs://"):
             self._fs_pid = os.getpid()
         return self._fs_obj
 
-    def _file(self, info: dict) -> RemoteFile:
+    def filesystem(self):
+        """This process's gcsfs filesystem (emulator-aware; retries are the caller's,
+        through :func:`~hf_pipeline.retry.with_retries`)."""
+        return self._fs()
+
+    def describe(self, info: dict) -> RemoteFile:
+        """The :class:`RemoteFile` of one gcsfs ``info``/``ls``/``find`` entry."""
         name = info["name"].rstrip("/")
         if info.get("crc32c"):
             checksum = f"crc32c:{info['crc32c']}"
@@ -135,7 +141,7 @@ class GCSSource(Source, scheme="gs://"):
             if isinstance(err.__cause__, FileNotFoundError):
                 raise SourceError(f"gs://{path}", "no such bucket or prefix") from err.__cause__
             raise
-        out = [self._file(e) for e in entries if e.get("type") == "file"]
+        out = [self.describe(e) for e in entries if e.get("type") == "file"]
         self._listings[path] = out
         return out
 
@@ -163,7 +169,7 @@ class GCSSource(Source, scheme="gs://"):
             if isinstance(err.__cause__, FileNotFoundError):
                 raise SourceError(url, "object does not exist") from err.__cause__
             raise
-        return self._file(info)
+        return self.describe(info)
 
     def read_range(self, file, offset, deadline, stop):
         fs = self._fs()

@@ -239,6 +239,19 @@ class HubSource(Source, scheme="hf://"):
             raise SourceError(file.url, f"not a file of {self.repo_id}")
         return file.url[len(prefix) :].split("/", 1)[1]
 
+    def describe(self, entry: Any) -> RemoteFile:
+        """The :class:`RemoteFile` of one file entry of ``HfApi.list_repo_tree`` at
+        :attr:`commit` (LFS files carry their sha256, others their git blob id)."""
+        lfs = getattr(entry, "lfs", None)
+        sha256 = getattr(lfs, "sha256", None) if lfs is not None else None
+        return RemoteFile(
+            name=entry.path.rsplit("/", 1)[-1],
+            url=self._url(entry.path),
+            size=int(entry.size),
+            etag=sha256 or entry.blob_id,
+            checksum=f"sha256:{sha256}" if sha256 else f"gitsha1:{entry.blob_id}",
+        )
+
     def _list(self, folder: str) -> list[RemoteFile]:
         if folder in self._listings:
             return self._listings[folder]
@@ -272,21 +285,8 @@ class HubSource(Source, scheme="hf://"):
                     self._url(folder), "no such folder in the repository"
                 ) from err.__cause__
             raise
-        out = []
-        for entry in entries:
-            if not hasattr(entry, "blob_id"):
-                continue  # a folder
-            lfs = getattr(entry, "lfs", None)
-            sha256 = getattr(lfs, "sha256", None) if lfs is not None else None
-            out.append(
-                RemoteFile(
-                    name=entry.path.rsplit("/", 1)[-1],
-                    url=self._url(entry.path),
-                    size=int(entry.size),
-                    etag=sha256 or entry.blob_id,
-                    checksum=f"sha256:{sha256}" if sha256 else f"gitsha1:{entry.blob_id}",
-                )
-            )
+        # Folders have no blob id.
+        out = [self.describe(entry) for entry in entries if hasattr(entry, "blob_id")]
         self._save_listing(folder, out)
         self._listings[folder] = out
         return out

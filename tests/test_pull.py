@@ -38,7 +38,6 @@ from tests.helpers.publishing import (  # noqa: F401
     HUB_REPO,
     config,
     demo_data,
-    gcs_server,
     gcs_store,
     hub_store,
     overrides,

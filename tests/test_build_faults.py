@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
 import numpy as np
 import pytest
 
-from hf_pipeline.build import prepare_cache, resolve_inputs
+from hf_pipeline.build import prepare_cache
 from hf_pipeline.cache import open_dataset, open_sample_source
 from hf_pipeline.config import load_config
 from tests.conftest import PYTHON, REPO, SMALL_DEMO, run_mount, run_ranks, script_env
+from tests.helpers.caches import copy_inputs
 
 pytestmark = pytest.mark.slow
-
-
-def _local_copy(small_config, folder):
-    """The small demo's files in a plain folder (outside the cache root)."""
-    inputs = resolve_inputs(small_config)
-    folder.mkdir()
-    for f in [*inputs.shards, inputs.metadata]:
-        shutil.copy2(f.url, folder / f.name)
-    return folder
 
 
 def _snapshot(root):
@@ -36,7 +27,7 @@ def _published(root):
 
 
 def test_full_disk_fails_cleanly_for_every_rank_then_succeeds(small_config, built_cache, tmp_path, mounts):
-    data = _local_copy(small_config, tmp_path / "data")
+    data = copy_inputs(small_config, tmp_path / "data")
     disk = tmp_path / "disk"
     disk.mkdir()
     mounts("-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk))  # the rows need ~10 MB
@@ -80,7 +71,7 @@ def test_read_only_mount_of_built_cache_loads_without_writing(small_config, buil
 
 
 def test_read_only_unbuilt_cache_fails_at_once_with_advice(small_config, tmp_path, mounts):
-    data = _local_copy(small_config, tmp_path / "data")
+    data = copy_inputs(small_config, tmp_path / "data")
     ro = tmp_path / "ro"
     (tmp_path / "empty").mkdir()
     ro.mkdir()
@@ -106,7 +97,7 @@ def test_sigkilled_builder_takes_its_join_workers_with_it(small_config, tmp_path
 
     import psutil
 
-    data = _local_copy(small_config, tmp_path / "data")
+    data = copy_inputs(small_config, tmp_path / "data")
     args = ["-q", "--cache-dir", str(tmp_path / "cache"), "--set", f"data.shards={data}",
             *[a for o in SMALL_DEMO for a in ("--set", o)], "--set", "data.demo.num_shards=4"]
     proc = subprocess.Popen([PYTHON, str(REPO / "scripts/prebuild_cache.py"), *args],

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import re
 import signal
 import subprocess
 import time
@@ -237,16 +236,6 @@ def proxy(gcs_env, monkeypatch):
         yield p
 
 
-def _media(proxy: FaultProxy, name: str) -> list[tuple[int, int]]:
-    """(start, end) byte ranges of the body downloads of ``name`` seen so far."""
-    out = []
-    for r in list(proxy.log):
-        if name in r.path and "alt=media" in r.path and r.method == "GET":
-            m = re.fullmatch(r"bytes=(\d+)-(\d*)", r.range or "")
-            out.append((int(m.group(1)), int(m.group(2) or -1)) if m else (0, -1))
-    return out
-
-
 @pytest.mark.slow
 def test_kill_mid_download_then_rerun_fetches_nothing_twice(
     proxy, bucket, demo, local_build, tmp_path, monkeypatch, hf_home
@@ -304,7 +293,7 @@ def test_kill_mid_download_then_rerun_fetches_nothing_twice(
         and slow not in staged_at_kill
         and 0 < partial < demo.shard_paths[0].stat().st_size
     )
-    before = {n: len(_media(proxy, n)) for n in names}
+    before = {n: len(proxy.media_ranges(n)) for n in names}
     with proxy._lock:
         proxy._faults.clear()  # the network is fine again; keep the request log
 
@@ -312,7 +301,7 @@ def test_kill_mid_download_then_rerun_fetches_nothing_twice(
     res = prepare_cache(load_config(None, over, environ={}), progress=False)
     assert res.built
     _assert_same_content(res, local_build)
-    after = {n: _media(proxy, n) for n in names}
+    after = {n: proxy.media_ranges(n) for n in names}
     # A shard staged and verified before the kill is never fetched again.
     for n in staged_at_kill:
         assert len(after[n]) == before[n], f"{n} was staged before the kill and fetched again"

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPO, SMALL_DEMO, run_ranks
+from tests.helpers.caches import copy_inputs
 
 pytestmark = pytest.mark.slow
 
@@ -76,19 +77,6 @@ def test_node_scope_one_build_per_node(tmp_path):
         assert len(caches) == 1 and (caches[0] / "filtered.json").is_file()
 
 
-def _copy_inputs(small_config, folder):
-    """The small demo's files in a plain folder: both builds must see the same files."""
-    import shutil
-
-    from hf_pipeline.build import resolve_inputs
-
-    inputs = resolve_inputs(small_config)
-    folder.mkdir()
-    for f in [*inputs.shards, inputs.metadata]:
-        shutil.copy2(f.url, folder / f.name)
-    return folder
-
-
 def _everything(res):
     from hf_pipeline.cache import open_dataset
 
@@ -103,7 +91,7 @@ def test_four_ranks_build_in_parts_equal_to_one_builder(small_config, tmp_path):
     from hf_pipeline.build import prepare_cache
     from hf_pipeline.config import load_config
 
-    data = _copy_inputs(small_config, tmp_path / "data")
+    data = copy_inputs(small_config, tmp_path / "data")
     base = [*SMALL_DEMO, f"data.shards={data}", "coord.poll_interval=0.1"]
     one = prepare_cache(
         load_config(None, [*base, f"build.cache_dir={tmp_path / 'one'}"], environ={}),
@@ -146,7 +134,7 @@ def test_sigkilled_part_builder_only_its_part_is_redone(small_config, tmp_path):
     from hf_pipeline.config import load_config
     from tests.conftest import PYTHON, script_env
 
-    data = _copy_inputs(small_config, tmp_path / "data")
+    data = copy_inputs(small_config, tmp_path / "data")
     base = [*SMALL_DEMO, f"data.shards={data}", "coord.poll_interval=0.1"]
     par = [*base, f"build.cache_dir={tmp_path / 'par'}", "build.parallel=ranks",
            "coord.lease_timeout=4", "coord.heartbeat_interval=0.5"]  # fmt: skip

@@ -174,16 +174,6 @@ def test_two_nodes_two_ranks_pull_instead_of_building(
 # ------------------------------------------------------------------ killed half-way
 
 
-def _media(proxy: FaultProxy, name: str) -> list[tuple[int, int]]:
-    """(start, end) byte ranges of the body downloads of ``name`` seen so far."""
-    out = []
-    for r in list(proxy.log):
-        if name in r.path and "alt=media" in r.path and r.method == "GET":
-            m = re.fullmatch(r"bytes=(\d+)-(\d*)", r.range or "")
-            out.append((int(m.group(1)), int(m.group(2) or -1)) if m else (0, -1))
-    return out
-
-
 @pytest.mark.slow
 def test_pull_killed_half_way_resumes_without_fetching_twice(
     source_cache, gcs_store, tmp_path, monkeypatch
@@ -244,14 +234,14 @@ def test_pull_killed_half_way_resumes_without_fetching_twice(
         assert 0 < partial < big["size"]
         cache = root / Path(src.cache_dir).name
         assert not (cache / marker_name("converted")).exists()  # nothing half-published
-        before = {p: len(_media(proxy, p)) for p in files}
+        before = {p: len(proxy.media_ranges(p)) for p in files}
         with proxy._lock:
             proxy._faults.clear()  # the network is fine again; keep the request log
 
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
         monkeypatch.setattr(GCSSource, "read_chunk", chunk)
         res = prepare_cache(config(source_cache.data, *over_args), progress=False)
-        after = {p: _media(proxy, p) for p in files}
+        after = {p: proxy.media_ranges(p) for p in files}
     assert (res.built, res.pulled, res.fingerprint) == (False, True, src.fingerprint)
     assert tree(res) == tree(src)
     for p in others:  # verified before the kill: never fetched again

@@ -166,3 +166,17 @@ def open_source(root, num_rows: int, *, fingerprint: str, **cache_kw) -> Iterato
         yield source
     finally:
         source.close()
+
+
+def copy_inputs(config, folder):
+    """The demo inputs of ``config`` copied into a plain ``folder`` (outside the cache
+    root): builds that must see the very same files (and so one fingerprint)."""
+    import shutil
+
+    from hf_pipeline.build import resolve_inputs
+
+    inputs = resolve_inputs(config)
+    folder.mkdir()
+    for f in [*inputs.shards, inputs.metadata]:
+        shutil.copy2(f.url, folder / f.name)
+    return folder

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import http.client
 import json
+import re
 import socket
 import struct
 import threading
@@ -78,6 +79,16 @@ class FaultProxy(LoopbackServer):
             proxy.add(Fault(match="000000-000009.pt", action="status", status=503, times=2))
             os.environ["STORAGE_EMULATOR_HOST"] = proxy.url
     """
+
+    def media_ranges(self, name: str) -> list[tuple[int, int]]:
+        """(start, end) byte ranges of the GCS body downloads of ``name`` seen so far
+        (end -1: to the end of the object)."""
+        out = []
+        for r in list(self.log):
+            if name in r.path and "alt=media" in r.path and r.method == "GET":
+                m = re.fullmatch(r"bytes=(\d+)-(\d*)", r.range or "")
+                out.append((int(m.group(1)), int(m.group(2) or -1)) if m else (0, -1))
+        return out
 
     def __init__(self, upstream: str):
         parts = urlsplit(upstream)

@@ -148,11 +148,11 @@ def _copy_demo(small_config, tmp_path) -> tuple[Path, Path]:
 
 
 def _nothing_published(root: Path) -> None:
-    for cache in root.glob("bad-*"):
+    for cache in root.glob("bad*-*"):
         assert not (cache / "converted.json").exists()
         assert not (cache / "filtered.json").exists()
-        assert not (cache / "converted").exists()
-        assert not list(cache.glob("*.tmp-*")), "builder left a temp folder behind"
+        stage_dirs = [p for p in cache.glob("*.*") if p.is_dir()]  # <stage>.<lease>/
+        assert stage_dirs == [], f"builder left {stage_dirs} behind"
 
 
 def test_corrupt_shard_fails_cleanly(small_config, tmp_path):
@@ -492,3 +492,30 @@ def test_source_storage_refuses_mixed_shard_dtypes(tmp_path):
     )
     with open_sample_source(built.layout, built.fingerprint) as src:
         np.testing.assert_array_equal(src.gather(np.arange(18), 0)["latents"], ref[:, 0])
+
+
+def test_encoder_load_error_from_the_background_thread_fails_the_build(small_config, tmp_path):
+    """The encoder loads on a thread while the workers join: its error must surface as
+    the build's own (one ConfigError naming encoder.model), nothing published."""
+    import shutil
+
+    from hf_pipeline.embed import resolve_encoder_path
+    from hf_pipeline.errors import ConfigError
+
+    # The tokenizer loads (the join workers tokenize), the model does not: no weights.
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    for f in Path(resolve_encoder_path("minilm")).iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".onnx", ".h5")):
+            shutil.copy2(f, broken / f.name)
+    cfg = load_config(
+        None,
+        [*SMALL_DEMO, "name=badenc", f"build.cache_dir={tmp_path / 'c'}",
+         f"encoder.model={broken}"],
+        environ={},
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="encoder.model") as ei:
+        prepare_cache(cfg, progress=False)
+    # Raised where the part waits for the encoder, after its join ran.
+    assert any(entry.name == "build_part" for entry in ei.traceback)
+    _nothing_published(tmp_path / "c")

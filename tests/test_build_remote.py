@@ -13,7 +13,6 @@ import contextlib
 import hashlib
 import os
 import signal
-import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -26,7 +25,8 @@ from hf_pipeline.build import REASONS, prepare_cache
 from hf_pipeline.cache import open_dataset
 from hf_pipeline.config import load_config
 from hf_pipeline.errors import SourceError
-from tests.conftest import PYTHON, REPO, SMALL_DEMO, script_env
+from tests.conftest import SMALL_DEMO
+from tests.helpers.remote_build import start_remote_build
 from tests.servers import gcs_fs, gcs_server, hf_home  # noqa: F401
 from tests.servers.hub import FakeHub
 from tests.servers.proxy import Fault, FaultProxy
@@ -257,19 +257,7 @@ def test_kill_mid_download_then_rerun_fetches_nothing_twice(
         "coord.heartbeat_interval=0.5",
     ]
     proxy.add(Fault(match=slow, action="throttle", rate=chunk, times=-1))
-    env = script_env(
-        STORAGE_EMULATOR_HOST=proxy.url,
-        GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",
-        HF_HOME=str(hf_home),
-    )
-    proc = subprocess.Popen(
-        [PYTHON, "-m", "tests.procs.build_remote_main", f"--read-chunk={chunk}", *over],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,  # its datasets workers die with it
-    )
+    proc = start_remote_build(proxy.url, chunk, over, hf_home)
     try:
         deadline = time.monotonic() + 120
         while True:

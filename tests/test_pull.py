@@ -44,6 +44,7 @@ from tests.helpers.publishing import (  # noqa: F401
     source_cache,
     tree,
 )
+from tests.helpers.remote_build import start_remote_build
 from tests.servers import gcs_fs
 from tests.servers.proxy import Fault, FaultProxy
 
@@ -198,19 +199,7 @@ def test_pull_killed_half_way_resumes_without_fetching_twice(
     over = overrides(source_cache.data, *over_args)
     with FaultProxy(server) as proxy:
         proxy.add(Fault(match=slow, action="throttle", rate=chunk, times=-1))
-        env = script_env(
-            STORAGE_EMULATOR_HOST=proxy.url,
-            GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",
-            HF_HOME=str(tmp_path / "home"),
-        )
-        proc = subprocess.Popen(
-            [PYTHON, "-m", "tests.procs.build_remote_main", f"--read-chunk={chunk}", *over],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
+        proc = start_remote_build(proxy.url, chunk, over, tmp_path / "home")
         staging = root / ".staging" / f"pull-{src.fingerprint}" / "files"
         slow_dir, slow_name = staging / Path(slow).parent, Path(slow).name
         try:

@@ -47,6 +47,10 @@ def main() -> int:
     ap.add_argument("--dtype", default="float16", help="encoder.dtype")
     ap.add_argument("--work-dir", default="")
     ap.add_argument("--json", default="")
+    ap.add_argument(
+        "--rebuild", action="store_true",
+        help="remove the caches already in --work-dir first (the generated demo stays)",
+    )  # fmt: skip
     args = ap.parse_args()
 
     import numpy as np
@@ -69,6 +73,12 @@ def main() -> int:
         f"encoder.dtype={args.dtype}",
     ]
     cfg = load_config(None, overrides)
+    if args.rebuild and (work / "cache").is_dir():
+        import shutil
+
+        for old in (work / "cache").iterdir():
+            if not old.name.startswith("."):  # .demo-data, .staging: inputs, not caches
+                shutil.rmtree(old)
     # The demo is generated once (timed apart): the figures are the build's.
     from hf_pipeline.build import resolve_inputs
 
@@ -105,6 +115,7 @@ def main() -> int:
         "bare_forward_rows_per_s": round(len(ids) / bare),
         "embed_stage_rows_per_s": round(embedded_rows / max(r["seconds_embed"], 1e-9)),
         "embed_stage_vs_bare": round((embedded_rows / r["seconds_embed"]) / (len(ids) / bare), 3),
+        "parts": r["parts"],  # each part's join timeline and encoder wait
         "encoder": {"dtype": cfg.encoder.dtype, "compile": cfg.encoder.compile,
                     "tokens_per_batch": cfg.encoder.tokens_per_batch},
     }  # fmt: skip

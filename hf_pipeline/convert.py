@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ __all__ = [
     "choose_storage",
     "convert_shards",
     "join_shards",
+    "join_timeline",
     "summarize_precision",
 ]
 
@@ -57,7 +59,8 @@ def summarize_precision(parts: list[dict[str, Any]], storage: str) -> dict[str, 
     loss = PrecisionLoss()
     for part in parts:
         by_dtype[part["source_dtype"]] = by_dtype.get(part["source_dtype"], 0) + 1
-        loss = loss + PrecisionLoss(**{k: v for k, v in part.items() if k != "source_dtype"})
+        counts = {k: v for k, v in part.items() if k not in ("source_dtype", "timing")}
+        loss = loss + PrecisionLoss(**counts)
     sources = sorted(by_dtype)
     return {
         "source_dtype": sources[0] if len(sources) == 1 else ("mixed" if sources else ""),
@@ -66,6 +69,33 @@ def summarize_precision(parts: list[dict[str, Any]], storage: str) -> dict[str, 
         "lossy": not all(is_exact(d, storage) for d in sources),
         **loss.as_dict(),
     }
+
+
+def join_timeline(shards: list[dict[str, Any]], start: float, end: float) -> dict[str, Any]:
+    """Where the join's wall time went, from the per-shard ``timing`` records.
+
+    ``start``/``end`` (wall clock) bracket the ``Dataset.map`` call. The result says how
+    long the workers took to start (``seconds_to_first_shard``: the pool spawns and the
+    workers import their libraries), how long shards were being converted
+    (``seconds_converting``, first shard start to last shard end), what followed the last
+    shard (``seconds_after_last_shard``: the pool shuts down, ``datasets`` gathers the
+    files), and the workers' busy time (``worker_busy_seconds``, summed over shards).
+    """
+    times = [s["timing"] for s in shards if "timing" in s]
+    out: dict[str, Any] = {
+        "seconds": round(end - start, 3),
+        "workers": len({t["pid"] for t in times}),
+    }
+    if times:
+        first = min(t["start"] for t in times)
+        last = max(t["end"] for t in times)
+        out |= {
+            "seconds_to_first_shard": round(first - start, 3),
+            "seconds_converting": round(last - first, 3),
+            "seconds_after_last_shard": round(end - last, 3),
+            "worker_busy_seconds": round(sum(t["end"] - t["start"] for t in times), 3),
+        }
+    return out
 
 
 def choose_storage(wanted: str, shards: Sequence[Any], client, timeout: float) -> Storage:
@@ -147,6 +177,7 @@ def convert_shards(
     keys, latents, captions, reasons, token_ids = [], [], [], [], []
     for index, name in zip(indices, batch["shard"], strict=True):
         probe.check()
+        t_start = time.time()  # wall clock: the timeline compares processes
         f = files[name]
         path = client.acquire(f, timeout=fetch_timeout)
         if path is None:  # skipped under on_missing="skip"; recorded by the fetcher
@@ -163,12 +194,6 @@ def convert_shards(
                 "stores one dtype for all shards: set build.latent_dtype explicitly "
                 "(float32 stores float16, bfloat16 and float32 exactly)",
             )
-        # One small file per shard: the builder adds them up for the report.
-        write_json_atomic(
-            Path(precision_dir) / f"{index:09d}.json",
-            {"source_dtype": shard.source_dtype, **shard.loss.as_dict()},
-            durable=False,
-        )
         k, lat = shard.keys, to_arrow(shard.latents)
         bad = shard.nonfinite
         if bad.any():
@@ -194,6 +219,16 @@ def convert_shards(
         keep = np.flatnonzero(why == "")
         for i, seq in zip(keep, tokenizer([texts[i] for i in keep]), strict=True):
             ids[i] = seq
+        # One small file per shard: the builder adds them up for the report.
+        write_json_atomic(
+            Path(precision_dir) / f"{index:09d}.json",
+            {
+                "source_dtype": shard.source_dtype,
+                **shard.loss.as_dict(),
+                "timing": {"pid": os.getpid(), "start": t_start, "end": time.time()},
+            },
+            durable=False,
+        )
         reasons.append(why)
         captions.append(texts)
         token_ids.append(ids)
@@ -226,6 +261,7 @@ class JoinResult:
         precision: the report's ``precision`` block.
         fetch: the fetcher's stats (downloads, retries, skipped files).
         num_proc: workers used.
+        timeline: where the wall time went (:func:`join_timeline`).
     """
 
     rows: Any
@@ -233,6 +269,7 @@ class JoinResult:
     precision: dict[str, Any]
     fetch: dict[str, Any]
     num_proc: int
+    timeline: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def join_shards(
@@ -286,6 +323,7 @@ def join_shards(
                 "input_ids": List(Value("int32")),
             }
         )
+        t_map = time.time()
         rows = shard_names.map(
             convert_shards,
             batched=True,
@@ -311,11 +349,10 @@ def join_shards(
             keep_in_memory=False,
             desc="Join + tokenize captions",
         )
+        t_done = time.time()
         fetch_stats = fetcher.stats()
-    precision = summarize_precision(
-        [json.loads(p.read_text()) for p in sorted(precision_dir.glob("*.json"))],
-        storage.dtype,
-    )
+    per_shard = [json.loads(p.read_text()) for p in sorted(precision_dir.glob("*.json"))]
+    precision = summarize_precision(per_shard, storage.dtype)
     if precision["lossy"]:
         log.warning(
             "build.latent_dtype %s is lossy for %s latents: %d of %d values changed, "
@@ -330,5 +367,10 @@ def join_shards(
             storage.dtype,
         )
     return JoinResult(
-        rows=rows, storage=storage, precision=precision, fetch=fetch_stats, num_proc=num_proc
+        rows=rows,
+        storage=storage,
+        precision=precision,
+        fetch=fetch_stats,
+        num_proc=num_proc,
+        timeline=join_timeline(per_shard, t_map, t_done),
     )

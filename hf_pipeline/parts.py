@@ -56,6 +56,12 @@ log = logging.getLogger("hf_pipeline")
 #: The final drop reason of every row of the stage, in row order (one string column).
 REASONS_FILE = "reasons.arrow"
 _PARTS = "parts"
+#: What the build report lists of each part (``join`` and the encoder wait: where the
+#: part's time went; absent from parts published before them).
+_PART_REPORT = (
+    "shards", "rows_in", "builder", "seconds_convert", "seconds_embed",
+    "seconds_encoder_wait", "join",
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +138,7 @@ def build_part(
     keys = joined.rows.data.column("key").to_numpy()
     pre = ReasonCodes(joined.rows.data.column("drop_reason"))
     nonfinite = pre.mask(NONFINITE)
+    t_wait = time.monotonic()
     if hasattr(encoder, "result"):  # a Future: waits here, re-raises a load error
         encoder = encoder.result()
     t1 = time.monotonic()
@@ -156,6 +163,9 @@ def build_part(
         "latent_dtype": joined.storage.dtype,
         "seconds_convert": round(t_convert, 3),
         "seconds_embed": round(time.monotonic() - t1, 3),
+        # The join's own timeline, and the wait for the encoder loading beside it.
+        "join": joined.timeline,
+        "seconds_encoder_wait": round(t1 - t_wait, 3),
         "num_proc": joined.num_proc,
     }
 
@@ -228,10 +238,7 @@ def assemble(
         "bad_rows": bad_rows_summary(keys, nonfinite),
         "embed_dim": int(max((i["embed_dim"] for i in infos), default=0)),
         "shards": sum(int(i["shards"]) for i in infos),
-        "parts": [
-            {k: i.get(k) for k in ("shards", "rows_in", "builder", "seconds_convert")}
-            for i in infos
-        ],
+        "parts": [{k: i.get(k) for k in _PART_REPORT if k in i} for i in infos],
         "fetch": _merge_fetch([i.get("fetch", {}) for i in infos]),
         "seconds_convert": round(sum(float(i["seconds_convert"]) for i in infos), 3),
         "seconds_embed": round(sum(float(i["seconds_embed"]) for i in infos), 3),

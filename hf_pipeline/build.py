@@ -58,7 +58,7 @@ from hf_pipeline.cache import (
 from hf_pipeline.config import Config
 from hf_pipeline.parts import REASONS_FILE
 from hf_pipeline.remote_file import RemoteFile
-from hf_pipeline.workers import check_not_bootstrapping, spawned_workers
+from hf_pipeline.workers import check_not_bootstrapping, clean_workers
 
 if TYPE_CHECKING:  # pragma: no cover
     from hf_pipeline.demo import DemoData
@@ -196,7 +196,8 @@ def _save_captions(cfg: Config, inputs: Inputs, path: Path):
 
 
 def _load_encoder_in_background(cfg: Config, process):
-    """Start loading this process's encoder on a thread; the executor and the future.
+    """Start loading this process's encoder on a thread; the executor and the futures
+    of its tokenizer and of the encoder.
 
     transformers is imported here first: ``datasets`` inspects ``transformers`` (when it
     is in ``sys.modules``) while it fingerprints a map, and must never see it half
@@ -205,11 +206,15 @@ def _load_encoder_in_background(cfg: Config, process):
     import transformers  # noqa: F401
     from transformers import AutoModel, PreTrainedTokenizerBase  # noqa: F401
 
+    from hf_pipeline.embed import CaptionTokenizer
+
     loader = ThreadPoolExecutor(1, thread_name_prefix="hf_pipeline-encoder-load")
-    return loader, loader.submit(_encoder, cfg, process)
+    # The tokenizer first: the join's workers need it (exported) before the model.
+    tokenizer = loader.submit(CaptionTokenizer, cfg.encoder)
+    return loader, tokenizer, loader.submit(_encoder, cfg, process, tokenizer)
 
 
-def _encoder(cfg: Config, process):
+def _encoder(cfg: Config, process, tokenizer):
     """The encoder of this process: with ``build.parallel: ranks`` and ``device: auto``,
     each rank of a node on its own GPU (``cuda:<local rank>``)."""
     from hf_pipeline.embed import TextEncoder, describe_device
@@ -221,7 +226,7 @@ def _encoder(cfg: Config, process):
         if torch.cuda.is_available():
             device = f"cuda:{process.local_rank % torch.cuda.device_count()}"
             enc_cfg = dataclasses.replace(enc_cfg, device=device)
-    encoder = TextEncoder(enc_cfg)
+    encoder = TextEncoder(enc_cfg, tokenizer=tokenizer.result())
     log.info("encoder %s (dim %d) on %s", enc_cfg.model, encoder.dim, describe_device())
     return encoder
 
@@ -269,7 +274,7 @@ class _Builder:
         built = []
         # The model loads (disk, then the accelerator) while the caption table is written
         # and the num_proc workers join: it is ready when the first embedding starts.
-        loader, encoder = _load_encoder_in_background(self.cfg, self.process)
+        loader, tokenizer, encoder = _load_encoder_in_background(self.cfg, self.process)
         with loader:
             table = _save_captions(self.cfg, self.inputs, work / "captions.arrow")
             for plan in plan_parts(len(shards), self.cfg.build.part_shards):
@@ -284,6 +289,7 @@ class _Builder:
                     out_dir=folder,
                     fingerprint=f"{self.fingerprint}-{plan.name}",
                     progress=self.progress,
+                    tokenizer=tokenizer,
                 )
                 built.append((folder, {**info, "builder": _me()}))
         info = assemble(tmp, built, table=table, link_from=False)
@@ -386,7 +392,7 @@ def _stage(name: str, fn):
 
     def run(ctx):
         log.info("building stage %s of %s", name, ctx.cache_dir)
-        with spawned_workers():  # the num_proc pools: see hf_pipeline.workers
+        with clean_workers():  # the num_proc pools: see hf_pipeline.workers
             return fn(ctx)
 
     return Stage(name=name, build=run)
@@ -413,7 +419,7 @@ def _build_parts_together(cfg, inputs, fingerprint, layout, process, progress, t
     root = layout.root / "parts"
     root.mkdir(parents=True, exist_ok=True)
     # The model loads in the background while the caption table and the first join run.
-    loader, encoder = _load_encoder_in_background(cfg, process)
+    loader, tokenizer, encoder = _load_encoder_in_background(cfg, process)
 
     def captions(ctx):
         table = _save_captions(cfg, inputs, Path(ctx.tmp_dir) / "captions.arrow")
@@ -430,13 +436,14 @@ def _build_parts_together(cfg, inputs, fingerprint, layout, process, progress, t
     captions_path = root / "captions" / cap.directory / "captions.arrow"
     shards = inputs.shards
     plans = plan_parts(len(shards), cfg.build.part_shards or -(-len(shards) // max(1, count)))
+
     def part_builder(plan):
         def build(ctx):
             info = build_part(
                 cfg=cfg, source=inputs.source, shards=shards[plan.start : plan.stop],
                 captions_path=str(captions_path), probe=ctx.probe, encoder=encoder,
                 out_dir=Path(ctx.tmp_dir), fingerprint=f"{fingerprint}-{plan.name}",
-                progress=progress,
+                progress=progress, tokenizer=tokenizer,
             )  # fmt: skip
             return {**info, "builder": _me()}
 

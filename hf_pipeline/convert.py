@@ -33,6 +33,7 @@ __all__ = [
     "convert_shards",
     "join_shards",
     "join_timeline",
+    "worker_tokenizer",
     "summarize_precision",
 ]
 
@@ -134,16 +135,37 @@ def _captions(path: str):
     return table
 
 
-def _tokenizer(cfg):
-    # One tokenizer per worker process, loaded there. The workers already run
-    # in parallel, so each tokenizes on one thread (no oversubscription).
-    tok = _TOKENIZERS.get(cfg)
+def _tokenizer(spec):
+    # One tokenizer per worker process, loaded there: from the builder's TokenizerSpec
+    # (``tokenizers`` alone), else (no Rust backend) transformers from the encoder config.
+    # The workers already run in parallel, so each tokenizes on one thread.
+    tok = _TOKENIZERS.get(spec)
     if tok is None:
-        from hf_pipeline.embed import CaptionTokenizer
+        from hf_pipeline.embed import CaptionTokenizer, TokenizerSpec, WorkerTokenizer
 
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        tok = _TOKENIZERS[cfg] = CaptionTokenizer(cfg)
+        kind = WorkerTokenizer if isinstance(spec, TokenizerSpec) else CaptionTokenizer
+        tok = _TOKENIZERS[spec] = kind(spec)
     return tok
+
+
+def worker_tokenizer(tokenizer, cfg, folder: Path):
+    """What the join workers tokenize with: a :class:`~hf_pipeline.embed.TokenizerSpec`
+    saved in ``folder``, or the encoder config when the tokenizer has no Rust backend.
+
+    Args:
+        tokenizer: this process's :class:`~hf_pipeline.embed.CaptionTokenizer`, a future
+            of it (loading in the background), or None (loaded here).
+        cfg: the :class:`hf_pipeline.config.Config`.
+        folder: where the spec's file goes (the part's scratch folder).
+    """
+    if tokenizer is None:
+        from hf_pipeline.embed import CaptionTokenizer
+
+        tokenizer = CaptionTokenizer(cfg.encoder)
+    elif hasattr(tokenizer, "result"):  # a Future: waits here, re-raises a load error
+        tokenizer = tokenizer.result()
+    return tokenizer.export(folder) or cfg.encoder
 
 
 def convert_shards(
@@ -157,7 +179,7 @@ def convert_shards(
     storage: Storage,
     precision_dir: str,
     fetch_timeout: float,
-    encoder,
+    tokenizer,
     on_bad_rows: str,
 ) -> dict[str, Any]:
     """``datasets.map`` function: shard file names -> joined, tokenized latent rows.
@@ -173,7 +195,7 @@ def convert_shards(
     from hf_pipeline.shards import LATENT_SHAPE, read_shard
 
     table = _captions(captions_path)
-    tokenizer = _tokenizer(encoder)
+    tokenize = _tokenizer(tokenizer)
     keys, latents, captions, reasons, token_ids = [], [], [], [], []
     for index, name in zip(indices, batch["shard"], strict=True):
         probe.check()
@@ -217,7 +239,7 @@ def convert_shards(
         texts = caps.fill_null("").to_pylist()
         ids: list[list[int]] = [[] for _ in texts]
         keep = np.flatnonzero(why == "")
-        for i, seq in zip(keep, tokenizer([texts[i] for i in keep]), strict=True):
+        for i, seq in zip(keep, tokenize([texts[i] for i in keep]), strict=True):
             ids[i] = seq
         # One small file per shard: the builder adds them up for the report.
         write_json_atomic(
@@ -283,6 +305,7 @@ def join_shards(
     work_dir: Path,
     fingerprint: str,
     progress: bool,
+    tokenizer=None,
 ) -> JoinResult:
     """Run the join over ``shards`` into ``out_file`` (Arrow) with ``build.num_proc`` workers.
 
@@ -296,6 +319,8 @@ def join_shards(
         work_dir: scratch folder (per-shard precision files).
         fingerprint: used for the ``datasets`` cache fingerprint.
         progress: show the fetcher's progress bar.
+        tokenizer: this process's caption tokenizer, or a future of it, or None (see
+            :func:`worker_tokenizer`).
     """
     from datasets import Array4D, Dataset, Features, List, Value
 
@@ -341,7 +366,7 @@ def join_shards(
                 "storage": storage,
                 "precision_dir": str(precision_dir),
                 "fetch_timeout": fetch_timeout,
-                "encoder": cfg.encoder,
+                "tokenizer": worker_tokenizer(tokenizer, cfg, work_dir),
                 "on_bad_rows": cfg.data.on_bad_rows,
             },
             cache_file_name=str(out_file),

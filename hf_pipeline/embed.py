@@ -8,11 +8,13 @@ is split".
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -23,6 +25,8 @@ __all__ = [
     "CaptionTokenizer",
     "MicroBatch",
     "TextEncoder",
+    "TokenizerSpec",
+    "WorkerTokenizer",
     "encoder_identity",
     "micro_batches",
     "resolve_encoder_path",
@@ -188,6 +192,68 @@ class CaptionTokenizer:
             list(texts), truncation=True, max_length=self.max_length, padding=False
         )["input_ids"]
 
+    def export(self, folder: str | os.PathLike) -> TokenizerSpec | None:
+        """This tokenizer for the join workers, as a :class:`TokenizerSpec` (a file in
+        ``folder``); None when it has no ``tokenizers`` (Rust) backend.
+
+        The file is the backend exactly as transformers configured it (the post-processor
+        that adds BOS/EOS or [CLS]/[SEP] included); :class:`WorkerTokenizer` applies the
+        same truncation as :meth:`__call__`, so the ids are the same, while a worker saves
+        importing transformers (seconds per process on a GPU host).
+        """
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return None
+        path = Path(folder) / "tokenizer.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(backend.to_str())
+        return TokenizerSpec(
+            path=str(path),
+            max_length=self.max_length,
+            direction=self.tokenizer.truncation_side,
+            split_special_tokens=bool(getattr(self.tokenizer, "split_special_tokens", False)),
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TokenizerSpec:
+    """A :class:`CaptionTokenizer` as the join workers load it: the serialized ``tokenizers``
+    backend (``path``) and the call's settings."""
+
+    path: str
+    max_length: int
+    direction: Literal["left", "right"]
+    split_special_tokens: bool
+
+    def __post_init__(self):
+        if self.max_length < 1:
+            raise ValueError(f"max_length must be >= 1, got {self.max_length}")
+        if self.direction not in ("left", "right"):
+            raise ValueError(f"direction must be 'left' or 'right', got {self.direction!r}")
+
+
+class WorkerTokenizer:
+    """:class:`CaptionTokenizer`'s ids from a :class:`TokenizerSpec`, with ``tokenizers``
+    alone (what transformers' fast tokenizers call: ``encode_batch`` with the call's
+    truncation, no padding, special tokens added). One per worker; not thread-safe."""
+
+    def __init__(self, spec: TokenizerSpec):
+        from tokenizers import Tokenizer
+
+        self.spec = spec
+        self.tokenizer = Tokenizer.from_file(spec.path)
+        self.tokenizer.no_padding()
+        self.tokenizer.enable_truncation(
+            spec.max_length, stride=0, strategy="longest_first", direction=spec.direction
+        )
+        self.tokenizer.encode_special_tokens = spec.split_special_tokens
+
+    def __call__(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of ``texts`` (special tokens added, truncated, not padded)."""
+        if not len(texts):
+            return []
+        return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=True)]
+
 
 class TextEncoder:
     """Batched caption embeddings: masked mean pooling of the last hidden state.
@@ -198,9 +264,10 @@ class TextEncoder:
 
     Args:
         cfg: encoder settings (model, revision, max_length, dtype, device).
+        tokenizer: its :class:`CaptionTokenizer` when already loaded (of ``cfg``).
     """
 
-    def __init__(self, cfg: EncoderConfig):
+    def __init__(self, cfg: EncoderConfig, *, tokenizer: CaptionTokenizer | None = None):
         import torch
         from transformers import AutoModel
 
@@ -213,7 +280,7 @@ class TextEncoder:
                 "encoder.dtype %s on CPU is slow or unsupported; computing in float32", cfg.dtype
             )
             dtype = torch.float32
-        self.tokenizer = CaptionTokenizer(cfg)
+        self.tokenizer = tokenizer or CaptionTokenizer(cfg)
         try:
             self.model = AutoModel.from_pretrained(
                 path, dtype=dtype, attn_implementation=cfg.attn_implementation, **kwargs

@@ -104,6 +104,7 @@ def build_part(
     out_dir: Path,
     fingerprint: str,
     progress: bool,
+    tokenizer=None,
 ) -> dict[str, Any]:
     """Join and embed one part's ``shards`` into ``out_dir``; its info (JSON-able).
 
@@ -118,6 +119,8 @@ def build_part(
         out_dir: the part's folder (created).
         fingerprint: the ``datasets`` cache fingerprint prefix.
         progress: show the fetcher's progress bar.
+        tokenizer: the encoder's :class:`hf_pipeline.embed.CaptionTokenizer` or a future
+            of it (the join workers tokenize with it); None: loaded for the join.
     """
     from hf_pipeline.convert import join_shards
     from hf_pipeline.embed_stage import embed_joined_rows
@@ -133,6 +136,7 @@ def build_part(
         work_dir=out_dir / "_work",
         fingerprint=fingerprint,
         progress=progress,
+        tokenizer=tokenizer,
     )
     t_convert = time.monotonic() - t0
     keys = joined.rows.data.column("key").to_numpy()

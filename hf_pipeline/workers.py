@@ -1,7 +1,8 @@
-"""Worker processes for ``datasets``' ``num_proc``: spawned, never forked from the caller.
+"""Worker processes for ``datasets``' ``num_proc``: started by a clean fork server,
+never forked from the caller.
 
-Why. ``Dataset.map``/``Dataset.filter(num_proc=K)`` start a ``multiprocess`` pool
-(``datasets``' dill-based copy of ``multiprocessing``) with that library's default
+Why not fork. ``Dataset.map``/``Dataset.filter(num_proc=K)`` start a ``multiprocess``
+pool (``datasets``' dill-based copy of ``multiprocessing``) with that library's default
 start method, ``fork`` on Linux. The process that calls
 :func:`hf_pipeline.build.prepare_cache` is usually a training script that has already
 initialised JAX (``jax.distributed.initialize()`` is the first line of most, and our
@@ -11,37 +12,37 @@ threads (XLA's thread pools, gRPC, the CUDA driver, torch's OpenMP pool) held at
 instant; a worker that touches one of them waits forever. JAX warns about exactly this
 (``RuntimeWarning: os.fork() was called ... JAX is multithreaded``).
 
-What. Inside :func:`spawned_workers` the pools that ``datasets`` starts use the
-``spawn`` start method: each worker is a new interpreter (fork+exec in C, no Python
-at-fork hooks run), so none of the caller's threads, locks or accelerator state exist
-there, and a torch op in a worker is as safe as in any fresh process. Nothing is
-inherited: a worker gets its inputs by pickling (the shard list, a
-:class:`~hf_pipeline.fetch.StagingClient`, the encoder config) and opens the caption
-table by path. Only ``multiprocess``'s default start method changes, for the block,
-and is restored after it (reference-counted, so nested and concurrent builds in one
-process agree); the standard library's ``multiprocessing`` is never touched. A caller
-that chose ``spawn`` or ``forkserver`` for ``multiprocess`` keeps its choice.
+Why not spawn. A spawned worker is a fresh interpreter that imports ``datasets``, torch
+and its other libraries itself: measured on a 16-CPU H200 host, 16 workers importing at
+once took 13 s before the first shard of a 100k-row join (3.5 s of work), and their
+interpreter shut-down 2 s more after the last one.
 
-Cost. A spawned worker imports ``datasets``, torch and the tokenizer itself instead of
-inheriting them, about 3 CPU-seconds per worker per stage. Measured on the 2-CPU
-development machine: a ``num_proc=2`` pool of a trivial function starts in 1.5 s
-against 0.13 s forked (idle machine); the demo's join stage (4 shards x 100 rows,
-``num_proc=2``) costs its child processes 7 CPU-s against 0.25 forked (two workers
-and the manager process ``datasets`` starts beside them). A fixed cost per stage,
-noise against a real build. Considered and not taken:
+What. Inside :func:`clean_workers` the pools that ``datasets`` starts use the
+``forkserver`` start method, with a fork server of the block's own: a fresh interpreter
+(started by fork+exec, so none of the caller's threads, locks or accelerator state exist
+there) that imports :data:`PRELOAD` once, single-threaded, then forks each worker on
+demand. A worker starts in milliseconds with its libraries already imported, and leaves
+with ``os._exit``. The server is started when the block begins (it imports while the
+build writes its caption table and loads the encoder) and stopped when the last block
+ends, so it sees the environment of the build (``HF_TOKEN`` or ``STORAGE_EMULATOR_HOST``
+set by the caller beforehand) and does not outlive it. Nothing is inherited from the
+caller: a worker gets its inputs by pickling (the shard list, a
+:class:`~hf_pipeline.fetch.StagingClient`, the tokenizer spec) and opens the caption
+table by path. Only ``multiprocess``'s default start method and fork-server preload list
+change, for the block, and are restored after it (reference-counted, so nested and
+concurrent builds in one process agree); the standard library's ``multiprocessing`` is
+never touched. A caller that chose ``spawn`` or ``forkserver`` for ``multiprocess``
+keeps its choice (and its server). Where ``forkserver`` does not exist (Windows), the
+workers are spawned.
 
-* ``forkserver`` with the libraries preloaded (2.3 s for the first pool, then 0.16 s
-  per pool): workers then see the environment of the moment the server started, not
-  of the build (``HF_TOKEN`` or ``STORAGE_EMULATOR_HOST`` set later are missing), and
-  the server outlives the build.
-* running the whole build in a clean child process when JAX or CUDA is up: the
-  stage functions need the parent's lease (heartbeat thread, ownership checks, the
-  doorbell's client), and a second path taken only "when JAX is up" is one that most
-  runs never exercise.
+Considered and not taken: running the whole build in a clean child process when JAX or
+CUDA is up: the stage functions need the parent's lease (heartbeat thread, ownership
+checks, the doorbell's client), and a second path taken only "when JAX is up" is one
+that most runs never exercise.
 
 The one requirement, as for every spawn-based program (and Python 3.14's default
-start method): a spawned worker imports the main script again as ``__mp_main__``,
-so a script that calls ``prepare_cache`` must keep its entry point under
+start method): a worker imports the main script again as ``__mp_main__``, so a script
+that calls ``prepare_cache`` must keep its entry point under
 ``if __name__ == "__main__":``. :func:`check_not_bootstrapping` turns a missing guard
 into one clear error instead of a worker that builds (or waits for) the cache itself.
 
@@ -53,18 +54,38 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["check_not_bootstrapping", "spawned_workers", "usable_cpus"]
+__all__ = ["PRELOAD", "check_not_bootstrapping", "clean_workers", "die_with_parent", "usable_cpus"]
 
 #: Start methods that never copy the calling process; a caller's choice of one is kept.
 _CLEAN = ("spawn", "forkserver")
 
+#: What the fork server imports once for all workers: what a join worker runs
+#: (``datasets``' map loop, torch for ``torch.load``, the Rust tokenizer, our join).
+PRELOAD = (
+    "hf_pipeline.forkserver_init",  # first: the server and its children die with the builder
+    "torch",
+    "datasets",
+    "tokenizers",
+    "hf_pipeline.convert",
+    "hf_pipeline.captions",
+    "hf_pipeline.shards",
+    "hf_pipeline.precision",
+    "hf_pipeline.fetch",
+)
+
 _lock = threading.Lock()
 _depth = 0
 _saved: str | None = None
+_saved_preload: list[str] | None = None
+#: Starts the fork servers: one thread for the life of the process, because a server's
+#: PR_SET_PDEATHSIG fires when the *thread* that started it ends.
+_starter = ThreadPoolExecutor(1, thread_name_prefix="hf_pipeline-forkserver")
 
 
 def usable_cpus() -> int:
@@ -76,20 +97,30 @@ def usable_cpus() -> int:
 
 
 @contextlib.contextmanager
-def spawned_workers() -> Iterator[None]:
-    """Within the block, ``datasets``' ``num_proc`` pools start their workers by spawn.
+def clean_workers() -> Iterator[None]:
+    """Within the block, ``datasets``' ``num_proc`` pools start their workers from a
+    fork server of the block's own (see the module's docstring).
 
-    Restores ``multiprocess``'s previous default start method (``None`` included) when
-    the last of any nested or concurrent blocks ends. Thread-safe.
+    Restores ``multiprocess``'s previous default start method (``None`` included) and
+    preload list, and stops the server, when the last of any nested or concurrent blocks
+    ends. Thread-safe.
     """
-    global _depth, _saved
+    global _depth, _saved, _saved_preload
     import multiprocess
+    from multiprocess import forkserver
 
     with _lock:
         if _depth == 0:
             _saved = multiprocess.get_start_method(allow_none=True)
             if _saved not in _CLEAN:
-                multiprocess.set_start_method("spawn", force=True)
+                if "forkserver" in multiprocess.get_all_start_methods():
+                    _saved_preload = list(forkserver._forkserver._preload_modules)
+                    forkserver.set_forkserver_preload(list(PRELOAD))
+                    multiprocess.set_start_method("forkserver", force=True)
+                    # Starts importing now, while the build does its other start-up work.
+                    _starter.submit(forkserver.ensure_running).result()
+                else:  # pragma: no cover - not on Linux
+                    multiprocess.set_start_method("spawn", force=True)
         _depth += 1
     try:
         yield
@@ -98,12 +129,62 @@ def spawned_workers() -> Iterator[None]:
             _depth -= 1
             if _depth == 0 and _saved not in _CLEAN:
                 multiprocess.set_start_method(_saved, force=True)
+                if _saved_preload is not None:
+                    forkserver.set_forkserver_preload(_saved_preload)
+                    _saved_preload = None
+                    _stop_fork_server(forkserver)
+
+
+def _stop_fork_server(forkserver) -> None:
+    """Ask the fork server to stop, without waiting: it exits once every process it forked
+    has (the pools wait for theirs), and a thread reaps it. The next block starts a new
+    one, with the environment of its time.
+
+    ``multiprocess`` only has a blocking ``_stop`` (for its own tests); this is the same
+    steps, minus the wait under its lock, so a worker that is slow to exit can never
+    hold up the next build.
+    """
+    from multiprocess import util
+
+    server = forkserver._forkserver
+    with server._lock:
+        pid, alive_fd = server._forkserver_pid, server._forkserver_alive_fd
+        address = server._forkserver_address
+        server._forkserver_pid = server._forkserver_alive_fd = None
+        server._forkserver_address = None
+    if pid is None:
+        return
+    os.close(alive_fd)  # the server's "alive" pipe: it stops when every end is closed
+    if address and not util.is_abstract_socket_namespace(address):
+        with contextlib.suppress(OSError):
+            os.unlink(address)
+    threading.Thread(
+        target=_reap, args=(pid,), name="hf_pipeline-forkserver-reap", daemon=True
+    ).start()
+
+
+def die_with_parent() -> None:
+    """This process gets SIGKILL when the thread that started it ends (Linux; a no-op
+    elsewhere), and exits now if that already happened."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # orphaned before the call: nobody will signal us
+        os._exit(1)
+
+
+def _reap(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
 
 
 def check_not_bootstrapping() -> None:
-    """Raise if a spawned worker is running the main script while it starts up.
+    """Raise if a new worker is running the main script while it starts up.
 
-    A spawned (or forkserver) child imports the parent's main script before it does
+    A worker (forkserver or spawn) imports the parent's main script before it does
     any work; a script without an ``if __name__ == "__main__":`` guard would then call
     ``prepare_cache`` again inside every worker, as the same rank.
 
@@ -118,6 +199,6 @@ def check_not_bootstrapping() -> None:
             main = getattr(sys.modules.get("__mp_main__"), "__file__", None) or "the main script"
             raise RuntimeError(
                 f"prepare_cache was called while a new worker process was importing "
-                f"{main}: the build's workers are spawned, so the script's entry point "
+                f"{main}: the build's workers are started by a fork server, so the script's entry point "
                 f'must be under `if __name__ == "__main__":`'
             )

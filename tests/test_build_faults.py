@@ -106,16 +106,20 @@ def test_sigkilled_builder_takes_its_join_workers_with_it(small_config, tmp_path
     try:
         builder = psutil.Process(proc.pid)
         deadline = time.monotonic() + 120
-        workers: list[psutil.Process] = []
-        while len(workers) < 2:  # the join's pool is up once two python children exist
+        forked: list[psutil.Process] = []
+        # The join's pool is up once the fork server has forked the two workers and
+        # the manager that datasets starts beside them (grandchildren of the builder).
+        while len(forked) < 3:
             assert proc.poll() is None, "the build ended before its pool was seen"
             assert time.monotonic() < deadline, "no num_proc workers appeared"
-            workers = [c for c in builder.children() if "python" in c.name().lower()]
+            descendants = builder.children(recursive=True)
+            forked = [c for c in descendants if c.ppid() != proc.pid]
             time.sleep(0.02)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
-        gone, alive = psutil.wait_procs(workers, timeout=10)
-        assert alive == [], f"pool workers outlived their builder: {[p.pid for p in alive]}"
+        # All of them: the workers, the manager, the fork server, the resource tracker.
+        gone, alive = psutil.wait_procs(descendants, timeout=10)
+        assert alive == [], f"outlived their builder: {[p.cmdline()[-1][:80] for p in alive]}"
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,9 +1,12 @@
-"""The build is safe where users call it: after JAX (or CUDA) is up, its workers are spawned.
+"""The build is safe where users call it: after JAX (or CUDA) is up, its workers come
+from a clean fork server, never from a fork of the caller.
 
-``hf_pipeline.workers`` makes ``datasets``' ``num_proc`` pools spawn instead of fork;
-these tests check that with real processes: a 2-rank ``jax.distributed`` job builds
-fresh caches several times without one ``os.fork()``, the start method is restored,
-and a script without a main guard fails at once with a message instead of hanging.
+``hf_pipeline.workers`` makes ``datasets``' ``num_proc`` pools start their workers from a
+fork server of the build's own; these tests check that with real processes: a 2-rank
+``jax.distributed`` job builds fresh caches several times without one ``os.fork()``,
+the start method is restored, the server has the libraries imported before any worker
+starts, sees the environment of its build and is gone after it, and a script without a
+main guard fails at once with a message instead of hanging.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import datasets
 import multiprocess
 import pytest
 
-from hf_pipeline.workers import spawned_workers
+from hf_pipeline.workers import PRELOAD, clean_workers
 from tests.conftest import PYTHON, REPO, SMALL_DEMO, run_ranks, script_env
 
 _FORKS: list[int] = []
@@ -44,14 +47,14 @@ def start_method():
 
 
 @pytest.mark.parametrize("chosen", [None, "fork", "spawn", "forkserver"])
-def test_start_method_is_spawn_inside_and_restored_after(start_method, chosen):
+def test_start_method_is_forkserver_inside_and_restored_after(start_method, chosen):
     multiprocess.set_start_method(chosen, force=True)
-    with spawned_workers():
+    with clean_workers():
         # A caller's fork (explicit, or fixed by an earlier get_start_method()) is
         # replaced; a clean method the caller chose is kept.
-        expected = chosen if chosen in ("spawn", "forkserver") else "spawn"
+        expected = chosen if chosen in ("spawn", "forkserver") else "forkserver"
         assert multiprocess.get_start_method(allow_none=True) == expected
-        with spawned_workers():
+        with clean_workers():
             assert multiprocess.get_start_method(allow_none=True) == expected
         assert multiprocess.get_start_method(allow_none=True) == expected  # inner exit
     assert multiprocess.get_start_method(allow_none=True) == chosen
@@ -63,7 +66,7 @@ def test_overlapping_blocks_in_threads_restore_once(start_method):
     seen = []
 
     def build():
-        with spawned_workers():
+        with clean_workers():
             entered.wait()
             assert leave.wait(timeout=30)
             seen.append(multiprocess.get_start_method(allow_none=True))
@@ -76,14 +79,14 @@ def test_overlapping_blocks_in_threads_restore_once(start_method):
     for t in threads:
         t.join(timeout=30)
         assert not t.is_alive()
-    assert seen == ["spawn", "spawn"]
+    assert seen == ["forkserver", "forkserver"]
     assert multiprocess.get_start_method(allow_none=True) == "fork"
 
 
-def test_datasets_map_with_num_proc_spawns_and_never_forks(start_method, tmp_path):
+def test_datasets_map_with_num_proc_never_forks_the_caller(start_method, tmp_path):
     ds = datasets.Dataset.from_dict({"x": list(range(10))})
     forks = len(_FORKS)
-    with spawned_workers():
+    with clean_workers():
         out = ds.map(
             _plus_one,
             batched=True,
@@ -92,7 +95,52 @@ def test_datasets_map_with_num_proc_spawns_and_never_forks(start_method, tmp_pat
             cache_file_name=str(tmp_path / "out.arrow"),
         )
     assert out["y"] == list(range(1, 11))
-    assert len(_FORKS) == forks, "no os.fork() in this process (workers are spawned)"
+    assert len(_FORKS) == forks, "no os.fork() in this process (a fork server forks)"
+
+
+def _worker_facts(batch):
+    import sys
+
+    import psutil
+
+    return {
+        "pid": [os.getpid()] * len(batch["x"]),
+        "parent": [psutil.Process().ppid()] * len(batch["x"]),
+        # Imported by the fork server before this worker existed (not by this function).
+        "preloaded": [all(m in sys.modules for m in PRELOAD)] * len(batch["x"]),
+        "marker": [os.environ.get("HFP_TEST_MARKER", "")] * len(batch["x"]),
+    }
+
+
+def _facts(tmp_path, name):
+    ds = datasets.Dataset.from_dict({"x": list(range(4))})
+    return ds.map(
+        _worker_facts, batched=True, batch_size=1, num_proc=2,
+        cache_file_name=str(tmp_path / f"{name}.arrow"),
+    )  # fmt: skip
+
+
+def test_workers_come_preloaded_from_a_server_of_the_block(start_method, tmp_path, monkeypatch):
+    """The workers are children of the block's fork server, with PRELOAD imported before
+    they start; each block's server sees the environment of its time and is gone when
+    the block ends (it never outlives the build)."""
+    import psutil
+
+    multiprocess.set_start_method("fork", force=True)
+    me = psutil.Process()
+    servers = []
+    for marker in ("first", "second"):  # the caller changes its environment in between
+        monkeypatch.setenv("HFP_TEST_MARKER", marker)
+        with clean_workers():
+            out = _facts(tmp_path, marker)
+            server = {p.pid for p in me.children()} & set(out["parent"])
+            assert len(server) == 1, "every worker was forked by one child of ours"
+            servers.append(psutil.Process(server.pop()))
+        assert set(out["pid"]).isdisjoint({me.pid}) and len(set(out["pid"])) == 2
+        assert all(out["preloaded"])
+        assert set(out["marker"]) == {marker}
+        servers[-1].wait(timeout=30)  # raises if the server outlives its block
+    assert servers[0].pid != servers[1].pid
 
 
 _UNGUARDED = """

@@ -42,6 +42,48 @@ def test_padding_does_not_change_embeddings_and_order_is_kept(encoder):
     assert encoder.encode([]).shape == (0, 384)
 
 
+_CAPTIONS = [
+    "a photo of a cat on a mat",
+    "",
+    "   ",
+    "Ünïcödé Straße 東京 🐱 emoji",
+    "text with [SEP] [CLS] [MASK] and [PAD] inside",
+    "tabs\tand\nnewlines  and   runs of spaces",
+    "word " * 400,  # truncated at max_length
+    "x" * 3000,  # one long word, split into many sub-words
+]
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("max_length", [8, 64])
+def test_worker_tokenizer_gives_the_ids_of_transformers(tmp_path, side, max_length):
+    """The join workers tokenize with ``tokenizers`` alone (no transformers import, seconds
+    per worker): the ids must be those of the transformers tokenizer, special tokens,
+    truncation side and length included."""
+    from hf_pipeline.embed import CaptionTokenizer, WorkerTokenizer
+
+    tok = CaptionTokenizer(load_config(None, [f"encoder.max_length={max_length}"]).encoder)
+    tok.tokenizer.truncation_side = side
+    spec = tok.export(tmp_path)
+    assert spec.direction == side and spec.max_length == max_length
+    worker = WorkerTokenizer(spec)
+    expected = tok(_CAPTIONS)
+    assert worker(_CAPTIONS) == expected
+    assert max(len(ids) for ids in expected) == max_length  # truncation was exercised
+    assert worker([]) == []
+
+
+def test_worker_tokenizer_spec_checks_its_fields(tmp_path):
+    from hf_pipeline.embed import TokenizerSpec
+
+    with pytest.raises(ValueError, match="max_length must be >= 1, got 0"):
+        TokenizerSpec(
+            path=str(tmp_path), max_length=0, direction="right", split_special_tokens=False
+        )
+    with pytest.raises(ValueError, match="direction must be 'left' or 'right'"):
+        TokenizerSpec(path=str(tmp_path), max_length=8, direction="up", split_special_tokens=False)
+
+
 def test_normalize_and_output_dtype():
     enc = TextEncoder(EncoderConfig(normalize=True, output_dtype="float16"))
     out = enc.encode(["hello world"])

@@ -11,9 +11,11 @@ The defects real data has are planted and counted in :class:`DemoData`: latent k
 no metadata row, metadata rows with no latents, null, empty and whitespace-only
 captions, a key present in two shards, and a duplicated metadata row.
 
-Generation is deterministic (same parameters -> byte-identical files) and safe when many
-processes call it on the same folder at once: each writes a private temp folder next to
-the target and renames it into place; the loser discards its copy.
+Generation is deterministic (same parameters -> byte-identical files, whatever
+``num_proc``: each shard's latents come from an RNG stream of its own, so the shards can
+be written by a pool of processes) and safe when many processes call it on the same
+folder at once: each writes a private temp folder next to the target and renames it into
+place; the loser discards its copy.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
 import uuid
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -146,6 +150,7 @@ def generate_demo(
     seed: int = 0,
     latent_dtype: str = "float16",
     key_as_index: bool = False,
+    num_proc: int = 1,
 ) -> DemoData:
     """Generate (or reuse) the demo dataset in ``out_dir``.
 
@@ -163,6 +168,12 @@ def generate_demo(
         latent_dtype: ``"float16"``, ``"bfloat16"`` or ``"float32"`` in the shards.
         key_as_index: write the key as the (unnamed) pandas index, stored as
             ``__index_level_0__``, like some real metadata files.
+        num_proc: processes writing the shards (>= 1; 1: all in this process). The
+            files are the same bytes whatever its value, so it is not a parameter of
+            the dataset (a folder made with one value is reused with another). The
+            workers are spawned (a fresh interpreter each, never a fork of a caller
+            that may run CUDA or JAX threads), so a script calling this with
+            ``num_proc > 1`` needs an ``if __name__ == "__main__":`` guard.
 
     Returns:
         The :class:`DemoData` describing the files and planted defects.
@@ -177,6 +188,8 @@ def generate_demo(
         raise ValueError(f"seed must be >= 0, got {seed}")
     if samples_per_shard < 10:
         raise ValueError(f"samples_per_shard must be >= 10, got {samples_per_shard}")
+    if num_proc < 1:
+        raise ValueError(f"num_proc must be >= 1, got {num_proc}")
     if latent_dtype not in ("float16", "bfloat16", "float32"):
         raise ValueError(
             f"latent_dtype must be 'float16', 'bfloat16' or 'float32', got {latent_dtype!r}"
@@ -198,7 +211,7 @@ def generate_demo(
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        _write_dataset(tmp, params)
+        _write_dataset(tmp, params, num_proc=num_proc)
         try:
             # rename(2) of a folder onto an absent or *empty* folder is atomic; onto a
             # non-empty one it fails, which is how a concurrent winner is detected.
@@ -274,10 +287,14 @@ def _read_existing(out: Path, params: dict) -> DemoData | None:
 # --------------------------------------------------------------------------- generation
 
 
-def _write_dataset(folder: Path, params: dict) -> None:
-    """Write shards, metadata and manifest (last) into ``folder``."""
-    import torch
+def _write_dataset(folder: Path, params: dict, *, num_proc: int = 1) -> None:
+    """Write shards, metadata and manifest (last) into ``folder``.
 
+    With ``num_proc > 1`` a pool of spawned processes renders and writes the shards while
+    this process writes the metadata. The bytes do not depend on it: everything drawn
+    from the dataset-wide RNG stream (keys, scene words, defects, captions) is drawn
+    here, in the same order, and each shard's latents come from a stream of its own.
+    """
     rng = np.random.default_rng([params["seed"], 0x0C0F0])
     n_shards, per = params["num_shards"], params["samples_per_shard"]
     total = n_shards * per
@@ -313,55 +330,134 @@ def _write_dataset(folder: Path, params: dict) -> None:
         for name in ("color", "shape", "background", "style", "where", "cy", "cx", "radius"):
             attrs[name][dup_dst] = attrs[name][0]
 
-    tdtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[
-        params["latent_dtype"]
+    def rows(lo: int, hi: int) -> dict[str, np.ndarray]:
+        return {k: v[lo:hi] for k, v in attrs.items()}
+
+    jobs = [
+        _ShardJob(
+            path=folder / f"{s * per:06d}-{(s + 1) * per - 1:06d}.pt",
+            seed=params["seed"],
+            index=s,
+            latent_dtype=params["latent_dtype"],
+            keys=shard_keys[s * per : (s + 1) * per],
+            attrs=rows(s * per, (s + 1) * per),
+            first_attrs=rows(0, per) if s * per == dup_dst else None,
+        )
+        for s in range(n_shards)
     ]
-    shard_names: list[str] = []
-    first_image = None
-    for s in range(n_shards):
-        lo, hi = s * per, (s + 1) * per
-        # Shard by shard, each with its own RNG stream: memory stays O(samples_per_shard)
-        # however many shards are asked for.
-        srng = np.random.default_rng([params["seed"], 0x0C0F0, s + 1])
-        lat = _render_latents(srng, {k: v[lo:hi] for k, v in attrs.items()})
-        if s == 0:
-            first_image = lat[0].copy()
-        if lo == dup_dst:
-            lat[0] = first_image + srng.normal(0.0, 0.02, size=first_image.shape).astype(np.float32)
-        # Within a shard the order is shuffled: consumers must not rely on sorted keys.
-        order = srng.permutation(per)
-        name = f"{lo:06d}-{hi - 1:06d}.pt"
-        keys_t = torch.from_numpy(shard_keys[lo:hi][order].copy())
-        # clone(): torch.save writes a view's whole storage; each shard owns exactly its rows.
-        lat_t = torch.from_numpy(np.ascontiguousarray(lat[order])).to(tdtype).clone()
-        _save_torch(folder / name, {"keys": keys_t, "latents": lat_t})
-        shard_names.append(name)
-        del lat, lat_t
+    pool = None
+    if num_proc > 1 and n_shards > 1:
+        pool = ProcessPoolExecutor(
+            max_workers=min(num_proc, n_shards),
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_shard_worker,
+        )
+    try:
+        pending: list[Future] = [pool.submit(_write_shard, job) for job in jobs] if pool else []
+        # The dataset-wide stream goes on here, after the draws above, as without a pool.
+        counts = _write_metadata_file(
+            folder / METADATA_NAME,
+            rng,
+            attrs,
+            shard_keys,
+            meta_only_keys,
+            no_meta_rows=no_meta_rows,
+            null_rows=null_rows,
+            empty_rows=empty_rows,
+            space_rows=space_rows,
+            dup_meta_row=dup_meta_row,
+            dup_latent_rows=np.array([dup_dst] if dup_dst is not None else [], dtype=np.int64),
+            key_as_index=params["key_as_index"],
+        )
+        shard_files = [f.result() for f in pending] if pool else [_write_shard(j) for j in jobs]
+    finally:
+        if pool is not None:
+            # On an error, the shards not started yet are dropped, not written for nothing.
+            pool.shutdown(wait=True, cancel_futures=True)
 
-    captions = _captions(rng, attrs, shard_keys)
-    meta_cols, counts = _metadata_rows(
-        rng,
-        shard_keys,
-        captions,
-        meta_only_keys,
-        no_meta_rows=no_meta_rows,
-        null_rows=null_rows,
-        empty_rows=empty_rows,
-        space_rows=space_rows,
-        dup_meta_row=dup_meta_row,
-        dup_latent_rows=np.array([dup_dst] if dup_dst is not None else [], dtype=np.int64),
-    )
-    _write_metadata(folder / METADATA_NAME, meta_cols, key_as_index=params["key_as_index"])
-
-    files: dict[str, dict] = {}
-    for name in [*shard_names, METADATA_NAME]:
-        p = folder / name
-        files[name] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+    files: dict[str, dict] = dict(shard_files)
+    files[METADATA_NAME] = _describe(folder / METADATA_NAME)
     counts.update(num_latent_rows=total, duplicate_latent_keys=int(dup_dst is not None))
+    shard_names = [job.path.name for job in jobs]
     manifest = {"params": params, "shards": shard_names, "files": files, "counts": counts}
     # Durable: fsyncs the file and then the folder, covering every name created in it.
     with atomic_write(folder / _MANIFEST_NAME) as fh:
         fh.write((json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _ShardJob:
+    """One shard to render and write (picklable: it goes to a pool worker).
+
+    ``first_attrs``: shard 0's scene rows, for the shard that repeats shard 0's first
+    image (that image is rendered again from shard 0's own stream, not passed around).
+    """
+
+    path: Path
+    seed: int
+    index: int
+    latent_dtype: str
+    keys: np.ndarray
+    attrs: dict[str, np.ndarray]
+    first_attrs: dict[str, np.ndarray] | None
+
+
+def _init_shard_worker() -> None:
+    import torch
+
+    # One thread a worker: num_proc workers of torch's default (a thread per CPU)
+    # would oversubscribe the CPUs for the dtype conversion. Same bytes either way.
+    torch.set_num_threads(1)
+
+
+def _shard_latents(seed: int, index: int, attrs: dict[str, np.ndarray]):
+    """Shard ``index``'s RNG stream and its latents (N, 3, 4, 32, 32) float32."""
+    # Each shard its own stream: memory stays O(samples_per_shard) however many shards
+    # are asked for, and the shards can be written in any order, by any process.
+    srng = np.random.default_rng([seed, 0x0C0F0, index + 1])
+    return srng, _render_latents(srng, attrs)
+
+
+def _write_shard(job: _ShardJob) -> tuple[str, dict]:
+    """Render and write one shard; its name and manifest entry (size, sha256)."""
+    import torch
+
+    srng, lat = _shard_latents(job.seed, job.index, job.attrs)
+    if job.first_attrs is not None:
+        first_image = _shard_latents(job.seed, 0, job.first_attrs)[1][0]
+        lat[0] = first_image + srng.normal(0.0, 0.02, size=first_image.shape).astype(np.float32)
+    # Within a shard the order is shuffled: consumers must not rely on sorted keys.
+    order = srng.permutation(len(job.keys))
+    tdtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[
+        job.latent_dtype
+    ]
+    keys_t = torch.from_numpy(job.keys[order].copy())
+    # clone(): torch.save writes a view's whole storage; each shard owns exactly its rows.
+    lat_t = torch.from_numpy(np.ascontiguousarray(lat[order])).to(tdtype).clone()
+    del lat
+    _save_torch(job.path, {"keys": keys_t, "latents": lat_t})
+    return job.path.name, _describe(job.path)
+
+
+def _write_metadata_file(
+    path: Path,
+    rng: np.random.Generator,
+    attrs: dict[str, np.ndarray],
+    keys: np.ndarray,
+    meta_only_keys: np.ndarray,
+    *,
+    key_as_index: bool,
+    **defects: np.ndarray | int,
+) -> dict[str, int]:
+    """Draw the captions and metadata rows from ``rng``, write the parquet; the counts."""
+    captions = _captions(rng, attrs, keys)
+    meta_cols, counts = _metadata_rows(rng, keys, captions, meta_only_keys, **defects)
+    _write_metadata(path, meta_cols, key_as_index=key_as_index)
+    return counts
+
+
+def _describe(path: Path) -> dict:
+    return {"size": path.stat().st_size, "sha256": _sha256(path)}
 
 
 def _draw_attributes(rng: np.random.Generator, n: int) -> dict[str, np.ndarray]:

@@ -1,0 +1,462 @@
+#!/usr/bin/env python
+"""One builder against ``build.parallel: ranks`` on one multi-GPU host, same data, same run.
+
+Generates the demo scaled to ``--rows`` latent rows (fp16 latents, ``--samples-per-shard``
+a shard; the shards written by a pool of all usable CPUs, ``generate_demo(num_proc=...)``),
+then builds it twice, each time into a fresh cache root, each process a fresh one:
+
+1. ``one``: one builder process, ``DATASET_NUM_PROC`` = all usable CPUs (``--cpus``),
+   the encoder on the first visible GPU (``encoder.device: auto``; the CPU without one);
+2. ``ranks``: ``--ranks`` rank processes launched as torchrun launches them (``RANK``,
+   ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``,
+   ``MASTER_PORT``), each joining a gloo ``torch.distributed`` process group as a training
+   job does (its TCPStore is the doorbell that wakes waiting ranks; ``--no-store``: files
+   and polling only), with ``build.parallel=ranks``, ``DATASET_NUM_PROC`` = CPUs / ranks
+   and ``CUDA_VISIBLE_DEVICES`` as inherited, so rank r embeds on ``cuda:r``.
+
+Reported (``--json``): the wall time of each build from the launch of its first process
+to the exit of its last (interpreter start, imports and process-group set-up included),
+each process's own ``prepare_cache`` seconds and the GPUs it allocated memory on; the
+speed-up ``one wall / ranks wall``; the ranks build's timeline from its markers (wall
+clock, seconds after the launch): the caption table, each part (who built it), the
+``converted`` stage (rank 0's assembly of the parts: duplicates across parts, final drop
+reasons, hard links, marker) and the ``filtered`` stage. ``assembly_s`` = end of
+``filtered`` - start of ``converted``, and ``assembly_share`` = ``assembly_s`` / ranks
+wall; ``after_last_part_s`` also counts the wake-up after the last part. The two caches
+must be the same one (same fingerprint, rows in and out, drop counts; the build exits 1
+otherwise). Targets (issue 10): speed-up >= 3.2 with 4 ranks, assembly <= 5% of the build.
+
+The encoder is the real MiniLM (``minilm``) unless ``--random-minilm TOKENIZER_DIR``: a
+random-weight MiniLM made from its config (the architecture's speed, no download).
+
+Usage::
+
+    python benchmarks/bench_build_ranks.py [--rows 1000000] [--samples-per-shard 2000]
+        [--ranks 4] [--random-minilm TOKENIZER_DIR] [--dtype float16]
+        [--work-dir DIR] [--json out.json] [--set section.field=value ...]
+
+A 1M-row fp16 demo is 24.6 GB of shards, and each cache holds the latents again: about
+80 GB of ``--work-dir`` in all (a temporary folder, removed at the end, by default).
+Exit codes: 0 done (targets met or not), 1 a build failed or the caches differ, 2 bad
+arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+#: Launcher variables a child must not inherit from the shell that runs the benchmark.
+_LAUNCHER_PREFIXES = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_",
+    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_", "SLURM_", "OMPI_", "PMI_",
+    "JAX_COORDINATOR", "DATASET_", "HF_PIPELINE_",
+)  # fmt: skip
+SPEEDUP_TARGET = 3.2
+ASSEMBLY_SHARE_TARGET = 0.05
+
+
+# --------------------------------------------------------------------------- child
+
+
+def _child(spec: dict) -> int:
+    """One build process (the builder, or one rank): prepare_cache, then its numbers."""
+    entered = time.time()
+    import torch
+
+    group = spec["store"] and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if group:
+        import datetime
+
+        import torch.distributed as td
+
+        td.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
+    from dist.env import detect
+    from hf_pipeline.build import prepare_cache
+    from hf_pipeline.config import load_config
+
+    cfg = load_config(None, spec["overrides"])  # DATASET_NUM_PROC from the environment
+    process = detect()
+    started = time.time()
+    res = prepare_cache(cfg, process=process, progress=False)
+    finished = time.time()
+    gpus = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            peak = torch.cuda.max_memory_allocated(i)
+            if peak:
+                name = torch.cuda.get_device_name(i)
+                gpus.append({"index": i, "name": name, "peak_gb": round(peak / 1e9, 2)})
+    r = res.report
+    out = {
+        "rank": process.rank,
+        "local_rank": process.local_rank,
+        "world_size": process.world_size,
+        "pid": os.getpid(),
+        "entered_at": entered,
+        "prepare_started_at": started,
+        "prepare_finished_at": finished,
+        "prepare_s": round(finished - started, 3),
+        "built": res.built,
+        "fingerprint": res.fingerprint,
+        "cache_dir": str(res.cache_dir),
+        "num_proc": cfg.build.effective_num_proc,
+        "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "gpus": gpus,
+        "rows_in": r["rows_in"],
+        "rows_out": r["rows_out"],
+        "dropped": r["dropped"],
+        "embed_dim": r["embed_dim"],
+        "seconds_convert": r["seconds_convert"],
+        "seconds_embed": r["seconds_embed"],
+        "parts": r["parts"],
+    }
+    Path(spec["result"]).write_text(json.dumps(out, indent=1))
+    if group:
+        td.barrier()  # rank 0 hosts the store: it leaves last
+        td.destroy_process_group()
+    return 0
+
+
+# --------------------------------------------------------------------------- parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _base_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        PYTHONUNBUFFERED="1",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+    )
+    return env
+
+
+def _launch(name: str, envs: list[dict], overrides: list[str], work: Path, args) -> dict:
+    """Start one process per env at once; wait for all (killing all on a timeout or a
+    failure); the wall time from the first launch to the last exit and their results."""
+    logs, results, procs, ended = work / "logs", [], [], {}
+    logs.mkdir(exist_ok=True)
+    launched = time.time()
+    t0 = time.perf_counter()
+    for i, env in enumerate(envs):
+        result = work / f"{name}-{i}.json"
+        result.unlink(missing_ok=True)
+        results.append(result)
+        spec = {"overrides": overrides, "result": str(result), "store": not args.no_store}
+        with open(logs / f"{name}-{i}.log", "w") as log:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, __file__, "--_child", json.dumps(spec)],
+                    cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )  # fmt: skip
+
+    exited = threading.Condition()
+
+    def wait(i: int, p: subprocess.Popen) -> None:
+        p.wait()
+        with exited:
+            ended[i] = time.perf_counter()
+            exited.notify_all()
+
+    for i, p in enumerate(procs):
+        threading.Thread(target=wait, args=(i, p), name=f"wait-{name}-{i}", daemon=True).start()
+    deadline = time.monotonic() + args.timeout
+
+    def first_failure() -> str | None:
+        bad = sorted(i for i in ended if procs[i].returncode != 0)
+        return f"{name}: process {bad[0]} exited with {procs[bad[0]].returncode}" if bad else None
+
+    try:
+        with exited:
+            # A failed process fails the build at once: the others may wait for it (its
+            # part, the final barrier) until the timeout.
+            while (failed := first_failure()) is None and len(ended) < len(procs):
+                if not exited.wait(max(0.0, deadline - time.monotonic())):
+                    failed = f"{name}: still running after {args.timeout:.0f} s"
+                    break
+    finally:
+        for p in procs:
+            if p.poll() is None or p.returncode != 0:
+                try:  # a session of its own: its datasets workers go with it
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass  # gone, and its workers with it
+            p.wait()
+    if failed:
+        tails = "\n".join(
+            f"--- {log.name}\n" + log.read_text(errors="replace")[-3000:]
+            for log in sorted(logs.glob(f"{name}-*.log"))
+        )
+        raise RuntimeError(f"{failed}\n{tails}")
+    wall = max(ended.values()) - t0
+    out = sorted((json.loads(r.read_text()) for r in results), key=lambda x: x["rank"])
+    parts = out[0]["parts"]  # the same report in every process
+    for proc in out:
+        del proc["parts"]
+        # Interpreter start, imports, the process group: before prepare_cache starts.
+        proc["startup_s"] = round(proc["prepare_started_at"] - launched, 3)
+    span = max(p["prepare_finished_at"] for p in out) - min(p["prepare_started_at"] for p in out)
+    print(f"{name}: {len(procs)} process(es), wall {wall:.1f} s", file=sys.stderr, flush=True)
+    return {
+        "launched_at": launched,
+        "wall_s": round(wall, 3),
+        "prepare_span_s": round(span, 3),
+        "processes": out,
+        "parts": parts,
+    }
+
+
+def _marker_times(cache_dir: Path, launched: float) -> dict:
+    """The timeline of a cache's published markers, in seconds after ``launched``."""
+    from dist.markers import read_json
+
+    def span(path: Path) -> dict | None:
+        m = read_json(path)
+        if not isinstance(m, dict):
+            return None
+        return {
+            "start_s": round(float(m["started_at"]) - launched, 3),
+            "end_s": round(float(m["finished_at"]) - launched, 3),
+            "pid": m.get("pid"),
+        }
+
+    timeline = {s: span(cache_dir / f"{s}.json") for s in ("converted", "filtered")}
+    parts = cache_dir / "parts"
+    if parts.is_dir():
+        timeline["captions"] = span(parts / "captions" / "captions.json")
+        timeline["parts"] = [
+            {"part": d.name, **(span(d / "part.json") or {})} for d in sorted(parts.glob("part-*"))
+        ]
+    return timeline
+
+
+def _random_minilm(folder: Path, tokenizer: str) -> str:
+    """A random-weight all-MiniLM-L6-v2 (as in bench_build_gpu.py) with ``tokenizer``."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer, BertConfig
+
+    if (folder / "config.json").is_file():
+        return str(folder)
+    cfg = BertConfig(vocab_size=30522, hidden_size=384, num_hidden_layers=6,
+                     num_attention_heads=12, intermediate_size=1536)  # fmt: skip
+    torch.manual_seed(0)
+    AutoModel.from_config(cfg).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer).save_pretrained(folder)
+    return str(folder)
+
+
+def _same_cache(one: dict, ranks: dict) -> dict:
+    """Cheap checks that both builds made the same cache (from their reports)."""
+    a = one["processes"][0]
+    checks = {}
+    for key in ("fingerprint", "rows_in", "rows_out", "dropped", "embed_dim"):
+        values = [p[key] for p in ranks["processes"]]
+        checks[key] = all(v == a[key] for v in values)
+    parts = ranks["parts"]
+    checks["one_part_per_rank"] = len({p["builder"]["pid"] for p in parts}) == len(
+        ranks["processes"]
+    ) and len(parts) == len(ranks["processes"])
+    checks["every_rank_built"] = all(p["built"] for p in ranks["processes"])
+    return checks
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--rows", type=int, default=1_000_000, help="latent rows of the demo")
+    ap.add_argument("--samples-per-shard", type=int, default=2000)
+    ap.add_argument("--ranks", type=int, default=4, help="rank processes of the ranks build")
+    ap.add_argument("--random-minilm", default="", help="tokenizer folder: random MiniLM")
+    ap.add_argument("--dtype", default="float16", help="encoder.dtype")
+    ap.add_argument("--cpus", type=int, default=0, help="CPUs to share (0: all usable)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="one more config override for both builds (repeatable)")  # fmt: skip
+    ap.add_argument("--no-store", action="store_true",
+                    help="ranks without a process group: waiters poll the files")  # fmt: skip
+    ap.add_argument("--ranks-first", action="store_true", help="build with ranks first")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per build")
+    ap.add_argument("--work-dir", default="", help="kept afterwards (default: tmp, removed)")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--_child", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args._child:
+        return _child(json.loads(args._child))
+    # `timeout` sends SIGTERM: unwind, so that the builds' process groups are killed and
+    # the temporary folder removed (the children run in sessions of their own).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+    from hf_pipeline.demo import generate_demo
+    from hf_pipeline.workers import usable_cpus
+
+    cpus = args.cpus or usable_cpus()
+    shards = args.rows // args.samples_per_shard
+    if args.ranks < 1 or cpus < args.ranks:
+        ap.error(f"--ranks must be in [1, CPUs={cpus}], got {args.ranks}")
+    if args.samples_per_shard < 10 or shards < args.ranks:
+        ap.error(
+            f"--rows / --samples-per-shard must give >= --ranks={args.ranks} shards of >= 10 "
+            f"rows, got {shards} shards of {args.samples_per_shard}"
+        )
+    if args.random_minilm and not Path(args.random_minilm).is_dir():
+        ap.error(f"--random-minilm: {args.random_minilm} is not a folder")
+
+    tmp = None
+    if args.work_dir:
+        work = Path(args.work_dir).absolute()
+        work.mkdir(parents=True, exist_ok=True)
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="bench_build_ranks-")
+        work = Path(tmp.name)
+    try:
+        model = "minilm"
+        if args.random_minilm:
+            model = _random_minilm(work / "minilm", args.random_minilm)
+        t0 = time.perf_counter()
+        demo = generate_demo(
+            work / f"demo-{shards}x{args.samples_per_shard}", num_shards=shards,
+            samples_per_shard=args.samples_per_shard, latent_dtype="float16", num_proc=cpus,
+        )  # fmt: skip
+        generate_s = time.perf_counter() - t0
+        latent_gb = sum(p.stat().st_size for p in demo.shard_paths) / 1e9
+        print(
+            f"demo: {shards} shards x {args.samples_per_shard} = {demo.num_latent_rows} rows, "
+            f"{latent_gb:.1f} GB ({generate_s:.1f} s, {cpus} processes)",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+        common = [
+            f"data.shards={demo.out_dir}",
+            f"encoder.model={model}",
+            f"encoder.dtype={args.dtype}",
+            *args.set,
+        ]
+        base = _base_env()
+        one_env = {**base, "DATASET_NUM_PROC": str(cpus)}
+        port = _free_port()
+        per_rank = max(1, cpus // args.ranks)
+        rank_envs = [
+            {
+                **base,
+                "DATASET_NUM_PROC": str(per_rank),
+                "RANK": str(r),
+                "WORLD_SIZE": str(args.ranks),
+                "LOCAL_RANK": str(r),
+                "LOCAL_WORLD_SIZE": str(args.ranks),
+                "GROUP_RANK": "0",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
+            for r in range(args.ranks)
+        ]
+        for old in ("one", "ranks"):  # fresh cache roots, also with a kept --work-dir
+            shutil.rmtree(work / old, ignore_errors=True)
+        runs = {
+            "one": lambda: _launch(
+                "one", [one_env], [*common, f"build.cache_dir={work / 'one'}"], work, args
+            ),
+            "ranks": lambda: _launch(
+                "ranks", rank_envs,
+                [*common, f"build.cache_dir={work / 'ranks'}", "build.parallel=ranks"],
+                work, args,
+            ),
+        }  # fmt: skip
+        order = ["ranks", "one"] if args.ranks_first else ["one", "ranks"]
+        try:
+            res = {name: runs[name]() for name in order}
+        except RuntimeError as e:
+            print(f"bench_build_ranks: {e}", file=sys.stderr)
+            return 1
+        one, ranks = res["one"], res["ranks"]
+        for run in (one, ranks):
+            run["timeline"] = _marker_times(
+                Path(run["processes"][0]["cache_dir"]), run["launched_at"]
+            )
+        tl = ranks["timeline"]
+        assembly = tl["filtered"]["end_s"] - tl["converted"]["start_s"]
+        last_part = max(p["end_s"] for p in tl["parts"])
+        checks = _same_cache(one, ranks)
+        speedup = one["wall_s"] / ranks["wall_s"]
+        p0 = one["processes"][0]
+        out = {
+            "gpus": sorted(
+                {g["name"] for run in (one, ranks) for p in run["processes"] for g in p["gpus"]}
+            )
+            or ["none"],
+            "cpus": cpus,
+            "rows_in": p0["rows_in"],
+            "rows_out": p0["rows_out"],
+            "shards": shards,
+            "samples_per_shard": args.samples_per_shard,
+            "latent_gb": round(latent_gb, 2),
+            "encoder": {
+                "model": "random-minilm" if args.random_minilm else model,
+                "dtype": args.dtype,
+            },
+            "overrides": args.set,
+            "order": order,
+            "generate_s": round(generate_s, 2),
+            "one": {"num_proc": cpus, **one},
+            "ranks": {
+                "ranks": args.ranks,
+                "num_proc_per_rank": per_rank,
+                "store": not args.no_store,
+                **ranks,
+            },
+            "speedup": round(speedup, 3),
+            # The same without interpreter start-up and exit: first prepare_cache call
+            # to the last return.
+            "speedup_prepare": round(one["prepare_span_s"] / ranks["prepare_span_s"], 3),
+            # GPUs each rank allocated memory on (one each, all different, with GPUs).
+            "ranks_gpus": [[g["index"] for g in p["gpus"]] for p in ranks["processes"]],
+            "assembly_s": round(assembly, 3),
+            "assembly_share": round(assembly / ranks["wall_s"], 4),
+            "after_last_part_s": round(tl["filtered"]["end_s"] - last_part, 3),
+            "same_cache": checks,
+            "targets": {
+                f"speedup >= {SPEEDUP_TARGET}": speedup >= SPEEDUP_TARGET,
+                f"assembly <= {ASSEMBLY_SHARE_TARGET:.0%}": (
+                    assembly / ranks["wall_s"] <= ASSEMBLY_SHARE_TARGET
+                ),
+            },
+        }
+        text = json.dumps(out, indent=1)
+        if args.json:
+            Path(args.json).write_text(text + "\n")
+        print(text)
+        print(
+            f"one builder {one['wall_s']:.1f} s, {args.ranks} ranks {ranks['wall_s']:.1f} s: "
+            f"{speedup:.2f}x; assembly {assembly:.2f} s = {out['assembly_share']:.1%} of the "
+            f"ranks build; same cache: {all(checks.values())}",
+            file=sys.stderr,
+        )
+        return 0 if all(checks.values()) else 1
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

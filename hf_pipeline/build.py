@@ -227,6 +227,7 @@ def _encoder(cfg: Config, process, tokenizer):
             device = f"cuda:{process.local_rank % torch.cuda.device_count()}"
             enc_cfg = dataclasses.replace(enc_cfg, device=device)
     encoder = TextEncoder(enc_cfg, tokenizer=tokenizer.result())
+    encoder.warm_up()  # while the join runs: the first batches then run at full speed
     log.info("encoder %s (dim %d) on %s", enc_cfg.model, encoder.dim, describe_device())
     return encoder
 

@@ -29,6 +29,7 @@ __all__ = [
     "WorkerTokenizer",
     "encoder_identity",
     "micro_batches",
+    "warm_up_ids",
     "resolve_encoder_path",
 ]
 
@@ -367,6 +368,16 @@ class TextEncoder:
         out[order] = result.astype(self._out_dtype, copy=False)
         return out
 
+    def warm_up(self) -> None:
+        """Run one full micro-batch of every padded width, so that the build's first
+        batches find their kernels chosen (cuDNN attention plans, cuBLAS handles) and,
+        with ``encoder.compile``, the model compiled. On an accelerator only: there it
+        costs milliseconds a width and runs while the join workers do; on the CPU it
+        would cost real compute for no gain.
+        """
+        if self.device != "cpu":
+            self.encode_ids(warm_up_ids(self.cfg, self.tokenizer.pad_token_id))
+
     def _micro_batch(self, mb: MicroBatch, order, lengths, starts, flat):
         """Pooled embeddings (on the device) of the rows ``order[mb.start:mb.stop]``."""
         torch = self._torch
@@ -414,6 +425,26 @@ class MicroBatch(NamedTuple):
     stop: int
     width: int
     rows: int
+
+
+def warm_up_ids(cfg: EncoderConfig, pad_token_id: int):
+    """Token ids that make :meth:`TextEncoder.encode_ids` run one full micro-batch of every
+    padded width up to ``cfg.max_length`` (the shapes of a build's micro-batches).
+
+    In each width, one row is a token shorter: the attention mask has padding, as in real
+    batches (an all-ones mask takes another kernel path).
+    """
+    import pyarrow as pa
+
+    lengths: list[int] = []
+    widths = {min(w, cfg.max_length) for w in range(32, cfg.max_length + 32, 32)}
+    for width in sorted(widths):
+        rows = cfg.micro_batch_size
+        if cfg.tokens_per_batch:
+            rows = min(rows, max(1, cfg.tokens_per_batch // width))
+        lengths += [max(1, width - 1)] + [width] * (rows - 1)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return pa.ListArray.from_arrays(offsets, pa.array(np.full(offsets[-1], pad_token_id, np.int32)))
 
 
 def micro_batches(

@@ -173,6 +173,39 @@ def test_micro_batches_cover_every_row_once_within_the_token_budget():
     assert micro_batches(_ids([]), tokens_per_batch=64, max_rows=4, max_length=8) == []
 
 
+@pytest.mark.parametrize("max_length,budget", [(64, 8192), (100, 8192), (256, 0), (32, 1 << 20)])
+def test_warm_up_runs_the_full_micro_batch_shape_of_every_width(max_length, budget):
+    """The encoder warms up (in the background, during the join) on exactly the shapes a
+    build's full micro-batches have: one of each padded width, with padding in its mask."""
+    from hf_pipeline.embed import warm_up_ids
+
+    cfg = EncoderConfig(max_length=max_length, tokens_per_batch=budget, micro_batch_size=300)
+    ids = warm_up_ids(cfg, pad_token_id=0)
+    lengths = np.diff(ids.offsets.to_numpy())
+    kw = dict(tokens_per_batch=budget, max_rows=300, max_length=max_length)
+    batches = micro_batches(np.sort(lengths), **kw)
+    widths = sorted({min(w, max_length) for w in range(32, max_length + 32, 32)})
+    assert [b.width for b in batches] == widths, "one micro-batch per width"
+    for b in batches:
+        full = min(300, budget // b.width) if budget else 300
+        assert b.rows == b.stop - b.start == full, "the full micro-batch shape"
+        seg = np.sort(lengths)[b.start : b.stop]
+        assert seg.min() < b.width, "padding in the mask, as in real batches"
+    assert set(ids.flatten().to_numpy()) == {0}
+
+
+def test_warm_up_on_the_cpu_runs_nothing(encoder):
+    calls = []
+    hook = encoder.model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        encoder.warm_up()  # a full micro-batch of each width would cost seconds here
+        assert calls == []
+        encoder.encode(["the hook counts forwards"])
+        assert calls == [1]
+    finally:
+        hook.remove()
+
+
 def test_micro_batches_with_row_buckets_keep_the_shapes_few():
     # CUDA graphs record one graph per shape: whatever the call sizes, a width may have
     # only its full row count and powers of two below it.

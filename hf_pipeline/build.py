@@ -199,12 +199,13 @@ def _load_encoder_in_background(cfg: Config, process):
     """Start loading this process's encoder on a thread; the executor and the futures
     of its tokenizer and of the encoder.
 
-    transformers is imported here first: ``datasets`` inspects ``transformers`` (when it
-    is in ``sys.modules``) while it fingerprints a map, and must never see it half
-    imported by the loading thread.
+    ``transformers.PreTrainedTokenizerBase`` is resolved here first: ``datasets`` reads
+    that attribute (when ``transformers`` is in ``sys.modules``) while it fingerprints,
+    and transformers' lazy module must never resolve it while the loading thread is
+    importing. Only that (0.5 s): the model classes (seconds on a GPU host, where torch
+    loads its CUDA libraries) are imported by the loading thread, off the critical path.
     """
-    import transformers  # noqa: F401
-    from transformers import AutoModel, PreTrainedTokenizerBase  # noqa: F401
+    from transformers import PreTrainedTokenizerBase  # noqa: F401
 
     from hf_pipeline.embed import CaptionTokenizer
 

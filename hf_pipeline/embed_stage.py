@@ -1,7 +1,8 @@
 """Stage 1c, the embedding: token ids of the joined rows -> one embedding per kept row.
 
 ``Dataset.map(batch_size=build.batch_size)`` in the building process, with the encoder
-(:class:`hf_pipeline.embed.TextEncoder`) on the accelerator: one model, big batches.
+(:class:`hf_pipeline.embed.TextEncoder`) on the accelerator: one model, big batches,
+encoded by a thread a batch ahead of the map that writes them (:class:`EncodeAhead`).
 Only rows that will be kept are encoded; a row that is a duplicate of an earlier key
 gets its ``duplicate_key`` reason here. Writes ``embedding, drop_reason`` Arrow files
 row-aligned with the joined rows (the 24 KB latents are never rewritten).
@@ -11,14 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
+import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from hf_pipeline.accounting import DUPLICATE, KEEP, ReasonCodes
 
-__all__ = ["EMBED_ROWS_PER_CALL", "EmbedResult", "embed_joined_rows", "embed_rows"]
+__all__ = ["EMBED_ROWS_PER_CALL", "EmbedResult", "EncodeAhead", "embed_joined_rows", "embed_rows"]
 
 #: Rows handed to the encoder per map batch at least: its micro-batches (a token budget
 #: of one padded width each) can only be as large as one width's share of a call, and
@@ -35,19 +39,76 @@ def embed_rows(
     indices: list,
     *,
     probe,
-    encoder,
+    ahead: EncodeAhead,
     duplicate: np.ndarray,
 ) -> dict[str, Any]:
-    """``datasets.map`` function (Arrow format): token ids -> embeddings (kept rows only)."""
+    """``datasets.map`` function (Arrow format): the batch's final reasons, and its
+    embeddings from :class:`EncodeAhead` (kept rows; zeros elsewhere)."""
+    del input_ids  # encoded ahead, by the thread
     probe.check()  # a builder that lost its lease stops at the next batch
     idx = np.asarray(indices, dtype=np.int64)
     final = np.asarray(reasons.to_pylist(), dtype=object)  # one batch, not the table
     final[(final == KEEP) & duplicate[idx]] = DUPLICATE
-    keep = np.flatnonzero(final == KEEP)
-    emb = np.zeros((len(idx), encoder.dim), dtype=encoder.output_dtype)
-    if len(keep):
-        emb[keep] = encoder.encode_ids(input_ids.take(keep))
+    emb = ahead.get(int(idx[0])) if len(idx) else np.zeros((0, ahead.dim), ahead.dtype)
     return {"embedding": emb, "drop_reason": final.tolist()}
+
+
+class EncodeAhead:
+    """Encodes the kept rows of each map batch on a thread, one batch or two ahead of the
+    ``datasets.map`` that writes them.
+
+    The accelerator then runs while the map converts the previous batch's reasons and
+    writes its Arrow rows, instead of idling through that and through each batch's
+    final device sync. Batches are ``batch_size`` consecutive rows, as the map's are;
+    :meth:`get` returns them in order (and re-raises what the thread raised).
+    """
+
+    def __init__(self, encoder, input_ids, keep: np.ndarray, *, batch_size: int, probe):
+        self.dim = int(encoder.dim)
+        self.dtype = encoder.output_dtype
+        self._encoder, self._ids, self._keep = encoder, input_ids, keep
+        self._batch, self._probe = batch_size, probe
+        self._queue: queue.Queue = queue.Queue(maxsize=2)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hf_pipeline-embed", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for start in range(0, len(self._keep), self._batch):
+                self._probe.check()
+                stop = min(start + self._batch, len(self._keep))
+                rows = np.flatnonzero(self._keep[start:stop])
+                emb = np.zeros((stop - start, self.dim), dtype=self.dtype)
+                if len(rows):
+                    ids = self._ids.slice(start, stop - start).take(pa.array(rows))
+                    emb[rows] = self._encoder.encode_ids(ids)
+                if not self._put((start, emb)):
+                    return
+        except BaseException as e:  # handed to the map, which raises it
+            self._put((None, e))
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def get(self, start: int) -> np.ndarray:
+        """The embeddings of the batch starting at row ``start`` (the next one)."""
+        first, value = self._queue.get()
+        if first is None:
+            raise value
+        if first != start:  # pragma: no cover - the map's batches are consecutive
+            raise RuntimeError(f"embedding batch at row {first}, the map asked for {start}")
+        return value
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,26 +138,34 @@ def embed_joined_rows(
     from datasets import Features, List, Value
 
     emb_type = "float16" if cfg.encoder.output_dtype == "float16" else "float32"
-    embedded = rows.with_format("arrow").map(
-        embed_rows,
-        batched=True,
-        batch_size=max(cfg.build.batch_size, EMBED_ROWS_PER_CALL),
-        writer_batch_size=cfg.build.writer_batch_size,
-        input_columns=["input_ids", "drop_reason"],
-        with_indices=True,
-        remove_columns=rows.column_names,
-        features=Features(
-            {
-                "embedding": List(Value(emb_type), length=encoder.dim),
-                "drop_reason": Value("string"),
-            }
-        ),
-        fn_kwargs={"probe": probe, "encoder": encoder, "duplicate": duplicate},
-        cache_file_name=str(out_file),
-        new_fingerprint=f"{fingerprint}-embeddings",
-        keep_in_memory=False,
-        desc="Embed captions",
+    batch_size = max(cfg.build.batch_size, EMBED_ROWS_PER_CALL)
+    keep = ReasonCodes(rows.data.column("drop_reason")).mask(KEEP) & ~duplicate
+    ahead = EncodeAhead(
+        encoder, rows.data.column("input_ids"), keep, batch_size=batch_size, probe=probe
     )
+    try:
+        embedded = rows.with_format("arrow").map(
+            embed_rows,
+            batched=True,
+            batch_size=batch_size,
+            writer_batch_size=cfg.build.writer_batch_size,
+            input_columns=["input_ids", "drop_reason"],
+            with_indices=True,
+            remove_columns=rows.column_names,
+            features=Features(
+                {
+                    "embedding": List(Value(emb_type), length=encoder.dim),
+                    "drop_reason": Value("string"),
+                }
+            ),
+            fn_kwargs={"probe": probe, "ahead": ahead, "duplicate": duplicate},
+            cache_file_name=str(out_file),
+            new_fingerprint=f"{fingerprint}-embeddings",
+            keep_in_memory=False,
+            desc="Embed captions",
+        )
+    finally:
+        ahead.close()
     return EmbedResult(
         embedded=embedded,
         reasons=ReasonCodes(embedded.data.column("drop_reason")),

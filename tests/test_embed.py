@@ -377,3 +377,63 @@ def test_offline_uses_the_cached_ref_or_says_how_to_fix(model_hub, hf_home, monk
     _cache_ref(hf_home, "v1", "c" * 40)
     assert _revision(revision="v1") == "c" * 40
     assert model_hub.count("/api/models/") == 0
+
+
+def _joined_rows(tmp_path, n, kept, bad_row=None):
+    """A join's output as the embed stage reads it: ``n`` rows, ``kept`` of them to embed."""
+    import datasets
+    import pyarrow as pa
+
+    ids = [[101, 2023, 102] for _ in range(n)]
+    if bad_row is not None:
+        ids[bad_row] = [101, 10**6, 102]  # beyond the vocabulary: the model itself fails
+    reasons = ["" if i in kept else "no_caption" for i in range(n)]
+    table = {"input_ids": pa.array(ids, pa.list_(pa.int32())), "drop_reason": reasons}
+    return datasets.Dataset.from_dict(table).flatten_indices(
+        cache_file_name=str(tmp_path / "rows.arrow")
+    )
+
+
+class _Owned:
+    """The lease is ours throughout (what ``LeaseProbe.check`` sees for a live builder)."""
+
+    def check(self):
+        pass
+
+
+def test_embed_stage_encodes_ahead_and_keeps_rows_aligned(encoder, tmp_path):
+    from hf_pipeline.embed_stage import EMBED_ROWS_PER_CALL, embed_joined_rows
+
+    n = EMBED_ROWS_PER_CALL * 2 + 5  # three map batches; the encoding thread runs ahead
+    kept = {0, 7, EMBED_ROWS_PER_CALL + 1, n - 1}
+    rows = _joined_rows(tmp_path, n, kept)
+    duplicate = np.zeros(n, bool)
+    duplicate[7] = True
+    cfg = load_config(None, ["build.batch_size=64"])
+    out = embed_joined_rows(
+        rows, duplicate, encoder=encoder, cfg=cfg, probe=_Owned(),
+        out_file=tmp_path / "emb.arrow", fingerprint="t",
+    )  # fmt: skip
+    emb = np.asarray(out.embedded.with_format("numpy")["embedding"])
+    reasons = out.embedded.with_format(None)["drop_reason"]
+    assert reasons[7] == "duplicate_key" and reasons[0] == reasons[n - 1] == ""
+    expected = encoder.encode_ids(rows.data.column("input_ids").take([0]))[0]
+    for i in (0, EMBED_ROWS_PER_CALL + 1, n - 1):
+        np.testing.assert_allclose(emb[i], expected, atol=1e-5)
+    assert not emb[[1, 7, EMBED_ROWS_PER_CALL]].any(), "rows not embedded are zeros"
+
+
+def test_an_encoder_failure_on_the_encoding_thread_fails_the_stage(encoder, tmp_path):
+    import threading
+
+    from hf_pipeline.embed_stage import EMBED_ROWS_PER_CALL, embed_joined_rows
+
+    n = EMBED_ROWS_PER_CALL + 10
+    bad = EMBED_ROWS_PER_CALL + 3  # in the second batch
+    rows = _joined_rows(tmp_path, n, {0, bad}, bad_row=bad)
+    with pytest.raises(IndexError):
+        embed_joined_rows(
+            rows, np.zeros(n, bool), encoder=encoder, cfg=load_config(None, []),
+            probe=_Owned(), out_file=tmp_path / "emb.arrow", fingerprint="t",
+        )  # fmt: skip
+    assert not [t for t in threading.enumerate() if t.name == "hf_pipeline-embed"]

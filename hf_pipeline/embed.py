@@ -301,6 +301,10 @@ class TextEncoder:
         # CUDA graphs replay fixed shapes: micro-batches then come in a few row counts
         # per padded width (see micro_batches), or every call would record new graphs.
         self._graphs = self.compile_mode == "reduce-overhead"
+        # On an accelerator the attention kernels plan per shape (cuDNN SDPA: ~10 ms or
+        # more each): row counts in buckets keep the shapes few, and warm_up plans them
+        # all before the build's first batch. On the CPU padding rows is only waste.
+        self._bucket_rows = self._graphs or self.device != "cpu"
         if self.compile_mode == "eager":
             self._forward = self._pool
         else:
@@ -309,6 +313,10 @@ class TextEncoder:
             # dynamo's recompile limit, 8, and silently run eager beyond it).
             mode = None if self.compile_mode == "default" else self.compile_mode
             self._forward = torch.compile(self._pool, mode=mode, dynamic=None)
+
+    @property
+    def _min_rows(self) -> int:
+        return 1 if self.compile_mode == "eager" else 2
 
     @property
     def output_dtype(self) -> np.dtype:
@@ -357,8 +365,8 @@ class TextEncoder:
                 tokens_per_batch=self.cfg.tokens_per_batch,
                 max_rows=self.cfg.micro_batch_size,
                 max_length=self.cfg.max_length,
-                pad_rows=self._graphs,
-                min_rows=1 if self.compile_mode == "eager" else 2,
+                pad_rows=self._bucket_rows,
+                min_rows=self._min_rows,
             )
             with torch.inference_mode():
                 pooled = [self._micro_batch(mb, order, lengths, starts, flat) for mb in batches]
@@ -369,14 +377,16 @@ class TextEncoder:
         return out
 
     def warm_up(self) -> None:
-        """Run one full micro-batch of every padded width, so that the build's first
-        batches find their kernels chosen (cuDNN attention plans, cuBLAS handles) and,
-        with ``encoder.compile``, the model compiled. On an accelerator only: there it
-        costs milliseconds a width and runs while the join workers do; on the CPU it
-        would cost real compute for no gain.
+        """Run every micro-batch shape a build can run (each padded width, each row
+        bucket), so that the build's batches find their kernels planned (cuDNN attention
+        plans, cuBLAS handles) and, with ``encoder.compile``, the model compiled. On an
+        accelerator only: there it costs milliseconds a shape and runs while the join
+        workers do; on the CPU it would cost real compute for no gain.
         """
-        if self.device != "cpu":
-            self.encode_ids(warm_up_ids(self.cfg, self.tokenizer.pad_token_id))
+        if self.device == "cpu":
+            return
+        for ids in warm_up_ids(self.cfg, self.tokenizer.pad_token_id, min_rows=self._min_rows):
+            self.encode_ids(ids)
 
     def _micro_batch(self, mb: MicroBatch, order, lengths, starts, flat):
         """Pooled embeddings (on the device) of the rows ``order[mb.start:mb.stop]``."""
@@ -427,24 +437,31 @@ class MicroBatch(NamedTuple):
     rows: int
 
 
-def warm_up_ids(cfg: EncoderConfig, pad_token_id: int):
-    """Token ids that make :meth:`TextEncoder.encode_ids` run one full micro-batch of every
-    padded width up to ``cfg.max_length`` (the shapes of a build's micro-batches).
+def warm_up_ids(cfg: EncoderConfig, pad_token_id: int, *, min_rows: int = 1) -> list:
+    """Token ids, one ``pyarrow`` list array per micro-batch shape that
+    :meth:`TextEncoder.encode_ids` can run on an accelerator (row buckets on): for every
+    padded width up to ``cfg.max_length``, the full micro-batch and each power-of-two
+    row count below it (at least ``min_rows``).
 
-    In each width, one row is a token shorter: the attention mask has padding, as in real
-    batches (an all-ones mask takes another kernel path).
+    The first row of each is a token shorter than the width: the attention mask has
+    padding, as in real batches (an all-ones mask takes another kernel path).
     """
     import pyarrow as pa
 
-    lengths: list[int] = []
+    out = []
     widths = {min(w, cfg.max_length) for w in range(32, cfg.max_length + 32, 32)}
     for width in sorted(widths):
-        rows = cfg.micro_batch_size
+        full = cfg.micro_batch_size
         if cfg.tokens_per_batch:
-            rows = min(rows, max(1, cfg.tokens_per_batch // width))
-        lengths += [max(1, width - 1)] + [width] * (rows - 1)
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    return pa.ListArray.from_arrays(offsets, pa.array(np.full(offsets[-1], pad_token_id, np.int32)))
+            full = min(full, max(1, cfg.tokens_per_batch // width))
+        buckets = {full} | {1 << k for k in range(full.bit_length()) if 1 << k < full}
+        for rows in sorted(b for b in buckets if b >= min_rows):
+            lengths = np.full(rows, width)
+            lengths[0] = max(1, width - 1)
+            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+            tokens = pa.array(np.full(offsets[-1], pad_token_id, np.int32))
+            out.append(pa.ListArray.from_arrays(offsets, tokens))
+    return out
 
 
 def micro_batches(
@@ -465,7 +482,7 @@ def micro_batches(
     rows with ``tokens_per_batch`` 0) and ``max_rows``, so short captions run in big
     batches (a GPU is launch-bound on small ones) and long ones do not run out of memory.
 
-    With ``pad_rows`` (CUDA graphs: one graph per shape), the last, partial micro-batch
+    With ``pad_rows`` (an accelerator: a kernel plan, or a CUDA graph, per shape), the last, partial micro-batch
     of a width runs with its row count rounded up to a power of two (at most the full
     count): a width has then at most log2(rows) + 1 shapes, whatever the input size.
     Every micro-batch runs at least ``min_rows`` rows (``torch.compile`` specialises on

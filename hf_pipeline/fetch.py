@@ -166,9 +166,14 @@ class StagingClient:
     def _dump_stats(self) -> None:
         if not self.ctl_dir or not Path(self.ctl_dir).is_dir():
             return
+        # Not durable: the parent reads these counters at the end of this very run (a
+        # crash redoes the build), and an fsync per shard is costly while the workers
+        # write GBs of Arrow files (on ext4 it waits for their dirty data to be flushed).
         with contextlib.suppress(OSError):
             write_json_atomic(
-                Path(self.ctl_dir) / f"stats-{os.getpid()}.json", self.stats.as_dict()
+                Path(self.ctl_dir) / f"stats-{os.getpid()}.json",
+                self.stats.as_dict(),
+                durable=False,
             )
 
     def _skip_or_raise(self, file: RemoteFile, err: SourceError) -> None:

@@ -211,8 +211,10 @@ def test_warm_up_on_the_cpu_runs_nothing(encoder):
 
 
 def test_micro_batches_with_row_buckets_keep_the_shapes_few():
-    # CUDA graphs record one graph per shape: whatever the call sizes, a width may have
-    # only its full row count and powers of two below it.
+    # CUDA graphs record one graph per shape (and attention kernels plan one): whatever
+    # the call sizes, a width has only the row counts of row_buckets.
+    from hf_pipeline.embed import row_buckets
+
     rng = np.random.default_rng(1)
     shapes = set()
     for n in rng.integers(1, 3000, size=40):
@@ -229,10 +231,10 @@ def test_micro_batches_with_row_buckets_keep_the_shapes_few():
         for mb in batches:
             full = min(4096, 16384 // mb.width)
             assert mb.stop - mb.start <= mb.rows <= full and mb.rows >= 2
-            assert mb.rows == full or mb.rows & (mb.rows - 1) == 0  # a power of two
+            assert mb.rows in row_buckets(full)
             shapes.add((mb.rows, mb.width))
     per_width = {w: {r for r, w2 in shapes if w2 == w} for _, w in shapes}
-    assert all(len(rows) <= 1 + (16384 // w).bit_length() for w, rows in per_width.items())
+    assert all(len(rows) <= 8 + (16384 // w).bit_length() for w, rows in per_width.items())
     # min_rows: no one-row micro-batch (torch.compile would specialise on it).
     one = micro_batches(_ids([5, 40]), tokens_per_batch=0, max_rows=8, max_length=64, min_rows=2)
     assert [(mb.start, mb.stop, mb.width, mb.rows) for mb in one] == [(0, 1, 32, 2), (1, 2, 64, 2)]
@@ -441,3 +443,15 @@ def test_an_encoder_failure_on_the_encoding_thread_fails_the_stage(encoder, tmp_
             probe=_Owned(), out_file=tmp_path / "emb.arrow", fingerprint="t",
         )  # fmt: skip
     assert not [t for t in threading.enumerate() if t.name == "hf_pipeline-embed"]
+
+
+@pytest.mark.parametrize("full", [1, 2, 3, 7, 8, 300, 4096, 8192])
+def test_row_buckets_pad_a_partial_micro_batch_by_an_eighth_at_most(full):
+    from hf_pipeline.embed import row_buckets
+
+    buckets = row_buckets(full)
+    assert buckets == sorted(set(buckets)) and buckets[-1] == full and buckets[0] == 1
+    assert len(buckets) <= full.bit_length() + 8, "few shapes a width"
+    for rows in range(1, full + 1):
+        padded = next(b for b in buckets if b >= rows)
+        assert padded - rows <= max(1, -(-full // 8)) - 1 or padded <= 2 * rows

@@ -396,12 +396,16 @@ def resolve_job_inputs(cfg: Config, process) -> tuple[Inputs, dict[str, Any]]:
     return value
 
 
-def _stage(name: str, fn):
-    """A coordinator Stage running ``fn`` with spawned num_proc pools."""
+def _stage(name: str, fn, *, pools: bool = True):
+    """A coordinator Stage running ``fn``; with ``pools`` (the stage joins shards), its
+    ``num_proc`` pools start from a fork server of the stage's own. A stage without
+    pools starts no server (its imports would cost seconds of CPU for nothing)."""
     from dist.coordinator import Stage
 
     def run(ctx):
         log.info("building stage %s of %s", name, ctx.cache_dir)
+        if not pools:
+            return fn(ctx)
         with clean_workers():  # the num_proc pools: see hf_pipeline.workers
             return fn(ctx)
 
@@ -437,7 +441,7 @@ def _build_parts_together(cfg, inputs, fingerprint, layout, process, progress, t
 
     try:
         cap = ensure_built(
-            root / "captions", f"{fingerprint}.captions", [_stage("captions", captions)],
+            root / "captions", f"{fingerprint}.captions", [_stage("captions", captions, pools=False)],
             builder=me == 0, **timing,
         )["captions"]  # fmt: skip
     except BaseException:
@@ -540,7 +544,11 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
         builder = _Builder(
             cfg, inputs, fingerprint, progress, process=process, parts=parts, captions_path=captions
         )
-        stages = [_stage(STAGES[0], builder.converted), _stage(STAGES[1], builder.filtered)]
+        stages = [
+            # With the ranks' parts, converted only assembles them; the filter is in-process.
+            _stage(STAGES[0], builder.converted, pools=parts is None),
+            _stage(STAGES[1], builder.filtered, pools=False),
+        ]
         if cfg.build.pull_from:
             from hf_pipeline.pull import pulled_stages
 

@@ -20,7 +20,7 @@ from hf_pipeline.fetch import ShardFetcher
 from hf_pipeline.retry import RetryPolicy
 from hf_pipeline.sources import GCSSource, open_source
 from hf_pipeline.staging import StagingFolder
-from hf_pipeline.workers import spawned_workers
+from hf_pipeline.workers import clean_workers
 from tests.servers import gcs_bucket, gcs_server, hf_home, shard_dir  # noqa: F401
 from tests.servers.proxy import Fault, FaultProxy
 
@@ -284,7 +284,7 @@ def test_datasets_map_workers(gcs_bucket, tmp_path, ahead):
         src, files, data_config=cfg, num_workers=2, progress=False, policy=FAST
     ) as pf:
         client = pickle.loads(pickle.dumps(pf.client()))
-        with spawned_workers():  # as the build starts them: the client crosses by pickle
+        with clean_workers():  # as the build starts them: the client crosses by pickle
             out = ds.map(
                 _convert,
                 batched=True,

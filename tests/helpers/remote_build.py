@@ -9,7 +9,7 @@ from tests.conftest import PYTHON, REPO, script_env
 
 
 def start_remote_build(proxy_url: str, chunk: int, overrides, hf_home: Path) -> subprocess.Popen:
-    """The build in its own process session (its spawned workers die with it when the
+    """The build in its own process session (its workers die with it when the
     test SIGKILLs the group), reading in ``chunk``-byte blocks through ``proxy_url``."""
     env = script_env(
         STORAGE_EMULATOR_HOST=proxy_url,

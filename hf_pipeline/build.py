@@ -272,7 +272,7 @@ class _Builder:
         """Stage 1: per part, join (num_proc workers) and embed (the accelerator); then
         the duplicates across parts and the final drop reasons (:mod:`hf_pipeline.parts`)."""
         from hf_pipeline.captions import CaptionTable
-        from hf_pipeline.parts import assemble, build_part, plan_parts
+        from hf_pipeline.parts import assemble, build_parts_overlapped, plan_parts
 
         tmp = Path(ctx.tmp_dir)
         if self.parts is not None:  # built by the ranks: hard-link their files in
@@ -281,27 +281,33 @@ class _Builder:
         work = tmp / "_work"
         work.mkdir(parents=True, exist_ok=True)
         shards = self.inputs.shards
-        built = []
         # The model loads (disk, then the accelerator) while the caption table is written
         # and the num_proc workers join: it is ready when the first embedding starts.
         loader, tokenizer, encoder = _load_encoder_in_background(self.cfg, self.process)
         with loader:
             table = _save_captions(self.cfg, self.inputs, work / "captions.arrow")
-            for plan in plan_parts(len(shards), self.cfg.build.part_shards):
-                folder = tmp / "parts" / plan.name
-                info = build_part(
-                    cfg=self.cfg,
-                    source=self.inputs.source,
-                    shards=shards[plan.start : plan.stop],
-                    captions_path=str(work / "captions.arrow"),
-                    probe=ctx.probe,
-                    encoder=encoder,
-                    out_dir=folder,
-                    fingerprint=f"{self.fingerprint}-{plan.name}",
-                    progress=self.progress,
-                    tokenizer=tokenizer,
-                )
-                built.append((folder, {**info, "builder": _me()}))
+            plans = plan_parts(len(shards), _one_builder_part_shards(self.cfg, len(shards)))
+            folders = [tmp / "parts" / plan.name for plan in plans]
+            infos = build_parts_overlapped(
+                [
+                    {
+                        "shards": shards[plan.start : plan.stop],
+                        "out_dir": folder,
+                        "fingerprint": f"{self.fingerprint}-{plan.name}",
+                    }
+                    for plan, folder in zip(plans, folders, strict=True)
+                ],
+                cfg=self.cfg,
+                probe=ctx.probe,
+                encoder=encoder,
+                join_kw={
+                    "source": self.inputs.source,
+                    "captions_path": str(work / "captions.arrow"),
+                    "progress": self.progress,
+                    "tokenizer": tokenizer,
+                },
+            )
+            built = [(f, {**i, "builder": _me()}) for f, i in zip(folders, infos, strict=True)]
         info = assemble(tmp, built, table=table, link_from=False)
         shutil.rmtree(work, ignore_errors=True)
         return info
@@ -342,6 +348,24 @@ class _Builder:
         )
         write_json_atomic(tmp / "report.json", report, indent=2, sort_keys=True, default=str)
         return {"rows_out": report["rows_out"], "dropped": report["dropped"]}
+
+
+#: Parts of one builder on an accelerator when ``build.part_shards`` is 0: the
+#: embedding of a part overlaps the join of the next, so 4 parts hide up to 3/4 of the
+#: shorter of the two. On the CPU the model already uses every core: one part.
+_OVERLAP_PARTS = 4
+
+
+def _one_builder_part_shards(cfg: Config, num_shards: int) -> int:
+    """``build.part_shards`` for one builder (0: one part)."""
+    if cfg.build.part_shards or num_shards < 2 * _OVERLAP_PARTS:
+        return cfg.build.part_shards
+    device = cfg.encoder.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return 0 if device == "cpu" else -(-num_shards // _OVERLAP_PARTS)
 
 
 def _me() -> dict[str, Any]:

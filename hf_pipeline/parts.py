@@ -44,9 +44,13 @@ from hf_pipeline.accounting import (
 
 __all__ = [
     "REASONS_FILE",
+    "JoinedPart",
     "PartPlan",
     "assemble",
     "build_part",
+    "build_parts_overlapped",
+    "embed_part",
+    "join_part",
     "part_files",
     "plan_parts",
 ]
@@ -60,7 +64,7 @@ _PARTS = "parts"
 #: part's time went; absent from parts published before them).
 _PART_REPORT = (
     "shards", "rows_in", "builder", "seconds_convert", "seconds_embed",
-    "seconds_encoder_wait", "join",
+    "seconds_encoder_wait", "join", "wall",
 )  # fmt: skip
 
 
@@ -93,39 +97,34 @@ def plan_parts(num_shards: int, part_shards: int) -> list[PartPlan]:
     ]
 
 
-def build_part(
+@dataclasses.dataclass(frozen=True)
+class JoinedPart:
+    """A part whose join is done (:func:`join_part`), waiting for :func:`embed_part`."""
+
+    out_dir: Path
+    shards: int
+    joined: Any  # hf_pipeline.convert.JoinResult
+    seconds_convert: float
+    fingerprint: str
+    join_wall: tuple[float, float]  # wall clock (start, end) of the join
+
+
+def join_part(
     *,
     cfg,
     source,
     shards: Sequence[Any],
     captions_path: str,
     probe,
-    encoder,
     out_dir: Path,
     fingerprint: str,
     progress: bool,
     tokenizer=None,
-) -> dict[str, Any]:
-    """Join and embed one part's ``shards`` into ``out_dir``; its info (JSON-able).
-
-    Args:
-        cfg: the :class:`hf_pipeline.config.Config`.
-        source: where the shards come from.
-        shards: this part's shard files, in build order.
-        captions_path: the saved, key-sorted caption table.
-        probe: a :class:`dist.lease.LeaseProbe` (the work stops when the lease is lost).
-        encoder: the :class:`hf_pipeline.embed.TextEncoder` (one per process), or a
-            future of it (loading in the background while this part joins).
-        out_dir: the part's folder (created).
-        fingerprint: the ``datasets`` cache fingerprint prefix.
-        progress: show the fetcher's progress bar.
-        tokenizer: the encoder's :class:`hf_pipeline.embed.CaptionTokenizer` or a future
-            of it (the join workers tokenize with it); None: loaded for the join.
-    """
+) -> JoinedPart:
+    """The join half of :func:`build_part` (the ``num_proc`` workers)."""
     from hf_pipeline.convert import join_shards
-    from hf_pipeline.embed_stage import embed_joined_rows
 
-    t0 = time.monotonic()
+    t0, wall0 = time.monotonic(), time.time()
     joined = join_shards(
         cfg=cfg,
         source=source,
@@ -138,7 +137,17 @@ def build_part(
         progress=progress,
         tokenizer=tokenizer,
     )
-    t_convert = time.monotonic() - t0
+    shutil.rmtree(out_dir / "_work", ignore_errors=True)
+    seconds = round(time.monotonic() - t0, 3)
+    return JoinedPart(out_dir, len(shards), joined, seconds, fingerprint, (wall0, time.time()))
+
+
+def embed_part(part: JoinedPart, *, cfg, probe, encoder) -> dict[str, Any]:
+    """The embedding half of :func:`build_part` (the accelerator); the part's info."""
+    from hf_pipeline.embed_stage import embed_joined_rows
+
+    wall0 = time.time()
+    joined = part.joined
     keys = joined.rows.data.column("key").to_numpy()
     pre = ReasonCodes(joined.rows.data.column("drop_reason"))
     nonfinite = pre.mask(NONFINITE)
@@ -152,12 +161,11 @@ def build_part(
         encoder=encoder,
         cfg=cfg,
         probe=probe,
-        out_file=out_dir / "embeddings" / "data.arrow",
-        fingerprint=fingerprint,
+        out_file=part.out_dir / "embeddings" / "data.arrow",
+        fingerprint=part.fingerprint,
     )
-    shutil.rmtree(out_dir / "_work", ignore_errors=True)
     return {
-        "shards": len(shards),
+        "shards": part.shards,
         "rows_in": int(len(keys)),
         "pre_duplicate_reasons": pre.counts(),
         "bad_rows": bad_rows_summary(keys, nonfinite),
@@ -165,13 +173,70 @@ def build_part(
         "fetch": joined.fetch,
         "precision": joined.precision,
         "latent_dtype": joined.storage.dtype,
-        "seconds_convert": round(t_convert, 3),
+        "seconds_convert": part.seconds_convert,
         "seconds_embed": round(time.monotonic() - t1, 3),
         # The join's own timeline, and the wait for the encoder loading beside it.
         "join": joined.timeline,
         "seconds_encoder_wait": round(t1 - t_wait, 3),
+        # Wall clock: with one builder in parts, a part's embedding overlaps the next join.
+        "wall": {"join": list(part.join_wall), "embed": [wall0, time.time()]},
         "num_proc": joined.num_proc,
     }
+
+
+def build_part(*, cfg, probe, encoder, **join_kw) -> dict[str, Any]:
+    """Join and embed one part's ``shards`` into ``out_dir``; its info (JSON-able).
+
+    Args:
+        cfg: the :class:`hf_pipeline.config.Config`.
+        probe: a :class:`dist.lease.LeaseProbe` (the work stops when the lease is lost).
+        encoder: the :class:`hf_pipeline.embed.TextEncoder` (one per process), or a
+            future of it (loading in the background while this part joins).
+        **join_kw: for :func:`join_part`: ``source`` (where the shards come from),
+            ``shards`` (this part's shard files, in build order), ``captions_path`` (the
+            saved, key-sorted caption table), ``out_dir`` (the part's folder, created),
+            ``fingerprint`` (the ``datasets`` cache fingerprint prefix), ``progress``
+            (the fetcher's progress bar) and ``tokenizer`` (the encoder's
+            :class:`hf_pipeline.embed.CaptionTokenizer` or a future of it: the join
+            workers tokenize with it; None: loaded for the join).
+    """
+    joined = join_part(cfg=cfg, probe=probe, **join_kw)
+    return embed_part(joined, cfg=cfg, probe=probe, encoder=encoder)
+
+
+def build_parts_overlapped(
+    parts: Sequence[Mapping[str, Any]], *, cfg, probe, encoder, join_kw: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    """One builder's parts, in order, the embedding of part k (the accelerator, on a
+    thread) overlapping the join of part k+1 (the ``num_proc`` workers).
+
+    Args:
+        parts: each part's own :func:`join_part` keyword arguments (``shards``,
+            ``out_dir``, ``fingerprint``), in shard order.
+        cfg, probe, encoder: as for :func:`build_part`.
+        join_kw: the :func:`join_part` keyword arguments common to every part.
+
+    Returns:
+        Each part's info, in order. The first failure (join or embedding) stops the
+        rest and is raised once the embedding in flight has ended.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    embedder = ThreadPoolExecutor(1, thread_name_prefix="hf_pipeline-embed-parts")
+    pending = []
+    try:
+        for part_kw in parts:
+            for done in [f for f in pending if f.done()]:
+                done.result()  # an embedding failed: stop joining
+            joined = join_part(cfg=cfg, probe=probe, **join_kw, **part_kw)
+            pending.append(
+                embedder.submit(embed_part, joined, cfg=cfg, probe=probe, encoder=encoder)
+            )
+        return [f.result() for f in pending]
+    finally:
+        for f in pending:
+            f.cancel()
+        embedder.shutdown(wait=True)
 
 
 def part_files(part_dir: Path, kind: str) -> list[Path]:

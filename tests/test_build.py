@@ -179,6 +179,30 @@ def test_corrupt_shard_fails_cleanly(small_config, tmp_path):
     _nothing_published(tmp_path / "c")
 
 
+def test_corrupt_shard_in_a_later_part_fails_cleanly_while_an_embedding_runs(
+    small_config, tmp_path
+):
+    """One builder in parts: the join of part 3 fails while earlier parts embed on their
+    thread: the build fails with the shard's error, the embedding thread ends, nothing is
+    published."""
+    import threading
+
+    data, _ = _copy_demo(small_config, tmp_path)
+    victim = sorted(data.glob("*.pt"))[3]
+    torch.save({"keys": torch.arange(5), "latents": torch.zeros(5, 4, 32, 32)}, victim)
+    cfg = load_config(
+        None,
+        [*SMALL_DEMO, "name=bad", f"data.shards={data}", f"build.cache_dir={tmp_path / 'c'}",
+         "build.part_shards=1"],
+        environ={},
+    )  # fmt: skip
+    with pytest.raises(CorruptShardError) as ei:
+        prepare_cache(cfg, progress=False)
+    assert ei.value.path.endswith(victim.name)
+    assert not [t for t in threading.enumerate() if t.name.startswith("hf_pipeline-embed")]
+    _nothing_published(tmp_path / "c")
+
+
 def test_metadata_without_caption_column_fails_cleanly(small_config, tmp_path):
     data, meta = _copy_demo(small_config, tmp_path)
     t = pq.read_table(meta).drop(["caption_llava"])
@@ -525,7 +549,7 @@ def test_encoder_load_error_from_the_background_thread_fails_the_build(small_con
     with pytest.raises(ConfigError, match="encoder.model") as ei:
         prepare_cache(cfg, progress=False)
     # Raised where the part waits for the encoder, after its join ran.
-    assert any(entry.name == "build_part" for entry in ei.traceback)
+    assert any(entry.name == "embed_part" for entry in ei.traceback)
     _nothing_published(tmp_path / "c")
 
 

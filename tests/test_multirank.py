@@ -18,8 +18,10 @@ def test_four_ranks_one_build_identical_data_disjoint_slices(tmp_path):
     world = 4
     overrides = [*SMALL_DEMO, "loader.global_batch_size=32", "coord.poll_interval=0.2"]
     runs = run_ranks(
-        [REPO / "tests/procs/rank_loader.py", tmp_path / "r{rank}.json", *overrides], world,
-        timeout=420, HF_HOME=str(hf_home),
+        [REPO / "tests/procs/rank_loader.py", tmp_path / "r{rank}.json", *overrides],
+        world,
+        timeout=420,
+        HF_HOME=str(hf_home),
     )
     for code, out, err in runs:
         assert code == 0, (out + err)[-3000:]
@@ -59,13 +61,19 @@ def test_node_scope_one_build_per_node(tmp_path):
 
     def node_env(rank: int) -> dict[str, str]:
         node = rank // 2
-        return {"LOCAL_RANK": str(rank % 2), "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(node),
-                "HF_PIPELINE_CACHE": str(tmp_path / f"node{node}")}
+        return {
+            "LOCAL_RANK": str(rank % 2),
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": str(node),
+            "HF_PIPELINE_CACHE": str(tmp_path / f"node{node}"),
+        }
 
     overrides = [*SMALL_DEMO, "coord.scope=node", "loader.global_batch_size=32"]
     runs = run_ranks(
-        [REPO / "tests/procs/rank_loader.py", tmp_path / "r{rank}.json", *overrides], 4,
-        timeout=420, rank_env=node_env,
+        [REPO / "tests/procs/rank_loader.py", tmp_path / "r{rank}.json", *overrides],
+        4,
+        timeout=420,
+        rank_env=node_env,
     )
     for code, out, err in runs:
         assert code == 0, (out + err)[-3000:]
@@ -183,3 +191,42 @@ def test_sigkilled_part_builder_only_its_part_is_redone(small_config, tmp_path):
     assert a["key"].tolist() == b["key"].tolist()
     np.testing.assert_array_equal(a["latents"], b["latents"])
     np.testing.assert_allclose(a["embedding"], b["embedding"], atol=1e-5)
+
+
+def test_one_builder_in_parts_overlaps_and_equals_one_part(small_config, tmp_path):
+    """One builder with build.part_shards: the embedding of part k (a thread) overlaps the
+    join of part k+1; the cache is the one-part cache (same fingerprint, same content),
+    and the report lists the parts in shard order."""
+    import threading
+
+    from hf_pipeline.build import prepare_cache
+    from hf_pipeline.config import load_config
+
+    data = copy_inputs(small_config, tmp_path / "data")
+    base = [*SMALL_DEMO, f"data.shards={data}"]
+    one = prepare_cache(
+        load_config(None, [*base, f"build.cache_dir={tmp_path / 'one'}"], environ={}),
+        progress=False,
+    )
+    cfg = load_config(
+        None, [*base, f"build.cache_dir={tmp_path / 'parts'}", "build.part_shards=1"], environ={}
+    )
+    res = prepare_cache(cfg, progress=False)
+    assert res.built and res.fingerprint == one.fingerprint
+    parts = res.report["parts"]
+    assert [p["shards"] for p in parts] == [1, 1, 1, 1]
+    # The first part's embedding started while the second part joined (later ones queue
+    # behind the embedding before them when, as on this CPU, it is the slower half).
+    assert parts[0]["wall"]["embed"][0] < parts[1]["wall"]["join"][1]
+    for k in range(4):
+        assert parts[k]["wall"]["join"][1] <= parts[k]["wall"]["embed"][0]
+        if k < 3:
+            assert parts[k]["wall"]["join"][1] <= parts[k + 1]["wall"]["join"][0] + 1e-3
+    assert not [t for t in threading.enumerate() if t.name.startswith("hf_pipeline-embed")]
+    a, b = _everything(one), _everything(res)
+    assert a["key"].tolist() == b["key"].tolist()
+    assert a["caption"].tolist() == b["caption"].tolist()
+    np.testing.assert_array_equal(a["latents"], b["latents"])
+    np.testing.assert_allclose(a["embedding"], b["embedding"], atol=1e-5)
+    assert res.report["dropped"] == one.report["dropped"]
+    assert res.report["rows_out"] == one.report["rows_out"]

@@ -64,7 +64,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from hf_pipeline.demo import DemoData
     from hf_pipeline.sources import Source
 
-__all__ = ["BuildResult", "REASONS", "prepare_cache", "resolve_inputs", "resolve_job_inputs"]
+__all__ = [
+    "BuildResult",
+    "REASONS",
+    "one_builder_part_shards",
+    "prepare_cache",
+    "resolve_inputs",
+    "resolve_job_inputs",
+]
 
 log = logging.getLogger("hf_pipeline")
 
@@ -286,7 +293,7 @@ class _Builder:
         loader, tokenizer, encoder = _load_encoder_in_background(self.cfg, self.process)
         with loader:
             table = _save_captions(self.cfg, self.inputs, work / "captions.arrow")
-            plans = plan_parts(len(shards), _one_builder_part_shards(self.cfg, len(shards)))
+            plans = plan_parts(len(shards), one_builder_part_shards(self.cfg, len(shards)))
             folders = [tmp / "parts" / plan.name for plan in plans]
             infos = build_parts_overlapped(
                 [
@@ -352,13 +359,17 @@ class _Builder:
 
 #: Parts of one builder on an accelerator when ``build.part_shards`` is 0: the
 #: embedding of a part overlaps the join of the next, so 4 parts hide up to 3/4 of the
-#: shorter of the two. On the CPU the model already uses every core: one part.
+#: shorter of the two. Only when each part still gives every worker 2 shards or more
+#: (a part's pool starts again and waits for its slowest worker); on the CPU the model
+#: already uses every core: one part.
 _OVERLAP_PARTS = 4
 
 
-def _one_builder_part_shards(cfg: Config, num_shards: int) -> int:
-    """``build.part_shards`` for one builder (0: one part)."""
-    if cfg.build.part_shards or num_shards < 2 * _OVERLAP_PARTS:
+def one_builder_part_shards(cfg: Config, num_shards: int) -> int:
+    """The shards per part of one builder (0: one part): ``build.part_shards`` when set,
+    else 4 parts when the encoder runs on an accelerator and the parts stay large."""
+    small = num_shards < _OVERLAP_PARTS * 2 * cfg.build.effective_num_proc
+    if cfg.build.part_shards or small:
         return cfg.build.part_shards
     device = cfg.encoder.device
     if device == "auto":

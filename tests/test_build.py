@@ -580,3 +580,23 @@ def test_the_join_does_not_fsync_per_shard(tmp_path, monkeypatch):
         assert prepare_cache(cfg, progress=False).built
         counts[n] = len(calls)
     assert counts[6] == counts[2], counts
+
+
+@pytest.mark.parametrize(
+    "shards,num_proc,device,set_to,expected",
+    [
+        (500, 16, "cuda", 0, 125),  # 4 parts: the embedding of one overlaps the next join
+        (100, 16, "cuda", 0, 0),  # parts would give a worker under 2 shards: one part
+        (500, 16, "cpu", 0, 0),  # the model uses every core already: one part
+        (500, 16, "cpu", 7, 7),  # set explicitly: as set
+        (500, 16, "cuda", 50, 50),
+    ],
+)
+def test_one_builder_parts_only_where_they_overlap(shards, num_proc, device, set_to, expected):
+    from hf_pipeline.build import one_builder_part_shards
+
+    cfg = load_config(
+        None, [f"build.num_proc={num_proc}", f"encoder.device={device}",
+               f"build.part_shards={set_to}"], environ={},
+    )  # fmt: skip
+    assert one_builder_part_shards(cfg, shards) == expected

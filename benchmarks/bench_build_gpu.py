@@ -26,18 +26,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def _random_minilm(folder: Path, tokenizer: str) -> str:
-    import torch
-    from transformers import AutoModel, AutoTokenizer, BertConfig
-
-    cfg = BertConfig(vocab_size=30522, hidden_size=384, num_hidden_layers=6,
-                     num_attention_heads=12, intermediate_size=1536)  # fmt: skip
-    torch.manual_seed(0)
-    AutoModel.from_config(cfg).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(tokenizer).save_pretrained(folder)
-    return str(folder)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=100_000)
@@ -63,7 +51,10 @@ def main() -> int:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="hfp_build_gpu_"))
     model = args.model
     if args.random_minilm:
-        model = _random_minilm(work / "minilm", args.random_minilm)
+        from benchmarks.random_models import save_random_model
+
+        model = str(work / "minilm")
+        save_random_model("minilm", work / "minilm", args.random_minilm)
     shards = max(1, args.rows // args.samples_per_shard)
     overrides = [
         f"build.cache_dir={work / 'cache'}",

@@ -254,17 +254,11 @@ def _marker_times(cache_dir: Path, launched: float) -> dict:
 
 
 def _random_minilm(folder: Path, tokenizer: str) -> str:
-    """A random-weight all-MiniLM-L6-v2 (as in bench_build_gpu.py) with ``tokenizer``."""
-    import torch
-    from transformers import AutoModel, AutoTokenizer, BertConfig
+    """A random-weight all-MiniLM-L6-v2 with ``tokenizer`` (kept from an earlier run)."""
+    from benchmarks.random_models import save_random_model
 
-    if (folder / "config.json").is_file():
-        return str(folder)
-    cfg = BertConfig(vocab_size=30522, hidden_size=384, num_hidden_layers=6,
-                     num_attention_heads=12, intermediate_size=1536)  # fmt: skip
-    torch.manual_seed(0)
-    AutoModel.from_config(cfg).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(tokenizer).save_pretrained(folder)
+    if not (folder / "config.json").is_file():
+        save_random_model("minilm", folder, tokenizer)
     return str(folder)
 
 

@@ -84,23 +84,10 @@ def _random_model(kind: str, folder: Path, tok: Path) -> tuple[str, int, int]:
 
     Returns (path, layers, attention width = heads x head dim).
     """
-    import torch
-    from transformers import AutoModel, AutoTokenizer, BertConfig, Gemma3TextConfig
+    from benchmarks.random_models import save_random_model
 
-    if kind == "minilm":
-        cfg = BertConfig(vocab_size=30522, hidden_size=384, num_hidden_layers=6,
-                         num_attention_heads=12, intermediate_size=1536,
-                         max_position_embeddings=512)  # fmt: skip
-        attn = cfg.hidden_size
-    else:
-        cfg = Gemma3TextConfig(vocab_size=262144, hidden_size=640, intermediate_size=2048,
-                               num_hidden_layers=18, num_attention_heads=4,
-                               num_key_value_heads=1, head_dim=256,
-                               max_position_embeddings=32768)  # fmt: skip
-        attn = cfg.num_attention_heads * cfg.head_dim
-    torch.manual_seed(0)
-    AutoModel.from_config(cfg).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(str(tok)).save_pretrained(folder)
+    cfg = save_random_model(kind, folder, tok)
+    attn = cfg.hidden_size if kind == "minilm" else cfg.num_attention_heads * cfg.head_dim
     return str(folder), cfg.num_hidden_layers, attn
 
 

@@ -54,16 +54,9 @@ def _captions(n: int, words: int, seed: int = 0) -> list[str]:
 
 def _gemma_like(folder: Path, tokenizer_from: str) -> str:
     """Save a randomly initialised gemma-3-270m-shaped text model with a borrowed tokenizer."""
-    import torch
-    from transformers import AutoModel, AutoTokenizer, Gemma3TextConfig
+    from benchmarks.random_models import save_random_model
 
-    cfg = Gemma3TextConfig(
-        vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
-    )
-    torch.manual_seed(0)
-    AutoModel.from_config(cfg).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(folder)
+    save_random_model("gemma", folder, tokenizer_from)
     return str(folder)
 
 

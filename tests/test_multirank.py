@@ -92,6 +92,18 @@ def _everything(res):
     return ds[:]
 
 
+def _assert_same_cache(one, res):
+    """``res`` is the cache ``one`` is: the same kept keys in the same order, byte-identical
+    latents and captions, embeddings equal up to float noise, the same accounting."""
+    a, b = _everything(one), _everything(res)
+    assert a["key"].tolist() == b["key"].tolist()
+    assert a["caption"].tolist() == b["caption"].tolist()
+    np.testing.assert_array_equal(a["latents"], b["latents"])
+    np.testing.assert_allclose(a["embedding"], b["embedding"], atol=1e-5)
+    assert res.report["dropped"] == one.report["dropped"]
+    assert res.report["rows_out"] == one.report["rows_out"]
+
+
 def test_four_ranks_build_in_parts_equal_to_one_builder(small_config, tmp_path):
     """build.parallel=ranks: 4 real processes each build a part; rank 0 assembles. The
     cache equals a single builder's: same fingerprint, same kept keys in the same order,
@@ -120,13 +132,7 @@ def test_four_ranks_build_in_parts_equal_to_one_builder(small_config, tmp_path):
     parts = res.report["parts"]  # the report says who built which shards
     assert [p["shards"] for p in parts] == [1, 1, 1, 1]
     assert len({p["builder"]["pid"] for p in parts}) == 4
-    a, b = _everything(one), _everything(res)
-    assert a["key"].tolist() == b["key"].tolist()
-    assert a["caption"].tolist() == b["caption"].tolist()
-    np.testing.assert_array_equal(a["latents"], b["latents"])
-    np.testing.assert_allclose(a["embedding"], b["embedding"], atol=1e-5)
-    assert res.report["dropped"] == one.report["dropped"]
-    assert res.report["rows_out"] == one.report["rows_out"]
+    _assert_same_cache(one, res)
 
 
 def test_sigkilled_part_builder_only_its_part_is_redone(small_config, tmp_path):
@@ -187,10 +193,7 @@ def test_sigkilled_part_builder_only_its_part_is_redone(small_config, tmp_path):
         load_config(None, [*base, f"build.cache_dir={tmp_path / 'one'}"], environ={}),
         progress=False,
     )
-    a, b = _everything(one), _everything(res)
-    assert a["key"].tolist() == b["key"].tolist()
-    np.testing.assert_array_equal(a["latents"], b["latents"])
-    np.testing.assert_allclose(a["embedding"], b["embedding"], atol=1e-5)
+    _assert_same_cache(one, res)
 
 
 def test_one_builder_in_parts_overlaps_and_equals_one_part(small_config, tmp_path):
@@ -223,10 +226,4 @@ def test_one_builder_in_parts_overlaps_and_equals_one_part(small_config, tmp_pat
         if k < 3:
             assert parts[k]["wall"]["join"][1] <= parts[k + 1]["wall"]["join"][0] + 1e-3
     assert not [t for t in threading.enumerate() if t.name.startswith("hf_pipeline-embed")]
-    a, b = _everything(one), _everything(res)
-    assert a["key"].tolist() == b["key"].tolist()
-    assert a["caption"].tolist() == b["caption"].tolist()
-    np.testing.assert_array_equal(a["latents"], b["latents"])
-    np.testing.assert_allclose(a["embedding"], b["embedding"], atol=1e-5)
-    assert res.report["dropped"] == one.report["dropped"]
-    assert res.report["rows_out"] == one.report["rows_out"]
+    _assert_same_cache(one, res)

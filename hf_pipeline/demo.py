@@ -428,9 +428,7 @@ def _write_shard(job: _ShardJob) -> tuple[str, dict]:
         lat[0] = first_image + srng.normal(0.0, 0.02, size=first_image.shape).astype(np.float32)
     # Within a shard the order is shuffled: consumers must not rely on sorted keys.
     order = srng.permutation(len(job.keys))
-    tdtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[
-        job.latent_dtype
-    ]
+    tdtype = getattr(torch, job.latent_dtype)  # float16, bfloat16 or float32 (checked)
     keys_t = torch.from_numpy(job.keys[order].copy())
     # clone(): torch.save writes a view's whole storage; each shard owns exactly its rows.
     lat_t = torch.from_numpy(np.ascontiguousarray(lat[order])).to(tdtype).clone()

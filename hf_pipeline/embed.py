@@ -28,10 +28,12 @@ __all__ = [
     "TokenizerSpec",
     "WorkerTokenizer",
     "encoder_identity",
+    "full_rows",
     "micro_batches",
+    "padded_widths",
+    "resolve_encoder_path",
     "row_buckets",
     "warm_up_ids",
-    "resolve_encoder_path",
 ]
 
 log = logging.getLogger("hf_pipeline")
@@ -441,8 +443,8 @@ class MicroBatch(NamedTuple):
 def warm_up_ids(cfg: EncoderConfig, pad_token_id: int, *, min_rows: int = 1) -> list:
     """Token ids, one ``pyarrow`` list array per micro-batch shape that
     :meth:`TextEncoder.encode_ids` can run on an accelerator (row buckets on): for every
-    padded width up to ``cfg.max_length``, the full micro-batch and each power-of-two
-    row count below it (at least ``min_rows``).
+    padded width up to ``cfg.max_length``, each of its :func:`row_buckets` (at least
+    ``min_rows`` rows).
 
     The first row of each is a token shorter than the width: the attention mask has
     padding, as in real batches (an all-ones mask takes another kernel path).
@@ -450,11 +452,9 @@ def warm_up_ids(cfg: EncoderConfig, pad_token_id: int, *, min_rows: int = 1) -> 
     import pyarrow as pa
 
     out = []
-    widths = {min(w, cfg.max_length) for w in range(32, cfg.max_length + 32, 32)}
-    for width in sorted(widths):
-        full = cfg.micro_batch_size
-        if cfg.tokens_per_batch:
-            full = min(full, max(1, cfg.tokens_per_batch // width))
+    for width in np.unique(padded_widths(np.arange(1, cfg.max_length + 1), cfg.max_length)):
+        width = int(width)
+        full = full_rows(width, cfg.tokens_per_batch, cfg.micro_batch_size)
         for rows in [b for b in row_buckets(full) if b >= min_rows]:
             lengths = np.full(rows, width)
             lengths[0] = max(1, width - 1)
@@ -473,6 +473,18 @@ def row_buckets(full: int) -> list[int]:
     eighths = {-(-full * k // 8) for k in range(1, 9)}
     smallest = min(eighths)
     return sorted(eighths | {1 << k for k in range(smallest.bit_length()) if 1 << k < smallest})
+
+
+def padded_widths(lengths: np.ndarray, max_length: int) -> np.ndarray:
+    """The width each sequence runs at: its length rounded up to a multiple of 32 (at least
+    32), capped at ``max_length`` (see :func:`micro_batches`)."""
+    return np.minimum(-(-np.maximum(lengths, 1) // 32) * 32, max_length)
+
+
+def full_rows(width: int, tokens_per_batch: int, max_rows: int) -> int:
+    """Rows of a full micro-batch of ``width`` tokens: the token budget's share (all rows
+    with ``tokens_per_batch`` 0), at most ``max_rows``, at least 1."""
+    return min(max_rows, max(1, tokens_per_batch // width)) if tokens_per_batch else max_rows
 
 
 def micro_batches(
@@ -501,12 +513,12 @@ def micro_batches(
     a dimension of size 1: a one-row micro-batch would compile the model once more).
     """
     n = len(sorted_lengths)
-    widths = np.minimum(-(-np.maximum(sorted_lengths, 1) // 32) * 32, max_length)
+    widths = padded_widths(sorted_lengths, max_length)
     cuts = np.concatenate([[0], np.flatnonzero(np.diff(widths)) + 1, [n]]) if n else []
     out = []
     for seg_start, seg_stop in zip(cuts[:-1], cuts[1:], strict=True):
         width = int(widths[seg_start])
-        full = min(max_rows, max(1, tokens_per_batch // width)) if tokens_per_batch else max_rows
+        full = full_rows(width, tokens_per_batch, max_rows)
         for first in range(int(seg_start), int(seg_stop), full):
             stop = min(first + full, int(seg_stop))
             rows = stop - first

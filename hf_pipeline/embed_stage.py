@@ -34,7 +34,6 @@ log = logging.getLogger("hf_pipeline")
 
 
 def embed_rows(
-    input_ids,
     reasons,
     indices: list,
     *,
@@ -44,7 +43,6 @@ def embed_rows(
 ) -> dict[str, Any]:
     """``datasets.map`` function (Arrow format): the batch's final reasons, and its
     embeddings from :class:`EncodeAhead` (kept rows; zeros elsewhere)."""
-    del input_ids  # encoded ahead, by the thread
     probe.check()  # a builder that lost its lease stops at the next batch
     idx = np.asarray(indices, dtype=np.int64)
     final = np.asarray(reasons.to_pylist(), dtype=object)  # one batch, not the table
@@ -121,7 +119,15 @@ class EmbedResult:
 
 
 def embed_joined_rows(
-    rows, duplicate: np.ndarray, *, encoder, cfg, probe, out_file: Path, fingerprint: str
+    rows,
+    duplicate: np.ndarray,
+    *,
+    encoder,
+    cfg,
+    probe,
+    out_file: Path,
+    fingerprint: str,
+    reasons: ReasonCodes | None = None,
 ) -> EmbedResult:
     """Embed the kept rows of ``rows`` (the join's output) into ``out_file``.
 
@@ -134,12 +140,15 @@ def embed_joined_rows(
         probe: a :class:`dist.lease.LeaseProbe` checked every batch.
         out_file: where ``datasets`` writes ``embedding, drop_reason``.
         fingerprint: used for the ``datasets`` cache fingerprint.
+        reasons: the join's ``drop_reason`` column as codes, when the caller has them.
     """
     from datasets import Features, List, Value
 
     emb_type = "float16" if cfg.encoder.output_dtype == "float16" else "float32"
     batch_size = max(cfg.build.batch_size, EMBED_ROWS_PER_CALL)
-    keep = ReasonCodes(rows.data.column("drop_reason")).mask(KEEP) & ~duplicate
+    if reasons is None:
+        reasons = ReasonCodes(rows.data.column("drop_reason"))
+    keep = reasons.mask(KEEP) & ~duplicate
     ahead = EncodeAhead(
         encoder, rows.data.column("input_ids"), keep, batch_size=batch_size, probe=probe
     )
@@ -149,7 +158,7 @@ def embed_joined_rows(
             batched=True,
             batch_size=batch_size,
             writer_batch_size=cfg.build.writer_batch_size,
-            input_columns=["input_ids", "drop_reason"],
+            input_columns=["drop_reason"],  # the token ids are read by EncodeAhead
             with_indices=True,
             remove_columns=rows.column_names,
             features=Features(

@@ -163,6 +163,7 @@ def embed_part(part: JoinedPart, *, cfg, probe, encoder) -> dict[str, Any]:
         probe=probe,
         out_file=part.out_dir / "embeddings" / "data.arrow",
         fingerprint=part.fingerprint,
+        reasons=pre,
     )
     return {
         "shards": part.shards,

@@ -9,6 +9,7 @@ import pytest
 
 from tests.conftest import REPO, SMALL_DEMO, run_ranks
 from tests.helpers.caches import copy_inputs
+from tests.helpers.dist_job import two_rank_nodes
 
 pytestmark = pytest.mark.slow
 
@@ -59,21 +60,12 @@ def test_four_ranks_one_build_identical_data_disjoint_slices(tmp_path):
 def test_node_scope_one_build_per_node(tmp_path):
     """coord.scope=node: 2 nodes x 2 ranks, each node a local cache; local rank 0 builds."""
 
-    def node_env(rank: int) -> dict[str, str]:
-        node = rank // 2
-        return {
-            "LOCAL_RANK": str(rank % 2),
-            "LOCAL_WORLD_SIZE": "2",
-            "GROUP_RANK": str(node),
-            "HF_PIPELINE_CACHE": str(tmp_path / f"node{node}"),
-        }
-
     overrides = [*SMALL_DEMO, "coord.scope=node", "loader.global_batch_size=32"]
     runs = run_ranks(
         [REPO / "tests/procs/rank_loader.py", tmp_path / "r{rank}.json", *overrides],
         4,
         timeout=420,
-        rank_env=node_env,
+        rank_env=two_rank_nodes(tmp_path),
     )
     for code, out, err in runs:
         assert code == 0, (out + err)[-3000:]

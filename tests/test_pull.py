@@ -34,6 +34,7 @@ from hf_pipeline.errors import CacheFormatError
 from hf_pipeline.publish import publish_cache
 from hf_pipeline.pull import PULLED_FROM, local_relpath
 from tests.conftest import PYTHON, REPO, SMALL_DEMO, run_ranks, script_env
+from tests.helpers.dist_job import two_rank_nodes
 from tests.helpers.publishing import (  # noqa: F401
     HUB_REPO,
     config,
@@ -126,15 +127,6 @@ def test_two_nodes_two_ranks_pull_instead_of_building(
         store_env = {"HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0"}
         before = {p: server.count(f"{name}/{p}") for p in published}
 
-    def node_env(rank: int) -> dict[str, str]:
-        node = rank // 2
-        return {
-            "LOCAL_RANK": str(rank % 2),
-            "LOCAL_WORLD_SIZE": "2",
-            "GROUP_RANK": str(node),
-            "HF_PIPELINE_CACHE": str(tmp_path / f"node{node}"),
-        }
-
     over = [
         *SMALL_DEMO,
         f"data.shards={source_cache.data}",
@@ -145,7 +137,7 @@ def test_two_nodes_two_ranks_pull_instead_of_building(
         [REPO / "tests/procs/rank_loader.py", tmp_path / "r{rank}.json", *over],
         4,
         timeout=420,
-        rank_env=node_env,
+        rank_env=two_rank_nodes(tmp_path),
         HF_PIPELINE_PULL_FROM=url,
         **store_env,
     )

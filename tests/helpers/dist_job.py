@@ -99,3 +99,19 @@ class Job:
                 p.wait(timeout=10)
             if p.stdout:
                 p.stdout.close()
+
+
+def two_rank_nodes(root: Path):
+    """``rank_env`` for ``run_ranks``: ranks in nodes of 2 (local rank, node), each node
+    with its own cache root ``root/node<N>`` (as hosts without a shared filesystem)."""
+
+    def node_env(rank: int) -> dict[str, str]:
+        node = rank // 2
+        return {
+            "LOCAL_RANK": str(rank % 2),
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": str(node),
+            "HF_PIPELINE_CACHE": str(root / f"node{node}"),
+        }
+
+    return node_env

@@ -35,6 +35,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="float16", help="encoder.dtype")
     ap.add_argument("--work-dir", default="")
     ap.add_argument("--json", default="")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="one more config override (repeatable), e.g. build.part_shards=25")  # fmt: skip
     ap.add_argument(
         "--rebuild", action="store_true",
         help="remove the caches already in --work-dir first (the generated demo stays)",
@@ -62,6 +64,7 @@ def main() -> int:
         f"data.demo.samples_per_shard={args.samples_per_shard}",
         f"encoder.model={model}",
         f"encoder.dtype={args.dtype}",
+        *args.set,
     ]
     cfg = load_config(None, overrides)
     if args.rebuild and (work / "cache").is_dir():
@@ -76,6 +79,7 @@ def main() -> int:
     t0 = time.perf_counter()
     resolve_inputs(cfg)
     generate_s = time.perf_counter() - t0
+    os.sync()  # the build does not pay for the writeback of the demo (or earlier caches)
     t0 = time.perf_counter()
     res = prepare_cache(cfg, progress=False)
     wall = time.perf_counter() - t0
@@ -106,6 +110,7 @@ def main() -> int:
         "bare_forward_rows_per_s": round(len(ids) / bare),
         "embed_stage_rows_per_s": round(embedded_rows / max(r["seconds_embed"], 1e-9)),
         "embed_stage_vs_bare": round((embedded_rows / r["seconds_embed"]) / (len(ids) / bare), 3),
+        "overrides": args.set,
         "parts": r["parts"],  # each part's join timeline and encoder wait
         "encoder": {"dtype": cfg.encoder.dtype, "compile": cfg.encoder.compile,
                     "tokens_per_batch": cfg.encoder.tokens_per_batch},

@@ -135,6 +135,9 @@ def build_report(
         "parts": converted.get("parts", []),
         "skipped_files": skipped,
         "fetch": converted.get("fetch", {}),
+        # The key-sorted caption table (the builder's, or rank 0's with parallel: ranks);
+        # None in a cache published by a release before it.
+        "seconds_captions": converted.get("seconds_captions"),
         "seconds_convert": converted["seconds_convert"],
         "seconds_embed": converted["seconds_embed"],
         # Absent when the converted stage was published by a release before it.

@@ -48,6 +48,14 @@ into one clear error instead of a worker that builds (or waits for) the cache it
 
 :func:`usable_cpus` is the CPU count that sizes worker pools and thread pools (the
 build's ``num_proc``, the loader's ``num_threads``).
+
+:func:`quick_gil_handoff` is for the builder's own threads: while one thread runs Python
+(the encoder's loading: imports, ``torch.compile``, the warm-up), every other thread
+that comes back from C code (the caption step's Arrow and NumPy calls, the pool start's
+socket calls) waits for it to drop the GIL, up to the switch interval (5 ms by default)
+each time. Measured on 2 CPUs, a Python-busy thread made the 2M-row caption step take
+26.4 s against 2.5 s alone; with a 1 ms interval 9.3 s, with 0.5 ms 6.6 s. The build's
+stages run with at most 1 ms.
 """
 
 from __future__ import annotations
@@ -60,7 +68,14 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["PRELOAD", "check_not_bootstrapping", "clean_workers", "die_with_parent", "usable_cpus"]
+__all__ = [
+    "PRELOAD",
+    "check_not_bootstrapping",
+    "clean_workers",
+    "die_with_parent",
+    "quick_gil_handoff",
+    "usable_cpus",
+]
 
 #: Start methods that never copy the calling process; a caller's choice of one is kept.
 _CLEAN = ("spawn", "forkserver")
@@ -133,6 +148,35 @@ def clean_workers() -> Iterator[None]:
                     forkserver.set_forkserver_preload(_saved_preload)
                     _saved_preload = None
                     _stop_fork_server(forkserver)
+
+
+#: The longest switch interval (seconds) inside :func:`quick_gil_handoff`.
+GIL_SWITCH_INTERVAL = 0.001
+_gil_depth = 0
+_gil_saved: float | None = None
+
+
+@contextlib.contextmanager
+def quick_gil_handoff() -> Iterator[None]:
+    """Within the block, the interpreter's switch interval is at most
+    :data:`GIL_SWITCH_INTERVAL` (a smaller one set by the caller is kept); restored when
+    the last of any nested or concurrent blocks ends (see the module's docstring).
+    Thread-safe.
+    """
+    global _gil_depth, _gil_saved
+    with _lock:
+        if _gil_depth == 0 and sys.getswitchinterval() > GIL_SWITCH_INTERVAL:
+            _gil_saved = sys.getswitchinterval()  # changed, so restored at the end
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL)
+        _gil_depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _gil_depth -= 1
+            if _gil_depth == 0 and _gil_saved is not None:
+                sys.setswitchinterval(_gil_saved)
+                _gil_saved = None
 
 
 def _stop_fork_server(forkserver) -> None:

@@ -600,3 +600,47 @@ def test_one_builder_parts_only_where_they_overlap(shards, num_proc, device, set
                f"build.part_shards={set_to}"], environ={},
     )  # fmt: skip
     assert one_builder_part_shards(cfg, shards) == expected
+
+
+@pytest.mark.parametrize("parallel", ["one", "ranks"])
+def test_the_caption_table_is_written_with_the_fork_server_up_and_quick_gil_handoff(
+    parallel, tmp_path, monkeypatch
+):
+    """Issue 10: while the caption table is written, the join workers' fork server is
+    already importing (with ``parallel: ranks`` too: a rank used to start it only with
+    its part, 4-6 s before its first shard on a 4xH100 host), and the stage runs with a
+    switch interval of at most 1 ms (the encoder loads on a thread beside it); the
+    caller's own interval is restored after the build; the report says what the caption
+    table took."""
+    import sys
+
+    import multiprocess.forkserver
+
+    import hf_pipeline.build as build
+
+    seen = []
+    real_save = build._save_captions
+
+    def save_captions(*args, **kwargs):
+        server = multiprocess.forkserver._forkserver._forkserver_pid
+        seen.append((sys.getswitchinterval(), server is not None))
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(build, "_save_captions", save_captions)
+    cfg = load_config(
+        None,
+        [*SMALL_DEMO, f"build.parallel={parallel}", f"build.cache_dir={tmp_path / 'c'}"],
+        environ={},
+    )  # fmt: skip
+    resolve_inputs(cfg)
+    before = sys.getswitchinterval()
+    assert before > 0.001, "the test needs the default (5 ms) to see the change"
+    res = prepare_cache(cfg, progress=False)
+    assert res.built
+    # Where the time went: the report says what the caption table took.
+    assert 0 < res.report["seconds_captions"] < res.seconds
+    assert len(seen) == 1
+    interval, server_up = seen[0]
+    assert interval <= 0.001
+    assert server_up, "the fork server imports while the caption table is written"
+    assert sys.getswitchinterval() == before

@@ -208,3 +208,42 @@ def test_jax_distributed_first_then_five_builds_never_fork(tmp_path):
     assert [x["rows_out"] for x in results[1]["rounds"]] == [
         x["rows_out"] for x in results[0]["rounds"]
     ]
+
+
+def test_quick_gil_handoff_nests_keeps_a_smaller_interval_and_restores():
+    """The build's stages run with a switch interval of at most 1 ms (a thread coming back
+    from C code waits less for a Python-busy one); nested and concurrent blocks restore
+    the caller's interval once, when the last ends; a caller's smaller one is kept."""
+    import sys
+
+    from hf_pipeline.workers import GIL_SWITCH_INTERVAL, quick_gil_handoff
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        entered, release = threading.Barrier(2), threading.Event()
+
+        def other():
+            with quick_gil_handoff():
+                entered.wait()
+                release.wait()
+
+        t = threading.Thread(target=other)
+        t.start()
+        with quick_gil_handoff():
+            entered.wait()
+            assert sys.getswitchinterval() == GIL_SWITCH_INTERVAL
+            with quick_gil_handoff():
+                assert sys.getswitchinterval() == GIL_SWITCH_INTERVAL
+        # The other block is still open: not restored yet.
+        assert sys.getswitchinterval() == GIL_SWITCH_INTERVAL
+        release.set()
+        t.join()
+        assert sys.getswitchinterval() == 0.005
+        sys.setswitchinterval(0.0002)
+        smaller = sys.getswitchinterval()  # as the interpreter rounds it
+        with quick_gil_handoff():
+            assert sys.getswitchinterval() == smaller
+        assert sys.getswitchinterval() == smaller
+    finally:
+        sys.setswitchinterval(before)

@@ -380,16 +380,18 @@ class _Builder:
 
 #: Parts of one builder on an accelerator when ``build.part_shards`` is 0: the
 #: embedding of a part overlaps the join of the next, so 4 parts hide up to 3/4 of the
-#: shorter of the two. Only when each part still gives every worker 2 shards or more
-#: (a part's pool starts again and waits for its slowest worker); on the CPU the model
-#: already uses every core: one part.
+#: shorter of the two. Only when each part still gives every worker a shard (a part's
+#: pool starts again and waits for its slowest worker): measured on an H200 host with 16
+#: workers, 100 shards (100k rows) built in 7.6-7.8 s in 4 parts of 25 against 8.0-8.9 s
+#: in one (benchmarks/results/build_gpu_h200_100k_parts_overlap.json). On the CPU the
+#: model already uses every core: one part.
 _OVERLAP_PARTS = 4
 
 
 def one_builder_part_shards(cfg: Config, num_shards: int) -> int:
     """The shards per part of one builder (0: one part): ``build.part_shards`` when set,
     else 4 parts when the encoder runs on an accelerator and the parts stay large."""
-    small = num_shards < _OVERLAP_PARTS * 2 * cfg.build.effective_num_proc
+    small = num_shards < _OVERLAP_PARTS * cfg.build.effective_num_proc
     if cfg.build.part_shards or small:
         return cfg.build.part_shards
     device = cfg.encoder.device

@@ -586,7 +586,8 @@ def test_the_join_does_not_fsync_per_shard(tmp_path, monkeypatch):
     "shards,num_proc,device,set_to,expected",
     [
         (500, 16, "cuda", 0, 125),  # 4 parts: the embedding of one overlaps the next join
-        (100, 16, "cuda", 0, 0),  # parts would give a worker under 2 shards: one part
+        (100, 16, "cuda", 0, 25),  # a shard per worker per part: it still pays (measured)
+        (63, 16, "cuda", 0, 0),  # parts would leave a worker without a shard: one part
         (500, 16, "cpu", 0, 0),  # the model uses every core already: one part
         (500, 16, "cpu", 7, 7),  # set explicitly: as set
         (500, 16, "cuda", 50, 50),

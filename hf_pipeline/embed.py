@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -316,6 +317,29 @@ class TextEncoder:
             # dynamo's recompile limit, 8, and silently run eager beyond it).
             mode = None if self.compile_mode == "default" else self.compile_mode
             self._forward = torch.compile(self._pool, mode=mode, dynamic=None)
+        # The page-locked host buffer results come back through on CUDA (see _to_host).
+        self._host = None
+        self._host_lock = threading.Lock()
+
+    def _to_host(self, result, out: np.ndarray, rows: np.ndarray) -> None:
+        """``out[rows] = result`` for ``result`` (len(rows), dim) on the device.
+
+        On CUDA the rows come back through a page-locked buffer kept between calls (grown
+        to the largest call): ``.cpu()`` into fresh pageable memory ran at about 2 GB/s
+        (13% of a MiniLM ``encode_ids`` on an H200, profiled), the page faults of the new
+        memory included.
+        """
+        torch = self._torch
+        if result.device.type != "cuda":
+            out[rows] = result.cpu().numpy().astype(out.dtype, copy=False)
+            return
+        with self._host_lock:
+            if self._host is None or self._host.numel() < result.numel():
+                self._host = torch.empty(result.numel(), dtype=result.dtype, pin_memory=True)
+            host = self._host[: result.numel()].view(result.shape)
+            host.copy_(result, non_blocking=True)
+            torch.cuda.current_stream(result.device).synchronize()
+            out[rows] = host.numpy().astype(out.dtype, copy=False)
 
     @property
     def _min_rows(self) -> int:
@@ -373,10 +397,9 @@ class TextEncoder:
             )
             with torch.inference_mode():
                 pooled = [self._micro_batch(mb, order, lengths, starts, flat) for mb in batches]
-                result = torch.cat(pooled).cpu().numpy()
+                self._to_host(torch.cat(pooled), out, order)
         finally:
             torch.set_float32_matmul_precision(precision)
-        out[order] = result.astype(self._out_dtype, copy=False)
         return out
 
     def warm_up(self) -> None:

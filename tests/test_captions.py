@@ -374,6 +374,36 @@ def test_write_sorted_captions_equals_in_memory_table(tmp_path, num_proc, chunk_
     _same_table(pickle.loads(pickle.dumps(t)), ref)
 
 
+@pytest.mark.parametrize("num_proc", [1, 4])
+def test_write_sorted_captions_one_row_group_placed_by_spare_threads(
+    tmp_path, monkeypatch, num_proc
+):
+    """Issue 10: a file of one row group (pyarrow's default before 15.0 for up to 64Mi
+    rows) is not one thread's work: the reader decodes, the spare threads place its
+    batches (take, spill writes); same table as in memory."""
+    import threading
+
+    import hf_pipeline.caption_sort as cs
+
+    path = tmp_path / "m.parquet"
+    pq.write_table(_messy_table(600, seed=5), path, row_group_size=600)
+    assert pq.ParquetFile(path).metadata.num_row_groups == 1
+    monkeypatch.setattr(cs, "_BATCH_ROWS", 41)  # 15 batches
+    writers, real_write = set(), cs.Spill.write
+
+    def write(self, *args):
+        writers.add(threading.current_thread().name.split("_")[0])
+        return real_write(self, *args)
+
+    monkeypatch.setattr(cs.Spill, "write", write)
+    t = write_sorted_captions(path, tmp_path / "o.arrow", num_proc=num_proc, chunk_rows=50)
+    _same_table(t, read_captions(path))
+    if num_proc == 1:
+        assert writers == {"caption-scatter"}
+    else:
+        assert writers == {"caption-place"}
+
+
 def test_write_sorted_captions_duplicate_rule_first_in_file_order(tmp_path):
     # The same key in three row groups: the first row in the file wins, whichever chunk
     # or thread sees it; a null key is never a duplicate of anything.
@@ -557,8 +587,9 @@ def test_open_reads_the_ipc_file_format_of_earlier_saves(tmp_path):
     _same_table(CaptionTable.open(new), ref)
 
 
+@pytest.mark.parametrize("groups", [4, 1])
 @pytest.mark.parametrize("phase", ["spill", "output"])
-def test_write_sorted_captions_full_disk_leaves_nothing(tmp_path, mounts, phase):
+def test_write_sorted_captions_full_disk_leaves_nothing(tmp_path, mounts, phase, groups):
     # A real full disk (tmpfs). "spill": 4 MB of captions, 1 MB of disk: the spill fails.
     # "output": 100k 6-byte captions in one chunk; the spill (1.4 MB: data + 8 bytes a
     # row) fits in 1.8 MB, the sorted file (2.2 MB: data + 16 bytes a row) does not. Either way the OSError
@@ -576,7 +607,7 @@ def test_write_sorted_captions_full_disk_leaves_nothing(tmp_path, mounts, phase)
             }
         ),
         path,
-        row_group_size=n // 4,
+        row_group_size=n // groups,  # one group: a spare thread's spill write fails
     )
     disk = tmp_path / "disk"
     disk.mkdir()

@@ -21,6 +21,12 @@ before it. ``--one-num-proc N`` (repeatable) builds with one builder once per ``
 every rank gets when it turns ``build.parallel: ranks`` on; all CPUs is the strongest one
 builder.
 
+``--pin`` gives each process CPUs of its own (``sched_setaffinity`` before exec, so its
+workers inherit them): rank r the r-th of ``--ranks`` equal slices of the usable CPUs, a
+one builder the first slice (and, by default, that many workers). One host then stands
+for ``--ranks`` nodes of one GPU and ``CPUs / ranks`` cores each sharing one store, the
+setting ``parallel: ranks`` is for; memory bandwidth and the store stay shared.
+
 The storage reference (``--no-write-reference`` skips it), measured in the same run on the
 same folder: as many processes as CPUs write the demo's byte count (each its share, in
 8 MiB blocks, fsync at the end; as the join's workers write their Arrow files and a
@@ -49,7 +55,7 @@ Usage::
 
     python benchmarks/bench_build_ranks.py [--rows 1000000] [--samples-per-shard 2000]
         [--ranks 4] [--random-minilm TOKENIZER_DIR] [--dtype float16]
-        [--one-num-proc N ...] [--no-write-reference] [--work-dir DIR]
+        [--one-num-proc N ...] [--pin] [--no-write-reference] [--work-dir DIR]
         [--json out.json] [--set section.field=value ...]
 
 A 1M-row fp16 demo is 24.6 GB of shards, and each cache holds the latents again; a cache
@@ -62,6 +68,7 @@ arguments.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -291,9 +298,12 @@ def _base_env() -> dict[str, str]:
     return env
 
 
-def _launch(name: str, envs: list[dict], overrides: list[str], work: Path, args) -> dict:
-    """Start one process per env at once; wait for all (killing all on a timeout or a
-    failure); the wall time from the first launch to the last exit and their results."""
+def _launch(
+    name: str, envs: list[dict], overrides: list[str], work: Path, args, cpu_sets=None
+) -> dict:
+    """Start one process per env at once (process i on the CPUs ``cpu_sets[i]`` when
+    given); wait for all (killing all on a timeout or a failure); the wall time from the
+    first launch to the last exit and their results."""
     logs, results, procs, ended = work / "logs", [], [], {}
     logs.mkdir(exist_ok=True)
     launched = time.time()
@@ -303,12 +313,15 @@ def _launch(name: str, envs: list[dict], overrides: list[str], work: Path, args)
         result.unlink(missing_ok=True)
         results.append(result)
         spec = {"overrides": overrides, "result": str(result), "store": not args.no_store}
+        pin = None
+        if cpu_sets is not None:  # before exec: the whole process tree inherits it
+            pin = functools.partial(os.sched_setaffinity, 0, cpu_sets[i])
         with open(logs / f"{name}-{i}.log", "w") as log:
             procs.append(
                 subprocess.Popen(
                     [sys.executable, __file__, "--_child", json.dumps(spec)],
                     cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                    start_new_session=True,
+                    start_new_session=True, preexec_fn=pin,
                 )
             )  # fmt: skip
 
@@ -444,6 +457,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-write-reference", action="store_true",
                     help="skip the storage reference (parallel writes + fsync)")  # fmt: skip
     ap.add_argument("--keep-caches", action="store_true", help="keep each build's cache")
+    ap.add_argument("--pin", action="store_true",
+                    help="each process on CPUs of its own: rank r on the r-th of --ranks "
+                    "equal slices, a one builder on the first (default --one-num-proc: a "
+                    "slice's CPUs), as if each rank were a node with a shared store")  # fmt: skip
     ap.add_argument("--ranks-first", action="store_true", help="build with ranks first")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per build")
     ap.add_argument("--work-dir", default="", help="kept afterwards (default: tmp, removed)")
@@ -519,9 +536,16 @@ def main(argv=None) -> int:
             }
             for r in range(args.ranks)
         ]
-        ones = list(dict.fromkeys(args.one_num_proc or [cpus]))
-        builds = {f"one-{n}": ([{**base, "DATASET_NUM_PROC": str(n)}], []) for n in ones}
-        builds["ranks"] = (rank_envs, ["build.parallel=ranks"])
+        ones = list(dict.fromkeys(args.one_num_proc or [per_rank if args.pin else cpus]))
+        slices = None
+        if args.pin:  # as if each rank were a node of its own (the storage stays shared)
+            mine = sorted(os.sched_getaffinity(0))[: per_rank * args.ranks]
+            slices = [mine[r * per_rank : (r + 1) * per_rank] for r in range(args.ranks)]
+        builds = {
+            f"one-{n}": ([{**base, "DATASET_NUM_PROC": str(n)}], [], slices and slices[:1])
+            for n in ones
+        }
+        builds["ranks"] = (rank_envs, ["build.parallel=ranks"], slices)
         order = list(builds)
         if args.ranks_first:
             order = ["ranks", *order[:-1]]
@@ -538,10 +562,14 @@ def main(argv=None) -> int:
         res = {}
         try:
             for name in order:
-                envs, extra = builds[name]
+                envs, extra, cpu_sets = builds[name]
                 cache = work / name
                 shutil.rmtree(cache, ignore_errors=True)  # fresh, also with a kept --work-dir
-                run = _launch(name, envs, [*common, f"build.cache_dir={cache}", *extra], work, args)
+                run = _launch(
+                    name, envs, [*common, f"build.cache_dir={cache}", *extra], work, args,
+                    cpu_sets=cpu_sets,
+                )  # fmt: skip
+                run["cpu_sets"] = cpu_sets
                 run["timeline"] = _marker_times(
                     Path(run["processes"][0]["cache_dir"]), run["launched_at"]
                 )
@@ -581,6 +609,7 @@ def main(argv=None) -> int:
             )
             or ["none"],
             "cpus": cpus,
+            "pinned": args.pin,
             "rows_in": p0["rows_in"],
             "rows_out": p0["rows_out"],
             "shards": shards,

@@ -335,7 +335,13 @@ class TextEncoder:
             return
         with self._host_lock:
             if self._host is None or self._host.numel() < result.numel():
-                self._host = torch.empty(result.numel(), dtype=result.dtype, pin_memory=True)
+                self._host = None  # the smaller one goes first
+                try:
+                    self._host = torch.empty(result.numel(), dtype=result.dtype, pin_memory=True)
+                except RuntimeError as exc:  # page-locked memory refused: the plain copy
+                    log.warning("no page-locked buffer for the embeddings (%s): .cpu()", exc)
+                    out[rows] = result.cpu().numpy().astype(out.dtype, copy=False)
+                    return
             host = self._host[: result.numel()].view(result.shape)
             host.copy_(result, non_blocking=True)
             torch.cuda.current_stream(result.device).synchronize()

@@ -181,23 +181,20 @@ def _meminfo_gb(*fields: str) -> float:
 
 
 class _DirtySampler:
-    """Samples ``Dirty`` + ``Writeback`` (GB) every 0.25 s while in its block."""
+    """Samples ``Dirty`` + ``Writeback`` (GB) every 0.25 s from its creation to :meth:`stop`."""
 
     def __init__(self) -> None:
         self.samples: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dirty-sampler", daemon=True)
+        self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
             self.samples.append(_meminfo_gb("Dirty", "Writeback"))
             self._stop.wait(0.25)
 
-    def __enter__(self) -> _DirtySampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
         self._stop.set()
         self._thread.join()
 
@@ -326,7 +323,7 @@ def _launch(
             )  # fmt: skip
 
     exited = threading.Condition()
-    sampler = _DirtySampler().__enter__()
+    sampler = _DirtySampler()
 
     def wait(i: int, p: subprocess.Popen) -> None:
         p.wait()
@@ -358,7 +355,7 @@ def _launch(
                 except ProcessLookupError:
                     pass  # gone, and its workers with it
             p.wait()
-        sampler.__exit__(None, None, None)
+        sampler.stop()
     if failed:
         tails = "\n".join(
             f"--- {log.name}\n" + log.read_text(errors="replace")[-3000:]

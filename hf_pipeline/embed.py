@@ -329,23 +329,26 @@ class TextEncoder:
         (13% of a MiniLM ``encode_ids`` on an H200, profiled), the page faults of the new
         memory included.
         """
-        torch = self._torch
-        if result.device.type != "cuda":
-            out[rows] = result.cpu().numpy().astype(out.dtype, copy=False)
-            return
         with self._host_lock:
-            if self._host is None or self._host.numel() < result.numel():
-                self._host = None  # the smaller one goes first
-                try:
-                    self._host = torch.empty(result.numel(), dtype=result.dtype, pin_memory=True)
-                except RuntimeError as exc:  # page-locked memory refused: the plain copy
-                    log.warning("no page-locked buffer for the embeddings (%s): .cpu()", exc)
-                    out[rows] = result.cpu().numpy().astype(out.dtype, copy=False)
-                    return
-            host = self._host[: result.numel()].view(result.shape)
+            host = self._pinned(result) if result.device.type == "cuda" else None
+            if host is None:
+                out[rows] = result.cpu().numpy().astype(out.dtype, copy=False)
+                return
             host.copy_(result, non_blocking=True)
-            torch.cuda.current_stream(result.device).synchronize()
+            self._torch.cuda.current_stream(result.device).synchronize()
             out[rows] = host.numpy().astype(out.dtype, copy=False)
+
+    def _pinned(self, result):
+        """A page-locked view shaped like ``result``, from the buffer kept between calls
+        (grown as needed); None where page-locked memory is refused (a warning)."""
+        if self._host is None or self._host.numel() < result.numel():
+            self._host = None  # the smaller one goes first
+            try:
+                self._host = self._torch.empty(result.numel(), dtype=result.dtype, pin_memory=True)
+            except RuntimeError as exc:
+                log.warning("no page-locked buffer for the embeddings (%s): .cpu()", exc)
+                return None
+        return self._host[: result.numel()].view(result.shape)
 
     @property
     def _min_rows(self) -> int:

@@ -65,7 +65,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 __all__ = [
@@ -94,10 +94,6 @@ PRELOAD = (
     "hf_pipeline.fetch",
 )
 
-_lock = threading.Lock()
-_depth = 0
-_saved: str | None = None
-_saved_preload: list[str] | None = None
 #: Starts the fork servers: one thread for the life of the process, because a server's
 #: PR_SET_PDEATHSIG fires when the *thread* that started it ends.
 _starter = ThreadPoolExecutor(1, thread_name_prefix="hf_pipeline-forkserver")
@@ -111,8 +107,64 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-@contextlib.contextmanager
-def clean_workers() -> Iterator[None]:
+class _WhileAnyBlock:
+    """A process-wide setting held while any of its blocks is open: ``apply()`` runs when
+    the first opens and returns what undoes it (or None: nothing to undo), which runs when
+    the last closes. Nested and concurrent blocks agree; thread-safe."""
+
+    def __init__(self, apply: Callable[[], Callable[[], None] | None]):
+        self._apply = apply
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._undo: Callable[[], None] | None = None
+
+    @contextlib.contextmanager
+    def block(self) -> Iterator[None]:
+        with self._lock:
+            if self._depth == 0:
+                self._undo = self._apply()
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0 and self._undo is not None:
+                    undo, self._undo = self._undo, None
+                    undo()
+
+
+def _use_fork_server() -> Callable[[], None] | None:
+    """``multiprocess``' pools start from a fork server of our own (spawn where there is
+    none); what restores the caller's start method (and preload list, and stops the
+    server). A caller's clean start method is kept: nothing to undo."""
+    import multiprocess
+    from multiprocess import forkserver
+
+    saved = multiprocess.get_start_method(allow_none=True)
+    if saved in _CLEAN:
+        return None
+    if "forkserver" not in multiprocess.get_all_start_methods():  # pragma: no cover
+        multiprocess.set_start_method("spawn", force=True)
+        return lambda: multiprocess.set_start_method(saved, force=True)
+    saved_preload = list(forkserver._forkserver._preload_modules)
+    forkserver.set_forkserver_preload(list(PRELOAD))
+    multiprocess.set_start_method("forkserver", force=True)
+    # Starts importing now, while the build does its other start-up work.
+    _starter.submit(forkserver.ensure_running).result()
+
+    def undo() -> None:
+        multiprocess.set_start_method(saved, force=True)
+        forkserver.set_forkserver_preload(saved_preload)
+        _stop_fork_server(forkserver)
+
+    return undo
+
+
+_FORK_SERVER = _WhileAnyBlock(_use_fork_server)
+
+
+def clean_workers() -> contextlib.AbstractContextManager[None]:
     """Within the block, ``datasets``' ``num_proc`` pools start their workers from a
     fork server of the block's own (see the module's docstring).
 
@@ -120,63 +172,31 @@ def clean_workers() -> Iterator[None]:
     preload list, and stops the server, when the last of any nested or concurrent blocks
     ends. Thread-safe.
     """
-    global _depth, _saved, _saved_preload
-    import multiprocess
-    from multiprocess import forkserver
-
-    with _lock:
-        if _depth == 0:
-            _saved = multiprocess.get_start_method(allow_none=True)
-            if _saved not in _CLEAN:
-                if "forkserver" in multiprocess.get_all_start_methods():
-                    _saved_preload = list(forkserver._forkserver._preload_modules)
-                    forkserver.set_forkserver_preload(list(PRELOAD))
-                    multiprocess.set_start_method("forkserver", force=True)
-                    # Starts importing now, while the build does its other start-up work.
-                    _starter.submit(forkserver.ensure_running).result()
-                else:  # pragma: no cover - not on Linux
-                    multiprocess.set_start_method("spawn", force=True)
-        _depth += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0 and _saved not in _CLEAN:
-                multiprocess.set_start_method(_saved, force=True)
-                if _saved_preload is not None:
-                    forkserver.set_forkserver_preload(_saved_preload)
-                    _saved_preload = None
-                    _stop_fork_server(forkserver)
+    return _FORK_SERVER.block()
 
 
 #: The longest switch interval (seconds) inside :func:`quick_gil_handoff`.
 GIL_SWITCH_INTERVAL = 0.001
-_gil_depth = 0
-_gil_saved: float | None = None
 
 
-@contextlib.contextmanager
-def quick_gil_handoff() -> Iterator[None]:
+def _short_switch_interval() -> Callable[[], None] | None:
+    saved = sys.getswitchinterval()
+    if saved <= GIL_SWITCH_INTERVAL:
+        return None  # the caller's is short enough: kept
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL)
+    return lambda: sys.setswitchinterval(saved)
+
+
+_SWITCH_INTERVAL = _WhileAnyBlock(_short_switch_interval)
+
+
+def quick_gil_handoff() -> contextlib.AbstractContextManager[None]:
     """Within the block, the interpreter's switch interval is at most
     :data:`GIL_SWITCH_INTERVAL` (a smaller one set by the caller is kept); restored when
     the last of any nested or concurrent blocks ends (see the module's docstring).
     Thread-safe.
     """
-    global _gil_depth, _gil_saved
-    with _lock:
-        if _gil_depth == 0 and sys.getswitchinterval() > GIL_SWITCH_INTERVAL:
-            _gil_saved = sys.getswitchinterval()  # changed, so restored at the end
-            sys.setswitchinterval(GIL_SWITCH_INTERVAL)
-        _gil_depth += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _gil_depth -= 1
-            if _gil_depth == 0 and _gil_saved is not None:
-                sys.setswitchinterval(_gil_saved)
-                _gil_saved = None
+    return _SWITCH_INTERVAL.block()
 
 
 def _stop_fork_server(forkserver) -> None:

@@ -1,7 +1,7 @@
 """Stage 1a, the join: latent shards + caption table -> ``key, latents, caption,
 drop_reason, input_ids`` rows, through ``Dataset.map(num_proc=build.num_proc)``.
 
-Each ``num_proc`` worker (spawned: :mod:`hf_pipeline.workers`) takes one shard at a
+Each ``num_proc`` worker (forked by a clean fork server: :mod:`hf_pipeline.workers`) takes one shard at a
 time from the :class:`~hf_pipeline.fetch.StagingClient` (downloads run ahead in the
 builder), reads it with ``torch.load(weights_only=True)`` and validates it
 (:func:`hf_pipeline.shards.read_shard`), converts the latents to the storage dtype,
@@ -184,7 +184,7 @@ def convert_shards(
 ) -> dict[str, Any]:
     """``datasets.map`` function: shard file names -> joined, tokenized latent rows.
 
-    Runs in the spawned ``num_proc`` workers (everything it gets is pickled).
+    Runs in the ``num_proc`` workers (everything it gets is pickled).
     ``probe`` (:class:`dist.lease.LeaseProbe`) stops a builder that lost its lease at the
     next shard; ``precision_dir`` gets one small JSON per shard (what the storage cast
     changed), which :func:`summarize_precision` adds up.

@@ -8,6 +8,7 @@ is split".
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -47,6 +48,9 @@ _TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat
 #: micro-batches hold 64k+ tokens (launches are then a small share), and lose 9% on gemma
 #: to row-bucket filler. On the CPU ``auto`` is ``eager``: inductor takes minutes there.
 _CUDA_COMPILE = "default"
+
+#: The SDPA kernels the encoder lets torch choose from on CUDA (see _attention_backends).
+_SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 
 
 def resolve_encoder_path(model: str) -> str:
@@ -321,8 +325,8 @@ class TextEncoder:
         self._host = None
         self._host_lock = threading.Lock()
 
-    def _to_host(self, result, out: np.ndarray, rows: np.ndarray) -> None:
-        """``out[rows] = result`` for ``result`` (len(rows), dim) on the device.
+    def _to_host(self, result, out: np.ndarray) -> None:
+        """``out[:] = result`` for ``result`` (len(out), dim) on the device.
 
         On CUDA the rows come back through a page-locked buffer kept between calls (grown
         to the largest call): ``.cpu()`` into fresh pageable memory ran at about 2 GB/s
@@ -332,11 +336,11 @@ class TextEncoder:
         with self._host_lock:
             host = self._pinned(result) if result.device.type == "cuda" else None
             if host is None:
-                out[rows] = result.cpu().numpy().astype(out.dtype, copy=False)
+                out[...] = result.cpu().numpy()
                 return
             host.copy_(result, non_blocking=True)
             self._torch.cuda.current_stream(result.device).synchronize()
-            out[rows] = host.numpy().astype(out.dtype, copy=False)
+            out[...] = host.numpy()
 
     def _pinned(self, result):
         """A page-locked view shaped like ``result``, from the buffer kept between calls
@@ -369,9 +373,10 @@ class TextEncoder:
 
         Sequences are sorted by length and cut into micro-batches of at most
         ``encoder.tokens_per_batch`` padded tokens (and ``micro_batch_size`` rows), so
-        short captions go in big batches and padding (wasted compute) stays small;
-        results stay on the device until the end (one transfer, no per-micro-batch
-        sync), and come back in the input order.
+        short captions go in big batches and padding (wasted compute) stays small. The ids
+        go to the device once and each micro-batch is cut and padded there; results stay
+        on the device until the end, are put back in the input order there, and come back
+        in one transfer (no per-micro-batch sync).
 
         Returns:
             ``(len(ids), dim)`` array of ``encoder.output_dtype``.
@@ -386,8 +391,6 @@ class TextEncoder:
         if n == 0:
             return out
         offsets = ids.offsets.to_numpy()
-        flat = ids.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-        starts = offsets[:-1] - offsets[0]
         lengths = np.diff(offsets)
         order = np.argsort(lengths, kind="stable")
         # The process-wide float32 matmul precision is pinned while the model runs (and
@@ -404,12 +407,28 @@ class TextEncoder:
                 pad_rows=self._bucket_rows,
                 min_rows=self._min_rows,
             )
-            with torch.inference_mode():
-                pooled = [self._micro_batch(mb, order, lengths, starts, flat) for mb in batches]
-                self._to_host(torch.cat(pooled), out, order)
+            with torch.inference_mode(), self._attention_backends():
+                seqs = _DeviceSequences(
+                    ids, offsets, order, self.tokenizer.pad_token_id, self.device
+                )
+                pooled = torch.cat([self._micro_batch(mb, seqs) for mb in batches])
+                self._to_host(pooled.index_select(0, seqs.input_order), out)
         finally:
             torch.set_float32_matmul_precision(precision)
         return out
+
+    def _attention_backends(self):
+        """Where the model runs on CUDA with SDPA: every SDPA kernel but cuDNN's, which
+        ran 1.6x slower than the memory-efficient one on MiniLM's padded micro-batches
+        (head dim 32, 64 tokens; H100, benchmarks/results/embed_h100_device_batches.json).
+        Elsewhere: unchanged."""
+        if not self.device.startswith("cuda") or self.cfg.attn_implementation != "sdpa":
+            return contextlib.nullcontext()
+        try:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+        except ImportError:  # torch < 2.3: its own choice
+            return contextlib.nullcontext()
+        return sdpa_kernel([getattr(SDPBackend, name) for name in _SDPA_BACKENDS])
 
     def warm_up(self) -> None:
         """Run every micro-batch shape a build can run (each padded width, each row
@@ -423,26 +442,21 @@ class TextEncoder:
         for ids in warm_up_ids(self.cfg, self.tokenizer.pad_token_id, min_rows=self._min_rows):
             self.encode_ids(ids)
 
-    def _micro_batch(self, mb: MicroBatch, order, lengths, starts, flat):
-        """Pooled embeddings (on the device) of the rows ``order[mb.start:mb.stop]``."""
+    def _micro_batch(self, mb: MicroBatch, seqs: _DeviceSequences):
+        """Pooled embeddings (on the device) of the length-sorted rows ``mb.start:mb.stop``."""
         torch = self._torch
-        pad = self.tokenizer.pad_token_id
-        idx = order[mb.start : mb.stop]
-        real_rows = len(idx)
-        # Filler rows (row-count buckets) hold one pad token: a fully masked row would be
-        # a 0/0 in the pooling; their outputs are dropped below.
-        lens = np.ones(mb.rows, dtype=lengths.dtype)
-        lens[:real_rows] = lengths[idx]
-        row_starts = np.zeros(mb.rows, dtype=starts.dtype)
-        row_starts[:real_rows] = starts[idx]
-        cols = np.arange(mb.width)
+        real_rows = mb.stop - mb.start
+        lens, starts = seqs.lengths[mb.start : mb.stop], seqs.starts[mb.start : mb.stop]
+        if mb.rows > real_rows:
+            # Filler rows (row-count buckets) hold one pad token: a fully masked row would
+            # be a 0/0 in the pooling; their outputs are dropped below.
+            lens = torch.cat([lens, lens.new_ones(mb.rows - real_rows)])
+            starts = torch.cat([starts, starts.new_full((mb.rows - real_rows,), seqs.pad_at)])
+        cols = torch.arange(mb.width, device=lens.device)
         valid = cols[None, :] < lens[:, None]
-        real = valid.copy()
-        real[real_rows:] = False
-        gather = np.where(real, row_starts[:, None] + cols[None, :], 0)
-        tokens = np.where(real, flat[gather] if flat.size else pad, pad)
-        input_ids = torch.from_numpy(tokens).to(self.device, non_blocking=True)
-        mask = torch.from_numpy(valid.astype(np.int64)).to(self.device, non_blocking=True)
+        # Positions past a row's end read the pad token kept at the end of the ids.
+        input_ids = seqs.flat[torch.where(valid, starts[:, None] + cols[None, :], seqs.pad_at)]
+        mask = valid.to(torch.int64)
         if self._graphs:
             torch.compiler.cudagraph_mark_step_begin()
         pooled = self._forward(input_ids, mask)
@@ -459,6 +473,37 @@ class TextEncoder:
         if self.cfg.normalize:
             pooled = self._torch.nn.functional.normalize(pooled.float(), dim=-1)
         return pooled.float()
+
+
+class _DeviceSequences:
+    """A call's token ids on the encoder's device, in length order: ``flat`` (every id,
+    then one pad token at ``pad_at``), each sorted row's ``starts`` and ``lengths``, and
+    ``input_order`` (the sorted position of each input row, to put the results back).
+
+    Cutting and padding micro-batches on the host (numpy gathers, a host-to-device copy
+    each) left the GPU idle between micro-batches; here it is a few device ops each.
+    """
+
+    def __init__(self, ids, offsets: np.ndarray, order: np.ndarray, pad_token_id: int, device):
+        import torch
+
+        values = ids.flatten().to_numpy(zero_copy_only=False)
+        flat = np.empty(len(values) + 1, dtype=np.int64)
+        flat[:-1] = values
+        flat[-1] = pad_token_id
+        starts = (offsets[:-1] - offsets[0]).astype(np.int64)
+        lengths = np.diff(offsets).astype(np.int64)
+        input_order = np.empty(len(order), dtype=np.int64)
+        input_order[order] = np.arange(len(order))
+
+        def put(a):
+            return torch.from_numpy(a).to(device, non_blocking=False)
+
+        self.flat = put(flat)
+        self.pad_at = len(values)
+        self.starts = put(starts[order])
+        self.lengths = put(lengths[order])
+        self.input_order = put(input_order)
 
 
 class MicroBatch(NamedTuple):

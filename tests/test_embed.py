@@ -455,3 +455,16 @@ def test_row_buckets_pad_a_partial_micro_batch_by_an_eighth_at_most(full):
     for rows in range(1, full + 1):
         padded = next(b for b in buckets if b >= rows)
         assert padded - rows <= max(1, -(-full // 8)) - 1 or padded <= 2 * rows
+
+
+def test_a_sequence_without_ids_embeds_as_zeros_beside_the_others(encoder):
+    """A tokenizer that adds no special tokens gives an empty caption no ids: its row reads
+    only padding (fully masked) and embeds as zeros; its neighbours in the micro-batch are
+    unaffected and every row comes back in the input order."""
+    import pyarrow as pa
+
+    ids = pa.array(encoder.tokenizer(["a red circle", "stripes"]), pa.list_(pa.int32()))
+    alone = encoder.encode_ids(ids)
+    mixed = encoder.encode_ids(pa.array([[], ids[0].as_py(), [], ids[1].as_py(), []]))
+    assert not mixed[[0, 2, 4]].any()
+    np.testing.assert_allclose(mixed[[1, 3]], alone, atol=1e-5)

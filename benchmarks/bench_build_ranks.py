@@ -27,6 +27,11 @@ one builder the first slice (and, by default, that many workers). One host then 
 for ``--ranks`` nodes of one GPU and ``CPUs / ranks`` cores each sharing one store, the
 setting ``parallel: ranks`` is for; memory bandwidth and the store stay shared.
 
+Each process compiles its encoder cold (``torch.compile`` on CUDA): it gets a fresh
+``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` of its own, as a fresh node would;
+before, a build found the graphs an earlier build of the run had compiled, which favoured
+whichever came second. ``--warm-compile-cache`` shares the host's caches instead.
+
 The storage reference (``--no-write-reference`` skips it), measured in the same run on the
 same folder: as many processes as CPUs write the demo's byte count (each its share, in
 8 MiB blocks, fsync at the end; as the join's workers write their Arrow files and a
@@ -55,7 +60,7 @@ Usage::
 
     python benchmarks/bench_build_ranks.py [--rows 1000000] [--samples-per-shard 2000]
         [--ranks 4] [--random-minilm TOKENIZER_DIR] [--dtype float16]
-        [--one-num-proc N ...] [--pin] [--no-write-reference] [--work-dir DIR]
+        [--one-num-proc N ...] [--pin] [--warm-compile-cache] [--no-write-reference] [--work-dir DIR]
         [--json out.json] [--set section.field=value ...]
 
 A 1M-row fp16 demo is 24.6 GB of shards, and each cache holds the latents again; a cache
@@ -310,6 +315,16 @@ def _launch(
         result.unlink(missing_ok=True)
         results.append(result)
         spec = {"overrides": overrides, "result": str(result), "store": not args.no_store}
+        if not args.warm_compile_cache:
+            # A cold torch.compile cache of its own, as on a fresh node: otherwise a build
+            # finds the graphs and Triton kernels an earlier build compiled.
+            compiled = work / "compile-cache" / name / str(i)
+            shutil.rmtree(compiled, ignore_errors=True)
+            env = {
+                **env,
+                "TORCHINDUCTOR_CACHE_DIR": str(compiled / "inductor"),
+                "TRITON_CACHE_DIR": str(compiled / "triton"),
+            }
         pin = None
         if cpu_sets is not None:  # before exec: the whole process tree inherits it
             pin = functools.partial(os.sched_setaffinity, 0, cpu_sets[i])
@@ -459,6 +474,9 @@ def main(argv=None) -> int:
                     "equal slices, a one builder on the first (default --one-num-proc: a "
                     "slice's CPUs), as if each rank were a node with a shared store")  # fmt: skip
     ap.add_argument("--ranks-first", action="store_true", help="build with ranks first")
+    ap.add_argument("--warm-compile-cache", action="store_true",
+                    help="share the host's torch.compile caches (default: each process "
+                         "compiles cold, in a cache folder of its own)")  # fmt: skip
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per build")
     ap.add_argument("--work-dir", default="", help="kept afterwards (default: tmp, removed)")
     ap.add_argument("--json", default="")

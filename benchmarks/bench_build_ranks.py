@@ -152,6 +152,8 @@ def _child(spec: dict) -> int:
         "embed_dim": r["embed_dim"],
         "seconds_convert": r["seconds_convert"],
         "seconds_embed": r["seconds_embed"],
+        "seconds_captions": r.get("seconds_captions"),
+        "seconds_assemble": r.get("seconds_assemble"),
         "parts": r["parts"],
     }
     Path(spec["result"]).write_text(json.dumps(out, indent=1))

@@ -138,6 +138,9 @@ def build_report(
         # The key-sorted caption table (the builder's, or rank 0's with parallel: ranks);
         # None in a cache published by a release before it.
         "seconds_captions": converted.get("seconds_captions"),
+        # Putting the parts together (duplicates across parts, the final drop reasons;
+        # with parallel: ranks also the hard links): rank 0's, in the converted stage.
+        "seconds_assemble": converted.get("seconds_assemble"),
         "seconds_convert": converted["seconds_convert"],
         "seconds_embed": converted["seconds_embed"],
         # Absent when the converted stage was published by a release before it.

@@ -640,6 +640,7 @@ def test_the_caption_table_is_written_with_the_fork_server_up_and_quick_gil_hand
     assert res.built
     # Where the time went: the report says what the caption table took.
     assert 0 < res.report["seconds_captions"] < res.seconds
+    assert 0 < res.report["seconds_assemble"] < res.seconds
     assert len(seen) == 1
     interval, server_up = seen[0]
     assert interval <= 0.001

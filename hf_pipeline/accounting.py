@@ -29,6 +29,7 @@ __all__ = [
     "bad_rows_summary",
     "build_report",
     "later_duplicates",
+    "sorted_unique",
 ]
 
 #: Why a latent row was not kept (plus ``no_latents`` for metadata rows). Each row
@@ -74,6 +75,22 @@ class ReasonCodes:
         """``{reason: rows}`` for every reason some row has (``""`` for kept rows)."""
         found = np.bincount(self.codes, minlength=len(self.names)) if len(self.codes) else []
         return {name: int(n) for name, n in zip(self.names, found, strict=False) if n}
+
+
+def sorted_unique(values: np.ndarray) -> np.ndarray:
+    """The distinct values of an integer array, ascending (``np.unique(values)``, by a sort).
+
+    numpy 2's ``np.unique`` hashes: 0.59 s for 1M distinct int64 keys on a 2-CPU VM, where
+    a sort and a comparison of neighbours take 6 ms. The assembly of 1M rows called it
+    twice (1.7-2.0 s of ``seconds_assemble`` on an H100 host).
+    """
+    ordered = np.sort(np.asarray(values).reshape(-1))
+    if ordered.size == 0:
+        return ordered
+    first = np.empty(ordered.size, dtype=bool)
+    first[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    return ordered[first]
 
 
 def later_duplicates(keys: np.ndarray, eligible: np.ndarray | None = None) -> np.ndarray:

@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from hf_pipeline.accounting import sorted_unique
 from hf_pipeline.caption_sort import (
     MAX_CHUNKS,
     Spill,
@@ -240,7 +241,7 @@ class CaptionTable:
         Returns:
             How many keys of this table do not occur in ``latent_keys``.
         """
-        lat = np.unique(np.asarray(latent_keys, dtype=np.int64).reshape(-1))
+        lat = sorted_unique(np.asarray(latent_keys, dtype=np.int64))
         present = sum(int(np.count_nonzero(hit)) for _c, _s, _i, hit in self._search(lat))
         return len(self) - present
 

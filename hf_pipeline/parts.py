@@ -305,7 +305,7 @@ def assemble(
         "rows_in": int(len(keys)),
         "reasons": counts,
         "pre_duplicate_reasons": pre.counts() if pre is not None else {},
-        "no_latents": int(table.count_absent(np.unique(keys))),
+        "no_latents": int(table.count_absent(keys)),
         "duplicate_meta_rows": int(getattr(table, "duplicate_meta_rows", 0)),
         "bad_rows": bad_rows_summary(keys, nonfinite),
         "embed_dim": int(max((i["embed_dim"] for i in infos), default=0)),

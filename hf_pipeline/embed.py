@@ -432,8 +432,8 @@ class TextEncoder:
 
     def warm_up(self) -> None:
         """Run every micro-batch shape a build can run (each padded width, each row
-        bucket), so that the build's batches find their kernels planned (cuDNN attention
-        plans, cuBLAS handles) and, with ``encoder.compile``, the model compiled. On an
+        bucket), so that the build's batches find their kernels ready (attention and
+        cuBLAS choices) and, with ``encoder.compile``, the model compiled. On an
         accelerator only: there it costs milliseconds a shape and runs while the join
         workers do; on the CPU it would cost real compute for no gain.
         """
@@ -576,8 +576,8 @@ def micro_batches(
     """Cut length-sorted sequences into micro-batches of one padded width each.
 
     Widths are the lengths rounded up to a multiple of 32 (capped at ``max_length``):
-    attention kernels (cuDNN SDPA) build a plan per shape, which cost 10 ms per
-    micro-batch when every length-sorted micro-batch had its own width. Each width's
+    kernels are chosen, planned or compiled per shape (cuDNN's SDPA planned for 10 ms per
+    micro-batch when every length-sorted micro-batch had its own width). Each width's
     rows are cut into micro-batches of at most ``tokens_per_batch // width`` rows (all
     rows with ``tokens_per_batch`` 0) and ``max_rows``, so short captions run in big
     batches (a GPU is launch-bound on small ones) and long ones do not run out of memory.

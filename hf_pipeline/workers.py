@@ -61,12 +61,16 @@ stages run with at most 1 ms.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 __all__ = [
     "PRELOAD",
@@ -164,15 +168,60 @@ def _use_fork_server() -> Callable[[], None] | None:
 _FORK_SERVER = _WhileAnyBlock(_use_fork_server)
 
 
-def clean_workers() -> contextlib.AbstractContextManager[None]:
+def _unguarded_report(authkey: bytes) -> Path:
+    """The folder where a worker that found the main script unguarded leaves its message
+    for the builder: named after the builder's ``multiprocess`` authkey, which every
+    process it starts inherits (set before the worker imports the main script)."""
+    digest = hashlib.sha256(bytes(authkey)).hexdigest()[:24]
+    return Path(tempfile.gettempdir()) / f"hf_pipeline-unguarded-{digest}"
+
+
+def _expect_unguarded_reports() -> Callable[[], None]:
+    """While a :func:`clean_workers` block is open, its workers report an unguarded main
+    script to the builder (see :func:`check_not_bootstrapping`)."""
+    import multiprocess
+
+    report = _unguarded_report(multiprocess.current_process().authkey)
+    shutil.rmtree(report, ignore_errors=True)
+    report.mkdir(parents=True, exist_ok=True)
+    return lambda: shutil.rmtree(report, ignore_errors=True)
+
+
+def _unguarded_message() -> str | None:
+    """What a worker of this builder reported (see :func:`check_not_bootstrapping`)."""
+    import multiprocess
+
+    path = _unguarded_report(multiprocess.current_process().authkey) / "message"
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+_UNGUARDED_REPORTS = _WhileAnyBlock(_expect_unguarded_reports)
+
+
+@contextlib.contextmanager
+def clean_workers() -> Iterator[None]:
     """Within the block, ``datasets``' ``num_proc`` pools start their workers from a
     fork server of the block's own (see the module's docstring).
 
     Restores ``multiprocess``'s previous default start method (``None`` included) and
     preload list, and stops the server, when the last of any nested or concurrent blocks
     ends. Thread-safe.
+
+    Raises:
+        RuntimeError: the block failed because its workers found the main script without
+            an ``if __name__ == "__main__":`` guard (their message, once).
     """
-    return _FORK_SERVER.block()
+    with _UNGUARDED_REPORTS.block(), _FORK_SERVER.block():
+        try:
+            yield
+        except BaseException:
+            message = _unguarded_message()
+            if message is None:
+                raise
+            raise RuntimeError(message) from None
 
 
 #: The longest switch interval (seconds) inside :func:`quick_gil_handoff`.
@@ -246,14 +295,20 @@ def _reap(pid: int) -> None:
 
 
 def check_not_bootstrapping() -> None:
-    """Raise if a new worker is running the main script while it starts up.
+    """Stop a new worker that is running the main script while it starts up.
 
     A worker (forkserver or spawn) imports the parent's main script before it does
     any work; a script without an ``if __name__ == "__main__":`` guard would then call
     ``prepare_cache`` again inside every worker, as the same rank.
 
+    A worker of a :func:`clean_workers` block leaves the message for its builder (see
+    :func:`_unguarded_report`) and exits quietly: the builder raises it, once, instead
+    of every worker printing a traceback and the builder an ``EOFError``.
+
     Raises:
-        RuntimeError: naming the script and the fix.
+        RuntimeError: naming the script and the fix (a worker of some other pool).
+        SystemExit: in a worker of a :func:`clean_workers` block, after leaving the
+            message.
     """
     for name in ("multiprocess", "multiprocessing"):
         mp = sys.modules.get(name)
@@ -261,8 +316,15 @@ def check_not_bootstrapping() -> None:
         # re-imports __main__ (what their own "bootstrapping phase" check reads).
         if mp is not None and getattr(mp.current_process(), "_inheriting", False):
             main = getattr(sys.modules.get("__mp_main__"), "__file__", None) or "the main script"
-            raise RuntimeError(
+            message = (
                 f"prepare_cache was called while a new worker process was importing "
                 f"{main}: the build's workers are started by a fork server, so the script's entry point "
                 f'must be under `if __name__ == "__main__":`'
             )
+            report = _unguarded_report(mp.current_process().authkey)
+            if report.is_dir():  # the builder waits for it (its clean_workers block)
+                with contextlib.suppress(FileExistsError):
+                    with open(report / "message", "x") as f:
+                        f.write(message)
+                raise SystemExit(1)
+            raise RuntimeError(message)

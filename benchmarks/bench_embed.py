@@ -21,6 +21,11 @@ per real token, plus attention 4 x layers x attention width x length per real to
 padding counts as waste) per second over the card's dense peak for the dtype (H100/H200
 SXM: 989 TFLOP/s bf16/fp16 and tf32 495, 67 fp32).
 
+Every variant compiles cold: the run sets ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``
+(``--warm-compile-cache`` keeps inductor's on-disk caches). Those caches key on the graph
+before the attention kernel is chosen, so a variant could otherwise run the graph an
+earlier variant, or an earlier version of the code, compiled.
+
 Usage: ``python benchmarks/bench_embed.py --json out.json`` (a GPU; on the CPU it is a
 smoke run: use ``--rows`` small). ``--json`` is rewritten after each variant.
 """
@@ -30,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import tempfile
 import time
@@ -265,8 +271,12 @@ def main() -> int:
     p.add_argument("--profile", default="", help="variants to profile once more (comma list)")
     p.add_argument("--profile-dir", default=".", help="where profile_<model>_<dtype>.txt go")
     p.add_argument("--tokenizer", default="", help="folder with the MiniLM tokenizer files")
+    p.add_argument("--warm-compile-cache", action="store_true",
+                   help="keep inductor's on-disk caches (default: every variant compiles cold)")  # fmt: skip
     p.add_argument("--json", default="")
     args = p.parse_args()
+    if not args.warm_compile_cache:  # read when torch is first imported, below
+        os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
     args.models, args.dtypes = args.models.split(","), args.dtypes.split(",")
     args.variants = args.variants.split(",")
     args.profile = args.profile.split(",") if args.profile else []

@@ -11,6 +11,11 @@ embed stage's rows/s as a ratio to it.
 
 The encoder is ``--model`` (a folder; with ``--random-minilm TOKENIZER_DIR`` a random-
 weight MiniLM is made from its config: the speed is the architecture's, no download).
+
+The encoder compiles cold: the run sets ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``
+(``--warm-compile-cache`` keeps inductor's on-disk caches), so a run neither gets graphs
+an earlier run (or another version of the code) compiled nor hides the compile time a
+fresh node pays.
 """
 
 from __future__ import annotations
@@ -41,7 +46,11 @@ def main() -> int:
         "--rebuild", action="store_true",
         help="remove the caches already in --work-dir first (the generated demo stays)",
     )  # fmt: skip
+    ap.add_argument("--warm-compile-cache", action="store_true",
+                    help="keep inductor's on-disk caches (default: compile cold)")  # fmt: skip
     args = ap.parse_args()
+    if not args.warm_compile_cache:  # read when torch is first imported, below
+        os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
 
     import numpy as np
     import torch

@@ -392,6 +392,8 @@ class TextEncoder:
             return out
         offsets = ids.offsets.to_numpy()
         lengths = np.diff(offsets)
+        if ids.null_count:  # a null entry has no ids, whatever range its offsets span
+            lengths[ids.is_null().to_numpy(zero_copy_only=False)] = 0
         order = np.argsort(lengths, kind="stable")
         # The process-wide float32 matmul precision is pinned while the model runs (and
         # restored after): a training script that enabled TF32 for itself must not change
@@ -409,7 +411,7 @@ class TextEncoder:
             )
             with torch.inference_mode(), self._attention_backends():
                 seqs = _DeviceSequences(
-                    ids, offsets, order, self.tokenizer.pad_token_id, self.device
+                    ids, offsets, lengths, order, self.tokenizer.pad_token_id, self.device
                 )
                 pooled = torch.cat([self._micro_batch(mb, seqs) for mb in batches])
                 self._to_host(pooled.index_select(0, seqs.input_order), out)
@@ -484,15 +486,21 @@ class _DeviceSequences:
     each) left the GPU idle between micro-batches; here it is a few device ops each.
     """
 
-    def __init__(self, ids, offsets: np.ndarray, order: np.ndarray, pad_token_id: int, device):
+    def __init__(
+        self, ids, offsets: np.ndarray, lengths: np.ndarray, order: np.ndarray,
+        pad_token_id: int, device,
+    ):  # fmt: skip
         import torch
 
-        values = ids.flatten().to_numpy(zero_copy_only=False)
+        # The values the offsets point into (``flatten()`` would leave out the range of a
+        # null entry and shift every later row).
+        values = ids.values.slice(offsets[0], offsets[-1] - offsets[0])
+        values = values.to_numpy(zero_copy_only=False)
         flat = np.empty(len(values) + 1, dtype=np.int64)
         flat[:-1] = values
         flat[-1] = pad_token_id
         starts = (offsets[:-1] - offsets[0]).astype(np.int64)
-        lengths = np.diff(offsets).astype(np.int64)
+        lengths = lengths.astype(np.int64)
         input_order = np.empty(len(order), dtype=np.int64)
         input_order[order] = np.arange(len(order))
 

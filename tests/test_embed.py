@@ -468,3 +468,20 @@ def test_a_sequence_without_ids_embeds_as_zeros_beside_the_others(encoder):
     mixed = encoder.encode_ids(pa.array([[], ids[0].as_py(), [], ids[1].as_py(), []]))
     assert not mixed[[0, 2, 4]].any()
     np.testing.assert_allclose(mixed[[1, 3]], alone, atol=1e-5)
+
+
+def test_a_null_entry_embeds_as_zeros_and_leaves_its_neighbours_in_place(encoder):
+    """Arrow lets a null list entry span values; its row has no ids, and the rows after
+    it still read their own ids (a flattened array drops the null's range)."""
+    import pyarrow as pa
+
+    a, b = encoder.tokenizer(["a red circle", "stripes"])
+    offsets = pa.array([0, len(a), 2 * len(a), 2 * len(a) + len(b)], pa.int32())
+    ids = pa.ListArray.from_arrays(
+        offsets, pa.array(a + a + b, pa.int32()), mask=pa.array([False, True, False])
+    )
+    assert ids.null_count == 1 and ids[2].as_py() == b
+    alone = encoder.encode_ids(pa.array([a, b], pa.list_(pa.int32())))
+    got = encoder.encode_ids(ids)
+    assert not got[1].any()
+    np.testing.assert_allclose(got[[0, 2]], alone, atol=1e-5)

@@ -251,3 +251,19 @@ def test_quick_gil_handoff_nests_keeps_a_smaller_interval_and_restores():
         assert sys.getswitchinterval() == smaller
     finally:
         sys.setswitchinterval(before)
+
+
+def test_workers_start_when_the_unguarded_report_folder_cannot_be_made():
+    """The report folder (see check_not_bootstrapping) is a nicety: where it cannot be
+    made, a clean_workers block still runs its pools."""
+    from hf_pipeline import workers
+
+    blocker = workers._unguarded_report(multiprocess.current_process().authkey)
+    blocker.write_text("a file where the folder would go")
+    try:
+        with workers.clean_workers():
+            with multiprocess.Pool(1) as pool:
+                assert pool.apply(os.getpid) != os.getpid()
+        assert blocker.is_file()
+    finally:
+        blocker.unlink()

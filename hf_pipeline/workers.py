@@ -63,7 +63,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -169,39 +168,26 @@ _FORK_SERVER = _WhileAnyBlock(_use_fork_server)
 
 
 def _unguarded_report(authkey: bytes) -> Path:
-    """The folder where a worker that found the main script unguarded leaves its message
-    for the builder: named after the builder's ``multiprocess`` authkey, which every
-    process it starts inherits (set before the worker imports the main script)."""
+    """Where a worker that found the main script unguarded leaves its message for the
+    builder: named after the builder's ``multiprocess`` authkey, which every process it
+    starts inherits (set before the worker imports the main script)."""
     digest = hashlib.sha256(bytes(authkey)).hexdigest()[:24]
-    return Path(tempfile.gettempdir()) / f"hf_pipeline-unguarded-{digest}"
+    return Path(tempfile.gettempdir()) / f"hf_pipeline-unguarded-{digest}.txt"
 
 
-def _expect_unguarded_reports() -> Callable[[], None]:
-    """While a :func:`clean_workers` block is open, its workers report an unguarded main
-    script to the builder (see :func:`check_not_bootstrapping`)."""
+def _take_unguarded_message() -> str | None:
+    """The message a worker of this builder left (see :func:`check_not_bootstrapping`),
+    removed; None if there is none."""
     import multiprocess
 
-    report = _unguarded_report(multiprocess.current_process().authkey)
-    shutil.rmtree(report, ignore_errors=True)
+    path = _unguarded_report(multiprocess.current_process().authkey)
     try:
-        report.mkdir(parents=True, exist_ok=True)
-    except OSError:  # no writable temp folder: the workers raise the message themselves
-        return lambda: None
-    return lambda: shutil.rmtree(report, ignore_errors=True)
-
-
-def _unguarded_message() -> str | None:
-    """What a worker of this builder reported (see :func:`check_not_bootstrapping`)."""
-    import multiprocess
-
-    path = _unguarded_report(multiprocess.current_process().authkey) / "message"
-    try:
-        return path.read_text()
+        message = path.read_text()
     except OSError:
         return None
-
-
-_UNGUARDED_REPORTS = _WhileAnyBlock(_expect_unguarded_reports)
+    with contextlib.suppress(OSError):
+        path.unlink()
+    return message
 
 
 @contextlib.contextmanager
@@ -217,11 +203,11 @@ def clean_workers() -> Iterator[None]:
         RuntimeError: the block failed because its workers found the main script without
             an ``if __name__ == "__main__":`` guard (their message, once).
     """
-    with _UNGUARDED_REPORTS.block(), _FORK_SERVER.block():
+    with _FORK_SERVER.block():
         try:
             yield
         except BaseException:
-            message = _unguarded_message()
+            message = _take_unguarded_message()
             if message is None:
                 raise
             raise RuntimeError(message) from None
@@ -304,14 +290,14 @@ def check_not_bootstrapping() -> None:
     any work; a script without an ``if __name__ == "__main__":`` guard would then call
     ``prepare_cache`` again inside every worker, as the same rank.
 
-    A worker of a :func:`clean_workers` block leaves the message for its builder (see
-    :func:`_unguarded_report`) and exits quietly: the builder raises it, once, instead
-    of every worker printing a traceback and the builder an ``EOFError``.
+    A worker of a :func:`clean_workers` block's fork server leaves the message for its
+    builder (see :func:`_unguarded_report`) and exits quietly: the builder raises it,
+    once, instead of every worker printing a traceback and the builder an ``EOFError``.
 
     Raises:
         RuntimeError: naming the script and the fix (a worker of some other pool).
-        SystemExit: in a worker of a :func:`clean_workers` block, after leaving the
-            message.
+        SystemExit: in a worker of a :func:`clean_workers` block's fork server, after
+            leaving the message.
     """
     for name in ("multiprocess", "multiprocessing"):
         mp = sys.modules.get(name)
@@ -324,10 +310,16 @@ def check_not_bootstrapping() -> None:
                 f"{main}: the build's workers are started by a fork server, so the script's entry point "
                 f'must be under `if __name__ == "__main__":`'
             )
-            report = _unguarded_report(mp.current_process().authkey)
-            if report.is_dir():  # the builder waits for it (its clean_workers block)
-                with contextlib.suppress(FileExistsError):
-                    with open(report / "message", "x") as f:
+            # A worker of our fork server (its preload ran first) leaves the message for
+            # the builder, which raises it once; a worker of any other pool raises it.
+            if name == "multiprocess" and "hf_pipeline.forkserver_init" in sys.modules:
+                try:
+                    with open(_unguarded_report(mp.current_process().authkey), "x") as f:
                         f.write(message)
-                raise SystemExit(1)
+                except FileExistsError:
+                    raise SystemExit(1) from None  # another worker's is there
+                except OSError:
+                    pass  # no writable temp folder: raised here instead
+                else:
+                    raise SystemExit(1)
             raise RuntimeError(message)

@@ -303,13 +303,8 @@ class _Builder:
         tmp = Path(ctx.tmp_dir)
         if self.parts is not None:  # built by the ranks: hard-link their files in
             table = CaptionTable.open(str(self.captions_path))
-            t_assemble = time.monotonic()
             info = assemble(tmp, self.parts, table=table, link_from=True)
-            return {
-                **info,
-                "seconds_captions": self.captions_seconds,
-                "seconds_assemble": round(time.monotonic() - t_assemble, 3),
-            }
+            return {**info, "seconds_captions": self.captions_seconds}
         work = tmp / "_work"
         work.mkdir(parents=True, exist_ok=True)
         shards = self.inputs.shards
@@ -341,11 +336,9 @@ class _Builder:
                 },
             )
             built = [(f, {**i, "builder": _me()}) for f, i in zip(folders, infos, strict=True)]
-        t_assemble = time.monotonic()
         info = assemble(tmp, built, table=table, link_from=False)
-        seconds_assemble = round(time.monotonic() - t_assemble, 3)
         shutil.rmtree(work, ignore_errors=True)
-        return {**info, "seconds_captions": seconds_captions, "seconds_assemble": seconds_assemble}
+        return {**info, "seconds_captions": seconds_captions}
 
     def filtered(self, ctx) -> dict[str, Any]:
         """Stage 2: the kept-row indices and the build report."""

@@ -276,6 +276,7 @@ def assemble(
     Returns:
         The ``converted`` stage info (the report's inputs).
     """
+    t0 = time.monotonic()
     placed = []
     for i, (folder, _) in enumerate(parts):
         target = stage_dir / _PARTS / f"part-{i:05d}"
@@ -317,6 +318,7 @@ def assemble(
         "num_proc": int(max((i["num_proc"] for i in infos), default=1)),
         "latent_dtype": infos[0]["latent_dtype"] if infos else "float32",
         "precision": _combine_precision([i["precision"] for i in infos]),
+        "seconds_assemble": round(time.monotonic() - t0, 3),
     }
 
 

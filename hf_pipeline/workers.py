@@ -317,9 +317,8 @@ def check_not_bootstrapping() -> None:
                     with open(_unguarded_report(mp.current_process().authkey), "x") as f:
                         f.write(message)
                 except FileExistsError:
-                    raise SystemExit(1) from None  # another worker's is there
-                except OSError:
-                    pass  # no writable temp folder: raised here instead
-                else:
-                    raise SystemExit(1)
+                    pass  # another worker's is there
+                except OSError:  # no writable temp folder: raised here instead
+                    raise RuntimeError(message) from None
+                raise SystemExit(1)
             raise RuntimeError(message)

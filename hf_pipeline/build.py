@@ -20,8 +20,8 @@ Every latent row is either kept or counted under a reason; metadata rows with no
 latents are counted as ``no_latents``.
 
 The ``num_proc`` workers come from a clean fork server of the build's own, never from a
-fork of the caller (:mod:`hf_pipeline.workers`): the caller has usually initialised JAX or CUDA first and the build runs threads of its own,
-so a fork could deadlock. Safe to call after ``jax.distributed.initialize()``; a
+fork of the caller (:mod:`hf_pipeline.workers`): the caller has usually initialised JAX
+or CUDA first and the build runs threads of its own, so a fork could deadlock. Safe to call after ``jax.distributed.initialize()``; a
 script that calls :func:`prepare_cache` needs an ``if __name__ == "__main__":`` guard.
 """
 

@@ -1,9 +1,9 @@
 """Stage 1a, the join: latent shards + caption table -> ``key, latents, caption,
 drop_reason, input_ids`` rows, through ``Dataset.map(num_proc=build.num_proc)``.
 
-Each ``num_proc`` worker (forked by a clean fork server: :mod:`hf_pipeline.workers`) takes one shard at a
-time from the :class:`~hf_pipeline.fetch.StagingClient` (downloads run ahead in the
-builder), reads it with ``torch.load(weights_only=True)`` and validates it
+Each ``num_proc`` worker (forked by a clean fork server: :mod:`hf_pipeline.workers`)
+takes one shard at a time from the :class:`~hf_pipeline.fetch.StagingClient` (downloads
+run ahead in the builder), reads it with ``torch.load(weights_only=True)`` and validates it
 (:func:`hf_pipeline.shards.read_shard`), converts the latents to the storage dtype,
 looks the keys up in the memory-mapped caption table (``searchsorted``, no per-row dict),
 tokenizes the captions it keeps (so tokenization scales with ``num_proc``) and marks

@@ -207,6 +207,9 @@ class EncoderConfig:
     compile: EncoderCompile = "auto"
     attn_implementation: EncoderAttention = "sdpa"
     tf32: bool = False  # float32 matmuls on TF32 tensor cores (CUDA): other numerics
+    #: CUDA, float16/bfloat16: a BERT-style biased Linear + GELU runs as one cuBLASLt GEMM
+    #: with a bias+GELU epilogue (GELU's tanh form: below the dtype's rounding). Speed knob.
+    fuse_gelu: bool = True
     output_dtype: EmbeddingDtype = "float32"
     normalize: bool = False
 

@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import threading
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -297,6 +298,13 @@ class TextEncoder:
         except (OSError, ValueError, KeyError) as exc:
             raise _load_error(cfg, exc) from None
         self.model.to(self.device).eval()
+        #: BERT-style bias+GELU steps run as one GEMM each (encoder.fuse_gelu; CUDA, half
+        #: precision only: see hf_pipeline.encoder_fusion).
+        self.fused_gelu = 0
+        if cfg.fuse_gelu and self.device.startswith("cuda") and dtype != torch.float32:
+            from hf_pipeline.encoder_fusion import fuse_bias_gelu
+
+            self.fused_gelu = fuse_bias_gelu(self.model)
         hidden = getattr(self.model.config, "hidden_size", None)
         if hidden is None and hasattr(self.model.config, "get_text_config"):
             hidden = self.model.config.get_text_config().hidden_size
@@ -493,21 +501,23 @@ class _DeviceSequences:
         import torch
 
         # The values the offsets point into (``flatten()`` would leave out the range of a
-        # null entry and shift every later row).
+        # null entry and shift every later row); uploaded as they are (int32 ids: half
+        # the bytes of int64, no host conversion) and widened on the device.
         values = ids.values.slice(offsets[0], offsets[-1] - offsets[0])
         values = values.to_numpy(zero_copy_only=False)
-        flat = np.empty(len(values) + 1, dtype=np.int64)
-        flat[:-1] = values
-        flat[-1] = pad_token_id
         starts = (offsets[:-1] - offsets[0]).astype(np.int64)
         lengths = lengths.astype(np.int64)
         input_order = np.empty(len(order), dtype=np.int64)
         input_order[order] = np.arange(len(order))
 
         def put(a):
-            return torch.from_numpy(a).to(device, non_blocking=False)
+            with warnings.catch_warnings():  # Arrow's zero-copy views are read-only: only read
+                warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+                return torch.from_numpy(a).to(device, non_blocking=False)
 
-        self.flat = put(flat)
+        self.flat = torch.empty(len(values) + 1, dtype=torch.int64, device=device)
+        self.flat[:-1] = put(values)
+        self.flat[-1] = pad_token_id
         self.pad_at = len(values)
         self.starts = put(starts[order])
         self.lengths = put(lengths[order])

@@ -485,3 +485,76 @@ def test_a_null_entry_embeds_as_zeros_and_leaves_its_neighbours_in_place(encoder
     got = encoder.encode_ids(ids)
     assert not got[1].any()
     np.testing.assert_allclose(got[[0, 2]], alone, atol=1e-5)
+
+
+def test_fused_bias_gelu_is_berts_intermediate_step(encoder):
+    """encoder.fuse_gelu's module swap on the real MiniLM: its 6 intermediate steps become
+    one-GEMM bias+GELU modules and the model's output stays the same. On the CPU the fused
+    operation computes the erf GELU, so the outputs are equal to float32 rounding (on CUDA
+    it is cuBLASLt's tanh form, which is why the encoder fuses only there in half
+    precision, measured in benchmarks)."""
+    import copy
+
+    import torch
+
+    from hf_pipeline.encoder_fusion import BiasGeluLinear, fuse_bias_gelu
+
+    fused = copy.deepcopy(encoder.model)
+    assert fuse_bias_gelu(fused) == 6
+    layers = fused.encoder.layer
+    assert all(isinstance(layer.intermediate.dense, BiasGeluLinear) for layer in layers)
+    assert layers[0].intermediate.dense.weight is layers[0].intermediate.dense.weight
+    ids = torch.tensor(encoder.tokenizer(["a red circle on a blue background"] * 3))
+    with torch.inference_mode():
+        want = encoder.model(input_ids=ids).last_hidden_state
+        got = fused(input_ids=ids).last_hidden_state
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert fuse_bias_gelu(fused) == 0  # nothing left to fuse
+
+
+def test_fused_bias_gelu_leaves_other_activations_and_forwards_alone():
+    """Only exact (erf) GELU after a biased Linear, in BERT's forward, is fused: the tanh
+    and quick forms, a Linear without bias, another forward with the same attributes and a
+    model without such steps (gemma's gated MLP) are left as they are."""
+    import torch
+    from transformers import BertConfig, Gemma3TextConfig
+    from transformers.models.bert.modeling_bert import BertIntermediate
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextModel
+
+    from hf_pipeline.encoder_fusion import fuse_bias_gelu
+
+    def bert_step(act, bias=True):
+        step = BertIntermediate(BertConfig(hidden_size=8, intermediate_size=16))
+        if not isinstance(act, str):
+            step.intermediate_act_fn = act
+        else:
+            step = BertIntermediate(BertConfig(hidden_size=8, intermediate_size=16, hidden_act=act))
+        if not bias:
+            step.dense = torch.nn.Linear(8, 16, bias=False)
+        return step
+
+    assert fuse_bias_gelu(bert_step("gelu")) == 1
+    assert fuse_bias_gelu(bert_step(torch.nn.GELU())) == 1
+    for act in ("gelu_new", "gelu_pytorch_tanh", "quick_gelu", "relu"):
+        assert fuse_bias_gelu(bert_step(act)) == 0, act
+    assert fuse_bias_gelu(bert_step(torch.nn.GELU(approximate="tanh"))) == 0
+    assert fuse_bias_gelu(bert_step("gelu", bias=False)) == 0
+
+    class Residual(BertIntermediate):  # same attributes, another forward
+        def forward(self, hidden_states):
+            return hidden_states + self.intermediate_act_fn(self.dense(hidden_states))[..., :8]
+
+    assert fuse_bias_gelu(Residual(BertConfig(hidden_size=8, intermediate_size=16))) == 0
+    gemma = Gemma3TextModel(
+        Gemma3TextConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=8)  # fmt: skip
+    )
+    assert fuse_bias_gelu(gemma) == 0
+
+
+def test_the_cpu_encoder_does_not_fuse(encoder):
+    """The fusion is for CUDA in float16/bfloat16 only (there the GELU's tanh form is below
+    the dtype's rounding); the CPU encoder computes in float32 and keeps BERT's modules."""
+    assert encoder.cfg.fuse_gelu and encoder.fused_gelu == 0
+    assert type(encoder.model.encoder.layer[0].intermediate.dense).__name__ == "Linear"

@@ -36,7 +36,6 @@ import os
 import pickle
 import shutil
 import socket
-import tempfile
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -60,12 +59,7 @@ from hf_pipeline.cache import (
 from hf_pipeline.config import Config
 from hf_pipeline.parts import REASONS_FILE
 from hf_pipeline.remote_file import RemoteFile
-from hf_pipeline.workers import (
-    check_not_bootstrapping,
-    clean_workers,
-    quick_gil_handoff,
-    usable_cpus,
-)
+from hf_pipeline.workers import check_not_bootstrapping, clean_workers, quick_gil_handoff
 
 if TYPE_CHECKING:  # pragma: no cover
     from hf_pipeline.demo import DemoData
@@ -238,19 +232,6 @@ class _EncoderLoading:
     """
 
     def __init__(self, cfg: Config, process):
-        from hf_pipeline.tokenizer_export import MIN_CPUS, TokenizerExport
-
-        # The join workers' tokenizer, first: a child interpreter exports it while this
-        # process starts up (see hf_pipeline.tokenizer_export); with too few CPUs for
-        # that, the workers get it from this process's tokenizer.
-        self._export_dir: Path | None = None
-        self._export = None
-        if usable_cpus() >= MIN_CPUS:
-            self._export_dir = _tokenizer_export_dir()
-            self._export = TokenizerExport(
-                cfg.encoder, self._export_dir, fallback=lambda: self.tokenizer.result()
-            )
-
         from transformers import PreTrainedTokenizerBase  # noqa: F401
 
         from hf_pipeline.embed import CaptionTokenizer
@@ -258,34 +239,12 @@ class _EncoderLoading:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hf_pipeline-encoder-load")
         self.tokenizer = self._pool.submit(CaptionTokenizer, cfg.encoder)
         self.encoder = self._pool.submit(_encoder, cfg, process, self.tokenizer)
-        #: What the join workers tokenize with (see hf_pipeline.convert.worker_tokenizer).
-        self.worker_tokenizer = self._export or self.tokenizer
 
     def __enter__(self) -> _EncoderLoading:
         return self
 
     def __exit__(self, *exc) -> None:
         self._pool.shutdown(wait=True)
-        if self._export is not None:
-            self._export.close()
-            shutil.rmtree(self._export_dir, ignore_errors=True)
-
-
-def _tokenizer_export_dir() -> Path:
-    """A fresh folder for this process's exported tokenizer, in the temp folder; first
-    removes those of processes of this host that died (a SIGKILLed builder leaves its)."""
-    base = Path(tempfile.gettempdir())
-    for old in base.glob("hf_pipeline-tokenizer-*"):
-        try:
-            pid = int(old.name.split("-")[2])
-            os.kill(pid, 0)
-        except (ValueError, IndexError):
-            continue
-        except ProcessLookupError:
-            shutil.rmtree(old, ignore_errors=True)
-        except OSError:  # alive, another user's
-            continue
-    return Path(tempfile.mkdtemp(prefix=f"hf_pipeline-tokenizer-{os.getpid()}-", dir=base))
 
 
 def _encoder(cfg: Config, process, tokenizer):
@@ -373,7 +332,7 @@ class _Builder:
                     "source": self.inputs.source,
                     "captions_path": str(work / "captions.arrow"),
                     "progress": self.progress,
-                    "tokenizer": loading.worker_tokenizer,
+                    "tokenizer": loading.tokenizer,
                 },
             )
             built = [(f, {**i, "builder": _me()}) for f, i in zip(folders, infos, strict=True)]
@@ -558,7 +517,7 @@ def _build_parts_together(cfg, inputs, fingerprint, layout, process, progress, t
                     cfg=cfg, source=inputs.source, shards=shards[plan.start : plan.stop],
                     captions_path=str(captions_path), probe=ctx.probe, encoder=loading.encoder,
                     out_dir=Path(ctx.tmp_dir), fingerprint=f"{fingerprint}-{plan.name}",
-                    progress=progress, tokenizer=loading.worker_tokenizer,
+                    progress=progress, tokenizer=loading.tokenizer,
                 )  # fmt: skip
                 return {**info, "builder": _me()}
 

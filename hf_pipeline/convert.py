@@ -155,16 +155,10 @@ def worker_tokenizer(tokenizer, cfg, folder: Path):
 
     Args:
         tokenizer: this process's :class:`~hf_pipeline.embed.CaptionTokenizer`, a future
-            of it (loading in the background), a
-            :class:`~hf_pipeline.tokenizer_export.TokenizerExport` (the spec from a child
-            interpreter), or None (loaded here).
+            of it (loading in the background), or None (loaded here).
         cfg: the :class:`hf_pipeline.config.Config`.
         folder: where the spec's file goes (the part's scratch folder).
     """
-    from hf_pipeline.tokenizer_export import TokenizerExport
-
-    if isinstance(tokenizer, TokenizerExport):  # exported by a child (waits for it)
-        return tokenizer.result() or cfg.encoder
     if tokenizer is None:
         from hf_pipeline.embed import CaptionTokenizer
 

@@ -64,7 +64,6 @@ import contextlib
 import hashlib
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -264,13 +263,6 @@ def _stop_fork_server(forkserver) -> None:
     threading.Thread(
         target=_reap, args=(pid,), name="hf_pipeline-forkserver-reap", daemon=True
     ).start()
-
-
-def start_tied(args: list[str], **popen_kwargs) -> subprocess.Popen:
-    """``subprocess.Popen(args, ...)`` from the thread that lives as long as this process
-    (the fork servers' starter): a child that calls :func:`die_with_parent` then dies
-    with this process, not with the thread that asked for it."""
-    return _starter.submit(subprocess.Popen, args, **popen_kwargs).result()
 
 
 def die_with_parent() -> None:

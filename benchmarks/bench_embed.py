@@ -5,8 +5,11 @@ For all-MiniLM-L6-v2 and a model shaped like ``google/gemma-3-270m`` (random wei
 built from their configs: the speed is the architecture's, no download needed), in each
 compute dtype, times :meth:`hf_pipeline.embed.TextEncoder.encode_ids` on the same
 synthetic token ids (COYO llava-caption lengths, ~95 tokens, truncated to ``max_length``)
-with the variants named in ``--variants`` (see ``VARIANTS``): ``rows256`` is the 0.1
-behaviour and the reference (micro-batches of 256 rows, eager); ``tokNk`` micro-batches
+with the variants named in ``--variants`` (see ``VARIANTS``): ``v0.1`` is the reference,
+a frozen copy of ``encode_ids`` as it was before issue 10 (``_encode_ids_v01``: 256-row
+micro-batches padded on the host, eager); ``rows256`` is today's loop with the 0.1
+micro-batch size (it gains from every change to that loop); ``defaults-fuse_gelu`` the
+defaults with ``encoder.fuse_gelu: false``; ``tokNk`` micro-batches
 of N*1024 padded tokens; ``+compile`` is ``encoder.compile: default`` (``torch.compile``),
 ``+graphs`` is ``reduce-overhead`` (``torch.compile`` replaying CUDA graphs),
 ``+eager_attn`` transformers' eager attention instead of SDPA. With ``--tf32`` every float32
@@ -14,9 +17,9 @@ variant is timed once more with ``encoder.tf32`` (TF32 matmuls: other numerics, 
 option).
 
 Each variant: a first pass (compilation, CUDA graph recording, kernel plans; reported as
-``first_pass_s``), then the best of ``--repeat`` timed passes. Reports rows/s, the ratio to
-``rows256`` of the same run, the embeddings' largest relative L2 difference from
-``rows256``'s, and the model FLOP utilisation: useful FLOPs (2 x non-embedding parameters
+``first_pass_s``), then the best of ``--repeat`` timed passes. Reports rows/s, the ratios
+to ``rows256`` and ``v0.1`` of the same run, the embeddings' largest relative L2
+difference from theirs, how many bias+GELU steps the encoder fused, and the model FLOP utilisation: useful FLOPs (2 x non-embedding parameters
 per real token, plus attention 4 x layers x attention width x length per real token;
 padding counts as waste) per second over the card's dense peak for the dtype (H100/H200
 SXM: 989 TFLOP/s bf16/fp16 and tf32 495, 67 fp32).
@@ -26,7 +29,7 @@ Every variant compiles cold: the run sets ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1
 before the attention kernel is chosen, so a variant could otherwise run the graph an
 earlier variant, or an earlier version of the code, compiled.
 
-Usage: ``python benchmarks/bench_embed.py --json out.json`` (a GPU; on the CPU it is a
+Usage: ``python benchmarks/bench_embed.py --variants v0.1,rows256,defaults --json out.json`` (a GPU; on the CPU it is a
 smoke run: use ``--rows`` small). ``--json`` is rewritten after each variant.
 """
 
@@ -315,7 +318,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="minilm,gemma")
     p.add_argument("--dtypes", default="bfloat16,float32")
-    p.add_argument("--variants", default="rows256,tok64k,tok64k+compile,tok64k+graphs,defaults")
+    p.add_argument(
+        "--variants", default="v0.1,rows256,tok64k,tok64k+compile,tok64k+graphs,defaults"
+    )
     p.add_argument("--minilm-rows", type=int, default=100_000)
     p.add_argument("--gemma-rows", type=int, default=30_000)
     p.add_argument("--repeat", type=int, default=2)

@@ -52,6 +52,11 @@ _CUDA_COMPILE = "default"
 
 #: The SDPA kernels the encoder lets torch choose from on CUDA (see _attention_backends).
 _SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+#: The same for micro-batches without a mask (TextEncoder._pool_unmasked): torch would
+#: pick flash, which took 1.02 ms where the memory-efficient kernel took 0.55 ms (4096
+#: rows of 64 tokens, 12 heads of 32 dims, bf16, H100;
+#: benchmarks/results/embed_h100_fused_gelu_v01.json).
+_SDPA_UNMASKED_BACKENDS = ("EFFICIENT_ATTENTION", "MATH")
 
 
 def resolve_encoder_path(model: str) -> str:
@@ -321,14 +326,21 @@ class TextEncoder:
         # more each): row counts in buckets keep the shapes few, and warm_up plans them
         # all before the build's first batch. On the CPU padding rows is only waste.
         self._bucket_rows = self._graphs or self.device != "cpu"
+        # BERT: micro-batches without padding run without an attention mask (see
+        # _pool_unmasked); other models: every micro-batch through the model's forward.
+        unmasked = _unmasked_bert(self.model)
         if self.compile_mode == "eager":
             self._forward = self._pool
+            self._forward_unmasked = self._pool_unmasked if unmasked else None
         else:
             # dynamic=None: the first shape compiles static, the second recompiles with
             # symbolic sizes and serves every later shape (a compile per shape would hit
             # dynamo's recompile limit, 8, and silently run eager beyond it).
             mode = None if self.compile_mode == "default" else self.compile_mode
             self._forward = torch.compile(self._pool, mode=mode, dynamic=None)
+            self._forward_unmasked = (
+                torch.compile(self._pool_unmasked, mode=mode, dynamic=None) if unmasked else None
+            )
         # The page-locked host buffer results come back through on CUDA (see _to_host).
         self._host = None
         self._host_lock = threading.Lock()
@@ -416,6 +428,7 @@ class TextEncoder:
                 max_length=self.cfg.max_length,
                 pad_rows=self._bucket_rows,
                 min_rows=self._min_rows,
+                split_full=self._forward_unmasked is not None,
             )
             with torch.inference_mode(), self._attention_backends():
                 seqs = _DeviceSequences(
@@ -427,18 +440,18 @@ class TextEncoder:
             torch.set_float32_matmul_precision(precision)
         return out
 
-    def _attention_backends(self):
+    def _attention_backends(self, names: Sequence[str] = _SDPA_BACKENDS):
         """Where the model runs on CUDA with SDPA: every SDPA kernel but cuDNN's, which
         ran 1.6x slower than the memory-efficient one on MiniLM's padded micro-batches
-        (head dim 32, 64 tokens; H100, benchmarks/results/embed_h100_device_batches.json).
-        Elsewhere: unchanged."""
+        (head dim 32, 64 tokens; H100, benchmarks/results/embed_h100_device_batches.json);
+        ``names`` for another choice. Elsewhere: unchanged."""
         if not self.device.startswith("cuda") or self.cfg.attn_implementation != "sdpa":
             return contextlib.nullcontext()
         try:
             from torch.nn.attention import SDPBackend, sdpa_kernel
         except ImportError:  # torch < 2.3: its own choice
             return contextlib.nullcontext()
-        return sdpa_kernel([getattr(SDPBackend, name) for name in _SDPA_BACKENDS])
+        return sdpa_kernel([getattr(SDPBackend, name) for name in names])
 
     def warm_up(self) -> None:
         """Run every micro-batch shape a build can run (each padded width, each row
@@ -449,7 +462,10 @@ class TextEncoder:
         """
         if self.device == "cpu":
             return
-        for ids in warm_up_ids(self.cfg, self.tokenizer.pad_token_id, min_rows=self._min_rows):
+        for ids in warm_up_ids(
+            self.cfg, self.tokenizer.pad_token_id, min_rows=self._min_rows,
+            full_batches=self._forward_unmasked is not None,
+        ):  # fmt: skip
             self.encode_ids(ids)
 
     def _micro_batch(self, mb: MicroBatch, seqs: _DeviceSequences):
@@ -457,6 +473,8 @@ class TextEncoder:
         torch = self._torch
         real_rows = mb.stop - mb.start
         lens, starts = seqs.lengths[mb.start : mb.stop], seqs.starts[mb.start : mb.stop]
+        if mb.full and self._forward_unmasked is not None:
+            return self._unmasked_micro_batch(mb, seqs)
         if mb.rows > real_rows:
             # Filler rows (row-count buckets) hold one pad token: a fully masked row would
             # be a 0/0 in the pooling; their outputs are dropped below.
@@ -476,6 +494,36 @@ class TextEncoder:
             pooled = pooled[:real_rows].clone()
         return pooled
 
+    def _unmasked_micro_batch(self, mb: MicroBatch, seqs: _DeviceSequences):
+        """A ``full`` micro-batch (no padding) through :meth:`_pool_unmasked`; filler rows
+        read only the pad token kept at the end of the ids (their outputs are dropped)."""
+        torch = self._torch
+        real_rows = mb.stop - mb.start
+        starts = seqs.starts[mb.start : mb.stop]
+        index = starts[:, None] + torch.arange(mb.width, device=starts.device)[None, :]
+        if mb.rows > real_rows:
+            filler = index.new_full((mb.rows - real_rows, mb.width), seqs.pad_at)
+            index = torch.cat([index, filler])
+        if self._graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        with self._attention_backends(_SDPA_UNMASKED_BACKENDS):
+            pooled = self._forward_unmasked(seqs.flat[index])
+        if self._graphs or mb.rows > real_rows:
+            pooled = pooled[:real_rows].clone()
+        return pooled
+
+    def _pool_unmasked(self, input_ids):
+        """:meth:`_pool` of rows without padding, for BERT (see :func:`_unmasked_bert`):
+        its embeddings and encoder, called without an attention mask. Through the model's
+        own forward, transformers builds an all-ones mask under ``torch.compile``, and SDPA
+        with a mask ran 1.4x slower (memory-efficient kernel, 4096 rows of 64 tokens, head
+        dim 32: 0.77 against 0.55 ms on an H100); the pooler, unused, is skipped too."""
+        hidden = self.model.encoder(self.model.embeddings(input_ids=input_ids)).last_hidden_state
+        pooled = hidden.mean(1)
+        if self.cfg.normalize:
+            pooled = self._torch.nn.functional.normalize(pooled.float(), dim=-1)
+        return pooled.float()
+
     def _pool(self, input_ids, mask):
         hidden = self.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
         m = mask.unsqueeze(-1).to(hidden.dtype)
@@ -483,6 +531,21 @@ class TextEncoder:
         if self.cfg.normalize:
             pooled = self._torch.nn.functional.normalize(pooled.float(), dim=-1)
         return pooled.float()
+
+
+def _unmasked_bert(model) -> bool:
+    """Whether ``model`` is a plain transformers ``BertModel`` encoder (all-MiniLM-L6-v2
+    among them), whose rows without padding :meth:`TextEncoder._pool_unmasked` runs."""
+    try:
+        from transformers import BertModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    cfg = model.config
+    return (
+        type(model) is BertModel
+        and not getattr(cfg, "is_decoder", False)
+        and not getattr(cfg, "add_cross_attention", False)
+    )
 
 
 class _DeviceSequences:
@@ -527,22 +590,27 @@ class _DeviceSequences:
 class MicroBatch(NamedTuple):
     """Rows ``start:stop`` of the length-sorted sequences, padded to ``width`` tokens;
     ``rows`` >= ``stop - start`` is the row count the model runs (filler rows pad it to
-    a bucket)."""
+    a bucket); ``full``: every row is ``width`` tokens long (no padding, no mask needed)."""
 
     start: int
     stop: int
     width: int
     rows: int
+    full: bool = False
 
 
-def warm_up_ids(cfg: EncoderConfig, pad_token_id: int, *, min_rows: int = 1) -> list:
+def warm_up_ids(
+    cfg: EncoderConfig, pad_token_id: int, *, min_rows: int = 1, full_batches: bool = False
+) -> list:
     """Token ids, one ``pyarrow`` list array per micro-batch shape that
     :meth:`TextEncoder.encode_ids` can run on an accelerator (row buckets on): for every
     padded width up to ``cfg.max_length``, each of its :func:`row_buckets` (at least
     ``min_rows`` rows).
 
-    The first row of each is a token shorter than the width: the attention mask has
-    padding, as in real batches (an all-ones mask takes another kernel path).
+    Every row is a token shorter than the width: the attention mask has padding, as in
+    real batches (an all-ones mask takes another kernel path). With ``full_batches``
+    (micro-batches split with ``split_full``), each shape also comes with rows that fill
+    the width.
     """
     import pyarrow as pa
 
@@ -551,11 +619,10 @@ def warm_up_ids(cfg: EncoderConfig, pad_token_id: int, *, min_rows: int = 1) -> 
         width = int(width)
         full = full_rows(width, cfg.tokens_per_batch, cfg.micro_batch_size)
         for rows in [b for b in row_buckets(full) if b >= min_rows]:
-            lengths = np.full(rows, width)
-            lengths[0] = max(1, width - 1)
-            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-            tokens = pa.array(np.full(offsets[-1], pad_token_id, np.int32))
-            out.append(pa.ListArray.from_arrays(offsets, tokens))
+            for length in [width - 1, width] if full_batches else [width - 1]:
+                offsets = (np.arange(rows + 1) * length).astype(np.int32)
+                tokens = pa.array(np.full(offsets[-1], pad_token_id, np.int32))
+                out.append(pa.ListArray.from_arrays(offsets, tokens))
     return out
 
 
@@ -590,6 +657,7 @@ def micro_batches(
     max_length: int,
     pad_rows: bool = False,
     min_rows: int = 1,
+    split_full: bool = False,
 ) -> list[MicroBatch]:
     """Cut length-sorted sequences into micro-batches of one padded width each.
 
@@ -606,13 +674,18 @@ def micro_batches(
     input size.
     Every micro-batch runs at least ``min_rows`` rows (``torch.compile`` specialises on
     a dimension of size 1: a one-row micro-batch would compile the model once more).
+
+    With ``split_full``, the rows of a width that fill it (the last ones of its sorted
+    segment) get micro-batches of their own, marked ``full``: they need no attention mask.
     """
     n = len(sorted_lengths)
     widths = padded_widths(sorted_lengths, max_length)
-    cuts = np.concatenate([[0], np.flatnonzero(np.diff(widths)) + 1, [n]]) if n else []
+    fills = (sorted_lengths >= widths) if split_full else np.zeros(n, dtype=bool)
+    segment = widths * 2 + fills
+    cuts = np.concatenate([[0], np.flatnonzero(np.diff(segment)) + 1, [n]]) if n else []
     out = []
     for seg_start, seg_stop in zip(cuts[:-1], cuts[1:], strict=True):
-        width = int(widths[seg_start])
+        width, is_full = int(widths[seg_start]), bool(fills[seg_start])
         full = full_rows(width, tokens_per_batch, max_rows)
         for first in range(int(seg_start), int(seg_stop), full):
             stop = min(first + full, int(seg_stop))
@@ -620,7 +693,7 @@ def micro_batches(
             if pad_rows and rows < full:
                 rows = next(b for b in row_buckets(full) if b >= rows)
             rows = max(rows, min_rows)
-            out.append(MicroBatch(first, stop, width, rows))
+            out.append(MicroBatch(first, stop, width, rows, is_full))
     return out
 
 

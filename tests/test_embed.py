@@ -175,27 +175,89 @@ def test_micro_batches_cover_every_row_once_within_the_token_budget():
 
 @pytest.mark.parametrize("max_length,budget", [(64, 8192), (100, 8192), (256, 0), (32, 1 << 20)])
 @pytest.mark.parametrize("min_rows", [1, 2])
-def test_warm_up_covers_every_micro_batch_shape_a_build_can_run(max_length, budget, min_rows):
+@pytest.mark.parametrize("split_full", [False, True])
+def test_warm_up_covers_every_micro_batch_shape_a_build_can_run(
+    max_length, budget, min_rows, split_full
+):
     """The encoder warms up (in the background, during the join) on every shape the
     build's micro-batches can have on an accelerator (row buckets on), with padding in
-    the mask: the build then plans no attention kernel of its own."""
+    the mask, and (BERT: rows without padding run unmasked) rows that fill their width:
+    the build then plans and compiles nothing of its own."""
     from hf_pipeline.embed import warm_up_ids
 
     cfg = EncoderConfig(max_length=max_length, tokens_per_batch=budget, micro_batch_size=300)
     kw = dict(tokens_per_batch=budget, max_rows=300, max_length=max_length, pad_rows=True,
-              min_rows=min_rows)  # fmt: skip
+              min_rows=min_rows, split_full=split_full)  # fmt: skip
     warmed = set()
-    for ids in warm_up_ids(cfg, pad_token_id=0, min_rows=min_rows):
+    for ids in warm_up_ids(cfg, pad_token_id=0, min_rows=min_rows, full_batches=split_full):
         lengths = np.diff(ids.offsets.to_numpy())
         (mb,) = micro_batches(np.sort(lengths), **kw)  # one micro-batch each
-        assert mb.rows == len(lengths) and lengths.min() < mb.width  # padding in the mask
-        warmed.add((mb.width, mb.rows))
-        assert set(ids.flatten().to_numpy()) == {0}
+        assert mb.rows == len(lengths)
+        assert (lengths.min() == mb.width) == mb.full  # padding in the mask unless full
+        warmed.add((mb.width, mb.rows, mb.full))
+        assert set(ids.flatten().to_numpy()) <= {0}
+    assert any(full for *_, full in warmed) == split_full
     rng = np.random.default_rng(0)
     for n in [1, 2, 3, 7, 50, 299, 301, 1000, 5000]:  # what builds feed the encoder
         lengths = np.sort(rng.integers(1, max_length + 1, n))
-        shapes = {(mb.width, mb.rows) for mb in micro_batches(lengths, **kw)}
+        shapes = {(mb.width, mb.rows, mb.full) for mb in micro_batches(lengths, **kw)}
         assert shapes <= warmed, shapes - warmed
+
+
+def test_split_full_gives_the_rows_that_fill_their_width_micro_batches_of_their_own():
+    lengths = _ids([3, 10, 32, 32, 33, 40, 64, 64, 64, 64, 64])
+    kw = dict(tokens_per_batch=128, max_rows=8, max_length=64)
+    got = [
+        (mb.start, mb.stop, mb.width, mb.full)
+        for mb in micro_batches(lengths, **kw, split_full=True)
+    ]
+    assert got == [(0, 2, 32, False), (2, 4, 32, True), (4, 6, 64, False), (6, 8, 64, True),
+                   (8, 10, 64, True), (10, 11, 64, True)]  # fmt: skip
+    plain = micro_batches(lengths, **kw)
+    assert not any(mb.full for mb in plain) and len(plain) == 5
+
+
+def test_bert_rows_without_padding_run_unmasked_and_embed_as_the_models_forward(encoder):
+    """MiniLM (a BertModel): rows that fill their width go through the embeddings and the
+    encoder with no attention mask (the model's forward, and its mask, are not called),
+    and embed as the forward with an all-ones mask does, beside padded rows in the same
+    call, in the input order."""
+    import pyarrow as pa
+    import torch
+
+    rng = np.random.default_rng(3)
+    lengths = [32, 7, 64, 64, 40, 32, 64]
+    rows = [rng.integers(1000, 20000, n).tolist() for n in lengths]
+    forwards, embeddings = [], []
+    hooks = [encoder.model.register_forward_hook(lambda *_: forwards.append(1)),
+             encoder.model.embeddings.register_forward_hook(lambda *_: embeddings.append(1))]  # fmt: skip
+    try:
+        got = encoder.encode_ids(pa.array(rows, pa.list_(pa.int32())))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    # Four micro-batches (widths 32 and 64, padded or full); the model's forward ran for
+    # the two padded ones only.
+    assert (len(embeddings), len(forwards)) == (4, 2)
+    with torch.inference_mode():
+        for i, ids in enumerate(rows):
+            t = torch.tensor([ids])
+            hidden = encoder.model(input_ids=t, attention_mask=torch.ones_like(t))
+            want = hidden.last_hidden_state.mean(1)[0].numpy()
+            np.testing.assert_allclose(got[i], want, atol=2e-5, err_msg=f"row {i}")
+
+
+def test_only_a_plain_bert_model_runs_unmasked(encoder):
+    from transformers import BertConfig, BertModel, Gemma3TextConfig
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextModel
+
+    from hf_pipeline.embed import _unmasked_bert
+
+    assert _unmasked_bert(encoder.model)
+    small = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    assert not _unmasked_bert(BertModel(BertConfig(**small, is_decoder=True)))
+    gemma = Gemma3TextConfig(vocab_size=64, num_key_value_heads=1, head_dim=8, **small)
+    assert not _unmasked_bert(Gemma3TextModel(gemma))
 
 
 def test_warm_up_on_the_cpu_runs_nothing(encoder):
@@ -293,6 +355,12 @@ def test_compiled_encoder_with_row_buckets_keeps_the_embeddings(encoder):
     # Other call sizes reuse the (dynamic-shape) graph and keep the input order.
     np.testing.assert_allclose(enc.encode(TEXTS[::-7]), ref[::-7], atol=1e-5)
     assert enc.encode([]).shape == (0, 384)
+    # Rows that fill their width (BERT: unmasked, compiled apart), with filler rows.
+    import pyarrow as pa
+
+    lengths = [32, 64, 64, 5, 64]
+    full = pa.array([[1000 + i] * n for i, n in enumerate(lengths)], pa.list_(pa.int32()))
+    np.testing.assert_allclose(enc.encode_ids(full), encoder.encode_ids(full), atol=1e-5)
 
 
 # ----------------------------------------------------------------- Hub model identity
@@ -546,9 +614,15 @@ def test_fused_bias_gelu_leaves_other_activations_and_forwards_alone():
 
     assert fuse_bias_gelu(Residual(BertConfig(hidden_size=8, intermediate_size=16))) == 0
     gemma = Gemma3TextModel(
-        Gemma3TextConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                         head_dim=8)  # fmt: skip
+        Gemma3TextConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+        )  # fmt: skip
     )
     assert fuse_bias_gelu(gemma) == 0
 

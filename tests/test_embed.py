@@ -248,16 +248,14 @@ def test_bert_rows_without_padding_run_unmasked_and_embed_as_the_models_forward(
 
 
 def test_only_a_plain_bert_model_runs_unmasked(encoder):
-    from transformers import BertConfig, BertModel, Gemma3TextConfig
-    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextModel
+    from transformers import BertConfig, BertModel
 
     from hf_pipeline.embed import _unmasked_bert
 
     assert _unmasked_bert(encoder.model)
     small = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
     assert not _unmasked_bert(BertModel(BertConfig(**small, is_decoder=True)))
-    gemma = Gemma3TextConfig(vocab_size=64, num_key_value_heads=1, head_dim=8, **small)
-    assert not _unmasked_bert(Gemma3TextModel(gemma))
+    assert not _unmasked_bert(_tiny_gemma())
 
 
 def test_warm_up_on_the_cpu_runs_nothing(encoder):
@@ -585,9 +583,8 @@ def test_fused_bias_gelu_leaves_other_activations_and_forwards_alone():
     and quick forms, a Linear without bias, another forward with the same attributes and a
     model without such steps (gemma's gated MLP) are left as they are."""
     import torch
-    from transformers import BertConfig, Gemma3TextConfig
+    from transformers import BertConfig
     from transformers.models.bert.modeling_bert import BertIntermediate
-    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextModel
 
     from hf_pipeline.encoder_fusion import fuse_bias_gelu
 
@@ -613,18 +610,18 @@ def test_fused_bias_gelu_leaves_other_activations_and_forwards_alone():
             return hidden_states + self.intermediate_act_fn(self.dense(hidden_states))[..., :8]
 
     assert fuse_bias_gelu(Residual(BertConfig(hidden_size=8, intermediate_size=16))) == 0
-    gemma = Gemma3TextModel(
-        Gemma3TextConfig(
-            vocab_size=64,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=8,
-        )  # fmt: skip
-    )
-    assert fuse_bias_gelu(gemma) == 0
+    assert fuse_bias_gelu(_tiny_gemma()) == 0
+
+
+def _tiny_gemma():
+    """A one-layer gemma-3 text model (gated MLP, no BERT parts)."""
+    from transformers import Gemma3TextConfig
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextModel
+
+    cfg = Gemma3TextConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=8)  # fmt: skip
+    return Gemma3TextModel(cfg)
 
 
 def test_the_cpu_encoder_does_not_fuse(encoder):

@@ -646,3 +646,59 @@ def test_the_caption_table_is_written_with_the_fork_server_up_and_quick_gil_hand
     assert interval <= 0.001
     assert server_up, "the fork server imports while the caption table is written"
     assert sys.getswitchinterval() == before
+
+
+def _slow_tokenizer_load(monkeypatch, seconds: float = 3.0):
+    """The builder's CaptionTokenizer loads ``seconds`` late, as transformers' imports do
+    on a GPU host: the join's workers start with the spec guessed from the model's files."""
+    import time
+
+    from hf_pipeline.embed import CaptionTokenizer
+
+    init = CaptionTokenizer.__init__
+
+    def slow(self, cfg):
+        time.sleep(seconds)
+        init(self, cfg)
+
+    monkeypatch.setattr(CaptionTokenizer, "__init__", slow)
+
+
+@pytest.mark.parametrize("cased", [False, True])
+def test_workers_start_with_the_models_tokenizer_file_and_keep_the_loaded_tokenizers_ids(
+    tmp_path, monkeypatch, caplog, cased
+):
+    """While the builder's tokenizer loads, the workers tokenize with the model's own
+    tokenizer.json; after the join the loaded tokenizer's spec is compared with it. MiniLM:
+    the same, the rows stay. A model whose tokenizer_config makes transformers change the
+    backend (``do_lower_case: false``): the part is joined again, and the cache holds the
+    loaded tokenizer's ids, not the file's."""
+    import logging
+
+    import hf_pipeline.embed as embed
+    from hf_pipeline.embed import CaptionTokenizer, WorkerTokenizer, early_tokenizer_spec
+    from tests.test_embed import _lower_case_off
+
+    data = tmp_path / "data"
+    _write_clean_inputs(data, ["float32", "float32"])
+    meta = pd.read_parquet(data / "coyo11m-meta.parquet")
+    meta["caption_llava"] = [f"A Photo Of Number {k} In RED" for k in meta["key"]]
+    meta.to_parquet(data / "coyo11m-meta.parquet")
+    model = str(_lower_case_off(tmp_path)) if cased else "minilm"
+    compared = []
+    same = embed.same_tokenizer
+    monkeypatch.setattr(embed, "same_tokenizer", lambda a, b: compared.append(1) or same(a, b))
+    _slow_tokenizer_load(monkeypatch)
+    caplog.set_level(logging.WARNING, logger="hf_pipeline")
+
+    res = prepare_cache(_tiny_config(data, tmp_path / "c", f"encoder.model={model}"), progress=False)
+
+    assert compared  # the join started before the tokenizer was loaded
+    assert ("joining the part again" in caplog.text) == cased
+    ds = open_dataset(res.layout)
+    monkeypatch.undo()
+    cfg = load_config(None, [f"encoder.model={model}"], environ={}).encoder
+    want = CaptionTokenizer(cfg)(ds["caption"])
+    assert ds["input_ids"] == want
+    guessed = WorkerTokenizer(early_tokenizer_spec(cfg))(ds["caption"])
+    assert (guessed != want) == cased

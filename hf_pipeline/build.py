@@ -57,7 +57,6 @@ from hf_pipeline.cache import (
     compute_fingerprint,
 )
 from hf_pipeline.config import Config
-from hf_pipeline.errors import ConfigError
 from hf_pipeline.parts import REASONS_FILE
 from hf_pipeline.remote_file import RemoteFile
 from hf_pipeline.workers import check_not_bootstrapping, clean_workers, quick_gil_handoff
@@ -235,18 +234,11 @@ class _EncoderLoading:
     def __init__(self, cfg: Config, process):
         from transformers import PreTrainedTokenizerBase  # noqa: F401
 
-        from hf_pipeline.embed import CaptionTokenizer, EarlyTokenizer, early_tokenizer_spec
+        from hf_pipeline.embed import CaptionTokenizer
 
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hf_pipeline-encoder-load")
         self.tokenizer = self._pool.submit(CaptionTokenizer, cfg.encoder)
         self.encoder = self._pool.submit(_encoder, cfg, process, self.tokenizer)
-        # What the join workers tokenize with: the model's own tokenizer files until the
-        # tokenizer above is loaded (checked after each join: see parts.join_part).
-        try:
-            early = early_tokenizer_spec(cfg.encoder)
-        except (OSError, ValueError, ConfigError):  # the loading above raises it properly
-            early = None
-        self.worker_tokenizer = EarlyTokenizer(early, self.tokenizer) if early else self.tokenizer
 
     def __enter__(self) -> _EncoderLoading:
         return self
@@ -340,7 +332,7 @@ class _Builder:
                     "source": self.inputs.source,
                     "captions_path": str(work / "captions.arrow"),
                     "progress": self.progress,
-                    "tokenizer": loading.worker_tokenizer,
+                    "tokenizer": loading.tokenizer,
                 },
             )
             built = [(f, {**i, "builder": _me()}) for f, i in zip(folders, infos, strict=True)]
@@ -525,7 +517,7 @@ def _build_parts_together(cfg, inputs, fingerprint, layout, process, progress, t
                     cfg=cfg, source=inputs.source, shards=shards[plan.start : plan.stop],
                     captions_path=str(captions_path), probe=ctx.probe, encoder=loading.encoder,
                     out_dir=Path(ctx.tmp_dir), fingerprint=f"{fingerprint}-{plan.name}",
-                    progress=progress, tokenizer=loading.worker_tokenizer,
+                    progress=progress, tokenizer=loading.tokenizer,
                 )  # fmt: skip
                 return {**info, "builder": _me()}
 

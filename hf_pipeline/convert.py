@@ -155,16 +155,10 @@ def worker_tokenizer(tokenizer, cfg, folder: Path):
 
     Args:
         tokenizer: this process's :class:`~hf_pipeline.embed.CaptionTokenizer`, a future
-            of it (loading in the background), None (loaded here), or what the workers
-            take already (a spec, or the encoder config), returned as it is.
+            of it (loading in the background), or None (loaded here).
         cfg: the :class:`hf_pipeline.config.Config`.
         folder: where the spec's file goes (the part's scratch folder).
     """
-    from hf_pipeline.config import EncoderConfig
-    from hf_pipeline.embed import TokenizerSpec
-
-    if isinstance(tokenizer, (TokenizerSpec, EncoderConfig)):  # already what workers take
-        return tokenizer
     if tokenizer is None:
         from hf_pipeline.embed import CaptionTokenizer
 

@@ -26,19 +26,16 @@ from hf_pipeline.errors import ConfigError, SourceError
 
 __all__ = [
     "CaptionTokenizer",
-    "EarlyTokenizer",
     "MicroBatch",
     "TextEncoder",
     "TokenizerSpec",
     "WorkerTokenizer",
-    "early_tokenizer_spec",
     "encoder_identity",
     "full_rows",
     "micro_batches",
     "padded_widths",
     "resolve_encoder_path",
     "row_buckets",
-    "same_tokenizer",
     "warm_up_ids",
 ]
 
@@ -248,75 +245,6 @@ class TokenizerSpec:
             raise ValueError(f"max_length must be >= 1, got {self.max_length}")
         if self.direction not in ("left", "right"):
             raise ValueError(f"direction must be 'left' or 'right', got {self.direction!r}")
-
-
-class EarlyTokenizer(NamedTuple):
-    """The join workers' tokenizer before transformers has loaded it: ``spec``, read from
-    the model's own files (:func:`early_tokenizer_spec`), and ``loading``, the future of
-    the builder's :class:`CaptionTokenizer`, which confirms it after the join
-    (:func:`same_tokenizer`) or is joined with again (:func:`hf_pipeline.parts.join_part`)."""
-
-    spec: TokenizerSpec
-    loading: Any  # concurrent.futures.Future[CaptionTokenizer]
-
-
-def early_tokenizer_spec(cfg: EncoderConfig) -> TokenizerSpec | None:
-    """A guess of :meth:`CaptionTokenizer.export`'s spec without transformers (whose
-    import, torch's included, kept the join's workers waiting 5 s on a GPU host, sampled):
-    the model's ``tokenizer.json`` as it is, with ``tokenizer_config.json``'s truncation side
-    and ``split_special_tokens``. From a local model folder, or a Hub model's files already
-    in the huggingface_hub cache; None where there are none (nothing is downloaded).
-
-    Only a guess: transformers may configure the backend otherwise (its normalizer from
-    ``do_lower_case``, its post-processor from ``add_bos_token``...);
-    :func:`same_tokenizer` tells.
-    """
-    import json
-
-    path = resolve_encoder_path(cfg.model)
-    if Path(path).is_dir():
-        files = {name: Path(path) / name for name in ("tokenizer.json", "tokenizer_config.json")}
-    else:
-        from huggingface_hub import try_to_load_from_cache
-
-        files = {}
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            found = try_to_load_from_cache(path, name, revision=cfg.revision or None)
-            files[name] = Path(found) if isinstance(found, str) else Path("/nonexistent")
-    if not files["tokenizer.json"].is_file():
-        return None
-    try:
-        settings = json.loads(files["tokenizer_config.json"].read_text())
-    except (OSError, ValueError):
-        settings = {}
-    settings = settings if isinstance(settings, dict) else {}
-    direction = settings.get("truncation_side", "right")
-    if direction not in ("left", "right"):
-        return None
-    return TokenizerSpec(
-        path=str(files["tokenizer.json"]),
-        max_length=cfg.max_length,
-        direction=direction,
-        split_special_tokens=bool(settings.get("split_special_tokens", False)),
-    )
-
-
-def same_tokenizer(a: TokenizerSpec, b: TokenizerSpec) -> bool:
-    """Whether two specs give the same ids: the same call settings, and the same
-    ``tokenizers`` backend apart from its stored truncation and padding (which
-    :class:`WorkerTokenizer` sets itself)."""
-    import json
-
-    def backend(spec: TokenizerSpec) -> dict:
-        data = json.loads(Path(spec.path).read_text())
-        data.pop("truncation", None)
-        data.pop("padding", None)
-        return data
-
-    settings = (a.max_length, a.direction, a.split_special_tokens)
-    return settings == (b.max_length, b.direction, b.split_special_tokens) and (
-        backend(a) == backend(b)
-    )
 
 
 class WorkerTokenizer:

@@ -24,7 +24,6 @@ order, byte-identical latents and captions; the embeddings differ only by float 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import shutil
@@ -124,24 +123,11 @@ def join_part(
     progress: bool,
     tokenizer=None,
 ) -> JoinedPart:
-    """The join half of :func:`build_part` (the ``num_proc`` workers).
-
-    ``tokenizer`` may be an :class:`~hf_pipeline.embed.EarlyTokenizer`: while the builder's
-    tokenizer still loads, the workers start with the spec guessed from the model's files;
-    after the join the loaded tokenizer's own spec must be the same
-    (:func:`~hf_pipeline.embed.same_tokenizer`), or the part is joined again with it (a
-    warning): the rows are always those of the tokenizer transformers loads.
-    """
-    from hf_pipeline.convert import join_shards, worker_tokenizer
-    from hf_pipeline.embed import EarlyTokenizer, TokenizerSpec, same_tokenizer
+    """The join half of :func:`build_part` (the ``num_proc`` workers)."""
+    from hf_pipeline.convert import join_shards
 
     t0, wall0 = time.monotonic(), time.time()
-    guess = None
-    if isinstance(tokenizer, EarlyTokenizer):
-        guess = None if tokenizer.loading.done() else tokenizer.spec  # loaded: no guess
-        tokenizer = tokenizer.loading
-    join = functools.partial(
-        join_shards,
+    joined = join_shards(
         cfg=cfg,
         source=source,
         shards=shards,
@@ -151,22 +137,9 @@ def join_part(
         work_dir=out_dir / "_work",
         fingerprint=fingerprint,
         progress=progress,
+        tokenizer=tokenizer,
     )
-    joined = join(tokenizer=guess or tokenizer)
     shutil.rmtree(out_dir / "_work", ignore_errors=True)
-    if guess is not None:
-        loaded = worker_tokenizer(tokenizer, cfg, out_dir / "_tokenizer")
-        if not (isinstance(loaded, TokenizerSpec) and same_tokenizer(guess, loaded)):
-            log.warning(
-                "%s: the tokenizer transformers loads for encoder.model %r is not its "
-                "tokenizer.json as it is; joining the part again with it",
-                out_dir.name, cfg.encoder.model,
-            )  # fmt: skip
-            del joined  # the rows' memory map, before its file goes
-            shutil.rmtree(out_dir / "rows", ignore_errors=True)
-            joined = join(tokenizer=loaded)
-            shutil.rmtree(out_dir / "_work", ignore_errors=True)
-        shutil.rmtree(out_dir / "_tokenizer", ignore_errors=True)
     seconds = round(time.monotonic() - t0, 3)
     return JoinedPart(out_dir, len(shards), joined, seconds, fingerprint, (wall0, time.time()))
 

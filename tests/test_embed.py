@@ -4,20 +4,11 @@ identity of a Hub model (its revision resolved against tests/servers/hub.py)."""
 
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from hf_pipeline.config import EncoderConfig, load_config
-from hf_pipeline.embed import (
-    CaptionTokenizer,
-    TextEncoder,
-    encoder_identity,
-    micro_batches,
-    resolve_encoder_path,
-)
+from hf_pipeline.embed import TextEncoder, encoder_identity, micro_batches, resolve_encoder_path
 from hf_pipeline.errors import ConfigError, SourceError, StoreUnreachableError
 from tests.servers import hf_home  # noqa: F401
 from tests.servers.hub import FakeHub
@@ -638,45 +629,3 @@ def test_the_cpu_encoder_does_not_fuse(encoder):
     the dtype's rounding); the CPU encoder computes in float32 and keeps BERT's modules."""
     assert encoder.cfg.fuse_gelu and encoder.fused_gelu == 0
     assert type(encoder.model.encoder.layer[0].intermediate.dense).__name__ == "Linear"
-
-
-# --------------------------------------------- the workers' tokenizer before transformers
-
-
-def _lower_case_off(tmp_path):
-    """MiniLM with ``do_lower_case: false`` in its tokenizer_config.json: transformers
-    builds another normalizer than its tokenizer.json holds."""
-    import json
-    import shutil
-
-    folder = tmp_path / "cased-minilm"
-    shutil.copytree(resolve_encoder_path("minilm"), folder)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "do_lower_case": False}))
-    return folder
-
-
-def test_the_early_spec_is_the_export_where_transformers_keeps_the_file(tmp_path):
-    """MiniLM: the spec read from the model's files gives the ids of the loaded
-    tokenizer; a tokenizer_config that makes transformers change the backend does not,
-    and same_tokenizer says so; no tokenizer.json (or a Hub model not in the cache): no
-    guess."""
-    from hf_pipeline.embed import WorkerTokenizer, early_tokenizer_spec, same_tokenizer
-
-    cfg = EncoderConfig(max_length=16)
-    early = early_tokenizer_spec(cfg)
-    loaded = CaptionTokenizer(cfg).export(tmp_path / "export")
-    assert early.path == str(Path(resolve_encoder_path("minilm")) / "tokenizer.json")
-    assert same_tokenizer(early, loaded)
-    texts = ["A Red Circle on a BLUE background, watercolour " * 3, "x"]
-    assert WorkerTokenizer(early)(texts) == CaptionTokenizer(cfg)(texts)
-
-    cased = EncoderConfig(model=str(_lower_case_off(tmp_path)), max_length=16)
-    cased_early = early_tokenizer_spec(cased)
-    assert not same_tokenizer(cased_early, CaptionTokenizer(cased).export(tmp_path / "c"))
-    assert WorkerTokenizer(cased_early)(texts) != CaptionTokenizer(cased)(texts)
-    assert not same_tokenizer(early, dataclasses.replace(loaded, max_length=17))
-
-    (tmp_path / "no-tokenizer-json").mkdir()
-    assert early_tokenizer_spec(EncoderConfig(model=str(tmp_path / "no-tokenizer-json"))) is None
-    assert early_tokenizer_spec(EncoderConfig(model="test-org/not-in-the-cache")) is None

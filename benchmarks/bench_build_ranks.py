@@ -54,12 +54,15 @@ the benchmark exits 1 otherwise). Targets (issue 10): speed-up >= 3.2 with 4 ran
 assembly <= 5% of the build.
 
 The encoder is the real MiniLM (``minilm``) unless ``--random-minilm TOKENIZER_DIR``: a
-random-weight MiniLM made from its config (the architecture's speed, no download).
+random-weight MiniLM made from its config (the architecture's speed, no download), or
+``--random-gemma TOKENIZER_DIR``: a random-weight model shaped like gemma-3-270m, the
+issue's COYO encoder, with that tokenizer (``--dtype bfloat16`` for it).
 
 Usage::
 
     python benchmarks/bench_build_ranks.py [--rows 1000000] [--samples-per-shard 2000]
-        [--ranks 4] [--random-minilm TOKENIZER_DIR] [--dtype float16]
+        [--ranks 4] [--random-minilm TOKENIZER_DIR | --random-gemma TOKENIZER_DIR]
+        [--dtype float16]
         [--one-num-proc N ...] [--pin] [--warm-compile-cache] [--no-write-reference] [--work-dir DIR]
         [--json out.json] [--set section.field=value ...]
 
@@ -423,12 +426,13 @@ def _marker_times(cache_dir: Path, launched: float) -> dict:
     return timeline
 
 
-def _random_minilm(folder: Path, tokenizer: str) -> str:
-    """A random-weight all-MiniLM-L6-v2 with ``tokenizer`` (kept from an earlier run)."""
+def _random_model(kind: str, folder: Path, tokenizer: str) -> str:
+    """A random-weight ``kind`` model (``minilm``, ``gemma``) with ``tokenizer`` (kept
+    from an earlier run)."""
     from benchmarks.random_models import save_random_model
 
     if not (folder / "config.json").is_file():
-        save_random_model("minilm", folder, tokenizer)
+        save_random_model(kind, folder, tokenizer)
     return str(folder)
 
 
@@ -458,7 +462,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=1_000_000, help="latent rows of the demo")
     ap.add_argument("--samples-per-shard", type=int, default=2000)
     ap.add_argument("--ranks", type=int, default=4, help="rank processes of the ranks build")
-    ap.add_argument("--random-minilm", default="", help="tokenizer folder: random MiniLM")
+    random = ap.add_mutually_exclusive_group()
+    random.add_argument("--random-minilm", default="", help="tokenizer folder: random MiniLM")
+    random.add_argument("--random-gemma", default="",
+                        help="tokenizer folder: random gemma-3-270m-shaped model")  # fmt: skip
     ap.add_argument("--dtype", default="float16", help="encoder.dtype")
     ap.add_argument("--cpus", type=int, default=0, help="CPUs to share (0: all usable)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -504,8 +511,11 @@ def main(argv=None) -> int:
         )
     if any(n < 1 for n in args.one_num_proc):
         ap.error(f"--one-num-proc must be >= 1, got {args.one_num_proc}")
-    if args.random_minilm and not Path(args.random_minilm).is_dir():
-        ap.error(f"--random-minilm: {args.random_minilm} is not a folder")
+    kind, tokenizer = (
+        ("gemma", args.random_gemma) if args.random_gemma else ("minilm", args.random_minilm)
+    )
+    if tokenizer and not Path(tokenizer).is_dir():
+        ap.error(f"--random-{kind}: {tokenizer} is not a folder")
 
     tmp = None
     if args.work_dir:
@@ -516,8 +526,8 @@ def main(argv=None) -> int:
         work = Path(tmp.name)
     try:
         model = "minilm"
-        if args.random_minilm:
-            model = _random_minilm(work / "minilm", args.random_minilm)
+        if tokenizer:
+            model = _random_model(kind, work / kind, tokenizer)
         t0 = time.perf_counter()
         demo = generate_demo(
             work / f"demo-{shards}x{args.samples_per_shard}", num_shards=shards,
@@ -633,7 +643,7 @@ def main(argv=None) -> int:
             "samples_per_shard": args.samples_per_shard,
             "latent_gb": round(latent_gb, 2),
             "encoder": {
-                "model": "random-minilm" if args.random_minilm else model,
+                "model": f"random-{kind}" if tokenizer else model,
                 "dtype": args.dtype,
             },
             "overrides": args.set,

@@ -469,46 +469,34 @@ class TextEncoder:
             self.encode_ids(ids)
 
     def _micro_batch(self, mb: MicroBatch, seqs: _DeviceSequences):
-        """Pooled embeddings (on the device) of the length-sorted rows ``mb.start:mb.stop``."""
+        """Pooled embeddings (on the device) of the length-sorted rows ``mb.start:mb.stop``:
+        through :meth:`_pool_unmasked` when the rows fill their width (BERT), else with
+        the attention mask through the model's forward."""
         torch = self._torch
         real_rows = mb.stop - mb.start
+        unmasked = mb.full and self._forward_unmasked is not None
         lens, starts = seqs.lengths[mb.start : mb.stop], seqs.starts[mb.start : mb.stop]
-        if mb.full and self._forward_unmasked is not None:
-            return self._unmasked_micro_batch(mb, seqs)
         if mb.rows > real_rows:
-            # Filler rows (row-count buckets) hold one pad token: a fully masked row would
-            # be a 0/0 in the pooling; their outputs are dropped below.
-            lens = torch.cat([lens, lens.new_ones(mb.rows - real_rows)])
-            starts = torch.cat([starts, starts.new_full((mb.rows - real_rows,), seqs.pad_at)])
+            # Filler rows (row-count buckets) read only the pad token; with a mask, one of
+            # it (a fully masked row would be a 0/0 in the pooling). Their outputs are
+            # dropped below.
+            fill = mb.rows - real_rows
+            lens = torch.cat([lens, lens.new_full((fill,), 0 if unmasked else 1)])
+            starts = torch.cat([starts, starts.new_full((fill,), seqs.pad_at)])
         cols = torch.arange(mb.width, device=lens.device)
         valid = cols[None, :] < lens[:, None]
         # Positions past a row's end read the pad token kept at the end of the ids.
         input_ids = seqs.flat[torch.where(valid, starts[:, None] + cols[None, :], seqs.pad_at)]
-        mask = valid.to(torch.int64)
         if self._graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        pooled = self._forward(input_ids, mask)
+        if unmasked:
+            with self._attention_backends(_SDPA_UNMASKED_BACKENDS):
+                pooled = self._forward_unmasked(input_ids)
+        else:
+            pooled = self._forward(input_ids, valid.to(torch.int64))
         if self._graphs or mb.rows > real_rows:
             # A CUDA graph's output lives in its pool and is overwritten by the next
             # replay: keep a copy of the real rows.
-            pooled = pooled[:real_rows].clone()
-        return pooled
-
-    def _unmasked_micro_batch(self, mb: MicroBatch, seqs: _DeviceSequences):
-        """A ``full`` micro-batch (no padding) through :meth:`_pool_unmasked`; filler rows
-        read only the pad token kept at the end of the ids (their outputs are dropped)."""
-        torch = self._torch
-        real_rows = mb.stop - mb.start
-        starts = seqs.starts[mb.start : mb.stop]
-        index = starts[:, None] + torch.arange(mb.width, device=starts.device)[None, :]
-        if mb.rows > real_rows:
-            filler = index.new_full((mb.rows - real_rows, mb.width), seqs.pad_at)
-            index = torch.cat([index, filler])
-        if self._graphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        with self._attention_backends(_SDPA_UNMASKED_BACKENDS):
-            pooled = self._forward_unmasked(seqs.flat[index])
-        if self._graphs or mb.rows > real_rows:
             pooled = pooled[:real_rows].clone()
         return pooled
 

@@ -430,7 +430,7 @@ class TextEncoder:
                 min_rows=self._min_rows,
                 split_full=self._forward_unmasked is not None,
             )
-            with torch.inference_mode(), self._attention_backends():
+            with torch.inference_mode():
                 seqs = _DeviceSequences(
                     ids, offsets, lengths, order, self.tokenizer.pad_token_id, self.device
                 )
@@ -440,11 +440,11 @@ class TextEncoder:
             torch.set_float32_matmul_precision(precision)
         return out
 
-    def _attention_backends(self, names: Sequence[str] = _SDPA_BACKENDS):
-        """Where the model runs on CUDA with SDPA: every SDPA kernel but cuDNN's, which
-        ran 1.6x slower than the memory-efficient one on MiniLM's padded micro-batches
-        (head dim 32, 64 tokens; H100, benchmarks/results/embed_h100_device_batches.json);
-        ``names`` for another choice. Elsewhere: unchanged."""
+    def _attention_backends(self, names: Sequence[str]):
+        """Where a micro-batch runs on CUDA with SDPA: the kernels ``names`` only
+        (:data:`_SDPA_BACKENDS`: every one but cuDNN's, which ran 1.6x slower than the
+        memory-efficient one on MiniLM's padded micro-batches, head dim 32, 64 tokens;
+        H100, benchmarks/results/embed_h100_device_batches.json). Elsewhere: unchanged."""
         if not self.device.startswith("cuda") or self.cfg.attn_implementation != "sdpa":
             return contextlib.nullcontext()
         try:
@@ -493,7 +493,8 @@ class TextEncoder:
             with self._attention_backends(_SDPA_UNMASKED_BACKENDS):
                 pooled = self._forward_unmasked(input_ids)
         else:
-            pooled = self._forward(input_ids, valid.to(torch.int64))
+            with self._attention_backends(_SDPA_BACKENDS):
+                pooled = self._forward(input_ids, valid.to(torch.int64))
         if self._graphs or mb.rows > real_rows:
             # A CUDA graph's output lives in its pool and is overwritten by the next
             # replay: keep a copy of the real rows.
@@ -507,15 +508,15 @@ class TextEncoder:
         with a mask ran 1.4x slower (memory-efficient kernel, 4096 rows of 64 tokens, head
         dim 32: 0.77 against 0.55 ms on an H100); the pooler, unused, is skipped too."""
         hidden = self.model.encoder(self.model.embeddings(input_ids=input_ids)).last_hidden_state
-        pooled = hidden.mean(1)
-        if self.cfg.normalize:
-            pooled = self._torch.nn.functional.normalize(pooled.float(), dim=-1)
-        return pooled.float()
+        return self._finish(hidden.mean(1))
 
     def _pool(self, input_ids, mask):
         hidden = self.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
         m = mask.unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1)
+        return self._finish((hidden * m).sum(1) / m.sum(1).clamp(min=1))
+
+    def _finish(self, pooled):
+        """Pooled rows as float32, L2-normalised with ``encoder.normalize``."""
         if self.cfg.normalize:
             pooled = self._torch.nn.functional.normalize(pooled.float(), dim=-1)
         return pooled.float()

@@ -19,7 +19,8 @@ option).
 Each variant: a first pass (compilation, CUDA graph recording, kernel plans; reported as
 ``first_pass_s``), then the best of ``--repeat`` timed passes. Reports rows/s, the ratios
 to ``rows256`` and ``v0.1`` of the same run, the embeddings' largest relative L2
-difference from theirs, how many bias+GELU steps the encoder fused, and the model FLOP utilisation: useful FLOPs (2 x non-embedding parameters
+difference from theirs, how many bias+GELU steps the encoder fused, and the model FLOP
+utilisation: useful FLOPs (2 x non-embedding parameters
 per real token, plus attention 4 x layers x attention width x length per real token;
 padding counts as waste) per second over the card's dense peak for the dtype (H100/H200
 SXM: 989 TFLOP/s bf16/fp16 and tf32 495, 67 fp32).
@@ -29,8 +30,9 @@ Every variant compiles cold: the run sets ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1
 before the attention kernel is chosen, so a variant could otherwise run the graph an
 earlier variant, or an earlier version of the code, compiled.
 
-Usage: ``python benchmarks/bench_embed.py --variants v0.1,rows256,defaults --json out.json`` (a GPU; on the CPU it is a
-smoke run: use ``--rows`` small). ``--json`` is rewritten after each variant.
+Usage: ``python benchmarks/bench_embed.py --variants v0.1,rows256,defaults --json out.json``
+(a GPU; on the CPU it is a smoke run: use ``--minilm-rows`` and ``--gemma-rows`` small).
+``--json`` is rewritten after each variant.
 """
 
 from __future__ import annotations

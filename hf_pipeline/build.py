@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import shutil
 import socket
 import time
@@ -57,6 +58,7 @@ from hf_pipeline.cache import (
     compute_fingerprint,
 )
 from hf_pipeline.config import Config
+from hf_pipeline.errors import CacheFormatError
 from hf_pipeline.parts import REASONS_FILE
 from hf_pipeline.remote_file import RemoteFile
 from hf_pipeline.workers import check_not_bootstrapping, clean_workers, quick_gil_handoff
@@ -298,7 +300,7 @@ class _Builder:
         """Stage 1: per part, join (num_proc workers) and embed (the accelerator); then
         the duplicates across parts and the final drop reasons (:mod:`hf_pipeline.parts`)."""
         from hf_pipeline.captions import CaptionTable
-        from hf_pipeline.parts import assemble, build_parts_overlapped, plan_parts
+        from hf_pipeline.parts import assemble
 
         tmp = Path(ctx.tmp_dir)
         if self.parts is not None:  # built by the ranks: hard-link their files in
@@ -314,28 +316,12 @@ class _Builder:
             t_captions = time.monotonic()
             table = _save_captions(self.cfg, self.inputs, work / "captions.arrow")
             seconds_captions = round(time.monotonic() - t_captions, 3)
-            plans = plan_parts(len(shards), one_builder_part_shards(self.cfg, len(shards)))
-            folders = [tmp / "parts" / plan.name for plan in plans]
-            infos = build_parts_overlapped(
-                [
-                    {
-                        "shards": shards[plan.start : plan.stop],
-                        "out_dir": folder,
-                        "fingerprint": f"{self.fingerprint}-{plan.name}",
-                    }
-                    for plan, folder in zip(plans, folders, strict=True)
-                ],
-                cfg=self.cfg,
-                probe=ctx.probe,
-                encoder=loading.encoder,
-                join_kw={
-                    "source": self.inputs.source,
-                    "captions_path": str(work / "captions.arrow"),
-                    "progress": self.progress,
-                    "tokenizer": loading.tokenizer,
-                },
-            )
-            built = [(f, {**i, "builder": _me()}) for f, i in zip(folders, infos, strict=True)]
+            built = _build_in_parts(
+                self.cfg, shards=shards, out_dir=tmp / "parts", fingerprint=self.fingerprint,
+                part_shards=one_builder_part_shards(self.cfg, len(shards)), probe=ctx.probe,
+                loading=loading, source=self.inputs.source,
+                captions_path=work / "captions.arrow", progress=self.progress,
+            )  # fmt: skip
         info = assemble(tmp, built, table=table, link_from=False)
         shutil.rmtree(work, ignore_errors=True)
         return {**info, "seconds_captions": seconds_captions}
@@ -378,28 +364,85 @@ class _Builder:
         return {"rows_out": report["rows_out"], "dropped": report["dropped"]}
 
 
-#: Parts of one builder on an accelerator when ``build.part_shards`` is 0: the
-#: embedding of a part overlaps the join of the next, so 4 parts hide up to 3/4 of the
-#: shorter of the two. Only when each part still gives every worker a shard (a part's
-#: pool starts again and waits for its slowest worker): measured on an H200 host with 16
-#: workers, 100 shards (100k rows) built in 7.6-7.8 s in 4 parts of 25 against 8.0-8.9 s
-#: in one (benchmarks/results/build_gpu_h200_100k_parts_overlap.json). On the CPU the
-#: model already uses every core: one part.
+#: Pieces of a builder's part on an accelerator when ``build.overlap_parts`` is 0: the
+#: embedding of a piece overlaps the join of the next, so 4 pieces hide up to 3/4 of
+#: the shorter of the two. Only when each piece still gives every worker a shard (a
+#: piece's pool starts again and waits for its slowest worker): measured on an H200 host
+#: with 16 workers, 100 shards (100k rows) built in 7.6-7.8 s in 4 parts of 25 against
+#: 8.0-8.9 s in one (benchmarks/results/build_gpu_h200_100k_parts_overlap.json). On the
+#: CPU the model already uses every core: one piece.
 _OVERLAP_PARTS = 4
 
 
-def one_builder_part_shards(cfg: Config, num_shards: int) -> int:
-    """The shards per part of one builder (0: one part): ``build.part_shards`` when set,
-    else 4 parts when the encoder runs on an accelerator and the parts stay large."""
-    small = num_shards < _OVERLAP_PARTS * cfg.build.effective_num_proc
-    if cfg.build.part_shards or small:
-        return cfg.build.part_shards
+def overlap_part_shards(cfg: Config, num_shards: int) -> int:
+    """The shards per overlapped piece of a builder's ``num_shards`` shards (0: one
+    piece): ``build.overlap_parts`` pieces when set, else 4 when the encoder runs on an
+    accelerator and each piece still gives every ``num_proc`` worker a shard."""
+    if cfg.build.overlap_parts:
+        return 0 if cfg.build.overlap_parts == 1 else -(-num_shards // cfg.build.overlap_parts)
+    if num_shards < _OVERLAP_PARTS * cfg.build.effective_num_proc:
+        return 0
     device = cfg.encoder.device
     if device == "auto":
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return 0 if device == "cpu" else -(-num_shards // _OVERLAP_PARTS)
+
+
+def one_builder_part_shards(cfg: Config, num_shards: int) -> int:
+    """The shards per part of one builder (0: one part): ``build.part_shards`` when set,
+    else :func:`overlap_part_shards`."""
+    return cfg.build.part_shards or overlap_part_shards(cfg, num_shards)
+
+
+def _build_in_parts(
+    cfg: Config, *, shards, part_shards: int, out_dir: Path, fingerprint: str, probe,
+    loading: _EncoderLoading, source, captions_path: Path, progress: bool,
+) -> list[tuple[Path, dict[str, Any]]]:  # fmt: skip
+    """``shards`` built in parts of ``part_shards`` (:func:`hf_pipeline.parts.plan_parts`)
+    into ``out_dir/part-NNNNN/``, the embedding of each overlapping the join of the next
+    (:func:`hf_pipeline.parts.build_parts_overlapped`); ``[(folder, info)]`` in shard
+    order, each info naming its builder."""
+    from hf_pipeline.parts import build_parts_overlapped, plan_parts
+
+    plans = plan_parts(len(shards), part_shards)
+    folders = [out_dir / plan.name for plan in plans]
+    infos = build_parts_overlapped(
+        [
+            {
+                "shards": shards[plan.start : plan.stop],
+                "out_dir": folder,
+                "fingerprint": f"{fingerprint}-{plan.name}",
+            }
+            for plan, folder in zip(plans, folders, strict=True)
+        ],
+        cfg=cfg,
+        probe=probe,
+        encoder=loading.encoder,
+        join_kw={
+            "source": source,
+            "captions_path": str(captions_path),
+            "progress": progress,
+            "tokenizer": loading.tokenizer,
+        },
+    )
+    return [(f, {**i, "builder": _me()}) for f, i in zip(folders, infos, strict=True)]
+
+
+_PIECE_DIR = re.compile(r"part-\d{5}")
+
+
+def _pieces(unit: Path, info: Mapping[str, Any]) -> list[tuple[Path, dict[str, Any]]]:
+    """A rank's published part as the pieces it was built in: ``[(folder, info)]``."""
+    pieces = info.get("pieces")
+    if not (
+        isinstance(pieces, list)
+        and pieces
+        and all(isinstance(p, dict) and _PIECE_DIR.fullmatch(str(p.get("dir"))) for p in pieces)
+    ):
+        raise CacheFormatError(str(unit), "the part's marker does not list its pieces")
+    return [(unit / p["dir"], dict(p)) for p in pieces]
 
 
 def _me() -> dict[str, Any]:
@@ -487,7 +530,7 @@ def _build_parts_together(cfg, inputs, fingerprint, layout, process, progress, t
         the seconds its builder took to write it (None from a release before them).
     """
     from dist.coordinator import ensure_built
-    from hf_pipeline.parts import build_part, plan_parts
+    from hf_pipeline.parts import plan_parts
 
     local = cfg.coord.scope == "node"
     count = process.local_world_size if local else process.world_size
@@ -513,25 +556,28 @@ def _build_parts_together(cfg, inputs, fingerprint, layout, process, progress, t
 
         def part_builder(plan):
             def build(ctx):
-                info = build_part(
-                    cfg=cfg, source=inputs.source, shards=shards[plan.start : plan.stop],
-                    captions_path=str(captions_path), probe=ctx.probe, encoder=loading.encoder,
+                part = shards[plan.start : plan.stop]
+                pieces = _build_in_parts(
+                    cfg, shards=part, part_shards=overlap_part_shards(cfg, len(part)),
                     out_dir=Path(ctx.tmp_dir), fingerprint=f"{fingerprint}-{plan.name}",
-                    progress=progress, tokenizer=loading.tokenizer,
+                    probe=ctx.probe, loading=loading, source=inputs.source,
+                    captions_path=captions_path, progress=progress,
                 )  # fmt: skip
-                return {**info, "builder": _me()}
+                return {"pieces": [{**info, "dir": f.name} for f, info in pieces]}
 
             return build
 
         mine = [p for p in plans if p.index % count == me]
         published = {}
         for plan in mine + [p for p in plans if p.index % count != me]:
+            # ".pieces": a part of an earlier release (no pieces) is never taken for one.
             marker = ensure_built(
-                root / plan.name, f"{fingerprint}.{plan.name}.of{len(plans)}",
+                root / plan.name, f"{fingerprint}.{plan.name}.of{len(plans)}.pieces",
                 [_stage("part", part_builder(plan))], builder=plan in mine, **timing,
             )["part"]  # fmt: skip
-            published[plan.index] = (root / plan.name / marker.directory, dict(marker.info))
-    return [published[p.index] for p in plans], captions_path, cap.info.get("seconds")
+            published[plan.index] = _pieces(root / plan.name / marker.directory, marker.info)
+    parts = [piece for p in plans for piece in published[p.index]]
+    return parts, captions_path, cap.info.get("seconds")
 
 
 def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildResult:
@@ -627,7 +673,8 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
     layout = CacheLayout(layout.root, stage_dirs)
     # A lease of ours published a stage (or a part); a builder taken over did not.
     ours = [m for m in markers.values() if m.lease_id in our_leases]
-    our_parts = [f for f, _ in parts or [] if parse_stage_dir(f.name).lease_id in our_leases]
+    # A piece lies in its part's published folder (part.<lease>/part-NNNNN).
+    our_parts = [f for f, _ in parts or [] if parse_stage_dir(f.parent.name).lease_id in our_leases]
     return BuildResult(
         fingerprint=fingerprint,
         cache_dir=layout.root,

@@ -259,6 +259,10 @@ class BuildConfig:
     latent_dtype: LatentDtype = "source"
     parallel: ParallelMode = "one"
     part_shards: int = 0
+    #: How many pieces a builder cuts its part into (0: automatic), built in order with
+    #: the embedding of one piece (the accelerator) overlapping the join of the next
+    #: (the ``num_proc`` workers). A speed knob: pieces are assembled like parts.
+    overlap_parts: int = 0
     #: Where published caches live (``gs://<bucket>[/<prefix>]`` or
     #: ``hf://datasets/<org>/<repo>[@<revision>][/<path>]``): the builder downloads the
     #: cache of its fingerprint from there instead of building it ("" never pulls).
@@ -270,6 +274,11 @@ class BuildConfig:
             self.part_shards >= 0,
             "build.part_shards",
             f"must be >= 0 (0: one part per builder), got {self.part_shards}",
+        )
+        _check(
+            self.overlap_parts >= 0,
+            "build.overlap_parts",
+            f"must be >= 0 (0: automatic, 1: no overlap), got {self.overlap_parts}",
         )
         _check(
             self.num_proc >= 0,

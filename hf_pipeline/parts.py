@@ -14,11 +14,13 @@ the stage's report info. The latents are never copied: with ``build.parallel: ra
 the parts are published by the ranks that built them (each under its own lease, see
 :func:`hf_pipeline.build.prepare_cache`) and the assembly hard-links their files.
 
-One builder builds its parts in order (one part, unless ``build.part_shards`` or the
-accelerator default cuts more; then :func:`build_parts_overlapped` embeds a part while
-the next one joins), so both modes give the same cache: same kept keys in the same
-order, byte-identical latents and captions; the embeddings differ only by float noise
-(the encoder batches rows differently).
+One builder builds its parts in order (one part, unless ``build.part_shards``,
+``build.overlap_parts`` or the accelerator default cuts more; then
+:func:`build_parts_overlapped` embeds a part while the next one joins). A rank's part
+is built the same way, in overlapped *pieces* (``part-NNNNN/part.<lease>/part-MMMMM/``),
+which the assembly takes as parts. Every way gives the same cache: same kept keys in
+the same order, byte-identical latents and captions; the embeddings differ only by
+float noise (the encoder batches rows differently).
 """
 
 from __future__ import annotations

@@ -583,24 +583,54 @@ def test_the_join_does_not_fsync_per_shard(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "shards,num_proc,device,set_to,expected",
+    "shards,num_proc,device,part_shards,overlap_parts,expected",
     [
-        (500, 16, "cuda", 0, 125),  # 4 parts: the embedding of one overlaps the next join
-        (100, 16, "cuda", 0, 25),  # a shard per worker per part: it still pays (measured)
-        (63, 16, "cuda", 0, 0),  # parts would leave a worker without a shard: one part
-        (500, 16, "cpu", 0, 0),  # the model uses every core already: one part
-        (500, 16, "cpu", 7, 7),  # set explicitly: as set
-        (500, 16, "cuda", 50, 50),
+        (500, 16, "cuda", 0, 0, 125),  # 4 parts: the embedding of one overlaps the next join
+        (100, 16, "cuda", 0, 0, 25),  # a shard per worker per part: it still pays (measured)
+        (63, 16, "cuda", 0, 0, 0),  # parts would leave a worker without a shard: one part
+        (500, 16, "cpu", 0, 0, 0),  # the model uses every core already: one part
+        (500, 16, "cpu", 7, 0, 7),  # set explicitly: as set
+        (500, 16, "cuda", 50, 0, 50),
+        (500, 16, "cuda", 50, 3, 50),  # part_shards wins over overlap_parts for one builder
+        (10, 16, "cpu", 0, 3, 4),  # overlap_parts set: that many pieces, on any device
+        (2, 16, "cpu", 0, 3, 1),  # never an empty piece
+        (500, 16, "cuda", 0, 1, 0),  # 1: no overlap
     ],
 )
-def test_one_builder_parts_only_where_they_overlap(shards, num_proc, device, set_to, expected):
+def test_one_builder_parts_only_where_they_overlap(
+    shards, num_proc, device, part_shards, overlap_parts, expected
+):
     from hf_pipeline.build import one_builder_part_shards
 
     cfg = load_config(
         None, [f"build.num_proc={num_proc}", f"encoder.device={device}",
-               f"build.part_shards={set_to}"], environ={},
+               f"build.part_shards={part_shards}", f"build.overlap_parts={overlap_parts}"],
+        environ={},
     )  # fmt: skip
     assert one_builder_part_shards(cfg, shards) == expected
+
+
+@pytest.mark.parametrize(
+    "shards,device,part_shards,overlap_parts,expected",
+    [
+        (500, "cuda", 0, 0, 125),  # a rank's part in 4 overlapped pieces, as one builder's
+        (500, "cuda", 250, 0, 125),  # part_shards sizes the part, not its pieces
+        (500, "cpu", 0, 0, 0),
+        (63, "cuda", 0, 0, 0),
+        (10, "cpu", 5, 2, 5),
+    ],
+)
+def test_a_rank_cuts_its_part_into_overlapped_pieces(
+    shards, device, part_shards, overlap_parts, expected
+):
+    from hf_pipeline.build import overlap_part_shards
+
+    cfg = load_config(
+        None, ["build.num_proc=16", f"encoder.device={device}", "build.parallel=ranks",
+               f"build.part_shards={part_shards}", f"build.overlap_parts={overlap_parts}"],
+        environ={},
+    )  # fmt: skip
+    assert overlap_part_shards(cfg, shards) == expected
 
 
 @pytest.mark.parametrize("parallel", ["one", "ranks"])

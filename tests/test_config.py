@@ -55,6 +55,11 @@ def test_frozen_and_effective_num_proc():
     "override, field, fragment",
     [
         (["build.num_proc=-1"], "build.num_proc", "must be >= 0 (0: min(8, CPUs)), got -1"),
+        (
+            ["build.overlap_parts=-2"],
+            "build.overlap_parts",
+            "must be >= 0 (0: automatic, 1: no overlap), got -2",
+        ),
         (["build.batch_size=abc"], "build.batch_size", "must be int, got 'abc'"),
         (["loader.crop=7"], "loader.crop", "crop index 0-2, got '7'"),
         (["data.on_missing=ignore"], "data.on_missing", "'fail' or 'skip'"),

@@ -127,6 +127,49 @@ def test_four_ranks_build_in_parts_equal_to_one_builder(small_config, tmp_path):
     _assert_same_cache(one, res)
 
 
+def test_two_ranks_build_their_parts_in_overlapped_pieces(small_config, tmp_path):
+    """build.parallel=ranks with build.overlap_parts=2: each of 2 ranks builds its part
+    (2 shards) as 2 pieces, the embedding of the first overlapping the join of the
+    second, as one builder does; the assembly takes the pieces as parts, and the cache
+    equals a single builder's."""
+    from hf_pipeline.build import prepare_cache
+    from hf_pipeline.config import load_config
+
+    data = copy_inputs(small_config, tmp_path / "data")
+    base = [*SMALL_DEMO, f"data.shards={data}", "coord.poll_interval=0.1"]
+    one = prepare_cache(
+        load_config(None, [*base, f"build.cache_dir={tmp_path / 'one'}"], environ={}),
+        progress=False,
+    )
+    par = [*base, f"build.cache_dir={tmp_path / 'par'}", "build.parallel=ranks",
+           "build.overlap_parts=2"]  # fmt: skip
+    runs = run_ranks(
+        [REPO / "tests/procs/rank_loader.py", tmp_path / "r{rank}.json", *par], 2, timeout=600
+    )
+    for code, out, err in runs:
+        assert code == 0, (out + err)[-3000:]
+    results = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2)]
+    assert {r["fingerprint"] for r in results} == {one.fingerprint}  # a speed knob
+    assert all(r["built"] for r in results)
+    res = prepare_cache(load_config(None, par, environ={}), progress=False)
+    pieces = res.report["parts"]
+    assert [p["shards"] for p in pieces] == [1, 1, 1, 1]
+    pids = [p["builder"]["pid"] for p in pieces]
+    assert pids[0] == pids[1] != pids[2] == pids[3], "a rank built both pieces of its part"
+    for first, second in (pieces[0:2], pieces[2:4]):
+        # The first piece's embedding started before the second piece's join ended.
+        assert first["wall"]["join"][1] <= first["wall"]["embed"][0]
+        assert first["wall"]["embed"][0] < second["wall"]["join"][1]
+        assert first["wall"]["join"][1] <= second["wall"]["join"][0] + 1e-3
+    # Each rank published one part holding its pieces; the stage hard-linked all four.
+    for part in ("part-00000", "part-00001"):
+        (unit,) = (res.layout.root / "parts" / part).glob("part.*/")
+        assert sorted(d.name for d in unit.iterdir() if d.is_dir()) == ["part-00000", "part-00001"]
+    conv = res.layout.stage_dir("converted")
+    assert len(list((conv / "parts").glob("part-*/rows/*.arrow"))) == 4
+    _assert_same_cache(one, res)
+
+
 def test_sigkilled_part_builder_only_its_part_is_redone(small_config, tmp_path):
     """build.parallel=ranks, 4 ranks: rank 2 is SIGKILLed while it builds its part; a live
     rank takes that part over (only it is redone) and the cache equals a clean build."""

@@ -238,9 +238,10 @@ class _EncoderLoading:
 
         from hf_pipeline.embed import CaptionTokenizer
 
+        started = time.monotonic()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hf_pipeline-encoder-load")
         self.tokenizer = self._pool.submit(CaptionTokenizer, cfg.encoder)
-        self.encoder = self._pool.submit(_encoder, cfg, process, self.tokenizer)
+        self.encoder = self._pool.submit(_encoder, cfg, process, self.tokenizer, started)
 
     def __enter__(self) -> _EncoderLoading:
         return self
@@ -249,9 +250,12 @@ class _EncoderLoading:
         self._pool.shutdown(wait=True)
 
 
-def _encoder(cfg: Config, process, tokenizer):
+def _encoder(cfg: Config, process, tokenizer, started: float):
     """The encoder of this process: with ``build.parallel: ranks`` and ``device: auto``,
-    each rank of a node on its own GPU (``cuda:<local rank>``)."""
+    each rank of a node on its own GPU (``cuda:<local rank>``). Its ``load_seconds``
+    also count the ``tokenizer`` loaded before it and the loading's whole span since
+    ``started`` (``ready``)."""
+    tokenizer_seconds = time.monotonic() - started  # the tokenizer loaded first
     from hf_pipeline.embed import TextEncoder, describe_device
 
     enc_cfg = cfg.encoder
@@ -263,6 +267,11 @@ def _encoder(cfg: Config, process, tokenizer):
             enc_cfg = dataclasses.replace(enc_cfg, device=device)
     encoder = TextEncoder(enc_cfg, tokenizer=tokenizer.result())
     encoder.warm_up()  # while the join runs: the first batches then run at full speed
+    encoder.load_seconds = {
+        "tokenizer": round(tokenizer_seconds, 3),
+        **encoder.load_seconds,
+        "ready": round(time.monotonic() - started, 3),
+    }
     log.info("encoder %s (dim %d) on %s", enc_cfg.model, encoder.dim, describe_device())
     return encoder
 

@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -270,6 +271,18 @@ class WorkerTokenizer:
         return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=True)]
 
 
+class _Laps:
+    """``lap(name)`` records the seconds since the previous lap under ``name``."""
+
+    def __init__(self, into: dict[str, float], start: float):
+        self._into, self._last = into, start
+
+    def __call__(self, name: str) -> None:
+        now = time.monotonic()
+        self._into[name] = round(now - self._last, 3)
+        self._last = now
+
+
 class TextEncoder:
     """Batched caption embeddings: masked mean pooling of the last hidden state.
 
@@ -283,9 +296,16 @@ class TextEncoder:
     """
 
     def __init__(self, cfg: EncoderConfig, *, tokenizer: CaptionTokenizer | None = None):
+        t0 = time.monotonic()
         import torch
         from transformers import AutoModel
 
+        #: Where the loading's time went (seconds): ``imports``, ``tokenizer`` (when not
+        #: given), ``model`` (from disk), ``to_device`` (the device's start included) and,
+        #: after :meth:`warm_up`, ``warm_up``. The build report shows them per part.
+        self.load_seconds: dict[str, float] = {}
+        lap = _Laps(self.load_seconds, t0)
+        lap("imports")
         self.cfg = cfg
         path, kwargs = _load_kwargs(cfg)
         self.device = _pick_device(cfg.device)
@@ -295,14 +315,21 @@ class TextEncoder:
                 "encoder.dtype %s on CPU is slow or unsupported; computing in float32", cfg.dtype
             )
             dtype = torch.float32
-        self.tokenizer = tokenizer or CaptionTokenizer(cfg)
+        if tokenizer is None:
+            tokenizer = CaptionTokenizer(cfg)
+            lap("tokenizer")
+        self.tokenizer = tokenizer
         try:
             self.model = AutoModel.from_pretrained(
                 path, dtype=dtype, attn_implementation=cfg.attn_implementation, **kwargs
             )
         except (OSError, ValueError, KeyError) as exc:
             raise _load_error(cfg, exc) from None
+        lap("model")
         self.model.to(self.device).eval()
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize(self.device)
+        lap("to_device")
         #: BERT-style bias+GELU steps run as one GEMM each (encoder.fuse_gelu; CUDA, half
         #: precision only: see hf_pipeline.encoder_fusion).
         self.fused_gelu = 0
@@ -462,11 +489,13 @@ class TextEncoder:
         """
         if self.device == "cpu":
             return
+        t0 = time.monotonic()
         for ids in warm_up_ids(
             self.cfg, self.tokenizer.pad_token_id, min_rows=self._min_rows,
             full_batches=self._forward_unmasked is not None,
         ):  # fmt: skip
             self.encode_ids(ids)
+        self.load_seconds["warm_up"] = round(time.monotonic() - t0, 3)
 
     def _micro_batch(self, mb: MicroBatch, seqs: _DeviceSequences):
         """Pooled embeddings (on the device) of the length-sorted rows ``mb.start:mb.stop``:

@@ -64,11 +64,11 @@ log = logging.getLogger("hf_pipeline")
 #: The final drop reason of every row of the stage, in row order (one string column).
 REASONS_FILE = "reasons.arrow"
 _PARTS = "parts"
-#: What the build report lists of each part (``join`` and the encoder wait: where the
-#: part's time went; absent from parts published before them).
+#: What the build report lists of each part (``join``, the encoder wait and its
+#: loading: where the part's time went; absent from parts published before them).
 _PART_REPORT = (
     "shards", "rows_in", "builder", "seconds_convert", "seconds_embed",
-    "seconds_encoder_wait", "join", "wall",
+    "seconds_encoder_wait", "encoder_load", "join", "wall",
 )  # fmt: skip
 
 
@@ -183,6 +183,8 @@ def embed_part(part: JoinedPart, *, cfg, probe, encoder) -> dict[str, Any]:
         # The join's own timeline, and the wait for the encoder loading beside it.
         "join": joined.timeline,
         "seconds_encoder_wait": round(t1 - t_wait, 3),
+        # Where the encoder's loading went (TextEncoder.load_seconds), this process's.
+        "encoder_load": dict(getattr(encoder, "load_seconds", {})),
         # Wall clock: with one builder in parts, a part's embedding overlaps the next join.
         "wall": {"join": list(part.join_wall), "embed": [wall0, time.time()]},
         "num_proc": joined.num_proc,

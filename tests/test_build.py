@@ -224,6 +224,13 @@ def test_report_is_json_and_complete(built_cache):
         assert field in r
     s = built_cache.summary()
     assert set(s) >= {"fingerprint", "cache_dir", "rows_in", "rows_out", "dropped", "seconds"}
+    # Where each part's time went, the encoder's loading included (CPU: no warm-up).
+    (part,) = r["parts"]
+    load = part["encoder_load"]
+    assert set(load) == {"tokenizer", "imports", "model", "to_device", "ready"}
+    assert all(v >= 0 for v in load.values())
+    steps = sum(v for k, v in load.items() if k != "ready")
+    assert steps <= load["ready"] + 0.01 and load["model"] > 0
 
 
 def _nan_config(data: Path, cache: Path, *extra: str, name: str = "nan"):

@@ -89,6 +89,9 @@ def test_normalize_and_output_dtype():
     out = enc.encode(["hello world"])
     assert out.dtype == np.float16
     assert abs(float(np.linalg.norm(out[0].astype(np.float32))) - 1.0) < 1e-2
+    # It loaded its own tokenizer: the loading's laps count it (no warm-up on the CPU).
+    assert list(enc.load_seconds) == ["imports", "tokenizer", "model", "to_device"]
+    assert enc.load_seconds["tokenizer"] > 0 and enc.load_seconds["model"] > 0
 
 
 def test_identity_tracks_output_changing_fields():

@@ -10,7 +10,8 @@ reports: wall time of ``prepare_cache``, the join (``seconds_convert``) and embe
 embed stage's rows/s as a ratio to it.
 
 The encoder is ``--model`` (a folder; with ``--random-minilm TOKENIZER_DIR`` a random-
-weight MiniLM is made from its config: the speed is the architecture's, no download).
+weight MiniLM is made from its config: the speed is the architecture's, no download;
+``--random-gemma TOKENIZER_DIR``: a random-weight gemma-3-270m-shaped encoder).
 
 The encoder compiles cold: the run sets ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``
 (``--warm-compile-cache`` keeps inductor's on-disk caches), so a run neither gets graphs
@@ -37,6 +38,9 @@ def main() -> int:
     ap.add_argument("--samples-per-shard", type=int, default=1000)
     ap.add_argument("--model", default="minilm")
     ap.add_argument("--random-minilm", default="", help="tokenizer folder: random MiniLM")
+    ap.add_argument("--random-gemma", default="",
+                    help="tokenizer folder: a random gemma-3-270m-shaped encoder (the "
+                         "issue's COYO encoder; use --dtype bfloat16)")  # fmt: skip
     ap.add_argument("--dtype", default="float16", help="encoder.dtype")
     ap.add_argument("--work-dir", default="")
     ap.add_argument("--json", default="")
@@ -61,11 +65,12 @@ def main() -> int:
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="hfp_build_gpu_"))
     model = args.model
-    if args.random_minilm:
-        from benchmarks.random_models import save_random_model
+    for kind, tokenizer in (("minilm", args.random_minilm), ("gemma", args.random_gemma)):
+        if tokenizer:
+            from benchmarks.random_models import save_random_model
 
-        model = str(work / "minilm")
-        save_random_model("minilm", work / "minilm", args.random_minilm)
+            model = str(work / kind)
+            save_random_model(kind, work / kind, tokenizer)
     shards = max(1, args.rows // args.samples_per_shard)
     overrides = [
         f"build.cache_dir={work / 'cache'}",

@@ -207,6 +207,26 @@ def test_warm_up_covers_every_micro_batch_shape_a_build_can_run(
         assert shapes <= warmed, shapes - warmed
 
 
+@pytest.mark.parametrize("split_full", [False, True])
+def test_eager_warm_up_runs_each_width_once_at_its_smallest_row_count(split_full):
+    """Without every_bucket (eager models: nothing compiles or plans per shape), each
+    padded width (and its unmasked variant) warms up once, with the fewest rows."""
+    from hf_pipeline.embed import row_buckets, warm_up_ids
+
+    cfg = EncoderConfig(max_length=128, tokens_per_batch=4096, micro_batch_size=300)
+    got = [
+        (int(np.diff(ids.offsets.to_numpy())[0]), len(ids))
+        for ids in warm_up_ids(cfg, 0, min_rows=2, full_batches=split_full, every_bucket=False)
+    ]
+    lengths = [n for w in (32, 64, 96, 128) for n in ([w - 1, w] if split_full else [w - 1])]
+    assert [length for length, _ in got] == lengths
+    for length, rows in got:
+        width = -(-length // 32) * 32
+        assert rows == min(b for b in row_buckets(min(300, 4096 // width)) if b >= 2)
+    every = warm_up_ids(cfg, 0, min_rows=2, full_batches=split_full)
+    assert sum(map(len, every)) > 20 * sum(rows for _, rows in got)
+
+
 def test_split_full_gives_the_rows_that_fill_their_width_micro_batches_of_their_own():
     lengths = _ids([3, 10, 32, 32, 33, 40, 64, 64, 64, 64, 64])
     kw = dict(tokens_per_batch=128, max_rows=8, max_length=64)

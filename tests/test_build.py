@@ -683,3 +683,20 @@ def test_the_caption_table_is_written_with_the_fork_server_up_and_quick_gil_hand
     assert interval <= 0.001
     assert server_up, "the fork server imports while the caption table is written"
     assert sys.getswitchinterval() == before
+
+
+@pytest.mark.parametrize(
+    "info",
+    [{}, {"pieces": []}, {"pieces": [{"dir": "../../elsewhere"}]}, {"pieces": ["part-00000"]}],
+)
+def test_a_part_marker_without_its_pieces_is_refused(info, tmp_path):
+    """A rank's published part names the pieces it was built in; a marker that does not
+    (or names a folder outside its part) is refused with the part's folder, never read."""
+    from hf_pipeline.build import _pieces
+    from hf_pipeline.errors import CacheFormatError
+
+    with pytest.raises(CacheFormatError, match="does not list its pieces") as ei:
+        _pieces(tmp_path / "part.abc", info)
+    assert ei.value.path == str(tmp_path / "part.abc")
+    ok = _pieces(tmp_path, {"pieces": [{"dir": "part-00001", "shards": 3}]})
+    assert ok == [(tmp_path / "part-00001", {"dir": "part-00001", "shards": 3})]

@@ -96,10 +96,14 @@ def _assert_same_cache(one, res):
     assert res.report["rows_out"] == one.report["rows_out"]
 
 
-def test_four_ranks_build_in_parts_equal_to_one_builder(small_config, tmp_path):
-    """build.parallel=ranks: 4 real processes each build a part; rank 0 assembles. The
-    cache equals a single builder's: same fingerprint, same kept keys in the same order,
-    byte-identical latents and captions, embeddings equal up to float noise."""
+def _one_builder_and_ranks(small_config, tmp_path, world: int, *extra: str):
+    """The small demo built by one builder, then by ``world`` real rank processes with
+    build.parallel=ranks (and ``extra``), each of which must exit 0 with the one
+    builder's fingerprint (``parallel`` is a speed knob) and have built.
+
+    Returns:
+        The one builder's BuildResult and the ranks' cache, as prepare_cache then finds it.
+    """
     from hf_pipeline.build import prepare_cache
     from hf_pipeline.config import load_config
 
@@ -109,18 +113,26 @@ def test_four_ranks_build_in_parts_equal_to_one_builder(small_config, tmp_path):
         load_config(None, [*base, f"build.cache_dir={tmp_path / 'one'}"], environ={}),
         progress=False,
     )
-    par = [*base, f"build.cache_dir={tmp_path / 'par'}", "build.parallel=ranks"]
+    par = [*base, f"build.cache_dir={tmp_path / 'par'}", "build.parallel=ranks", *extra]
     runs = run_ranks(
-        [REPO / "tests/procs/rank_loader.py", tmp_path / "r{rank}.json", *par], 4, timeout=600
+        [REPO / "tests/procs/rank_loader.py", tmp_path / "r{rank}.json", *par], world, timeout=600
     )
     for code, out, err in runs:
         assert code == 0, (out + err)[-3000:]
-    results = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(4)]
-    assert {r["fingerprint"] for r in results} == {one.fingerprint}  # a speed knob
+    results = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(world)]
+    assert {r["fingerprint"] for r in results} == {one.fingerprint}
     assert all(r["built"] for r in results), "every rank built its part"
     assert len({r["content"] for r in results}) == 1
     res = prepare_cache(load_config(None, par, environ={}), progress=False)
     assert res.built is False and res.fingerprint == one.fingerprint
+    return one, res
+
+
+def test_four_ranks_build_in_parts_equal_to_one_builder(small_config, tmp_path):
+    """build.parallel=ranks: 4 real processes each build a part; rank 0 assembles. The
+    cache equals a single builder's: same fingerprint, same kept keys in the same order,
+    byte-identical latents and captions, embeddings equal up to float noise."""
+    one, res = _one_builder_and_ranks(small_config, tmp_path, 4)
     parts = res.report["parts"]  # the report says who built which shards
     assert [p["shards"] for p in parts] == [1, 1, 1, 1]
     assert len({p["builder"]["pid"] for p in parts}) == 4
@@ -132,26 +144,7 @@ def test_two_ranks_build_their_parts_in_overlapped_pieces(small_config, tmp_path
     (2 shards) as 2 pieces, the embedding of the first overlapping the join of the
     second, as one builder does; the assembly takes the pieces as parts, and the cache
     equals a single builder's."""
-    from hf_pipeline.build import prepare_cache
-    from hf_pipeline.config import load_config
-
-    data = copy_inputs(small_config, tmp_path / "data")
-    base = [*SMALL_DEMO, f"data.shards={data}", "coord.poll_interval=0.1"]
-    one = prepare_cache(
-        load_config(None, [*base, f"build.cache_dir={tmp_path / 'one'}"], environ={}),
-        progress=False,
-    )
-    par = [*base, f"build.cache_dir={tmp_path / 'par'}", "build.parallel=ranks",
-           "build.overlap_parts=2"]  # fmt: skip
-    runs = run_ranks(
-        [REPO / "tests/procs/rank_loader.py", tmp_path / "r{rank}.json", *par], 2, timeout=600
-    )
-    for code, out, err in runs:
-        assert code == 0, (out + err)[-3000:]
-    results = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2)]
-    assert {r["fingerprint"] for r in results} == {one.fingerprint}  # a speed knob
-    assert all(r["built"] for r in results)
-    res = prepare_cache(load_config(None, par, environ={}), progress=False)
+    one, res = _one_builder_and_ranks(small_config, tmp_path, 2, "build.overlap_parts=2")
     pieces = res.report["parts"]
     assert [p["shards"] for p in pieces] == [1, 1, 1, 1]
     pids = [p["builder"]["pid"] for p in pieces]

@@ -349,6 +349,9 @@ def join_shards(
             }
         )
         t_map = time.time()
+        # The builder's tokenizer may still be loading (a future): the workers wait for it.
+        tokenizer = worker_tokenizer(tokenizer, cfg, work_dir)
+        seconds_tokenizer = time.time() - t_map
         rows = shard_names.map(
             convert_shards,
             batched=True,
@@ -366,7 +369,7 @@ def join_shards(
                 "storage": storage,
                 "precision_dir": str(precision_dir),
                 "fetch_timeout": fetch_timeout,
-                "tokenizer": worker_tokenizer(tokenizer, cfg, work_dir),
+                "tokenizer": tokenizer,
                 "on_bad_rows": cfg.data.on_bad_rows,
             },
             cache_file_name=str(out_file),
@@ -397,5 +400,8 @@ def join_shards(
         precision=precision,
         fetch=fetch_stats,
         num_proc=num_proc,
-        timeline=join_timeline(per_shard, t_map, t_done),
+        timeline={
+            **join_timeline(per_shard, t_map, t_done),
+            "seconds_tokenizer_wait": round(seconds_tokenizer, 3),
+        },
     )

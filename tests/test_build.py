@@ -231,6 +231,9 @@ def test_report_is_json_and_complete(built_cache):
     assert all(v >= 0 for v in load.values())
     steps = sum(v for k, v in load.items() if k != "ready")
     assert steps <= load["ready"] + 0.01 and load["model"] > 0
+    join = part["join"]  # the workers' start includes any wait for the tokenizer
+    assert 0 <= join["seconds_tokenizer_wait"] <= join["seconds_to_first_shard"]
+    assert join["seconds_to_first_shard"] + join["seconds_converting"] <= join["seconds"]
 
 
 def _nan_config(data: Path, cache: Path, *extra: str, name: str = "nan"):

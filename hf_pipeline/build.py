@@ -532,11 +532,14 @@ def _build_parts_together(cfg, inputs, fingerprint, layout, process, progress, t
     Each part, and the caption table before them, is its own cache unit under
     ``<cache>/parts/``, built through :func:`dist.coordinator.ensure_built` under its
     builder's lease: a rank claims its own parts at once, then waits for the others
-    and takes over a part whose builder died (only that part is redone).
+    and takes over a part whose builder died (only that part is redone). A rank builds
+    its part as one builder does, in overlapped pieces (:func:`overlap_part_shards`),
+    which its marker lists.
 
     Returns:
-        The published parts ``[(folder, info)]`` in shard order, the caption table, and
-        the seconds its builder took to write it (None from a release before them).
+        Every piece of the published parts ``[(folder, info)]`` in shard order (the
+        assembly takes them as parts), the caption table, and the seconds its builder
+        took to write it (None from a release before them).
     """
     from dist.coordinator import ensure_built
     from hf_pipeline.parts import plan_parts

@@ -1,8 +1,9 @@
 """The build in parts: contiguous shard ranges, each joined and embedded on its own.
 
-A *part* is a contiguous range of the shard list. :func:`build_part` runs the join
-(:mod:`hf_pipeline.convert`, ``num_proc`` workers) and the embedding
-(:mod:`hf_pipeline.embed_stage`, the accelerator) of one part into a folder::
+A *part* is a contiguous range of the shard list. :func:`join_part` runs its join
+(:mod:`hf_pipeline.convert`, ``num_proc`` workers) and :func:`embed_part` its embedding
+(:mod:`hf_pipeline.embed_stage`, the accelerator) into a folder
+(:func:`build_parts_overlapped` runs both for a list of parts)::
 
     <part>/rows/data*.arrow         key, latents, caption, drop_reason, input_ids
     <part>/embeddings/data*.arrow   embedding, drop_reason (duplicates within the part)
@@ -51,7 +52,6 @@ __all__ = [
     "JoinedPart",
     "PartPlan",
     "assemble",
-    "build_part",
     "build_parts_overlapped",
     "embed_part",
     "join_part",
@@ -125,7 +125,7 @@ def join_part(
     progress: bool,
     tokenizer=None,
 ) -> JoinedPart:
-    """The join half of :func:`build_part` (the ``num_proc`` workers)."""
+    """Join one part's ``shards`` into ``out_dir`` (the ``num_proc`` workers)."""
     from hf_pipeline.convert import join_shards
 
     t0, wall0 = time.monotonic(), time.time()
@@ -147,7 +147,7 @@ def join_part(
 
 
 def embed_part(part: JoinedPart, *, cfg, probe, encoder) -> dict[str, Any]:
-    """The embedding half of :func:`build_part` (the accelerator); the part's info."""
+    """Embed a joined part (the accelerator); the part's info (JSON-able)."""
     from hf_pipeline.embed_stage import embed_joined_rows
 
     wall0 = time.time()
@@ -191,37 +191,26 @@ def embed_part(part: JoinedPart, *, cfg, probe, encoder) -> dict[str, Any]:
     }
 
 
-def build_part(*, cfg, probe, encoder, **join_kw) -> dict[str, Any]:
-    """Join and embed one part's ``shards`` into ``out_dir``; its info (JSON-able).
-
-    Args:
-        cfg: the :class:`hf_pipeline.config.Config`.
-        probe: a :class:`dist.lease.LeaseProbe` (the work stops when the lease is lost).
-        encoder: the :class:`hf_pipeline.embed.TextEncoder` (one per process), or a
-            future of it (loading in the background while this part joins).
-        **join_kw: for :func:`join_part`: ``source`` (where the shards come from),
-            ``shards`` (this part's shard files, in build order), ``captions_path`` (the
-            saved, key-sorted caption table), ``out_dir`` (the part's folder, created),
-            ``fingerprint`` (the ``datasets`` cache fingerprint prefix), ``progress``
-            (the fetcher's progress bar) and ``tokenizer`` (the encoder's
-            :class:`hf_pipeline.embed.CaptionTokenizer` or a future of it: the join
-            workers tokenize with it; None: loaded for the join).
-    """
-    joined = join_part(cfg=cfg, probe=probe, **join_kw)
-    return embed_part(joined, cfg=cfg, probe=probe, encoder=encoder)
-
-
 def build_parts_overlapped(
     parts: Sequence[Mapping[str, Any]], *, cfg, probe, encoder, join_kw: Mapping[str, Any]
 ) -> list[dict[str, Any]]:
-    """One builder's parts, in order, the embedding of part k (the accelerator, on a
-    thread) overlapping the join of part k+1 (the ``num_proc`` workers).
+    """Join and embed ``parts`` into their folders, in order, the embedding of part k
+    (the accelerator, on a thread) overlapping the join of part k+1 (the ``num_proc``
+    workers). One part is built the same way: joined, then embedded.
 
     Args:
-        parts: each part's own :func:`join_part` keyword arguments (``shards``,
-            ``out_dir``, ``fingerprint``), in shard order.
-        cfg, probe, encoder: as for :func:`build_part`.
-        join_kw: the :func:`join_part` keyword arguments common to every part.
+        parts: each part's own :func:`join_part` keyword arguments, in shard order:
+            ``shards`` (its shard files, in build order), ``out_dir`` (its folder,
+            created) and ``fingerprint`` (the ``datasets`` cache fingerprint prefix).
+        cfg: the :class:`hf_pipeline.config.Config`.
+        probe: a :class:`dist.lease.LeaseProbe` (the work stops when the lease is lost).
+        encoder: the :class:`hf_pipeline.embed.TextEncoder` (one per process), or a
+            future of it (loading in the background while the first part joins).
+        join_kw: the :func:`join_part` keyword arguments common to every part:
+            ``source`` (where the shards come from), ``captions_path`` (the saved,
+            key-sorted caption table), ``progress`` (the fetcher's progress bar) and
+            ``tokenizer`` (the encoder's :class:`hf_pipeline.embed.CaptionTokenizer` or a
+            future of it: the join workers tokenize with it; None: loaded for the join).
 
     Returns:
         Each part's info, in order. The first failure (join or embedding) stops the
@@ -272,7 +261,7 @@ def assemble(
     Args:
         stage_dir: the stage folder being built; the parts end up in
             ``stage_dir/parts/part-NNNNN/``.
-        parts: each part's folder and :func:`build_part` info.
+        parts: each part's folder and :func:`embed_part` info.
         table: the caption table (for ``no_latents``).
         link_from: the part folders are elsewhere (published by other leases): hard-link
             their files in (never a copy of the latents); else they already are in place.

@@ -703,3 +703,38 @@ def test_a_part_marker_without_its_pieces_is_refused(info, tmp_path):
     assert ei.value.path == str(tmp_path / "part.abc")
     ok = _pieces(tmp_path, {"pieces": [{"dir": "part-00001", "shards": 3}]})
     assert ok == [(tmp_path / "part-00001", {"dir": "part-00001", "shards": 3})]
+
+
+def test_a_part_published_by_an_earlier_release_is_rebuilt_in_pieces(small_config, tmp_path):
+    """build.parallel=ranks resuming a cache an earlier release left half-built: its
+    published part (one piece, no list of pieces, key without ``.pieces``) is never taken
+    for one; the part is rebuilt in pieces and the cache is the same as a clean build."""
+    from dist.coordinator import Stage, ensure_built
+    from tests.helpers.caches import copy_inputs
+
+    data = copy_inputs(small_config, tmp_path / "data")
+    cfg = load_config(
+        None, [*SMALL_DEMO, f"data.shards={data}", f"build.cache_dir={tmp_path / 'c'}",
+               "build.parallel=ranks", "build.overlap_parts=2"], environ={},
+    )  # fmt: skip
+    clean = prepare_cache(cfg, progress=False)
+    want = open_dataset(clean.layout).with_format("numpy")[:]
+    shutil.rmtree(clean.cache_dir)
+    old = clean.cache_dir / "parts" / "part-00000"
+
+    def old_part(ctx):  # what 0.x published: the part's own files and info, no pieces
+        (Path(ctx.tmp_dir) / "rows").mkdir()
+        return {"shards": 4, "rows_in": 1}
+
+    ensure_built(old, f"{clean.fingerprint}.part-00000.of1", [Stage(name="part", build=old_part)],
+                 builder=True, poll_interval=0.05)  # fmt: skip
+
+    res = prepare_cache(cfg, progress=False)
+    assert res.built and res.fingerprint == clean.fingerprint
+    marker = json.loads((old / "part.json").read_text())
+    assert marker["fingerprint"] == f"{clean.fingerprint}.part-00000.of1.pieces"
+    assert [p["dir"] for p in marker["info"]["pieces"]] == ["part-00000", "part-00001"]
+    got = open_dataset(res.layout).with_format("numpy")[:]
+    assert got["key"].tolist() == want["key"].tolist()
+    np.testing.assert_array_equal(got["latents"], want["latents"])
+    np.testing.assert_allclose(got["embedding"], want["embedding"], atol=1e-5)

@@ -31,16 +31,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.random_models import (  # noqa: E402
+    add_random_model_options,
+    random_model,
+    random_model_option,
+)
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=100_000)
     ap.add_argument("--samples-per-shard", type=int, default=1000)
     ap.add_argument("--model", default="minilm")
-    ap.add_argument("--random-minilm", default="", help="tokenizer folder: random MiniLM")
-    ap.add_argument("--random-gemma", default="",
-                    help="tokenizer folder: a random gemma-3-270m-shaped encoder (the "
-                         "issue's COYO encoder; use --dtype bfloat16)")  # fmt: skip
+    add_random_model_options(ap)
     ap.add_argument("--dtype", default="float16", help="encoder.dtype")
     ap.add_argument("--work-dir", default="")
     ap.add_argument("--json", default="")
@@ -53,6 +56,7 @@ def main() -> int:
     ap.add_argument("--warm-compile-cache", action="store_true",
                     help="keep inductor's on-disk caches (default: compile cold)")  # fmt: skip
     args = ap.parse_args()
+    kind, tokenizer = random_model_option(ap, args)
     if not args.warm_compile_cache:  # read when torch is first imported, below
         os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
 
@@ -65,12 +69,8 @@ def main() -> int:
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="hfp_build_gpu_"))
     model = args.model
-    for kind, tokenizer in (("minilm", args.random_minilm), ("gemma", args.random_gemma)):
-        if tokenizer:
-            from benchmarks.random_models import save_random_model
-
-            model = str(work / kind)
-            save_random_model(kind, work / kind, tokenizer)
+    if tokenizer:
+        model = random_model(kind, work / kind, tokenizer)
     shards = max(1, args.rows // args.samples_per_shard)
     overrides = [
         f"build.cache_dir={work / 'cache'}",

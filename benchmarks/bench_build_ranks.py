@@ -93,6 +93,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.random_models import (  # noqa: E402
+    add_random_model_options,
+    random_model,
+    random_model_option,
+)
+
 #: Launcher variables a child must not inherit from the shell that runs the benchmark.
 _LAUNCHER_PREFIXES = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_",
@@ -427,16 +433,6 @@ def _marker_times(cache_dir: Path, launched: float) -> dict:
     return timeline
 
 
-def _random_model(kind: str, folder: Path, tokenizer: str) -> str:
-    """A random-weight ``kind`` model (``minilm``, ``gemma``) with ``tokenizer`` (kept
-    from an earlier run)."""
-    from benchmarks.random_models import save_random_model
-
-    if not (folder / "config.json").is_file():
-        save_random_model(kind, folder, tokenizer)
-    return str(folder)
-
-
 def _same_cache(one: dict, other: dict) -> dict:
     """Cheap checks that two builds made the same cache (from their reports)."""
     a = one["processes"][0]
@@ -463,10 +459,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=1_000_000, help="latent rows of the demo")
     ap.add_argument("--samples-per-shard", type=int, default=2000)
     ap.add_argument("--ranks", type=int, default=4, help="rank processes of the ranks build")
-    random = ap.add_mutually_exclusive_group()
-    random.add_argument("--random-minilm", default="", help="tokenizer folder: random MiniLM")
-    random.add_argument("--random-gemma", default="",
-                        help="tokenizer folder: random gemma-3-270m-shaped model")  # fmt: skip
+    add_random_model_options(ap)
     ap.add_argument("--dtype", default="float16", help="encoder.dtype")
     ap.add_argument("--cpus", type=int, default=0, help="CPUs to share (0: all usable)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -512,11 +505,7 @@ def main(argv=None) -> int:
         )
     if any(n < 1 for n in args.one_num_proc):
         ap.error(f"--one-num-proc must be >= 1, got {args.one_num_proc}")
-    kind, tokenizer = (
-        ("gemma", args.random_gemma) if args.random_gemma else ("minilm", args.random_minilm)
-    )
-    if tokenizer and not Path(tokenizer).is_dir():
-        ap.error(f"--random-{kind}: {tokenizer} is not a folder")
+    kind, tokenizer = random_model_option(ap, args)
 
     tmp = None
     if args.work_dir:
@@ -528,7 +517,7 @@ def main(argv=None) -> int:
     try:
         model = "minilm"
         if tokenizer:
-            model = _random_model(kind, work / kind, tokenizer)
+            model = random_model(kind, work / kind, tokenizer)
         t0 = time.perf_counter()
         demo = generate_demo(
             work / f"demo-{shards}x{args.samples_per_shard}", num_shards=shards,

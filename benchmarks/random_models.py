@@ -6,7 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["save_random_model"]
+__all__ = [
+    "add_random_model_options",
+    "random_model",
+    "random_model_option",
+    "save_random_model",
+]
 
 
 def save_random_model(kind: Literal["minilm", "gemma"], folder: Path, tokenizer: str | Path):
@@ -28,3 +33,33 @@ def save_random_model(kind: Literal["minilm", "gemma"], folder: Path, tokenizer:
     AutoModel.from_config(cfg).save_pretrained(folder)
     AutoTokenizer.from_pretrained(str(tokenizer)).save_pretrained(folder)
     return cfg
+
+
+def add_random_model_options(ap) -> None:
+    """``--random-minilm`` / ``--random-gemma TOKENIZER_DIR`` (at most one) on ``ap``."""
+    group = ap.add_mutually_exclusive_group()
+    group.add_argument("--random-minilm", default="", metavar="TOKENIZER_DIR",
+                       help="a random-weight MiniLM with this tokenizer")  # fmt: skip
+    group.add_argument("--random-gemma", default="", metavar="TOKENIZER_DIR",
+                       help="a random-weight gemma-3-270m-shaped encoder (the issue's COYO "
+                            "encoder; use --dtype bfloat16) with this tokenizer")  # fmt: skip
+
+
+def random_model_option(ap, args) -> tuple[str, str]:
+    """``(kind, tokenizer folder)`` of the random-model option given (``("", "")``: none);
+    ``ap.error`` when the folder is not one."""
+    kind, tokenizer = next(
+        ((k, t) for k, t in (("minilm", args.random_minilm), ("gemma", args.random_gemma)) if t),
+        ("", ""),
+    )
+    if tokenizer and not Path(tokenizer).is_dir():
+        ap.error(f"--random-{kind}: {tokenizer} is not a folder")
+    return kind, tokenizer
+
+
+def random_model(kind: str, folder: Path, tokenizer: str | Path) -> str:
+    """``folder`` holding a random-weight ``kind`` model (made unless an earlier run left
+    it there: the weights are seeded, so it is the same model)."""
+    if not (folder / "config.json").is_file():
+        save_random_model(kind, folder, tokenizer)
+    return str(folder)

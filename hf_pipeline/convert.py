@@ -72,12 +72,16 @@ def summarize_precision(parts: list[dict[str, Any]], storage: str) -> dict[str, 
     }
 
 
-def join_timeline(shards: list[dict[str, Any]], start: float, end: float) -> dict[str, Any]:
+def join_timeline(
+    shards: list[dict[str, Any]], start: float, end: float, *, tokenizer_wait: float = 0.0
+) -> dict[str, Any]:
     """Where the join's wall time went, from the per-shard ``timing`` records.
 
-    ``start``/``end`` (wall clock) bracket the ``Dataset.map`` call. The result says how
-    long the workers took to start (``seconds_to_first_shard``: the pool spawns and the
-    workers import their libraries), how long shards were being converted
+    ``start``/``end`` (wall clock) bracket the ``Dataset.map`` call, ``tokenizer_wait``
+    the wait for the builder's tokenizer at its start. The result says how long the
+    workers took to start (``seconds_to_first_shard``: the pool spawns and the workers
+    import their libraries; ``seconds_tokenizer_wait`` of it before they could have the
+    tokenizer), how long shards were being converted
     (``seconds_converting``, first shard start to last shard end), what followed the last
     shard (``seconds_after_last_shard``: the pool shuts down, ``datasets`` gathers the
     files), and the workers' busy time (``worker_busy_seconds``, summed over shards).
@@ -86,6 +90,7 @@ def join_timeline(shards: list[dict[str, Any]], start: float, end: float) -> dic
     out: dict[str, Any] = {
         "seconds": round(end - start, 3),
         "workers": len({t["pid"] for t in times}),
+        "seconds_tokenizer_wait": round(tokenizer_wait, 3),
     }
     if times:
         first = min(t["start"] for t in times)
@@ -400,8 +405,5 @@ def join_shards(
         precision=precision,
         fetch=fetch_stats,
         num_proc=num_proc,
-        timeline={
-            **join_timeline(per_shard, t_map, t_done),
-            "seconds_tokenizer_wait": round(seconds_tokenizer, 3),
-        },
+        timeline=join_timeline(per_shard, t_map, t_done, tokenizer_wait=seconds_tokenizer),
     )

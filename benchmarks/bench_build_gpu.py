@@ -106,9 +106,18 @@ def main() -> int:
     encoder.encode_ids(ids.slice(0, min(len(ids), 20_000)))  # warm: kernels, compile
     torch.cuda.synchronize() if torch.cuda.is_available() else None
     t0 = time.perf_counter()
-    encoder.encode_ids(ids)
+    bare_laps: dict[str, float] = {}
+    encoder.encode_ids(ids, laps=bare_laps)
     torch.cuda.synchronize() if torch.cuda.is_available() else None
     bare = time.perf_counter() - t0
+    # The same rows in the stage's calls (EMBED_ROWS_PER_CALL rows each), nothing beside.
+    from hf_pipeline.embed_stage import EMBED_ROWS_PER_CALL
+
+    call_laps: dict[str, float] = {}
+    t0 = time.perf_counter()
+    for start in range(0, len(ids), EMBED_ROWS_PER_CALL):
+        encoder.encode_ids(ids.slice(start, EMBED_ROWS_PER_CALL), laps=call_laps)
+    in_calls = time.perf_counter() - t0
     embedded_rows = int(r["rows_out"]) + int(r["dropped"].get("duplicate_key", 0))
     out = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -122,10 +131,13 @@ def main() -> int:
         "embed_stage_s": r["seconds_embed"],
         "bare_forward_s": round(bare, 3),
         "bare_forward_rows_per_s": round(len(ids) / bare),
+        "bare_forward_laps": {k: round(v, 3) for k, v in bare_laps.items()},
+        "bare_in_stage_calls_s": round(in_calls, 3),
+        "bare_in_stage_calls_laps": {k: round(v, 3) for k, v in call_laps.items()},
         "embed_stage_rows_per_s": round(embedded_rows / max(r["seconds_embed"], 1e-9)),
         "embed_stage_vs_bare": round((embedded_rows / r["seconds_embed"]) / (len(ids) / bare), 3),
         "overrides": args.set,
-        "parts": r["parts"],  # each part's join timeline and encoder wait
+        "parts": r["parts"],  # each part's join and embed timelines, encoder wait
         "encoder": {"dtype": cfg.encoder.dtype, "compile": cfg.encoder.compile,
                     "tokens_per_batch": cfg.encoder.tokens_per_batch},
     }  # fmt: skip

@@ -415,7 +415,7 @@ class TextEncoder:
 
         return self.encode_ids(pa.array(self.tokenizer(texts), type=pa.list_(pa.int32())))
 
-    def encode_ids(self, ids) -> np.ndarray:
+    def encode_ids(self, ids, *, laps: dict[str, float] | None = None) -> np.ndarray:
         """Embed token-id sequences (a ``pyarrow`` list array, e.g. from the cache).
 
         Sequences are sorted by length and cut into micro-batches of at most
@@ -425,11 +425,20 @@ class TextEncoder:
         on the device until the end, are put back in the input order there, and come back
         in one transfer (no per-micro-batch sync).
 
+        Args:
+            ids: the token ids, one list per row.
+            laps: a dict that gains this call's seconds (added to what it holds):
+                ``prepare`` (lengths, the micro-batch plan, the ids' upload), ``launch``
+                (queuing every micro-batch: the host's share, beside the device's work)
+                and ``finish`` (waiting for the device, the copy back). On the CPU the
+                compute is in ``launch``.
+
         Returns:
             ``(len(ids), dim)`` array of ``encoder.output_dtype``.
         """
         import pyarrow as pa
 
+        t0 = time.monotonic()
         torch = self._torch
         if isinstance(ids, pa.ChunkedArray):
             ids = ids.combine_chunks()
@@ -461,10 +470,16 @@ class TextEncoder:
                 seqs = _DeviceSequences(
                     ids, offsets, lengths, order, self.tokenizer.pad_token_id, self.device
                 )
+                t1 = time.monotonic()
                 pooled = torch.cat([self._micro_batch(mb, seqs) for mb in batches])
+                t2 = time.monotonic()
                 self._to_host(pooled.index_select(0, seqs.input_order), out)
         finally:
             torch.set_float32_matmul_precision(precision)
+        if laps is not None:
+            t3 = time.monotonic()
+            for name, seconds in (("prepare", t1 - t0), ("launch", t2 - t1), ("finish", t3 - t2)):
+                laps[name] = laps.get(name, 0.0) + seconds
         return out
 
     def _attention_backends(self, names: Sequence[str]):

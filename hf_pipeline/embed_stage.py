@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,7 @@ class EncodeAhead:
     writes its Arrow rows, instead of idling through that and through each batch's
     final device sync. Batches are ``batch_size`` consecutive rows, as the map's are;
     :meth:`get` returns them in order (and re-raises what the thread raised).
+    :meth:`timeline` says where the stage's time went.
     """
 
     def __init__(self, encoder, input_ids, keep: np.ndarray, *, batch_size: int, probe):
@@ -68,6 +70,10 @@ class EncodeAhead:
         self._batch, self._probe = batch_size, probe
         self._queue: queue.Queue = queue.Queue(maxsize=2)
         self._stop = threading.Event()
+        # Written by the thread (gather, encode, blocked, laps) or by the map (waited).
+        self._batches, self._gather, self._encode, self._blocked = 0, 0.0, 0.0, 0.0
+        self._waited = 0.0
+        self._laps: dict[str, float] = {}
         self._thread = threading.Thread(target=self._run, name="hf_pipeline-embed", daemon=True)
         self._thread.start()
 
@@ -79,10 +85,17 @@ class EncodeAhead:
                 rows = np.flatnonzero(self._keep[start:stop])
                 emb = np.zeros((stop - start, self.dim), dtype=self.dtype)
                 if len(rows):
+                    t0 = time.monotonic()
                     ids = self._ids.slice(start, stop - start).take(pa.array(rows))
-                    emb[rows] = self._encoder.encode_ids(ids)
+                    t1 = time.monotonic()
+                    emb[rows] = self._encoder.encode_ids(ids, laps=self._laps)
+                    self._gather += t1 - t0
+                    self._encode += time.monotonic() - t1
+                    self._batches += 1
+                t2 = time.monotonic()
                 if not self._put((start, emb)):
                     return
+                self._blocked += time.monotonic() - t2
         except BaseException as e:  # handed to the map, which raises it
             self._put((None, e))
 
@@ -97,7 +110,9 @@ class EncodeAhead:
 
     def get(self, start: int) -> np.ndarray:
         """The embeddings of the batch starting at row ``start`` (the next one)."""
+        t0 = time.monotonic()
         first, value = self._queue.get()
+        self._waited += time.monotonic() - t0
         if first is None:
             raise value
         if first != start:  # pragma: no cover - the map's batches are consecutive
@@ -108,14 +123,32 @@ class EncodeAhead:
         self._stop.set()
         self._thread.join()
 
+    def timeline(self) -> dict[str, Any]:
+        """Where the stage's time went, in seconds (after :meth:`close`): the encoder
+        thread's ``seconds_gather`` (the kept rows' ids), ``seconds_encode`` (its
+        ``encode_ids`` calls, ``batches`` of them, split in ``encode``: their
+        ``prepare``, ``launch`` and ``finish`` laps) and ``seconds_blocked`` (a batch
+        encoded, waiting for the map to take it: writing is the slower side), and the
+        map's ``seconds_waiting`` (for the encoder: encoding is the slower side)."""
+        return {
+            "batches": self._batches,
+            "seconds_gather": round(self._gather, 3),
+            "seconds_encode": round(self._encode, 3),
+            "encode": {k: round(v, 3) for k, v in self._laps.items()},
+            "seconds_blocked": round(self._blocked, 3),
+            "seconds_waiting": round(self._waited, 3),
+        }
+
 
 @dataclasses.dataclass(frozen=True)
 class EmbedResult:
-    """The embeddings written, their final drop reasons and the encoder's width."""
+    """The embeddings written, their final drop reasons, the encoder's width and where
+    the time went (:meth:`EncodeAhead.timeline`)."""
 
     embedded: Any
     reasons: ReasonCodes
     dim: int
+    timeline: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def embed_joined_rows(
@@ -179,4 +212,5 @@ def embed_joined_rows(
         embedded=embedded,
         reasons=ReasonCodes(embedded.data.column("drop_reason")),
         dim=encoder.dim,
+        timeline=ahead.timeline(),
     )

@@ -68,7 +68,7 @@ _PARTS = "parts"
 #: loading: where the part's time went; absent from parts published before them).
 _PART_REPORT = (
     "shards", "rows_in", "builder", "seconds_convert", "seconds_embed",
-    "seconds_encoder_wait", "encoder_load", "join", "wall",
+    "seconds_encoder_wait", "encoder_load", "join", "embed", "wall",
 )  # fmt: skip
 
 
@@ -159,7 +159,7 @@ def embed_part(part: JoinedPart, *, cfg, probe, encoder) -> dict[str, Any]:
     if hasattr(encoder, "result"):  # a Future: waits here, re-raises a load error
         encoder = encoder.result()
     t1 = time.monotonic()
-    embed_joined_rows(
+    embedded = embed_joined_rows(
         joined.rows,
         later_duplicates(keys, eligible=~nonfinite),
         encoder=encoder,
@@ -180,6 +180,8 @@ def embed_part(part: JoinedPart, *, cfg, probe, encoder) -> dict[str, Any]:
         "latent_dtype": joined.storage.dtype,
         "seconds_convert": part.seconds_convert,
         "seconds_embed": round(time.monotonic() - t1, 3),
+        # Where the embedding went: encoding, the map's writes, either side waiting.
+        "embed": embedded.timeline,
         # The join's own timeline, and the wait for the encoder loading beside it.
         "join": joined.timeline,
         "seconds_encoder_wait": round(t1 - t_wait, 3),

@@ -236,6 +236,13 @@ def test_report_is_json_and_complete(built_cache):
     join = part["join"]  # the workers' start includes any wait for the tokenizer
     assert 0 <= join["seconds_tokenizer_wait"] <= join["seconds_to_first_shard"]
     assert join["seconds_to_first_shard"] + join["seconds_converting"] <= join["seconds"]
+    # Where the embedding went: the encoder thread's share and the map's wait for it.
+    emb = part["embed"]
+    assert emb["batches"] >= 1 and set(emb["encode"]) == {"prepare", "launch", "finish"}
+    assert sum(emb["encode"].values()) <= emb["seconds_encode"] + 0.01
+    thread = emb["seconds_gather"] + emb["seconds_encode"] + emb["seconds_blocked"]
+    assert 0 < thread <= part["seconds_embed"] + 0.01
+    assert 0 <= emb["seconds_waiting"] <= part["seconds_embed"]
     # The workers converted below the builder (default build.worker_nice: 10).
     assert join["worker_nice"] == [min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)]
 

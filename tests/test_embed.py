@@ -4,6 +4,8 @@ identity of a Hub model (its revision resolved against tests/servers/hub.py)."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -652,3 +654,22 @@ def test_the_cpu_encoder_does_not_fuse(encoder):
     the dtype's rounding); the CPU encoder computes in float32 and keeps BERT's modules."""
     assert encoder.cfg.fuse_gelu and encoder.fused_gelu == 0
     assert type(encoder.model.encoder.layer[0].intermediate.dense).__name__ == "Linear"
+
+
+def test_encode_ids_adds_its_laps_to_the_callers(encoder):
+    """``laps`` gains each call's prepare / launch / finish seconds (the build report's
+    embed timeline adds them per part); the embeddings are the same with or without."""
+    import pyarrow as pa
+
+    ids = pa.array(encoder.tokenizer(["a red circle", "stripes", "dots"]), pa.list_(pa.int32()))
+    laps: dict[str, float] = {}
+    t0 = time.monotonic()
+    first = encoder.encode_ids(ids, laps=laps)
+    one = dict(laps)
+    again = encoder.encode_ids(ids, laps=laps)
+    spent = time.monotonic() - t0
+    assert set(one) == {"prepare", "launch", "finish"} and all(v >= 0 for v in one.values())
+    assert all(laps[k] >= one[k] for k in one) and sum(laps.values()) > sum(one.values())
+    assert sum(laps.values()) <= spent
+    np.testing.assert_array_equal(first, again)
+    np.testing.assert_array_equal(first, encoder.encode_ids(ids))

@@ -13,7 +13,6 @@ import dataclasses
 import hashlib
 import logging
 import os
-import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ from hf_pipeline.errors import ConfigError, SourceError
 
 __all__ = [
     "CaptionTokenizer",
+    "EncodeJob",
     "MicroBatch",
     "TextEncoder",
     "TokenizerSpec",
@@ -271,6 +271,20 @@ class WorkerTokenizer:
         return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=True)]
 
 
+def _no_kv_cache(config) -> None:
+    """Turn off a decoder's key/value cache (``use_cache``, its text config's too).
+
+    By default a decoder's forward (gemma-3, the COYO encoder) keeps every layer's keys
+    and values in transformers' ``DynamicCache`` for a generation that never comes: a
+    copy per layer, and a device sync per layer on the first update (75 a 16k-row call,
+    gemma-3-270m shape, 4 micro-batches). The hidden states are the same without it.
+    """
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for c in (config, text):
+        if getattr(c, "use_cache", False):
+            c.use_cache = False
+
+
 class _Laps:
     """``lap(name)`` records the seconds since the previous lap under ``name``."""
 
@@ -326,6 +340,7 @@ class TextEncoder:
         except (OSError, ValueError, KeyError) as exc:
             raise _load_error(cfg, exc) from None
         lap("model")
+        _no_kv_cache(self.model.config)
         self.model.to(self.device).eval()
         if self.device.startswith("cuda"):
             torch.cuda.synchronize(self.device)
@@ -368,38 +383,32 @@ class TextEncoder:
             self._forward_unmasked = (
                 torch.compile(self._pool_unmasked, mode=mode, dynamic=None) if unmasked else None
             )
-        # The page-locked host buffer results come back through on CUDA (see _to_host).
-        self._host = None
-        self._host_lock = threading.Lock()
+        self._warned_unpinned = False
 
-    def _to_host(self, result, out: np.ndarray) -> None:
-        """``out[:] = result`` for ``result`` (len(out), dim) on the device.
+    def _copy_back(self, result, out: np.ndarray, laps) -> EncodeJob:
+        """Start ``out[:] = result`` for ``result`` (len(out), dim) on the device.
 
-        On CUDA the rows come back through a page-locked buffer kept between calls (grown
-        to the largest call): ``.cpu()`` into fresh pageable memory ran at about 2 GB/s
-        (13% of a MiniLM ``encode_ids`` on an H200, profiled), the page faults of the new
-        memory included.
+        On CUDA the rows come back through a page-locked buffer (torch's caching host
+        allocator keeps it between calls): ``.cpu()`` into fresh pageable memory ran at
+        about 2 GB/s (13% of a MiniLM ``encode_ids`` on an H200, profiled), the page
+        faults of the new memory included. The copy is queued behind the call's kernels
+        and an event marks its end: nothing waits here (:meth:`EncodeJob.result` does).
         """
-        with self._host_lock:
-            host = self._pinned(result) if result.device.type == "cuda" else None
-            if host is None:
-                out[...] = result.cpu().numpy()
-                return
-            host.copy_(result, non_blocking=True)
-            self._torch.cuda.current_stream(result.device).synchronize()
-            out[...] = host.numpy()
-
-    def _pinned(self, result):
-        """A page-locked view shaped like ``result``, from the buffer kept between calls
-        (grown as needed); None where page-locked memory is refused (a warning)."""
-        if self._host is None or self._host.numel() < result.numel():
-            self._host = None  # the smaller one goes first
+        torch = self._torch
+        if result.device.type == "cuda":
             try:
-                self._host = self._torch.empty(result.numel(), dtype=result.dtype, pin_memory=True)
+                host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
             except RuntimeError as exc:
-                log.warning("no page-locked buffer for the embeddings (%s): .cpu()", exc)
-                return None
-        return self._host[: result.numel()].view(result.shape)
+                if not self._warned_unpinned:
+                    log.warning("no page-locked buffer for the embeddings (%s): .cpu()", exc)
+                    self._warned_unpinned = True
+            else:
+                host.copy_(result, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(result.device))
+                return EncodeJob(out, laps, host=host, event=event)
+        out[...] = result.cpu().numpy()
+        return EncodeJob(out, laps)
 
     @property
     def _min_rows(self) -> int:
@@ -416,25 +425,34 @@ class TextEncoder:
         return self.encode_ids(pa.array(self.tokenizer(texts), type=pa.list_(pa.int32())))
 
     def encode_ids(self, ids, *, laps: dict[str, float] | None = None) -> np.ndarray:
-        """Embed token-id sequences (a ``pyarrow`` list array, e.g. from the cache).
+        """Embed token-id sequences (a ``pyarrow`` list array, e.g. from the cache):
+        :meth:`submit_ids`, then its result.
+
+        Returns:
+            ``(len(ids), dim)`` array of ``encoder.output_dtype``.
+        """
+        return self.submit_ids(ids, laps=laps).result()
+
+    def submit_ids(self, ids, *, laps: dict[str, float] | None = None) -> EncodeJob:
+        """Queue the embedding of token-id sequences on the device; the returned
+        :class:`EncodeJob`'s ``result()`` waits for it.
 
         Sequences are sorted by length and cut into micro-batches of at most
         ``encoder.tokens_per_batch`` padded tokens (and ``micro_batch_size`` rows), so
         short captions go in big batches and padding (wasted compute) stays small. The ids
-        go to the device once and each micro-batch is cut and padded there; results stay
-        on the device until the end, are put back in the input order there, and come back
-        in one transfer (no per-micro-batch sync).
+        go to the device once (page-locked, without a wait) and each micro-batch is cut
+        and padded there; results stay on the device until the end, are put back in the
+        input order there, and come back in one transfer. Nothing here waits for the
+        device (on CUDA, with compiled models; transformers' eager mask code may): a
+        caller can prepare and queue its next call while the device runs this one.
 
         Args:
             ids: the token ids, one list per row.
             laps: a dict that gains this call's seconds (added to what it holds):
                 ``prepare`` (lengths, the micro-batch plan, the ids' upload), ``launch``
                 (queuing every micro-batch: the host's share, beside the device's work)
-                and ``finish`` (waiting for the device, the copy back). On the CPU the
-                compute is in ``launch``.
-
-        Returns:
-            ``(len(ids), dim)`` array of ``encoder.output_dtype``.
+                and, from ``result()``, ``finish`` (waiting for the device, the copy
+                back). On the CPU the compute is in ``launch``.
         """
         import pyarrow as pa
 
@@ -445,7 +463,7 @@ class TextEncoder:
         n = len(ids)
         out = np.zeros((n, self.dim), dtype=self._out_dtype)
         if n == 0:
-            return out
+            return EncodeJob(out, None)
         offsets = ids.offsets.to_numpy()
         lengths = np.diff(offsets)
         if ids.null_count:  # a null entry has no ids, whatever range its offsets span
@@ -472,15 +490,13 @@ class TextEncoder:
                 )
                 t1 = time.monotonic()
                 pooled = torch.cat([self._micro_batch(mb, seqs) for mb in batches])
-                t2 = time.monotonic()
-                self._to_host(pooled.index_select(0, seqs.input_order), out)
+                job = self._copy_back(pooled.index_select(0, seqs.input_order), out, laps)
         finally:
             torch.set_float32_matmul_precision(precision)
         if laps is not None:
-            t3 = time.monotonic()
-            for name, seconds in (("prepare", t1 - t0), ("launch", t2 - t1), ("finish", t3 - t2)):
+            for name, seconds in (("prepare", t1 - t0), ("launch", time.monotonic() - t1)):
                 laps[name] = laps.get(name, 0.0) + seconds
-        return out
+        return job
 
     def _attention_backends(self, names: Sequence[str]):
         """Where a micro-batch runs on CUDA with SDPA: the kernels ``names`` only
@@ -615,15 +631,45 @@ class _DeviceSequences:
         def put(a):
             with warnings.catch_warnings():  # Arrow's zero-copy views are read-only: only read
                 warnings.filterwarnings("ignore", "The given NumPy array is not writable")
-                return torch.from_numpy(a).to(device, non_blocking=False)
+                t = torch.from_numpy(a)
+            if not str(device).startswith("cuda"):
+                return t.to(device)
+            # Through page-locked memory (torch's caching host allocator holds each block
+            # until its copy is done): no wait for the device's earlier work, where a
+            # pageable upload synchronises.
+            try:
+                return t.pin_memory().to(device, non_blocking=True)
+            except RuntimeError:  # page-locked memory refused: a synchronous upload
+                return t.to(device)
 
         self.flat = torch.empty(len(values) + 1, dtype=torch.int64, device=device)
         self.flat[:-1] = put(values)
-        self.flat[-1] = pad_token_id
+        self.flat[-1:].fill_(pad_token_id)  # a kernel: item assignment copies from the host
         self.pad_at = len(values)
         self.starts = put(starts[order])
         self.lengths = put(lengths[order])
         self.input_order = put(input_order)
+
+
+class EncodeJob:
+    """A :meth:`TextEncoder.submit_ids` call: its embeddings once :meth:`result` has
+    waited for the device (at once where they were computed on the host)."""
+
+    def __init__(self, out: np.ndarray, laps: dict[str, float] | None, *, host=None, event=None):
+        self._out, self._laps, self._host, self._event = out, laps, host, event
+
+    def result(self) -> np.ndarray:
+        """The ``(rows, dim)`` embeddings (waits for the device the first time)."""
+        if self._host is not None:
+            t0 = time.monotonic()
+            self._event.synchronize()
+            self._out[...] = self._host.numpy()
+            self._host = self._event = None  # the page-locked block goes back to torch's cache
+            if self._laps is not None:
+                self._laps["finish"] = self._laps.get("finish", 0.0) + time.monotonic() - t0
+        elif self._laps is not None:
+            self._laps.setdefault("finish", 0.0)
+        return self._out
 
 
 class MicroBatch(NamedTuple):

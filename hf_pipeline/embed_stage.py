@@ -58,7 +58,8 @@ class EncodeAhead:
 
     The accelerator then runs while the map converts the previous batch's reasons and
     writes its Arrow rows, instead of idling through that and through each batch's
-    final device sync. Batches are ``batch_size`` consecutive rows, as the map's are;
+    final device sync; and the next batch is queued on it before the thread waits for
+    the current one. Batches are ``batch_size`` consecutive rows, as the map's are;
     :meth:`get` returns them in order (and re-raises what the thread raised).
     :meth:`timeline` says where the stage's time went.
     """
@@ -78,26 +79,44 @@ class EncodeAhead:
         self._thread.start()
 
     def _run(self) -> None:
+        # One call in flight ahead: batch k+1 is prepared and queued on the device
+        # (TextEncoder.submit_ids) before the thread waits for batch k's embeddings, so
+        # the device does not idle through the host's share of each call.
+        pending = None
         try:
             for start in range(0, len(self._keep), self._batch):
                 self._probe.check()
                 stop = min(start + self._batch, len(self._keep))
                 rows = np.flatnonzero(self._keep[start:stop])
-                emb = np.zeros((stop - start, self.dim), dtype=self.dtype)
+                job = None
                 if len(rows):
                     t0 = time.monotonic()
                     ids = self._ids.slice(start, stop - start).take(pa.array(rows))
                     t1 = time.monotonic()
-                    emb[rows] = self._encoder.encode_ids(ids, laps=self._laps)
+                    job = self._encoder.submit_ids(ids, laps=self._laps)
                     self._gather += t1 - t0
                     self._encode += time.monotonic() - t1
                     self._batches += 1
-                t2 = time.monotonic()
-                if not self._put((start, emb)):
+                if pending is not None and not self._deliver(*pending):
                     return
-                self._blocked += time.monotonic() - t2
+                pending = (start, stop, rows, job)
+            if pending is not None:
+                self._deliver(*pending)
         except BaseException as e:  # handed to the map, which raises it
             self._put((None, e))
+
+    def _deliver(self, start: int, stop: int, rows: np.ndarray, job) -> bool:
+        """Wait for a batch's embeddings and hand them to the map (False: stopped)."""
+        emb = np.zeros((stop - start, self.dim), dtype=self.dtype)
+        if job is not None:
+            t0 = time.monotonic()
+            emb[rows] = job.result()
+            self._encode += time.monotonic() - t0
+        t1 = time.monotonic()
+        if not self._put((start, emb)):
+            return False
+        self._blocked += time.monotonic() - t1
+        return True
 
     def _put(self, item) -> bool:
         while not self._stop.is_set():

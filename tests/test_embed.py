@@ -498,11 +498,14 @@ class _Owned:
         pass
 
 
-def test_embed_stage_encodes_ahead_and_keeps_rows_aligned(encoder, tmp_path):
+@pytest.mark.parametrize("middle_batch_kept", [True, False])
+def test_embed_stage_encodes_ahead_and_keeps_rows_aligned(encoder, tmp_path, middle_batch_kept):
+    """Three map batches; the encoding thread queues each batch's call before it waits for
+    the previous one (a batch without kept rows has no call: zeros, in its place)."""
     from hf_pipeline.embed_stage import EMBED_ROWS_PER_CALL, embed_joined_rows
 
-    n = EMBED_ROWS_PER_CALL * 2 + 5  # three map batches; the encoding thread runs ahead
-    kept = {0, 7, EMBED_ROWS_PER_CALL + 1, n - 1}
+    n = EMBED_ROWS_PER_CALL * 2 + 5
+    kept = {0, 7, n - 1} | ({EMBED_ROWS_PER_CALL + 1} if middle_batch_kept else set())
     rows = _joined_rows(tmp_path, n, kept)
     duplicate = np.zeros(n, bool)
     duplicate[7] = True
@@ -515,9 +518,12 @@ def test_embed_stage_encodes_ahead_and_keeps_rows_aligned(encoder, tmp_path):
     reasons = out.embedded.with_format(None)["drop_reason"]
     assert reasons[7] == "duplicate_key" and reasons[0] == reasons[n - 1] == ""
     expected = encoder.encode_ids(rows.data.column("input_ids").take([0]))[0]
-    for i in (0, EMBED_ROWS_PER_CALL + 1, n - 1):
+    for i in sorted(kept - {7}):
         np.testing.assert_allclose(emb[i], expected, atol=1e-5)
     assert not emb[[1, 7, EMBED_ROWS_PER_CALL]].any(), "rows not embedded are zeros"
+    if not middle_batch_kept:
+        assert not emb[EMBED_ROWS_PER_CALL : 2 * EMBED_ROWS_PER_CALL].any()
+    assert out.timeline["batches"] == (3 if middle_batch_kept else 2)
 
 
 def test_an_encoder_failure_on_the_encoding_thread_fails_the_stage(encoder, tmp_path):
@@ -638,12 +644,12 @@ def test_fused_bias_gelu_leaves_other_activations_and_forwards_alone():
     assert fuse_bias_gelu(_tiny_gemma()) == 0
 
 
-def _tiny_gemma():
+def _tiny_gemma(vocab_size: int = 64):
     """A one-layer gemma-3 text model (gated MLP, no BERT parts)."""
     from transformers import Gemma3TextConfig
     from transformers.models.gemma3.modeling_gemma3 import Gemma3TextModel
 
-    cfg = Gemma3TextConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+    cfg = Gemma3TextConfig(vocab_size=vocab_size, hidden_size=16, intermediate_size=32,
                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                            head_dim=8)  # fmt: skip
     return Gemma3TextModel(cfg)
@@ -673,3 +679,31 @@ def test_encode_ids_adds_its_laps_to_the_callers(encoder):
     assert sum(laps.values()) <= spent
     np.testing.assert_array_equal(first, again)
     np.testing.assert_array_equal(first, encoder.encode_ids(ids))
+
+
+def test_a_decoder_encodes_without_its_kv_cache(tmp_path):
+    """A decoder (gemma-3) keeps every layer's keys and values in a DynamicCache on each
+    forward unless told not to (copies, a device sync per layer): the encoder turns it
+    off, and its embeddings are those of the forward with the cache."""
+    import torch
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "gemma"
+    _tiny_gemma(vocab_size=30522).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(resolve_encoder_path("minilm")).save_pretrained(folder)
+    enc = TextEncoder(EncoderConfig(model=str(folder)))
+    caches = []
+    enc.model.register_forward_hook(lambda _m, _a, out: caches.append(out.past_key_values))
+    texts = ["a red circle on a blue background", "stripes", "a small green triangle"]
+    got = enc.encode(texts)
+    assert caches and all(c is None for c in caches)
+    ids = enc.tokenizer(texts)
+    width = max(map(len, ids))
+    input_ids = torch.tensor([x + [0] * (width - len(x)) for x in ids])
+    mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids])
+    with torch.inference_mode():
+        out = enc.model(input_ids=input_ids, attention_mask=mask, use_cache=True)
+    assert out.past_key_values is not None  # the model's own default keeps one
+    m = mask.unsqueeze(-1).float()
+    expected = ((out.last_hidden_state * m).sum(1) / m.sum(1)).numpy()
+    np.testing.assert_allclose(got, expected, atol=1e-5)

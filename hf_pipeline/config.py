@@ -263,11 +263,6 @@ class BuildConfig:
     #: the embedding of one piece (the accelerator) overlapping the join of the next
     #: (the ``num_proc`` workers). A speed knob: pieces are assembled like parts.
     overlap_parts: int = 0
-    #: How much lower the ``num_proc`` join workers run than the builder (added to their
-    #: niceness, capped at 19; 0: the same). The workers fill every CPU, while the
-    #: builder's own threads (the encoder's loading, the embedding's kernel launches)
-    #: are few and latency-bound; a speed knob.
-    worker_nice: int = 10
     #: Where published caches live (``gs://<bucket>[/<prefix>]`` or
     #: ``hf://datasets/<org>/<repo>[@<revision>][/<path>]``): the builder downloads the
     #: cache of its fingerprint from there instead of building it ("" never pulls).
@@ -284,11 +279,6 @@ class BuildConfig:
             self.overlap_parts >= 0,
             "build.overlap_parts",
             f"must be >= 0 (0: automatic, 1: no overlap), got {self.overlap_parts}",
-        )
-        _check(
-            0 <= self.worker_nice <= 19,
-            "build.worker_nice",
-            f"must be 0-19 (0: workers as the builder), got {self.worker_nice}",
         )
         _check(
             self.num_proc >= 0,

@@ -33,7 +33,6 @@ __all__ = [
     "convert_shards",
     "join_shards",
     "join_timeline",
-    "lower_priority",
     "worker_tokenizer",
     "summarize_precision",
 ]
@@ -85,8 +84,7 @@ def join_timeline(
     tokenizer), how long shards were being converted
     (``seconds_converting``, first shard start to last shard end), what followed the last
     shard (``seconds_after_last_shard``: the pool shuts down, ``datasets`` gathers the
-    files), the workers' busy time (``worker_busy_seconds``, summed over shards) and
-    the niceness they converted at (``worker_nice``, the distinct values).
+    files), and the workers' busy time (``worker_busy_seconds``, summed over shards).
     """
     times = [s["timing"] for s in shards if "timing" in s]
     out: dict[str, Any] = {
@@ -102,7 +100,6 @@ def join_timeline(
             "seconds_converting": round(last - first, 3),
             "seconds_after_last_shard": round(end - last, 3),
             "worker_busy_seconds": round(sum(t["end"] - t["start"] for t in times), 3),
-            "worker_nice": sorted({t["nice"] for t in times if "nice" in t}),
         }
     return out
 
@@ -131,7 +128,6 @@ def choose_storage(wanted: str, shards: Sequence[Any], client, timeout: float) -
 
 _CAPTIONS: dict[str, Any] = {}
 _TOKENIZERS: dict[Any, Any] = {}
-_NICED = False  # this worker lowered its priority (lower_priority)
 
 
 def _captions(path: str):
@@ -177,18 +173,6 @@ def worker_tokenizer(tokenizer, cfg, folder: Path):
     return tokenizer.export(folder) or cfg.encoder
 
 
-def lower_priority(nice: int, builder_pid: int) -> None:
-    """Add ``nice`` to this worker process's niceness, once (capped at 19 by the kernel).
-
-    Never in the builder itself (``builder_pid``): ``datasets`` runs the map function in
-    the calling process when it has one worker, and that process is the training script.
-    """
-    global _NICED
-    if nice and not _NICED and os.getpid() != builder_pid:
-        os.nice(nice)
-        _NICED = True
-
-
 def convert_shards(
     batch: Mapping[str, list],
     indices: list[int],
@@ -202,24 +186,19 @@ def convert_shards(
     fetch_timeout: float,
     tokenizer,
     on_bad_rows: str,
-    nice: int = 0,
-    builder_pid: int = 0,
 ) -> dict[str, Any]:
     """``datasets.map`` function: shard file names -> joined, tokenized latent rows.
 
     Runs in the ``num_proc`` workers (everything it gets is pickled).
     ``probe`` (:class:`dist.lease.LeaseProbe`) stops a builder that lost its lease at the
     next shard; ``precision_dir`` gets one small JSON per shard (what the storage cast
-    changed, and the worker's pid, niceness and wall-clock span), which
-    :func:`summarize_precision` and :func:`join_timeline` add up. A worker first lowers
-    its priority by ``nice`` (:func:`lower_priority`).
+    changed), which :func:`summarize_precision` adds up.
     """
     from hf_pipeline.captions import classify, reason_names
     from hf_pipeline.errors import CorruptShardError
     from hf_pipeline.precision import arrow_dtype, to_arrow
     from hf_pipeline.shards import LATENT_SHAPE, read_shard
 
-    lower_priority(nice, builder_pid)
     table = _captions(captions_path)
     tokenize = _tokenizer(tokenizer)
     keys, latents, captions, reasons, token_ids = [], [], [], [], []
@@ -273,12 +252,7 @@ def convert_shards(
             {
                 "source_dtype": shard.source_dtype,
                 **shard.loss.as_dict(),
-                "timing": {
-                    "pid": os.getpid(),
-                    "nice": os.getpriority(os.PRIO_PROCESS, 0),
-                    "start": t_start,
-                    "end": time.time(),
-                },
+                "timing": {"pid": os.getpid(), "start": t_start, "end": time.time()},
             },
             durable=False,
         )
@@ -402,8 +376,6 @@ def join_shards(
                 "fetch_timeout": fetch_timeout,
                 "tokenizer": tokenizer,
                 "on_bad_rows": cfg.data.on_bad_rows,
-                "nice": build.worker_nice,
-                "builder_pid": os.getpid(),
             },
             cache_file_name=str(out_file),
             new_fingerprint=f"{fingerprint}-rows",

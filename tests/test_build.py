@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -115,7 +114,6 @@ def test_unchanged_config_never_rebuilds(built_cache, small_config):
             "build.num_proc=1",
             "build.batch_size=7",
             "build.writer_batch_size=3",
-            "build.worker_nice=3",
         ],
         environ={},
     )
@@ -243,29 +241,6 @@ def test_report_is_json_and_complete(built_cache):
     thread = emb["seconds_gather"] + emb["seconds_encode"] + emb["seconds_blocked"]
     assert 0 < thread <= part["seconds_embed"] + 0.01
     assert 0 <= emb["seconds_waiting"] <= part["seconds_embed"]
-    # The workers converted below the builder (default build.worker_nice: 10).
-    assert join["worker_nice"] == [min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)]
-
-
-@pytest.mark.parametrize("num_proc,nice", [(2, 4), (2, 0), (1, 7)])
-def test_join_workers_run_below_the_builder_which_keeps_its_priority(
-    small_config, tmp_path, num_proc, nice
-):
-    """The num_proc workers lower their priority by build.worker_nice; with one worker
-    ``datasets`` joins in the calling process (a training script), which keeps its own."""
-    own = os.getpriority(os.PRIO_PROCESS, 0)
-    cfg = load_config(
-        None,
-        [*SMALL_DEMO, f"build.cache_dir={tmp_path / 'c'}", f"build.num_proc={num_proc}",
-         f"build.worker_nice={nice}"],
-        environ={},
-    )
-    res = prepare_cache(cfg, progress=False)
-    (part,) = json.loads(res.layout.report_path.read_text())["parts"]
-    expected = own if num_proc == 1 else min(19, own + nice)
-    assert part["join"]["workers"] == num_proc
-    assert part["join"]["worker_nice"] == [expected]
-    assert os.getpriority(os.PRIO_PROCESS, 0) == own
 
 
 def _nan_config(data: Path, cache: Path, *extra: str, name: str = "nan"):

@@ -60,7 +60,6 @@ def test_frozen_and_effective_num_proc():
             "build.overlap_parts",
             "must be >= 0 (0: automatic, 1: no overlap), got -2",
         ),
-        (["build.worker_nice=20"], "build.worker_nice", "must be 0-19 (0: workers as the builder), got 20"),
         (["build.batch_size=abc"], "build.batch_size", "must be int, got 'abc'"),
         (["loader.crop=7"], "loader.crop", "crop index 0-2, got '7'"),
         (["data.on_missing=ignore"], "data.on_missing", "'fail' or 'skip'"),

@@ -15,7 +15,9 @@ import logging
 import os
 import time
 import warnings
+import weakref
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -368,6 +370,14 @@ class TextEncoder:
         # more each): row counts in buckets keep the shapes few, and warm_up plans them
         # all before the build's first batch. On the CPU padding rows is only waste.
         self._bucket_rows = self._graphs or self.device != "cpu"
+        # torch's CUDA graph trees belong to the thread that recorded them (a call from
+        # another thread fails an assertion in torch._inductor.cudagraph_trees; the
+        # build warms up on its loading thread and embeds on another): with graphs, the
+        # warm-up and every call run on one thread of the encoder's own.
+        self._graph_thread = None
+        if self._graphs:
+            self._graph_thread = ThreadPoolExecutor(1, thread_name_prefix="hf_pipeline-encoder")
+            weakref.finalize(self, self._graph_thread.shutdown, wait=False)
         # BERT: micro-batches without padding run without an attention mask (see
         # _pool_unmasked); other models: every micro-batch through the model's forward.
         unmasked = _unmasked_bert(self.model)
@@ -434,6 +444,17 @@ class TextEncoder:
         return self.submit_ids(ids, laps=laps).result()
 
     def submit_ids(self, ids, *, laps: dict[str, float] | None = None) -> EncodeJob:
+        """Queue the embedding of token-id sequences on the device; the returned
+        :class:`EncodeJob`'s ``result()`` waits for it (see :meth:`_submit_ids`)."""
+        return self._on_graph_thread(self._submit_ids, ids, laps=laps)
+
+    def _on_graph_thread(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, on the encoder's own thread when it runs CUDA graphs."""
+        if self._graph_thread is None:
+            return fn(*args, **kwargs)
+        return self._graph_thread.submit(fn, *args, **kwargs).result()
+
+    def _submit_ids(self, ids, *, laps: dict[str, float] | None = None) -> EncodeJob:
         """Queue the embedding of token-id sequences on the device; the returned
         :class:`EncodeJob`'s ``result()`` waits for it.
 
@@ -525,13 +546,16 @@ class TextEncoder:
         """
         if self.device == "cpu":
             return
+        self._on_graph_thread(self._warm_up)
+
+    def _warm_up(self) -> None:
         t0 = time.monotonic()
         for ids in warm_up_ids(
             self.cfg, self.tokenizer.pad_token_id, min_rows=self._min_rows,
             full_batches=self._forward_unmasked is not None,
             every_bucket=self.compile_mode != "eager",
         ):  # fmt: skip
-            self.encode_ids(ids)
+            self._submit_ids(ids).result()
         self.load_seconds["warm_up"] = round(time.monotonic() - t0, 3)
 
     def _micro_batch(self, mb: MicroBatch, seqs: _DeviceSequences):

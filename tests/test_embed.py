@@ -384,6 +384,24 @@ def test_compiled_encoder_with_row_buckets_keeps_the_embeddings(encoder):
     lengths = [32, 64, 64, 5, 64]
     full = pa.array([[1000 + i] * n for i, n in enumerate(lengths)], pa.list_(pa.int32()))
     np.testing.assert_allclose(enc.encode_ids(full), encoder.encode_ids(full), atol=1e-5)
+    # CUDA graph trees belong to the thread that records them, and the build calls the
+    # encoder from several: every micro-batch runs on the encoder's own thread.
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    ran_on, micro_batch = set(), enc._micro_batch
+
+    def recording(mb, seqs):
+        ran_on.add(threading.current_thread().name)
+        return micro_batch(mb, seqs)
+
+    enc._micro_batch = recording
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(enc.encode, [TEXTS, TEXTS[::-7]]))
+    np.testing.assert_allclose(enc.encode(TEXTS), ref, atol=1e-5)
+    np.testing.assert_allclose(got[0], ref, atol=1e-5)
+    np.testing.assert_allclose(got[1], ref[::-7], atol=1e-5)
+    assert len(ran_on) == 1 and ran_on.pop().startswith("hf_pipeline-encoder")
 
 
 # ----------------------------------------------------------------- Hub model identity

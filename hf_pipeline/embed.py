@@ -273,6 +273,27 @@ class WorkerTokenizer:
         return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=True)]
 
 
+def _own_cuda_graph_trees() -> None:
+    """Give the calling thread torch's CUDA graph-tree state.
+
+    ``torch._inductor.cudagraph_trees`` keeps its tree managers in a ``threading.local``
+    set up by its import, in the importing thread (and the autograd threads it spawns):
+    any other thread replaying ``reduce-overhead`` graphs fails an assertion there. Each
+    encoder's thread gets managers of its own, as the importing thread has.
+    """
+    import collections
+    import threading
+
+    try:
+        from torch._inductor import cudagraph_trees as trees
+    except ImportError:  # pragma: no cover - a torch without inductor
+        return
+    local = getattr(trees, "local", None)
+    if local is not None and not hasattr(local, "tree_manager_containers"):
+        local.tree_manager_containers = {}
+        local.tree_manager_locks = collections.defaultdict(threading.Lock)
+
+
 def _no_kv_cache(config) -> None:
     """Turn off a decoder's key/value cache (``use_cache``, its text config's too).
 
@@ -376,7 +397,9 @@ class TextEncoder:
         # warm-up and every call run on one thread of the encoder's own.
         self._graph_thread = None
         if self._graphs:
-            self._graph_thread = ThreadPoolExecutor(1, thread_name_prefix="hf_pipeline-encoder")
+            self._graph_thread = ThreadPoolExecutor(
+                1, thread_name_prefix="hf_pipeline-encoder", initializer=self._start_graph_thread
+            )
             weakref.finalize(self, self._graph_thread.shutdown, wait=False)
         # BERT: micro-batches without padding run without an attention mask (see
         # _pool_unmasked); other models: every micro-batch through the model's forward.
@@ -447,6 +470,27 @@ class TextEncoder:
         """Queue the embedding of token-id sequences on the device; the returned
         :class:`EncodeJob`'s ``result()`` waits for it (see :meth:`_submit_ids`)."""
         return self._on_graph_thread(self._submit_ids, ids, laps=laps)
+
+    def _start_graph_thread(self) -> None:
+        """Set up the encoder's thread for CUDA graphs: torch's graph-tree state (see
+        :func:`_own_cuda_graph_trees`), and cuBLAS's and cuBLASLt's handles made outside
+        any capture: they are per thread and made on first use, and one made while a
+        graph records fails (``CUBLAS_STATUS_NOT_INITIALIZED``; measured: a second
+        encoder in one process, whose compiled graphs were already warm, recorded at
+        once)."""
+        _own_cuda_graph_trees()
+        if not self.device.startswith("cuda"):
+            return
+        torch = self._torch
+        weight = next(self.model.parameters())  # its device has an index ("cuda" has none)
+        torch.cuda.set_device(weight.device)
+        for dt in {weight.dtype, torch.float32}:
+            a = torch.ones(16, 16, device=weight.device, dtype=dt)
+            torch.addmm(a, a, a)
+            torch.matmul(a, a)
+            if dt != torch.float32:
+                torch._addmm_activation(a, a, a, use_gelu=True)
+        torch.cuda.synchronize(weight.device)
 
     def _on_graph_thread(self, fn, *args, **kwargs):
         """``fn(*args, **kwargs)``, on the encoder's own thread when it runs CUDA graphs."""

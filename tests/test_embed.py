@@ -402,6 +402,14 @@ def test_compiled_encoder_with_row_buckets_keeps_the_embeddings(encoder):
     np.testing.assert_allclose(got[0], ref, atol=1e-5)
     np.testing.assert_allclose(got[1], ref[::-7], atol=1e-5)
     assert len(ran_on) == 1 and ran_on.pop().startswith("hf_pipeline-encoder")
+    # torch keeps its CUDA graph trees in thread-local state set up by its import: a
+    # second encoder's thread gets its own (without it, its first replay fails).
+    from torch._inductor import cudagraph_trees
+
+    other = TextEncoder(EncoderConfig(compile="reduce-overhead", tokens_per_batch=256))
+    for e in (enc, other):
+        assert e._on_graph_thread(hasattr, cudagraph_trees.local, "tree_manager_containers")
+    np.testing.assert_allclose(other.encode(TEXTS), ref, atol=1e-5)
 
 
 # ----------------------------------------------------------------- Hub model identity

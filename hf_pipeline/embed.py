@@ -468,7 +468,26 @@ class TextEncoder:
 
     def submit_ids(self, ids, *, laps: dict[str, float] | None = None) -> EncodeJob:
         """Queue the embedding of token-id sequences on the device; the returned
-        :class:`EncodeJob`'s ``result()`` waits for it (see :meth:`_submit_ids`)."""
+        :class:`EncodeJob`'s ``result()`` waits for it.
+
+        Sequences are sorted by length and cut into micro-batches of at most
+        ``encoder.tokens_per_batch`` padded tokens (and ``micro_batch_size`` rows), so
+        short captions go in big batches and padding (wasted compute) stays small. The ids
+        go to the device once (page-locked, without a wait) and each micro-batch is cut
+        and padded there; results stay on the device until the end, are put back in the
+        input order there, and come back in one transfer. Nothing here waits for the
+        device (on CUDA, with compiled models; transformers' eager mask code may): a
+        caller can prepare and queue its next call while the device runs this one. With
+        CUDA graphs (``reduce-overhead``) it runs on the encoder's own thread.
+
+        Args:
+            ids: the token ids, one list per row.
+            laps: a dict that gains this call's seconds (added to what it holds):
+                ``prepare`` (lengths, the micro-batch plan, the ids' upload), ``launch``
+                (queuing every micro-batch: the host's share, beside the device's work)
+                and, from ``result()``, ``finish`` (waiting for the device, the copy
+                back). On the CPU the compute is in ``launch``.
+        """
         return self._on_graph_thread(self._submit_ids, ids, laps=laps)
 
     def _start_graph_thread(self) -> None:
@@ -499,26 +518,7 @@ class TextEncoder:
         return self._graph_thread.submit(fn, *args, **kwargs).result()
 
     def _submit_ids(self, ids, *, laps: dict[str, float] | None = None) -> EncodeJob:
-        """Queue the embedding of token-id sequences on the device; the returned
-        :class:`EncodeJob`'s ``result()`` waits for it.
-
-        Sequences are sorted by length and cut into micro-batches of at most
-        ``encoder.tokens_per_batch`` padded tokens (and ``micro_batch_size`` rows), so
-        short captions go in big batches and padding (wasted compute) stays small. The ids
-        go to the device once (page-locked, without a wait) and each micro-batch is cut
-        and padded there; results stay on the device until the end, are put back in the
-        input order there, and come back in one transfer. Nothing here waits for the
-        device (on CUDA, with compiled models; transformers' eager mask code may): a
-        caller can prepare and queue its next call while the device runs this one.
-
-        Args:
-            ids: the token ids, one list per row.
-            laps: a dict that gains this call's seconds (added to what it holds):
-                ``prepare`` (lengths, the micro-batch plan, the ids' upload), ``launch``
-                (queuing every micro-batch: the host's share, beside the device's work)
-                and, from ``result()``, ``finish`` (waiting for the device, the copy
-                back). On the CPU the compute is in ``launch``.
-        """
+        """:meth:`submit_ids` on the calling thread."""
         import pyarrow as pa
 
         t0 = time.monotonic()

@@ -25,6 +25,7 @@ import numpy as np
 
 from dist.atomic import write_json_atomic
 from hf_pipeline.accounting import FIRST_KEYS, NONFINITE
+from hf_pipeline.remote_file import RemoteFile
 
 __all__ = [
     "JoinResult",
@@ -33,6 +34,7 @@ __all__ = [
     "convert_shards",
     "join_shards",
     "join_timeline",
+    "shard_table",
     "worker_tokenizer",
     "summarize_precision",
 ]
@@ -173,13 +175,30 @@ def worker_tokenizer(tokenizer, cfg, folder: Path):
     return tokenizer.export(folder) or cfg.encoder
 
 
+#: A RemoteFile's fields: the shard table's columns.
+_FILE_FIELDS = tuple(f.name for f in dataclasses.fields(RemoteFile))
+
+
+def shard_table(shards: Sequence[RemoteFile]):
+    """The join's input: a ``datasets.Dataset`` of one row per shard file, its
+    :class:`~hf_pipeline.remote_file.RemoteFile` fields as columns.
+
+    ``Dataset.map(num_proc=K)`` gives each worker a contiguous slice of these rows, as
+    Arrow; a map over the names with the files in ``fn_kwargs`` pickled the whole part's
+    files into every worker's task, with dill's pure-Python pickler, in the builder's
+    task thread (0.3 s of its interpreter lock a part at 5,500 shards on a 2-CPU VM).
+    """
+    from datasets import Dataset
+
+    return Dataset.from_dict({k: [getattr(f, k) for f in shards] for k in _FILE_FIELDS})
+
+
 def convert_shards(
     batch: Mapping[str, list],
     indices: list[int],
     *,
     probe,
     client,
-    files: Mapping[str, Any],
     captions_path: str,
     storage: Storage,
     precision_dir: str,
@@ -187,9 +206,12 @@ def convert_shards(
     tokenizer,
     on_bad_rows: str,
 ) -> dict[str, Any]:
-    """``datasets.map`` function: shard file names -> joined, tokenized latent rows.
+    """``datasets.map`` function: shard files -> joined, tokenized latent rows.
 
-    Runs in the ``num_proc`` workers (everything it gets is pickled).
+    Runs in the ``num_proc`` workers. A batch is rows of the shard table
+    (:func:`shard_table`: one :class:`~hf_pipeline.remote_file.RemoteFile` a row), so a
+    worker receives its own shards as Arrow rows; the other arguments, pickled with each
+    worker's task, hold nothing that grows with the shard count.
     ``probe`` (:class:`dist.lease.LeaseProbe`) stops a builder that lost its lease at the
     next shard; ``precision_dir`` gets one small JSON per shard (what the storage cast
     changed), which :func:`summarize_precision` adds up.
@@ -202,10 +224,10 @@ def convert_shards(
     table = _captions(captions_path)
     tokenize = _tokenizer(tokenizer)
     keys, latents, captions, reasons, token_ids = [], [], [], [], []
-    for index, name in zip(indices, batch["shard"], strict=True):
+    for j, index in enumerate(indices):
         probe.check()
         t_start = time.time()  # wall clock: the timeline compares processes
-        f = files[name]
+        f = RemoteFile(**{k: batch[k][j] for k in _FILE_FIELDS})
         path = client.acquire(f, timeout=fetch_timeout)
         if path is None:  # skipped under on_missing="skip"; recorded by the fetcher
             continue
@@ -327,7 +349,7 @@ def join_shards(
         tokenizer: this process's caption tokenizer, or a future of it, or None (see
             :func:`worker_tokenizer`).
     """
-    from datasets import Array4D, Dataset, Features, List, Value
+    from datasets import Array4D, Features, List, Value
 
     from hf_pipeline.fetch import ShardFetcher
     from hf_pipeline.latents import LATENT_SHAPE
@@ -338,7 +360,7 @@ def join_shards(
     precision_dir = work_dir / "precision"
     precision_dir.mkdir(parents=True, exist_ok=True)
     fetch_timeout = cfg.data.file_timeout * (cfg.data.max_retries + 1)
-    shard_names = Dataset.from_dict({"shard": [f.name for f in shards]})
+    table = shard_table(shards)
     with ShardFetcher(
         source, shards, data_config=cfg.data, num_workers=num_proc, progress=progress
     ) as fetcher:
@@ -357,7 +379,7 @@ def join_shards(
         # The builder's tokenizer may still be loading (a future): the workers wait for it.
         tokenizer = worker_tokenizer(tokenizer, cfg, work_dir)
         seconds_tokenizer = time.time() - t_map
-        rows = shard_names.map(
+        rows = table.map(
             convert_shards,
             batched=True,
             batch_size=1,
@@ -365,11 +387,10 @@ def join_shards(
             num_proc=num_proc if num_proc > 1 else None,
             writer_batch_size=build.writer_batch_size,
             features=features,
-            remove_columns=["shard"],
+            remove_columns=table.column_names,
             fn_kwargs={
                 "probe": probe,
                 "client": fetcher.client(),
-                "files": {f.name: f for f in shards},
                 "captions_path": captions_path,
                 "storage": storage,
                 "precision_dir": str(precision_dir),

@@ -294,6 +294,27 @@ def _own_cuda_graph_trees() -> None:
         local.tree_manager_locks = collections.defaultdict(threading.Lock)
 
 
+def _start_graph_thread(device, dtype) -> None:
+    """Set up an encoder's own thread for CUDA graphs: torch's graph-tree state (see
+    :func:`_own_cuda_graph_trees`), and cuBLAS's and cuBLASLt's handles made outside any
+    capture: they are per thread and made on first use, and one made while a graph
+    records fails (``CUBLAS_STATUS_NOT_INITIALIZED``; measured: a second encoder in one
+    process, whose compiled graphs were already warm, recorded at once)."""
+    import torch
+
+    _own_cuda_graph_trees()
+    if device.type != "cuda":
+        return
+    torch.cuda.set_device(device)
+    for dt in {dtype, torch.float32}:
+        a = torch.ones(16, 16, device=device, dtype=dt)
+        torch.addmm(a, a, a)
+        torch.matmul(a, a)
+        if dt != torch.float32:
+            torch._addmm_activation(a, a, a, use_gelu=True)
+    torch.cuda.synchronize(device)
+
+
 def _no_kv_cache(config) -> None:
     """Turn off a decoder's key/value cache (``use_cache``, its text config's too).
 
@@ -397,8 +418,14 @@ class TextEncoder:
         # warm-up and every call run on one thread of the encoder's own.
         self._graph_thread = None
         if self._graphs:
+            # The thread holds its initializer for its life: plain values, not a method
+            # of this encoder (that kept the encoder, and its model, alive for good).
+            weight = next(self.model.parameters())  # its device has an index ("cuda" none)
             self._graph_thread = ThreadPoolExecutor(
-                1, thread_name_prefix="hf_pipeline-encoder", initializer=self._start_graph_thread
+                1,
+                thread_name_prefix="hf_pipeline-encoder",
+                initializer=_start_graph_thread,
+                initargs=(weight.device, weight.dtype),
             )
             weakref.finalize(self, self._graph_thread.shutdown, wait=False)
         # BERT: micro-batches without padding run without an attention mask (see
@@ -489,27 +516,6 @@ class TextEncoder:
                 back). On the CPU the compute is in ``launch``.
         """
         return self._on_graph_thread(self._submit_ids, ids, laps=laps)
-
-    def _start_graph_thread(self) -> None:
-        """Set up the encoder's thread for CUDA graphs: torch's graph-tree state (see
-        :func:`_own_cuda_graph_trees`), and cuBLAS's and cuBLASLt's handles made outside
-        any capture: they are per thread and made on first use, and one made while a
-        graph records fails (``CUBLAS_STATUS_NOT_INITIALIZED``; measured: a second
-        encoder in one process, whose compiled graphs were already warm, recorded at
-        once)."""
-        _own_cuda_graph_trees()
-        if not self.device.startswith("cuda"):
-            return
-        torch = self._torch
-        weight = next(self.model.parameters())  # its device has an index ("cuda" has none)
-        torch.cuda.set_device(weight.device)
-        for dt in {weight.dtype, torch.float32}:
-            a = torch.ones(16, 16, device=weight.device, dtype=dt)
-            torch.addmm(a, a, a)
-            torch.matmul(a, a)
-            if dt != torch.float32:
-                torch._addmm_activation(a, a, a, use_gelu=True)
-        torch.cuda.synchronize(weight.device)
 
     def _on_graph_thread(self, fn, *args, **kwargs):
         """``fn(*args, **kwargs)``, on the encoder's own thread when it runs CUDA graphs."""

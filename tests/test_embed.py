@@ -389,13 +389,17 @@ def test_compiled_encoder_with_row_buckets_keeps_the_embeddings(encoder):
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    ran_on, micro_batch = set(), enc._micro_batch
+    def record_threads(e):
+        ran_on, micro_batch = set(), e._micro_batch
 
-    def recording(mb, seqs):
-        ran_on.add(threading.current_thread().name)
-        return micro_batch(mb, seqs)
+        def recording(mb, seqs):
+            ran_on.add(threading.current_thread().name)
+            return micro_batch(mb, seqs)
 
-    enc._micro_batch = recording
+        e._micro_batch = recording
+        return ran_on
+
+    ran_on = record_threads(enc)
     with ThreadPoolExecutor(2) as pool:
         got = list(pool.map(enc.encode, [TEXTS, TEXTS[::-7]]))
     np.testing.assert_allclose(enc.encode(TEXTS), ref, atol=1e-5)
@@ -410,6 +414,18 @@ def test_compiled_encoder_with_row_buckets_keeps_the_embeddings(encoder):
     for e in (enc, other):
         assert e._on_graph_thread(hasattr, cudagraph_trees.local, "tree_manager_containers")
     np.testing.assert_allclose(other.encode(TEXTS), ref, atol=1e-5)
+    # The thread does not keep its encoder (and model) alive, and ends with it.
+    import gc
+    import weakref
+
+    gone = [weakref.ref(e) for e in (enc, other)]
+    del enc, other, e
+    gc.collect()
+    assert all(r() is None for r in gone)
+    deadline = time.monotonic() + 10
+    while any(t.name.startswith("hf_pipeline-encoder") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the encoders' threads outlived them"
+        time.sleep(0.05)
 
 
 # ----------------------------------------------------------------- Hub model identity

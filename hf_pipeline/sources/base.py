@@ -172,6 +172,8 @@ class Source(abc.ABC):
         self.staging_dir = Path(staging_dir).expanduser()
         self._lock = threading.Lock()
         self._shards: list[RemoteFile] | None = None
+        #: A remote kind's folder listings, per folder (this instance's; not pickled).
+        self._listings: dict[str, list[RemoteFile]] = {}
         self._siblings: dict[str, Source] = {}
         self.fetch_stats = FetchStats()
 
@@ -198,8 +200,7 @@ class Source(abc.ABC):
             state.pop(k, None)
         state["_siblings"] = {}
         state["_shards"] = None
-        if "_listings" in state:
-            state["_listings"] = {}
+        state["_listings"] = {}
         return self.drop_handles(state)
 
     def __setstate__(self, state):

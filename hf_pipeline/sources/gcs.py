@@ -72,7 +72,6 @@ class GCSSource(Source, scheme="gs://"):
             raise SourceError(location, "must look like gs://<bucket>/<prefix>")
         self._path = path
         self._bucket = path.split("/", 1)[0]
-        self._listings: dict[str, list[RemoteFile]] = {}  # per folder, per instance
         self._fs_obj = None
         self._fs_pid = None
 

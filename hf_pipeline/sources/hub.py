@@ -161,7 +161,6 @@ class HubSource(Source, scheme="hf://"):
             location, "/".join(p for p in parts[3:] if p)
         )
         self._commit: str | None = None
-        self._listings: dict[str, list[RemoteFile]] = {}  # per folder, per instance
 
     # -- plumbing
     def _api(self):

@@ -329,6 +329,13 @@ def _no_kv_cache(config) -> None:
             c.use_cache = False
 
 
+def _add_laps(laps: dict[str, float] | None, **seconds: float) -> None:
+    """Add ``seconds`` to the caller's ``laps`` (an ``encode_ids`` call's; None: none)."""
+    if laps is not None:
+        for name, value in seconds.items():
+            laps[name] = laps.get(name, 0.0) + value
+
+
 class _Laps:
     """``lap(name)`` records the seconds since the previous lap under ``name``."""
 
@@ -564,9 +571,7 @@ class TextEncoder:
                 job = self._copy_back(pooled.index_select(0, seqs.input_order), out, laps)
         finally:
             torch.set_float32_matmul_precision(precision)
-        if laps is not None:
-            for name, seconds in (("prepare", t1 - t0), ("launch", time.monotonic() - t1)):
-                laps[name] = laps.get(name, 0.0) + seconds
+        _add_laps(laps, prepare=t1 - t0, launch=time.monotonic() - t1)
         return job
 
     def _attention_backends(self, names: Sequence[str]):
@@ -734,15 +739,13 @@ class EncodeJob:
 
     def result(self) -> np.ndarray:
         """The ``(rows, dim)`` embeddings (waits for the device the first time)."""
+        t0 = time.monotonic()
         if self._host is not None:
-            t0 = time.monotonic()
             self._event.synchronize()
             self._out[...] = self._host.numpy()
             self._host = self._event = None  # the page-locked block goes back to torch's cache
-            if self._laps is not None:
-                self._laps["finish"] = self._laps.get("finish", 0.0) + time.monotonic() - t0
-        elif self._laps is not None:
-            self._laps.setdefault("finish", 0.0)
+        _add_laps(self._laps, finish=time.monotonic() - t0)
+        self._laps = None  # counted once
         return self._out
 
 

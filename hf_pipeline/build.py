@@ -12,8 +12,9 @@ fingerprint and runs the two stages through :func:`dist.coordinator.ensure_built
       column marks all but the first occurrence of each key (among finite rows).
    c. *embed* (:mod:`hf_pipeline.embed_stage`) — ``Dataset.map`` in this process with
       the encoder on the accelerator; only rows that will be kept are encoded.
-2. ``filtered`` — ``Dataset.filter`` on ``drop_reason == ""`` writes the kept row
-   indices; the build report (:func:`hf_pipeline.accounting.build_report`) lands next
+2. ``filtered`` — the ids of the rows with ``drop_reason == ""``, written as
+   ``Dataset.filter`` writes them (:func:`hf_pipeline.parts.write_kept_indices`); the
+   build report (:func:`hf_pipeline.accounting.build_report`) lands next
    to them.
 
 Every latent row is either kept or counted under a reason; metadata rows with no
@@ -46,7 +47,6 @@ from typing import TYPE_CHECKING, Any
 from dist.atomic import write_json_atomic
 from dist.layout import parse_stage_dir
 from hf_pipeline.accounting import (
-    KEEP,
     REASONS,
     build_report,
 )
@@ -337,34 +337,23 @@ class _Builder:
 
     def filtered(self, ctx) -> dict[str, Any]:
         """Stage 2: the kept-row indices and the build report."""
-        from datasets import Dataset, concatenate_datasets
+        from hf_pipeline.parts import write_kept_indices
 
-        build = self.cfg.build
         tmp = Path(ctx.tmp_dir)
         conv = Path(ctx.previous["converted"])
         if (conv / REASONS_FILE).exists():  # the final reasons, across parts
-            emb = Dataset.from_file(str(conv / REASONS_FILE))
+            reason_files = [conv / REASONS_FILE]
         else:  # published by hf_pipeline 0.1: in the embedding files
             layout = CacheLayout(Path(ctx.cache_dir), {"converted": conv.name})
-            emb = concatenate_datasets(
-                [Dataset.from_file(str(p)) for p in layout.embedding_files(conv)]
-            )
-        # One process: a trivial predicate does not pay for spawning a pool.
-        kept = emb.filter(
-            _keep_rows,
-            input_columns=["drop_reason"],
-            batched=True,
-            batch_size=build.batch_size,
-            writer_batch_size=build.writer_batch_size,
-            cache_file_name=str(tmp / "indices.arrow"),
-            new_fingerprint=f"{self.fingerprint}-filtered",
-            keep_in_memory=False,
-            desc="Filter",
-        )
+            reason_files = layout.embedding_files(conv)
+        rows_out = write_kept_indices(
+            reason_files, tmp / "indices.arrow", fingerprint=f"{self.fingerprint}-filtered",
+            batch_rows=self.cfg.build.writer_batch_size,
+        )  # fmt: skip
         report = build_report(
             fingerprint=self.fingerprint,
             cache_dir=str(ctx.cache_dir),
-            rows_out=len(kept),
+            rows_out=rows_out,
             converted=ctx.markers["converted"].info,
             builder=_me(),
             config=self.cfg.to_dict(),
@@ -456,11 +445,6 @@ def _pieces(unit: Path, info: Mapping[str, Any]) -> list[tuple[Path, dict[str, A
 
 def _me() -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid()}
-
-
-def _keep_rows(reasons: list) -> list[bool]:
-    """``datasets.filter`` predicate: keep rows with no drop reason."""
-    return [r == KEEP for r in reasons]
 
 
 _RESOLUTIONS: dict[str, int] = {}  # resolutions of each config so far, this process

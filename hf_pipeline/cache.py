@@ -11,8 +11,9 @@ filtered/report.json              the build report
 filtered.json                     marker
 ```
 
-All ``.arrow`` files are written by ``datasets`` (``Dataset.map``/``.filter``), so a
-user can also open them with ``datasets`` (:func:`open_dataset`). A published cache
+All ``.arrow`` files are written by ``datasets`` (``Dataset.map``) or in its format
+(the filter's indices), so a user can also open them with ``datasets``
+(:func:`open_dataset`). A published cache
 is never modified; a changed fingerprint means a new folder.
 """
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from hf_pipeline.accounting import (
     DUPLICATE,
@@ -57,6 +58,7 @@ __all__ = [
     "join_part",
     "part_files",
     "plan_parts",
+    "write_kept_indices",
 ]
 
 log = logging.getLogger("hf_pipeline")
@@ -351,6 +353,45 @@ def _write_reasons(path: Path, reasons: pa.Array | pa.ChunkedArray) -> None:
     table = pa.table({"drop_reason": reasons})
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table, max_chunksize=1 << 20)
+
+
+#: The ``indices`` file's schema as ``datasets``' filter writes it (its features in the
+#: ``huggingface`` metadata), so that ``datasets.Dataset.from_file`` reads it too.
+_INDICES_FEATURES = {"indices": {"dtype": "uint64", "_type": "Value"}}
+
+
+def write_kept_indices(
+    reason_files: Sequence[Path], out: Path, *, fingerprint: str, batch_rows: int
+) -> int:
+    """The filter: write the row ids (uint64, in row order) whose ``drop_reason`` is
+    empty, read from ``reason_files`` (Arrow streams with a ``drop_reason`` column, in
+    row order), to ``out`` in record batches of at most ``batch_rows`` rows.
+
+    The file ``datasets.Dataset.filter`` writes, one record batch of the reasons at a
+    time: memory does not grow with the rows, and no Python object is made per row
+    (``benchmarks/bench_filter.py``: 3.2x faster than that filter at 5M rows).
+
+    Returns:
+        The number of rows kept.
+    """
+    import json
+
+    meta = {"info": {"features": _INDICES_FEATURES}, "fingerprint": fingerprint}
+    schema = pa.schema([("indices", pa.uint64())], metadata={"huggingface": json.dumps(meta)})
+    kept = offset = 0
+    with pa.OSFile(str(out), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for path in reason_files:
+            with pa.memory_map(str(path)) as source:
+                for batch in pa.ipc.open_stream(source):
+                    keep = pc.fill_null(pc.equal(batch.column("drop_reason"), KEEP), False)
+                    rows = np.flatnonzero(keep.to_numpy(zero_copy_only=False)).astype(np.uint64)
+                    rows += np.uint64(offset)
+                    for start in range(0, len(rows), batch_rows):
+                        chunk = pa.array(rows[start : start + batch_rows], pa.uint64())
+                        writer.write_batch(pa.record_batch([chunk], schema=schema))
+                    kept += len(rows)
+                    offset += batch.num_rows
+    return kept
 
 
 def _link_tree(src: Path, dst: Path) -> None:

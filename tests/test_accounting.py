@@ -35,3 +35,58 @@ def test_later_duplicates_first_eligible_occurrence_wins():
     assert later_duplicates(keys).tolist() == [
         False, False, True, False, True, True, False, True,
     ]  # fmt: skip
+
+
+def _reasons_file(path, batches):
+    import pyarrow as pa
+
+    schema = pa.schema([("drop_reason", pa.string())])
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for reasons in batches:
+            writer.write_batch(pa.record_batch([pa.array(reasons, pa.string())], schema=schema))
+
+
+def test_kept_indices_are_the_file_datasets_filter_writes(tmp_path):
+    """The filter stage's indices: the rows with no drop reason across every file and
+    record batch, in order, read by ``datasets`` as the file its own filter writes."""
+    import datasets
+    import pyarrow as pa
+
+    from hf_pipeline.parts import write_kept_indices
+
+    rng = np.random.default_rng(0)
+    choices = np.array(["", "", "", "no_caption", "duplicate_key", "nonfinite_latents"])
+    batches = [list(choices[rng.integers(0, len(choices), n)]) for n in (7, 0, 13, 5)]
+    batches[2][0] = None  # a missing reason is no reason to keep
+    files = [tmp_path / "a.arrow", tmp_path / "b.arrow"]
+    _reasons_file(files[0], batches[:3])
+    _reasons_file(files[1], batches[3:])
+    out = tmp_path / "indices.arrow"
+
+    kept = write_kept_indices(files, out, fingerprint="fp-filtered", batch_rows=4)
+
+    flat = [r for b in batches for r in b]
+    want = [i for i, r in enumerate(flat) if r == ""]
+    assert kept == len(want) and 0 < kept < len(flat)
+    ref = datasets.Dataset.from_dict({"drop_reason": flat}).filter(
+        lambda rs: [r == "" for r in rs], input_columns=["drop_reason"], batched=True,
+        cache_file_name=str(tmp_path / "ref.arrow"), keep_in_memory=False,
+    )  # fmt: skip
+    ref_table = pa.ipc.open_stream(pa.memory_map(str(tmp_path / "ref.arrow"))).read_all()
+    ours = pa.ipc.open_stream(pa.memory_map(str(out))).read_all()
+    assert ours.schema.equals(ref_table.schema)  # uint64 "indices"
+    assert ours.column("indices").to_pylist() == ref_table.column("indices").to_pylist() == want
+    assert max(len(b) for b in ours.to_batches()) <= 4
+    assert datasets.Dataset.from_file(str(out))["indices"] == want
+    assert len(ref) == kept
+
+
+def test_kept_indices_of_no_rows(tmp_path):
+    from hf_pipeline.parts import write_kept_indices
+
+    _reasons_file(tmp_path / "r.arrow", [])
+    out = tmp_path / "indices.arrow"
+    assert write_kept_indices([tmp_path / "r.arrow"], out, fingerprint="f", batch_rows=10) == 0
+    import datasets
+
+    assert len(datasets.Dataset.from_file(str(out))) == 0

@@ -26,8 +26,10 @@ import json
 import multiprocessing
 import os
 import shutil
+import sys
 import uuid
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -179,7 +181,9 @@ def generate_demo(
         The :class:`DemoData` describing the files and planted defects.
 
     Raises:
-        ValueError: invalid parameters.
+        ValueError: invalid parameters; ``num_proc > 1`` in a program read from standard
+            input (its spawned workers could not import it).
+        RuntimeError: a worker died (killed, or the calling script has no guard).
         SourceError: ``out_dir`` exists with other content or other parameters.
     """
     if num_shards < 1:
@@ -207,6 +211,8 @@ def generate_demo(
     if existing is not None:
         return existing
 
+    if num_proc > 1 and num_shards > 1:
+        _check_spawnable(num_proc)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
@@ -285,6 +291,29 @@ def _read_existing(out: Path, params: dict) -> DemoData | None:
 
 
 # --------------------------------------------------------------------------- generation
+
+
+def _check_spawnable(num_proc: int) -> None:
+    """Refuse a pool whose spawned processes could not import the main program (they
+    import it first: one read from standard input, ``python - <<EOF``, is no file), and
+    a call made by a spawned process while it imports an unguarded main script (before
+    it writes anything: the caller then reports its dead worker)."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise RuntimeError(
+            "generate_demo was called while a new worker process was importing the main "
+            'script: its entry point must be under `if __name__ == "__main__":`'
+        )
+    main = sys.modules["__main__"]
+    path = getattr(main, "__file__", None)
+    if getattr(main, "__spec__", None) is not None or path is None:
+        return  # ``python -m``, or no file to import (``python -c``, a notebook)
+    full = os.path.join(multiprocessing.process.ORIGINAL_DIR or "", path)
+    if not os.path.isfile(full):
+        raise ValueError(
+            f"generate_demo(num_proc={num_proc}) writes the shards in spawned processes, which "
+            f"import the main program first, and {path!r} is not a file: run it from a script "
+            f'(under `if __name__ == "__main__":`), or use num_proc=1'
+        )
 
 
 def _write_dataset(folder: Path, params: dict, *, num_proc: int = 1) -> None:
@@ -370,6 +399,13 @@ def _write_dataset(folder: Path, params: dict, *, num_proc: int = 1) -> None:
             key_as_index=params["key_as_index"],
         )
         shard_files = [f.result() for f in pending] if pool else [_write_shard(j) for j in jobs]
+    except BrokenProcessPool:
+        main = getattr(sys.modules["__main__"], "__file__", None) or "the main program"
+        raise RuntimeError(
+            f"generate_demo(num_proc={num_proc}): a process writing the shards died (killed, or "
+            f"it failed as it started: see its message above). A spawned process imports "
+            f'{main} first: a script that calls generate_demo needs `if __name__ == "__main__":`'
+        ) from None
     finally:
         if pool is not None:
             # On an error, the shards not started yet are dropped, not written for nothing.

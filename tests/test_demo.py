@@ -291,3 +291,39 @@ def test_captions_carry_signal(tmp_path):
     assert rho > 0.9, (means, table_ch0)
     gap = means["red"] - means["black"]
     assert gap > 8 * np.hypot(ses["red"], ses["black"]), (gap, ses)
+
+
+@pytest.mark.parametrize("how", ["stdin", "unguarded"])
+def test_parallel_writers_explain_a_main_they_cannot_import(tmp_path, how):
+    """num_proc > 1 from a program on standard input, or from a script without a main
+    guard: one message that says so and a non-zero exit, no half-written folder."""
+    repo = Path(__file__).resolve().parent.parent
+    code = (
+        "from hf_pipeline.demo import generate_demo\n"
+        f"generate_demo({str(tmp_path / 'demo')!r}, num_shards=3, samples_per_shard=10, "
+        "num_proc=2)\n"
+    )
+    if how == "stdin":
+        cmd, stdin = [sys.executable, "-"], code
+    else:
+        (tmp_path / "unguarded.py").write_text(code)
+        cmd, stdin = [sys.executable, str(tmp_path / "unguarded.py")], None
+    proc = subprocess.run(
+        cmd, input=stdin, capture_output=True, text=True, cwd=tmp_path, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+    )  # fmt: skip
+    assert proc.returncode != 0
+    # One message from the caller (a dead worker's own traceback may come after it).
+    mine = [line for line in proc.stderr.splitlines() if "generate_demo(num_proc=2)" in line]
+    assert len(mine) == 1
+    if how == "stdin":
+        assert mine[0].startswith("ValueError: ") and "'<stdin>' is not a file" in mine[0]
+    else:
+        assert (
+            mine[0].startswith("RuntimeError: ") and "a process writing the shards died" in mine[0]
+        )
+        assert 'needs `if __name__ == "__main__":`' in mine[0] and "unguarded.py" in mine[0]
+        assert "generate_demo was called while a new worker process was importing" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == (
+        ["unguarded.py"] if how != "stdin" else []
+    )

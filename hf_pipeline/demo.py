@@ -404,7 +404,8 @@ def _write_dataset(folder: Path, params: dict, *, num_proc: int = 1) -> None:
         raise RuntimeError(
             f"generate_demo(num_proc={num_proc}): a process writing the shards died (killed, or "
             f"it failed as it started: see its message above). A spawned process imports "
-            f'{main} first: a script that calls generate_demo needs `if __name__ == "__main__":`'
+            f"{main} first: if that script calls generate_demo outside "
+            f'`if __name__ == "__main__":`, each process ran it again'
         ) from None
     finally:
         if pool is not None:

@@ -322,7 +322,7 @@ def test_parallel_writers_explain_a_main_they_cannot_import(tmp_path, how):
         assert (
             mine[0].startswith("RuntimeError: ") and "a process writing the shards died" in mine[0]
         )
-        assert 'needs `if __name__ == "__main__":`' in mine[0] and "unguarded.py" in mine[0]
+        assert 'outside `if __name__ == "__main__":`' in mine[0] and "unguarded.py" in mine[0]
         assert "generate_demo was called while a new worker process was importing" in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == (
         ["unguarded.py"] if how != "stdin" else []

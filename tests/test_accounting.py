@@ -37,13 +37,19 @@ def test_later_duplicates_first_eligible_occurrence_wins():
     ]  # fmt: skip
 
 
-def _reasons_file(path, batches):
+def _reasons_file(path, batches, *, embedding=False):
+    """An Arrow stream of ``drop_reason`` batches: as ``reasons.arrow``, or (``embedding``)
+    as a 0.1 cache's embedding files, the reasons beside the embeddings."""
     import pyarrow as pa
 
-    schema = pa.schema([("drop_reason", pa.string())])
+    fields = [("embedding", pa.list_(pa.float32(), 2))] if embedding else []
+    schema = pa.schema([*fields, ("drop_reason", pa.string())])
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
         for reasons in batches:
-            writer.write_batch(pa.record_batch([pa.array(reasons, pa.string())], schema=schema))
+            emb = [pa.array([[0.5, 1.5]] * len(reasons), fields[0][1])] if embedding else []
+            writer.write_batch(
+                pa.record_batch([*emb, pa.array(reasons, pa.string())], schema=schema)
+            )
 
 
 def test_kept_indices_are_the_file_datasets_filter_writes(tmp_path):
@@ -60,7 +66,7 @@ def test_kept_indices_are_the_file_datasets_filter_writes(tmp_path):
     batches[2][0] = None  # a missing reason is no reason to keep
     files = [tmp_path / "a.arrow", tmp_path / "b.arrow"]
     _reasons_file(files[0], batches[:3])
-    _reasons_file(files[1], batches[3:])
+    _reasons_file(files[1], batches[3:], embedding=True)
     out = tmp_path / "indices.arrow"
 
     kept = write_kept_indices(files, out, fingerprint="fp-filtered", batch_rows=4)

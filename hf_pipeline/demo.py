@@ -21,12 +21,14 @@ place; the loser discards its copy.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import multiprocessing
 import os
 import shutil
 import sys
+import time
 import uuid
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -222,8 +224,10 @@ def generate_demo(
             # rename(2) of a folder onto an absent or *empty* folder is atomic; onto a
             # non-empty one it fails, which is how a concurrent winner is detected.
             os.rename(tmp, out)
-        except OSError:
-            if not out.is_dir():
+        except OSError as exc:
+            # ENOTEMPTY / EEXIST: the winner's folder is there, even where this host
+            # does not see it yet (a shared filesystem's lookup cache): waited for below.
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) and not out.is_dir():
                 raise
         else:
             fsync_dir(out.parent)
@@ -232,8 +236,16 @@ def generate_demo(
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     existing = _read_existing(out, params)
-    if existing is None:  # pragma: no cover - only if someone deletes it meanwhile
-        raise SourceError(str(out), "demo folder vanished right after generation")
+    deadline = time.monotonic() + _VISIBLE_WAIT_S
+    while existing is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+        existing = _read_existing(out, params)
+    if existing is None:
+        raise SourceError(
+            str(out),
+            f"another process published this demo folder, but it was not visible here "
+            f"within {_VISIBLE_WAIT_S:.0f} s (or it was deleted meanwhile)",
+        )
     return existing
 
 
@@ -289,6 +301,10 @@ def _read_existing(out: Path, params: dict) -> DemoData | None:
             f"malformed demo manifest ({type(exc).__name__}: {exc}); delete {out}",
         ) from None
 
+
+#: How long a process that lost the race to publish the demo waits to see the winner's
+#: folder (NFS keeps a negative lookup for up to ``acdirmax``, 60 s by default).
+_VISIBLE_WAIT_S = 90.0
 
 # --------------------------------------------------------------------------- generation
 

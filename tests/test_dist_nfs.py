@@ -236,3 +236,38 @@ def test_whole_build_across_hosts(host_views, tmp_path):
         assert not set(parts[0]) & set(parts[1])
     caches = list((views.shared / "hf_home" / "datasets" / "hf_pipeline").glob("demo-*"))
     assert len(caches) == 1
+
+
+def test_demo_published_by_the_other_host_while_this_one_generated_it(host_views):
+    """Two hosts generate the demo at once (every rank's ``resolve_inputs`` does): the
+    one whose rename loses the race (ENOTEMPTY) returns the winner's demo and removes its
+    own copy. (The race CI once hit, the loser's lookup just before the winner's rename
+    landed and then cached "no such folder", is a window of milliseconds that cannot be
+    staged; ``generate_demo`` now waits for the folder rather than trusting that lookup.)"""
+    import threading
+
+    from hf_pipeline.demo import generate_demo
+
+    views = host_views(cache_s=N)
+    params = {"num_shards": 120, "samples_per_shard": 10, "seed": 5}  # ~1 s to write
+    generate_demo(views.a / "staged", **params)  # host A's copy, all but its rename
+    got: dict = {}
+
+    def host_b():
+        try:
+            got["demo"] = generate_demo(views.b / "demo", **params)
+        except Exception as e:  # noqa: BLE001 - asserted below
+            got["error"] = e
+
+    b = threading.Thread(target=host_b)
+    b.start()
+    deadline = time.monotonic() + 30
+    while not any(p.name.startswith(".demo.tmp-") for p in views.shared.iterdir()):
+        assert time.monotonic() < deadline and b.is_alive(), "B never started writing"
+        time.sleep(0.01)
+    assert not (views.b / "demo").exists()  # host B now caches "no such folder"
+    os.rename(views.a / "staged", views.a / "demo")  # A wins: its generate_demo's last step
+    b.join(120)
+    assert "demo" in got, f"host B failed: {got.get('error')!r}"
+    assert got["demo"].num_latent_rows == 1200
+    assert sorted(p.name for p in views.shared.iterdir()) == ["demo"]  # B's copy removed

@@ -314,11 +314,9 @@ def _check_spawnable(num_proc: int) -> None:
     import it first: one read from standard input, ``python - <<EOF``, is no file), and
     a call made by a spawned process while it imports an unguarded main script (before
     it writes anything: the caller then reports its dead worker)."""
-    if getattr(multiprocessing.current_process(), "_inheriting", False):
-        raise RuntimeError(
-            "generate_demo was called while a new worker process was importing the main "
-            'script: its entry point must be under `if __name__ == "__main__":`'
-        )
+    from hf_pipeline.workers import check_not_bootstrapping
+
+    check_not_bootstrapping("generate_demo", "its shard writers are spawned")
     main = sys.modules["__main__"]
     path = getattr(main, "__file__", None)
     if getattr(main, "__spec__", None) is not None or path is None:

@@ -27,6 +27,7 @@ float noise (the encoder batches rows differently).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -374,8 +375,6 @@ def write_kept_indices(
     Returns:
         The number of rows kept.
     """
-    import json
-
     meta = {"info": {"features": _INDICES_FEATURES}, "fingerprint": fingerprint}
     schema = pa.schema([("indices", pa.uint64())], metadata={"huggingface": json.dumps(meta)})
     kept = offset = 0

@@ -283,12 +283,15 @@ def _reap(pid: int) -> None:
         os.waitpid(pid, 0)
 
 
-def check_not_bootstrapping() -> None:
+def check_not_bootstrapping(
+    caller: str = "prepare_cache", workers: str = "the build's workers are started by a fork server"
+) -> None:
     """Stop a new worker that is running the main script while it starts up.
 
     A worker (forkserver or spawn) imports the parent's main script before it does
     any work; a script without an ``if __name__ == "__main__":`` guard would then call
-    ``prepare_cache`` again inside every worker, as the same rank.
+    ``caller`` (``prepare_cache``, or ``generate_demo`` with its spawned writers: how
+    the ``workers`` start is said in the message) again inside every worker.
 
     A worker of a :func:`clean_workers` block's fork server leaves the message for its
     builder (see :func:`_unguarded_report`) and exits quietly: the builder raises it,
@@ -306,8 +309,8 @@ def check_not_bootstrapping() -> None:
         if mp is not None and getattr(mp.current_process(), "_inheriting", False):
             main = getattr(sys.modules.get("__mp_main__"), "__file__", None) or "the main script"
             message = (
-                f"prepare_cache was called while a new worker process was importing "
-                f"{main}: the build's workers are started by a fork server, so the script's entry point "
+                f"{caller} was called while a new worker process was importing {main}: "
+                f"{workers}, so the script's entry point "
                 f'must be under `if __name__ == "__main__":`'
             )
             # A worker of our fork server (its preload ran first) leaves the message for

@@ -11,7 +11,9 @@ micro-batches padded on the host, eager); ``rows256`` is today's loop with the 0
 micro-batch size (it gains from every change to that loop); ``defaults-fuse_gelu`` the
 defaults with ``encoder.fuse_gelu: false``; ``tokNk`` micro-batches
 of N*1024 padded tokens; ``+compile`` is ``encoder.compile: default`` (``torch.compile``),
-``+graphs`` is ``reduce-overhead`` (``torch.compile`` replaying CUDA graphs),
+``+graphs`` is ``reduce-overhead`` (``torch.compile`` replaying CUDA graphs); ``eager``
+and ``graphs`` are the defaults with ``encoder.compile: eager`` / ``graphs`` (eager
+kernels replayed from CUDA graphs captured per shape, no compiler);
 ``+eager_attn`` transformers' eager attention instead of SDPA. With ``--tf32`` every float32
 variant is timed once more with ``encoder.tf32`` (TF32 matmuls: other numerics, an explicit
 option).
@@ -79,6 +81,8 @@ VARIANTS = {
         attn_implementation="eager",
     ),  # fmt: skip
     "defaults": {},  # whatever EncoderConfig defaults to (encoder.compile: auto)
+    "eager": dict(compile="eager"),  # the defaults, eager (configs/demo.yaml's setting)
+    "graphs": dict(compile="graphs"),  # the defaults, eager kernels from captured CUDA graphs
     "defaults-fuse_gelu": dict(fuse_gelu=False),
     # The encoder loop as it was when issue 10 was filed (see _encode_ids_v01).
     "v0.1": dict(micro_batch_size=256, tokens_per_batch=0, compile="eager", fuse_gelu=False),

@@ -82,10 +82,13 @@ ParallelMode = Literal["one", "ranks"]
 PARALLEL_MODES: tuple[str, ...] = get_args(ParallelMode)
 
 #: How the encoder runs its forward: ``auto`` (``default`` on CUDA, ``eager`` on the CPU,
-#: where compiling takes minutes), ``eager`` (no compilation), ``default``
-#: (``torch.compile``) or ``reduce-overhead`` (``torch.compile`` replaying CUDA graphs of
-#: a few row-count buckets per width). A speed knob: the embeddings differ by float noise.
-EncoderCompile = Literal["auto", "eager", "default", "reduce-overhead"]
+#: where compiling takes minutes), ``eager`` (no compilation), ``graphs`` (eager kernels
+#: replayed from CUDA graphs, one captured per micro-batch shape: no compiler; ``eager``
+#: off CUDA), ``default`` (``torch.compile``) or ``reduce-overhead`` (``torch.compile``
+#: replaying CUDA graphs). Graphs run the few row-count buckets per width of
+#: :func:`hf_pipeline.embed.micro_batches`. A speed knob: the embeddings differ by float
+#: noise.
+EncoderCompile = Literal["auto", "eager", "graphs", "default", "reduce-overhead"]
 
 #: The encoder's attention kernels (transformers' ``attn_implementation``).
 EncoderAttention = Literal["sdpa", "eager"]

@@ -28,6 +28,7 @@ from hf_pipeline.errors import ConfigError, SourceError
 
 __all__ = [
     "CaptionTokenizer",
+    "CapturedGraphs",
     "EncodeJob",
     "MicroBatch",
     "TextEncoder",
@@ -412,9 +413,14 @@ class TextEncoder:
         self.compile_mode = cfg.compile
         if self.compile_mode == "auto":
             self.compile_mode = _CUDA_COMPILE if self.device.startswith("cuda") else "eager"
+        if self.compile_mode == "graphs" and not self.device.startswith("cuda"):
+            self.compile_mode = "eager"  # CUDA graphs need CUDA
         # CUDA graphs replay fixed shapes: micro-batches then come in a few row counts
         # per padded width (see micro_batches), or every call would record new graphs.
+        # ``_graphs``: torch.compile's (graph trees, on a thread of their own);
+        # ``_replayed``: any graph, whose output is overwritten by the next replay.
         self._graphs = self.compile_mode == "reduce-overhead"
+        self._replayed = self._graphs or self.compile_mode == "graphs"
         # On an accelerator the attention kernels plan per shape (cuDNN SDPA: ~10 ms or
         # more each): row counts in buckets keep the shapes few, and warm_up plans them
         # all before the build's first batch. On the CPU padding rows is only waste.
@@ -441,6 +447,10 @@ class TextEncoder:
         if self.compile_mode == "eager":
             self._forward = self._pool
             self._forward_unmasked = self._pool_unmasked if unmasked else None
+        elif self.compile_mode == "graphs":
+            pool = torch.cuda.graph_pool_handle()  # one memory pool for all the shapes
+            self._forward = CapturedGraphs(self._pool, pool)
+            self._forward_unmasked = CapturedGraphs(self._pool_unmasked, pool) if unmasked else None
         else:
             # dynamic=None: the first shape compiles static, the second recompiles with
             # symbolic sizes and serves every later shape (a compile per shape would hit
@@ -479,7 +489,7 @@ class TextEncoder:
 
     @property
     def _min_rows(self) -> int:
-        return 1 if self.compile_mode == "eager" else 2
+        return 1 if self.compile_mode in ("eager", "graphs") else 2
 
     @property
     def output_dtype(self) -> np.dtype:
@@ -596,7 +606,8 @@ class TextEncoder:
 
         Eager models compile and plan nothing per shape (cuDNN's attention, which planned
         per shape, is not among the kernels used): they run each width once, at its
-        smallest row count. Every bucket cost the gemma-3-270m shape 4.75 s of compute on
+        smallest row count. So do ``graphs`` (:class:`CapturedGraphs`), which capture
+        each further shape when it first comes. Every bucket cost the gemma-3-270m shape 4.75 s of compute on
         an H100 (bf16), on the build's critical path (its first embedding waits for it).
         """
         if self.device == "cpu":
@@ -608,7 +619,7 @@ class TextEncoder:
         for ids in warm_up_ids(
             self.cfg, self.tokenizer.pad_token_id, min_rows=self._min_rows,
             full_batches=self._forward_unmasked is not None,
-            every_bucket=self.compile_mode != "eager",
+            every_bucket=self.compile_mode not in ("eager", "graphs"),
         ):  # fmt: skip
             self._submit_ids(ids).result()
         self.load_seconds["warm_up"] = round(time.monotonic() - t0, 3)
@@ -640,9 +651,10 @@ class TextEncoder:
         else:
             with self._attention_backends(_SDPA_BACKENDS):
                 pooled = self._forward(input_ids, valid.to(torch.int64))
-        if self._graphs or mb.rows > real_rows:
+        if self._replayed or mb.rows > real_rows:
             # A CUDA graph's output lives in its pool and is overwritten by the next
-            # replay: keep a copy of the real rows.
+            # replay (of any shape, with encoder.compile: graphs): a copy of the real rows,
+            # queued before the next replay.
             pooled = pooled[:real_rows].clone()
         return pooled
 
@@ -665,6 +677,72 @@ class TextEncoder:
         if self.cfg.normalize:
             pooled = self._torch.nn.functional.normalize(pooled.float(), dim=-1)
         return pooled.float()
+
+
+class CapturedGraphs:
+    """``fn`` (tensors in, a tensor out) on CUDA, replayed from a CUDA graph captured the
+    first time each input shape comes (``encoder.compile: graphs``).
+
+    A micro-batch is then one graph launch instead of a few hundred kernel launches from
+    Python: the eager forward is launch-bound on MiniLM-sized models, and its launches
+    wait for the interpreter lock that the join's threads take in a build. A new shape
+    runs ``fn`` once outside the capture (lazy initialisation: the thread's cuBLAS handle,
+    kernel modules), then records it on a stream of its own, with no device-wide wait:
+    the cost of one more micro-batch, where ``torch.compile``'s ``reduce-overhead``
+    compiles each shape first (50 s for MiniLM's buckets). Shapes are captured as they
+    come, not all in the warm-up: capturing every row bucket up front cost the build's
+    first embedding 6 s of compute with MiniLM in float32, 10 s with the gemma-3-270m
+    shape (H100).
+
+    The returned tensor is the graph's own output buffer, overwritten by the next replay
+    of any graph sharing ``pool``: the caller copies what it keeps before that (stream
+    order is enough). Replays may come from any thread, one at a time.
+    """
+
+    def __init__(self, fn, pool):
+        self._fn, self._pool = fn, pool
+        self._graphs: dict[tuple, tuple] = {}
+        self._streams: dict[Any, Any] = {}  # device -> the stream graphs are captured on
+
+    def __len__(self) -> int:
+        """Graphs captured so far (one per input shape)."""
+        return len(self._graphs)
+
+    def __call__(self, *args):
+        key = tuple((tuple(a.shape), a.dtype, a.device) for a in args)
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._graphs[key] = self._capture(args)
+        graph, inputs, output = entry
+        for static, value in zip(inputs, args, strict=True):
+            static.copy_(value)
+        graph.replay()
+        return output
+
+    def _capture(self, args) -> tuple:
+        import torch
+
+        device = args[0].device
+        with torch.cuda.device(device):
+            side = self._streams.get(device)
+            if side is None:
+                side = self._streams[device] = torch.cuda.Stream()
+            current = torch.cuda.current_stream()
+            inputs = [a.clone() for a in args]
+            side.wait_stream(current)
+            graph = torch.cuda.CUDAGraph()
+            # Not torch.cuda.graph(): it waits for the whole device and empties torch's
+            # device and page-locked caches before every capture.
+            with torch.cuda.stream(side):
+                self._fn(*inputs)
+                # thread_local: another thread's CUDA calls (an event's wait) go on.
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    output = self._fn(*inputs)
+                finally:
+                    graph.capture_end()
+            current.wait_stream(side)
+        return graph, inputs, output
 
 
 def _unmasked_bert(model) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from hf_pipeline.accounting import DUPLICATE, KEEP, ReasonCodes
 
@@ -41,15 +42,22 @@ def embed_rows(
     probe,
     ahead: EncodeAhead,
     duplicate: np.ndarray,
-) -> dict[str, Any]:
+) -> pa.Table:
     """``datasets.map`` function (Arrow format): the batch's final reasons, and its
-    embeddings from :class:`EncodeAhead` (kept rows; zeros elsewhere)."""
+    embeddings from :class:`EncodeAhead` (kept rows; zeros elsewhere), as an Arrow
+    table."""
     probe.check()  # a builder that lost its lease stops at the next batch
     idx = np.asarray(indices, dtype=np.int64)
-    final = np.asarray(reasons.to_pylist(), dtype=object)  # one batch, not the table
-    final[(final == KEEP) & duplicate[idx]] = DUPLICATE
+    if isinstance(reasons, pa.ChunkedArray):
+        reasons = reasons.combine_chunks()
+    # In Arrow, not a Python string per row: this runs beside the encoder's thread,
+    # whose kernel launches wait for the interpreter lock.
+    kept = pc.equal(reasons, KEEP).fill_null(False).to_numpy(zero_copy_only=False)
+    final = pc.if_else(pa.array(kept & duplicate[idx]), pa.scalar(DUPLICATE), reasons)
     emb = ahead.get(int(idx[0])) if len(idx) else np.zeros((0, ahead.dim), ahead.dtype)
-    return {"embedding": emb, "drop_reason": final.tolist()}
+    flat = pa.array(np.ascontiguousarray(emb).reshape(-1))  # no copy
+    embedding = pa.FixedSizeListArray.from_arrays(flat, ahead.dim)
+    return pa.table({"embedding": embedding, "drop_reason": final})
 
 
 class EncodeAhead:

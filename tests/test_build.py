@@ -465,6 +465,22 @@ def test_open_dataset_when_nothing_was_dropped(clean_builds):
     assert len(ds[3:5]["embedding"]) == 2
 
 
+def test_float16_embeddings_are_the_float32_ones_rounded(clean_builds, tmp_path):
+    """``encoder.output_dtype: float16`` stores each embedding as the float32 build's,
+    rounded to float16, row for row."""
+    built32, paths = clean_builds["float32"]
+    built16 = prepare_cache(
+        _tiny_config(paths[0].parent, tmp_path / "c", "encoder.output_dtype=float16"),
+        progress=False,
+    )
+    ds16 = open_dataset(built16.layout)
+    assert ds16.features["embedding"].feature.dtype == "float16"
+    e16 = np.asarray(ds16.with_format("arrow")["embedding"].combine_chunks().flatten())
+    e32 = open_dataset(built32.layout).with_format("numpy")[:]["embedding"]
+    assert e16.dtype == np.float16 and e32.shape == (12, 384)
+    np.testing.assert_array_equal(e16.reshape(e32.shape), e32.astype(np.float16))
+
+
 def _expected_loss(src32: np.ndarray, stored32: np.ndarray, mantissa_bits: int) -> dict:
     """Flushes and moves beyond one ulp (at the source magnitude), computed directly."""
     x, y = src32.astype(np.float64).ravel(), stored32.astype(np.float64).ravel()

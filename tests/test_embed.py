@@ -151,6 +151,15 @@ def test_defaults_are_token_budgets_and_compile_only_on_cuda(encoder):
     assert encoder.model.config._attn_implementation == "sdpa"
 
 
+def test_graphs_off_cuda_run_eager(encoder):
+    """``encoder.compile: graphs`` captures CUDA graphs: on the CPU the forward is eager
+    (tests/test_embed_cuda.py tests the graphs on a GPU)."""
+    graphs = TextEncoder(EncoderConfig(micro_batch_size=4, compile="graphs"))
+    assert graphs.device == "cpu" and graphs.compile_mode == "eager"
+    texts = ["a red circle", "stripes on a wall, " * 9]
+    np.testing.assert_array_equal(graphs.encode(texts), encoder.encode(texts))
+
+
 def _ids(lengths) -> np.ndarray:
     return np.sort(np.asarray(lengths))
 

@@ -697,29 +697,42 @@ class CapturedGraphs:
     The returned tensor is the graph's own output buffer, overwritten by the next replay
     of any graph sharing ``pool``: the caller copies what it keeps before that (stream
     order is enough). Replays may come from any thread, one at a time.
+
+    A forward that cannot be captured (it waits for the device, e.g. ``.item()`` on a
+    result to choose a branch) runs eager from then on, with one warning: the same
+    embeddings, without the gain.
     """
 
     def __init__(self, fn, pool):
         self._fn, self._pool = fn, pool
         self._graphs: dict[tuple, tuple] = {}
         self._streams: dict[Any, Any] = {}  # device -> the stream graphs are captured on
+        #: Why capturing failed (then every call runs ``fn`` eager), or None.
+        self.eager_because: str | None = None
 
     def __len__(self) -> int:
         """Graphs captured so far (one per input shape)."""
         return len(self._graphs)
 
     def __call__(self, *args):
+        if self.eager_because is not None:
+            return self._fn(*args)
         key = tuple((tuple(a.shape), a.dtype, a.device) for a in args)
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._graphs[key] = self._capture(args)
+            entry = self._capture(args)
+            if entry is None:
+                return self._fn(*args)
+            self._graphs[key] = entry
         graph, inputs, output = entry
         for static, value in zip(inputs, args, strict=True):
             static.copy_(value)
         graph.replay()
         return output
 
-    def _capture(self, args) -> tuple:
+    def _capture(self, args) -> tuple | None:
+        """A graph of ``fn`` for the shapes of ``args``: (graph, its input buffers, its
+        output); None if ``fn`` cannot be captured (see :attr:`eager_because`)."""
         import torch
 
         device = args[0].device
@@ -735,14 +748,25 @@ class CapturedGraphs:
             # device and page-locked caches before every capture.
             with torch.cuda.stream(side):
                 self._fn(*inputs)
-                # thread_local: another thread's CUDA calls (an event's wait) go on.
-                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
                 try:
-                    output = self._fn(*inputs)
-                finally:
-                    graph.capture_end()
+                    # thread_local: another thread's CUDA calls (an event's wait) go on.
+                    graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                    try:
+                        output = self._fn(*inputs)
+                    finally:
+                        graph.capture_end()
+                except RuntimeError as exc:
+                    cause = exc.__context__ or exc  # the forward's error, before capture_end's
+                    self.eager_because = f"{type(cause).__name__}: {str(cause).strip()[:300]}"
+                    log.warning(
+                        "encoder.compile: graphs: the encoder's forward cannot be captured "
+                        "in a CUDA graph (%s); it runs eager from here on (same embeddings; "
+                        "encoder.compile: eager or default say so up front)",
+                        self.eager_because,
+                    )
+                    output = None
             current.wait_stream(side)
-        return graph, inputs, output
+        return None if output is None else (graph, inputs, output)
 
 
 def _unmasked_bert(model) -> bool:

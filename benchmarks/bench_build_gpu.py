@@ -13,7 +13,10 @@ The encoder is ``--model`` (a folder; with ``--random-minilm TOKENIZER_DIR`` a r
 weight MiniLM is made from its config: the speed is the architecture's, no download;
 ``--random-gemma TOKENIZER_DIR``: a random-weight gemma-3-270m-shaped encoder).
 
-The encoder compiles cold: the run sets ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``
+The config is ``configs/demo.yaml`` (``encoder.compile: graphs``: nothing compiles; the
+report's ``encoder`` field says which mode ran) plus the ``--set`` overrides. A compiled
+encoder (``--set encoder.compile=default``) compiles cold: the run sets
+``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``
 (``--warm-compile-cache`` keeps inductor's on-disk caches), so a run neither gets graphs
 an earlier run (or another version of the code) compiled nor hides the compile time a
 fresh node pays.

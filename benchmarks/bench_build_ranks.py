@@ -27,7 +27,9 @@ one builder the first slice (and, by default, that many workers). One host then 
 for ``--ranks`` nodes of one GPU and ``CPUs / ranks`` cores each sharing one store, the
 setting ``parallel: ranks`` is for; memory bandwidth and the store stay shared.
 
-Each process compiles its encoder cold (``torch.compile`` on CUDA): it gets a fresh
+The config is ``configs/demo.yaml`` (``encoder.compile: graphs``: nothing compiles) plus
+the overrides. A compiled encoder (``--set encoder.compile=default``) compiles cold in
+each process: it gets a fresh
 ``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` of its own, as a fresh node would;
 before, a build found the graphs an earlier build of the run had compiled, which favoured
 whichever came second. ``--warm-compile-cache`` shares the host's caches instead.

@@ -607,8 +607,9 @@ class TextEncoder:
         Eager models compile and plan nothing per shape (cuDNN's attention, which planned
         per shape, is not among the kernels used): they run each width once, at its
         smallest row count. So do ``graphs`` (:class:`CapturedGraphs`), which capture
-        each further shape when it first comes. Every bucket cost the gemma-3-270m shape 4.75 s of compute on
-        an H100 (bf16), on the build's critical path (its first embedding waits for it).
+        each further shape when it first comes. Every bucket cost the gemma-3-270m shape
+        4.75 s of compute on an H100 (bf16), on the build's critical path (its first
+        embedding waits for it).
         """
         if self.device == "cpu":
             return

@@ -705,7 +705,9 @@ class CapturedGraphs:
     """
 
     def __init__(self, fn, pool):
-        self._fn, self._pool = fn, pool
+        import torch
+
+        self._fn, self._pool, self._cuda = fn, pool, torch.cuda
         self._graphs: dict[tuple, tuple] = {}
         self._streams: dict[Any, Any] = {}  # device -> the stream graphs are captured on
         #: Why capturing failed (then every call runs ``fn`` eager), or None.
@@ -726,9 +728,11 @@ class CapturedGraphs:
                 return self._fn(*args)
             self._graphs[key] = entry
         graph, inputs, output = entry
-        for static, value in zip(inputs, args, strict=True):
-            static.copy_(value)
-        graph.replay()
+        # On the inputs' device's stream (encoder.device may be another than the current).
+        with self._cuda.device(args[0].device):
+            for static, value in zip(inputs, args, strict=True):
+                static.copy_(value)
+            graph.replay()
         return output
 
     def _capture(self, args) -> tuple | None:

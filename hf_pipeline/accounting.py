@@ -28,6 +28,7 @@ __all__ = [
     "ReasonCodes",
     "bad_rows_summary",
     "build_report",
+    "keep_mask",
     "later_duplicates",
     "sorted_unique",
 ]
@@ -75,6 +76,12 @@ class ReasonCodes:
         """``{reason: rows}`` for every reason some row has (``""`` for kept rows)."""
         found = np.bincount(self.codes, minlength=len(self.names)) if len(self.codes) else []
         return {name: int(n) for name, n in zip(self.names, found, strict=False) if n}
+
+
+def keep_mask(reasons: pa.Array) -> np.ndarray:
+    """True where a ``drop_reason`` array says the row is kept (:data:`KEEP`; a null
+    reason is not kept), as a NumPy bool array: no Python string per row."""
+    return pc.equal(reasons, KEEP).fill_null(False).to_numpy(zero_copy_only=False)
 
 
 def sorted_unique(values: np.ndarray) -> np.ndarray:

@@ -314,15 +314,11 @@ def _check_spawnable(num_proc: int) -> None:
     import it first: one read from standard input, ``python - <<EOF``, is no file), and
     a call made by a spawned process while it imports an unguarded main script (before
     it writes anything: the caller then reports its dead worker)."""
-    from hf_pipeline.workers import check_not_bootstrapping
+    from hf_pipeline.workers import check_not_bootstrapping, unimportable_main
 
     check_not_bootstrapping("generate_demo", "its shard writers are spawned")
-    main = sys.modules["__main__"]
-    path = getattr(main, "__file__", None)
-    if getattr(main, "__spec__", None) is not None or path is None:
-        return  # ``python -m``, or no file to import (``python -c``, a notebook)
-    full = os.path.join(multiprocessing.process.ORIGINAL_DIR or "", path)
-    if not os.path.isfile(full):
+    path = unimportable_main()
+    if path is not None:
         raise ValueError(
             f"generate_demo(num_proc={num_proc}) writes the shards in spawned processes, which "
             f"import the main program first, and {path!r} is not a file: run it from a script "

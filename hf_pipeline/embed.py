@@ -709,7 +709,7 @@ class CapturedGraphs:
 
         self._fn, self._pool, self._cuda = fn, pool, torch.cuda
         self._graphs: dict[tuple, tuple] = {}
-        self._streams: dict[Any, Any] = {}  # device -> the stream graphs are captured on
+        self._stream = None  # the stream graphs are captured on (the inputs' device)
         #: Why capturing failed (then every call runs ``fn`` eager), or None.
         self.eager_because: str | None = None
 
@@ -742,10 +742,9 @@ class CapturedGraphs:
 
         device = args[0].device
         with torch.cuda.device(device):
-            side = self._streams.get(device)
-            if side is None:
-                side = self._streams[device] = torch.cuda.Stream()
-            current = torch.cuda.current_stream()
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            side, current = self._stream, torch.cuda.current_stream()
             inputs = [a.clone() for a in args]
             side.wait_stream(current)
             graph = torch.cuda.CUDAGraph()

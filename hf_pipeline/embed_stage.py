@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from hf_pipeline.accounting import DUPLICATE, KEEP, ReasonCodes
+from hf_pipeline.accounting import DUPLICATE, KEEP, ReasonCodes, keep_mask
 
 __all__ = ["EMBED_ROWS_PER_CALL", "EmbedResult", "EncodeAhead", "embed_joined_rows", "embed_rows"]
 
@@ -52,8 +52,7 @@ def embed_rows(
         reasons = reasons.combine_chunks()
     # In Arrow, not a Python string per row: this runs beside the encoder's thread,
     # whose kernel launches wait for the interpreter lock.
-    kept = pc.equal(reasons, KEEP).fill_null(False).to_numpy(zero_copy_only=False)
-    final = pc.if_else(pa.array(kept & duplicate[idx]), pa.scalar(DUPLICATE), reasons)
+    final = pc.if_else(pa.array(keep_mask(reasons) & duplicate[idx]), DUPLICATE, reasons)
     emb = ahead.get(int(idx[0])) if len(idx) else np.zeros((0, ahead.dim), ahead.dtype)
     flat = pa.array(np.ascontiguousarray(emb).reshape(-1))  # no copy
     embedding = pa.FixedSizeListArray.from_arrays(flat, ahead.dim)

@@ -38,7 +38,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from hf_pipeline.accounting import (
     DUPLICATE,
@@ -46,6 +45,7 @@ from hf_pipeline.accounting import (
     NONFINITE,
     ReasonCodes,
     bad_rows_summary,
+    keep_mask,
     later_duplicates,
 )
 
@@ -382,8 +382,8 @@ def write_kept_indices(
         for path in reason_files:
             with pa.memory_map(str(path)) as source:
                 for batch in pa.ipc.open_stream(source):
-                    keep = pc.fill_null(pc.equal(batch.column("drop_reason"), KEEP), False)
-                    rows = np.flatnonzero(keep.to_numpy(zero_copy_only=False)).astype(np.uint64)
+                    rows = np.flatnonzero(keep_mask(batch.column("drop_reason")))
+                    rows = rows.astype(np.uint64)
                     rows += np.uint64(offset)
                     for start in range(0, len(rows), batch_rows):
                         chunk = pa.array(rows[start : start + batch_rows], pa.uint64())

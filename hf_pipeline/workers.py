@@ -75,6 +75,7 @@ __all__ = [
     "PRELOAD",
     "check_not_bootstrapping",
     "clean_workers",
+    "unimportable_main",
     "die_with_parent",
     "quick_gil_handoff",
     "usable_cpus",
@@ -281,6 +282,20 @@ def die_with_parent() -> None:
 def _reap(pid: int) -> None:
     with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, 0)
+
+
+def unimportable_main() -> str | None:
+    """The main program's path if processes that import it first (spawn, forkserver)
+    could not: one read from standard input (``python - <<EOF``) is no file. None where
+    they can, or import nothing (``python -m``, ``python -c``, a notebook)."""
+    import multiprocessing.process
+
+    main = sys.modules["__main__"]
+    path = getattr(main, "__file__", None)
+    if getattr(main, "__spec__", None) is not None or path is None:
+        return None
+    full = os.path.join(multiprocessing.process.ORIGINAL_DIR or "", path)
+    return None if os.path.isfile(full) else path
 
 
 def check_not_bootstrapping(

@@ -321,6 +321,23 @@ class JoinResult:
     timeline: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+def _check_workers_can_start(num_proc: int) -> None:
+    """Refuse a join whose workers could not import the main program (they import it
+    first; one read from standard input is no file), before anything starts: without
+    this, each worker printed a FileNotFoundError and the build died on an EOFError."""
+    from hf_pipeline.errors import ConfigError
+    from hf_pipeline.workers import unimportable_main
+
+    path = unimportable_main()
+    if path is not None:
+        raise ConfigError(
+            f"build.num_proc is {num_proc}: the join's worker processes import the main "
+            f"program first, and {path!r} is not a file: run the build from a script "
+            f'(under `if __name__ == "__main__":`), or set DATASET_NUM_PROC=1',
+            field="build.num_proc",
+        )
+
+
 def join_shards(
     *,
     cfg,
@@ -357,6 +374,8 @@ def join_shards(
 
     build = cfg.build
     num_proc = max(1, min(build.effective_num_proc, len(shards)))
+    if num_proc > 1:
+        _check_workers_can_start(num_proc)
     precision_dir = work_dir / "precision"
     precision_dir.mkdir(parents=True, exist_ok=True)
     fetch_timeout = cfg.data.file_timeout * (cfg.data.max_retries + 1)

@@ -254,3 +254,24 @@ def test_quick_gil_handoff_nests_keeps_a_smaller_interval_and_restores():
         assert sys.getswitchinterval() == smaller
     finally:
         sys.setswitchinterval(before)
+
+
+@pytest.mark.slow
+def test_a_build_read_from_standard_input_explains_why_its_workers_cannot_start(tmp_path):
+    """``python - <<EOF`` with num_proc > 1: the join's workers would import '<stdin>'
+    (no file) and die; the build says so once, exits non-zero, publishes nothing."""
+    code = _UNGUARDED.replace(
+        "sys.argv[1:]", repr([*SMALL_DEMO, f"build.cache_dir={tmp_path / 'c'}"])
+    )
+    r = subprocess.run(
+        [PYTHON, "-"], input=code, env=script_env(), cwd=tmp_path,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode != 0 and "built" not in r.stdout
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("hf_pipeline.errors.ConfigError: build.num_proc is 2: "), r.stderr[
+        -3000:
+    ]
+    assert "'<stdin>' is not a file" in last and "DATASET_NUM_PROC=1" in last
+    assert "EOFError" not in r.stderr and "FileNotFoundError" not in r.stderr
+    assert not list((tmp_path / "c").glob("demo-*/converted.json")), "nothing published"

@@ -421,6 +421,8 @@ class TextEncoder:
         # ``_replayed``: any graph, whose output is overwritten by the next replay.
         self._graphs = self.compile_mode == "reduce-overhead"
         self._replayed = self._graphs or self.compile_mode == "graphs"
+        #: torch.compile'd: it specialises on size-1 dimensions and compiles per shape.
+        self._compiled = self.compile_mode in ("default", "reduce-overhead")
         # On an accelerator the attention kernels plan per shape (cuDNN SDPA: ~10 ms or
         # more each): row counts in buckets keep the shapes few, and warm_up plans them
         # all before the build's first batch. On the CPU padding rows is only waste.
@@ -489,7 +491,7 @@ class TextEncoder:
 
     @property
     def _min_rows(self) -> int:
-        return 1 if self.compile_mode in ("eager", "graphs") else 2
+        return 2 if self._compiled else 1
 
     @property
     def output_dtype(self) -> np.dtype:
@@ -620,7 +622,7 @@ class TextEncoder:
         for ids in warm_up_ids(
             self.cfg, self.tokenizer.pad_token_id, min_rows=self._min_rows,
             full_batches=self._forward_unmasked is not None,
-            every_bucket=self.compile_mode not in ("eager", "graphs"),
+            every_bucket=self._compiled,
         ):  # fmt: skip
             self._submit_ids(ids).result()
         self.load_seconds["warm_up"] = round(time.monotonic() - t0, 3)

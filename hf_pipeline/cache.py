@@ -38,6 +38,7 @@ __all__ = [
     "compute_fingerprint",
     "open_dataset",
     "open_sample_source",
+    "published_stage_dirs",
 ]
 
 #: Folders of the cache root that are not caches. They start with a dot, so that
@@ -158,15 +159,75 @@ class CacheLayout:
         return json.loads(self.report_path.read_text())
 
 
+def published_stage_dirs(root: Path, fingerprint: str | None) -> tuple[dict[str, str], str]:
+    """The stage folders that the cache's valid markers name, and its fingerprint
+    (``fingerprint``, or the one its first marker states when None).
+
+    Raises:
+        CacheFormatError: a stage marker is missing or not trusted (naming the marker
+            and why), or the markers state another fingerprint than ``fingerprint``.
+    """
+    from dist.layout import marker_name
+    from dist.markers import check_marker, derived_from_problem, read_json
+    from hf_pipeline.errors import CacheFormatError
+
+    if not root.is_dir():
+        raise CacheFormatError(str(root), "cache folder does not exist")
+    if fingerprint is None:
+        first = root / marker_name(STAGES[0])
+        stated = read_json(first)
+        if not isinstance(stated, dict) or not isinstance(stated.get("fingerprint"), str):
+            raise CacheFormatError(
+                str(first), "missing or malformed: not a built cache (build it first)"
+            )
+        fingerprint = stated["fingerprint"]
+    done: dict = {}
+    for stage in STAGES:
+        path = root / marker_name(stage)
+        marker, why = check_marker(path, fingerprint=fingerprint, base_dir=root, stage=stage)
+        if marker is not None:
+            why = derived_from_problem(marker, done)
+        if why is not None:
+            raise CacheFormatError(str(path), f"not a trusted {stage} marker: {why}")
+        done[stage] = marker
+    return {stage: m.directory for stage, m in done.items()}, fingerprint
+
+
+def _checked(layout: CacheLayout, fingerprint: str | None) -> CacheLayout:
+    """``layout`` if its stage folders came from validated markers, else the layout that
+    its markers name once :func:`published_stage_dirs` has checked them."""
+    if layout.stage_dirs:
+        return layout
+    stage_dirs, _ = published_stage_dirs(Path(layout.root), fingerprint)
+    return CacheLayout(layout.root, stage_dirs)
+
+
 def open_sample_source(layout: CacheLayout, fingerprint: str):
     """Memory-map a built cache for batch gathers (``hf_pipeline.mapped.SampleSource``).
 
     Opens files read-only; safe to call from any number of processes at once. The
     latents come in the cache's storage dtype, which the build report records (a
     bfloat16 cache's uint16 bits are read as ``ml_dtypes.bfloat16``).
+
+    A layout with ``stage_dirs`` (``BuildResult.layout``: from markers the build
+    validated) is trusted as given. ``CacheLayout(cache_dir)`` alone is checked first
+    (:func:`published_stage_dirs`): both markers present, stating ``fingerprint``, and
+    every file they list as they list it; else a :class:`CacheFormatError` names the
+    marker and why (a cache without its ``filtered`` stage opened as 0 rows).
     """
+    from hf_pipeline.errors import CacheFormatError
     from hf_pipeline.mapped import SampleSource
 
+    layout = _checked(layout, fingerprint)
+    indices = layout.indices_files()
+    if not indices:  # the filter writes one even when it keeps no row
+        raise CacheFormatError(
+            str(layout.filtered), "holds no filter indices (indices*.arrow): not a built cache"
+        )
+    if not layout.rows_files():  # the join writes one per part, empty or not
+        raise CacheFormatError(
+            str(layout.converted), "holds no rows files (rows/*.arrow): not a built cache"
+        )
     try:
         precision = layout.read_report().get("precision") or {}
     except FileNotFoundError:
@@ -175,7 +236,7 @@ def open_sample_source(layout: CacheLayout, fingerprint: str):
     return SampleSource(
         layout.rows_files(),
         layout.embedding_files(),
-        layout.indices_files(),
+        indices,
         fingerprint=fingerprint,
         latent_dtype=precision.get("storage_dtype"),
     )
@@ -188,12 +249,14 @@ def open_dataset(layout: CacheLayout):
     For inspection and for users who want ``datasets`` formatting; the training loader
     uses :func:`open_sample_source`. Arrow has no bfloat16: in a bfloat16 cache (report
     ``precision.storage_dtype``) ``latents`` holds the values' uint16 bits; view them with
-    ``hf_pipeline.precision.from_arrow(array, "bfloat16")`` (no copy).
+    ``hf_pipeline.precision.from_arrow(array, "bfloat16")`` (no copy). A layout without
+    ``stage_dirs`` is checked as :func:`open_sample_source` checks it.
     """
     import numpy as np
     import pyarrow as pa
     from datasets import Dataset, concatenate_datasets
 
+    layout = _checked(layout, None)
     rows = concatenate_datasets([Dataset.from_file(str(p)) for p in layout.rows_files()])
     emb = concatenate_datasets([Dataset.from_file(str(p)) for p in layout.embedding_files()])
     full = concatenate_datasets(

@@ -33,6 +33,7 @@ open is locked. ``close`` must not race with reads.
 
 from __future__ import annotations
 
+import operator
 import os
 import threading
 from collections.abc import Sequence
@@ -41,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from hf_pipeline.cache import STAGES, CacheLayout, open_sample_source
-from hf_pipeline.mapped import CacheFormatError, SampleSource
+from hf_pipeline.cache import STAGES, CacheLayout, open_sample_source, published_stage_dirs
+from hf_pipeline.mapped import SampleSource
 from hf_pipeline.sampler import CropMode, GlobalSampler, SamplerOptions
 
 __all__ = ["GrainSource"]
@@ -59,38 +60,6 @@ def _record_options(crop, seed: int) -> SamplerOptions:
     size plays no part in that mapping (Grain batches).
     """
     return SamplerOptions(global_batch_size=1, seed=seed, crop=crop)
-
-
-def _published_stage_dirs(root: Path, fingerprint: str | None) -> tuple[dict[str, str], str]:
-    """The stage folders that the cache's valid markers name, and its fingerprint.
-
-    Raises:
-        CacheFormatError: a stage marker is missing or not trusted (naming the marker
-            and why), or the markers state another fingerprint than ``fingerprint``.
-    """
-    from dist.layout import marker_name
-    from dist.markers import check_marker, derived_from_problem, read_json
-
-    if not root.is_dir():
-        raise CacheFormatError(str(root), "cache folder does not exist")
-    if fingerprint is None:
-        first = root / marker_name(STAGES[0])
-        stated = read_json(first)
-        if not isinstance(stated, dict) or not isinstance(stated.get("fingerprint"), str):
-            raise CacheFormatError(
-                str(first), "missing or malformed: not a built cache (build it first)"
-            )
-        fingerprint = stated["fingerprint"]
-    done: dict = {}
-    for stage in STAGES:
-        path = root / marker_name(stage)
-        marker, why = check_marker(path, fingerprint=fingerprint, base_dir=root, stage=stage)
-        if marker is not None:
-            why = derived_from_problem(marker, done)
-        if why is not None:
-            raise CacheFormatError(str(path), f"not a trusted {stage} marker: {why}")
-        done[stage] = marker
-    return {stage: m.directory for stage, m in done.items()}, fingerprint
 
 
 class GrainSource:
@@ -121,7 +90,7 @@ class GrainSource:
         fingerprint: str | None = None,
     ):
         root = Path(cache_dir)
-        stage_dirs, fp = _published_stage_dirs(root, fingerprint)
+        stage_dirs, fp = published_stage_dirs(root, fingerprint)
         self._init(root, stage_dirs, fp, crop, seed)
 
     @classmethod
@@ -230,7 +199,10 @@ class GrainSource:
 
     def _rows_and_crops(self, indices) -> tuple[SampleSource, np.ndarray, np.ndarray]:
         source, sampler = self._open()
-        ids = np.asarray(indices, dtype=np.int64).reshape(-1)
+        ids = np.asarray(indices)
+        if ids.size and ids.dtype.kind not in "iu":
+            raise TypeError(f"record indices must be integers, got {ids.dtype} ({indices!r:.80})")
+        ids = ids.astype(np.int64, copy=False).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= sampler.num_samples):
             bad = ids[(ids < 0) | (ids >= sampler.num_samples)][0]
             raise IndexError(f"record index must be in [0, {sampler.num_samples}), got {bad}")
@@ -248,6 +220,7 @@ class GrainSource:
 
         Raises:
             IndexError: an index outside ``[0, len(self))``.
+            TypeError: indices that are not integers.
         """
         source, rows, crops = self._rows_and_crops(indices)
         return source.gather(rows, crops)
@@ -257,7 +230,14 @@ class GrainSource:
 
         Raises:
             IndexError: ``index`` outside ``[0, len(self))``.
+            TypeError: ``index`` is not an integer (a float, a string, a slice or a list).
         """
+        try:
+            index = operator.index(index)
+        except TypeError:
+            raise TypeError(
+                f"record index must be an integer, got {type(index).__name__} {index!r:.80}"
+            ) from None
         batch = self.get_batch([index])
         return {
             "latents": batch["latents"][0],

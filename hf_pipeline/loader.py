@@ -23,6 +23,7 @@ any thread. The prefetch thread is internal.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import logging
@@ -30,6 +31,7 @@ import queue
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -41,6 +43,7 @@ from hf_pipeline.sampler import (
     GlobalSampler,
     ProcessBatch,
     SamplerOptions,
+    check_order_version,
     sampler_options,
 )
 from hf_pipeline.workers import usable_cpus
@@ -225,6 +228,21 @@ class LoaderStats:
     samples_per_s: float
 
 
+#: Prefetchers not yet closed (weakly): closed at exit, see _close_live_prefetchers.
+_LIVE_PREFETCHERS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_prefetchers() -> None:
+    """Close the prefetchers still open when the interpreter exits, while the modules
+    are whole. An iterator a program still holds at exit (``it = iter(loader);
+    next(it)``) is finalized after the modules' globals are torn down; its ``close``
+    then failed on them (``Exception ignored in: <generator object Loader._iterate>``).
+    """
+    for prefetcher in list(_LIVE_PREFETCHERS):
+        prefetcher.close(timeout=1.0)
+
+
 class _Prefetcher:
     """Runs ``produce(position)`` for each position ahead of the consumer, in order.
 
@@ -245,8 +263,10 @@ class _Prefetcher:
         self._threads = max(1, int(threads))
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        _LIVE_PREFETCHERS.add(self)
 
     def _put(self, entry) -> bool:
         while not self._stop.is_set():
@@ -344,7 +364,12 @@ class _Prefetcher:
             return item, position
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the thread, drop queued batches, and join (idempotent)."""
+        """Stop the thread, drop queued batches, and join (idempotent: a second call
+        returns at once, touching no module global, so that an iterator finalized during
+        interpreter shutdown, after :func:`_close_live_prefetchers`, closes quietly)."""
+        if self._closed:
+            return
+        self._closed = True
         self._stop.set()
         deadline = time.monotonic() + timeout
         while self._thread.is_alive() and time.monotonic() < deadline:
@@ -440,7 +465,16 @@ class Loader:
         if options.latents_dtype is not None:
             import jax.numpy as jnp
 
-            self._latents_dtype = np.dtype(jnp.dtype(options.latents_dtype))
+            try:
+                dtype = np.dtype(jnp.dtype(options.latents_dtype))
+            except TypeError:
+                dtype = None
+            if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+                raise ValueError(
+                    "latents_dtype must be a floating dtype (bfloat16, float16, float32), "
+                    f"got {options.latents_dtype!r}"
+                )
+            self._latents_dtype = dtype
         if mesh is None:
             self._init_processes(jax, process_index, process_count)
         else:
@@ -613,14 +647,7 @@ class Loader:
             raise ValueError(f"not a loader state: {state!r}")
         if state.get("version") != _STATE_VERSION:
             raise ValueError(f"loader state version {state.get('version')} != {_STATE_VERSION}")
-        # States written before the field existed were written under order version 1.
-        saved_order = state.get("order_version", 1)
-        if saved_order != ORDER_VERSION:
-            raise ValueError(
-                f"loader state was saved under sample order version {saved_order!r} but this "
-                f"code draws order version {ORDER_VERSION}; resuming would not continue the "
-                "same sequence (use the hf_pipeline release that saved it)"
-            )
+        check_order_version(state, "loader state")
         mine = self.state_dict()
         for key in _ORDER_FIELDS:
             if key in state and state[key] != mine[key]:

@@ -60,11 +60,11 @@ def _open_reader(path: str, source: pa.MemoryMappedFile):
     """An IPC reader for ``path``; ``datasets`` writes streams, accept files too."""
     try:
         return pa.ipc.open_stream(source)
-    except pa.ArrowInvalid:
+    except (pa.ArrowInvalid, OSError):  # OSError: a stream cut short in its schema
         source.seek(0)
         try:
             return pa.ipc.open_file(source)
-        except pa.ArrowInvalid as exc:
+        except (pa.ArrowInvalid, OSError) as exc:
             raise CacheFormatError(path, f"not an Arrow IPC stream or file ({exc})") from None
 
 
@@ -298,7 +298,7 @@ class MappedColumn:
                                 path, f"column {column!r} is not stored uncompressed in the file"
                             )
                         chunks.append(_Chunk(i, batch.num_rows, address - lo))
-                except pa.ArrowException as exc:
+                except (pa.ArrowException, OSError) as exc:  # OSError: a truncated file
                     raise CacheFormatError(path, f"unreadable Arrow data ({exc})") from None
         except BaseException:
             for mm, _ in maps:

@@ -66,6 +66,24 @@ __all__ = [
 #: order with golden arrays, and the loader refuses a state saved under another version).
 ORDER_VERSION = 1
 
+
+def check_order_version(state: dict, what: str) -> None:
+    """Refuse a saved position (``what``: whose state) drawn under another order version.
+
+    States written before the field existed were written under order version 1.
+
+    Raises:
+        ValueError: the state names another ``order_version`` than this code draws.
+    """
+    saved = state.get("order_version", 1)
+    if saved != ORDER_VERSION:
+        raise ValueError(
+            f"{what} was saved under sample order version {saved!r} but this code draws "
+            f"order version {ORDER_VERSION}; resuming would not continue the same sequence "
+            "(use the hf_pipeline release that saved it)"
+        )
+
+
 #: How an epoch's samples are ordered (``loader.shuffle``; see the module docstring).
 Shuffle = Literal["block", "global", "sequential"]
 SHUFFLES: tuple[str, ...] = get_args(Shuffle)
@@ -142,6 +160,9 @@ class SamplerOptions:
     drop_last: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.drop_last, bool | np.bool_):
+            raise ValueError(f"drop_last must be True or False, got {self.drop_last!r}")
+        object.__setattr__(self, "drop_last", bool(self.drop_last))
         if self.global_batch_size < 1:
             raise ValueError(f"global_batch_size must be >= 1, got {self.global_batch_size}")
         if self.seed < 0:

@@ -37,7 +37,13 @@ import torch
 import torch.utils.data as tud
 
 from hf_pipeline.loader import LoaderOptions
-from hf_pipeline.sampler import GlobalSampler, SamplerOptions, sampler_options
+from hf_pipeline.sampler import (
+    ORDER_VERSION,
+    GlobalSampler,
+    SamplerOptions,
+    check_order_version,
+    sampler_options,
+)
 
 __all__ = [
     "STATE_VERSION",
@@ -117,16 +123,30 @@ class TorchBatches(tud.IterableDataset):
         self.sampler = GlobalSampler(source.num_rows, options, num_crops=source.num_crops)
         self._local = self.sampler.process_positions(process_index, process_count)
         self.process_index, self.process_count = int(process_index), int(process_count)
-        if start_step < 0:
-            raise ValueError(f"start_step must be >= 0, got {start_step}")
-        self.epoch = int(epoch)
-        self.start_step = int(start_step)
+        self.set_epoch(epoch, start_step)
         if isinstance(latents_dtype, str):
-            latents_dtype = getattr(torch, latents_dtype)
+            latents_dtype = getattr(torch, latents_dtype, None) or latents_dtype
+        if latents_dtype is not None and not (
+            isinstance(latents_dtype, torch.dtype) and latents_dtype.is_floating_point
+        ):
+            raise ValueError(
+                "latents_dtype must be a floating torch dtype (or its name: bfloat16, "
+                f"float16, float32), got {latents_dtype!r}"
+            )
         self.latents_dtype = latents_dtype
 
     def set_epoch(self, epoch: int, start_step: int = 0) -> None:
-        """Iterate ``epoch`` from ``start_step`` next time (call before each epoch)."""
+        """Iterate ``epoch`` from ``start_step`` next time (call before each epoch).
+
+        Raises:
+            ValueError: a negative epoch or a step outside ``[0, steps_per_epoch]``.
+        """
+        steps = self.sampler.steps_per_epoch
+        if int(epoch) < 0 or not 0 <= int(start_step) <= steps:
+            raise ValueError(
+                f"position must be epoch >= 0 and step in [0, {steps}], "
+                f"got epoch={epoch}, step={start_step}"
+            )
         self.epoch, self.start_step = int(epoch), int(start_step)
 
     def __len__(self) -> int:
@@ -320,6 +340,7 @@ class _LatentDataModule:
         options = LoaderOptions.from_config(self.cfg.loader)
         self.dataset = TorchBatches(self.source, options.order, latents_dtype=options.latents_dtype)
         self._identity = {
+            "order_version": ORDER_VERSION,
             **dataclasses.asdict(self.dataset.sampler.options),
             "fingerprint": str(built.fingerprint),
             "num_rows": self.dataset.sampler.num_rows,
@@ -396,7 +417,8 @@ class _LatentDataModule:
 
         Raises:
             ValueError: not a state of this format or version, or one of another cache
-                (fingerprint), seed, batch size, crop or shuffle (the process count and
+                (fingerprint), seed, batch size, crop, shuffle or sample order version
+                (``hf_pipeline.sampler.ORDER_VERSION``; the process count and
                 ``partition`` may differ: the global batches are the same).
         """
         if not isinstance(state, dict) or "epoch" not in state or "step" not in state:
@@ -405,6 +427,7 @@ class _LatentDataModule:
             raise ValueError(
                 f"LatentDataModule state version {state.get('version')!r} != {STATE_VERSION}"
             )
+        check_order_version(state, "LatentDataModule state")
         if self.dataset is None:
             self._pending_state = dict(state)
             return

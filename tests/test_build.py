@@ -97,6 +97,46 @@ def test_latents_and_embeddings_are_the_inputs(built_cache, small_config):
     src.close()
 
 
+def test_a_cache_opened_by_its_folder_is_checked_against_its_markers(built_cache, tmp_path):
+    """``CacheLayout(cache_dir)`` reads its stage folders from the markers: opening it
+    checks them first (a cache whose filtered stage was gone opened as 0 rows). A
+    layout from the build (``BuildResult.layout``) is trusted, but a stage folder
+    without its files, or a truncated file, is still one CacheFormatError naming it,
+    not 0 rows or a raw pyarrow OSError."""
+    from hf_pipeline.errors import CacheFormatError
+
+    copy, fp = tmp_path / "cache", built_cache.fingerprint
+    shutil.copytree(built_cache.cache_dir, copy)
+    trusted = CacheLayout(copy, dict(built_cache.stage_dirs))
+    with open_sample_source(CacheLayout(copy), fp) as src:
+        assert src.num_rows == built_cache.report["rows_out"] > 0
+    with pytest.raises(CacheFormatError, match="fingerprint") as e:
+        open_sample_source(CacheLayout(copy), "0" * 16)
+    assert e.value.path.endswith("converted.json")
+
+    rows = trusted.rows_files()[0]
+    whole = rows.read_bytes()
+    rows.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(CacheFormatError, match="bytes, expected") as e:
+        open_sample_source(CacheLayout(copy), fp)
+    assert e.value.path.endswith("converted.json")
+    with pytest.raises(CacheFormatError, match="unreadable Arrow data") as e:
+        open_sample_source(trusted, fp)
+    assert e.value.path == str(rows)
+    rows.write_bytes(whole)
+
+    for indices in trusted.indices_files():
+        indices.unlink()
+    with pytest.raises(CacheFormatError, match="no filter indices") as e:
+        open_sample_source(trusted, fp)
+    assert e.value.path == str(trusted.filtered)
+    (copy / "filtered.json").unlink()
+    for opening in (lambda: open_sample_source(CacheLayout(copy), fp),
+                    lambda: open_dataset(CacheLayout(copy))):  # fmt: skip
+        with pytest.raises(CacheFormatError, match="not a trusted filtered marker: missing"):
+            opening()
+
+
 def test_unchanged_config_never_rebuilds(built_cache, small_config):
     layout = built_cache.layout
     marker = layout.root / "filtered.json"

@@ -132,6 +132,22 @@ def test_bad_caches_and_options_are_refused(built_cache, tmp_path, src):
         src[len(src)]
 
 
+@pytest.mark.parametrize("index", [3.7, "2", [1, 2], np.array([1, 2]), slice(0, 3), None])
+def test_a_record_index_that_is_not_an_integer_is_refused(src, index):
+    """A float, a string, a list or a slice is not a record index: a TypeError, not the
+    record of its first or truncated value (3.7 read record 3, [1, 2] record 1 alone)."""
+    with pytest.raises(TypeError, match="must be an integer"):
+        src[index]
+    with pytest.raises(TypeError, match="must be integers"):
+        src.get_batch([1.5, 2.0])
+    # NumPy integers are integers.
+    _assert_batches_equal([src[np.int64(2)]], [src[2]])
+    assert src.get_batch(np.array([1, 2], np.uint32))["keys"].tolist() == [
+        src[1]["keys"],
+        src[2]["keys"],
+    ]
+
+
 def test_map_dataset_shuffle_batch_and_batched_indices(src):
     ds = grain.MapDataset.source(src).shuffle(seed=5).batch(8, drop_remainder=True)
     assert len(ds) == len(src) // 8

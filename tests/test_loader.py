@@ -279,6 +279,14 @@ def test_producer_error_reaches_consumer_with_traceback(threads):
     assert _prefetch_threads() == []
 
 
+@pytest.mark.parametrize("dtype", ["int8", "nope", "uint16"])
+def test_latents_dtype_must_be_a_float(dtype):
+    """An integer (or unknown) output dtype would cast the latents silently: refused."""
+    with pytest.raises(ValueError, match="latents_dtype must be a floating dtype"):
+        Loader(FakeSource(16), global_batch_size=4, process_index=0, process_count=1,
+               latents_dtype=dtype)  # fmt: skip
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_early_stop_and_close_leave_no_thread(threads):
     src = FakeSource(1000)
@@ -498,6 +506,47 @@ def test_multi_device_subprocess(source, tmp_path):
         timeout=120,
     )
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+
+
+_HELD_AT_EXIT = textwrap.dedent(
+    """
+    import json, sys
+    if sys.argv[2] == "build":
+        import hf_pipeline.build  # more modules to tear down at exit
+    from hf_pipeline.loader import Loader
+    from hf_pipeline.mapped import SampleSource
+    rows, emb, _ = json.loads(sys.argv[1])
+    loader = Loader(SampleSource(rows, emb), global_batch_size=4, process_index=0, process_count=1)
+    it = iter(loader)
+    next(it)  # the iterator, and its prefetch thread, are still held at exit
+    if sys.argv[3] == "close":
+        loader.close()
+    print("OK")
+    """
+)
+
+
+@pytest.mark.parametrize("imports", ["loader", "build"])
+@pytest.mark.parametrize("close", ["keep", "close"])
+def test_an_iterator_held_at_exit_ends_quietly(source, tmp_path, imports, close):
+    """A program that still holds a started iterator when it exits, closed or not: the
+    generator is finalized after the interpreter tore the modules down, and its close
+    printed "Exception ignored in: <generator object Loader._iterate>" with a
+    TypeError or AttributeError. Open prefetchers now close at exit, while the modules
+    are whole, and a second close touches nothing."""
+    files = [source._latents.files, source._emb.files, None]
+    script = tmp_path / "held.py"
+    script.write_text(_HELD_AT_EXIT)
+    r = subprocess.run(
+        [sys.executable, str(script), json.dumps(files), imports, close],
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "OK", r.stdout + r.stderr
+    assert "Exception ignored" not in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 _MULTI_PROCESS = textwrap.dedent(

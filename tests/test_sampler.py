@@ -225,6 +225,9 @@ def test_validation_messages():
         SamplerOptions(global_batch_size=0)
     with pytest.raises(ValueError, match="shuffle must be"):
         SamplerOptions(global_batch_size=1, shuffle="nope")
+    with pytest.raises(ValueError, match="drop_last must be True or False, got 'no'"):
+        SamplerOptions(global_batch_size=1, drop_last="no")  # a truthy string: not True
+    assert SamplerOptions(global_batch_size=1, drop_last=np.bool_(False)).drop_last is False
     with pytest.raises(ValueError, match="crop must be"):
         SamplerOptions(global_batch_size=1, crop="x")
     assert SamplerOptions(global_batch_size=1, crop="2").crop == 2

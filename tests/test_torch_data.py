@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hf_pipeline.mapped import SampleSource
-from hf_pipeline.sampler import SamplerOptions
+from hf_pipeline.sampler import ORDER_VERSION, SamplerOptions
 from hf_pipeline.torch_data import TorchBatches, torch_loader
 from tests.helpers.caches import build_cache, open_source
 
@@ -106,6 +106,26 @@ def test_pad_mask_bf16_and_spawned_workers(source):
     assert sorted(keys) == sorted(source.keys.tolist())
     with pytest.raises(ValueError, match="batch_size"):
         torch_loader(ds, batch_size=4)
+
+
+def test_positions_and_dtypes_out_of_range_are_refused(source):
+    """A negative epoch, a step outside the epoch or a latents dtype that is not a float
+    is one ValueError where it is given (len() once said 10 of a 9-step epoch)."""
+    ds = TorchBatches(source, global_batch_size=16, process_index=0, process_count=1)
+    steps = ds.sampler.steps_per_epoch
+    for epoch, step in ((-1, 0), (0, -1), (0, steps + 1)):
+        with pytest.raises(ValueError, match=rf"step in \[0, {steps}\]"):
+            ds.set_epoch(epoch, step)
+    with pytest.raises(ValueError, match="epoch >= 0"):
+        TorchBatches(source, global_batch_size=16, process_index=0, process_count=1, epoch=-1)
+    ds.set_epoch(1, steps)  # the end of an epoch is a position
+    assert len(ds) == 0
+    for dtype in ("int8", "nope", torch.int16):
+        with pytest.raises(ValueError, match="latents_dtype must be a floating torch dtype"):
+            TorchBatches(
+                source, global_batch_size=16, process_index=0, process_count=1,
+                latents_dtype=dtype,
+            )  # fmt: skip
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -265,7 +285,8 @@ def test_datamodule_state_format_golden(small_config, built_cache):
     dm.load_state_dict(golden)  # before setup: kept, checked by setup
     dm.setup()
     golden["num_rows"] = dm.dataset.sampler.num_rows
-    assert dm.state_dict() == golden
+    # A state written before it named its sample order version was version 1's.
+    assert dm.state_dict() == {**golden, "order_version": 1}
     want = TorchBatches(
         dm.source, global_batch_size=16, process_index=0, process_count=1, epoch=2, start_step=5
     )
@@ -283,6 +304,11 @@ def test_datamodule_refuses_a_state_of_another_order(small_config, built_cache):
             dm.load_state_dict({**state, key: value})
     with pytest.raises(ValueError, match="version"):
         dm.load_state_dict({**state, "version": 2})
+    # Another sample order (a release that moved samples) is refused, as by the Loader.
+    assert state["order_version"] == ORDER_VERSION
+    with pytest.raises(ValueError, match=f"order version {ORDER_VERSION + 1} but this code"):
+        dm.load_state_dict({**state, "order_version": ORDER_VERSION + 1, "step": 2})
+    assert dm.state_dict()["step"] == state["step"]  # the position did not move
     with pytest.raises(ValueError, match="step in"):
         dm.load_state_dict({**state, "step": 10_000})
     dm.load_state_dict({**state, "partition": "strided", "step": 4})  # another split: fine

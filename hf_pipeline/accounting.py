@@ -154,6 +154,8 @@ def build_report(
         "dropped": dropped,
         "embed_dim": converted["embed_dim"],
         "duplicate_meta_rows": converted["duplicate_meta_rows"],
+        # Metadata rows with a null key (dropped); absent from a cache published before.
+        "null_key_meta_rows": converted.get("null_key_meta_rows", 0),
         "bad_rows": converted.get("bad_rows", {}),
         # Who built which shards (one part unless build.part_shards / parallel: ranks).
         "parts": converted.get("parts", []),

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -140,6 +141,7 @@ class BuildResult:
             "dropped": dict(r["dropped"]),
             # Metadata rows, not latent rows: outside the rows_in accounting.
             "duplicate_meta_rows": int(r["duplicate_meta_rows"]),
+            "null_key_meta_rows": int(r.get("null_key_meta_rows", 0)),
             "seconds": round(self.seconds, 3),
             "built": self.built,
             "pulled": self.pulled,
@@ -359,6 +361,13 @@ class _Builder:
             config=self.cfg.to_dict(),
         )
         write_json_atomic(tmp / "report.json", report, indent=2, sort_keys=True, default=str)
+        if not rows_out:
+            dropped = ", ".join(f"{k} {v}" for k, v in report["dropped"].items() if v)
+            log.warning(
+                "the cache keeps no rows (%d latent rows in; dropped: %s): there is nothing "
+                "to train on; check data.shards, data.metadata and data.caption_column",
+                report["rows_in"], dropped or "none",
+            )  # fmt: skip
         return {"rows_out": report["rows_out"], "dropped": report["dropped"]}
 
 
@@ -660,6 +669,13 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
             builder=default_builder(process, coord.scope),
             **timing,
         )
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC or exc.filename:
+            raise
+        # A full disk mid-write names no file (datasets' writers, shutil): name the cache.
+        raise OSError(
+            errno.ENOSPC, f"{exc.strerror or exc} (building the cache in)", str(layout.root)
+        ) from exc
     finally:
         if bars_were_on and not progress:
             ds_utils.enable_progress_bars()

@@ -112,6 +112,9 @@ class CacheLayout:
     root: Path
     stage_dirs: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
+    def __post_init__(self):
+        object.__setattr__(self, "root", Path(self.root))  # a str or os.PathLike too
+
     @classmethod
     def for_config(cls, cfg: Config, fingerprint: str) -> CacheLayout:
         return cls(cfg.cache_root / f"{cfg.name}-{fingerprint}")

@@ -251,6 +251,11 @@ class EncoderConfig:
         )
 
 
+#: Bounds of build.num_proc (worker processes) and of the row counts per batch.
+_MAX_NUM_PROC = 4096
+_MAX_ROWS = 2**31 - 1
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BuildConfig:
     """How the cache is built (``datasets`` map/filter knobs) and where it lives."""
@@ -284,16 +289,18 @@ class BuildConfig:
             f"must be >= 0 (0: automatic, 1: no overlap), got {self.overlap_parts}",
         )
         _check(
-            self.num_proc >= 0,
+            0 <= self.num_proc <= _MAX_NUM_PROC,
             "build.num_proc",
-            f"must be >= 0 (0: min(8, CPUs)), got {self.num_proc}",
+            f"must be in [0, {_MAX_NUM_PROC}] (0: min(8, CPUs)), got {self.num_proc}",
         )
-        _check(self.batch_size >= 1, "build.batch_size", f"must be >= 1, got {self.batch_size}")
-        _check(
-            self.writer_batch_size >= 1,
-            "build.writer_batch_size",
-            f"must be >= 1, got {self.writer_batch_size}",
-        )
+        # Row counts go to pyarrow as C integers: a larger one failed after the join.
+        for field in ("batch_size", "writer_batch_size"):
+            value = getattr(self, field)
+            _check(
+                1 <= value <= _MAX_ROWS,
+                f"build.{field}",
+                f"must be in [1, {_MAX_ROWS}] rows, got {value}",
+            )
         _check(
             self.latent_dtype in LATENT_DTYPES,
             "build.latent_dtype",

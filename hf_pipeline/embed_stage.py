@@ -201,9 +201,22 @@ def embed_joined_rows(
         fingerprint: used for the ``datasets`` cache fingerprint.
         reasons: the join's ``drop_reason`` column as codes, when the caller has them.
     """
-    from datasets import Features, List, Value
+    from datasets import Dataset, Features, List, Value
 
     emb_type = "float16" if cfg.encoder.output_dtype == "float16" else "float32"
+    features = Features(
+        {"embedding": List(Value(emb_type), length=encoder.dim), "drop_reason": Value("string")}
+    )
+    if len(rows) == 0:
+        # A part of empty shards: datasets' map returns an empty dataset without the
+        # new columns and writes no file; the part still needs its (empty) file.
+        from datasets.arrow_writer import ArrowWriter
+
+        Path(out_file).parent.mkdir(parents=True, exist_ok=True)
+        with ArrowWriter(features=features, path=str(out_file)) as writer:
+            writer.finalize()
+        embedded = Dataset.from_file(str(out_file))
+        return EmbedResult(embedded, ReasonCodes(embedded.data.column("drop_reason")), encoder.dim)
     batch_size = max(cfg.build.batch_size, EMBED_ROWS_PER_CALL)
     if reasons is None:
         reasons = ReasonCodes(rows.data.column("drop_reason"))
@@ -220,12 +233,7 @@ def embed_joined_rows(
             input_columns=["drop_reason"],  # the token ids are read by EncodeAhead
             with_indices=True,
             remove_columns=rows.column_names,
-            features=Features(
-                {
-                    "embedding": List(Value(emb_type), length=encoder.dim),
-                    "drop_reason": Value("string"),
-                }
-            ),
+            features=features,
             fn_kwargs={"probe": probe, "ahead": ahead, "duplicate": duplicate},
             cache_file_name=str(out_file),
             new_fingerprint=f"{fingerprint}-embeddings",

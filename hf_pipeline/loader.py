@@ -794,6 +794,11 @@ class Loader:
         """
         if num_epochs is not None and num_epochs < 0:
             raise ValueError(f"num_epochs must be >= 0 or None, got {num_epochs}")
+        if num_epochs is None and self._sampler.num_samples == 0:
+            raise ConfigError(
+                "the cache holds no samples: its build kept none of its rows (its report's "
+                "'dropped' counts say why); there is nothing to train on"
+            )
         if num_epochs is None and self.steps_per_epoch == 0:
             sampler = self._sampler
             raise ConfigError(

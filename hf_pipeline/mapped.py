@@ -537,6 +537,12 @@ class SampleSource:
                 )
             self._keys = MappedColumn.open(rows_files, _KEY)
             self._emb = MappedColumn.open(embedding_files, _EMBEDDING)
+            if not self._latents.num_rows:
+                raise CacheFormatError(
+                    first_rows,
+                    "holds no rows: the build kept none (every shard was empty; its report's "
+                    "'dropped' counts say why)",
+                )
             if len(self._latents.row_shape) != 4:
                 raise CacheFormatError(
                     first_rows,

@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -224,6 +225,7 @@ def build_parts_overlapped(
     from concurrent.futures import ThreadPoolExecutor
 
     embedder = ThreadPoolExecutor(1, thread_name_prefix="hf_pipeline-embed-parts")
+    embed_probe = _StoppableProbe(probe)
     pending = []
     try:
         for part_kw in parts:
@@ -231,13 +233,40 @@ def build_parts_overlapped(
                 done.result()  # an embedding failed: stop joining
             joined = join_part(cfg=cfg, probe=probe, **join_kw, **part_kw)
             pending.append(
-                embedder.submit(embed_part, joined, cfg=cfg, probe=probe, encoder=encoder)
+                embedder.submit(embed_part, joined, cfg=cfg, probe=embed_probe, encoder=encoder)
             )
         return [f.result() for f in pending]
+    except BaseException:
+        # Ctrl-C or a failed join: the embedding in flight stops at its next batch (it
+        # ran to the end of its part, minutes with one part of a big build).
+        embed_probe.stop()
+        raise
     finally:
         for f in pending:
             f.cancel()
         embedder.shutdown(wait=True)
+
+
+class _StoppableProbe:
+    """The lease probe of the part embeddings, which :meth:`stop` also ends: their next
+    check (every embedding batch) raises :class:`BuildStopped`. Thread-safe."""
+
+    def __init__(self, probe):
+        self._probe = probe
+        self._stopped = threading.Event()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def check(self) -> None:
+        if self._stopped.is_set():
+            raise BuildStopped("the build stopped: its embedding stops too")
+        self._probe.check()
+
+
+class BuildStopped(RuntimeError):
+    """Raised in a part's embedding once the build around it has stopped (and is
+    failing with its own error: this one is not what the user sees)."""
 
 
 def part_files(part_dir: Path, kind: str) -> list[Path]:
@@ -246,12 +275,13 @@ def part_files(part_dir: Path, kind: str) -> list[Path]:
 
 
 def _column(files: Sequence[Path], name: str) -> pa.ChunkedArray:
-    chunks = []
+    chunks, typ = [], pa.string() if name == "drop_reason" else None
     for path in files:
         with pa.memory_map(str(path)) as source:
             table = pa.ipc.open_stream(source).read_all()
         chunks.extend(table.column(name).chunks)
-    return pa.chunked_array(chunks, type=pa.string() if name == "drop_reason" else None)
+        typ = typ or table.schema.field(name).type  # files of empty shards: no chunk
+    return pa.chunked_array(chunks, type=typ)
 
 
 def assemble(
@@ -306,6 +336,7 @@ def assemble(
         "pre_duplicate_reasons": pre.counts() if pre is not None else {},
         "no_latents": int(table.count_absent(keys)),
         "duplicate_meta_rows": int(getattr(table, "duplicate_meta_rows", 0)),
+        "null_key_meta_rows": int(getattr(table, "null_key_rows", 0)),
         "bad_rows": bad_rows_summary(keys, nonfinite),
         "embed_dim": int(max((i["embed_dim"] for i in infos), default=0)),
         "shards": sum(int(i["shards"]) for i in infos),

@@ -18,6 +18,7 @@ import dataclasses
 import os
 import pickle
 import re
+import warnings
 import zipfile
 
 import numpy as np
@@ -38,7 +39,6 @@ __all__ = [
     "read_shard",
     "shard_latent_dtype",
 ]
-
 
 
 _DIGITS = re.compile(r"(\d+)")
@@ -242,6 +242,11 @@ def _validated(path: str, obj):
             path, f"latents must be float16, bfloat16 or float32, got {latents.dtype}"
         )
     return keys, latents
+
+
+# A raw pickle (not torch.save's zip) of another protocol made torch warn ("Detected pickle
+# protocol 4 in the checkpoint ...") before the one-line refusal below: noise to the user.
+warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
 
 
 def _torch_load(path: str, mmap: bool = False):

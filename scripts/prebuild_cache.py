@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -90,8 +91,11 @@ def _print_summary(result) -> None:
         if bad.get("count"):
             keys = ", ".join(map(str, bad.get("first_keys", [])))
             print(f"bad rows    {reason} {bad['count']} (first keys: {keys})")
-    dup = s["duplicate_meta_rows"]
-    print(f"metadata    {dup} rows repeating an earlier key ignored (first wins)")
+    dup, null = s["duplicate_meta_rows"], s["null_key_meta_rows"]
+    print(
+        f"metadata    {dup} rows repeating an earlier key ignored (first wins), "
+        f"{null} with a null key dropped"
+    )
     fetch = result.report.get("fetch") or {}
     if fetch.get("files"):
         print(
@@ -191,6 +195,21 @@ def _print_publish(report) -> None:
     )
 
 
+def _check_json_path(path: Path) -> None:
+    """Raise a ConfigError naming ``--json`` if ``path`` cannot be written."""
+    from hf_pipeline.errors import ConfigError
+
+    folder = path.parent
+    why = (
+        "is a directory" if path.is_dir()
+        else f"its folder {folder} does not exist" if not folder.is_dir()
+        else f"its folder {folder} is not writable" if not os.access(folder, os.W_OK | os.X_OK)
+        else None
+    )  # fmt: skip
+    if why:
+        raise ConfigError(f"--json {path}: {why}")
+
+
 def main(args: argparse.Namespace) -> int:
     cfg = cli.config_from_args(args)
     if isinstance(args.status, str):
@@ -199,6 +218,8 @@ def main(args: argparse.Namespace) -> int:
         return _admin(args, cfg)
     from hf_pipeline.build import prepare_cache
 
+    if args.json and args.json != "-":
+        _check_json_path(Path(args.json))  # before the build, not after it
     if args.publish:
         from hf_pipeline.publish_store import parse_location
 

@@ -108,7 +108,7 @@ def test_a_cache_opened_by_its_folder_is_checked_against_its_markers(built_cache
     copy, fp = tmp_path / "cache", built_cache.fingerprint
     shutil.copytree(built_cache.cache_dir, copy)
     trusted = CacheLayout(copy, dict(built_cache.stage_dirs))
-    with open_sample_source(CacheLayout(copy), fp) as src:
+    with open_sample_source(CacheLayout(str(copy)), fp) as src:  # a str path too
         assert src.num_rows == built_cache.report["rows_out"] > 0
     with pytest.raises(CacheFormatError, match="fingerprint") as e:
         open_sample_source(CacheLayout(copy), "0" * 16)
@@ -342,6 +342,44 @@ def test_on_bad_rows_is_part_of_the_identity(small_config):
     )
     assert small_config.data.on_bad_rows == "drop"
     assert compute_fingerprint(small_config, *args) != compute_fingerprint(fail, *args)
+
+
+def test_empty_shards_build_in_parts_of_their_own_and_null_keys_are_counted(tmp_path, caplog):
+    """A part holding only empty shards (0 rows: on a GPU a builder makes 4 parts by
+    default) crashed the embed stage (datasets' map of 0 rows writes no file and drops
+    the columns), and a build of only empty shards the assembly. Metadata rows with a
+    null key were dropped but counted nowhere (README: "dropped and counted")."""
+    import pyarrow as pa
+
+    data = make_shards(tmp_path / "data", n_shards=3, per_shard=6)
+    empty = {
+        "keys": torch.zeros(0, dtype=torch.int64),
+        "latents": torch.zeros(0, 3, 4, 32, 32).half(),
+    }
+    torch.save(empty, data / "000000-000005.pt")
+    meta = data / "coyo11m-meta.parquet"
+    keys = [None if k % 5 == 0 else k for k in range(18)]
+    pq.write_table(pa.table({"key": pa.array(keys, pa.int64()),
+                             "caption_llava": [f"caption {k}" for k in range(18)]}), meta)  # fmt: skip
+    res = prepare_cache(_nan_config(data, tmp_path / "c", "build.part_shards=1"), progress=False)
+    r = res.report
+    assert [p["rows_in"] for p in r["parts"]] == [0, 6, 6]
+    # Keys 0-5 have no latents; 10 and 15 have a null-key caption row only.
+    assert r["rows_in"] == 12 and r["dropped"]["no_caption"] == 2
+    assert r["null_key_meta_rows"] == 4 == res.summary()["null_key_meta_rows"]
+    with open_sample_source(res.layout, res.fingerprint) as src:
+        assert sorted(src.keys.tolist()) == [6, 7, 8, 9, 11, 12, 13, 14, 16, 17]
+
+    for i in (1, 2):  # every shard empty: a cache of no rows, said at build time
+        torch.save(empty, data / f"{i * 6:06d}-{i * 6 + 5:06d}.pt")
+    with caplog.at_level("WARNING", logger="hf_pipeline"):
+        res = prepare_cache(_nan_config(data, tmp_path / "c", name="empty"), progress=False)
+    assert (res.report["rows_in"], res.report["rows_out"]) == (0, 0)
+    assert "the cache keeps no rows" in caplog.text
+    from hf_pipeline.errors import CacheFormatError
+
+    with pytest.raises(CacheFormatError, match="holds no rows"):
+        open_sample_source(res.layout, res.fingerprint)
 
 
 def test_a_dangling_shard_symlink_is_a_missing_shard(tmp_path):

@@ -34,12 +34,15 @@ def test_full_disk_fails_cleanly_for_every_rank_then_succeeds(small_config, buil
     args = ["-q", "--cache-dir", str(disk), "--set", f"data.shards={data}",
             *[a for o in SMALL_DEMO for a in ("--set", o)], "--set", "coord.lease_timeout=60"]
     results = run_ranks([REPO / "scripts/prebuild_cache.py", *args], 2)
+    named = 0
     for code, _out, err in results:
         # Both ranks fail fast with the builder's error (the waiter does not time out).
         assert code == 1, err
         assert "Traceback" not in err
         lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
         assert len(lines) == 1 and "No space left on device" in lines[0], err
+        named += str(disk) in lines[0]
+    assert named >= 1, results  # the builder's line names the cache it was writing
     assert _published(disk) == []
     assert not list(disk.rglob("converted*")) and not list(disk.rglob("filtered*"))
 

@@ -54,7 +54,15 @@ def test_frozen_and_effective_num_proc():
 @pytest.mark.parametrize(
     "override, field, fragment",
     [
-        (["build.num_proc=-1"], "build.num_proc", "must be >= 0 (0: min(8, CPUs)), got -1"),
+        (["build.num_proc=-1"], "build.num_proc", "must be in [0, 4096] (0: min(8, CPUs)), got -1"),
+        (["build.num_proc=5000"], "build.num_proc", "must be in [0, 4096]"),
+        # Accepted once, then an OverflowError in pyarrow after the join had run.
+        (["build.batch_size=99999999999999999999"], "build.batch_size", "in [1, 2147483647] rows"),
+        (
+            ["build.writer_batch_size=0"],
+            "build.writer_batch_size",
+            "in [1, 2147483647] rows, got 0",
+        ),
         (
             ["build.overlap_parts=-2"],
             "build.overlap_parts",

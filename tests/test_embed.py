@@ -619,6 +619,35 @@ def test_an_encoder_failure_on_the_encoding_thread_fails_the_stage(encoder, tmp_
     assert not [t for t in threading.enumerate() if t.name == "hf_pipeline-embed"]
 
 
+def test_a_stopped_build_stops_its_part_embedding_at_the_next_batch(encoder, tmp_path):
+    """Ctrl-C (or a failed join) while a part embeds: the build's probe is stopped and the
+    embedding ends at its next batch instead of running to the end of its part (with
+    one part, the whole build's embedding)."""
+    import threading
+
+    from hf_pipeline.embed_stage import EMBED_ROWS_PER_CALL, embed_joined_rows
+    from hf_pipeline.parts import BuildStopped, _StoppableProbe
+
+    n = EMBED_ROWS_PER_CALL * 3
+    rows = _joined_rows(tmp_path, n, {0, EMBED_ROWS_PER_CALL + 1, n - 1})
+    checks = []
+
+    class Counting(_Owned):
+        def check(self):
+            checks.append(1)
+            if len(checks) == 2:  # the first batch is under way: the build stops
+                probe.stop()
+
+    probe = _StoppableProbe(Counting())
+    with pytest.raises(BuildStopped):
+        embed_joined_rows(
+            rows, np.zeros(n, bool), encoder=encoder, cfg=load_config(None, []),
+            probe=probe, out_file=tmp_path / "emb.arrow", fingerprint="t",
+        )  # fmt: skip
+    assert len(checks) <= 3  # of 3 batches' checks on each side: it stopped early
+    assert not [t for t in threading.enumerate() if t.name == "hf_pipeline-embed"]
+
+
 @pytest.mark.parametrize("full", [1, 2, 3, 7, 8, 300, 4096, 8192])
 def test_row_buckets_pad_a_partial_micro_batch_by_an_eighth_at_most(full):
     from hf_pipeline.embed import row_buckets

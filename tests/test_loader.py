@@ -279,6 +279,16 @@ def test_producer_error_reaches_consumer_with_traceback(threads):
     assert _prefetch_threads() == []
 
 
+def test_a_cache_of_no_samples_says_so():
+    """A cache whose build kept no row: one message saying so, not "use a batch of at
+    most 0 or set loader.drop_last: false" (which gave the same message again)."""
+    for drop_last in (True, False):
+        loader = Loader(FakeSource(0), global_batch_size=4, process_index=0, process_count=1,
+                        drop_last=drop_last)  # fmt: skip
+        with pytest.raises(ConfigError, match="the cache holds no samples"):
+            loader.epochs()
+
+
 @pytest.mark.parametrize("dtype", ["int8", "nope", "uint16"])
 def test_latents_dtype_must_be_a_float(dtype):
     """An integer (or unknown) output dtype would cast the latents silently: refused."""

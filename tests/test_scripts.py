@@ -13,7 +13,10 @@ from tests.conftest import PYTHON, REPO, SMALL_DEMO, run_ranks, script_env
 def _run(script, *args, env=None, timeout=600):
     return subprocess.run(
         [PYTHON, str(REPO / "scripts" / script), *args],
-        env=env or script_env(), capture_output=True, text=True, timeout=timeout,
+        env=env or script_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -31,8 +34,15 @@ def test_help(script):
 
 def test_prebuild_json_then_found(tmp_path, session_cache_root, built_cache):
     out = tmp_path / "build.json"
-    p = _run("prebuild_cache.py", "--cache-dir", str(session_cache_root), *_sets(SMALL_DEMO),
-             "--json", str(out), "-q")
+    p = _run(
+        "prebuild_cache.py",
+        "--cache-dir",
+        str(session_cache_root),
+        *_sets(SMALL_DEMO),
+        "--json",
+        str(out),
+        "-q",
+    )
     assert p.returncode == 0, p.stderr
     s = json.loads(out.read_text())
     assert set(s) >= {"fingerprint", "cache_dir", "rows_in", "rows_out", "dropped", "seconds"}
@@ -42,6 +52,53 @@ def test_prebuild_json_then_found(tmp_path, session_cache_root, built_cache):
     assert s["duplicate_meta_rows"] == built_cache.report["duplicate_meta_rows"] >= 1
     line = f"metadata    {s['duplicate_meta_rows']} rows repeating an earlier key ignored"
     assert line in p.stdout
+
+
+def test_prebuild_json_path_that_cannot_be_written_fails_before_the_build(tmp_path):
+    """Found only after the whole build before (exit 1, the OS's words)."""
+    cache = tmp_path / "c"
+    for path, why in (
+        (tmp_path / "nodir" / "x.json", "does not exist"),
+        (tmp_path, "is a directory"),
+    ):
+        p = _run("prebuild_cache.py", "--cache-dir", str(cache), *_sets(SMALL_DEMO),
+                 "--json", str(path), "-q")  # fmt: skip
+        assert p.returncode == 2, p.stderr
+        assert p.stderr.strip() == f"error: --json {path}: " + (
+            f"its folder {path.parent} does not exist" if why == "does not exist" else why
+        )
+        assert not list(cache.glob("demo-*"))  # nothing was built
+
+
+class _RunsCode:
+    """Pickles to a call of os.system: what torch.load(weights_only=True) refuses."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_raw_pickle_shard_is_one_error_line_and_runs_nothing(tmp_path):
+    """A raw pickle (not torch.save's zip) in the shard folder: refused, exit 2, and
+    the error is the only line (torch warned "Detected pickle protocol 4" first)."""
+    import pickle
+
+    from tests.servers import make_shards
+
+    data = make_shards(tmp_path / "data", n_shards=2, per_shard=6)
+    marker = tmp_path / "pwned"
+    with open(data / "000000-000005.pt", "wb") as fh:
+        pickle.dump(_RunsCode(str(marker)), fh, protocol=4)
+    p = _run("prebuild_cache.py", "--cache-dir", str(tmp_path / "c"), *_sets(SMALL_DEMO),
+             "--set", f"data.shards={data}", "-q")  # fmt: skip
+    assert p.returncode == 2, p.stderr
+    (line,) = p.stderr.strip().splitlines()
+    assert line.startswith(f"error: {data / '000000-000005.pt'}: not a plain tensor file"), line
+    assert not marker.exists()
 
 
 def test_prebuild_status_verify_clean(session_cache_root, built_cache):
@@ -58,7 +115,7 @@ def test_prebuild_status_verify_clean(session_cache_root, built_cache):
 @pytest.mark.parametrize(
     "args, fragment",
     [
-        (["--set", "build.num_proc=-2"], "build.num_proc must be >= 0 (0: min(8, CPUs)), got -2"),
+        (["--set", "build.num_proc=-2"], "build.num_proc must be in [0, 4096] (0: min(8, CPUs)), got -2"),
         (["--set", "loader.crop=9"], "loader.crop"),
         (["--config", "configs/nope.yaml"], "does not exist"),
         (["--set", "data.shards=/nonexistent/folder"], "/nonexistent/folder"),
@@ -68,8 +125,14 @@ def test_prebuild_status_verify_clean(session_cache_root, built_cache):
 )
 def test_user_errors_are_one_line_exit_2(tmp_path, args, fragment):
     env = script_env(HF_HOME=str(tmp_path), HF_HUB_OFFLINE="1")
-    p = subprocess.run([PYTHON, str(REPO / "scripts/prebuild_cache.py"), "-q", *args], env=env,
-                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    p = subprocess.run(
+        [PYTHON, str(REPO / "scripts/prebuild_cache.py"), "-q", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert p.returncode == 2, p.stderr
     assert "Traceback" not in p.stderr
     errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
@@ -160,8 +223,17 @@ def test_env_overrides_reach_the_build(tmp_path):
 
 
 def test_train_short_run_loss_falls(session_cache_root, built_cache):
-    p = _run("train.py", "--cache-dir", str(session_cache_root), *_sets(SMALL_DEMO),
-             "--steps", "60", "--set", "train.log_every=20", "-q")
+    p = _run(
+        "train.py",
+        "--cache-dir",
+        str(session_cache_root),
+        *_sets(SMALL_DEMO),
+        "--steps",
+        "60",
+        "--set",
+        "train.log_every=20",
+        "-q",
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("step")]
     assert len(lines) == 3 and "samples/s" in lines[0] and "data wait" in lines[0]
@@ -204,8 +276,16 @@ def _free_port() -> int:
 def test_train_two_processes_jax_distributed(session_cache_root, built_cache):
     """torchrun-style env + JAX_COORDINATOR_ADDRESS: one global batch sharded over 2 hosts."""
     port = _free_port()
-    args = ["--cache-dir", str(session_cache_root), *_sets(SMALL_DEMO), "--steps", "20",
-            "--set", "train.log_every=10", "-q"]
+    args = [
+        "--cache-dir",
+        str(session_cache_root),
+        *_sets(SMALL_DEMO),
+        "--steps",
+        "20",
+        "--set",
+        "train.log_every=10",
+        "-q",
+    ]
     # The debug flag makes jax.extend.backend.clear_backends() raise if a JAX array
     # (and so its backend client) survives train.py's run: on a GPU such a client
     # logs "WatchTasksAsync failed ... CANCELLED" when jax.distributed shuts down.

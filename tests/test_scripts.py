@@ -70,29 +70,18 @@ def test_prebuild_json_path_that_cannot_be_written_fails_before_the_build(tmp_pa
         assert not list(cache.glob("demo-*"))  # nothing was built
 
 
-class _RunsCode:
-    """Pickles to a call of os.system: what torch.load(weights_only=True) refuses."""
-
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        import os
-
-        return (os.system, (f"touch {self.marker}",))
-
-
 def test_a_raw_pickle_shard_is_one_error_line_and_runs_nothing(tmp_path):
     """A raw pickle (not torch.save's zip) in the shard folder: refused, exit 2, and
     the error is the only line (torch warned "Detected pickle protocol 4" first)."""
     import pickle
 
+    from tests.helpers.pickles import RunsCode
     from tests.servers import make_shards
 
     data = make_shards(tmp_path / "data", n_shards=2, per_shard=6)
     marker = tmp_path / "pwned"
     with open(data / "000000-000005.pt", "wb") as fh:
-        pickle.dump(_RunsCode(str(marker)), fh, protocol=4)
+        pickle.dump(RunsCode(str(marker)), fh, protocol=4)
     p = _run("prebuild_cache.py", "--cache-dir", str(tmp_path / "c"), *_sets(SMALL_DEMO),
              "--set", f"data.shards={data}", "-q")  # fmt: skip
     assert p.returncode == 2, p.stderr
@@ -115,7 +104,10 @@ def test_prebuild_status_verify_clean(session_cache_root, built_cache):
 @pytest.mark.parametrize(
     "args, fragment",
     [
-        (["--set", "build.num_proc=-2"], "build.num_proc must be in [0, 4096] (0: min(8, CPUs)), got -2"),
+        (
+            ["--set", "build.num_proc=-2"],
+            "build.num_proc must be in [0, 4096] (0: min(8, CPUs)), got -2",
+        ),
         (["--set", "loader.crop=9"], "loader.crop"),
         (["--config", "configs/nope.yaml"], "does not exist"),
         (["--set", "data.shards=/nonexistent/folder"], "/nonexistent/folder"),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import pickle
 
 import numpy as np
@@ -17,6 +16,7 @@ from hf_pipeline.shards import (
     read_shard,
     shard_latent_dtype,
 )
+from tests.helpers.pickles import RunsCode
 
 
 def _save(path, obj) -> str:
@@ -186,20 +186,10 @@ def test_nonfinite_rows_are_returned_for_the_build_to_drop(tmp_path, src, dst):
     assert nonfinite_rows(np.zeros((0, *LATENT_SHAPE), np.float16)).shape == (0,)
 
 
-class _Evil:
-    """Pickles to a call of os.system: what weights_only must refuse."""
-
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
 def test_load_shard_refuses_malicious_pickle(tmp_path):
     marker = tmp_path / "pwned"
-    path = _save(tmp_path / "evil.pt", {"keys": _Evil(str(marker)), "latents": torch.zeros(1)})
+    path = _save(tmp_path / "evil.pt", {"keys": RunsCode(str(marker)), "latents": torch.zeros(1)})
     with pytest.raises(
         CorruptShardError,
         match=r"not a plain tensor file \(refused by torch.load\(weights_only=True\)\)",
@@ -211,7 +201,7 @@ def test_load_shard_refuses_malicious_pickle(tmp_path):
     # Also a raw (non-zip) pickle.
     raw = tmp_path / "raw.pt"
     with open(raw, "wb") as fh:
-        pickle.dump(_Evil(str(marker)), fh)
+        pickle.dump(RunsCode(str(marker)), fh)
     with pytest.raises(CorruptShardError, match="refused by torch.load"):
         load_shard(raw)
     assert not marker.exists()

@@ -158,6 +158,10 @@ def test_local_errors(tmp_path, hf_home):
     (tmp_path / "empty").mkdir()
     with pytest.raises(SourceError, match="no \\*.pt shards"):
         open_source(str(tmp_path / "empty"), data_config=cfg).list_shards()
+    # data.metadata naming a folder: said so (was "file does not exist").
+    with pytest.raises(SourceError, match="is a directory, not a file") as e:
+        open_source(str(tmp_path / "empty"), data_config=cfg).stat(str(tmp_path / "empty"))
+    assert e.value.path == str(tmp_path / "empty")
     with pytest.raises(SourceError, match="unsupported scheme"):
         open_source("s3://bucket/x", data_config=cfg)
     make_shards(tmp_path / "two", n_shards=1)

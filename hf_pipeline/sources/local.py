@@ -68,7 +68,9 @@ class LocalSource(Source, scheme=""):
     def stat(self, url: str) -> RemoteFile:
         p = Path(url).expanduser()
         if not p.is_file():
-            raise SourceError(url, "file does not exist")
+            raise SourceError(
+                url, "is a directory, not a file" if p.is_dir() else "file does not exist"
+            )
         return self._file(p)
 
     def direct_path(self, file: RemoteFile) -> Path | None:

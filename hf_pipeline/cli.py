@@ -72,7 +72,8 @@ def _setup_logging(args: argparse.Namespace) -> None:
     level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if not args.verbose:
-        for noisy in ("datasets", "transformers", "httpx", "jax._src", "absl"):
+        # httpx2: huggingface_hub's HTTP client logs every request at INFO under it.
+        for noisy in ("datasets", "transformers", "httpx", "httpx2", "jax._src", "absl"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
     if args.quiet:
         os.environ.setdefault("TQDM_DISABLE", "1")

@@ -131,6 +131,10 @@ class Store(abc.ABC):
         self.source = source
         self.policy = policy
 
+    def check_location(self) -> None:  # noqa: B027 - a store without a check: nothing to do
+        """Raise :class:`SourceError` if the location cannot hold caches (GCS: no such
+        bucket), before a build whose publish or pull would fail on it."""
+
     @abc.abstractmethod
     def list_files(self, cache_name: str) -> dict[str, RemoteFile]:
         """Every file under cache folder ``cache_name``, by path relative to it ({} when
@@ -157,6 +161,12 @@ class _GCSStore(Store):
     def _prefix(self, cache_name: str) -> str:
         return f"{self.location.path}/{cache_name}"
 
+    def check_location(self) -> None:
+        bucket = self.location.path.split("/", 1)[0]
+        if not with_retries(f"gs://{bucket}", lambda: self._fs().exists(bucket), self.policy):
+            # gcsfs says "FileNotFoundError: b/<bucket>/o" for every path in it.
+            raise SourceError(self.location.url, f"no such bucket gs://{bucket}")
+
     def list_files(self, cache_name: str) -> dict[str, RemoteFile]:
         prefix = self._prefix(cache_name)
 
@@ -165,6 +175,7 @@ class _GCSStore(Store):
             fs.invalidate_cache(prefix)  # gcsfs keeps listings; a store changes under us
             return fs.find(prefix, detail=True, withdirs=False)
 
+        self.check_location()
         found = with_retries(f"gs://{prefix}", find, self.policy)
         return {
             name[len(prefix) + 1 :]: self.source.describe(info)
@@ -181,6 +192,7 @@ class _GCSStore(Store):
             except FileNotFoundError:
                 return []  # an empty prefix: nothing published yet
 
+        self.check_location()  # a missing bucket is not "nothing published yet"
         entries = with_retries(self.location.url, ls, self.policy)
         return sorted(
             e["name"].rstrip("/").rsplit("/", 1)[-1]

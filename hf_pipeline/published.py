@@ -142,8 +142,11 @@ def find_published(
         raise CacheFormatError(
             f"{url}/{MANIFEST_NAME}", "missing although every marker is there (damaged)"
         )
+    raw = _read_meta(store, listing[MANIFEST_NAME], staging, stats)
+    if raw is None:  # as for the markers: say so, not "got NoneType"
+        raise CacheFormatError(f"{url}/{MANIFEST_NAME}", "is not valid JSON")
     try:
-        manifest = Manifest.from_dict(_read_meta(store, listing[MANIFEST_NAME], staging, stats))
+        manifest = Manifest.from_dict(raw)
     except (KeyError, TypeError, ValueError) as e:
         raise CacheFormatError(
             f"{url}/{MANIFEST_NAME}", f"malformed manifest ({type(e).__name__}: {e})"

@@ -221,9 +221,10 @@ def main(args: argparse.Namespace) -> int:
     if args.json and args.json != "-":
         _check_json_path(Path(args.json))  # before the build, not after it
     if args.publish:
-        from hf_pipeline.publish_store import parse_location
+        from hf_pipeline.publish_store import open_store
 
-        parse_location(args.publish)  # a bad URL fails before the build, not after
+        # A bad URL or a missing bucket fails before the build, not after it.
+        open_store(args.publish, data_config=cfg.data).check_location()
     result = prepare_cache(cfg, progress=not args.quiet)
     _print_summary(result)
     summary = result.summary()

@@ -312,3 +312,39 @@ def test_script_publish_status_and_bad_url(source_cache, gcs_store):
     assert (
         result.fingerprint in line and "complete" in line and str(result.report["rows_out"]) in line
     )
+
+
+def test_a_bucket_that_does_not_exist_is_named_before_any_build(source_cache, gcs_store, tmp_path):
+    """`--status` said "no published caches" (exit 0), and `--publish` built the whole
+    cache, then failed on gcsfs's "FileNotFoundError: b/<bucket>/o"; a pull said the same."""
+    from tests.conftest import SMALL_DEMO
+
+    server, _ = gcs_store
+    env = script_env(STORAGE_EMULATOR_HOST=server, GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false")
+    nowhere = "gs://no-such-bucket-here/caches"
+    cache = tmp_path / "fresh"
+    base = [PYTHON, str(REPO / "scripts/prebuild_cache.py"), "-q", "--cache-dir", str(cache),
+            "--set", f"data.shards={source_cache.data}", *[a for o in SMALL_DEMO for a in ("--set", o)]]  # fmt: skip
+    for extra, extra_env in (
+        (["--status", nowhere], {}),
+        (["--publish", nowhere], {}),
+        ([], {"HF_PIPELINE_PULL_FROM": nowhere}),
+    ):
+        p = subprocess.run([*base, *extra], env={**env, **extra_env}, capture_output=True,
+                           text=True, timeout=300)  # fmt: skip
+        assert p.returncode == 2, (extra, extra_env, p.stderr[-2000:])
+        (line,) = p.stderr.strip().splitlines()
+        assert line == f"error: {nowhere}: no such bucket gs://no-such-bucket-here", line
+        assert not list(cache.glob("demo-*/converted.json"))  # nothing was built
+
+
+def test_a_published_manifest_that_is_not_json_is_said_so(source_cache, gcs_store):
+    """Was "malformed manifest (TypeError: manifest must be a JSON object, got NoneType)"."""
+    server, url = gcs_store
+    result = source_cache.result
+    store = open_store(url, data_config=source_cache.cfg.data)
+    publish_cache(result.cache_dir, result.fingerprint, url, data_config=source_cache.cfg.data)
+    gcs_fs(server).pipe_file(f"{url[5:]}/{Path(result.cache_dir).name}/{MANIFEST_NAME}", b"{nope")
+    [status] = list_published(store, STAGES)
+    assert status.state == "damaged"
+    assert status.problem.endswith(f"{MANIFEST_NAME}: is not valid JSON"), status.problem

@@ -180,6 +180,14 @@ def find_published(
                     where,
                     f"has {remote.size} bytes in the store, but {marker_name(stage)} says {entry.size}",
                 )
+            # The listing carries the store's checksum: a file changed in place (same
+            # size) is found here too, without reading it.
+            kind, _, value = remote.checksum.partition(":")
+            ours = published.checksum(kind) if value else ""
+            if ours and ours != value:
+                raise CacheFormatError(
+                    where, f"the store's {kind} is {value}, but {MANIFEST_NAME} says {ours}"
+                )
             files[entry.path] = remote
     cache = PublishedCache(
         url=url, name=cache_name, markers=markers, manifest=manifest, files=files

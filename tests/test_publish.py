@@ -348,3 +348,29 @@ def test_a_published_manifest_that_is_not_json_is_said_so(source_cache, gcs_stor
     [status] = list_published(store, STAGES)
     assert status.state == "damaged"
     assert status.problem.endswith(f"{MANIFEST_NAME}: is not valid JSON"), status.problem
+
+
+def test_a_published_file_changed_in_place_is_found_by_its_listed_checksum(
+    source_cache, gcs_store, tmp_path
+):
+    """One byte flipped in a published data file (same size): `--status` said
+    "complete" and a publish from another build "already published; left as it is"
+    (exit 0), while every pull was refused. The listing's crc32c finds it."""
+    server, url = gcs_store
+    result, cfg = source_cache.result, source_cache.cfg
+    publish_cache(result.cache_dir, result.fingerprint, url, data_config=cfg.data)
+    rel = _listed(result)[0]
+    path = f"{url[5:]}/{Path(result.cache_dir).name}/{rel}"
+    fs = gcs_fs(server)
+    data = bytearray(fs.cat_file(path))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe_file(path, bytes(data))
+    [status] = list_published(open_store(url, data_config=cfg.data), STAGES)
+    assert status.state == "damaged" and rel in status.problem and "crc32c" in status.problem
+    # Another build of the fingerprint (its markers differ) meets it: refused, not kept.
+    other = tmp_path / Path(result.cache_dir).name
+    shutil.copytree(result.cache_dir, other)
+    marker = other / marker_name(STAGES[-1])
+    marker.write_text(marker.read_text().replace('"host"', '"host" ', 1))
+    with pytest.raises(CacheFormatError, match="publish again"):
+        publish_cache(other, result.fingerprint, url, data_config=cfg.data)

@@ -536,6 +536,7 @@ class _Coordinator:
                 pid=record.get("pid"),
                 error_type=record.get("error_type"),
                 reason=record.get("message"),
+                input_error=bool(record.get("input_error", False)),
             )
 
     def _raise_timeout(self, view: LeaseView | None, progress_age: float, elapsed: float):
@@ -814,6 +815,9 @@ class _Coordinator:
             "stage": stage.name,
             "error_type": type(error).__name__,
             "message": str(error),
+            # The input's fault (an error type that says so): the waiters exit as the
+            # builder does, with the input's code, not the fault's.
+            "input_error": bool(getattr(error, "input_error", False)),
             "wall_time": time.time(),
         }
         try:

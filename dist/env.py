@@ -34,9 +34,12 @@ processes are assumed to be on one node: local rank = rank, node 0.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import sys
 from collections.abc import Mapping
+
+logger = logging.getLogger("dist")
 
 __all__ = ["EnvironmentConflictError", "ProcessInfo", "detect"]
 
@@ -167,6 +170,7 @@ class _Reading:
     local_world_size: int | None
     node_rank: int | None
     rank_var: str
+    size_var: str
 
 
 def _read_family(environ: Mapping[str, str], family) -> _Reading | None:
@@ -174,6 +178,13 @@ def _read_family(environ: Mapping[str, str], family) -> _Reading | None:
     rank = _int_var(environ, rank_var)
     size = _int_var(environ, size_var)
     if rank is None or size is None:
+        if (rank is None) != (size is None):  # half a launcher: likely a broken job script
+            have, missing = (rank_var, size_var) if size is None else (size_var, rank_var)
+            logger.warning(
+                "%s is set but %s is not: the %s variables are ignored (this process runs "
+                "as rank 0 of 1 unless another launcher's variables say otherwise)",
+                have, missing, source,
+            )  # fmt: skip
         return None
     return _Reading(
         source=source,
@@ -183,6 +194,7 @@ def _read_family(environ: Mapping[str, str], family) -> _Reading | None:
         local_world_size=_int_var(environ, lsize_var, leading=source == "slurm"),
         node_rank=_int_var(environ, node_var),
         rank_var=rank_var,
+        size_var=size_var,
     )
 
 
@@ -329,15 +341,22 @@ def _from_launcher(readings: list[_Reading]) -> ProcessInfo | None:
     if not readings:
         return None
     first = readings[0]
-    lr, lw, node = _fill_local(first)
-    return ProcessInfo(
-        rank=first.rank,
-        world_size=first.world_size,
-        local_rank=lr,
-        local_world_size=lw,
-        node_rank=node,
-        source=first.source,
-    )
+    try:
+        lr, lw, node = _fill_local(first)
+        return ProcessInfo(
+            rank=first.rank,
+            world_size=first.world_size,
+            local_rank=lr,
+            local_world_size=lw,
+            node_rank=node,
+            source=first.source,
+        )
+    except ValueError as exc:  # e.g. RANK=3 with WORLD_SIZE=3: name what was read
+        raise EnvironmentConflictError(
+            f"{first.rank_var}={first.rank} and {first.size_var}={first.world_size} "
+            f"({first.source}) do not make a process: {exc}",
+            (first.rank_var, first.size_var),
+        ) from None
 
 
 def _with_overrides(base: ProcessInfo, overrides: dict[str, int]) -> ProcessInfo:

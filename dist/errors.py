@@ -17,6 +17,8 @@ class BuildFailedError(RuntimeError):
         lease_id, host, pid: the failed builder.
         error_type: the builder's exception type name (``"OSError"``).
         reason: the builder's exception message.
+        input_error: the builder's error was the input's (its type has a true
+            ``input_error``): scripts exit with the input's code (2), as the builder.
     """
 
     def __init__(
@@ -29,8 +31,10 @@ class BuildFailedError(RuntimeError):
         pid: int | None = None,
         error_type: str | None = None,
         reason: str | None = None,
+        input_error: bool = False,
     ):
         super().__init__(message)
+        self.input_error = bool(input_error)
         self.path = str(path)
         self.lease_id = lease_id
         self.host = host
@@ -45,6 +49,7 @@ class BuildFailedError(RuntimeError):
             "pid": self.pid,
             "error_type": self.error_type,
             "reason": self.reason,
+            "input_error": self.input_error,
         }
         return (_rebuild_build_failed, (self.args[0], self.path, kwargs))
 

@@ -99,6 +99,14 @@ def try_claim(cache_dir: Path, lease_id: str, host: str, pid: int) -> bool:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return False
+    except FileNotFoundError:
+        # The folder went away while we waited (`prebuild_cache.py --clean` of a dead
+        # builder's cache): make it again and claim it, rather than die on ENOENT.
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
     try:
         os.write(fd, json.dumps({"lease_id": lease_id, "host": host, "pid": pid}).encode())
         os.fsync(fd)

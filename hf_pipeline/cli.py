@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from dist.env import EnvironmentConflictError
 from dist.errors import BuildFailedError, CacheWaitTimeout, ReadOnlyCacheError
 from hf_pipeline.config import Config, load_config
 from hf_pipeline.errors import StoreUnreachableError, UserError
@@ -94,10 +95,13 @@ def run(main: Callable[[argparse.Namespace], int | None], parser: argparse.Argum
         # Before UserError (its base): the store is down, the input may be fine.
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except UserError as exc:
+    except (UserError, EnvironmentConflictError) as exc:  # the input, config or launcher
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except (CacheWaitTimeout, BuildFailedError, ReadOnlyCacheError) as exc:
+    except BuildFailedError as exc:  # a waiting rank: the builder's code
+        print(f"error: {exc}", file=sys.stderr)
+        return 2 if exc.input_error else 1
+    except (CacheWaitTimeout, ReadOnlyCacheError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:

@@ -21,7 +21,13 @@ __all__ = [
 
 
 class UserError(Exception):
-    """Mixin: an error caused by input or configuration, shown without a traceback."""
+    """Mixin: an error caused by input or configuration, shown without a traceback.
+
+    ``input_error``: the builder's failure record says so, and the ranks that waited for
+    it exit with 2 as the builder does (``dist.errors.BuildFailedError.input_error``).
+    """
+
+    input_error = True
 
 
 class ConfigError(UserError, ValueError):
@@ -102,3 +108,5 @@ class StoreUnreachableError(SourceError):
     Attributes:
         path: the URL or path that failed.
     """
+
+    input_error = False

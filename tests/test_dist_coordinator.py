@@ -239,6 +239,25 @@ def test_dead_lease_without_heartbeat_is_taken_over(tmp_path, content):
     assert sorted(os.listdir(cache)) == _published(markers)
 
 
+def test_a_waiter_whose_cache_folder_was_removed_claims_it_anew(tmp_path):
+    """`prebuild_cache.py --clean` removes a dead builder's cache folder while ranks
+    wait on it: the waiter that then takes over died on ENOENT creating its lease."""
+    import shutil
+
+    cache = tmp_path / "c"
+    cache.mkdir()
+    (cache / LEASE_FILE).write_bytes(b'{"lease_id": "dead0001", "host": "h", "pid": 1}')
+    timer = threading.Timer(QUICK["lease_timeout"] / 2, shutil.rmtree, (cache,))
+    timer.start()
+    try:
+        events, on_event = _recorder()
+        markers = ensure_built(cache, "fp", STAGES, builder=False, on_event=on_event, **QUICK)
+    finally:
+        timer.cancel()
+    assert "claimed" in [e for e, _ in events]
+    assert sorted(os.listdir(cache)) == _published(markers)
+
+
 def test_argument_validation_messages(tmp_path):
     with pytest.raises(ValueError, match="poll_interval must be > 0, got 0"):
         ensure_built(tmp_path, "fp", STAGES, poll_interval=0)

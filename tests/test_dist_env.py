@@ -155,8 +155,24 @@ def test_explicit_arguments_win_and_resolve_contradictions():
     ],
 )
 def test_invalid_values_are_rejected(env, match):
-    with pytest.raises(ValueError, match=match):
+    # EnvironmentConflictError (a ValueError): the scripts print it as one line, exit 2,
+    # naming the variables read (a traceback with exit 1 before).
+    with pytest.raises(EnvironmentConflictError, match=match) as e:
         detect(environ=env)
+    assert "RANK" in str(e.value)
+
+
+def test_half_a_launcher_is_said_not_silently_dropped(caplog):
+    """RANK without WORLD_SIZE (a broken job script) ran as rank 0 of 1 without a word;
+    with build.parallel: ranks every such rank built the whole cache alone."""
+    with caplog.at_level("WARNING", logger="dist"):
+        p = detect(environ={"RANK": "1"})
+    assert (p.rank, p.world_size) == (0, 1)
+    assert "RANK is set but WORLD_SIZE is not" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dist"):
+        detect(environ={"RANK": "1", "WORLD_SIZE": "2"})
+    assert caplog.text == ""
 
 
 def test_reads_os_environ_at_call_time(monkeypatch):

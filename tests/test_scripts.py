@@ -141,6 +141,30 @@ def _closed_port_url() -> str:
 
 
 @pytest.mark.parametrize(
+    "env, fragment",
+    [
+        (
+            {"RANK": "3", "WORLD_SIZE": "3"},
+            "RANK=3 and WORLD_SIZE=3 (torchrun) do not make a process",
+        ),
+        ({"RANK": "abc", "WORLD_SIZE": "2"}, "RANK='abc' is not an integer"),
+        (
+            {"RANK": "1", "WORLD_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"},
+            "contradictory rank",
+        ),
+    ],
+)
+def test_a_launcher_environment_that_makes_no_process_is_one_line_exit_2(tmp_path, env, fragment):
+    """Was a traceback with exit 1 (README: bad usage or config is one line, exit 2)."""
+    for script in ("prebuild_cache.py", "train.py"):
+        p = _run(script, "-q", "--cache-dir", str(tmp_path), *_sets(SMALL_DEMO),
+                 env=script_env(HF_HOME=str(tmp_path), **env))  # fmt: skip
+        assert p.returncode == 2, p.stderr
+        (line,) = p.stderr.strip().splitlines()
+        assert line.startswith("error: ") and fragment in line, line
+
+
+@pytest.mark.parametrize(
     "args, env, fragment",
     [
         # No network here: storage.googleapis.com does not resolve.
@@ -206,6 +230,21 @@ def test_bad_row_under_on_bad_rows_fail_is_one_line_exit_2(tmp_path):
     assert len(errors) == 1, p.stderr
     assert "000006-000011.pt" in errors[0] and "first keys: 8)" in errors[0]
     assert not list(cache.rglob("converted.json")) and not list(cache.rglob("filtered"))
+
+
+def test_every_rank_exits_2_when_the_builder_fails_on_the_input(tmp_path):
+    """The waiting ranks got the builder's error but exit 1 (a fault's code) where the
+    builder exited 2 (the input's): a job's exit code depended on which rank it read."""
+    from tests.servers import shards_with_nonfinite_rows
+
+    data, _ = shards_with_nonfinite_rows(tmp_path / "data")
+    args = ["-q", *_sets(SMALL_DEMO), "--set", f"data.shards={data}",
+            "--set", "data.on_bad_rows=fail", "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
+    results = run_ranks([REPO / "scripts/prebuild_cache.py", *args], 3)
+    for code, _out, err in results:
+        assert code == 2, err[-2000:]
+        (line,) = [x for x in err.splitlines() if x.startswith("error: ")]
+        assert "000006-000011.pt" in line and "first keys: 8" in line, line
 
 
 def test_env_overrides_reach_the_build(tmp_path):

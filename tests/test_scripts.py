@@ -17,6 +17,7 @@ def _run(script, *args, env=None, timeout=600):
         capture_output=True,
         text=True,
         timeout=timeout,
+        cwd=REPO,
     )
 
 
@@ -117,14 +118,7 @@ def test_prebuild_status_verify_clean(session_cache_root, built_cache):
 )
 def test_user_errors_are_one_line_exit_2(tmp_path, args, fragment):
     env = script_env(HF_HOME=str(tmp_path), HF_HUB_OFFLINE="1")
-    p = subprocess.run(
-        [PYTHON, str(REPO / "scripts/prebuild_cache.py"), "-q", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
+    p = _run("prebuild_cache.py", "-q", *args, env=env, timeout=300)
     assert p.returncode == 2, p.stderr
     assert "Traceback" not in p.stderr
     errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
@@ -192,14 +186,7 @@ def test_unreachable_store_is_one_line_exit_1(tmp_path, args, env, fragment):
     # Before: exit 2, which README reserves for bad input; the store failed, not the user.
     env = {k: _closed_port_url() if v == "closed" else v for k, v in env.items()}
     env = script_env(HF_HOME=str(tmp_path), **{"HF_HUB_OFFLINE": "1", **env})
-    p = subprocess.run(
-        [PYTHON, str(REPO / "scripts/prebuild_cache.py"), "-q", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
+    p = _run("prebuild_cache.py", "-q", *args, env=env, timeout=300)
     assert p.returncode == 1, p.stderr
     assert "Traceback" not in p.stderr
     errors = [line for line in p.stderr.splitlines() if line.startswith("error: ")]

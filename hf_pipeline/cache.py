@@ -201,7 +201,7 @@ def _checked(layout: CacheLayout, fingerprint: str | None) -> CacheLayout:
     its markers name once :func:`published_stage_dirs` has checked them."""
     if layout.stage_dirs:
         return layout
-    stage_dirs, _ = published_stage_dirs(Path(layout.root), fingerprint)
+    stage_dirs, _ = published_stage_dirs(layout.root, fingerprint)
     return CacheLayout(layout.root, stage_dirs)
 
 
@@ -227,7 +227,8 @@ def open_sample_source(layout: CacheLayout, fingerprint: str):
         raise CacheFormatError(
             str(layout.filtered), "holds no filter indices (indices*.arrow): not a built cache"
         )
-    if not layout.rows_files():  # the join writes one per part, empty or not
+    rows = layout.rows_files()
+    if not rows:  # the join writes one per part, empty or not
         raise CacheFormatError(
             str(layout.converted), "holds no rows files (rows/*.arrow): not a built cache"
         )
@@ -237,7 +238,7 @@ def open_sample_source(layout: CacheLayout, fingerprint: str):
         precision = {}
     # Caches built before the report said so store float16/float32, read as they are.
     return SampleSource(
-        layout.rows_files(),
+        rows,
         layout.embedding_files(),
         indices,
         fingerprint=fingerprint,

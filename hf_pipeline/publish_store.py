@@ -173,10 +173,14 @@ class _GCSStore(Store):
         def find():
             fs = self._fs()
             fs.invalidate_cache(prefix)  # gcsfs keeps listings; a store changes under us
-            return fs.find(prefix, detail=True, withdirs=False)
+            try:
+                return fs.find(prefix, detail=True, withdirs=False)
+            except FileNotFoundError:  # no such bucket (a missing prefix lists empty)
+                return {}
 
-        self.check_location()
         found = with_retries(f"gs://{prefix}", find, self.policy)
+        if not found:
+            self.check_location()  # nothing there: say so when the bucket is missing
         return {
             name[len(prefix) + 1 :]: self.source.describe(info)
             for name, info in found.items()
@@ -192,8 +196,9 @@ class _GCSStore(Store):
             except FileNotFoundError:
                 return []  # an empty prefix: nothing published yet
 
-        self.check_location()  # a missing bucket is not "nothing published yet"
         entries = with_retries(self.location.url, ls, self.policy)
+        if not entries:
+            self.check_location()  # a missing bucket is not "nothing published yet"
         return sorted(
             e["name"].rstrip("/").rsplit("/", 1)[-1]
             for e in entries

@@ -44,6 +44,7 @@ __all__ = [
     "PublishedStatus",
     "find_published",
     "list_published",
+    "store_checksum_checked",
 ]
 
 _CACHE_NAME = re.compile(r"-[0-9a-f]{16}$")
@@ -182,17 +183,32 @@ def find_published(
                 )
             # The listing carries the store's checksum: a file changed in place (same
             # size) is found here too, without reading it.
-            kind, _, value = remote.checksum.partition(":")
-            ours = published.checksum(kind) if value else ""
-            if ours and ours != value:
-                raise CacheFormatError(
-                    where, f"the store's {kind} is {value}, but {MANIFEST_NAME} says {ours}"
-                )
+            store_checksum_checked(published, remote)
             files[entry.path] = remote
     cache = PublishedCache(
         url=url, name=cache_name, markers=markers, manifest=manifest, files=files
     )
     return cache, ""
+
+
+def store_checksum_checked(published, file: RemoteFile) -> bool:
+    """Compare the store's listed checksum of ``file`` with the manifest's entry
+    (``published``); True when the manifest has that kind, so it covers the whole file.
+
+    Raises:
+        CacheFormatError: they differ: the file changed after it was published.
+    """
+    kind, _, value = file.checksum.partition(":")
+    ours = published.checksum(kind) if value else ""
+    if not ours:
+        return False
+    if ours != value:
+        raise CacheFormatError(
+            file.url,
+            f"the store's {kind} is {value}, but {MANIFEST_NAME} says {ours}: "
+            "the file changed after it was published",
+        )
+    return True
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

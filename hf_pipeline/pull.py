@@ -54,7 +54,7 @@ from hf_pipeline.errors import CacheFormatError
 from hf_pipeline.fetch_stats import FetchStats
 from hf_pipeline.manifest import MANIFEST_NAME
 from hf_pipeline.publish_store import Store, open_store
-from hf_pipeline.published import PublishedCache, find_published
+from hf_pipeline.published import PublishedCache, find_published, store_checksum_checked
 from hf_pipeline.remote_file import RemoteFile
 from hf_pipeline.retry import Cancelled, RetryPolicy
 from hf_pipeline.staging import StagingFolder, checksum_of, stage_file
@@ -227,7 +227,9 @@ class _Puller:
                 entry=entry,
                 file=remote.files[entry.path],
                 place=place,
-                prechecked=self._precheck(remote, entry, remote.files[entry.path]),
+                prechecked=store_checksum_checked(
+                    remote.manifest.files[entry.path], remote.files[entry.path]
+                ),
             )
             for entry, place in zip(marker.files, places, strict=True)
         ]
@@ -275,22 +277,6 @@ class _Puller:
                 "seconds": round(seconds, 3),
             },
         }
-
-    @staticmethod
-    def _precheck(remote: PublishedCache, entry: FileEntry, file: RemoteFile) -> bool:
-        """Compare the store's checksum with the manifest's before downloading; True when
-        that covered the whole file (the staged download is verified against it)."""
-        kind, _, value = file.checksum.partition(":")
-        published = remote.manifest.files[entry.path].checksum(kind)
-        if not published:
-            return False
-        if value != published:
-            raise CacheFormatError(
-                file.url,
-                f"the store's {kind} is {value}, but {MANIFEST_NAME} says {published}: "
-                "the file changed after it was published",
-            )
-        return True
 
     def _fetch(
         self,

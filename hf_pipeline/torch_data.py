@@ -358,14 +358,8 @@ class _LatentDataModule:
             RuntimeError: before :meth:`setup`.
             ValueError: a negative epoch or a step outside the epoch.
         """
-        dataset = self._require()
-        if epoch < 0 or not 0 <= start_step <= dataset.sampler.steps_per_epoch:
-            raise ValueError(
-                f"position must be epoch >= 0 and step in [0, {dataset.sampler.steps_per_epoch}], "
-                f"got epoch={epoch}, step={start_step}"
-            )
+        self._require().set_epoch(epoch, start_step)  # checks the position
         self._position = (int(epoch), int(start_step))
-        dataset.set_epoch(*self._position)
 
     def train_dataloader(self) -> tud.DataLoader:
         """This rank's batches from the current position, in the loader's global order.

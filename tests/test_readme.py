@@ -1,4 +1,8 @@
-"""README is the contract: its Python examples run as written (on the small demo)."""
+"""README and docs are the contract: their Python examples run as written (on the small demo).
+
+README's example and the guides' code blocks run in one namespace, in reading order (a
+guide may use what an earlier one made: ``cfg``, ``built``, ``source``).
+"""
 
 from __future__ import annotations
 
@@ -6,17 +10,29 @@ import re
 
 from tests.conftest import REPO, SMALL_DEMO
 
+#: The pages whose ``python`` blocks run, in order.
+PAGES = (
+    "README.md",
+    "docs/guides/jax.md",
+    "docs/guides/torch.md",
+    "docs/guides/lightning.md",
+    "docs/guides/grain.md",
+)
 
-def _python_blocks() -> list[str]:
-    text = (REPO / "README.md").read_text()
+
+def _python_blocks(page: str) -> list[str]:
+    text = (REPO / page).read_text()
     return re.findall(r"```python\n(.*?)```", text, flags=re.S)
 
 
-def test_readme_python_examples_run(small_config, built_cache, monkeypatch, tmp_path):
+def test_every_page_has_examples():
+    for page in PAGES:
+        assert _python_blocks(page), page
+
+
+def test_readme_and_docs_python_examples_run(small_config, built_cache, monkeypatch, tmp_path):
     import tempfile
 
-    blocks = _python_blocks()
-    assert len(blocks) >= 2
     import hf_pipeline
 
     # The examples' temporary folders (the Lightning run's checkpoints, ~38 MB) go to
@@ -26,14 +42,16 @@ def test_readme_python_examples_run(small_config, built_cache, monkeypatch, tmp_
     real = hf_pipeline.load_config
     # Same code, the small demo and the session's cache root instead of the full demo.
     monkeypatch.setattr(
-        hf_pipeline, "load_config",
+        hf_pipeline,
+        "load_config",
         lambda path=None, overrides=(), environ=None: real(
             path, [*SMALL_DEMO, f"build.cache_dir={small_config.cache_root}"], environ={}
         ),
     )
     namespace: dict = {}
-    for block in blocks:
-        exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
+    for page in PAGES:
+        for block in _python_blocks(page):
+            exec(compile(block, page, "exec"), namespace)  # noqa: S102
     assert namespace["built"].fingerprint == built_cache.fingerprint
     assert namespace["emb"].shape == (16, 384)
     assert tuple(namespace["latents"].shape) == (64, 4, 32, 32)  # the torch example's batch

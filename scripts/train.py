@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Train a small caption-conditioned latent denoiser (JAX) from the shared cache.
 
-  python scripts/train.py                                   # the bundled demo, ~2 min on 2 CPUs
+  python scripts/train.py                                   # the bundled demo, 1-2 min on 2 CPUs
   DATASET_NUM_PROC=16 python scripts/train.py --config configs/coyo11m.yaml
   torchrun --nproc_per_node 4 scripts/train.py              # 4 ranks share one cache
 

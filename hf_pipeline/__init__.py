@@ -1,21 +1,120 @@
-"""hf_pipeline: raw latent shards + captions -> shared memory-mapped datasets cache -> JAX."""
+"""hf_pipeline: raw latent shards + captions -> shared memory-mapped datasets cache -> JAX.
+
+The public API is what this module exports (``__all__``): import it from here,
+``from hf_pipeline import prepare_cache, open_sample_source, Loader``. The modules behind
+it may move between releases; these names do not.
+
+Names load on first use (PEP 562), so ``import hf_pipeline`` stays cheap: importing it
+does not import torch, JAX or ``datasets`` until a name that needs them is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from hf_pipeline.config import Config, load_config
 from hf_pipeline.errors import (
+    CacheFormatError,
     ConfigError,
     CorruptShardError,
     MetadataError,
     SourceError,
+    StoreUnreachableError,
     UserError,
 )
 
+#: Public name -> the module that defines it (loaded on first use).
+_LAZY: dict[str, str] = {
+    # build: find, pull or build the cache (every rank calls it; one builds)
+    "BuildResult": "hf_pipeline.build",
+    "prepare_cache": "hf_pipeline.build",
+    # the cache on disk, opened read-only
+    "CacheLayout": "hf_pipeline.cache",
+    "open_dataset": "hf_pipeline.cache",
+    "open_sample_source": "hf_pipeline.cache",
+    "SampleSource": "hf_pipeline.mapped",
+    # batches: the global order and the JAX loader
+    "GlobalSampler": "hf_pipeline.sampler",
+    "SamplerOptions": "hf_pipeline.sampler",
+    "Loader": "hf_pipeline.loader",
+    "LoaderOptions": "hf_pipeline.loader",
+    # other clients
+    "TorchBatches": "hf_pipeline.torch_data",
+    "torch_loader": "hf_pipeline.torch_data",
+    "LatentDataModule": "hf_pipeline.torch_data",
+    "GrainSource": "hf_pipeline.grain_source",
+    # publish once, pull anywhere
+    "publish_cache": "hf_pipeline.publish",
+    "PublishReport": "hf_pipeline.publish",
+    # the demo data and the demo trainer
+    "generate_demo": "hf_pipeline.demo",
+    "train": "hf_pipeline.trainer",
+    "shutdown_jax_distributed": "hf_pipeline.trainer",
+    # coordination errors every rank may see
+    "BuildFailedError": "dist.errors",
+    "CacheWaitTimeout": "dist.errors",
+    "ReadOnlyCacheError": "dist.errors",
+}
+
 __all__ = [
+    "BuildFailedError",
+    "BuildResult",
+    "CacheFormatError",
+    "CacheLayout",
+    "CacheWaitTimeout",
     "Config",
     "ConfigError",
     "CorruptShardError",
+    "GlobalSampler",
+    "GrainSource",
+    "LatentDataModule",
+    "Loader",
+    "LoaderOptions",
     "MetadataError",
+    "PublishReport",
+    "ReadOnlyCacheError",
+    "SampleSource",
+    "SamplerOptions",
     "SourceError",
+    "StoreUnreachableError",
+    "TorchBatches",
     "UserError",
+    "generate_demo",
     "load_config",
+    "open_dataset",
+    "open_sample_source",
+    "prepare_cache",
+    "publish_cache",
+    "shutdown_jax_distributed",
+    "torch_loader",
+    "train",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hf_pipeline' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
+    from dist.errors import BuildFailedError, CacheWaitTimeout, ReadOnlyCacheError
+    from hf_pipeline.build import BuildResult, prepare_cache
+    from hf_pipeline.cache import CacheLayout, open_dataset, open_sample_source
+    from hf_pipeline.demo import generate_demo
+    from hf_pipeline.grain_source import GrainSource
+    from hf_pipeline.loader import Loader, LoaderOptions
+    from hf_pipeline.mapped import SampleSource
+    from hf_pipeline.publish import PublishReport, publish_cache
+    from hf_pipeline.sampler import GlobalSampler, SamplerOptions
+    from hf_pipeline.torch_data import LatentDataModule, TorchBatches, torch_loader
+    from hf_pipeline.trainer import shutdown_jax_distributed, train

@@ -601,8 +601,10 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
         :class:`BuildResult` for the published cache.
 
     Raises:
-        UserError subclasses for bad input; ``dist`` errors for coordination
-        failures (timeout, failed builder, read-only cache without markers).
+        UserError: bad input (its subclasses name the file or field).
+        CacheWaitTimeout: the cache was not ready within ``coord.max_wait``.
+        BuildFailedError: the builder failed (its error, shared with every rank).
+        ReadOnlyCacheError: a read-only cache root without the markers.
     """
     from dist.coordinator import complete_markers, default_builder, ensure_built
     from dist.env import detect

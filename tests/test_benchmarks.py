@@ -178,6 +178,22 @@ def _writes_json(script: Path) -> bool:
     return '"--json"' in script.read_text()
 
 
+def _own_json_writes(tree: ast.Module) -> list[int]:
+    """Lines that write JSON to a file by hand: ``x.write_text(json.dumps(...))``,
+    ``json.dump(obj, fh)``."""
+    lines = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        dumps_arg = any(
+            isinstance(a, ast.Call) and getattr(a.func, "attr", "") == "dumps" for a in node.args
+        )
+        json_dump = node.func.attr == "dump" and getattr(node.func.value, "id", "") == "json"
+        if json_dump or (node.func.attr == "write_text" and dumps_arg):
+            lines.append(node.lineno)
+    return lines
+
+
 @pytest.mark.parametrize("script", [s for s in SCRIPTS if _writes_json(s)], ids=lambda p: p.name)
 def test_every_result_goes_through_the_helper(script):
     """A script with ``--json`` imports ``write_result`` and writes no JSON file itself."""
@@ -189,23 +205,9 @@ def test_every_result_goes_through_the_helper(script):
         for alias in node.names
     }
     assert "write_result" in imported
-    own_writes = [
-        node.lineno
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and node.func.attr in ("write_text", "dump")
-        and any(isinstance(a, ast.Call) and getattr(a.func, "attr", "") == "dumps" for a in node.args)
-        or (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr == "dump"
-            and getattr(node.func.value, "id", "") == "json"
-        )
-    ]
     # The one allowed: bench_build_ranks' children hand their figures to the parent.
     allowed = {"bench_build_ranks.py": 1}
-    assert len(own_writes) == allowed.get(script.name, 0), own_writes
+    assert len(_own_json_writes(tree)) == allowed.get(script.name, 0), _own_json_writes(tree)
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)

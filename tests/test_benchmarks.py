@@ -185,8 +185,10 @@ def _own_json_writes(tree: ast.Module) -> list[int]:
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
             continue
-        dumps_arg = any(
-            isinstance(a, ast.Call) and getattr(a.func, "attr", "") == "dumps" for a in node.args
+        dumps_arg = any(  # json.dumps(...) or json.dumps(...) + "\n"
+            isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "dumps"
+            for a in node.args
+            for n in ast.walk(a)
         )
         json_dump = node.func.attr == "dump" and getattr(node.func.value, "id", "") == "json"
         if json_dump or (node.func.attr == "write_text" and dumps_arg):

@@ -118,6 +118,28 @@ def test_stamp_without_git_is_unknown_even_inside_another_checkout(tmp_path):
     assert (doc["commit"], doc["dirty"]) == ("unknown", None)
 
 
+@pytest.mark.parametrize(
+    ("names", "exit_code", "card"),
+    [
+        (["NVIDIA H200"] * 4, 0, "4x NVIDIA H200"),
+        (["NVIDIA H100 80GB HBM3"], 0, "NVIDIA H100 80GB HBM3"),
+        (["NVIDIA H200", "NVIDIA A100"], 0, "NVIDIA H200, NVIDIA A100"),
+        ([], 9, "cpu: "),  # nvidia-smi without a driver: exit 9, the CPU's model
+    ],
+)
+def test_card_from_nvidia_smi(tmp_path, monkeypatch, names, exit_code, card):
+    """No GPU here: a stand-in ``nvidia-smi`` on PATH prints what the real one prints."""
+    from benchmarks._results import stamp
+
+    tool = tmp_path / "nvidia-smi"
+    lines = "".join(f"echo '{n}'\n" for n in names)
+    tool.write_text(f"#!/bin/sh\n{lines}exit {exit_code}\n")
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    got = stamp()["card"]
+    assert got.startswith(card) if card == "cpu: " else got == card
+
+
 def test_write_replaces_atomically_and_never_half_writes(tmp_path):
     from benchmarks._results import read_result, write_result
 

@@ -48,6 +48,7 @@ def _checkout(root: Path) -> Path:
     shutil.copy(BENCH / "_results.py", repo / "benchmarks" / "_results.py")
     (repo / "benchmarks" / "bench_probe.py").write_text(_PROBE)
     shutil.copytree(REPO / "dist", repo / "dist", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / ".gitignore", repo / ".gitignore")  # __pycache__/ is not a change
     _git(repo, "init", "-q")
     _git(repo, "add", "-A")
     _git(repo, "commit", "-q", "-m", "probe")
@@ -55,7 +56,10 @@ def _checkout(root: Path) -> Path:
 
 
 def _probe(repo: Path, out: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # Bytecode written as anywhere else (the project's .gitignore covers it).
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONDONTWRITEBYTECODE")
+    }
     # By absolute path from another folder: argv[0] must still come out repo-relative.
     script = repo / "benchmarks" / "bench_probe.py"
     subprocess.run(

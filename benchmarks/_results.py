@@ -18,6 +18,10 @@ is ``null`` (never the commit of some enclosing repository the copy happens to s
 ``benchmarks/results/`` and the file being written): an untracked module is code that
 ran, a result written earlier is not.
 
+The stamp is taken when the file is written, not when the script starts: the timed child
+processes import the scripts too and must not pay for ``git`` (so a commit made during a
+run on a shared checkout is the one stamped; the GPU hosts' copies do not change).
+
 Files written before this helper (the older ones in ``results/``) are the payload alone;
 :func:`read_result` returns those with ``stamp=None``.
 

@@ -44,7 +44,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-
+from benchmarks._results import write_result  # noqa: E402
 
 # --------------------------------------------------------------------------- child
 
@@ -267,11 +267,9 @@ def main(argv=None) -> int:
     table = _table(results, ratios)
     print(table)
     if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {"args": vars(args), "results": results, "ratios": ratios, "gcs_runs": all_runs},
-                indent=2,
-            )
+        write_result(
+            args.json,
+            {"args": vars(args), "results": results, "ratios": ratios, "gcs_runs": all_runs},
         )
     return 0
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks._results import write_result  # noqa: E402
 from benchmarks.random_models import (  # noqa: E402
     add_random_model_options,
     random_model,
@@ -146,7 +147,7 @@ def main() -> int:
     }  # fmt: skip
     print(json.dumps(out, indent=1))
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        write_result(args.json, out)
     del np
     return 0
 

@@ -95,6 +95,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks._results import write_result  # noqa: E402
 from benchmarks.random_models import (  # noqa: E402
     add_random_model_options,
     random_model,
@@ -676,10 +677,9 @@ def main(argv=None) -> int:
                 ),
             },
         }
-        text = json.dumps(out, indent=1)
         if args.json:
-            Path(args.json).write_text(text + "\n")
-        print(text)
+            write_result(args.json, out)
+        print(json.dumps(out, indent=1))
         walls = ", ".join(f"{k} {v['wall_s']:.1f} s" for k, v in res.items())
         ups = ", ".join(f"{v:.2f}x {k}" for k, v in speedups.items())
         print(

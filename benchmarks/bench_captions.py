@@ -42,6 +42,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 MAIN = Path("/work/main")
 _MiB = 2**20
+# For the result writer only: the timed children import the tree under test (--repo).
+sys.path.insert(0, str(REPO))
+
+from benchmarks._results import write_result  # noqa: E402
 
 # --------------------------------------------------------------------------- data
 
@@ -313,8 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         "sizes": sizes,
     }
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        write_result(args.json, doc)
     return 0 if all(v["summary"].get("equal_tables", True) for v in sizes.values()) else 1
 
 

@@ -14,7 +14,6 @@ measured in the same run; a warm pass of ``global`` is the ceiling.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks._results import write_result  # noqa: E402
 
 
 def evict(files) -> None:
@@ -53,8 +53,11 @@ def resident_fraction(files) -> float:
             view = np.frombuffer(mm, dtype=np.uint8)
             n = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
             vec = np.zeros(n, dtype=np.uint8)
-            rc = libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(size),
-                              vec.ctypes.data_as(ctypes.c_void_p))
+            rc = libc.mincore(
+                ctypes.c_void_p(view.ctypes.data),
+                ctypes.c_size_t(size),
+                vec.ctypes.data_as(ctypes.c_void_p),
+            )
             del view
             if rc != 0:
                 return float("nan")
@@ -96,8 +99,15 @@ def main() -> int:
         before = resident_fraction(all_files)
         src = SampleSource(*files, fingerprint="bench")
         t0 = time.perf_counter()
-        with Loader(src, global_batch_size=args.batch, seed=0, process_index=0,
-                    process_count=1, shuffle=shuffle, block_size=args.block_size) as ld:
+        with Loader(
+            src,
+            global_batch_size=args.batch,
+            seed=0,
+            process_index=0,
+            process_count=1,
+            shuffle=shuffle,
+            block_size=args.block_size,
+        ) as ld:
             it = ld.epochs()
             for _ in range(args.steps):
                 b = next(it)
@@ -105,8 +115,13 @@ def main() -> int:
         dt = time.perf_counter() - t0
         src.close()
         samples = args.steps * args.batch
-        return {"shuffle": shuffle, "cold": cold, "resident_before": before,
-                "samples_per_s": samples / dt, "gb_per_s": samples * src.sample_bytes / dt / 1e9}
+        return {
+            "shuffle": shuffle,
+            "cold": cold,
+            "resident_before": before,
+            "samples_per_s": samples / dt,
+            "gb_per_s": samples * src.sample_bytes / dt / 1e9,
+        }
 
     for f in all_files:  # warm the whole cache once: the warm pass is the ceiling
         with open(f, "rb") as fh:
@@ -117,12 +132,16 @@ def main() -> int:
         results.append(one_pass(shuffle, cold=True))
     ref = next(r for r in results if r["cold"] and r["shuffle"] == "global")["samples_per_s"]
     print(f"cache {size_gb:.2f} GB, batch {args.batch}, {args.steps} batches per pass")
-    print(f"{'order':12} {'page cache':>11} {'resident':>9} {'samples/s':>10} {'GB/s':>6} {'x global cold':>14}")
+    print(
+        f"{'order':12} {'page cache':>11} {'resident':>9} {'samples/s':>10} {'GB/s':>6} {'x global cold':>14}"
+    )
     for r in results:
-        print(f"{r['shuffle']:12} {'cold' if r['cold'] else 'warm':>11} {100 * r['resident_before']:8.0f}% "
-              f"{r['samples_per_s']:10.0f} {r['gb_per_s']:6.2f} {r['samples_per_s'] / ref:14.2f}")
+        print(
+            f"{r['shuffle']:12} {'cold' if r['cold'] else 'warm':>11} {100 * r['resident_before']:8.0f}% "
+            f"{r['samples_per_s']:10.0f} {r['gb_per_s']:6.2f} {r['samples_per_s'] / ref:14.2f}"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"cache_gb": size_gb, "results": results}, indent=1))
+        write_result(args.json, {"cache_gb": size_gb, "results": results})
     return 0
 
 

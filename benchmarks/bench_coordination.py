@@ -33,6 +33,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from benchmarks._results import write_result  # noqa: E402
+
 RANK = REPO / "tests" / "procs" / "dist_rank.py"
 
 
@@ -325,7 +327,7 @@ def main() -> None:
                   "after_full_scan", "after_unmap"):  # fmt: skip
             print(f"  {k:<26}" + "".join(f"{r[k][c]:>10.1f}" for c in cols))
     if args.json:
-        args.json.write_text(json.dumps(figures, indent=1))
+        write_result(args.json, figures)
         print(f"\nwrote {args.json}")
     import shutil
 

@@ -52,6 +52,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks._results import write_result  # noqa: E402
 
 _PEAK_TFLOPS = {"bfloat16": 989.0, "float16": 989.0, "float32": 67.0, "tf32": 494.5}
 
@@ -274,7 +275,7 @@ def bench(args) -> list[dict]:
                         rows_out.append(row)
                         print(json.dumps(row), flush=True)
                         if args.json:
-                            Path(args.json).write_text(json.dumps(rows_out, indent=1))
+                            write_result(args.json, rows_out)
                         if gpu and name in args.profile and not tf32:
                             try:
                                 _profile(enc, ids, f"{args.profile_dir}/profile_{kind}_{dtype}.txt")

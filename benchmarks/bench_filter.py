@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks._results import write_result  # noqa: E402
 
 _BATCH = 10_000  # build.writer_batch_size's default
 
@@ -117,7 +118,7 @@ def main() -> int:
     }
     print(json.dumps(out, indent=1))
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        write_result(args.json, out)
     return 0 if same else 1
 
 

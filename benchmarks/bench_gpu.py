@@ -21,7 +21,6 @@ Prints a table; ``--json PATH`` writes the figures.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -32,6 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks._results import write_result  # noqa: E402
 
 _WORDS = (
     "a photo of red blue green small large circle square triangle stripes cat dog "
@@ -75,11 +75,14 @@ def bench_embed(args) -> list[dict]:
         for name, path, max_len in models:
             if path is None:
                 path = _gemma_like(Path(tmp) / "gemma", minilm)
-            for dtype in (["float16", "bfloat16"] if gpu else ["float32"]):
+            for dtype in ["float16", "bfloat16"] if gpu else ["float32"]:
                 enc = TextEncoder(
                     EncoderConfig(
-                        model=path, dtype=dtype, device="cuda" if gpu else "cpu",
-                        max_length=max_len, micro_batch_size=args.micro_batch,
+                        model=path,
+                        dtype=dtype,
+                        device="cuda" if gpu else "cpu",
+                        max_length=max_len,
+                        micro_batch_size=args.micro_batch,
                     )
                 )
                 # The build tokenizes in the num_proc join workers and runs only the
@@ -100,10 +103,18 @@ def bench_embed(args) -> list[dict]:
                     torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
                 mean_tokens = float(np.mean([len(x) for x in ids.to_pylist()]))
-                rows.append({"model": name, "dtype": dtype, "max_length": max_len,
-                             "dim": enc.dim, "rows": len(caps), "mean_tokens": mean_tokens,
-                             "rows_per_s": len(caps) / dt,
-                             "tokenize_rows_per_s_one_process": len(caps) / tok_s})
+                rows.append(
+                    {
+                        "model": name,
+                        "dtype": dtype,
+                        "max_length": max_len,
+                        "dim": enc.dim,
+                        "rows": len(caps),
+                        "mean_tokens": mean_tokens,
+                        "rows_per_s": len(caps) / dt,
+                        "tokenize_rows_per_s_one_process": len(caps) / tok_s,
+                    }
+                )
                 del enc
                 if gpu:
                     torch.cuda.empty_cache()
@@ -116,8 +127,14 @@ def _source(args):
 
     from hf_pipeline.mapped import SampleSource
 
-    files = build_pyarrow(str(Path(args.workdir) / "cache"), args.rows, args.dim, "float16",
-                          num_files=4, writer_batch_size=1000)
+    files = build_pyarrow(
+        str(Path(args.workdir) / "cache"),
+        args.rows,
+        args.dim,
+        "float16",
+        num_files=4,
+        writer_batch_size=1000,
+    )
     return SampleSource(*files, fingerprint="bench")
 
 
@@ -138,8 +155,15 @@ def bench_h2d(args) -> dict:
     ref = args.batches / (time.perf_counter() - t0)
     nbytes = sum(v.nbytes for v in host.values())
 
-    with Loader(src, global_batch_size=B, seed=0, process_index=0, process_count=1,
-                prefetch=args.prefetch, num_threads=args.threads) as loader:
+    with Loader(
+        src,
+        global_batch_size=B,
+        seed=0,
+        process_index=0,
+        process_count=1,
+        prefetch=args.prefetch,
+        num_threads=args.threads,
+    ) as loader:
         it = loader.epochs(None)
         for _ in range(3):
             next(it)
@@ -148,9 +172,16 @@ def bench_h2d(args) -> dict:
             b = next(it)
         jax.block_until_ready(b["latents"])
         got = args.batches / (time.perf_counter() - t0)
-    return {"device": str(jax.devices()[0]), "batch": B, "mb_per_batch": nbytes / 1e6,
-            "device_put_batches_s": ref, "loader_batches_s": got, "ratio": got / ref,
-            "device_put_gb_s": ref * nbytes / 1e9, "loader_gb_s": got * nbytes / 1e9}
+    return {
+        "device": str(jax.devices()[0]),
+        "batch": B,
+        "mb_per_batch": nbytes / 1e6,
+        "device_put_batches_s": ref,
+        "loader_batches_s": got,
+        "ratio": got / ref,
+        "device_put_gb_s": ref * nbytes / 1e9,
+        "loader_gb_s": got * nbytes / 1e9,
+    }
 
 
 def bench_overlap(args) -> dict:
@@ -186,8 +217,15 @@ def bench_overlap(args) -> dict:
         reps = max(1, int(round(reps * args.step_ms / max(dt, 1e-3))))
         work = make_work(reps)
         jax.block_until_ready(work(x, lat0))
-    with Loader(src, global_batch_size=args.batch, seed=0, process_index=0, process_count=1,
-                prefetch=args.prefetch, num_threads=args.threads) as loader:
+    with Loader(
+        src,
+        global_batch_size=args.batch,
+        seed=0,
+        process_index=0,
+        process_count=1,
+        prefetch=args.prefetch,
+        num_threads=args.threads,
+    ) as loader:
         it = loader.epochs(None)
         jax.block_until_ready(work(x, next(it)["latents"]))
         wait = 0.0
@@ -201,17 +239,29 @@ def bench_overlap(args) -> dict:
             x2, _ = work(x, b["latents"])
             jax.block_until_ready(x2)
         total = time.perf_counter() - t_all
-    return {"step_ms": total / args.batches * 1e3, "matmuls_per_step": reps,
-            "data_wait_share": wait / total, "mean_wait_ms": wait / args.batches * 1e3,
-            "steps_with_empty_queue": int(empty), "steps": args.batches}
+    return {
+        "step_ms": total / args.batches * 1e3,
+        "matmuls_per_step": reps,
+        "data_wait_share": wait / total,
+        "mean_wait_ms": wait / args.batches * 1e3,
+        "steps_with_empty_queue": int(empty),
+        "steps": args.batches,
+    }
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", default="embed,h2d,overlap")
-    p.add_argument("--minilm", default="", help="all-MiniLM-L6-v2 folder (default: the packaged one)")
+    p.add_argument(
+        "--minilm", default="", help="all-MiniLM-L6-v2 folder (default: the packaged one)"
+    )
     p.add_argument("--embed-rows", type=int, default=20000)
-    p.add_argument("--caption-words", type=int, default=60, help="mean words per caption (llava captions: ~60-120)")
+    p.add_argument(
+        "--caption-words",
+        type=int,
+        default=60,
+        help="mean words per caption (llava captions: ~60-120)",
+    )
     p.add_argument("--micro-batch", type=int, default=4096, help="encoder.micro_batch_size (rows)")
     p.add_argument("--rows", type=int, default=65536, help="rows in the memory-mapped source")
     p.add_argument("--dim", type=int, default=640)
@@ -227,11 +277,15 @@ def main() -> int:
     out: dict = {}
     if "embed" in parts:
         out["embed"] = bench_embed(args)
-        print(f"{'encoder':22} {'dtype':9} {'max_len':>7} {'tokens':>6} {'dim':>5} "
-              f"{'model rows/s':>12} {'tokenize rows/s/process':>24}")
+        print(
+            f"{'encoder':22} {'dtype':9} {'max_len':>7} {'tokens':>6} {'dim':>5} "
+            f"{'model rows/s':>12} {'tokenize rows/s/process':>24}"
+        )
         for r in out["embed"]:
-            print(f"{r['model']:22} {r['dtype']:9} {r['max_length']:7d} {r['mean_tokens']:6.1f} "
-                  f"{r['dim']:5d} {r['rows_per_s']:12.0f} {r['tokenize_rows_per_s_one_process']:24.0f}")
+            print(
+                f"{r['model']:22} {r['dtype']:9} {r['max_length']:7d} {r['mean_tokens']:6.1f} "
+                f"{r['dim']:5d} {r['rows_per_s']:12.0f} {r['tokenize_rows_per_s_one_process']:24.0f}"
+            )
     if "h2d" in parts:
         h = out["h2d"] = bench_h2d(args)
         print(
@@ -248,7 +302,7 @@ def main() -> int:
             f"{o['steps_with_empty_queue']} of {o['steps']} steps"
         )
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        write_result(args.json, out)
     return 0
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import platform
 import sys
@@ -46,6 +45,7 @@ REPO = os.path.dirname(HERE)
 for p in (REPO, HERE):
     if p not in sys.path:
         sys.path.insert(0, p)
+from benchmarks._results import write_result  # noqa: E402
 
 
 def _time_iter(make_iter, steps: int, repeats: int, block=None) -> float:
@@ -241,9 +241,7 @@ def main(argv=None) -> dict:
     }
     print(f"GrainSource[i]: {per_record_us:.1f} us per record")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+        write_result(args.json, out)
     return out
 
 

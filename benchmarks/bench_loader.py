@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+from benchmarks._results import write_result  # noqa: E402
 
 LATENT_SHAPE = (3, 4, 32, 32)
 
@@ -452,8 +452,7 @@ def main(argv=None) -> dict:
         "producer_breakdown": profile,
     }
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+        write_result(args.json, out)
     src.close()
     return out
 

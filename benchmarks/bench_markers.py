@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks._results import write_result  # noqa: E402
 
 
 def _drop_caches() -> bool:
@@ -87,7 +88,7 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(out, indent=1))
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        write_result(args.json, out)
     return 0
 
 

@@ -39,6 +39,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TQDM_DISABLE", "1")
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from benchmarks._results import write_result  # noqa: E402
 
 
 def _overrides(data: Path, root: Path, *extra: str) -> list[str]:
@@ -203,7 +204,7 @@ def main() -> None:
             f"= {out['pull_over_gcsfs_fsync']:.2f}x"
         )
         if args.json:
-            Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+            write_result(args.json, out)
     finally:
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -21,7 +21,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -32,7 +31,7 @@ from pathlib import Path
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from benchmarks._results import write_result  # noqa: E402
 from hf_pipeline.config import DataConfig  # noqa: E402
 from hf_pipeline.fetch import ShardFetcher, consumption_order  # noqa: E402
 from hf_pipeline.retry import RetryPolicy  # noqa: E402
@@ -235,7 +234,7 @@ def main(argv=None) -> int:
         print(f"{'consume only (ideal)':28}{consume_only:>10.3f}")
     print(f"download time hidden by prefetch: {result['blocked_hidden_fraction']}")
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        write_result(args.json, result)
     return 0
 
 

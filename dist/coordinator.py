@@ -17,6 +17,8 @@ e.g. ``root/<name>-<fingerprint>``)::
                               rewritten in place (dist.lease)
     heartbeat-<lease id>.json the builder's heartbeat: counter, stage, phase (os.replace)
     failed-<lease id>.json    failure record of a lease whose build raised
+    .hf_pipeline-cache.json   identity (kind, schema, fingerprint): the mark by which
+                              ``prebuild_cache.py --clean`` knows the folder is a cache
     lease.dead-*, lease.takeover-*, lease.released-*, *.trash-*: bookkeeping
 
 (:mod:`dist.layout` has the naming rules, :mod:`dist.lease` the lease and heartbeat.)
@@ -132,11 +134,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from dist.atomic import fsync_dir, write_json_atomic
+from dist.atomic import create_new, fsync_dir, write_json_atomic
 from dist.doorbell import Doorbell, StoreDoorbell, auto_doorbell
 from dist.env import ProcessInfo, detect
 from dist.errors import BuildFailedError, CacheWaitTimeout, LeaseLostError, ReadOnlyCacheError
 from dist.layout import (
+    IDENTITY_FILE,
+    identity_bytes,
     marker_name,
     parse_stage_dir,
     retired_marker_name,
@@ -638,6 +642,12 @@ class _Coordinator:
 
     def _build_all(self, lease: Lease) -> dict[str, Marker]:
         lease.check()
+        # Before anything is built: the inventory removes only folders marked as caches.
+        if not (self.cache_dir / IDENTITY_FILE).exists():
+            create_new(
+                self.cache_dir / IDENTITY_FILE,
+                identity_bytes(self.fingerprint, host=self.host, pid=self.pid),
+            )
         self._clean_leftovers(lease)
         markers: dict[str, Marker] = {}
         for stage in self.stages:

@@ -23,9 +23,10 @@ else there is a dot-folder (``.staging``, ``.demo-data``, ``.hub_listings``) and
 never a cache. The root may be shared with other things (``HF_PIPELINE_CACHE`` pointing
 at a parent folder), so a folder counts as a cache only on a positive mark the project
 wrote (:func:`cache_mark`): a real folder (not a symlink) named ``<name>-<fingerprint>``
-that holds the identity file of that fingerprint, or -- a cache of hf_pipeline <= 0.2,
-which wrote no identity file -- a stage marker of the project's schema and that
-fingerprint, or a lease / failure record of exactly the project's shape. Names alone
+that holds the identity file of that fingerprint, or -- for a cache written before the
+identity file existed, always named ``<name>-<16 hex>`` -- a stage marker of the
+project's schema and that fingerprint, or a lease / failure record of exactly the
+project's shape. Names alone
 (``lease-agreement.pdf``, ``package.json`` beside ``package/``) never make a cache.
 """
 
@@ -170,7 +171,9 @@ def _names_fingerprint(name: str, fingerprint: object) -> bool:
 
 
 def _legacy_mark(folder: Path, name: str, names: list[str]) -> str | None:
-    """The fingerprint of a cache of hf_pipeline <= 0.2 (no identity file), else None."""
+    """The fingerprint of a cache written before the identity file existed, else None."""
+    if not _PROJECT_NAME.match(name):
+        return None  # the project has always named a cache <name>-<16 hex>: read nothing else
     for n in sorted(names):
         stage = n[: -len(".json")] if n.endswith(".json") else ""
         if not re.fullmatch(_STAGE, stage) or _HEARTBEAT.match(n) or _FAILED.match(n):
@@ -184,8 +187,6 @@ def _legacy_mark(folder: Path, name: str, names: list[str]) -> str | None:
             continue
         if marker.stage == stage and _names_fingerprint(name, marker.fingerprint):
             return marker.fingerprint
-    if not _PROJECT_NAME.match(name):
-        return None
     fingerprint = name.rsplit("-", 1)[1]
     lease = _read_regular(folder / LEASE_FILE, 4096) if LEASE_FILE in names else None
     if (
@@ -210,9 +211,9 @@ def cache_mark(path: Path, *, name: str | None = None) -> str | None:
 
     A cache is a real folder (never a symlink: nothing here follows one) whose name is
     ``<name>-<fingerprint>`` and which holds :data:`IDENTITY_FILE` of that fingerprint;
-    for caches of hf_pipeline <= 0.2, a stage marker of the project's schema and of that
-    fingerprint, or a lease or failure record of exactly the project's shape under a
-    ``<name>-<16 hex>`` name. Reads at most a few small files; never raises on what it
+    for caches written before it (always named ``<name>-<16 hex>``), a stage marker
+    of the project's schema and of that fingerprint, or a lease or failure record of
+    exactly the project's shape. Reads at most a few small files; never raises on what it
     finds.
 
     Args:

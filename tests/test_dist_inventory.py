@@ -158,8 +158,8 @@ def test_clean_removes_only_caches_the_project_marked_and_follows_no_symlink(job
 
 
 def test_a_cache_of_an_earlier_release_is_known_by_its_marker_only(job, tmp_path):
-    """Without the identity file (hf_pipeline <= 0.2), a folder is a cache only if a
-    marker of the project's schema and of the folder's fingerprint says so."""
+    """Without the identity file (a cache written before it existed), a folder is a cache
+    only if a marker of the project's schema and of the folder's fingerprint says so."""
     root = tmp_path / "root"
     old = root / "demo-00000000000000b0"
     _complete(job, old, "00000000000000b0")

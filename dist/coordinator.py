@@ -308,16 +308,25 @@ def _unlink(path: Path) -> None:
         pass
 
 
+def _delete(path: Path) -> None:
+    """Delete a folder, or a symlink or file in its place: ``rmtree`` refuses a symlink
+    (it never follows one), which with ``ignore_errors`` would leave the link for good."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        _unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _discard_dir(path: Path) -> None:
     """Remove a folder so that no reader ever sees it half-deleted: rename, then delete."""
-    if not path.exists():
+    if not os.path.lexists(path):
         return
     trash = path.with_name(f"{path.name}.trash-{secrets.token_hex(4)}")
     try:
         os.rename(path, trash)
     except FileNotFoundError:
         return
-    shutil.rmtree(trash, ignore_errors=True)
+    _delete(trash)
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -621,11 +630,11 @@ class _Coordinator:
         for name in os.listdir(self.cache_dir):
             path = self.cache_dir / name
             if ".trash-" in name:
-                shutil.rmtree(path, ignore_errors=True)
+                _delete(path)
             elif ".tmp-" in name and not name.startswith("."):
                 # A <stage>.tmp-<id>/ folder of hf_pipeline <= 0.1: never published by
                 # this protocol (nothing is renamed into place any more).
-                shutil.rmtree(path, ignore_errors=True)
+                _delete(path)
             elif name.startswith(f"{LEASE_FILE}.takeover-") or (
                 name.startswith("failed-") and name.endswith(".json")
             ):

@@ -118,9 +118,13 @@ def test_clean_removes_only_caches_the_project_marked_and_follows_no_symlink(job
     (far_complete / "heartbeat-0000000000000000.json").write_text('{"counter": 1}')
     far_failed = outside / "demo-00000000000000e1"
     _failed(job, far_failed, "00000000000000e1")
-    for name in ("precious", "precious2", "precious3"):
+    for name in ("precious", "precious2", "precious3", "precious4", "precious5"):
         (outside / name).mkdir()
         (outside / name / "keep.txt").write_text(name)
+    # Links out of the caches --clean removes whole: it deletes the links, not their targets.
+    (dead_stage,) = [p for p in killed.iterdir() if p.name.startswith("converted.")]
+    os.symlink(outside / "precious4", dead_stage / "escape")
+    os.symlink(outside / "precious5" / "keep.txt", failed / "notes.txt")
     os.symlink(far_complete, root / "demo-00000000000000e0")
     os.symlink(far_failed, root / "demo-00000000000000e1")
     # Inside a real cache: a link named like an unpublished stage folder, one in a
@@ -272,3 +276,26 @@ def test_verify_json(job, tmp_path):
     (row,) = read_json(out)["caches"]
     assert row["path"] == str(cache) and row["ok"] is False
     assert any(victim.name in x for x in row["problems"]), row
+
+
+def test_the_builder_leaves_no_trash_link_for_a_link_named_like_a_stage_folder(tmp_path):
+    """The coordinator collects unpublished stage folders by rename-then-delete; a
+    symlink in such a place was renamed to ``*.trash-*`` and then left for good."""
+    from dist import Stage, ensure_built
+
+    def write(ctx):
+        (ctx.tmp_dir / "part-0.bin").write_bytes(b"x" * 100)
+        return {}
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("keep")
+    cache = tmp_path / "root" / "demo-00000000000000a4"
+    cache.mkdir(parents=True)
+    os.symlink(outside, cache / "converted.0123456789abcdef")
+    os.symlink(outside, cache / "filtered.0123456789abcdef.trash-0a1b2c3d")
+    stages = [Stage(name="converted", build=write), Stage(name="filtered", build=write)]
+    ensure_built(cache, "00000000000000a4", stages, builder=True, poll_interval=0.05,
+                 lease_timeout=1.0, heartbeat_interval=0.2, max_wait=30.0)  # fmt: skip
+    assert _trash(cache) == [] and not os.path.lexists(cache / "converted.0123456789abcdef")
+    assert (outside / "keep.txt").read_text() == "keep"

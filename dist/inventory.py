@@ -24,6 +24,7 @@ import enum
 import os
 import shutil
 import stat
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -420,9 +421,16 @@ def _rmtree_errors(folder: Path) -> list[str]:
     (and the next ``clean`` finishes it). Returns what could not be removed."""
     errors: list[str] = []
 
-    def note(_func: Any, path: str, exc_info: Any) -> None:
-        if not isinstance(exc_info[1], FileNotFoundError):
-            errors.append(f"{path}: {exc_info[1]}")
+    def note_exc(_func: Any, path: str, exc: BaseException) -> None:
+        if not isinstance(exc, FileNotFoundError):
+            errors.append(f"{path}: {exc}")
+
+    # Python 3.12 renamed rmtree's error hook (onerror, deprecated, took exc_info).
+    hook = (
+        {"onexc": note_exc}
+        if sys.version_info >= (3, 12)
+        else {"onerror": lambda f, p, info: note_exc(f, p, info[1])}
+    )
 
     try:
         names = sorted(os.listdir(folder), key=lambda n: (n == IDENTITY_FILE, n.endswith(".json")))
@@ -434,7 +442,7 @@ def _rmtree_errors(folder: Path) -> list[str]:
         if st is None:
             continue
         if stat.S_ISDIR(st.st_mode):
-            shutil.rmtree(p, onerror=note)
+            shutil.rmtree(p, **hook)
         else:
             try:
                 os.unlink(p)

@@ -649,14 +649,22 @@ class _Coordinator:
             elif name.startswith(".") and name.endswith(".tmp") and lease.lease_id not in name:
                 _unlink(path)  # a marker write interrupted before its link/replace
 
+    def _write_identity(self) -> None:
+        """Mark the folder as a cache before anything is built in it: the inventory
+        (``--clean``) removes only folders carrying this mark (see dist.layout)."""
+        path = self.cache_dir / IDENTITY_FILE
+        if path.exists():
+            return
+        try:
+            create_new(path, identity_bytes(self.fingerprint, host=self.host, pid=self.pid))
+        except OSError as e:
+            # A full disk: the build fails next, with its failure record; without the
+            # mark --clean at worst leaves the folder, never removes it wrongly.
+            logger.warning("%s: could not write %s (%s)", self.cache_dir, IDENTITY_FILE, e)
+
     def _build_all(self, lease: Lease) -> dict[str, Marker]:
         lease.check()
-        # Before anything is built: the inventory removes only folders marked as caches.
-        if not (self.cache_dir / IDENTITY_FILE).exists():
-            create_new(
-                self.cache_dir / IDENTITY_FILE,
-                identity_bytes(self.fingerprint, host=self.host, pid=self.pid),
-            )
+        self._write_identity()
         self._clean_leftovers(lease)
         markers: dict[str, Marker] = {}
         for stage in self.stages:

@@ -17,6 +17,8 @@ e.g. ``root/<name>-<fingerprint>``)::
                               rewritten in place (dist.lease)
     heartbeat-<lease id>.json the builder's heartbeat: counter, stage, phase (os.replace)
     failed-<lease id>.json    failure record of a lease whose build raised
+    .hf_pipeline-cache.json   identity (kind, schema, fingerprint): the mark by which
+                              ``prebuild_cache.py --clean`` knows the folder is a cache
     lease.dead-*, lease.takeover-*, lease.released-*, *.trash-*: bookkeeping
 
 (:mod:`dist.layout` has the naming rules, :mod:`dist.lease` the lease and heartbeat.)
@@ -132,11 +134,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from dist.atomic import fsync_dir, write_json_atomic
+from dist.atomic import create_new, fsync_dir, write_json_atomic
 from dist.doorbell import Doorbell, StoreDoorbell, auto_doorbell
 from dist.env import ProcessInfo, detect
 from dist.errors import BuildFailedError, CacheWaitTimeout, LeaseLostError, ReadOnlyCacheError
 from dist.layout import (
+    IDENTITY_FILE,
+    identity_bytes,
     marker_name,
     parse_stage_dir,
     retired_marker_name,
@@ -304,16 +308,25 @@ def _unlink(path: Path) -> None:
         pass
 
 
+def _delete(path: Path) -> None:
+    """Delete a folder, or a symlink or file in its place: ``rmtree`` refuses a symlink
+    (it never follows one), which with ``ignore_errors`` would leave the link for good."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        _unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _discard_dir(path: Path) -> None:
     """Remove a folder so that no reader ever sees it half-deleted: rename, then delete."""
-    if not path.exists():
+    if not os.path.lexists(path):
         return
     trash = path.with_name(f"{path.name}.trash-{secrets.token_hex(4)}")
     try:
         os.rename(path, trash)
     except FileNotFoundError:
         return
-    shutil.rmtree(trash, ignore_errors=True)
+    _delete(trash)
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -617,11 +630,11 @@ class _Coordinator:
         for name in os.listdir(self.cache_dir):
             path = self.cache_dir / name
             if ".trash-" in name:
-                shutil.rmtree(path, ignore_errors=True)
+                _delete(path)
             elif ".tmp-" in name and not name.startswith("."):
                 # A <stage>.tmp-<id>/ folder of hf_pipeline <= 0.1: never published by
                 # this protocol (nothing is renamed into place any more).
-                shutil.rmtree(path, ignore_errors=True)
+                _delete(path)
             elif name.startswith(f"{LEASE_FILE}.takeover-") or (
                 name.startswith("failed-") and name.endswith(".json")
             ):
@@ -636,8 +649,22 @@ class _Coordinator:
             elif name.startswith(".") and name.endswith(".tmp") and lease.lease_id not in name:
                 _unlink(path)  # a marker write interrupted before its link/replace
 
+    def _write_identity(self) -> None:
+        """Mark the folder as a cache before anything is built in it: the inventory
+        (``--clean``) removes only folders carrying this mark (see dist.layout)."""
+        path = self.cache_dir / IDENTITY_FILE
+        if path.exists():
+            return
+        try:
+            create_new(path, identity_bytes(self.fingerprint, host=self.host, pid=self.pid))
+        except OSError as e:
+            # A full disk: the build fails next, with its failure record; without the
+            # mark --clean at worst leaves the folder, never removes it wrongly.
+            logger.warning("%s: could not write %s (%s)", self.cache_dir, IDENTITY_FILE, e)
+
     def _build_all(self, lease: Lease) -> dict[str, Marker]:
         lease.check()
+        self._write_identity()
         self._clean_leftovers(lease)
         markers: dict[str, Marker] = {}
         for stage in self.stages:

@@ -4,6 +4,17 @@ Reads the layout written by :mod:`dist.coordinator` (one sub-folder of ``root`` 
 :mod:`dist.layout` says which folders are caches and what lives in one).
 Liveness of a builder is judged the same way waiters judge it: a lease is live only if its
 heartbeat counter moves during an observation window on *this* machine's clock.
+
+The root may hold other people's things (a shared ``HF_PIPELINE_CACHE``), so what
+:func:`clean` deletes is bounded by proof, not by names:
+
+- only folders that carry the project's mark (:func:`dist.layout.cache_mark`); anything
+  else, and every symlink, is left as it is (and :func:`ignored_entries` reports it);
+- nothing is ever reached through a symlink: entries are judged with ``lstat``, walks
+  do not descend links, a link inside a cache is at most unlinked itself (trash links
+  of an earlier run), never followed;
+- inside a complete cache, only protocol bookkeeping, unpublished stage folders, and
+  regular files inside a published stage folder that its marker does not list.
 """
 
 from __future__ import annotations
@@ -11,20 +22,42 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
-import secrets
 import shutil
+import stat
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from dist.layout import is_cache_folder, is_retired_marker, marker_name, parse_stage_dir
+from dist.layout import (
+    IDENTITY_FILE,
+    cache_mark,
+    is_bookkeeping,
+    is_retired_marker,
+    marker_name,
+    parse_stage_dir,
+    parse_trash_name,
+    trash_name,
+)
 from dist.lease import LEASE_FILE, heartbeat_counter, heartbeat_path, read_lease
 from dist.markers import Marker, check_marker, derived_from_problem, read_json
 
-__all__ = ["DEFAULT_STAGES", "CacheState", "CacheStatus", "clean", "list_caches", "verify"]
+__all__ = [
+    "DEFAULT_STAGES",
+    "CacheState",
+    "CacheStatus",
+    "CleanReport",
+    "clean",
+    "ignored_entries",
+    "list_caches",
+    "unlisted_files",
+    "verify",
+]
 
 DEFAULT_STAGES: tuple[str, ...] = ("converted", "filtered")
-_BOOKKEEPING_PREFIXES = (f"{LEASE_FILE}.", "heartbeat-", "failed-")
+#: Unlisted files named one by one in a status's problems (all of them in ``unlisted``).
+_SHOW_UNLISTED = 20
 
 
 class CacheState(str, enum.Enum):
@@ -62,7 +95,10 @@ class CacheStatus:
         size_bytes: total size of the files under the folder.
         age_s: seconds since the newest entry changed (local clock vs file mtimes: for
             display only; never used to judge liveness).
-        problems: human-readable findings (invalid markers, leftovers, failure messages).
+        problems: human-readable findings (invalid markers, leftovers, failure messages,
+            files no marker lists).
+        unlisted: paths (relative to the folder) inside published stage folders that no
+            marker lists: written by something else (a ``datasets`` call on the cache).
     """
 
     path: Path
@@ -79,6 +115,39 @@ class CacheStatus:
     size_bytes: int = 0
     age_s: float = 0.0
     problems: tuple[str, ...] = ()
+    unlisted: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able (``prebuild_cache.py --status --json``)."""
+        d = dataclasses.asdict(self)
+        d.update(path=str(self.path), state=self.state.value)
+        return d
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CleanReport:
+    """What :func:`clean` removed (or would remove) and what it left, and why.
+
+    Attributes:
+        removed: paths removed (with ``dry_run``: that would be removed).
+        left: ``(path, why)`` for what it found but did not touch (symlinks, folders
+            without the project's mark that look like caches, removals that failed).
+    """
+
+    removed: tuple[Path, ...] = ()
+    left: tuple[tuple[Path, str], ...] = ()
+
+
+def _lstat(path: Path) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except OSError:
+        return None
+
+
+def _is_link(path: Path) -> bool:
+    st = _lstat(path)
+    return st is not None and stat.S_ISLNK(st.st_mode)
 
 
 def _lease_key(cache: Path) -> tuple | None:
@@ -89,28 +158,26 @@ def _lease_key(cache: Path) -> tuple | None:
 
 
 def _size_and_age(cache: Path) -> tuple[int, float]:
+    """Bytes on disk under ``cache`` (a hard-linked file once: the ranks' parts and the
+    stage they are assembled into share their files) and seconds since the last change.
+    Never follows a symlink (walks do not descend links; lstat counts the link)."""
     total, newest = 0, 0.0
+    seen: set[tuple[int, int]] = set()
     for dirpath, _, filenames in os.walk(cache):
         try:
-            newest = max(newest, os.stat(dirpath).st_mtime)
+            newest = max(newest, os.lstat(dirpath).st_mtime)
         except OSError:
             pass
         for name in filenames:
             try:
-                st = os.stat(os.path.join(dirpath, name))
+                st = os.lstat(os.path.join(dirpath, name))
             except OSError:
                 continue
-            total += st.st_size
             newest = max(newest, st.st_mtime)
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_size
     return total, max(0.0, time.time() - newest) if newest else 0.0
-
-
-def _fingerprint(cache: Path, stages: Sequence[str]) -> str | None:
-    for stage in stages:
-        d = read_json(cache / marker_name(stage))
-        if isinstance(d, dict) and isinstance(d.get("fingerprint"), str):
-            return d["fingerprint"]
-    return cache.name.rsplit("-", 1)[-1] if "-" in cache.name else None
 
 
 def _valid_markers(
@@ -142,32 +209,79 @@ def _valid_markers(
     return done, problems
 
 
-def _leftovers(cache: Path, done: dict[str, Marker]) -> list[str]:
+def _leftovers(cache: Path, done: dict[str, Marker], live_lease: str | None = None) -> list[str]:
     """Entries no valid marker vouches for: unpublished or retired stage folders, retired
-    markers, interrupted deletions."""
+    markers, interrupted deletions. Not the folders of ``live_lease`` (it builds there)."""
     published = {m.directory for m in done.values()}
     out = []
     for n in sorted(os.listdir(cache)):
-        if n in published:
+        if n in published or n == IDENTITY_FILE:
             continue
-        if ".tmp-" in n or ".trash-" in n or is_retired_marker(n):
+        parsed = parse_stage_dir(n)
+        if parsed is not None and live_lease is not None and parsed.lease_id == live_lease:
+            continue
+        if ".tmp-" in n or parse_trash_name(n) is not None or is_retired_marker(n):
             out.append(n)
-        elif parse_stage_dir(n) is not None and (cache / n).is_dir():
+        elif parsed is not None and (_is_link(cache / n) or (cache / n).is_dir()):
             out.append(n)
     return out
 
 
-def _status(cache: Path, stages: Sequence[str], live: bool | None) -> CacheStatus:
-    fingerprint = _fingerprint(cache, stages)
-    done, marker_problems = _valid_markers(cache, stages, fingerprint or "")
+def _stage_folder(cache: Path, marker: Marker) -> Path | None:
+    """The published folder of ``marker`` if it is one real folder directly in ``cache``
+    (a marker is read from disk: never walk where a strange ``directory`` points)."""
+    name = marker.directory
+    if parse_stage_dir(name) is None and name != marker.stage:
+        return None
+    st = _lstat(cache / name)
+    return cache / name if st is not None and stat.S_ISDIR(st.st_mode) else None
+
+
+def _unlisted(cache: Path, done: dict[str, Marker]) -> list[str]:
+    """Entries inside the published stage folders of ``done`` that no marker lists
+    (relative to ``cache``); folders are walked, symlinks reported, neither followed."""
+    listed = {f.path for m in done.values() for f in m.files}
+    out = []
+    for marker in done.values():
+        folder = _stage_folder(cache, marker)
+        if folder is None:
+            continue
+        for dirpath, dirnames, filenames in os.walk(folder):
+            links = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
+            for name in filenames + links:
+                rel = Path(dirpath, name).relative_to(cache).as_posix()
+                if rel not in listed:
+                    out.append(rel)
+    return sorted(out)
+
+
+def unlisted_files(
+    cache_dir: str | os.PathLike, stages: Sequence[str] = DEFAULT_STAGES
+) -> list[str]:
+    """Files inside the published stage folders of ``cache_dir`` that no valid marker
+    lists (paths relative to ``cache_dir``): not part of the cache. Reads only."""
+    cache = Path(cache_dir)
+    fingerprint = cache_mark(cache) or ""
+    return _unlisted(cache, _valid_markers(cache, list(stages), fingerprint)[0])
+
+
+def _status(cache: Path, fingerprint: str, stages: Sequence[str], live: bool | None) -> CacheStatus:
+    done, marker_problems = _valid_markers(cache, stages, fingerprint)
     corrupt = bool(marker_problems)
     problems = [p.replace(": ", ".json: ", 1) for p in marker_problems]
     names = sorted(os.listdir(cache))
-    leftovers = _leftovers(cache, done)
+    view = read_lease(cache / LEASE_FILE)
+    building = view is not None and live is not False
+    leftovers = _leftovers(cache, done, view.key if building else None)
+    unlisted = _unlisted(cache, done)
     unmarked = [s for s in stages if (cache / s).is_dir() and s not in done]
     failures = [n for n in names if n.startswith("failed-") and n.endswith(".json")]
     for n in leftovers:
-        problems.append(f"leftover {n}")
+        problems.append(f"leftover {n}" + (" (a symbolic link)" if _is_link(cache / n) else ""))
+    for rel in unlisted[:_SHOW_UNLISTED]:
+        problems.append(f"not listed by any marker: {rel}")
+    if len(unlisted) > _SHOW_UNLISTED:
+        problems.append(f"... and {len(unlisted) - _SHOW_UNLISTED} more files not listed")
     for s in unmarked:
         problems.append(f"stage folder {s}/ without a valid marker")
     for n in failures:
@@ -177,10 +291,9 @@ def _status(cache: Path, stages: Sequence[str], live: bool | None) -> CacheStatu
                 f"failed build (host {record.get('host')}, pid {record.get('pid')}, stage "
                 f"{record.get('stage')}): {record.get('error_type')}: {record.get('message')}"
             )
-    view = read_lease(cache / LEASE_FILE)
     hb = read_json(heartbeat_path(cache, view.key)) if view is not None else None
     hb = hb if isinstance(hb, dict) else {}
-    if view is not None and live is not False:
+    if building:
         state = CacheState.BUILDING
     elif len(done) == len(stages):
         state = CacheState.COMPLETE
@@ -213,6 +326,7 @@ def _status(cache: Path, stages: Sequence[str], live: bool | None) -> CacheStatu
         size_bytes=size,
         age_s=age,
         problems=tuple(problems),
+        unlisted=tuple(unlisted),
     )
 
 
@@ -228,16 +342,17 @@ def list_caches(
             than the builders' heartbeat interval); 0 reports every lease as building.
 
     Returns:
-        One :class:`CacheStatus` per cache folder (see :func:`dist.layout.is_cache_folder`:
-        hidden folders and folders holding no protocol file are not caches); [] if
-        ``root`` does not exist. Reads only.
+        One :class:`CacheStatus` per cache folder (:func:`dist.layout.cache_mark`: a real
+        folder carrying the project's mark; symlinks and other folders are not caches,
+        see :func:`ignored_entries`); [] if ``root`` does not exist. Reads only.
     """
     if observe_s < 0:
         raise ValueError(f"observe_s must be >= 0, got {observe_s}")
     root = Path(root)
     if not root.is_dir():
         return []
-    caches = sorted(p for p in root.iterdir() if is_cache_folder(p))
+    marks = {p: cache_mark(p) for p in sorted(root.iterdir())}
+    caches = [p for p, fingerprint in marks.items() if fingerprint is not None]
     live: dict[Path, bool | None] = {c: None for c in caches}
     if observe_s > 0:
         before = {c: _lease_key(c) for c in caches}
@@ -246,7 +361,37 @@ def list_caches(
             for c in caches:
                 if before[c] is not None:
                     live[c] = _lease_key(c) != before[c]
-    return [_status(c, list(stages), live[c]) for c in caches]
+    return [_status(c, marks[c] or "", list(stages), live[c]) for c in caches]
+
+
+def _looks_like_cache(path: Path) -> bool:
+    name = path.name
+    return "-" in name and len(name.rsplit("-", 1)[1]) == 16
+
+
+def ignored_entries(root: str | os.PathLike) -> list[tuple[Path, str]]:
+    """Entries of ``root`` that status and clean pass over and a person may want to know
+    of: symlinks (never followed), folders named like a cache without the project's mark,
+    trash of an interrupted removal. Plain user folders are not listed. Reads only."""
+    root = Path(root)
+    out: list[tuple[Path, str]] = []
+    try:
+        entries = sorted(root.iterdir())
+    except OSError:
+        return out
+    for p in entries:
+        st = _lstat(p)
+        if st is None:
+            continue
+        if parse_trash_name(p.name) is not None and p.name.startswith("."):
+            out.append((p, "trash of an interrupted removal"))
+        elif p.name.startswith("."):
+            continue
+        elif stat.S_ISLNK(st.st_mode):
+            out.append((p, "a symbolic link: never followed, left as it is"))
+        elif stat.S_ISDIR(st.st_mode) and _looks_like_cache(p) and cache_mark(p) is None:
+            out.append((p, "named like a cache but without the hf_pipeline mark: left as it is"))
+    return out
 
 
 def verify(cache_dir: str | os.PathLike, stages: Sequence[str] = DEFAULT_STAGES) -> list[str]:
@@ -257,27 +402,110 @@ def verify(cache_dir: str | os.PathLike, stages: Sequence[str] = DEFAULT_STAGES)
         stages: stage names in build order.
 
     Returns:
-        Problems, one line each (``"filtered: listed file ... checksum mismatch"``).
+        Problems, one line each (``"filtered: listed file ... checksum mismatch"``,
+        ``"converted.<id>/rows/cache-1.arrow: not listed by any marker"``).
     """
     cache = Path(cache_dir)
     stages = list(stages)
-    _, problems = _valid_markers(
-        cache, stages, _fingerprint(cache, stages) or "", verify=True, missing=True
+    done, problems = _valid_markers(
+        cache, stages, cache_mark(cache) or "", verify=True, missing=True
     )
+    # Files that something else wrote into a published stage (a `datasets` call).
+    problems += [f"{rel}: not listed by any marker" for rel in _unlisted(cache, done)]
     return problems
 
 
-def _remove(path: Path) -> None:
-    # Rename first so nobody ever sees (or resumes from) a half-deleted folder.
-    trash = path.with_name(f".{path.name}.trash-{secrets.token_hex(4)}")
+def _rmtree_errors(folder: Path) -> list[str]:
+    """Delete ``folder`` (rmtree never follows a symlink: it unlinks the link); the
+    identity file and markers last, so an interrupted removal is still known as a cache
+    (and the next ``clean`` finishes it). Returns what could not be removed."""
+    errors: list[str] = []
+
+    def note_exc(_func: Any, path: str, exc: BaseException) -> None:
+        if not isinstance(exc, FileNotFoundError):
+            errors.append(f"{path}: {exc}")
+
+    # Python 3.12 renamed rmtree's error hook (onerror, deprecated, took exc_info).
+    hook = (
+        {"onexc": note_exc}
+        if sys.version_info >= (3, 12)
+        else {"onerror": lambda f, p, info: note_exc(f, p, info[1])}
+    )
+
+    try:
+        names = sorted(os.listdir(folder), key=lambda n: (n == IDENTITY_FILE, n.endswith(".json")))
+    except OSError as e:
+        return [f"{folder}: {e}"]
+    for name in names:
+        p = folder / name
+        st = _lstat(p)
+        if st is None:
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(p, **hook)
+        else:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                errors.append(f"{p}: {e}")
+    try:
+        os.rmdir(folder)
+    except OSError as e:
+        errors.append(f"{folder}: {e}")
+    return errors
+
+
+def _remove(path: Path) -> list[str]:
+    """Remove ``path``; what could not be removed, one line each ([] when all went).
+
+    A folder is renamed first so nobody ever sees (or resumes from) a half-deleted one;
+    a symlink is only ever unlinked itself.
+    """
+    st = _lstat(path)
+    if st is None:
+        return []
+    if not stat.S_ISDIR(st.st_mode):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            return [f"{path}: {e}"]
+        return []
+    trash = path.with_name(trash_name(path.name))
     try:
         os.rename(path, trash)
     except FileNotFoundError:
-        return
-    if trash.is_dir():
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        trash.unlink(missing_ok=True)
+        return []
+    except OSError as e:
+        return [f"{path}: {e}"]
+    return _rmtree_errors(trash)
+
+
+def _complete_targets(
+    cache: Path, status: CacheStatus, stages: Sequence[str]
+) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """What ``clean`` drops from a cache it keeps, and the links it leaves (reported)."""
+    done = _valid_markers(cache, list(stages), status.fingerprint or "")[0]
+    names = _leftovers(cache, done) + [n for n in sorted(os.listdir(cache)) if is_bookkeeping(n)]
+    targets, left = [], []
+    for name in names:
+        path = cache / name
+        if _is_link(path) and parse_trash_name(name) is None:
+            left.append((path, "a symbolic link: never followed, left as it is"))
+        else:
+            targets.append(path)
+    if status.state is CacheState.COMPLETE:
+        # Written into a published stage by something else: regular files only.
+        for rel in _unlisted(cache, done):
+            st = _lstat(cache / rel)
+            if st is not None and stat.S_ISREG(st.st_mode):
+                targets.append(cache / rel)
+            else:
+                left.append((cache / rel, "not a regular file: left as it is"))
+    return targets, left
 
 
 def clean(
@@ -286,13 +514,15 @@ def clean(
     dry_run: bool = True,
     stages: Sequence[str] = DEFAULT_STAGES,
     observe_s: float = 5.0,
-) -> list[Path]:
+) -> CleanReport:
     """Remove stale, corrupt and failed caches, and leftovers inside complete ones.
 
-    A cache whose lease heartbeat moves during the ``observe_s`` window is live and never
-    touched; one whose lease changed between the observation and the removal is skipped
-    too. Still, run it when no job is *starting* on ``root``: a builder that claims a
-    stale cache in the instant after our last look would lose its folder (and fail).
+    Only folders carrying the project's mark (:func:`dist.layout.cache_mark`) are caches;
+    nothing is reached through a symlink (see the module docstring). A cache whose lease
+    heartbeat moves during the ``observe_s`` window is live and never touched; one whose
+    lease changed between the observation and the removal is skipped too. Still, run it
+    when no job is *starting* on ``root``: a builder that claims a stale cache in the
+    instant after our last look would lose its folder (and fail).
 
     Args:
         root: the folder holding one sub-folder per cache.
@@ -301,11 +531,21 @@ def clean(
         observe_s: liveness observation window (> the builders' heartbeat interval).
 
     Returns:
-        The paths removed (or that would be removed).
+        A :class:`CleanReport`.
     """
     if observe_s <= 0:
         raise ValueError(f"observe_s must be > 0, got {observe_s}")
     removed: list[Path] = []
+    left: list[tuple[Path, str]] = []
+
+    def drop(target: Path) -> None:
+        errors = [] if dry_run else _remove(target)
+        if errors:
+            more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
+            left.append((target, f"could not remove all of it: {errors[0]}{more}"))
+        else:
+            removed.append(target)
+
     for status in list_caches(root, stages=stages, observe_s=observe_s):
         if status.state is CacheState.BUILDING:
             continue
@@ -315,22 +555,17 @@ def clean(
         ):
             continue  # somebody claimed or beat since we looked
         if status.state in _REMOVABLE:
-            targets = [cache]
-        else:  # complete or resumable: keep, but drop what dead builders left
-            targets = [
-                cache / n
-                for n in _leftovers(
-                    cache, _valid_markers(cache, list(stages), status.fingerprint or "")[0]
-                )
-            ]
-            targets += [
-                cache / n
-                for n in sorted(os.listdir(cache))
-                if n == LEASE_FILE  # dead (we observed it), or we would not be here
-                or n.startswith(_BOOKKEEPING_PREFIXES)
-            ]
+            drop(cache)
+            continue
+        # Complete or resumable: keep, but drop what dead builders (and others) left.
+        targets, links = _complete_targets(cache, status, stages)
+        left += links
         for target in targets:
-            removed.append(target)
-            if not dry_run:
-                _remove(target)
-    return removed
+            drop(target)
+    for path, why in ignored_entries(root):
+        inner = parse_trash_name(path.name)
+        if inner is not None and (_is_link(path) or cache_mark(path, name=inner)):
+            drop(path)  # an earlier run's trash: a link (unlinked, never followed) or a cache
+        else:
+            left.append((path, why))
+    return CleanReport(removed=tuple(removed), left=tuple(left))

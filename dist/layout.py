@@ -14,36 +14,72 @@ inventory (:mod:`dist.inventory`) and readers share. A cache folder holds::
     failed-<id>.json             failure record of a lease whose build raised
     lease.<purpose>-*, *.trash-*, .<name>.<pid>.<rand>.tmp: bookkeeping in flight
 
+    .hf_pipeline-cache.json      identity: {kind, schema_version, fingerprint, host, pid,
+                                 created_at}; written (create-if-absent) by the first lease
+                                 that claims the folder, before it builds anything
+
 A cache *root* (``$HF_HOME/datasets/hf_pipeline``) holds one folder per cache; anything
 else there is a dot-folder (``.staging``, ``.demo-data``, ``.hub_listings``) and is
-never a cache. A folder counts as a cache only if it holds a protocol file, so a stray
-folder someone created is never listed or cleaned.
+never a cache. The root may be shared with other things (``HF_PIPELINE_CACHE`` pointing
+at a parent folder), so a folder counts as a cache only on a positive mark the project
+wrote (:func:`cache_mark`): a real folder (not a symlink) named ``<name>-<fingerprint>``
+that holds the identity file of that fingerprint, or -- for a cache written before the
+identity file existed, always named ``<name>-<16 hex>`` -- a stage marker of the
+project's schema and that fingerprint, or a lease / failure record of exactly the
+project's shape. Names alone
+(``lease-agreement.pdf``, ``package.json`` beside ``package/``) never make a cache.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
+import secrets
+import stat
+import time
 from pathlib import Path
 
 from dist.lease import LEASE_FILE
+from dist.markers import SCHEMA_VERSION, Marker
 
 __all__ = [
+    "IDENTITY_FILE",
     "StageDir",
+    "cache_mark",
+    "identity_bytes",
+    "is_bookkeeping",
     "is_cache_folder",
     "is_retired_marker",
     "marker_name",
     "parse_stage_dir",
+    "parse_trash_name",
     "retired_marker_name",
     "stage_dir_name",
+    "trash_name",
 ]
+
+#: The identity file of a cache folder (hidden: scanners of the folder skip it).
+IDENTITY_FILE = ".hf_pipeline-cache.json"
+_IDENTITY_KIND = "hf_pipeline-cache"
+#: Version of the identity file's format.
+IDENTITY_SCHEMA = 1
+#: Largest protocol file read to judge a mark (a marker lists every file of a stage:
+#: ~150 bytes each); anything bigger is not a mark.
+_MAX_MARK_BYTES = 64 << 20
 
 _STAGE = r"[A-Za-z0-9][A-Za-z0-9_]*(?:-[A-Za-z0-9_]+)*"
 _STAGE_DIR = re.compile(rf"^(?P<stage>{_STAGE})\.(?P<lease>[0-9a-f]{{16}})$")
 _LEGACY_TMP = re.compile(rf"^(?P<stage>{_STAGE})\.tmp-(?P<lease>[0-9A-Za-z]+)$")
 _RETIRED = re.compile(rf"^(?P<stage>{_STAGE})\.json\.retired-[0-9a-f]+$")
-_PROTOCOL_PREFIXES = (LEASE_FILE, "heartbeat-", "failed-")
+_LEASE_ID = re.compile(r"^[0-9a-f]{16}$")
+_HEARTBEAT = re.compile(r"^heartbeat-[0-9a-f]{16}\.json$")
+_FAILED = re.compile(r"^failed-(?P<lease>[0-9a-f]{16})\.json$")
+_LEASE_MOVED = re.compile(rf"^{LEASE_FILE}\.(dead|takeover|released)-")
+#: ``<name>-<16 hex>``: how hf_pipeline names a cache (``CacheLayout.for_config``).
+_PROJECT_NAME = re.compile(r"^[^.].*-[0-9a-f]{16}$")
+_TRASH = re.compile(r"^\.?(?P<inner>.+)\.trash-[0-9a-f]{8}$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,20 +114,132 @@ def is_retired_marker(name: str) -> bool:
     return bool(_RETIRED.match(name))
 
 
-def is_cache_folder(path: Path) -> bool:
-    """Whether ``path`` (a folder directly under a cache root) is a cache: not hidden, and
-    it holds a lease, heartbeat, failure record, stage folder or marker of one."""
-    if path.name.startswith(".") or not path.is_dir():
-        return False
+def is_bookkeeping(name: str) -> bool:
+    """Whether ``name`` is a lease, heartbeat, failure record or moved lease of a cache."""
+    return bool(
+        name == LEASE_FILE or _HEARTBEAT.match(name) or _FAILED.match(name)
+        or _LEASE_MOVED.match(name)
+    )  # fmt: skip
+
+
+def trash_name(name: str) -> str:
+    """A fresh hidden name to rename ``name`` to before deleting it (nobody ever sees, or
+    resumes from, a half-deleted folder under its real name)."""
+    return f".{name}.trash-{secrets.token_hex(4)}"
+
+
+def parse_trash_name(name: str) -> str | None:
+    """The original name of a trash entry (:func:`trash_name`, or the coordinator's
+    ``<name>.trash-<hex>``), else None."""
+    m = _TRASH.match(name)
+    return m["inner"] if m else None
+
+
+def identity_bytes(fingerprint: str, *, host: str, pid: int) -> bytes:
+    """The content of :data:`IDENTITY_FILE` for a cache of ``fingerprint``."""
+    record = {
+        "kind": _IDENTITY_KIND,
+        "schema_version": IDENTITY_SCHEMA,
+        "fingerprint": fingerprint,
+        "host": host,
+        "pid": pid,
+        "created_at": time.time(),  # informational
+    }
+    return json.dumps(record, sort_keys=True, indent=1).encode()
+
+
+def _read_regular(path: Path, limit: int = _MAX_MARK_BYTES) -> object | None:
+    """Parsed JSON of a regular file (not a symlink) of at most ``limit`` bytes, else None."""
     try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            return None
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as f:
+            return json.loads(f.read(limit + 1))
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
+def _names_fingerprint(name: str, fingerprint: object) -> bool:
+    """``name`` is ``<something>-<fingerprint>``."""
+    return (
+        isinstance(fingerprint, str) and bool(fingerprint) and "/" not in fingerprint
+        and len(name) > len(fingerprint) + 1 and name.endswith(f"-{fingerprint}")
+        and not name.startswith(".")
+    )  # fmt: skip
+
+
+def _legacy_mark(folder: Path, name: str, names: list[str]) -> str | None:
+    """The fingerprint of a cache written before the identity file existed, else None."""
+    if not _PROJECT_NAME.match(name):
+        return None  # the project has always named a cache <name>-<16 hex>: read nothing else
+    for n in sorted(names):
+        stage = n[: -len(".json")] if n.endswith(".json") else ""
+        if not re.fullmatch(_STAGE, stage) or _HEARTBEAT.match(n) or _FAILED.match(n):
+            continue
+        d = _read_regular(folder / n)
+        if not isinstance(d, dict) or d.get("schema_version") != SCHEMA_VERSION:
+            continue
+        try:
+            marker = Marker.from_dict(d)
+        except (KeyError, TypeError, ValueError):
+            continue
+        if marker.stage == stage and _names_fingerprint(name, marker.fingerprint):
+            return marker.fingerprint
+    fingerprint = name.rsplit("-", 1)[1]
+    lease = _read_regular(folder / LEASE_FILE, 4096) if LEASE_FILE in names else None
+    if (
+        isinstance(lease, dict) and set(lease) == {"lease_id", "host", "pid"}
+        and isinstance(lease["lease_id"], str) and _LEASE_ID.match(lease["lease_id"])
+        and isinstance(lease["host"], str) and type(lease["pid"]) is int
+    ):  # fmt: skip
+        return fingerprint
+    for n in names:
+        m = _FAILED.match(n)
+        record = _read_regular(folder / n, 1 << 20) if m else None
+        if (
+            isinstance(record, dict) and record.get("lease_id") == m["lease"]
+            and {"host", "pid", "stage", "error_type", "message"} <= set(record)
+        ):  # fmt: skip
+            return fingerprint
+    return None
+
+
+def cache_mark(path: Path, *, name: str | None = None) -> str | None:
+    """The fingerprint of the cache in ``path`` if the project's mark says it is one.
+
+    A cache is a real folder (never a symlink: nothing here follows one) whose name is
+    ``<name>-<fingerprint>`` and which holds :data:`IDENTITY_FILE` of that fingerprint;
+    for caches written before it (always named ``<name>-<16 hex>``), a stage marker
+    of the project's schema and of that fingerprint, or a lease or failure record of
+    exactly the project's shape. Reads at most a few small files; never raises on what it
+    finds.
+
+    Args:
+        path: a folder directly under a cache root.
+        name: judge the folder as if it had this name (a trash folder's original name).
+
+    Returns:
+        The fingerprint, or None: not a cache.
+    """
+    name = path.name if name is None else name
+    try:
+        if name.startswith(".") or not stat.S_ISDIR(os.lstat(path).st_mode):
+            return None
         names = os.listdir(path)
     except OSError:
-        return False
-    entries = set(names)
-    return any(
-        n.startswith(_PROTOCOL_PREFIXES)
-        or _RETIRED.match(n)
-        or parse_stage_dir(n) is not None
-        or (n.endswith(".json") and n[: -len(".json")] in entries)  # legacy <stage>/
-        for n in names
-    )
+        return None
+    identity = _read_regular(path / IDENTITY_FILE, 1 << 16) if IDENTITY_FILE in names else None
+    if (
+        isinstance(identity, dict) and identity.get("kind") == _IDENTITY_KIND
+        and identity.get("schema_version") == IDENTITY_SCHEMA
+        and _names_fingerprint(name, identity.get("fingerprint"))
+    ):  # fmt: skip
+        return identity["fingerprint"]
+    return _legacy_mark(path, name, names)
+
+
+def is_cache_folder(path: Path) -> bool:
+    """Whether ``path`` (a folder directly under a cache root) is a cache (:func:`cache_mark`)."""
+    return cache_mark(path) is not None

@@ -3,13 +3,14 @@
 
   python scripts/prebuild_cache.py                       # the demo
   python scripts/prebuild_cache.py --config configs/coyo11m.yaml --json build.json
-  python scripts/prebuild_cache.py --status | --verify | --clean [--dry-run]
+  python scripts/prebuild_cache.py --status | --verify | --clean [--dry-run] [--json PATH]
   python scripts/prebuild_cache.py --publish gs://bucket/caches     # build if needed, upload
   python scripts/prebuild_cache.py --status gs://bucket/caches      # what is published there
 
 Run it on one host with write access to the cache; training ranks then only read.
-Exit codes: 0 ok, 1 coordination failure / store unreachable / problems found by --verify,
-2 bad input.
+Exit codes: 0 ok, 1 coordination failure / store unreachable / problems found by --verify
+/ something --clean could not remove, 2 bad input. docs/operations.md says what
+--status, --verify and --clean show and touch.
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     cli.add_common_args(p)
     p.add_argument(
-        "--json", metavar="PATH", help="write the build summary as JSON to PATH ('-' = stdout)"
+        "--json",
+        metavar="PATH",
+        help="write the build summary (with --status / --verify / --clean: their report) "
+        "as JSON to PATH ('-' = stdout)",
     )
     ops = p.add_mutually_exclusive_group()
     ops.add_argument(
@@ -58,7 +62,8 @@ def _parser() -> argparse.ArgumentParser:
     ops.add_argument(
         "--clean",
         action="store_true",
-        help="remove stale, failed or corrupt caches (never a live one)",
+        help="remove stale, failed or corrupt caches (never a live one, never a folder "
+        "without the hf_pipeline mark, never through a symlink) and files no marker lists",
     )
     p.add_argument(
         "--dry-run", action="store_true", help="with --clean: only say what would be removed"
@@ -115,6 +120,14 @@ def _describe(st) -> str:
     return str(st.state)
 
 
+def _write_json(path: str, obj) -> None:
+    text = json.dumps(obj, indent=2, sort_keys=True)
+    if path == "-":
+        print(text)
+    else:
+        Path(path).write_text(text + "\n")
+
+
 def _admin(args, cfg) -> int:
     from dist import inventory
     from hf_pipeline.cache import STAGES
@@ -122,35 +135,57 @@ def _admin(args, cfg) -> int:
     root = cfg.cache_root
     # Watch leases a little longer than two heartbeats to tell live builders from dead.
     observe = 2.5 * cfg.coord.heartbeat_interval
+    # Human lines go to stderr when the JSON goes to stdout.
+    out = sys.stderr if args.json == "-" else sys.stdout
     if args.status:
         rows = inventory.list_caches(root, stages=STAGES, observe_s=observe)
+        ignored = inventory.ignored_entries(root)
+        if args.json:
+            _write_json(args.json, {
+                "root": str(root),
+                "caches": [st.as_dict() for st in rows],
+                "ignored": [{"path": str(p), "why": why} for p, why in ignored],
+            })  # fmt: skip
         if not rows:
-            print(f"no caches under {root}")
-            return 0
-        print(f"{'cache':34} {'fingerprint':17} {'state':34} {'size':>10} {'age':>8}")
+            print(f"no caches under {root}", file=out)
+        else:
+            print(f"{'cache':34} {'fingerprint':17} {'state':34} {'size':>10} {'age':>8}", file=out)
         for st in rows:
             print(
                 f"{st.path.name:34} {st.fingerprint or '?':17} {_describe(st):34} "
-                f"{_human_bytes(st.size_bytes):>10} {st.age_s / 3600:7.1f}h"
+                f"{_human_bytes(st.size_bytes):>10} {st.age_s / 3600:7.1f}h",
+                file=out,
             )
             for problem in st.problems:
-                print(f"    {problem}")
+                print(f"    {problem}", file=out)
+        for path, why in ignored:
+            print(f"not a cache: {path.name}: {why}", file=out)
         return 0
     if args.verify:
-        bad = 0
+        bad, report = 0, []
         for st in inventory.list_caches(root, stages=STAGES):
             problems = inventory.verify(st.path, STAGES)
             bad += bool(problems)
-            print(f"{st.path.name}: " + ("ok" if not problems else "; ".join(problems)))
+            report.append({"path": str(st.path), "ok": not problems, "problems": problems})
+            print(f"{st.path.name}: " + ("ok" if not problems else "; ".join(problems)), file=out)
+        if args.json:
+            _write_json(args.json, {"root": str(root), "caches": report})
         return 1 if bad else 0
-    removed = inventory.clean(
-        root, dry_run=args.dry_run, stages=STAGES, observe_s=max(observe, 1.0)
-    )
+    report = inventory.clean(root, dry_run=args.dry_run, stages=STAGES, observe_s=max(observe, 1.0))
     verb = "would remove" if args.dry_run else "removed"
-    for path in removed:
-        print(f"{verb} {path}")
-    print(f"{verb} {len(removed)} item(s) under {root}")
-    return 0
+    for path in report.removed:
+        print(f"{verb} {path}", file=out)
+    for path, why in report.left:
+        print(f"left {path}: {why}", file=out)
+    print(f"{verb} {len(report.removed)} item(s) under {root}", file=out)
+    if args.json:
+        _write_json(args.json, {
+            "root": str(root),
+            "dry_run": bool(args.dry_run),
+            "removed": [str(p) for p in report.removed],
+            "left": [{"path": str(p), "why": why} for p, why in report.left],
+        })  # fmt: skip
+    return 1 if any(why.startswith("could not remove") for _, why in report.left) else 0
 
 
 def _published_status(url: str, cfg) -> int:
@@ -211,6 +246,15 @@ def _check_json_path(path: Path) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from hf_pipeline.errors import ConfigError
+
+    if args.dry_run and not args.clean:
+        # Without this, a mistyped `--dry-run` alone would run a whole build.
+        raise ConfigError("--dry-run works only with --clean (it would otherwise build)")
+    if isinstance(args.status, str) and args.json:
+        raise ConfigError("--json is not supported with --status URL (only the local --status)")
+    if args.json and args.json != "-":
+        _check_json_path(Path(args.json))  # before the work, not after it
     cfg = cli.config_from_args(args)
     if isinstance(args.status, str):
         return _published_status(args.status, cfg)
@@ -218,8 +262,6 @@ def main(args: argparse.Namespace) -> int:
         return _admin(args, cfg)
     from hf_pipeline.build import prepare_cache
 
-    if args.json and args.json != "-":
-        _check_json_path(Path(args.json))  # before the build, not after it
     if args.publish:
         from hf_pipeline.publish_store import open_store
 

@@ -29,6 +29,7 @@ from dist import (
 )
 from dist.coordinator import LEASE_FILE, LeaseLostError
 from dist.env import ProcessInfo
+from dist.layout import IDENTITY_FILE
 from dist.markers import Marker, read_json
 from tests.conftest import run_mount as _mount
 from tests.helpers.dist_job import Job
@@ -80,8 +81,13 @@ QUICK = dict(poll_interval=0.05, lease_timeout=1.0, heartbeat_interval=0.2, max_
 
 
 def _published(markers) -> list[str]:
-    """What a complete cache folder holds: each stage's folder and marker, nothing else."""
-    return sorted([m.directory for m in markers.values()] + [f"{s}.json" for s in markers])
+    """What a complete cache folder holds: each stage's folder and marker, and the
+    identity file its first builder wrote; nothing else."""
+    return sorted(
+        [m.directory for m in markers.values()]
+        + [f"{s}.json" for s in markers]
+        + [IDENTITY_FILE]
+    )
 
 
 def _recorder():
@@ -204,7 +210,7 @@ def test_build_error_is_reraised_and_leaves_nothing_published(tmp_path):
         )
     names = sorted(os.listdir(cache))
     stage1 = read_json(cache / "converted.json")["directory"]
-    assert names[:2] == [stage1, "converted.json"]  # stage 1 stays (resume)
+    assert names[:3] == [IDENTITY_FILE, stage1, "converted.json"]  # stage 1 stays (resume)
     assert not any(n.startswith("filtered") for n in names) and LEASE_FILE not in names
     assert not any(".tmp-" in n for n in names)
     (record,) = [n for n in names if n.startswith("failed-")]
@@ -716,9 +722,9 @@ def test_inventory_status_verify_and_clean(job, tmp_path):
     ]
 
     expected = {root / "c-corrupt", root / "c-dead", root / "c-failed"}
-    assert set(clean(root, dry_run=True, observe_s=0.8)) == expected
+    assert set(clean(root, dry_run=True, observe_s=0.8).removed) == expected
     assert all(p.exists() for p in expected)
-    assert set(clean(root, dry_run=False, observe_s=0.8)) == expected
+    assert set(clean(root, dry_run=False, observe_s=0.8).removed) == expected
     assert sorted(p.name for p in root.iterdir()) == [
         ".staging",
         "c-complete",

@@ -1,0 +1,301 @@
+"""dist.inventory through the real CLI (``prebuild_cache.py --status/--verify/--clean``).
+
+The caches are made by real builds (tests/procs/dist_rank.py under ``ensure_built``:
+completed, SIGKILLed, failed; the session's demo cache for ``datasets`` files) and sit in
+a root that also holds user folders and symlinks, as a shared ``HF_PIPELINE_CACHE`` does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dist.markers import check_marker, read_json
+from tests.conftest import PYTHON, REPO, script_env
+from tests.helpers.dist_job import Job
+
+FAST = ["--poll", "0.05", "--lease-timeout", "1.0", "--heartbeat", "0.2"]
+# The CLI watches leases for 2.5 heartbeat intervals (--clean: at least 1 s).
+CLI_TIMING = ["--set", "coord.heartbeat_interval=0.2"]
+
+
+@pytest.fixture
+def job(tmp_path):
+    j = Job(tmp_path / "job")
+    yield j
+    j.kill_all()
+
+
+def _cli(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [PYTHON, str(REPO / "scripts" / "prebuild_cache.py"), "--cache-dir", str(root),
+         *CLI_TIMING, *args],
+        env=script_env(), capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+
+
+def _complete(job: Job, folder: Path, fingerprint: str) -> dict:
+    (r,) = job.wait([job.start(folder, 0, "--fingerprint", fingerprint, *FAST, "--size-mb", "0.1")])
+    assert r["ok"], r
+    return r["markers"]
+
+
+def _failed(job: Job, folder: Path, fingerprint: str) -> None:
+    (r,) = job.wait(
+        [job.start(folder, 0, "--fingerprint", fingerprint, *FAST, "--fail-stage", "filtered")]
+    )
+    assert r["error_type"] == "RuntimeError", r
+
+
+def _killed(job: Job, folder: Path, fingerprint: str) -> int:
+    proc = job.start(folder, 0, "--fingerprint", fingerprint, *FAST, "--hold", "build-converted:60")
+    job.wait_for_signal("build-converted")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    return proc.pid
+
+
+def _tree(path: Path) -> dict[str, bytes | str | None]:
+    """Every entry under ``path`` (not following symlinks): file bytes, link targets."""
+    out: dict[str, bytes | str | None] = {}
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            rel = p.relative_to(path).as_posix()
+            if p.is_symlink():
+                out[rel] = f"-> {os.readlink(p)}"
+            elif p.is_file():
+                out[rel] = p.read_bytes()
+            else:
+                out[rel] = None
+    return out
+
+
+def _trash(path: Path) -> list[str]:
+    return [
+        os.path.join(d, n)
+        for d, dirs, files in os.walk(path)
+        for n in dirs + files
+        if ".trash-" in n
+    ]
+
+
+def test_clean_removes_only_caches_the_project_marked_and_follows_no_symlink(job, tmp_path):
+    root, outside = tmp_path / "shared", tmp_path / "elsewhere"
+    root.mkdir()
+    outside.mkdir()
+    # User data beside the caches (HF_PIPELINE_CACHE pointing at a shared parent).
+    (root / "docs").mkdir()
+    (root / "docs" / "lease-agreement.pdf").write_bytes(b"%PDF signed")
+    (root / "proj" / "package").mkdir(parents=True)
+    (root / "proj" / "package.json").write_text('{"name": "proj"}')
+    (root / "proj" / "package" / "index.js").write_text("export {}")
+    # Named like a cache, holding names like a cache's, but nothing the project wrote:
+    # a marker-looking JSON of another schema, a stage-looking folder, a "lease".
+    fake = root / "demo-00000000000000aa"
+    (fake / "converted").mkdir(parents=True)
+    (fake / "converted.json").write_text('{"schema_version": 7, "fingerprint": "00000000000000aa"}')
+    (fake / "lease").write_text("lease of flat 3")
+    (fake / "failed-attempts.json").write_text("[]")
+    # Real caches: complete, killed in its build, failed in its build.
+    complete = root / "demo-00000000000000c0"
+    markers = _complete(job, complete, "00000000000000c0")
+    killed = root / "demo-00000000000000d0"
+    _killed(job, killed, "00000000000000d0")
+    failed = root / "demo-00000000000000f0"
+    _failed(job, failed, "00000000000000f0")
+    # Outside the root: a complete cache with bookkeeping a --clean would drop, a failed
+    # cache, and folders of precious files; the root links to each.
+    far_complete = outside / "demo-00000000000000e0"
+    _complete(job, far_complete, "00000000000000e0")
+    (far_complete / "lease.takeover-0000000000000000-0").write_text("")
+    (far_complete / "heartbeat-0000000000000000.json").write_text('{"counter": 1}')
+    far_failed = outside / "demo-00000000000000e1"
+    _failed(job, far_failed, "00000000000000e1")
+    for name in ("precious", "precious2", "precious3", "precious4", "precious5"):
+        (outside / name).mkdir()
+        (outside / name / "keep.txt").write_text(name)
+    # Links out of the caches --clean removes whole: it deletes the links, not their targets.
+    (dead_stage,) = [p for p in killed.iterdir() if p.name.startswith("converted.")]
+    os.symlink(outside / "precious4", dead_stage / "escape")
+    os.symlink(outside / "precious5" / "keep.txt", failed / "notes.txt")
+    os.symlink(far_complete, root / "demo-00000000000000e0")
+    os.symlink(far_failed, root / "demo-00000000000000e1")
+    # Inside a real cache: a link named like an unpublished stage folder, one in a
+    # published stage folder, both pointing out; and a link left by an earlier --clean.
+    os.symlink(outside / "precious", complete / "converted.0123456789abcdef")
+    stage_dir = complete / markers["converted"]["directory"]
+    os.symlink(outside / "precious2", stage_dir / "escape")
+    os.symlink(outside / "precious3", root / ".demo-00000000000000e9.trash-0a1b2c3d")
+    before_outside = _tree(outside)
+    user = {n: _tree(root / n) for n in ("docs", "proj", fake.name)}
+
+    p = _cli(root, "--clean", "--dry-run")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"would remove {killed}" in p.stdout and f"would remove {failed}" in p.stdout
+    for name in ("docs", "proj", fake.name, "demo-00000000000000e0", "demo-00000000000000e1"):
+        assert f"would remove {root / name}\n" not in p.stdout, p.stdout
+    assert killed.exists() and failed.exists()
+
+    p = _cli(root, "--clean")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert not killed.exists() and not failed.exists()  # real dead caches: gone
+    assert {n: _tree(root / n) for n in user} == user  # user data: untouched
+    assert _tree(outside) == before_outside  # nothing behind a link touched
+    assert (root / "demo-00000000000000e0").is_symlink()  # links left as they are...
+    assert (root / "demo-00000000000000e1").is_symlink()
+    assert (complete / "converted.0123456789abcdef").is_symlink()
+    assert "symbolic link" in p.stdout  # ...and reported
+    assert _trash(root) == []  # the earlier run's trash link too (only the link)
+    for stage, m in markers.items():
+        marker, why = check_marker(
+            complete / f"{stage}.json", fingerprint="00000000000000c0", base_dir=complete,
+            stage=stage, verify=True,
+        )  # fmt: skip
+        assert marker is not None and marker.to_dict() == m, why
+
+
+def test_a_cache_of_an_earlier_release_is_known_by_its_marker_only(job, tmp_path):
+    """Without the identity file (a cache written before it existed), a folder is a cache
+    only if a marker of the project's schema and of the folder's fingerprint says so."""
+    root = tmp_path / "root"
+    old = root / "demo-00000000000000b0"
+    _complete(job, old, "00000000000000b0")
+    (old / ".hf_pipeline-cache.json").unlink(missing_ok=True)
+    # The same marker in a folder whose name names another fingerprint: not a cache.
+    shutil.copytree(old, root / "demo-00000000000000b1")
+    (root / "demo-00000000000000b1" / "lease.takeover-x-0").write_text("")
+    p = _cli(root, "--status")
+    assert p.returncode == 0, p.stderr
+    lines = {ln.split()[0]: ln for ln in p.stdout.splitlines() if ln.startswith("demo-")}
+    assert "complete" in lines["demo-00000000000000b0"], p.stdout
+    assert "demo-00000000000000b1" not in lines, p.stdout
+    p = _cli(root, "--clean")
+    assert p.returncode == 0, p.stderr
+    assert (root / "demo-00000000000000b1" / "lease.takeover-x-0").exists()
+
+
+def _copy_built(built_cache, root: Path) -> Path:
+    """The session's demo cache, hard-linked into ``root`` (new names stay in the copy)."""
+    root.mkdir()
+    dest = root / built_cache.cache_dir.name
+    subprocess.run(["cp", "-al", str(built_cache.cache_dir), str(dest)], check=True)
+    return dest
+
+
+def test_files_no_marker_lists_are_reported_and_cleaned(tmp_path, built_cache):
+    """A plain ``datasets`` call on the cache writes cache-*.arrow beside its source."""
+    import datasets
+
+    cache = _copy_built(built_cache, tmp_path / "root")
+    before = _tree(cache)
+    source = sorted((cache / built_cache.stage_dirs["converted"]).glob("**/rows/*.arrow"))[0]
+    rows_dir = source.parent
+    ds = datasets.Dataset.from_file(str(source))
+    ds.filter(lambda r: r["drop_reason"] == "", num_proc=1)
+    rel = rows_dir.relative_to(cache).as_posix()
+    strays = sorted(n for n in os.listdir(rows_dir) if f"{rel}/{n}" not in before)
+    assert strays and all(n.startswith("cache-") for n in strays), strays
+
+    p = _cli(cache.parent, "--verify")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert all(n in p.stdout for n in strays) and "not listed" in p.stdout, p.stdout
+    p = _cli(cache.parent, "--status")
+    assert all(n in p.stdout for n in strays) and "not listed" in p.stdout, p.stdout
+    p = _cli(cache.parent, "--clean")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert all(f"removed {rows_dir / n}" in p.stdout for n in strays), p.stdout
+    assert _tree(cache) == before  # the strays gone, every listed file still there
+    p = _cli(cache.parent, "--verify")
+    assert p.returncode == 0 and f"{cache.name}: ok" in p.stdout, p.stdout + p.stderr
+
+
+def test_status_of_a_live_builder_and_of_hard_links(job, tmp_path):
+    root = tmp_path / "root"
+    live = root / "demo-00000000000000a1"
+    proc = job.start(
+        live, 0, "--fingerprint", "00000000000000a1", *FAST, "--hold", "build-filtered:60"
+    )
+    job.wait_for_signal("build-filtered")
+    complete = root / "demo-00000000000000a2"
+    markers = _complete(job, complete, "00000000000000a2")
+    # As the ranks' parts are assembled: the stage files are hard links of the parts'.
+    parts = complete / "parts"
+    parts.mkdir()
+    listed = [f["path"] for m in markers.values() for f in m["files"]]
+    for i, rel in enumerate(listed):
+        os.link(complete / rel, parts / f"{i}.bin")
+    unique = {}
+    for d, _, files in os.walk(complete):
+        for n in files:
+            st = os.lstat(os.path.join(d, n))
+            unique[(st.st_dev, st.st_ino)] = st.st_size
+    p = _cli(root, "--status")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "building by" in p.stdout and "leftover" not in p.stdout, p.stdout
+    from dist.inventory import list_caches
+
+    (st,) = [s for s in list_caches(root) if s.path == complete]
+    assert st.size_bytes == sum(unique.values())  # a hard-linked file counted once
+    out = tmp_path / "status.json"
+    p = _cli(root, "--status", "--json", str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = {Path(r["path"]).name: r for r in json.loads(out.read_text())["caches"]}
+    assert rows[live.name]["state"] == "building" and rows[live.name]["live"] is True
+    assert rows[live.name]["builder_pid"] == proc.pid
+    assert not [x for x in rows[live.name]["problems"] if "leftover" in x], rows[live.name]
+    assert rows[complete.name]["size_bytes"] == sum(unique.values())
+    os.kill(proc.pid, signal.SIGKILL)
+
+
+def test_dry_run_without_clean_is_one_line_exit_2_and_builds_nothing(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    p = _cli(root, "--dry-run", "--set", "data.demo.num_shards=2")
+    assert p.returncode == 2, p.stdout + p.stderr
+    (line,) = p.stderr.strip().splitlines()
+    assert "--dry-run" in line and "--clean" in line, line
+    assert os.listdir(root) == []
+
+
+def test_verify_json(job, tmp_path):
+    root = tmp_path / "root"
+    cache = root / "demo-00000000000000a3"
+    markers = _complete(job, cache, "00000000000000a3")
+    victim = cache / markers["filtered"]["files"][0]["path"]
+    victim.write_bytes(b"x")
+    out = tmp_path / "verify.json"
+    p = _cli(root, "--verify", "--json", str(out))
+    assert p.returncode == 1, p.stdout + p.stderr
+    (row,) = read_json(out)["caches"]
+    assert row["path"] == str(cache) and row["ok"] is False
+    assert any(victim.name in x for x in row["problems"]), row
+
+
+def test_the_builder_leaves_no_trash_link_for_a_link_named_like_a_stage_folder(tmp_path):
+    """The coordinator collects unpublished stage folders by rename-then-delete; a
+    symlink in such a place was renamed to ``*.trash-*`` and then left for good."""
+    from dist import Stage, ensure_built
+
+    def write(ctx):
+        (ctx.tmp_dir / "part-0.bin").write_bytes(b"x" * 100)
+        return {}
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("keep")
+    cache = tmp_path / "root" / "demo-00000000000000a4"
+    cache.mkdir(parents=True)
+    os.symlink(outside, cache / "converted.0123456789abcdef")
+    os.symlink(outside, cache / "filtered.0123456789abcdef.trash-0a1b2c3d")
+    stages = [Stage(name="converted", build=write), Stage(name="filtered", build=write)]
+    ensure_built(cache, "00000000000000a4", stages, builder=True, poll_interval=0.05,
+                 lease_timeout=1.0, heartbeat_interval=0.2, max_wait=30.0)  # fmt: skip
+    assert _trash(cache) == [] and not os.path.lexists(cache / "converted.0123456789abcdef")
+    assert (outside / "keep.txt").read_text() == "keep"

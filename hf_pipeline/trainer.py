@@ -3,6 +3,11 @@
 JAX may be initialised before the cache is built (the build spawns its workers, see
 :mod:`hf_pipeline.workers`); :func:`jax_distributed` joins the job first and leaves it
 cleanly at the end.
+
+Checkpoints (``train.checkpoint``) go through Orbax's ``CheckpointManager``: one folder
+per saved step holding the model and optimizer state (Orbax's PyTree format) and a JSON
+item with the loader's exact position, written to a temporary folder and renamed when
+complete, so a run killed at any moment leaves only whole checkpoints to resume from.
 """
 
 from __future__ import annotations
@@ -10,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import json
 import logging
 import os
 import time
@@ -20,10 +24,11 @@ from typing import Any
 
 import numpy as np
 
-from dist.atomic import atomic_write, write_json_atomic
 from hf_pipeline.config import Config
+from hf_pipeline.errors import ConfigError
 
 __all__ = [
+    "CHECKPOINT_VERSION",
     "TrainResult",
     "init_jax_distributed",
     "jax_distributed",
@@ -32,6 +37,10 @@ __all__ = [
 ]
 
 log = logging.getLogger("hf_pipeline")
+
+#: Layout of a checkpoint's ``meta`` item (``{"version", "step", "loader"}``); a
+#: checkpoint of another version is refused, never misread.
+CHECKPOINT_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,30 +136,99 @@ def jax_distributed(process, environ=None, *, barrier_timeout: float = 300.0) ->
         shutdown_jax_distributed(barrier_timeout=barrier_timeout)
 
 
-def _save_checkpoint(path: Path, params, opt_state, loader_state: dict, step: int) -> None:
-    import jax
+class _Checkpoints:
+    """The run's checkpoints in ``train.checkpoint``: Orbax's ``CheckpointManager``.
 
-    leaves = jax.tree_util.tree_leaves((params, opt_state))
-    path.mkdir(parents=True, exist_ok=True)
-    with atomic_write(path / "state.npz") as fh:
-        np.savez(fh, *[np.asarray(jax.device_get(x)) for x in leaves])
-    write_json_atomic(path / "meta.json", {"step": step, "loader": loader_state}, indent=1)
+    A step's folder (``<dir>/<step>/``) holds two items: ``state`` (``{"params",
+    "opt_state"}``, Orbax's standard PyTree format) and ``meta`` (JSON:
+    :data:`CHECKPOINT_VERSION`, the step and the loader's ``state_dict``). Orbax writes a
+    step under a temporary name and renames it when every file is written, so a step
+    folder is always complete; ``keep`` newest steps are kept. Saves run in Orbax's
+    background thread; :meth:`close` waits for the last one.
 
+    With ``writer=False`` (the ranks of a job that is not one ``jax.distributed`` job,
+    other than rank 0) it only restores, so that ranks never write the same folder.
+    """
 
-def _load_checkpoint(path: Path, params, opt_state):
-    import jax
+    def __init__(self, path: Path, keep: int, *, writer: bool):
+        import orbax.checkpoint as ocp
 
-    meta = json.loads((path / "meta.json").read_text())
-    with np.load(path / "state.npz", allow_pickle=False) as z:
-        leaves = [z[f"arr_{i}"] for i in range(len(z.files))]
-    treedef = jax.tree_util.tree_structure((params, opt_state))
-    if treedef.num_leaves != len(leaves):
-        raise ValueError(
-            f"checkpoint {path} has {len(leaves)} arrays, the model needs {treedef.num_leaves} "
-            "(different train.hidden or encoder?)"
+        self._ocp = ocp
+        self.path = path
+        if (path / "meta.json").is_file() or (path / "state.npz").is_file():
+            raise ConfigError(
+                f"train.checkpoint {path} holds a checkpoint of the old single-file format "
+                "(state.npz, meta.json), which cannot be resumed: use another folder",
+                field="train.checkpoint",
+            )
+        if not writer and not path.is_dir():
+            self._mngr = None
+            return
+        self._mngr = ocp.CheckpointManager(
+            path.absolute(),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep, create=writer, read_only=not writer
+            ),
+            item_names=("state", "meta"),
         )
-    params, opt_state = jax.tree_util.tree_unflatten(treedef, [jax.numpy.asarray(x) for x in leaves])
-    return params, opt_state, int(meta["step"]), meta["loader"]
+
+    def latest_step(self) -> int | None:
+        return None if self._mngr is None else self._mngr.latest_step()
+
+    def save(self, step: int, params, opt_state, loader_state: dict[str, Any]) -> None:
+        ocp = self._ocp
+        if self._mngr is None or step in self._mngr.all_steps():
+            return
+        meta = {"version": CHECKPOINT_VERSION, "step": step, "loader": loader_state}
+        self._mngr.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+                meta=ocp.args.JsonSave(meta),
+            ),
+            force=True,  # we decide when to save (train.checkpoint_every)
+        )
+
+    def restore(self, step: int, params, opt_state) -> tuple[Any, Any, dict[str, Any]]:
+        """``(params, opt_state, loader_state)`` of ``step``, shaped like the arguments.
+
+        Raises:
+            ConfigError: the checkpoint does not fit this model or is of another version.
+        """
+        ocp = self._ocp
+        where = f"train.checkpoint {self.path / str(step)}"
+        try:
+            got = self._mngr.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore({"params": params, "opt_state": opt_state}),
+                    meta=ocp.args.JsonRestore(),
+                ),
+            )
+        except (ValueError, TypeError, KeyError) as exc:
+            first = (
+                str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+            )
+            raise ConfigError(
+                f"{where} does not fit this model (another train.hidden or encoder?): {first}",
+                field="train.checkpoint",
+            ) from None
+        meta = got["meta"]
+        if not isinstance(meta, dict) or meta.get("version") != CHECKPOINT_VERSION:
+            version = meta.get("version") if isinstance(meta, dict) else None
+            raise ConfigError(
+                f"{where} has checkpoint version {version!r:.40}, this trainer reads "
+                f"{CHECKPOINT_VERSION}",
+                field="train.checkpoint",
+            )
+        if meta.get("step") != step or not isinstance(meta.get("loader"), dict):
+            raise ConfigError(f"{where}: malformed meta item", field="train.checkpoint")
+        return got["state"]["params"], got["state"]["opt_state"], meta["loader"]
+
+    def close(self) -> None:
+        if self._mngr is not None:
+            self._mngr.wait_until_finished()
+            self._mngr.close()
 
 
 def train(
@@ -164,8 +242,10 @@ def train(
 ) -> TrainResult:
     """Train the denoiser on ``source`` up to ``train.steps`` optimizer steps in total.
 
-    With ``train.checkpoint`` set, resumes from it when present (model, optimizer and
-    the loader's exact position) and saves to it at the end, so an interrupted run
+    With ``train.checkpoint`` set, resumes from its latest complete checkpoint (model,
+    optimizer and the loader's exact position), saves one every
+    ``train.checkpoint_every`` steps and at the end, and keeps the newest
+    ``train.keep_checkpoints``: an interrupted run, even one killed while saving,
     continues with exactly the batches, noise and learning rate it would have had.
 
     Args:
@@ -179,6 +259,10 @@ def train(
 
     Returns:
         :class:`TrainResult`.
+
+    Raises:
+        ConfigError: the checkpoint folder holds a checkpoint of another model, cache,
+            loader order or version.
     """
     import jax
     from jax.sharding import Mesh
@@ -199,11 +283,26 @@ def train(
     params = init_params(jax.random.PRNGKey(t_cfg.seed), source.embed_dim, t_cfg.hidden)
     opt_state = optimizer.init(params)
     start = 0
-    ckpt = Path(t_cfg.checkpoint).expanduser() if t_cfg.checkpoint else None
-    if ckpt is not None and (ckpt / "meta.json").is_file():
-        params, opt_state, start, loader_state = _load_checkpoint(ckpt, params, opt_state)
-        loader.load_state_dict(loader_state)
-        log.info("resumed from %s at step %d (epoch %d)", ckpt, start, loader.epoch)
+    ckpts = None
+    if t_cfg.checkpoint:
+        # One jax.distributed job saves together (Orbax coordinates its processes);
+        # separate processes leave it to rank 0.
+        writer = jax.process_count() > 1 or process_index == 0
+        ckpts = _Checkpoints(
+            Path(t_cfg.checkpoint).expanduser(), t_cfg.keep_checkpoints, writer=writer
+        )
+        latest = ckpts.latest_step()
+        if latest is not None:
+            params, opt_state, loader_state = ckpts.restore(latest, params, opt_state)
+            try:
+                loader.load_state_dict(loader_state)
+            except ValueError as exc:
+                raise ConfigError(
+                    f"train.checkpoint {ckpts.path / str(latest)}: {exc}",
+                    field="train.checkpoint",
+                ) from None
+            start = latest
+            log.info("resumed from %s at step %d (epoch %d)", ckpts.path, start, loader.epoch)
     step_fn = make_train_step(optimizer)
     # Noise depends on (seed, step) only, so a resumed run draws what the original would.
     base_key = jax.random.PRNGKey(t_cfg.seed + 1)
@@ -214,7 +313,11 @@ def train(
     window_wait = wait_total = 0.0
     t_window = t_run = time.perf_counter()
     step = start
-    with loader:
+    every = t_cfg.checkpoint_every
+    with contextlib.ExitStack() as stack:
+        if ckpts is not None:
+            stack.callback(ckpts.close)  # waits for the save in flight, also on errors
+        stack.enter_context(loader)
         batches = loader.epochs(None)
         while step < end:
             t0 = time.perf_counter()
@@ -243,14 +346,15 @@ def train(
                 if on_log is not None:
                     on_log(rec)
                 window_losses, window_wait, t_window = [], 0.0, now
+            if ckpts is not None and (step == end or (every and step % every == 0)):
+                ckpts.save(step, params, opt_state, loader.state_dict())
         state = loader.state_dict()
     run_s = time.perf_counter() - t_run
-    if ckpt is not None and jax.process_index() == 0:
-        _save_checkpoint(ckpt, params, opt_state, state, step)
     return TrainResult(
         steps=step - start,
-        first_loss=history[0]["loss"],
-        last_loss=history[-1]["loss"],
+        # No step left (a finished run resumed): no loss to report.
+        first_loss=history[0]["loss"] if history else float("nan"),
+        last_loss=history[-1]["loss"] if history else float("nan"),
         samples_per_s=(step - start) * global_batch / run_s if run_s > 0 else 0.0,
         data_wait_share=wait_total / run_s if run_s > 0 else 0.0,
         history=history,

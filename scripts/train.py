@@ -31,8 +31,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     cli.add_common_args(p)
     p.add_argument("--steps", type=int, default=None, help="training steps (train.steps)")
-    p.add_argument("--batch-size", type=int, default=None, help="global batch size (loader.global_batch_size)")
-    p.add_argument("--checkpoint", default=None, help="folder to resume from and save to (train.checkpoint)")
+    p.add_argument(
+        "--batch-size", type=int, default=None, help="global batch size (loader.global_batch_size)"
+    )
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="folder of the run's checkpoints (Orbax): resume from the latest, save to it "
+        "(train.checkpoint)",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="save every N steps and at the end; 0: only at the end "
+        "(train.checkpoint_every, default 100, in [0, 10**9])",
+    )
     return p
 
 
@@ -44,6 +59,8 @@ def main(args: argparse.Namespace) -> int:
         extra.append(f"loader.global_batch_size={args.batch_size}")
     if args.checkpoint:
         extra.append(f"train.checkpoint={args.checkpoint}")
+    if args.checkpoint_every is not None:
+        extra.append(f"train.checkpoint_every={args.checkpoint_every}")
     cfg = cli.config_from_args(args, extra)
 
     from dist.env import detect

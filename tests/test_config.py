@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import time
 
 import pytest
 
@@ -66,7 +68,7 @@ def test_frozen_and_effective_num_proc():
         (
             ["build.overlap_parts=-2"],
             "build.overlap_parts",
-            "must be >= 0 (0: automatic, 1: no overlap), got -2",
+            "must be in [0, 1024] (0: automatic, 1: no overlap), got -2",
         ),
         (["build.batch_size=abc"], "build.batch_size", "must be int, got 'abc'"),
         (["loader.crop=7"], "loader.crop", "crop index 0-2, got '7'"),
@@ -187,3 +189,182 @@ def test_closed_value_sets_are_their_owners():
         assert all(repr(value) in str(ei.value) for value in values), str(ei.value)
     with pytest.raises(ConfigError, match="coord.scope must be 'shared' or 'node'"):
         load_config(None, ["coord.scope=process"], environ={})
+
+
+# ------------------------------------------------ hostile values (issue 23, item 5)
+
+
+#: Nested anchors inside data.caption_column whose aliases expand to 9**7 strings: the
+#: old loader built the list and printed its whole repr (33 MB) in the "must be str"
+#: message; two more levels of 30 bytes each make it gigabytes.
+def _alias_bomb(levels: int = 7) -> str:
+    node = "&a0 [" + ", ".join(["lol"] * 9) + "]"
+    for i in range(1, levels):
+        node = f"&a{i} [{node}" + f", *a{i - 1}" * 8 + "]"
+    return f"data:\n  caption_column: {node}\n"
+
+
+_ALIAS_BOMB = _alias_bomb()
+
+
+def _refusal(override, environ=None) -> ConfigError:
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, override, environ=environ or {})
+    message = str(ei.value)
+    assert "\n" not in message and len(message) < 400, message[:1000]
+    return ei.value
+
+
+@pytest.mark.parametrize(
+    "override, field, fragment",
+    [
+        # name is one path component of the cache folder: never a way out of the root.
+        (["name=../../../x"], "name", "must be one path component"),
+        (["name=a/b"], "name", "must be one path component"),
+        (["name=.hidden"], "name", "must be one path component"),
+        (["name=" + "x" * 65], "name", "at most 64 characters"),
+        ({"name": "de\x00mo"}, "name", "must be one path component"),
+        ({"build.cache_dir": "/tmp/a\x00b"}, "build.cache_dir", "control character"),
+        ({"data.shards": "/data/x\ny"}, "data.shards", "control character"),
+        (["build.cache_dir=" + "/x" * 3000], "build.cache_dir", "at most 4096 characters"),
+        # Non-finite floats: accepted before, as endless timeouts or a NaN learning rate.
+        (["data.file_timeout=.inf"], "data.file_timeout", "finite number, got inf"),
+        (["train.learning_rate=1e400"], "train.learning_rate", "finite number, got inf"),
+        (["data.staging_max_gb=.nan"], "data.staging_max_gb", "finite number, got nan"),
+        (["coord.max_wait=.inf"], "coord.max_wait", "finite number"),
+        (["coord.lease_timeout=-.inf"], "coord.lease_timeout", "finite number"),
+        # Bounds: values no machine can honour, accepted before.
+        (["data.download_workers=100000"], "data.download_workers", "in [1, 256], got 100000"),
+        (["data.prefetch_ahead=1000000000"], "data.prefetch_ahead", "in [0, 1024]"),
+        (["data.max_retries=1000"], "data.max_retries", "in [0, 100]"),
+        (["data.file_timeout=1e9"], "data.file_timeout", "in (0, 86400]"),
+        (["data.staging_max_gb=1e12"], "data.staging_max_gb", "in (0, 1000000]"),
+        (["loader.prefetch=100000"], "loader.prefetch", "in [1, 1024]"),
+        (["loader.num_threads=100000"], "loader.num_threads", "in [0, 256]"),
+        (["loader.global_batch_size=10000000000"], "loader.global_batch_size", "in [1, "),
+        (["loader.seed=-1"], "loader.seed", "in [0, 2147483646]"),
+        (["train.learning_rate=50"], "train.learning_rate", "in (0, 10]"),
+        (["train.steps=0"], "train.steps", "in [1, 1000000000], got 0"),
+        (["train.hidden=1000000"], "train.hidden", "in [8, 65536]"),
+        (["train.checkpoint_every=-1"], "train.checkpoint_every", "in [0, "),
+        (["train.keep_checkpoints=0"], "train.keep_checkpoints", "in [1, 1000], got 0"),
+        (["coord.max_wait=1e9"], "coord.max_wait", "coord.max_wait must be in (0, 604800]"),
+        (["encoder.max_length=10000000"], "encoder.max_length", "in [1, 131072]"),
+        (["encoder.device=cudaX"], "encoder.device", "'cuda[:N]'"),
+        (["build.part_shards=-1"], "build.part_shards", "(0: one part per builder), got -1"),
+        (["data.demo.num_shards=100000000"], "data.demo.num_shards", "in [1, 100000]"),
+        # A number too long to print (Python refuses str() of ints over 4300 digits).
+        (["build.batch_size=" + "9" * 5000], "build.batch_size", "build.batch_size must be "),
+        ({"build.batch_size": 10**5000}, "build.batch_size", "rows, got <int of 16610 bits>"),
+        # The value's repr in a message is bounded, however big the value.
+        ({"data.caption_column": list(range(10**6))}, "data.caption_column", "must be str"),
+        ({"data.key_column": "k" * 10**6}, "data.key_column", "at most"),
+    ],
+)
+def test_hostile_values_are_one_short_line_naming_the_field(override, field, fragment):
+    err = _refusal(override)
+    assert err.field == field, str(err)
+    assert fragment in str(err), str(err)
+
+
+def _float_fields(obj, prefix=""):
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _float_fields(value, f"{prefix}{f.name}.")
+        elif f.type == "float":
+            yield f"{prefix}{f.name}"
+
+
+@pytest.mark.parametrize("field", list(_float_fields(Config())))
+@pytest.mark.parametrize("bad", [".inf", "-.inf", ".nan", "1e999"])
+def test_every_float_field_refuses_non_finite_values(field, bad):
+    err = _refusal([f"{field}={bad}"])
+    assert err.field == field and "finite number" in str(err), str(err)
+
+
+def test_bounds_are_inclusive_and_bundled_configs_are_inside_them():
+    cfg = load_config(
+        None,
+        [
+            "data.download_workers=256",
+            "data.prefetch_ahead=1024",
+            "data.file_timeout=86400",
+            "train.learning_rate=10",
+            "loader.seed=2147483646",
+            "name=coyo11m-gcs_v2.1",
+            "train.checkpoint_every=0",
+        ],
+        environ={},
+    )
+    assert cfg.data.download_workers == 256 and cfg.name == "coyo11m-gcs_v2.1"
+    for name in ("demo", "coyo11m", "coyo11m_gcs"):
+        load_config(name, environ={})
+
+
+def test_yaml_aliases_are_refused_before_they_expand(tmp_path):
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(_ALIAS_BOMB)
+    assert len(_ALIAS_BOMB) < 400
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError) as ei:
+        load_config(bomb, environ={})
+    assert time.perf_counter() - t0 < 5
+    message = str(ei.value)
+    assert "\n" not in message and len(message) < 400, message[:1000]
+    assert str(bomb) in message and "alias" in message and "line 2" in message, message
+    # Through --set as well: its values are parsed by the same loader.
+    with pytest.raises(ConfigError, match="alias"):
+        load_config(None, ["data.caption_column=[&a [1, 2], *a]"], environ={})
+
+
+def test_oversized_or_deeply_nested_yaml_is_one_line(tmp_path):
+    big = tmp_path / "big.yaml"
+    big.write_text("name: demo\n" + "# padding\n" * 200_000)
+    err = _yaml_refusal(big)
+    assert "larger than" in err and "1048576" in err
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("data: " + "[" * 50_000 + "]" * 50_000 + "\n")
+    err = _yaml_refusal(deep)
+    assert "nested deeper than" in err
+
+
+def _yaml_refusal(path) -> str:
+    with pytest.raises(ConfigError) as ei:
+        load_config(path, environ={})
+    message = str(ei.value)
+    assert "\n" not in message and len(message) < 400 and str(path) in message, message[:1000]
+    assert ei.value.field == "--config"
+    return message
+
+
+@pytest.mark.parametrize("script", ["prebuild_cache.py", "train.py"])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--set", "name=../../escaped"], "name must be one path component"),
+        (["--set", "data.download_workers=100000"], "data.download_workers must be in [1, 256]"),
+        (["--set", "coord.max_wait=.inf"], "coord.max_wait must be a finite number, got inf"),
+        (["--config", "{bomb}"], "alias"),
+    ],
+)
+def test_scripts_refuse_hostile_configs_in_one_line_exit_2(tmp_path, script, args, fragment):
+    from tests.conftest import PYTHON, REPO, script_env
+
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(_ALIAS_BOMB)
+    root = tmp_path / "root" / "cache"
+    args = [a.replace("{bomb}", str(bomb)) for a in args]
+    p = subprocess.run(
+        [PYTHON, str(REPO / "scripts" / script), "--cache-dir", str(root), *args],
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert p.returncode == 2, p.stderr[-2000:]
+    (line,) = p.stderr.strip().splitlines()
+    assert line.startswith("error: ") and fragment in line and len(line) < 400, line[:1000]
+    # Refused before anything was written: no cache folder, inside the root or beside it.
+    assert not (tmp_path / "root").exists() and not (tmp_path / "escaped").exists()

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
 
 import numpy as np
 import pytest
 
 from hf_pipeline.cache import open_sample_source
+from tests.conftest import PYTHON, REPO, SMALL_DEMO, script_env
 
 
 @pytest.fixture()
@@ -39,7 +46,7 @@ def test_checkpoint_resume_continues_the_same_run(small_config, source, tmp_path
     ckpt = tmp_path / "ckpt"
     cfg = _cfg(small_config, steps=40, log_every=10, checkpoint=str(ckpt))
     first = train(cfg, source, max_steps=20)  # "preempted" after 20 of 40 steps
-    assert (ckpt / "state.npz").is_file() and first.steps == 20
+    assert (ckpt / "20" / "meta").is_dir() and first.steps == 20
     second = train(cfg, source)
     assert second.steps == 20
     # Same batches, same keys, same parameters: the resumed run's losses are the
@@ -93,3 +100,127 @@ def test_jax_distributed_is_a_no_op_for_one_process():
         assert joined is False
     assert not jax.distributed.is_initialized()
     shutdown_jax_distributed()  # nothing joined: returns without waiting
+
+
+def _steps(ckpt):
+    """The complete checkpoints in ``ckpt`` (Orbax's step folders), oldest first."""
+    return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
+
+
+def test_checkpoints_every_n_steps_keep_the_newest_and_skip_half_written_ones(
+    small_config, source, tmp_path
+):
+    from hf_pipeline.trainer import train
+
+    ckpt = tmp_path / "ckpt"
+    cfg = _cfg(
+        small_config, steps=40, log_every=5, checkpoint=str(ckpt), checkpoint_every=10,
+        keep_checkpoints=2,
+    )  # fmt: skip
+    first = train(cfg, source, max_steps=25)
+    assert _steps(ckpt) == [20, 25]  # 10 removed; 25: the end of this call
+    meta = json.loads((ckpt / "25" / "meta" / "metadata").read_text())
+    assert meta["step"] == 25 and meta["loader"] == first.loader_state  # through Orbax
+    # A save cut short leaves Orbax's temporary folder: never a checkpoint to resume.
+    shutil.copytree(ckpt / "25", ckpt / "30.orbax-checkpoint-tmp-1700000000")
+    for f in (ckpt / "30.orbax-checkpoint-tmp-1700000000" / "state").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"")
+    second = train(cfg, source)
+    assert second.steps == 15
+    straight = train(_cfg(small_config, steps=40, log_every=5), source)
+    np.testing.assert_allclose(
+        [h["loss"] for h in first.history + second.history],
+        [h["loss"] for h in straight.history],
+        rtol=1e-6,
+    )
+    assert _steps(ckpt) == [30, 40]
+
+
+def test_a_checkpoint_of_another_model_is_one_line(small_config, source, tmp_path):
+    from hf_pipeline.errors import ConfigError
+    from hf_pipeline.trainer import train
+
+    ckpt = tmp_path / "ckpt"
+    train(_cfg(small_config, steps=10, checkpoint=str(ckpt)), source, max_steps=5)
+    with pytest.raises(ConfigError, match=r"does not fit this model") as ei:
+        train(_cfg(small_config, steps=10, checkpoint=str(ckpt), hidden=32), source)
+    assert ei.value.field == "train.checkpoint" and "\n" not in str(ei.value)
+
+
+def _wait_for(predicate, timeout, proc):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, "the run ended before the awaited checkpoint"
+        assert time.monotonic() < deadline, "timed out waiting for a checkpoint"
+        time.sleep(0.02)
+
+
+def _restore(ckpt, step):
+    """(params leaves, meta) of a checkpoint, read back through Orbax."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(
+        ckpt.absolute(), options=ocp.CheckpointManagerOptions(read_only=True),
+        item_names=("state", "meta"),
+    ) as mngr:  # fmt: skip
+        got = mngr.restore(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()),
+        )
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(got["state"])], got["meta"]
+
+
+@pytest.mark.slow
+def test_sigkilled_run_resumes_to_the_uninterrupted_result(
+    session_cache_root, built_cache, tmp_path
+):
+    """train.py killed (SIGKILL) after its step-10 checkpoint, then run again: from step
+    10 on it sees the uninterrupted run's batches (loader state at every checkpoint) and
+    ends with its parameters, bit for bit."""
+    steps, every = 60, 10
+
+    def start(ckpt):
+        return subprocess.Popen(
+            [PYTHON, str(REPO / "scripts" / "train.py"), "--cache-dir", str(session_cache_root),
+             *[a for o in SMALL_DEMO for a in ("--set", o)], "--steps", str(steps),
+             "--checkpoint", str(ckpt), "--checkpoint-every", str(every),
+             "--set", "train.keep_checkpoints=100", "--set", "train.log_every=5", "-q"],
+            env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=REPO,
+        )  # fmt: skip
+
+    killed, straight = tmp_path / "killed", tmp_path / "straight"
+    proc = start(killed)
+    try:
+        _wait_for(lambda: killed.is_dir() and 10 in _steps(killed), 600, proc)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert steps not in _steps(killed)  # killed mid-run
+    resumed_from = max(_steps(killed))
+    runs = {}
+    for name, ckpt in (("resumed", killed), ("straight", straight)):
+        proc = start(ckpt)
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        runs[name] = [ln for ln in out.splitlines() if ln.startswith("step")]
+    # Every checkpoint the resumed run wrote equals the uninterrupted run's: the same
+    # loader position (so the same batches in between) and the same parameters.
+    after = [s for s in _steps(killed) if s > resumed_from]
+    assert after and after[-1] == steps and set(after) <= set(_steps(straight))
+    for step in after:
+        (p_resumed, m_resumed), (p_straight, m_straight) = (
+            _restore(killed, step),
+            _restore(straight, step),
+        )
+        assert m_resumed == m_straight
+        for a, b in zip(p_resumed, p_straight, strict=True):
+            np.testing.assert_array_equal(a, b)
+    # The losses it logged are the uninterrupted run's, step for step.
+    tail = [ln.split()[:6] for ln in runs["resumed"]]  # step N epoch E loss L
+    assert tail == [ln.split()[:6] for ln in runs["straight"]][-len(tail) :]

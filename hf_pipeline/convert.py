@@ -61,6 +61,8 @@ def summarize_precision(parts: list[dict[str, Any]], storage: str) -> dict[str, 
     by_dtype: dict[str, int] = {}
     loss = PrecisionLoss()
     for part in parts:
+        if not part["source_dtype"]:  # a shard without rows: no dtype, no values
+            continue
         by_dtype[part["source_dtype"]] = by_dtype.get(part["source_dtype"], 0) + 1
         counts = {k: v for k, v in part.items() if k not in ("source_dtype", "timing")}
         loss = loss + PrecisionLoss(**counts)
@@ -109,8 +111,9 @@ def join_timeline(
 def choose_storage(wanted: str, shards: Sequence[Any], client, timeout: float) -> Storage:
     """The storage dtype: explicit, or (``source``) the first readable shard's dtype.
 
-    ``source`` reads one shard's header here, before the workers start, because the
-    Arrow column type must be fixed up front; the workers then check every shard.
+    ``source`` reads the first non-empty shard's header here, before the workers start,
+    because the Arrow column type must be fixed up front; the workers then check every
+    shard (a shard without rows holds no dtype and is skipped by both).
     The shard comes through the run's staging client: local files are read in place,
     a remote one is downloaded by the fetcher (counted in the fetch stats, other
     shards downloading meanwhile) and left staged for the worker that converts it,
@@ -122,9 +125,12 @@ def choose_storage(wanted: str, shards: Sequence[Any], client, timeout: float) -
         return Storage(wanted)
     for f in shards:
         path = client.acquire(f, timeout=timeout)
-        if path is not None:  # None: skipped under on_missing="skip" (and recorded)
-            return Storage(shard_latent_dtype(path), reference=f.name)
-    # Every shard is missing (and skipped): nothing is stored; float32 holds anything.
+        if path is None:  # skipped under on_missing="skip" (and recorded)
+            continue
+        dtype = shard_latent_dtype(path)
+        if dtype is not None:  # None: a shard without rows holds no dtype to keep
+            return Storage(dtype, reference=f.name)
+    # Every shard is missing (and skipped) or empty: nothing is stored; float32 holds anything.
     return Storage("float32")
 
 
@@ -235,6 +241,9 @@ def convert_shards(
             shard = read_shard(path, dtype="source" if storage.reference else storage.dtype)
         finally:
             client.release(f)  # frees the staging slot even when the shard is corrupt
+        if not shard.source_dtype:  # no rows (saved as any 0-row tensors): nothing to join
+            _write_precision(precision_dir, index, shard, t_start)
+            continue
         if storage.reference and shard.source_dtype != storage.dtype:
             raise CorruptShardError(
                 str(path),
@@ -268,16 +277,7 @@ def convert_shards(
         keep = np.flatnonzero(why == "")
         for i, seq in zip(keep, tokenize([texts[i] for i in keep]), strict=True):
             ids[i] = seq
-        # One small file per shard: the builder adds them up for the report.
-        write_json_atomic(
-            Path(precision_dir) / f"{index:09d}.json",
-            {
-                "source_dtype": shard.source_dtype,
-                **shard.loss.as_dict(),
-                "timing": {"pid": os.getpid(), "start": t_start, "end": time.time()},
-            },
-            durable=False,
-        )
+        _write_precision(precision_dir, index, shard, t_start)
         reasons.append(why)
         captions.append(texts)
         token_ids.append(ids)
@@ -298,6 +298,19 @@ def convert_shards(
         "drop_reason": [str(r) for part in reasons for r in part],
         "input_ids": [x for part in token_ids for x in part],
     }
+
+
+def _write_precision(precision_dir: str, index: int, shard, t_start: float) -> None:
+    # One small file per shard: the builder adds them up for the report.
+    write_json_atomic(
+        Path(precision_dir) / f"{index:09d}.json",
+        {
+            "source_dtype": shard.source_dtype,
+            **shard.loss.as_dict(),
+            "timing": {"pid": os.getpid(), "start": t_start, "end": time.time()},
+        },
+        durable=False,
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,8 @@ run ahead in the builder), reads it with ``torch.load(weights_only=True)`` and v
 (:func:`hf_pipeline.shards.read_shard`), converts the latents to the storage dtype,
 looks the keys up in the memory-mapped caption table (``searchsorted``, no per-row dict),
 tokenizes the captions it keeps (so tokenization scales with ``num_proc``) and marks
-rows with NaN/inf latents ``nonfinite_latents`` (or fails, ``data.on_bad_rows: fail``).
+rows with NaN/inf latents ``nonfinite_latents`` (or fails, ``data.on_bad_rows: fail``),
+rows whose caption is not UTF-8 ``bad_caption_encoding``. A shard without rows adds none.
 """
 
 from __future__ import annotations
@@ -222,7 +223,7 @@ def convert_shards(
     next shard; ``precision_dir`` gets one small JSON per shard (what the storage cast
     changed), which :func:`summarize_precision` adds up.
     """
-    from hf_pipeline.captions import classify, reason_names
+    from hf_pipeline.captions import caption_texts, classify, reason_names
     from hf_pipeline.errors import CorruptShardError
     from hf_pipeline.precision import arrow_dtype, to_arrow
     from hf_pipeline.shards import LATENT_SHAPE, read_shard
@@ -269,10 +270,11 @@ def convert_shards(
                 first,
             )
         caps, found = table.lookup(k)
+        codes = classify(caps, found)
         # object dtype: a fixed-width str array would truncate the longer reason names.
-        why = reason_names(classify(caps, found)).astype(object)
+        why = reason_names(codes).astype(object)
         why[bad] = NONFINITE
-        texts = caps.fill_null("").to_pylist()
+        texts = caption_texts(caps, codes)  # "" for a caption that is not UTF-8
         ids: list[list[int]] = [[] for _ in texts]
         keep = np.flatnonzero(why == "")
         for i, seq in zip(keep, tokenize([texts[i] for i in keep]), strict=True):

@@ -120,19 +120,24 @@ def choose_storage(wanted: str, shards: Sequence[Any], client, timeout: float) -
     shards downloading meanwhile) and left staged for the worker that converts it,
     which releases it.
     """
-    from hf_pipeline.shards import shard_latent_dtype
+    from hf_pipeline.shards import shard_header
 
     if wanted != "source":
         return Storage(wanted)
+    empty_dtype = None
     for f in shards:
         path = client.acquire(f, timeout=timeout)
         if path is None:  # skipped under on_missing="skip" (and recorded)
             continue
-        dtype = shard_latent_dtype(path)
-        if dtype is not None:  # None: a shard without rows holds no dtype to keep
+        rows, dtype = shard_header(path)
+        if rows:
             return Storage(dtype, reference=f.name)
+        # A shard without rows has no latents to keep: the next shard decides. Only a
+        # part of nothing but empty shards takes the dtype they were saved in (the
+        # stage's column type comes from its first part).
+        empty_dtype = empty_dtype or dtype
     # Every shard is missing (and skipped) or empty: nothing is stored; float32 holds anything.
-    return Storage("float32")
+    return Storage(empty_dtype or "float32")
 
 
 _CAPTIONS: dict[str, Any] = {}

@@ -37,6 +37,7 @@ __all__ = [
     "load_shard",
     "nonfinite_rows",
     "read_shard",
+    "shard_header",
     "shard_latent_dtype",
 ]
 
@@ -184,11 +185,12 @@ def nonfinite_rows(latents: np.ndarray) -> np.ndarray:
     return ~np.isfinite(latents.reshape(n, -1)).all(axis=1)
 
 
-def shard_latent_dtype(path: str | os.PathLike) -> str | None:
-    """The latent dtype of a shard, from its header (the tensor data is not read).
+def shard_header(path: str | os.PathLike) -> tuple[int, str | None]:
+    """``(rows, latent dtype)`` of a shard, from its header (the tensor data is not read).
 
-    Validates the structure like :func:`read_shard` (not the values). None for a shard
-    without rows: it holds no latents, so it says nothing about the dtype.
+    Validates the structure like :func:`read_shard` (not the values). The dtype is the
+    saved latents' (``"float16"``, ``"bfloat16"``, ``"float32"``), or None for a shard
+    without rows saved in another dtype (``torch.zeros(0, dtype=torch.float64)``).
 
     Raises:
         CorruptShardError, SourceError: as :func:`read_shard`.
@@ -197,9 +199,21 @@ def shard_latent_dtype(path: str | os.PathLike) -> str | None:
     # mmap: only the pickle is parsed; storages stay unread pages of the zip. Legacy
     # (non-zip) files cannot be mapped and are read whole.
     keys, latents = _validated(path, _torch_load(path, mmap=zipfile.is_zipfile(path)))
-    if keys is None:
-        return None
-    return str(latents.dtype).removeprefix("torch.")  # _validated: one of STORAGE_DTYPES
+    dtype = str(latents.dtype).removeprefix("torch.")
+    return (0 if keys is None else keys.shape[0]), (dtype if dtype in STORAGE_DTYPES else None)
+
+
+def shard_latent_dtype(path: str | os.PathLike) -> str | None:
+    """The latent dtype of a shard with rows, from its header (see :func:`shard_header`).
+
+    None for a shard without rows: what dtype its empty tensors were saved in says
+    nothing about latents it does not hold.
+
+    Raises:
+        CorruptShardError, SourceError: as :func:`read_shard`.
+    """
+    rows, dtype = shard_header(path)
+    return dtype if rows else None
 
 
 def _bfloat16() -> np.dtype:

@@ -14,6 +14,7 @@ from hf_pipeline.shards import (
     load_shard,
     nonfinite_rows,
     read_shard,
+    shard_header,
     shard_latent_dtype,
 )
 from tests.helpers.pickles import RunsCode
@@ -364,6 +365,8 @@ def test_a_zero_row_shard_of_any_shape_is_empty(tmp_path, keys, latents):
         assert shard.nonfinite.shape == (0,)
     assert read_shard(path, dtype="source").source_dtype == ""  # no rows: no dtype
     assert shard_latent_dtype(path) is None
+    saved = str(latents.dtype).removeprefix("torch.")
+    assert shard_header(path) == (0, saved if saved != "float64" else None)
 
 
 def test_zero_rows_with_rows_elsewhere_still_must_match(tmp_path):

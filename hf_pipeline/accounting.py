@@ -2,7 +2,8 @@
 
 A latent row is either kept or counted under exactly one reason, in this order:
 ``nonfinite_latents`` (a NaN or inf in its latents), the caption's reason
-(``no_caption``, ``empty_caption``), then ``duplicate_key`` (its key appeared in an
+(``no_caption``, ``empty_caption``, ``bad_caption_encoding``: its bytes are not UTF-8),
+then ``duplicate_key`` (its key appeared in an
 earlier row with finite latents, in shard order). ``no_latents`` counts metadata rows
 that no latent row uses; with ``on_missing: skip``, ``missing_shard_files`` counts the
 shards left out. :func:`build_report` checks ``rows_out + sum(reasons) == rows_in``.
@@ -35,8 +36,14 @@ __all__ = [
 
 #: Why a latent row was not kept (plus ``no_latents`` for metadata rows). Each row
 #: gets one: ``nonfinite_latents`` first, then the caption's reason, then duplicates.
-REASONS: tuple[str, ...] = ("nonfinite_latents", "no_caption", "empty_caption", "duplicate_key")
-NONFINITE, DUPLICATE = REASONS[0], REASONS[3]
+REASONS: tuple[str, ...] = (
+    "nonfinite_latents",
+    "no_caption",
+    "empty_caption",
+    "bad_caption_encoding",
+    "duplicate_key",
+)
+NONFINITE, DUPLICATE = REASONS[0], REASONS[-1]
 #: The drop reason of a kept row.
 KEEP = ""
 #: How many offending keys the report (and a ``data.on_bad_rows: fail`` error) names.

@@ -39,11 +39,13 @@ from hf_pipeline.caption_sort import (
 from hf_pipeline.errors import MetadataError
 
 __all__ = [
+    "BAD_CAPTION_ENCODING",
     "EMPTY_CAPTION",
     "KEEP",
     "NO_CAPTION",
     "REASONS",
     "CaptionTable",
+    "caption_texts",
     "classify",
     "read_captions",
     "reason_names",
@@ -56,12 +58,15 @@ KEEP = ""
 NO_CAPTION = "no_caption"
 #: The caption is empty or whitespace only.
 EMPTY_CAPTION = "empty_caption"
+#: The caption's bytes are not UTF-8 although its column is typed string (a writer that
+#: did not validate): it cannot be tokenized, so it costs its row, not the build.
+BAD_CAPTION_ENCODING = "bad_caption_encoding"
 #: Reason names indexed by the codes :func:`classify` returns (``REASONS[code]``).
-REASONS: tuple[str, ...] = (KEEP, NO_CAPTION, EMPTY_CAPTION)
+REASONS: tuple[str, ...] = (KEEP, NO_CAPTION, EMPTY_CAPTION, BAD_CAPTION_ENCODING)
 
 log = logging.getLogger("hf_pipeline")
 
-_CODE_KEEP, _CODE_NO_CAPTION, _CODE_EMPTY = 0, 1, 2
+_CODE_KEEP, _CODE_NO_CAPTION, _CODE_EMPTY, _CODE_BAD_ENCODING = 0, 1, 2, 3
 _IPC_KEY, _IPC_CAPTION = "key", "caption"
 _COUNTS_META = b"hf_pipeline.caption_counts"
 _FILE_MAGIC = b"ARROW1"
@@ -686,7 +691,9 @@ def classify(captions: pa.Array | pa.ChunkedArray, found: np.ndarray) -> np.ndar
 
     Returns:
         uint8 array: 0 keep (``KEEP``), 1 ``NO_CAPTION`` (key absent or caption null),
-        2 ``EMPTY_CAPTION`` (empty or whitespace only).
+        2 ``EMPTY_CAPTION`` (empty or whitespace only), 3 ``BAD_CAPTION_ENCODING`` (not
+        UTF-8: the metadata is untrusted, and Arrow does not check string columns read
+        from parquet).
 
     Raises:
         ValueError: lengths differ.
@@ -696,6 +703,9 @@ def classify(captions: pa.Array | pa.ChunkedArray, found: np.ndarray) -> np.ndar
         raise ValueError(f"captions has {len(captions)} rows but found has {found.shape[0]}")
     if len(captions) == 0:
         return np.zeros(0, dtype=np.uint8)
+    undecodable = _undecodable(captions)
+    if undecodable.any():  # the UTF-8 kernels below refuse the whole array otherwise
+        captions = pc.if_else(pa.array(undecodable), pa.scalar(None, captions.type), captions)
     lengths = pc.utf8_length(pc.utf8_trim_whitespace(captions))
     # Nulls -> -1 so a single numpy pass separates null / empty / non-empty.
     lengths = pc.fill_null(lengths, -1)
@@ -705,7 +715,50 @@ def classify(captions: pa.Array | pa.ChunkedArray, found: np.ndarray) -> np.ndar
     codes = np.full(found.shape, _CODE_KEEP, dtype=np.uint8)
     codes[lens == 0] = _CODE_EMPTY
     codes[(lens < 0) | ~found] = _CODE_NO_CAPTION
+    codes[undecodable & found] = _CODE_BAD_ENCODING
     return codes
+
+
+def caption_texts(captions: pa.Array | pa.ChunkedArray, codes: np.ndarray) -> list[str]:
+    """The captions as Python strings, ``""`` where null or not UTF-8.
+
+    Args:
+        captions: captions from :meth:`CaptionTable.lookup`.
+        codes: their :func:`classify` codes.
+    """
+    bad = np.asarray(codes) == _CODE_BAD_ENCODING
+    if bad.any():  # decoding one of them would raise UnicodeDecodeError
+        captions = pc.if_else(pa.array(bad), pa.scalar(None, captions.type), captions)
+    return captions.fill_null("").to_pylist()
+
+
+def _undecodable(captions: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """Bool mask: the values that are not valid UTF-8 (nulls are not).
+
+    One validation pass over the whole array (the usual, valid case); only when it fails
+    is each value decoded in Python to find which (a bad file is rare, and the join turns
+    every caption of the batch into a Python string anyway).
+    """
+    chunks = captions.chunks if isinstance(captions, pa.ChunkedArray) else [captions]
+    masks = []
+    for chunk in chunks:
+        try:
+            chunk.validate(full=True)
+            masks.append(np.zeros(len(chunk), dtype=bool))
+            continue
+        except pa.ArrowInvalid:
+            pass
+        raw = chunk.view(pa.large_binary() if pa.types.is_large_string(chunk.type) else pa.binary())
+        masks.append(np.array([v is not None and not _is_utf8(v) for v in raw.to_pylist()], bool))
+    return np.concatenate(masks) if masks else np.zeros(0, dtype=bool)
+
+
+def _is_utf8(value: bytes) -> bool:
+    try:
+        value.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def reason_names(codes: np.ndarray) -> np.ndarray:

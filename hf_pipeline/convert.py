@@ -7,7 +7,8 @@ run ahead in the builder), reads it with ``torch.load(weights_only=True)`` and v
 (:func:`hf_pipeline.shards.read_shard`), converts the latents to the storage dtype,
 looks the keys up in the memory-mapped caption table (``searchsorted``, no per-row dict),
 tokenizes the captions it keeps (so tokenization scales with ``num_proc``) and marks
-rows with NaN/inf latents ``nonfinite_latents`` (or fails, ``data.on_bad_rows: fail``).
+rows with NaN/inf latents ``nonfinite_latents`` (or fails, ``data.on_bad_rows: fail``),
+rows whose caption is not UTF-8 ``bad_caption_encoding``. A shard without rows adds none.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def summarize_precision(parts: list[dict[str, Any]], storage: str) -> dict[str, 
     by_dtype: dict[str, int] = {}
     loss = PrecisionLoss()
     for part in parts:
+        if not part["source_dtype"]:  # a shard without rows: no dtype, no values
+            continue
         by_dtype[part["source_dtype"]] = by_dtype.get(part["source_dtype"], 0) + 1
         counts = {k: v for k, v in part.items() if k not in ("source_dtype", "timing")}
         loss = loss + PrecisionLoss(**counts)
@@ -109,23 +112,32 @@ def join_timeline(
 def choose_storage(wanted: str, shards: Sequence[Any], client, timeout: float) -> Storage:
     """The storage dtype: explicit, or (``source``) the first readable shard's dtype.
 
-    ``source`` reads one shard's header here, before the workers start, because the
-    Arrow column type must be fixed up front; the workers then check every shard.
+    ``source`` reads the first non-empty shard's header here, before the workers start,
+    because the Arrow column type must be fixed up front; the workers then check every
+    shard (a shard without rows holds no dtype and is skipped by both).
     The shard comes through the run's staging client: local files are read in place,
     a remote one is downloaded by the fetcher (counted in the fetch stats, other
     shards downloading meanwhile) and left staged for the worker that converts it,
     which releases it.
     """
-    from hf_pipeline.shards import shard_latent_dtype
+    from hf_pipeline.shards import shard_header
 
     if wanted != "source":
         return Storage(wanted)
+    empty_dtype = None
     for f in shards:
         path = client.acquire(f, timeout=timeout)
-        if path is not None:  # None: skipped under on_missing="skip" (and recorded)
-            return Storage(shard_latent_dtype(path), reference=f.name)
-    # Every shard is missing (and skipped): nothing is stored; float32 holds anything.
-    return Storage("float32")
+        if path is None:  # skipped under on_missing="skip" (and recorded)
+            continue
+        rows, dtype = shard_header(path)
+        if rows:
+            return Storage(dtype, reference=f.name)
+        # A shard without rows has no latents to keep: the next shard decides. Only a
+        # part of nothing but empty shards takes the dtype they were saved in (the
+        # stage's column type comes from its first part).
+        empty_dtype = empty_dtype or dtype
+    # Every shard is missing (and skipped) or empty: nothing is stored; float32 holds anything.
+    return Storage(empty_dtype or "float32")
 
 
 _CAPTIONS: dict[str, Any] = {}
@@ -216,7 +228,7 @@ def convert_shards(
     next shard; ``precision_dir`` gets one small JSON per shard (what the storage cast
     changed), which :func:`summarize_precision` adds up.
     """
-    from hf_pipeline.captions import classify, reason_names
+    from hf_pipeline.captions import caption_texts, classify, reason_names
     from hf_pipeline.errors import CorruptShardError
     from hf_pipeline.precision import arrow_dtype, to_arrow
     from hf_pipeline.shards import LATENT_SHAPE, read_shard
@@ -235,6 +247,9 @@ def convert_shards(
             shard = read_shard(path, dtype="source" if storage.reference else storage.dtype)
         finally:
             client.release(f)  # frees the staging slot even when the shard is corrupt
+        if not shard.source_dtype:  # no rows (saved as any 0-row tensors): nothing to join
+            _write_precision(precision_dir, index, shard, t_start)
+            continue
         if storage.reference and shard.source_dtype != storage.dtype:
             raise CorruptShardError(
                 str(path),
@@ -260,24 +275,16 @@ def convert_shards(
                 first,
             )
         caps, found = table.lookup(k)
+        codes = classify(caps, found)
         # object dtype: a fixed-width str array would truncate the longer reason names.
-        why = reason_names(classify(caps, found)).astype(object)
+        why = reason_names(codes).astype(object)
         why[bad] = NONFINITE
-        texts = caps.fill_null("").to_pylist()
+        texts = caption_texts(caps, codes)  # "" for a caption that is not UTF-8
         ids: list[list[int]] = [[] for _ in texts]
         keep = np.flatnonzero(why == "")
         for i, seq in zip(keep, tokenize([texts[i] for i in keep]), strict=True):
             ids[i] = seq
-        # One small file per shard: the builder adds them up for the report.
-        write_json_atomic(
-            Path(precision_dir) / f"{index:09d}.json",
-            {
-                "source_dtype": shard.source_dtype,
-                **shard.loss.as_dict(),
-                "timing": {"pid": os.getpid(), "start": t_start, "end": time.time()},
-            },
-            durable=False,
-        )
+        _write_precision(precision_dir, index, shard, t_start)
         reasons.append(why)
         captions.append(texts)
         token_ids.append(ids)
@@ -298,6 +305,19 @@ def convert_shards(
         "drop_reason": [str(r) for part in reasons for r in part],
         "input_ids": [x for part in token_ids for x in part],
     }
+
+
+def _write_precision(precision_dir: str, index: int, shard, t_start: float) -> None:
+    # One small file per shard: the builder adds them up for the report.
+    write_json_atomic(
+        Path(precision_dir) / f"{index:09d}.json",
+        {
+            "source_dtype": shard.source_dtype,
+            **shard.loss.as_dict(),
+            "timing": {"pid": os.getpid(), "start": t_start, "end": time.time()},
+        },
+        durable=False,
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,6 +37,7 @@ __all__ = [
     "load_shard",
     "nonfinite_rows",
     "read_shard",
+    "shard_header",
     "shard_latent_dtype",
 ]
 
@@ -54,7 +55,9 @@ class LoadedShard:
         latents: array (N, 3, 4, 32, 32) in the storage dtype (bfloat16 as
             ``ml_dtypes.bfloat16``), C-contiguous.
         source_dtype: the shard's own latent dtype (``"float16"``, ``"bfloat16"``,
-            ``"float32"``).
+            ``"float32"``); ``""`` for a shard without rows (saved as any 0-row
+            tensors: its latents are then an empty array of the requested dtype,
+            float32 for ``"source"``).
         loss: what the conversion to the storage dtype changed
             (:class:`hf_pipeline.precision.PrecisionLoss`; all zeros when exact; rows
             in ``nonfinite`` are not counted).
@@ -83,23 +86,28 @@ def read_shard(path: str | os.PathLike, *, dtype: str = "source") -> LoadedShard
             counting what changed.
 
     Returns:
-        :class:`LoadedShard`. N may be 0.
+        :class:`LoadedShard`. N may be 0: a shard whose keys and latents both have 0
+        rows is empty, whatever their shapes and dtypes.
 
     Raises:
         CorruptShardError: unreadable file, refused pickle, wrong structure, shape,
-            dtype, or finite values that overflow ``dtype`` (one line saying expected vs
-            found).
+            dtype, a tensor whose storage does not hold each of its elements once (zero
+            or overlapping strides: checked before the data is touched), or finite
+            values that overflow ``dtype`` (one line saying expected vs found).
         SourceError: the file does not exist or cannot be opened.
         ValueError: ``dtype`` is not one of ``LATENT_DTYPES``.
     """
     import torch
 
-    from hf_pipeline.precision import dtype_name, to_storage
+    from hf_pipeline.precision import dtype_name, numpy_dtype, to_storage
 
     if dtype not in LATENT_DTYPES:
         raise ValueError(f"dtype must be one of {LATENT_DTYPES}, got {dtype!r}")
     path = os.fspath(path)
     keys, latents = _validated(path, _torch_load(path))
+    if keys is None:  # no rows: an empty array of the dtype asked for
+        empty = np.zeros((0, *LATENT_SHAPE), numpy_dtype("float32" if dtype == "source" else dtype))
+        return LoadedShard(np.zeros(0, np.int64), empty, "", PrecisionLoss(), np.zeros(0, bool))
     n = keys.shape[0]
     # From here on NumPy only: this runs inside forked ``datasets`` workers, and a torch
     # op there can deadlock on the OpenMP pool the parent initialised before the fork.
@@ -177,10 +185,12 @@ def nonfinite_rows(latents: np.ndarray) -> np.ndarray:
     return ~np.isfinite(latents.reshape(n, -1)).all(axis=1)
 
 
-def shard_latent_dtype(path: str | os.PathLike) -> str:
-    """The latent dtype of a shard, from its header (the tensor data is not read).
+def shard_header(path: str | os.PathLike) -> tuple[int, str | None]:
+    """``(rows, latent dtype)`` of a shard, from its header (the tensor data is not read).
 
-    Validates the structure like :func:`read_shard` (not the values).
+    Validates the structure like :func:`read_shard` (not the values). The dtype is the
+    saved latents' (``"float16"``, ``"bfloat16"``, ``"float32"``), or None for a shard
+    without rows saved in another dtype (``torch.zeros(0, dtype=torch.float64)``).
 
     Raises:
         CorruptShardError, SourceError: as :func:`read_shard`.
@@ -188,8 +198,22 @@ def shard_latent_dtype(path: str | os.PathLike) -> str:
     path = os.fspath(path)
     # mmap: only the pickle is parsed; storages stay unread pages of the zip. Legacy
     # (non-zip) files cannot be mapped and are read whole.
-    _, latents = _validated(path, _torch_load(path, mmap=zipfile.is_zipfile(path)))
-    return str(latents.dtype).removeprefix("torch.")  # _validated: one of STORAGE_DTYPES
+    keys, latents = _validated(path, _torch_load(path, mmap=zipfile.is_zipfile(path)))
+    dtype = str(latents.dtype).removeprefix("torch.")
+    return (0 if keys is None else keys.shape[0]), (dtype if dtype in STORAGE_DTYPES else None)
+
+
+def shard_latent_dtype(path: str | os.PathLike) -> str | None:
+    """The latent dtype of a shard with rows, from its header (see :func:`shard_header`).
+
+    None for a shard without rows: what dtype its empty tensors were saved in says
+    nothing about latents it does not hold.
+
+    Raises:
+        CorruptShardError, SourceError: as :func:`read_shard`.
+    """
+    rows, dtype = shard_header(path)
+    return dtype if rows else None
 
 
 def _bfloat16() -> np.dtype:
@@ -199,7 +223,10 @@ def _bfloat16() -> np.dtype:
 
 
 def _validated(path: str, obj):
-    """``(keys, latents)`` tensors of a loaded shard, or CorruptShardError."""
+    """``(keys, latents)`` tensors of a loaded shard, or CorruptShardError.
+
+    ``keys`` is None for a shard without rows (any 0-row tensors).
+    """
     import torch
 
     if not isinstance(obj, dict):
@@ -224,6 +251,14 @@ def _validated(path: str, obj):
                 path, f"{name!r} must be a dense tensor, got layout {value.layout}"
             )
 
+    # Before anything reads the data: a tensor is only a view (shape, strides, offset)
+    # over its storage, so a few bytes can declare GBs (issue 23 item 4).
+    _check_storage(path, "keys", keys)
+    _check_storage(path, "latents", latents)
+    if _is_empty(keys) and _is_empty(latents):
+        # No rows: nothing to convert, whatever shape or dtype the empty tensors were
+        # saved with (``torch.zeros(0)`` is 1-D float32; README: empty shards are fine).
+        return None, latents
     if keys.dim() != 1:
         raise CorruptShardError(path, f"keys must be 1-D (N,), got shape {tuple(keys.shape)}")
     if keys.dtype.is_floating_point or keys.dtype.is_complex or keys.dtype == torch.bool:
@@ -242,6 +277,56 @@ def _validated(path: str, obj):
             path, f"latents must be float16, bfloat16 or float32, got {latents.dtype}"
         )
     return keys, latents
+
+
+def _is_empty(t) -> bool:
+    """A tensor of 0 rows: at least one dimension, the first of size 0."""
+    return t.dim() >= 1 and t.shape[0] == 0
+
+
+def _check_storage(path: str, name: str, t) -> None:
+    """Refuse a tensor whose elements are not each stored once in its storage.
+
+    Reads only the tensor's metadata (shape, strides, offset, storage size), never its
+    data: a zero stride or an ``expand`` repeats stored elements, overlapping strides
+    reuse them, and either way a copy (``np.ascontiguousarray``, ``isfinite``) would
+    allocate for the declared shape, not the file (1.9 KB declaring 2.6 GB). A saved view
+    (a slice or transpose of a larger tensor) is fine: its storage holds more than its
+    elements, each once. Dimensions of size 1 may carry any stride (never stepped).
+    """
+    itemsize = t.element_size()
+    storage = t.untyped_storage().nbytes() // itemsize  # elements the storage holds
+    offset = t.storage_offset()
+    shape, strides = tuple(t.shape), t.stride()
+    if offset < 0 or offset > storage:
+        raise CorruptShardError(
+            path, f"{name}: storage offset {offset} outside its storage of {storage} elements"
+        )
+    if t.numel() == 0:
+        return
+    reach = 0  # the farthest element, relative to the offset, of the dims checked so far
+    for dim in sorted((i for i, size in enumerate(shape) if size > 1), key=lambda i: strides[i]):
+        size, stride = shape[dim], strides[dim]
+        if stride <= 0:
+            raise CorruptShardError(
+                path,
+                f"{name}: stride {stride} in dim {dim} of shape {shape} (repeated elements: "
+                "a shard must store each element once)",
+            )
+        # Strides sorted ascending: each must step past everything the smaller ones reach,
+        # else two indices meet at one element (a sufficient test; what slicing, transposing
+        # and torch.save produce always passes it).
+        if stride <= reach:
+            raise CorruptShardError(
+                path, f"{name}: elements overlap in storage (shape {shape}, strides {strides})"
+            )
+        reach += stride * (size - 1)
+    if offset + reach + 1 > storage:
+        raise CorruptShardError(
+            path,
+            f"{name}: shape {shape} needs {(offset + reach + 1) * itemsize} bytes of storage, "
+            f"the file holds {storage * itemsize}",
+        )
 
 
 # A raw pickle (not torch.save's zip) of another protocol made torch warn ("Detected pickle

@@ -1,18 +1,23 @@
 # ruff: noqa: F811 - pytest fixtures imported from tests.servers are parameters here
-"""Inputs resolved once per job: 8 real ranks make the Hub requests 1 rank makes."""
+"""Inputs through the real build: resolved once per job (8 real ranks make the Hub
+requests 1 rank makes), and hostile inputs through ``scripts/prebuild_cache.py`` (shards
+declaring more than they store, undecodable captions, shard-named folders, hidden
+shards, empty shards saved in any shape)."""
 
 from __future__ import annotations
 
 import json
+import os
+import resource
 import socket
+import subprocess
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_ranks
-from tests.servers import shard_dir  # noqa: F401
+from tests.conftest import PYTHON, REPO, SMALL_DEMO, run_ranks, script_env
+from tests.servers import make_shards, shard_dir  # noqa: F401
 from tests.servers.hub import FakeHub
-
-pytestmark = [pytest.mark.slow, pytest.mark.remote]
 
 HUB_REPO = "org/coyo-like"
 
@@ -35,6 +40,8 @@ def _resolve(hub, world: int, tmp_path) -> list[dict]:
     return [json.loads(out.strip().splitlines()[-1]) for _, out, _ in runs]
 
 
+@pytest.mark.slow
+@pytest.mark.remote
 def test_eight_ranks_make_the_api_requests_of_one(shard_dir, tmp_path):
     files = {f"latents/{p.name}": p.read_bytes() for p in shard_dir.glob("*.pt")}
     files["coyo11m-meta.parquet"] = (shard_dir / "coyo11m-meta.parquet").read_bytes()
@@ -48,3 +55,130 @@ def test_eight_ranks_make_the_api_requests_of_one(shard_dir, tmp_path):
     assert requests_eight == requests_one, (requests_one, requests_eight)
     assert {r["fingerprint"] for r in eight} == {one[0]["fingerprint"]}
     assert all(r["shards"] == one[0]["shards"] == 4 for r in eight)
+
+
+# ----------------------------------------------------------------------- hostile inputs
+
+
+def _prebuild(data: Path, cache: Path, *sets: str, limit_gb: float = 6.0):
+    """Run the real build CLI on ``data``; ``(returncode, stdout, stderr, peak RSS in MB)``.
+
+    The peak is the child's own ``ru_maxrss`` (``wait4`` of that one process, and the
+    children it waited for); an address-space limit keeps a regression from taking the
+    test machine's memory with it (it then fails with a MemoryError, not exit 2).
+    """
+    limit = int(limit_gb * (1 << 30))
+    args = [*SMALL_DEMO, "build.num_proc=1", f"data.shards={data}", *sets]
+    with open(cache.parent / "out.txt", "w+") as out, open(cache.parent / "err.txt", "w+") as err:
+        proc = subprocess.Popen(
+            [PYTHON, str(REPO / "scripts/prebuild_cache.py"), "-q", "--cache-dir", str(cache),
+             "--json", str(cache.parent / "summary.json"), *(x for a in args for x in ("--set", a))],
+            stdout=out, stderr=err, env=script_env(), cwd=REPO,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)),
+        )  # fmt: skip
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            if proc.poll() is None:  # pragma: no cover - wait4 interrupted
+                proc.kill()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return proc.returncode, out.read(), err.read(), usage.ru_maxrss / 1024
+
+
+def _one_error_line(stderr: str) -> str:
+    assert "Traceback" not in stderr, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, stderr[-3000:]
+    return errors[0]
+
+
+@pytest.mark.slow
+def test_a_shard_declaring_gigabytes_over_a_few_bytes_is_one_line_exit_2(tmp_path):
+    """Issue 23 item 4. Before: a 1.9 KB shard (zero strides, 10^5 rows declared over one
+    element) was built (exit 0, 8 GB peak); with a bounded address space, a MemoryError
+    traceback. Now: refused before its data is touched, exit 2, one line naming it."""
+    import torch
+
+    data = make_shards(tmp_path / "data", n_shards=2, per_shard=6)
+    n = 100_000
+    bomb = data / f"000012-{11 + n:06d}.pt"
+    torch.save(
+        {
+            "keys": torch.zeros(1, dtype=torch.int64).as_strided((n,), (0,)),
+            "latents": torch.zeros(1, dtype=torch.float16).as_strided((n, 3, 4, 32, 32), (0,) * 5),
+        },
+        bomb,
+    )
+    assert bomb.stat().st_size < 4096
+    code, _, err, peak_mb = _prebuild(data, tmp_path / "c", limit_gb=4.0)
+    assert code == 2, err[-3000:]
+    line = _one_error_line(err)
+    assert line.startswith(f"error: {bomb}: keys: stride 0 in dim 0 of shape (100000,)"), line
+    assert peak_mb < 2000, f"peak {peak_mb:.0f} MB"  # a build of these 12 rows: ~0.6 GB
+    published = [
+        p.name for p in (tmp_path / "c").rglob("*.json") if not p.name.startswith("failed-")
+    ]
+    assert published == [], "nothing may be published"
+
+
+@pytest.mark.slow
+def test_shard_named_folders_and_hidden_shards_are_never_left_out_silently(tmp_path):
+    """Issue 24 item 7. Before: both skipped without a word (exit 0, skipped_files: [])."""
+    data = make_shards(tmp_path / "data", n_shards=3, per_shard=6)
+    folder = data / "000060-000079.pt"
+    folder.mkdir()
+    code, _, err, _ = _prebuild(data, tmp_path / "c")
+    assert code == 2, err[-3000:]
+    line = _one_error_line(err)
+    assert line.startswith(f"error: {folder}: missing shard: a directory, not a shard file"), line
+    folder.rmdir()
+
+    hidden = data / ".000018-000023.pt"
+    (data / "000012-000017.pt").rename(hidden)  # e.g. what a copy tool left half-written
+    code, _, err, _ = _prebuild(data, tmp_path / "c")
+    assert code == 2, err[-3000:]
+    line = _one_error_line(err)
+    assert "not named by a row range like 000000-000009.pt: .000018-000023.pt" in line, line
+
+
+@pytest.mark.slow
+def test_bad_captions_empty_shards_and_skipped_folders_in_one_build(tmp_path):
+    """Issue 24 items 6, 7 and 8 through one real build.
+
+    Before: invalid UTF-8 in a string caption column was a 71-line traceback, exit 1
+    (``input_error: false``); a 0-row shard saved as ``torch.zeros(0)`` was refused; a
+    shard-named folder vanished. Now: the undecodable captions cost their rows
+    (``bad_caption_encoding``), the empty shard is empty (first, so ``latent_dtype:
+    source`` takes the next shard's dtype), the folder is a counted skipped file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+
+    data = make_shards(tmp_path / "data", n_shards=3, per_shard=6)
+    torch.save({"keys": torch.zeros(0), "latents": torch.zeros(0)}, data / "000000-000005.pt")
+    meta = data / "coyo11m-meta.parquet"
+    table = pq.read_table(meta)
+    caps = [c.encode() for c in table.column("caption_llava").to_pylist()]
+    caps[7], caps[15] = b"bad \xff\xfe caption", b"cut \xc3"  # not UTF-8, typed string
+    bad = pa.array(caps, pa.binary()).view(pa.string())  # relabelled without validation
+    table = table.set_column(table.schema.get_field_index("caption_llava"), "caption_llava", bad)
+    pq.write_table(table, meta)
+    (data / "000060-000079.pt").mkdir()
+
+    code, out, err, _ = _prebuild(data, tmp_path / "c", "data.on_missing=skip")
+    assert code == 0, err[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    from hf_pipeline.cache import CacheLayout
+
+    report = json.loads(CacheLayout(summary["cache_dir"]).report_path.read_text())
+    assert report["rows_in"] == 12 and report["rows_out"] == 10
+    assert report["dropped"]["bad_caption_encoding"] == 2
+    assert report["precision"]["storage_dtype"] == "float16"
+    skipped = report["skipped_files"]
+    assert [(s["name"], s["reason"]) for s in skipped] == [
+        ("000060-000079.pt", "a directory, not a shard file")
+    ]
+    assert report["dropped"]["missing_shard_files"] == 1
+    assert "bad_caption_encoding 2" in out

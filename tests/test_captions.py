@@ -13,11 +13,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_pipeline.captions import (
+    BAD_CAPTION_ENCODING,
     EMPTY_CAPTION,
     KEEP,
     NO_CAPTION,
     REASONS,
     CaptionTable,
+    caption_texts,
     classify,
     read_captions,
     reason_names,
@@ -250,7 +252,7 @@ def test_classify_codes_and_names():
         KEEP,
         NO_CAPTION,
     ]
-    assert REASONS == ("", "no_caption", "empty_caption")
+    assert REASONS == ("", "no_caption", "empty_caption", "bad_caption_encoding")
     assert classify(pa.chunked_array([caps[:3], caps[3:]]), found).tolist() == codes.tolist()
     assert classify(pa.array([], type=pa.string()), np.zeros(0, bool)).shape == (0,)
     with pytest.raises(ValueError, match="captions has 7 rows but found has 2"):
@@ -623,3 +625,37 @@ def test_write_sorted_captions_full_disk_leaves_nothing(tmp_path, mounts, phase,
     run_mount("-o", "remount,size=64m", str(disk))
     t = write_sorted_captions(path, out, num_proc=2, chunk_rows=chunk_rows)
     _same_table(t, read_captions(path))
+
+
+def _unvalidated_strings(values: list) -> pa.Array:
+    """A string array holding whatever bytes it is given: a binary array relabelled as
+    string without validation, as a parquet writer that does not check UTF-8 makes it."""
+    return pa.array(values, pa.binary()).view(pa.string())
+
+
+def test_undecodable_captions_are_their_own_drop_reason(tmp_path):
+    """Issue 24 item 6. Before: ``classify`` raised ArrowInvalid ("Invalid UTF8 sequence")
+    and the join's ``to_pylist`` a UnicodeDecodeError: a traceback, exit 1."""
+    caps = _unvalidated_strings(
+        [b"ok", b"bad \xff\xfe", None, b"cut \xc3", b"  ", "\u00e9t\u00e9".encode()]
+    )
+    found = np.ones(6, dtype=bool)
+    found[5] = False
+    codes = classify(caps, found)
+    assert reason_names(codes).tolist() == [
+        KEEP, BAD_CAPTION_ENCODING, NO_CAPTION, BAD_CAPTION_ENCODING, EMPTY_CAPTION, NO_CAPTION,
+    ]  # fmt: skip
+    assert classify(pa.chunked_array([caps[:2], caps[2:]]), found).tolist() == codes.tolist()
+    # The texts the join stores and tokenizes: "" for a null or undecodable caption.
+    assert caption_texts(caps, codes) == ["ok", "", "", "", "  ", "\u00e9t\u00e9"]
+
+    # Through the metadata file: the table keeps the bytes (the rows are counted at the
+    # join, where one bad caption costs its row, not the build).
+    path = tmp_path / "meta.parquet"
+    pq.write_table(pa.table({"key": pa.array([3, 1, 2], pa.int64()),
+                             "caption_llava": _unvalidated_strings([b"c", b"a\xff", b"b"])}), path)  # fmt: skip
+    for table in (read_captions(path), write_sorted_captions(path, tmp_path / "t.arrow")):
+        got, hit = table.lookup(np.array([1, 2, 3, 4]))
+        codes = classify(got, hit)
+        assert reason_names(codes).tolist() == [BAD_CAPTION_ENCODING, KEEP, KEEP, NO_CAPTION]
+        assert caption_texts(got, codes) == ["", "b", "c", ""]

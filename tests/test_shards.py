@@ -14,6 +14,7 @@ from hf_pipeline.shards import (
     load_shard,
     nonfinite_rows,
     read_shard,
+    shard_header,
     shard_latent_dtype,
 )
 from tests.helpers.pickles import RunsCode
@@ -264,3 +265,116 @@ def test_load_shard_in_forked_worker_after_parent_used_torch_threads(tmp_path):
         except multiprocessing.TimeoutError:
             pytest.fail("load_shard hung in a forked worker (torch op after fork)")
     assert got == expected
+
+
+# ------------------------------------------------------------- memory bombs, empty shards
+
+
+def _one_element_as(shape: tuple[int, ...], dtype=torch.float16) -> torch.Tensor:
+    """``shape`` over a single stored element (every stride 0): 2 bytes on disk."""
+    return torch.zeros(1, dtype=dtype).as_strided(shape, (0,) * len(shape))
+
+
+def _bombs() -> dict:
+    n = 100_000  # 2.5 GB of float16 latents declared
+    keys = torch.arange(n)
+    row = torch.randn((1, *LATENT_SHAPE)).half()
+    return {
+        # Zero strides everywhere: the issue's 1.9 KB shard (keys too).
+        "all_zero_strides": (
+            {
+                "keys": _one_element_as((n,), torch.int64),
+                "latents": _one_element_as((n, *LATENT_SHAPE)),
+            },
+            r"keys: stride 0 in dim 0 of shape \(100000,\)",
+        ),
+        # One row repeated by expand (stride 0 in the row dim only).
+        "expanded_row": (
+            {"keys": keys, "latents": row.expand(n, *LATENT_SHAPE)},
+            r"latents: stride 0 in dim 0 of shape \(100000, 3, 4, 32, 32\)",
+        ),
+        # Rows overlapping: each row starts one element after the previous one.
+        "overlapping_rows": (
+            {
+                "keys": keys,
+                "latents": torch.zeros(n + 12288, dtype=torch.float16).as_strided(
+                    (n, *LATENT_SHAPE), (1, 4096, 1024, 32, 1)
+                ),
+            },
+            r"latents: elements overlap in storage \(shape \(100000, 3, 4, 32, 32\), "
+            r"strides \(1, 4096, 1024, 32, 1\)\)",
+        ),
+        # Keys alone over one element (the latents are honest).
+        "zero_stride_keys": (
+            {"keys": _one_element_as((4,), torch.int64), "latents": _good(4)["latents"]},
+            r"keys: stride 0 in dim 0 of shape \(4,\)",
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bombs()))
+def test_a_shard_declaring_more_elements_than_it_stores_is_refused_unread(tmp_path, case):
+    """Issue 23 item 4: storage must cover the elements once, checked before any copy.
+
+    Before: accepted, with memory growing with the declared shape (2.5 GB here)."""
+    import resource
+
+    obj, pattern = _bombs()[case]
+    path = _save(tmp_path / "000000-099999.pt", obj)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for read in (load_shard, shard_latent_dtype):
+        with pytest.raises(CorruptShardError, match=pattern) as info:
+            read(path)
+        assert info.value.path == path and "\n" not in str(info.value)
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown_mb < 200, f"peak memory grew {grown_mb:.0f} MB reading a refused shard"
+
+
+def test_saved_views_are_still_accepted(tmp_path):
+    """A slice of a bigger tensor (its storage larger, strides wider) is honest."""
+    big = torch.randn((8, *LATENT_SHAPE)).half()
+    obj = {"keys": torch.arange(16)[::2][1:], "latents": big[1:, :, :, :, :].transpose(3, 4)}
+    path = _save(tmp_path / "v.pt", obj)
+    keys, lat = load_shard(path, dtype="source")
+    np.testing.assert_array_equal(keys, np.arange(2, 16, 2))
+    np.testing.assert_array_equal(lat.view(np.uint16), obj["latents"].numpy().view(np.uint16))
+    # Size-1 dims may carry any stride (torch gives them 0 after unsqueeze/expand(1)).
+    one = {
+        "keys": torch.tensor([5]),
+        "latents": torch.randn((1, *LATENT_SHAPE)).expand(1, -1, -1, -1, -1),
+    }
+    assert load_shard(_save(tmp_path / "one.pt", one))[0].tolist() == [5]
+
+
+@pytest.mark.parametrize(
+    "keys, latents",
+    [
+        (torch.zeros(0), torch.zeros(0)),  # the issue's shard: 1-D float32, keys float too
+        (torch.zeros(0, dtype=torch.int64), torch.zeros(0)),
+        (torch.zeros(0, dtype=torch.int64), torch.zeros((0, 4, 32, 32), dtype=torch.bfloat16)),
+        (torch.zeros(0, dtype=torch.int32), torch.zeros((0, 7), dtype=torch.float64)),
+    ],
+)
+def test_a_zero_row_shard_of_any_shape_is_empty(tmp_path, keys, latents):
+    """Issue 24 item 8: README says empty shards are fine; 1-D zeros(0) was refused."""
+    path = _save(tmp_path / "e.pt", {"keys": keys, "latents": latents})
+    for dtype in ("source", "float16", "bfloat16", "float32"):
+        shard = read_shard(path, dtype=dtype)
+        assert shard.keys.shape == (0,) and shard.keys.dtype == np.int64
+        assert shard.latents.shape == (0, *LATENT_SHAPE)
+        assert shard.nonfinite.shape == (0,)
+    assert read_shard(path, dtype="source").source_dtype == ""  # no rows: no dtype
+    assert shard_latent_dtype(path) is None
+    saved = str(latents.dtype).removeprefix("torch.")
+    assert shard_header(path) == (0, saved if saved != "float64" else None)
+
+
+def test_zero_rows_with_rows_elsewhere_still_must_match(tmp_path):
+    path = _save(tmp_path / "m.pt", {"keys": torch.arange(3), "latents": torch.zeros(0)})
+    with pytest.raises(CorruptShardError, match=r"latents must have shape \(N, 3, 4, 32, 32\)"):
+        load_shard(path)
+    path = _save(
+        tmp_path / "k.pt", {"keys": torch.zeros(0), "latents": torch.zeros((2, *LATENT_SHAPE))}
+    )
+    with pytest.raises(CorruptShardError, match="keys must be an integer tensor"):
+        load_shard(path)

@@ -369,9 +369,11 @@ def test_stray_pt_names_are_refused_unless_a_glob_names_them(shard_dir, hf_home)
     with pytest.raises(SourceError) as ei:
         open_source(str(shard_dir), data_config=cfg).list_shards()
     assert ei.value.path == str(shard_dir)
-    assert "2 *.pt file(s) not named by a row range" in ei.value.reason
-    assert "latest.pt, shard_final.pt;" in ei.value.reason
-    assert f"{shard_dir}/*.pt" in ei.value.reason and ".000042" not in ei.value.reason
+    # A hidden one too (issue 24 item 7: it was left out without a word; GCS and Hub
+    # listings already refused it): a glob is how to leave hidden files out.
+    assert "3 *.pt file(s) not named by a row range" in ei.value.reason
+    assert "latest.pt, shard_final.pt, .000042-000047.pt;" in ei.value.reason
+    assert f"{shard_dir}/*.pt" in ei.value.reason
 
     every = [f.name for f in open_source(str(shard_dir / "*.pt"), data_config=cfg).list_shards()]
     assert every == [
@@ -384,6 +386,34 @@ def test_stray_pt_names_are_refused_unless_a_glob_names_them(shard_dir, hf_home)
     ]
     numbered = open_source(str(shard_dir / "0*.pt"), data_config=cfg).list_shards()
     assert [f.name for f in numbered] == every[2:]
+
+
+def test_shard_named_folders_and_special_files_are_missing_shards(shard_dir, hf_home):
+    """Issue 24 item 7: a folder named like a shard (and a symlink to one, a fifo) was
+    skipped without a word (exit 0, ``skipped_files: []``) even under on_missing: fail."""
+    import os
+
+    (shard_dir / "000060-000079.pt").mkdir()
+    (shard_dir / "000080-000089.pt").symlink_to(shard_dir / "000060-000079.pt")
+    os.mkfifo(shard_dir / "000090-000099.pt")  # torch.load would wait on it forever
+    cfg = DataConfig(shards=str(shard_dir))
+    with pytest.raises(SourceError) as ei:
+        open_source(str(shard_dir), data_config=cfg).list_shards()
+    assert ei.value.path == str(shard_dir / "000060-000079.pt")
+    assert ei.value.reason.startswith("missing shard: a directory, not a shard file (and 2 more")
+
+    cfg = DataConfig(shards=str(shard_dir), on_missing="skip")
+    for location in (shard_dir, shard_dir / "0*.pt"):  # a glob that matches them: the same
+        src = open_source(str(location), data_config=cfg)
+        files = src.list_shards()
+        assert len(files) == 4
+        with ShardFetcher(src, files, data_config=cfg, progress=False) as pf:
+            pass
+        assert [(s["name"], s["reason"]) for s in pf.stats()["skipped"]] == [
+            ("000060-000079.pt", "a directory, not a shard file"),
+            ("000080-000089.pt", "a symlink to a directory, not a shard file"),
+            ("000090-000099.pt", "not a regular file (a fifo)"),
+        ]
 
 
 def test_unreachable_store_is_a_fault_not_bad_input(hf_home, monkeypatch):

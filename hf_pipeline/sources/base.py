@@ -216,11 +216,12 @@ class Source(abc.ABC):
         """All ``*.pt`` shards, natural-sorted by their numeric ranges.
 
         Listing a folder takes only files named by their row range
-        (``000000-000009.pt``) and refuses any other ``*.pt`` there; a location with a
-        glob in its file name part (``.../0*.pt``, ``.../*.pt``) takes what the glob
-        matches. A shard the listing finds but cannot read (a dangling symlink, a
-        symlink loop) is a missing shard: an error under ``data.on_missing: fail``,
-        else recorded in ``fetch_stats.skipped`` (and so in the build report).
+        (``000000-000009.pt``) and refuses any other ``*.pt`` there (hidden ones too); a
+        location with a glob in its file name part (``.../0*.pt``, ``.../*.pt``) takes
+        what the glob matches (as a shell does: not names starting with "."). A shard
+        the listing finds but cannot read (a dangling symlink, a symlink loop, a folder,
+        a fifo) is a missing shard: an error under ``data.on_missing: fail``, else
+        recorded in ``fetch_stats.skipped`` (and so in the build report).
 
         Returns:
             The shards (cached after the first call).
@@ -376,7 +377,7 @@ class Source(abc.ABC):
             f"{len(stray)} *{SHARD_SUFFIX} file(s) not named by a row range like "
             f"000000-000009{SHARD_SUFFIX}: {shown}; move them out of the folder, or name "
             f"the files you mean with a glob (data.shards: {where}/*{SHARD_SUFFIX} takes "
-            "every *.pt file)",
+            "every *.pt file whose name does not start with '.')",
         )
 
     def _missing_shards(self, missing: list[tuple[str, str, str]]) -> None:

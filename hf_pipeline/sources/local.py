@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import glob
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,17 +43,32 @@ class LocalSource(Source, scheme=""):
         if not GLOB_CHARS.search(os.path.expanduser(self.location)) and not self._folder.is_dir():
             raise SourceError(self.location, "folder does not exist")
         files, unreadable = [], []
-        for p in sorted(glob.glob(self._glob)):
+        for p in sorted(self._entries()):
             if os.path.isfile(p):
                 files.append(self._file(Path(p)))
-            elif os.path.islink(p):
-                # isfile() is False for a link to nothing or a loop: a shard that is
-                # named but cannot be read must never vanish from the build silently.
-                why = _broken_link(p)
-                if why:
-                    unreadable.append((os.path.basename(p), os.path.abspath(p), why))
+            else:
+                # A shard that is named but cannot be read (a link to nothing, a folder,
+                # a fifo) must never vanish from the build silently: it is a missing
+                # shard, under data.on_missing.
+                why = _not_a_file(p)
+                unreadable.append((os.path.basename(p), os.path.abspath(p), why))
         self._unreadable = unreadable
         return files
+
+    def _entries(self) -> list[str]:
+        """The entries listed: what the glob matches, or every ``*.pt`` of the folder.
+
+        A glob has the shell's rule (``*`` does not match a leading dot); a plain folder
+        lists its hidden ``.*.pt`` entries too, as the GCS and Hub listings do, so they
+        are refused with the other stray names rather than left out unseen.
+        """
+        if GLOB_CHARS.search(os.path.expanduser(self.location)):
+            return glob.glob(self._glob)
+        try:
+            with os.scandir(self._folder) as it:
+                return [e.path for e in it if e.name.endswith(SHARD_SUFFIX)]
+        except OSError as exc:
+            raise SourceError(self.location, f"cannot list folder: {exc.strerror or exc}") from None
 
     def unreadable_shards(self) -> list[tuple[str, str, str]]:
         return list(self._unreadable)
@@ -77,11 +93,22 @@ class LocalSource(Source, scheme=""):
         return Path(file.url)
 
 
-def _broken_link(path: str) -> str:
-    """Why the symlink ``path`` cannot be read as a file, or "" (it points to a folder)."""
+_KINDS = {
+    stat.S_IFIFO: "a fifo",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
+
+
+def _not_a_file(path: str) -> str:
+    """Why the listed entry ``path`` (``os.path.isfile`` False) cannot be read as a shard."""
+    link = os.path.islink(path)
     try:
-        os.stat(path)
+        mode = os.stat(path).st_mode
     except FileNotFoundError:
+        if not link:  # gone since the listing
+            return "vanished while the folder was listed"
         try:
             target = os.readlink(path)
         except OSError:
@@ -90,5 +117,7 @@ def _broken_link(path: str) -> str:
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             return "symlink loop (the link resolves to itself)"
-        return f"unreadable symlink ({exc.strerror or exc})"
-    return ""
+        return f"unreadable {'symlink' if link else 'entry'} ({exc.strerror or exc})"
+    if stat.S_ISDIR(mode):
+        return f"a {'symlink to a ' if link else ''}directory, not a shard file"
+    return f"not a regular file ({_KINDS.get(stat.S_IFMT(mode), 'special file')})"

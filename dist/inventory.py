@@ -13,17 +13,35 @@ import enum
 import os
 import secrets
 import shutil
+import socket
+import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from dist.atomic import write_json_atomic
+from dist.checksums import ALGORITHM, hash_files
 from dist.layout import is_cache_folder, is_retired_marker, marker_name, parse_stage_dir
 from dist.lease import LEASE_FILE, heartbeat_counter, heartbeat_path, read_lease
 from dist.markers import Marker, check_marker, derived_from_problem, read_json
 
-__all__ = ["DEFAULT_STAGES", "CacheState", "CacheStatus", "clean", "list_caches", "verify"]
+__all__ = [
+    "DEFAULT_STAGES",
+    "VERIFY_RECORD",
+    "CacheState",
+    "CacheStatus",
+    "VerifyReport",
+    "clean",
+    "list_caches",
+    "verify",
+    "verify_cache",
+]
 
 DEFAULT_STAGES: tuple[str, ...] = ("converted", "filtered")
+#: What ``verify_cache(record=True)`` leaves in a cache whose files it found corrupt:
+#: ``--status`` then says "corrupt" (and ``--clean`` removes the cache) without re-reading.
+VERIFY_RECORD = "corrupt.json"
 _BOOKKEEPING_PREFIXES = (f"{LEASE_FILE}.", "heartbeat-", "failed-")
 
 
@@ -35,7 +53,7 @@ class CacheState(str, enum.Enum):
     PARTIAL = "partial"  # the leading stages valid, no builder: resumable
     FAILED = "failed"  # a build raised (failure record)
     STALE = "stale"  # a dead lease, or leftovers of one
-    CORRUPT = "corrupt"  # a marker lists missing or truncated files, or is malformed
+    CORRUPT = "corrupt"  # a marker lists missing or damaged files, or is malformed
     EMPTY = "empty"  # protocol files but nothing built
 
     def __str__(self) -> str:
@@ -162,6 +180,8 @@ def _status(cache: Path, stages: Sequence[str], live: bool | None) -> CacheStatu
     done, marker_problems = _valid_markers(cache, stages, fingerprint or "")
     corrupt = bool(marker_problems)
     problems = [p.replace(": ", ".json: ", 1) for p in marker_problems]
+    found = _verify_findings(cache, done)
+    problems += found
     names = sorted(os.listdir(cache))
     leftovers = _leftovers(cache, done)
     unmarked = [s for s in stages if (cache / s).is_dir() and s not in done]
@@ -182,6 +202,8 @@ def _status(cache: Path, stages: Sequence[str], live: bool | None) -> CacheStatu
     hb = hb if isinstance(hb, dict) else {}
     if view is not None and live is not False:
         state = CacheState.BUILDING
+    elif found:
+        state = CacheState.CORRUPT
     elif len(done) == len(stages):
         state = CacheState.COMPLETE
     elif corrupt:
@@ -252,6 +274,8 @@ def list_caches(
 def verify(cache_dir: str | os.PathLike, stages: Sequence[str] = DEFAULT_STAGES) -> list[str]:
     """Re-check every stage marker, file sizes and checksums; [] means the cache is sound.
 
+    :func:`verify_cache`'s problems (every file read whole).
+
     Args:
         cache_dir: one cache folder.
         stages: stage names in build order.
@@ -259,12 +283,156 @@ def verify(cache_dir: str | os.PathLike, stages: Sequence[str] = DEFAULT_STAGES)
     Returns:
         Problems, one line each (``"filtered: listed file ... checksum mismatch"``).
     """
+    return list(verify_cache(cache_dir, stages).problems)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VerifyReport:
+    """What :func:`verify_cache` found.
+
+    Attributes:
+        problems: one line each; () means every check passed.
+        notes: what could not be checked (schema-1 markers have no whole-file checksums).
+        files: files read whole.
+        bytes: bytes read whole.
+        seconds: wall time of the whole-file reads.
+    """
+
+    problems: tuple[str, ...]
+    notes: tuple[str, ...] = ()
+    files: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / 1e9 / self.seconds if self.seconds > 0 else 0.0
+
+
+def verify_cache(
+    cache_dir: str | os.PathLike,
+    stages: Sequence[str] = DEFAULT_STAGES,
+    *,
+    workers: int | None = None,
+    progress: bool = False,
+    record: bool = False,
+) -> VerifyReport:
+    """Check every stage marker, every listed file's size and edge checksum, and then
+    every byte of every listed file against the marker's whole-file checksum.
+
+    Args:
+        cache_dir: one cache folder.
+        stages: stage names in build order.
+        workers: files hashed at once (default :func:`dist.checksums.default_workers`).
+        progress: show a byte progress bar on stderr.
+        record: write :data:`VERIFY_RECORD` into the cache when a file does not match
+            its whole-file checksum (``--status`` then reports the cache corrupt), and
+            remove an earlier record when every file matches. Best effort: a read-only
+            cache is still verified.
+
+    Returns:
+        A :class:`VerifyReport`.
+    """
     cache = Path(cache_dir)
     stages = list(stages)
-    _, problems = _valid_markers(
+    done, problems = _valid_markers(
         cache, stages, _fingerprint(cache, stages) or "", verify=True, missing=True
     )
-    return problems
+    old = [s for s, m in done.items() if m.schema_version < 2]
+    notes = []
+    if old:
+        notes.append(
+            f"no whole-file checksums (schema 1 markers: {', '.join(old)}): "
+            "only sizes and first/last MiB checked"
+        )
+    jobs = [
+        (stage, entry)
+        for stage, marker in done.items()
+        if marker.schema_version >= 2
+        for entry in marker.files
+    ]
+    total = sum(entry.size for _, entry in jobs)
+    bar = None
+    if progress and jobs:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(
+            total=total, unit="B", unit_scale=True, desc=cache.name, file=sys.stderr, leave=False
+        )
+    lock = threading.Lock()
+
+    def advance(n: int) -> None:
+        with lock:  # called from the hashing threads
+            bar.update(n)
+
+    corrupt: dict[str, list[str]] = {}
+    read = 0
+    t0 = time.monotonic()
+    try:
+        paths = [cache / entry.path for _, entry in jobs]
+        hashed = hash_files(paths, workers=workers, on_bytes=advance if bar else None)
+        for (stage, entry), (_, size, digest) in zip(jobs, hashed, strict=True):
+            read += size
+            if isinstance(digest, OSError):
+                why = f"unreadable ({digest.strerror or digest})"
+            elif size != entry.size:
+                why = f"has {size} bytes, expected {entry.size}"
+            elif digest != entry.whole_checksum:
+                why = f"whole-file checksum mismatch ({ALGORITHM})"
+            else:
+                continue
+            problems.append(f"{stage}: listed file {entry.path!r} {why}")
+            corrupt.setdefault(stage, []).append(problems[-1])
+    finally:
+        if bar is not None:
+            bar.close()
+    seconds = time.monotonic() - t0
+    if record:
+        _record_verify(cache, done, corrupt)
+    return VerifyReport(
+        problems=tuple(problems),
+        notes=tuple(notes),
+        files=len(jobs),
+        bytes=read,
+        seconds=seconds,
+    )
+
+
+def _record_verify(cache: Path, done: dict[str, Marker], corrupt: dict[str, list[str]]) -> None:
+    path = cache / VERIFY_RECORD
+    try:
+        if not corrupt:
+            path.unlink(missing_ok=True)
+            return
+        write_json_atomic(
+            path,
+            {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "found_at": time.time(),
+                # The record holds only while these published folders are the stages'.
+                "directories": {stage: done[stage].directory for stage in corrupt},
+                "problems": [p for lines in corrupt.values() for p in lines],
+            },
+        )
+    except OSError:
+        pass  # a read-only cache: the findings are still printed and the exit code says so
+
+
+def _verify_findings(cache: Path, done: dict[str, Marker]) -> list[str]:
+    """What an earlier ``--verify`` found wrong with the stages published now, or []."""
+    rec = read_json(cache / VERIFY_RECORD)
+    if not isinstance(rec, dict) or not isinstance(rec.get("directories"), dict):
+        return []
+    dirs = rec["directories"]
+    if not dirs or any(s not in done or done[s].directory != d for s, d in dirs.items()):
+        return []  # about folders no longer published (the stage was rebuilt)
+    problems = rec.get("problems")
+    return (
+        [f"--verify found: {p}" for p in problems if isinstance(p, str)]
+        if isinstance(problems, list)
+        else []
+    )
 
 
 def _remove(path: Path) -> None:

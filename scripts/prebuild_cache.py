@@ -53,7 +53,10 @@ def _parser() -> argparse.ArgumentParser:
         "(gs://<bucket>[/<prefix>] or hf://datasets/<org>/<repo>[/<path>]); resumable",
     )
     ops.add_argument(
-        "--verify", action="store_true", help="re-check every cache's files against its markers"
+        "--verify",
+        action="store_true",
+        help="re-read every cache's files whole and check them against their markers' "
+        "checksums (docs/integrity.md); a corrupt cache is then reported by --status",
     )
     ops.add_argument(
         "--clean",
@@ -137,11 +140,32 @@ def _admin(args, cfg) -> int:
                 print(f"    {problem}")
         return 0
     if args.verify:
-        bad = 0
-        for st in inventory.list_caches(root, stages=STAGES):
-            problems = inventory.verify(st.path, STAGES)
-            bad += bool(problems)
-            print(f"{st.path.name}: " + ("ok" if not problems else "; ".join(problems)))
+        import time
+
+        # A bar on stderr when someone watches it (a terminal) or asked for detail (-v).
+        progress = not args.quiet and (sys.stderr.isatty() or args.verbose)
+        bad = files = nbytes = 0
+        t0 = time.monotonic()
+        caches = inventory.list_caches(root, stages=STAGES)
+        for st in caches:
+            report = inventory.verify_cache(st.path, STAGES, progress=progress, record=True)
+            bad += bool(report.problems)
+            files += report.files
+            nbytes += report.bytes
+            read = (
+                f"{report.files} files, {_human_bytes(report.bytes)} read whole "
+                f"in {report.seconds:.1f} s, {report.gb_per_s:.2f} GB/s"
+            )
+            verdict = "ok" if not report.problems else "; ".join(report.problems)
+            print(f"{st.path.name}: {verdict} ({read})")
+            for note in report.notes:
+                print(f"    {note}")
+        seconds = time.monotonic() - t0
+        print(
+            f"verified {len(caches)} cache(s), {bad} with problems: {files} files, "
+            f"{_human_bytes(nbytes)} in {seconds:.1f} s "
+            f"({nbytes / 1e9 / seconds if seconds > 0 else 0.0:.2f} GB/s)"
+        )
         return 1 if bad else 0
     removed = inventory.clean(
         root, dry_run=args.dry_run, stages=STAGES, observe_s=max(observe, 1.0)

@@ -1,8 +1,11 @@
 #!/usr/bin/env python
 """What a marker's file checksums cost: ``dist.markers.file_checksum`` (xxh64 over the
-size, the first MiB and the last MiB) on ``--files`` files of ``--mb`` MB each, cold
-(page cache dropped, needs root; else said so) and warm, against reading the files whole
-(the reference: what a whole-file checksum must at least do), same files, same run.
+size, the first MiB and the last MiB) and ``dist.checksums.whole_checksum`` (xxh3_128 of
+every byte: ``--verify``, and ``describe_files`` at publication), on ``--files`` files
+of ``--mb`` MB each, cold (page cache dropped: all of it as root, else each file's pages
+through ``posix_fadvise(DONTNEED)``, said in ``cold_by``) and warm, against reading the
+files whole, same files, same run; and ``dist.checksums.hash_files`` with 1 and
+``--workers`` threads, warm.
 
 Usage::
 
@@ -23,13 +26,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def _drop_caches() -> bool:
+def _drop_caches(files=()) -> str:
     os.sync()
     try:
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
+        return "drop_caches"
     except OSError:
-        return False
+        pass
+    for f in files:  # not root: evict just these files' pages (clean after the sync)
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return "fadvise_dontneed" if files else ""
 
 
 def _timed(fn, files) -> float:
@@ -50,11 +60,13 @@ def main() -> int:
     ap.add_argument("--files", type=int, default=16)
     ap.add_argument("--mb", type=int, default=250)
     ap.add_argument("--dir", default="", help="where the files go (default: a temp folder)")
+    ap.add_argument("--workers", type=int, default=2, help="threads for hash_files")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     if args.files < 1 or args.mb < 3:
         ap.error("--files must be >= 1 and --mb >= 3")
 
+    from dist.checksums import hash_files, whole_checksum
     from dist.markers import file_checksum
 
     work = Path(args.dir or tempfile.mkdtemp(prefix="hfp_markers_"))
@@ -68,15 +80,31 @@ def main() -> int:
                     fh.write(os.urandom(1 << 20))
             files.append(path)
         gb = sum(f.stat().st_size for f in files) / 1e9
-        cold = _drop_caches()
+        cold = _drop_caches(files)
         checksum_cold = _timed(file_checksum, files)
         checksum_warm = _timed(file_checksum, files)
-        _drop_caches()
+        _drop_caches(files)
         whole_cold = _timed(_read_whole, files)
+        _drop_caches(files)
+        xxh3_cold = _timed(whole_checksum, files)
+        xxh3_warm = _timed(whole_checksum, files)
+        parallel = {}
+        for n in sorted({1, args.workers}):
+            t0 = time.perf_counter()
+            list(hash_files(files, workers=n))
+            parallel[f"hash_files_gb_per_s_warm_{n}_threads"] = round(
+                gb / (time.perf_counter() - t0), 2
+            )
         out = {
             "files": args.files,
             "gb": round(gb, 2),
-            "page_cache_dropped": cold,
+            "cpus": os.cpu_count(),
+            "load_avg_1min": round(os.getloadavg()[0], 2),
+            "cold_by": cold,
+            "xxh3_128_gb_per_s_cold": round(gb / xxh3_cold, 2),
+            "xxh3_128_gb_per_s_warm": round(gb / xxh3_warm, 2),
+            "read_whole_gb_per_s_cold": round(gb / whole_cold, 2),
+            **parallel,
             "checksum_ms_per_file_cold": round(checksum_cold / args.files * 1000, 2),
             "checksum_ms_per_file_warm": round(checksum_warm / args.files * 1000, 3),
             "checksum_ms_per_gb_cold": round(checksum_cold / gb * 1000, 1),

@@ -117,3 +117,66 @@ def test_a_schema_1_cache_still_opens_and_verify_says_what_it_could_not_check(ro
     p = _run("prebuild_cache.py", "--cache-dir", str(root), "--verify")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "no whole-file checksums (schema 1 markers)" in p.stdout, p.stdout
+
+
+def _small_cache(root):
+    """A complete two-stage cache (schema-2 markers) of plain files, no build."""
+    from dist.markers import Marker, describe_files, write_marker
+
+    cache = root / "c-0123456789abcdef"
+    done = {}
+    for stage, files in (("converted", {"a.bin": 3 << 20, "b.bin": 10}), ("filtered", {"i": 5})):
+        folder = cache / f"{stage}.0123456789abcdef"
+        folder.mkdir(parents=True)
+        for name, size in files.items():
+            (folder / name).write_bytes(bytes(range(256)) * (size // 256) + b"x" * (size % 256))
+        marker = Marker(
+            fingerprint="0123456789abcdef",
+            stage=stage,
+            directory=folder.name,
+            host="h",
+            pid=1,
+            lease_id="0123456789abcdef",
+            started_at=1.0,
+            finished_at=2.0,
+            files=describe_files(folder, relative_to=cache),
+            inputs={s: m.directory for s, m in done.items()},
+        )
+        write_marker(cache / f"{stage}.json", marker)
+        done[stage] = marker
+    return cache
+
+
+def test_verify_cache_reads_whole_files_and_status_reports_what_it_found(tmp_path):
+    from dist.inventory import VERIFY_RECORD, list_caches, verify_cache
+
+    cache = _small_cache(tmp_path)
+    ok = verify_cache(cache, workers=2, record=True)
+    assert ok.problems == () and ok.files == 3 and ok.bytes == (3 << 20) + 15
+    assert not (cache / VERIFY_RECORD).exists()
+    a = cache / "converted.0123456789abcdef" / "a.bin"
+    _flip(a, (3 << 20) // 2, 64)
+    (status,) = list_caches(tmp_path)
+    assert status.state == "complete"  # sizes and markers only: it reads no data
+    bad = verify_cache(cache, workers=2, record=True)
+    assert bad.problems == (
+        "converted: listed file 'converted.0123456789abcdef/a.bin' whole-file checksum "
+        "mismatch (xxh3_128)",
+    )
+    (status,) = list_caches(tmp_path)
+    assert status.state == "corrupt" and any("a.bin" in p for p in status.problems)
+    _flip(a, (3 << 20) // 2, 64)  # restored: the next verify withdraws the record
+    assert verify_cache(cache, record=True).problems == ()
+    (status,) = list_caches(tmp_path)
+    assert status.state == "complete" and not (cache / VERIFY_RECORD).exists()
+
+
+def test_a_verify_record_about_folders_no_longer_published_is_ignored(tmp_path):
+    from dist.inventory import VERIFY_RECORD, list_caches
+
+    cache = _small_cache(tmp_path)
+    (cache / VERIFY_RECORD).write_text(
+        json.dumps({"directories": {"converted": "converted.fedcba9876543210"}, "problems": ["x"]})
+    )
+    (status,) = list_caches(tmp_path)
+    assert status.state == "complete"

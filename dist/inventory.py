@@ -17,7 +17,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from dist.atomic import write_json_atomic
@@ -36,6 +36,7 @@ __all__ = [
     "list_caches",
     "verify",
     "verify_cache",
+    "verify_findings",
 ]
 
 DEFAULT_STAGES: tuple[str, ...] = ("converted", "filtered")
@@ -180,7 +181,7 @@ def _status(cache: Path, stages: Sequence[str], live: bool | None) -> CacheStatu
     done, marker_problems = _valid_markers(cache, stages, fingerprint or "")
     corrupt = bool(marker_problems)
     problems = [p.replace(": ", ".json: ", 1) for p in marker_problems]
-    found = _verify_findings(cache, done)
+    found = verify_findings(cache, done)
     problems += found
     names = sorted(os.listdir(cache))
     leftovers = _leftovers(cache, done)
@@ -419,9 +420,10 @@ def _record_verify(cache: Path, done: dict[str, Marker], corrupt: dict[str, list
         pass  # a read-only cache: the findings are still printed and the exit code says so
 
 
-def _verify_findings(cache: Path, done: dict[str, Marker]) -> list[str]:
-    """What an earlier ``--verify`` found wrong with the stages published now, or []."""
-    rec = read_json(cache / VERIFY_RECORD)
+def verify_findings(cache: str | os.PathLike, done: Mapping[str, Marker]) -> list[str]:
+    """What an earlier ``--verify`` (:func:`verify_cache` with ``record``) found wrong
+    with the stages published now (``done``: their valid markers), one line each, or []."""
+    rec = read_json(Path(cache) / VERIFY_RECORD)
     if not isinstance(rec, dict) or not isinstance(rec.get("directories"), dict):
         return []
     dirs = rec["directories"]

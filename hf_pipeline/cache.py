@@ -169,7 +169,8 @@ def published_stage_dirs(
     (``fingerprint``, or the one its first marker states when None).
 
     ``verify`` also checks every listed file's edge checksum (size, first and last MiB:
-    2 MiB read per file; docs/integrity.md).
+    2 MiB read per file; docs/integrity.md) and refuses a cache that
+    ``prebuild_cache.py --verify`` found corrupt (:func:`dist.inventory.verify_findings`).
 
     Raises:
         CacheFormatError: a stage marker is missing or not trusted (naming the marker
@@ -206,6 +207,17 @@ def published_stage_dirs(
             )
             raise CacheFormatError(str(path), f"not a trusted {stage} marker: {why}{hint}")
         done[stage] = marker
+    if verify:
+        from dist.inventory import VERIFY_RECORD, verify_findings
+
+        found = verify_findings(root, done)
+        if found:
+            more = f" (+{len(found) - 1} more)" if len(found) > 1 else ""
+            raise CacheFormatError(
+                str(root / VERIFY_RECORD),
+                f"{found[0]}{more}: this cache is corrupt (run prebuild_cache.py --clean, "
+                "then build again)",
+            )
     return {stage: m.directory for stage, m in done.items()}, fingerprint
 
 

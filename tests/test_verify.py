@@ -83,6 +83,15 @@ def test_verify_finds_64_flipped_bytes_in_the_middle_of_a_rows_file(root):
     dry = _run("prebuild_cache.py", "--cache-dir", str(root), "--clean", "--dry-run")
     assert f"would remove {cache}" in dry.stdout, dry.stdout
 
+    # And no trainer opens it any more (the open reads --verify's record, not the data).
+    from hf_pipeline.cache import CacheLayout, open_sample_source
+    from hf_pipeline.errors import CacheFormatError
+
+    fingerprint = json.loads((cache / "converted.json").read_text())["fingerprint"]
+    with pytest.raises(CacheFormatError, match="this cache is corrupt") as e:
+        open_sample_source(CacheLayout(cache), fingerprint)
+    assert rows["path"] in str(e.value)
+
 
 def test_train_refuses_a_cache_with_a_flipped_byte_in_a_first_mib(root):
     cache = _cache(root)
@@ -116,7 +125,7 @@ def test_a_schema_1_cache_still_opens_and_verify_says_what_it_could_not_check(ro
         assert source.num_rows > 0
     p = _run("prebuild_cache.py", "--cache-dir", str(root), "--verify")
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "no whole-file checksums (schema 1 markers)" in p.stdout, p.stdout
+    assert "no whole-file checksums (schema 1 markers: converted, filtered)" in p.stdout, p.stdout
 
 
 def _small_cache(root):

@@ -2,8 +2,8 @@
 """What a marker's file checksums cost: ``dist.markers.file_checksum`` (xxh64 over the
 size, the first MiB and the last MiB) and ``dist.checksums.whole_checksum`` (xxh3_128 of
 every byte: ``--verify``, and ``describe_files`` at publication), on ``--files`` files
-of ``--mb`` MB each, cold (page cache dropped: all of it as root, else each file's pages
-through ``posix_fadvise(DONTNEED)``, said in ``cold_by``) and warm, against reading the
+of ``--mb`` MB each, cold (each file's pages evicted
+through ``posix_fadvise(DONTNEED)``) and warm, against reading the
 files whole, same files, same run; and ``dist.checksums.hash_files`` with 1 and
 ``--workers`` threads, warm.
 
@@ -26,20 +26,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def _drop_caches(files=()) -> str:
+def _drop_caches(files) -> str:
+    """Evict just these files' pages (clean after the sync): cold reads of our files
+    without emptying the page cache of everybody else on the machine."""
     os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return "drop_caches"
-    except OSError:
-        pass
-    for f in files:  # not root: evict just these files' pages (clean after the sync)
+    for f in files:
         fd = os.open(f, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-    return "fadvise_dontneed" if files else ""
+    return "fadvise_dontneed"
 
 
 def _timed(fn, files) -> float:

@@ -326,10 +326,10 @@ def verify_cache(
         stages: stage names in build order.
         workers: files hashed at once (default :func:`dist.checksums.default_workers`).
         progress: show a byte progress bar on stderr.
-        record: write :data:`VERIFY_RECORD` into the cache when a file does not match
-            its whole-file checksum (``--status`` then reports the cache corrupt), and
-            remove an earlier record when every file matches. Best effort: a read-only
-            cache is still verified.
+        record: write :data:`VERIFY_RECORD` into the cache when a published stage has a
+            problem (``--status`` then reports the cache corrupt, and opening it for
+            training is refused), and remove an earlier record when every stage is
+            sound. Best effort: a read-only cache is still verified.
 
     Returns:
         A :class:`VerifyReport`.
@@ -366,7 +366,6 @@ def verify_cache(
         with lock:  # called from the hashing threads
             bar.update(n)
 
-    corrupt: dict[str, list[str]] = {}
     read = 0
     t0 = time.monotonic()
     try:
@@ -383,13 +382,12 @@ def verify_cache(
             else:
                 continue
             problems.append(f"{stage}: listed file {entry.path!r} {why}")
-            corrupt.setdefault(stage, []).append(problems[-1])
     finally:
         if bar is not None:
             bar.close()
     seconds = time.monotonic() - t0
     if record:
-        _record_verify(cache, done, corrupt)
+        _record_verify(cache, problems)
     return VerifyReport(
         problems=tuple(problems),
         notes=tuple(notes),
@@ -399,10 +397,18 @@ def verify_cache(
     )
 
 
-def _record_verify(cache: Path, done: dict[str, Marker], corrupt: dict[str, list[str]]) -> None:
+def _record_verify(cache: Path, problems: Sequence[str]) -> None:
+    """Leave (or withdraw) :data:`VERIFY_RECORD`: the problems of the stages whose
+    marker names a stage folder, with those folders."""
+    directories = {}
+    for problem in problems:
+        stage = problem.split(": ", 1)[0]  # "<stage>: <why>" (_valid_markers, verify_cache)
+        d = read_json(cache / marker_name(stage))
+        if isinstance(d, dict) and isinstance(d.get("directory"), str):
+            directories[stage] = d["directory"]
     path = cache / VERIFY_RECORD
     try:
-        if not corrupt:
+        if not directories:
             path.unlink(missing_ok=True)
             return
         write_json_atomic(
@@ -411,9 +417,9 @@ def _record_verify(cache: Path, done: dict[str, Marker], corrupt: dict[str, list
                 "host": socket.gethostname(),
                 "pid": os.getpid(),
                 "found_at": time.time(),
-                # The record holds only while these published folders are the stages'.
-                "directories": {stage: done[stage].directory for stage in corrupt},
-                "problems": [p for lines in corrupt.values() for p in lines],
+                # The record holds only while these folders are the published stages'.
+                "directories": directories,
+                "problems": [p for p in problems if p.split(": ", 1)[0] in directories],
             },
         )
     except OSError:
@@ -426,15 +432,16 @@ def verify_findings(cache: str | os.PathLike, done: Mapping[str, Marker]) -> lis
     rec = read_json(Path(cache) / VERIFY_RECORD)
     if not isinstance(rec, dict) or not isinstance(rec.get("directories"), dict):
         return []
-    dirs = rec["directories"]
-    if not dirs or any(s not in done or done[s].directory != d for s, d in dirs.items()):
-        return []  # about folders no longer published (the stage was rebuilt)
-    problems = rec.get("problems")
-    return (
-        [f"--verify found: {p}" for p in problems if isinstance(p, str)]
-        if isinstance(problems, list)
-        else []
-    )
+    dirs, problems = rec["directories"], rec.get("problems")
+    # Only about the stage folders published now (a stage rebuilt since is another).
+    current = {s for s, d in dirs.items() if s in done and done[s].directory == d}
+    if not current or not isinstance(problems, list):
+        return []
+    return [
+        f"--verify found: {p}"
+        for p in problems
+        if isinstance(p, str) and p.split(": ", 1)[0] in current
+    ]
 
 
 def _remove(path: Path) -> None:

@@ -9,8 +9,9 @@ Readers trust a marker only when it parses, its schema version and fingerprint m
 every listed file exists with its recorded size (``verify=True`` also recomputes the
 edge checksums; the whole-file ones are for ``prebuild_cache.py --verify``, see
 :mod:`dist.inventory`). Markers of every version in :data:`READABLE_SCHEMA_VERSIONS` are
-read: a schema-1 marker simply has no whole-file checksums. Anything else is "absent": :func:`read_marker` returns None and logs one line
-on the ``"dist"`` logger saying why. It never raises on a malformed marker.
+read: a schema-1 marker simply has no whole-file checksums. Anything else is "absent":
+:func:`read_marker` returns None and logs one line on the ``"dist"`` logger saying why.
+It never raises on a malformed marker.
 
 All functions here are process- and thread-safe in the sense that a reader can never see
 a half-written marker: :func:`publish_marker` creates the marker only if none exists

@@ -179,6 +179,12 @@ def test_verify_cache_reads_whole_files_and_status_reports_what_it_found(tmp_pat
     (status,) = list_caches(tmp_path)
     assert status.state == "complete" and not (cache / VERIFY_RECORD).exists()
 
+    _flip(a, 1000, 1)  # in the first MiB: the edge checksum finds it first
+    (problem,) = verify_cache(cache, record=True).problems
+    assert problem.startswith("converted: ") and "a.bin' checksum mismatch" in problem
+    (status,) = list_caches(tmp_path)
+    assert status.state == "corrupt" and f"--verify found: {problem}" in status.problems
+
 
 def test_a_verify_record_about_folders_no_longer_published_is_ignored(tmp_path):
     from dist.inventory import VERIFY_RECORD, list_caches

@@ -332,6 +332,9 @@ def test_later_stage_pulled_only_over_the_published_earlier_stage(
     assert (res.pulled, res.built) == (same, not same)
     assert (PULLED_FROM in filtered["info"]) == same
     assert filtered["info"]["rows_out"] == src.report["rows_out"]
+    if same:  # the pulled marker records the published whole-file checksums too
+        published = read_json(Path(src.cache_dir) / marker_name("filtered"))
+        assert _whole_checksums(filtered) == _whole_checksums(published)
     warned = [r for r in caplog.records if "is not the published one" in r.getMessage()]
     assert len(warned) == (0 if same else 1)
 

@@ -12,6 +12,7 @@ Thread-safe: no shared state.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -70,21 +71,39 @@ def hash_files(
 
     Yields ``(path, bytes read, hex digest)`` in the order of ``paths``; an unreadable
     file yields its ``OSError`` in the digest's place (the others are still hashed).
-    ``on_bytes`` is called from the worker threads.
+    ``on_bytes`` is called from the worker threads. Closing the generator early (an
+    error or Ctrl-C in the consumer) stops the threads within one 8 MiB chunk.
     """
     workers = default_workers() if workers is None else workers
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     paths = list(paths)
+    if not paths:
+        return
+    stop = threading.Event()
+
+    def chunk(n: int) -> None:
+        if stop.is_set():  # the consumer left (an error, Ctrl-C): abandon this file
+            raise _Stopped
+        if on_bytes is not None:
+            on_bytes(n)
 
     def one(path):
         try:
-            return whole_checksum(path, on_bytes)
+            return whole_checksum(path, chunk)
         except OSError as e:
             return 0, e
 
-    if not paths:
-        return
-    with ThreadPoolExecutor(min(workers, len(paths)), thread_name_prefix="dist-hash") as pool:
-        for path, (size, digest) in zip(paths, pool.map(one, paths), strict=True):
+    pool = ThreadPoolExecutor(min(workers, len(paths)), thread_name_prefix="dist-hash")
+    try:
+        futures = [pool.submit(one, p) for p in paths]
+        for path, future in zip(paths, futures, strict=True):
+            size, digest = future.result()
             yield path, size, digest
+    finally:
+        stop.set()  # a running hash stops at its next chunk, queued ones never start
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _Stopped(Exception):
+    """Raised inside a hashing thread when the consumer has gone."""

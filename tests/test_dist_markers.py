@@ -393,3 +393,16 @@ def test_hash_files_in_parallel_reports_an_unreadable_file_in_its_place(tmp_path
     assert sum(seen) == sum(s for _, s, _ in ok)
     with pytest.raises(ValueError, match="workers must be >= 1, got 0"):
         list(hash_files(paths, workers=0))
+
+
+def test_hash_files_stops_its_threads_when_the_consumer_leaves(tmp_path):
+    paths = []
+    for i in range(6):
+        paths.append(tmp_path / f"f{i}")
+        paths[-1].write_bytes(bytes([i]) * (32 << 20))
+    seen = []
+    hashed = hash_files(paths, workers=2, on_bytes=seen.append)
+    next(hashed)
+    hashed.close()  # joins the threads: a running hash stops at its next chunk
+    assert not [t for t in threading.enumerate() if t.name.startswith("dist-hash")]
+    assert sum(seen) < sum(p.stat().st_size for p in paths)  # the rest was never read

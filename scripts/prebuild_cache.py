@@ -153,11 +153,13 @@ def _admin(args, cfg) -> int:
             files += report.files
             nbytes += report.bytes
             read = (
-                f"{report.files} files, {_human_bytes(report.bytes)} read whole "
-                f"in {report.seconds:.1f} s, {report.gb_per_s:.2f} GB/s"
+                f" ({report.files} files, {_human_bytes(report.bytes)} read whole "
+                f"in {report.seconds:.1f} s, {report.gb_per_s:.2f} GB/s)"
+                if report.files
+                else ""
             )
             verdict = "ok" if not report.problems else "; ".join(report.problems)
-            print(f"{st.path.name}: {verdict} ({read})")
+            print(f"{st.path.name}: {verdict}{read}")
             for note in report.notes:
                 print(f"    {note}")
         seconds = time.monotonic() - t0

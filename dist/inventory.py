@@ -23,13 +23,17 @@ import dataclasses
 import enum
 import os
 import shutil
+import socket
 import stat
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dist.atomic import write_json_atomic
+from dist.checksums import ALGORITHM, hash_files
 from dist.layout import (
     IDENTITY_FILE,
     cache_mark,
@@ -45,19 +49,26 @@ from dist.markers import Marker, check_marker, derived_from_problem, read_json
 
 __all__ = [
     "DEFAULT_STAGES",
+    "VERIFY_RECORD",
     "CacheState",
     "CacheStatus",
     "CleanReport",
+    "VerifyReport",
     "clean",
     "ignored_entries",
     "list_caches",
     "unlisted_files",
     "verify",
+    "verify_cache",
+    "verify_findings",
 ]
 
 DEFAULT_STAGES: tuple[str, ...] = ("converted", "filtered")
 #: Unlisted files named one by one in a status's problems (all of them in ``unlisted``).
 _SHOW_UNLISTED = 20
+#: What ``verify_cache(record=True)`` leaves in a cache whose files it found corrupt:
+#: ``--status`` then says "corrupt" (and ``--clean`` removes the cache) without re-reading.
+VERIFY_RECORD = "corrupt.json"
 
 
 class CacheState(str, enum.Enum):
@@ -68,7 +79,7 @@ class CacheState(str, enum.Enum):
     PARTIAL = "partial"  # the leading stages valid, no builder: resumable
     FAILED = "failed"  # a build raised (failure record)
     STALE = "stale"  # a dead lease, or leftovers of one
-    CORRUPT = "corrupt"  # a marker lists missing or truncated files, or is malformed
+    CORRUPT = "corrupt"  # a marker lists missing or damaged files, or is malformed
     EMPTY = "empty"  # protocol files but nothing built
 
     def __str__(self) -> str:
@@ -269,6 +280,8 @@ def _status(cache: Path, fingerprint: str, stages: Sequence[str], live: bool | N
     done, marker_problems = _valid_markers(cache, stages, fingerprint)
     corrupt = bool(marker_problems)
     problems = [p.replace(": ", ".json: ", 1) for p in marker_problems]
+    found = verify_findings(cache, done)
+    problems += found
     names = sorted(os.listdir(cache))
     view = read_lease(cache / LEASE_FILE)
     building = view is not None and live is not False
@@ -295,6 +308,8 @@ def _status(cache: Path, fingerprint: str, stages: Sequence[str], live: bool | N
     hb = hb if isinstance(hb, dict) else {}
     if building:
         state = CacheState.BUILDING
+    elif found:
+        state = CacheState.CORRUPT
     elif len(done) == len(stages):
         state = CacheState.COMPLETE
     elif corrupt:
@@ -397,6 +412,8 @@ def ignored_entries(root: str | os.PathLike) -> list[tuple[Path, str]]:
 def verify(cache_dir: str | os.PathLike, stages: Sequence[str] = DEFAULT_STAGES) -> list[str]:
     """Re-check every stage marker, file sizes and checksums; [] means the cache is sound.
 
+    :func:`verify_cache`'s problems (every file read whole).
+
     Args:
         cache_dir: one cache folder.
         stages: stage names in build order.
@@ -405,6 +422,56 @@ def verify(cache_dir: str | os.PathLike, stages: Sequence[str] = DEFAULT_STAGES)
         Problems, one line each (``"filtered: listed file ... checksum mismatch"``,
         ``"converted.<id>/rows/cache-1.arrow: not listed by any marker"``).
     """
+    return list(verify_cache(cache_dir, stages).problems)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VerifyReport:
+    """What :func:`verify_cache` found.
+
+    Attributes:
+        problems: one line each; () means every check passed.
+        notes: what could not be checked (schema-1 markers have no whole-file checksums).
+        files: files read whole.
+        bytes: bytes read whole.
+        seconds: wall time of the whole-file reads.
+    """
+
+    problems: tuple[str, ...]
+    notes: tuple[str, ...] = ()
+    files: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / 1e9 / self.seconds if self.seconds > 0 else 0.0
+
+
+def verify_cache(
+    cache_dir: str | os.PathLike,
+    stages: Sequence[str] = DEFAULT_STAGES,
+    *,
+    workers: int | None = None,
+    progress: bool = False,
+    record: bool = False,
+) -> VerifyReport:
+    """Check every stage marker, every listed file's size and edge checksum, and then
+    every byte of every listed file against the marker's whole-file checksum.
+
+    Args:
+        cache_dir: one cache folder.
+        stages: stage names in build order.
+        workers: files hashed at once (default :func:`dist.checksums.default_workers`).
+        progress: show a byte progress bar on stderr.
+        record: write :data:`VERIFY_RECORD` into the cache when a published stage has a
+            problem (``--status`` then reports the cache corrupt, and opening it for
+            training is refused), and remove an earlier record when every stage is
+            sound. Best effort: a read-only cache is still verified.
+
+    Returns:
+        A :class:`VerifyReport`.
+    """
     cache = Path(cache_dir)
     stages = list(stages)
     done, problems = _valid_markers(
@@ -412,7 +479,109 @@ def verify(cache_dir: str | os.PathLike, stages: Sequence[str] = DEFAULT_STAGES)
     )
     # Files that something else wrote into a published stage (a `datasets` call).
     problems += [f"{rel}: not listed by any marker" for rel in _unlisted(cache, done)]
-    return problems
+    old = [s for s, m in done.items() if m.schema_version < 2]
+    notes = []
+    if old:
+        notes.append(
+            f"no whole-file checksums (schema 1 markers: {', '.join(old)}): "
+            "only sizes and first/last MiB checked"
+        )
+    jobs = [
+        (stage, entry)
+        for stage, marker in done.items()
+        if marker.schema_version >= 2
+        for entry in marker.files
+    ]
+    total = sum(entry.size for _, entry in jobs)
+    bar = None
+    if progress and jobs:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(
+            total=total, unit="B", unit_scale=True, desc=cache.name, file=sys.stderr, leave=False
+        )
+    lock = threading.Lock()
+
+    def advance(n: int) -> None:
+        with lock:  # called from the hashing threads
+            bar.update(n)
+
+    read = 0
+    t0 = time.monotonic()
+    try:
+        paths = [cache / entry.path for _, entry in jobs]
+        hashed = hash_files(paths, workers=workers, on_bytes=advance if bar else None)
+        for (stage, entry), (_, size, digest) in zip(jobs, hashed, strict=True):
+            read += size
+            if isinstance(digest, OSError):
+                why = f"unreadable ({digest.strerror or digest})"
+            elif size != entry.size:
+                why = f"has {size} bytes, expected {entry.size}"
+            elif digest != entry.whole_checksum:
+                why = f"whole-file checksum mismatch ({ALGORITHM})"
+            else:
+                continue
+            problems.append(f"{stage}: listed file {entry.path!r} {why}")
+    finally:
+        if bar is not None:
+            bar.close()
+    seconds = time.monotonic() - t0
+    if record:
+        _record_verify(cache, problems)
+    return VerifyReport(
+        problems=tuple(problems),
+        notes=tuple(notes),
+        files=len(jobs),
+        bytes=read,
+        seconds=seconds,
+    )
+
+
+def _record_verify(cache: Path, problems: Sequence[str]) -> None:
+    """Leave (or withdraw) :data:`VERIFY_RECORD`: the problems of the stages whose
+    marker names a stage folder, with those folders."""
+    directories = {}
+    for problem in problems:
+        stage = problem.split(": ", 1)[0]  # "<stage>: <why>" (_valid_markers, verify_cache)
+        d = read_json(cache / marker_name(stage))
+        if isinstance(d, dict) and isinstance(d.get("directory"), str):
+            directories[stage] = d["directory"]
+    path = cache / VERIFY_RECORD
+    try:
+        if not directories:
+            path.unlink(missing_ok=True)
+            return
+        write_json_atomic(
+            path,
+            {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "found_at": time.time(),
+                # The record holds only while these folders are the published stages'.
+                "directories": directories,
+                "problems": [p for p in problems if p.split(": ", 1)[0] in directories],
+            },
+        )
+    except OSError:
+        pass  # a read-only cache: the findings are still printed and the exit code says so
+
+
+def verify_findings(cache: str | os.PathLike, done: Mapping[str, Marker]) -> list[str]:
+    """What an earlier ``--verify`` (:func:`verify_cache` with ``record``) found wrong
+    with the stages published now (``done``: their valid markers), one line each, or []."""
+    rec = read_json(Path(cache) / VERIFY_RECORD)
+    if not isinstance(rec, dict) or not isinstance(rec.get("directories"), dict):
+        return []
+    dirs, problems = rec["directories"], rec.get("problems")
+    # Only about the stage folders published now (a stage rebuilt since is another).
+    current = {s for s, d in dirs.items() if s in done and done[s].directory == d}
+    if not current or not isinstance(problems, list):
+        return []
+    return [
+        f"--verify found: {p}"
+        for p in problems
+        if isinstance(p, str) and p.split(": ", 1)[0] in current
+    ]
 
 
 def _rmtree_errors(folder: Path) -> list[str]:

@@ -3,12 +3,15 @@
 A marker says "stage S of the cache with fingerprint F is complete": schema version,
 fingerprint, stage, the builder's host/pid/lease id, start and finish times, a
 caller-supplied ``info`` dict (row counts...) and every file of the stage (path relative
-to the cache folder, size, cheap checksum).
+to the cache folder, size, cheap edge checksum and, from schema 2 on, whole-file checksum).
 
 Readers trust a marker only when it parses, its schema version and fingerprint match and
 every listed file exists with its recorded size (``verify=True`` also recomputes the
-checksums). Anything else is "absent": :func:`read_marker` returns None and logs one line
-on the ``"dist"`` logger saying why. It never raises on a malformed marker.
+edge checksums; the whole-file ones are for ``prebuild_cache.py --verify``, see
+:mod:`dist.inventory`). Markers of every version in :data:`READABLE_SCHEMA_VERSIONS` are
+read: a schema-1 marker simply has no whole-file checksums. Anything else is "absent":
+:func:`read_marker` returns None and logs one line on the ``"dist"`` logger saying why.
+It never raises on a malformed marker.
 
 All functions here are process- and thread-safe in the sense that a reader can never see
 a half-written marker: :func:`publish_marker` creates the marker only if none exists
@@ -29,8 +32,10 @@ from typing import Any
 import xxhash
 
 from dist import atomic
+from dist.checksums import hash_files
 
 __all__ = [
+    "READABLE_SCHEMA_VERSIONS",
     "SCHEMA_VERSION",
     "FileEntry",
     "Marker",
@@ -41,12 +46,17 @@ __all__ = [
     "read_json",
     "publish_marker",
     "read_marker",
+    "schema_problem",
     "write_marker",
 ]
 
 logger = logging.getLogger("dist")
 
-SCHEMA_VERSION = 1
+#: Version of the markers written now. 2: every file entry has ``whole_checksum``.
+SCHEMA_VERSION = 2
+#: Versions read (1: no whole-file checksums; its entries read with ``whole_checksum=""``).
+READABLE_SCHEMA_VERSIONS = (1, 2)
+_WHOLE_CHECKSUM_HEX = 32  # xxh3_128
 _EDGE = 1 << 20  # checksum covers the first and last MiB: catches truncation and torn tails
 
 
@@ -57,12 +67,15 @@ class FileEntry:
     Attributes:
         path: POSIX path relative to the cache folder (``"converted/data-00000.arrow"``).
         size: size in bytes.
-        checksum: :func:`file_checksum` of the file.
+        checksum: :func:`file_checksum` of the file (size, first and last MiB).
+        whole_checksum: :func:`dist.checksums.whole_checksum` of the file (xxh3_128 of
+            every byte, hex); "" in a schema-1 marker.
     """
 
     path: str
     size: int
     checksum: str
+    whole_checksum: str = ""
 
     def __post_init__(self):
         if not self.path or self.path.startswith("/") or ".." in Path(self.path).parts:
@@ -106,6 +119,9 @@ class Marker:
         d["info"] = dict(self.info)
         d["inputs"] = dict(self.inputs)
         d["files"] = [dataclasses.asdict(f) for f in self.files]
+        if self.schema_version < 2:  # written as schema 1 wrote it
+            for f in d["files"]:
+                del f["whole_checksum"]
         return d
 
     @classmethod
@@ -113,8 +129,14 @@ class Marker:
         """Build from parsed JSON. Raises (KeyError, TypeError, ValueError) if malformed."""
         if not isinstance(d, Mapping):
             raise TypeError(f"marker must be a JSON object, got {type(d).__name__}")
+        version = int(d["schema_version"])
         files = tuple(
-            FileEntry(path=str(f["path"]), size=int(f["size"]), checksum=str(f["checksum"]))
+            FileEntry(
+                path=str(f["path"]),
+                size=int(f["size"]),
+                checksum=str(f["checksum"]),
+                whole_checksum=_whole_checksum_field(f, version),
+            )
             for f in d["files"]
         )
         info = d.get("info", {})
@@ -135,12 +157,38 @@ class Marker:
             info=dict(info),
             files=files,
             inputs={str(k): str(v) for k, v in inputs.items()},
-            schema_version=int(d["schema_version"]),
+            schema_version=version,
         )
 
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
+
+
+def _whole_checksum_field(f: Mapping[str, Any], version: int) -> str:
+    """A file entry's ``whole_checksum``: required from schema 2 on, absent before."""
+    if version < 2:
+        return ""
+    value = f["whole_checksum"]
+    if not (
+        isinstance(value, str)
+        and len(value) == _WHOLE_CHECKSUM_HEX
+        and all(c in "0123456789abcdef" for c in value)
+    ):
+        raise ValueError(
+            f"whole_checksum of {f.get('path')!r} must be {_WHOLE_CHECKSUM_HEX} lowercase "
+            f"hex digits, got {value!r}"
+        )
+    return value
+
+
+def schema_problem(raw: Any) -> str | None:
+    """Why parsed marker JSON ``raw`` is of a version this code cannot read, or None."""
+    version = raw.get("schema_version") if isinstance(raw, Mapping) else None
+    if version in READABLE_SCHEMA_VERSIONS and not isinstance(version, bool):
+        return None
+    readable = " or ".join(map(str, READABLE_SCHEMA_VERSIONS))
+    return f"schema version {version!r}, expected {readable}"
 
 
 def file_checksum(path: str | os.PathLike, size: int | None = None) -> str:
@@ -164,7 +212,11 @@ def file_checksum(path: str | os.PathLike, size: int | None = None) -> str:
 def describe_files(
     folder: str | os.PathLike, *, relative_to: str | os.PathLike
 ) -> tuple[FileEntry, ...]:
-    """List every regular file under ``folder`` (sorted) with size and checksum.
+    """List every regular file under ``folder`` (sorted) with size and checksums.
+
+    Reads every file whole (the whole-file checksum), several at a time: called at
+    publication, right after the stage wrote (and fsynced) them, while they are still in
+    the page cache (datasets' writers give no hook to hash as they write).
 
     Args:
         folder: the stage folder to describe.
@@ -175,19 +227,26 @@ def describe_files(
     """
     folder = Path(folder)
     base = Path(relative_to)
-    entries = []
+    paths = []
     for dirpath, dirnames, filenames in os.walk(folder):
         dirnames.sort()
         for name in sorted(filenames):
             p = Path(dirpath) / name
             if p.is_symlink():
                 raise ValueError(f"{p}: symlinks are not allowed in a stage folder")
-            size = p.stat().st_size
-            entries.append(
-                FileEntry(
-                    path=p.relative_to(base).as_posix(), size=size, checksum=file_checksum(p, size)
-                )
+            paths.append(p)
+    entries = []
+    for p, size, whole in hash_files(paths):
+        if isinstance(whole, OSError):
+            raise whole
+        entries.append(
+            FileEntry(
+                path=p.relative_to(base).as_posix(),
+                size=size,
+                checksum=file_checksum(p, size),
+                whole_checksum=whole,
             )
+        )
     return tuple(entries)
 
 
@@ -243,8 +302,8 @@ def check_marker(
         parsed = json.loads(raw)
     except ValueError as e:
         return None, f"malformed JSON ({e})"
-    if isinstance(parsed, Mapping) and parsed.get("schema_version") != SCHEMA_VERSION:
-        return None, (f"schema version {parsed.get('schema_version')!r}, expected {SCHEMA_VERSION}")
+    if isinstance(parsed, Mapping) and schema_problem(parsed):
+        return None, schema_problem(parsed)
     try:
         marker = Marker.from_dict(parsed)
     except (KeyError, TypeError, ValueError) as e:
@@ -315,7 +374,7 @@ def read_marker(
         fingerprint: the expected cache identity.
         base_dir: the folder the marker's file paths are relative to (the cache folder).
         stage: if given, the expected stage name.
-        verify: also recompute every file's checksum (reads up to 2 MiB per file).
+        verify: also recompute every file's edge checksum (reads up to 2 MiB per file).
 
     Returns:
         The marker, or None when it is missing, malformed, of another schema version or

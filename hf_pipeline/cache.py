@@ -162,9 +162,15 @@ class CacheLayout:
         return json.loads(self.report_path.read_text())
 
 
-def published_stage_dirs(root: Path, fingerprint: str | None) -> tuple[dict[str, str], str]:
+def published_stage_dirs(
+    root: Path, fingerprint: str | None, *, verify: bool = False
+) -> tuple[dict[str, str], str]:
     """The stage folders that the cache's valid markers name, and its fingerprint
     (``fingerprint``, or the one its first marker states when None).
+
+    ``verify`` also checks every listed file's edge checksum (size, first and last MiB:
+    2 MiB read per file; docs/integrity.md) and refuses a cache that
+    ``prebuild_cache.py --verify`` found corrupt (:func:`dist.inventory.verify_findings`).
 
     Raises:
         CacheFormatError: a stage marker is missing or not trusted (naming the marker
@@ -187,21 +193,40 @@ def published_stage_dirs(root: Path, fingerprint: str | None) -> tuple[dict[str,
     done: dict = {}
     for stage in STAGES:
         path = root / marker_name(stage)
-        marker, why = check_marker(path, fingerprint=fingerprint, base_dir=root, stage=stage)
+        marker, why = check_marker(
+            path, fingerprint=fingerprint, base_dir=root, stage=stage, verify=verify
+        )
         if marker is not None:
             why = derived_from_problem(marker, done)
         if why is not None:
-            raise CacheFormatError(str(path), f"not a trusted {stage} marker: {why}")
+            hint = (
+                " (the file changed after it was published: run prebuild_cache.py --verify, "
+                "then --clean, and build again)"
+                if "checksum mismatch" in why
+                else ""
+            )
+            raise CacheFormatError(str(path), f"not a trusted {stage} marker: {why}{hint}")
         done[stage] = marker
+    if verify:
+        from dist.inventory import VERIFY_RECORD, verify_findings
+
+        found = verify_findings(root, done)
+        if found:
+            more = f" (+{len(found) - 1} more)" if len(found) > 1 else ""
+            raise CacheFormatError(
+                str(root / VERIFY_RECORD),
+                f"{found[0]}{more}: this cache is corrupt (run prebuild_cache.py --clean, "
+                "then build again)",
+            )
     return {stage: m.directory for stage, m in done.items()}, fingerprint
 
 
 def _checked(layout: CacheLayout, fingerprint: str | None) -> CacheLayout:
-    """``layout`` if its stage folders came from validated markers, else the layout that
-    its markers name once :func:`published_stage_dirs` has checked them."""
-    if layout.stage_dirs:
-        return layout
-    stage_dirs, _ = published_stage_dirs(layout.root, fingerprint)
+    """The layout that ``layout``'s markers name once :func:`published_stage_dirs` has
+    checked them and every file they list: size, first and last MiB. Also for a layout
+    from the build (its markers were checked for sizes only): a file damaged since its
+    publication is refused here, not trained on."""
+    stage_dirs, _ = published_stage_dirs(layout.root, fingerprint, verify=True)
     return CacheLayout(layout.root, stage_dirs)
 
 
@@ -212,11 +237,13 @@ def open_sample_source(layout: CacheLayout, fingerprint: str):
     latents come in the cache's storage dtype, which the build report records (a
     bfloat16 cache's uint16 bits are read as ``ml_dtypes.bfloat16``).
 
-    A layout with ``stage_dirs`` (``BuildResult.layout``: from markers the build
-    validated) is trusted as given. ``CacheLayout(cache_dir)`` alone is checked first
-    (:func:`published_stage_dirs`): both markers present, stating ``fingerprint``, and
-    every file they list as they list it; else a :class:`CacheFormatError` names the
-    marker and why (a cache without its ``filtered`` stage opened as 0 rows).
+    Every layout (``BuildResult.layout`` or ``CacheLayout(cache_dir)``) is checked first
+    (:func:`published_stage_dirs` with ``verify``): both markers present, stating
+    ``fingerprint``, and every file they list as they list it, its size and its first
+    and last MiB (2 MiB read per file); else a :class:`CacheFormatError` names the
+    marker, the file and why (a cache without its ``filtered`` stage opened as 0 rows; a
+    byte changed in a file's first MiB was trained on). Whole files are checked by
+    ``prebuild_cache.py --verify`` (docs/integrity.md).
     """
     from hf_pipeline.errors import CacheFormatError
     from hf_pipeline.mapped import SampleSource
@@ -253,8 +280,8 @@ def open_dataset(layout: CacheLayout):
     For inspection and for users who want ``datasets`` formatting; the training loader
     uses :func:`open_sample_source`. Arrow has no bfloat16: in a bfloat16 cache (report
     ``precision.storage_dtype``) ``latents`` holds the values' uint16 bits; view them with
-    ``hf_pipeline.precision.from_arrow(array, "bfloat16")`` (no copy). A layout without
-    ``stage_dirs`` is checked as :func:`open_sample_source` checks it.
+    ``hf_pipeline.precision.from_arrow(array, "bfloat16")`` (no copy). The layout is
+    checked as :func:`open_sample_source` checks it.
     """
     import numpy as np
     import pyarrow as pa

@@ -102,7 +102,8 @@ class GrainSource:
         crop: CropMode | int = "random",
         seed: int = 0,
     ) -> GrainSource:
-        """A source over ``layout``, trusted as given (as :func:`open_sample_source` does).
+        """A source over ``layout`` (opened, in each process, by :func:`open_sample_source`,
+        which checks the markers and every listed file's size and first/last MiB).
 
         The stage folders are resolved once here, so every worker maps the same files.
         """

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dist.layout import marker_name
-from dist.markers import SCHEMA_VERSION, Marker, derived_from_problem, read_json
+from dist.markers import Marker, derived_from_problem, read_json, schema_problem
 from hf_pipeline.errors import CacheFormatError
 from hf_pipeline.fetch_stats import FetchStats
 from hf_pipeline.manifest import MANIFEST_NAME, Manifest
@@ -81,9 +81,8 @@ def _read_meta(store: Store, file: RemoteFile, staging: StagingFolder, stats: Fe
 def _parse_marker(raw: Any, url: str, stage: str, fingerprint: str) -> Marker:
     if raw is None:
         raise CacheFormatError(url, "is not valid JSON")
-    if not isinstance(raw, Mapping) or raw.get("schema_version") != SCHEMA_VERSION:
-        version = raw.get("schema_version") if isinstance(raw, Mapping) else None
-        raise CacheFormatError(url, f"schema version {version!r}, expected {SCHEMA_VERSION}")
+    if schema_problem(raw):  # older published markers are read too (no whole checksums)
+        raise CacheFormatError(url, schema_problem(raw))
     try:
         marker = Marker.from_dict(raw)
     except (KeyError, TypeError, ValueError) as e:

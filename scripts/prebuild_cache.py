@@ -57,7 +57,10 @@ def _parser() -> argparse.ArgumentParser:
         "(gs://<bucket>[/<prefix>] or hf://datasets/<org>/<repo>[/<path>]); resumable",
     )
     ops.add_argument(
-        "--verify", action="store_true", help="re-check every cache's files against its markers"
+        "--verify",
+        action="store_true",
+        help="re-read every cache's files whole and check them against their markers' "
+        "checksums (docs/integrity.md); a corrupt cache is then reported by --status",
     )
     ops.add_argument(
         "--clean",
@@ -162,14 +165,49 @@ def _admin(args, cfg) -> int:
             print(f"not a cache: {path.name}: {why}", file=out)
         return 0
     if args.verify:
-        bad, report = 0, []
-        for st in inventory.list_caches(root, stages=STAGES):
-            problems = inventory.verify(st.path, STAGES)
-            bad += bool(problems)
-            report.append({"path": str(st.path), "ok": not problems, "problems": problems})
-            print(f"{st.path.name}: " + ("ok" if not problems else "; ".join(problems)), file=out)
+        import time
+
+        # A bar on stderr when someone watches it (a terminal) or asked for detail (-v).
+        progress = not args.quiet and (sys.stderr.isatty() or args.verbose)
+        bad = files = nbytes = 0
+        report_json = []
+        t0 = time.monotonic()
+        caches = inventory.list_caches(root, stages=STAGES)
+        for st in caches:
+            report = inventory.verify_cache(st.path, STAGES, progress=progress, record=True)
+            bad += bool(report.problems)
+            report_json.append(
+                {
+                    "path": str(st.path),
+                    "ok": not report.problems,
+                    "problems": list(report.problems),
+                    "notes": list(report.notes),
+                    "files": report.files,
+                    "bytes": report.bytes,
+                    "seconds": round(report.seconds, 3),
+                }
+            )
+            files += report.files
+            nbytes += report.bytes
+            read = (
+                f" ({report.files} files, {_human_bytes(report.bytes)} read whole "
+                f"in {report.seconds:.1f} s, {report.gb_per_s:.2f} GB/s)"
+                if report.files
+                else ""
+            )
+            verdict = "ok" if not report.problems else "; ".join(report.problems)
+            print(f"{st.path.name}: {verdict}{read}", file=out)
+            for note in report.notes:
+                print(f"    {note}", file=out)
+        seconds = time.monotonic() - t0
+        print(
+            f"verified {len(caches)} cache(s), {bad} with problems: {files} files, "
+            f"{_human_bytes(nbytes)} in {seconds:.1f} s "
+            f"({nbytes / 1e9 / seconds if seconds > 0 else 0.0:.2f} GB/s)",
+            file=out,
+        )
         if args.json:
-            _write_json(args.json, {"root": str(root), "caches": report})
+            _write_json(args.json, {"root": str(root), "caches": report_json})
         return 1 if bad else 0
     report = inventory.clean(root, dry_run=args.dry_run, stages=STAGES, observe_s=max(observe, 1.0))
     verb = "would remove" if args.dry_run else "removed"

@@ -11,6 +11,7 @@ import threading
 import pytest
 
 from dist.atomic import write_json_atomic
+from dist.checksums import hash_files, whole_checksum
 from dist.markers import (
     SCHEMA_VERSION,
     FileEntry,
@@ -120,7 +121,8 @@ def test_checksum_only_with_verify(caplog, stage):
         ("", "malformed JSON"),
         ("[1, 2]", "malformed marker"),
         ('{"schema_version": 1}', "malformed marker (KeyError"),
-        ('{"schema_version": 2}', "schema version 2, expected 1"),
+        ('{"schema_version": 3}', "schema version 3, expected 1 or 2"),
+        ('{"schema_version": true}', "schema version True, expected 1 or 2"),
         ("\xff\xfe garbage", "malformed JSON"),
     ],
 )
@@ -212,3 +214,195 @@ def test_later_stage_valid_only_over_the_folders_it_was_derived_from(stage):
     assert derived_from_problem(legacy, {"converted": moved}) is not None
     # inputs survive the JSON round trip
     assert Marker.from_dict(json.loads(json.dumps(filtered.to_dict()))) == filtered
+
+
+# Golden markers (STYLE rule 14): the bytes a marker of each schema version holds for
+# the files of _golden_files(). SCHEMA_VERSION 2 writes GOLDEN_V2; GOLDEN_V1 is what
+# hf_pipeline wrote before whole-file checksums, and must stay readable.
+GOLDEN_V2 = """{
+ "directory": "converted",
+ "files": [
+  {
+   "checksum": "8ac4a74750c15852",
+   "path": "converted/a.bin",
+   "size": 3145728,
+   "whole_checksum": "ac18721f75b1d31e067d004927c0c8bc"
+  },
+  {
+   "checksum": "633457081244afec",
+   "path": "converted/b.bin",
+   "size": 0,
+   "whole_checksum": "99aa06d3014798d86001c324468d497f"
+  },
+  {
+   "checksum": "23895d4c1deb123a",
+   "path": "converted/sub/c.bin",
+   "size": 5,
+   "whole_checksum": "b5e9c1ad071b3e7fc779cfaa5e523818"
+  }
+ ],
+ "fingerprint": "0123456789abcdef",
+ "finished_at": 2.5,
+ "host": "h",
+ "info": {
+  "rows": 7
+ },
+ "inputs": {},
+ "lease_id": "0123456789abcdef",
+ "pid": 1,
+ "schema_version": 2,
+ "stage": "converted",
+ "started_at": 1.5
+}"""
+
+GOLDEN_V1 = """{
+ "directory": "converted",
+ "files": [
+  {
+   "checksum": "8ac4a74750c15852",
+   "path": "converted/a.bin",
+   "size": 3145728
+  },
+  {
+   "checksum": "633457081244afec",
+   "path": "converted/b.bin",
+   "size": 0
+  },
+  {
+   "checksum": "23895d4c1deb123a",
+   "path": "converted/sub/c.bin",
+   "size": 5
+  }
+ ],
+ "fingerprint": "0123456789abcdef",
+ "finished_at": 2.5,
+ "host": "h",
+ "info": {
+  "rows": 7
+ },
+ "inputs": {},
+ "lease_id": "0123456789abcdef",
+ "pid": 1,
+ "schema_version": 1,
+ "stage": "converted",
+ "started_at": 1.5
+}"""
+
+
+def _golden_files(tmp_path):
+    cache = tmp_path / "cache"
+    folder = cache / "converted"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.bin").write_bytes(bytes(range(256)) * 12288)  # 3 MiB: a middle
+    (folder / "b.bin").write_bytes(b"")
+    (folder / "sub" / "c.bin").write_bytes(b"hello")
+    return cache
+
+
+def _golden_marker(cache):
+    return Marker(
+        fingerprint="0123456789abcdef",
+        stage="converted",
+        directory="converted",
+        host="h",
+        pid=1,
+        lease_id="0123456789abcdef",
+        started_at=1.5,
+        finished_at=2.5,
+        info={"rows": 7},
+        files=describe_files(cache / "converted", relative_to=cache),
+    )
+
+
+def test_golden_marker_of_this_schema_version(tmp_path):
+    assert SCHEMA_VERSION == 2  # a new version gets its own golden text
+    cache = _golden_files(tmp_path)
+    marker = _golden_marker(cache)
+    write_marker(cache / "converted.json", marker)
+    assert (cache / "converted.json").read_text() == GOLDEN_V2
+    got = read_marker(
+        cache / "converted.json", fingerprint="0123456789abcdef", base_dir=cache, verify=True
+    )
+    assert got == marker
+
+
+def test_golden_schema_1_marker_still_reads(tmp_path):
+    cache = _golden_files(tmp_path)
+    (cache / "converted.json").write_text(GOLDEN_V1)
+    got = read_marker(
+        cache / "converted.json", fingerprint="0123456789abcdef", base_dir=cache, verify=True
+    )
+    assert got is not None and got.schema_version == 1
+    assert [f.whole_checksum for f in got.files] == ["", "", ""]
+    new = _golden_marker(cache)
+    assert [(f.path, f.size, f.checksum) for f in got.files] == [
+        (f.path, f.size, f.checksum) for f in new.files
+    ]
+    write_marker(cache / "again.json", got)  # written back as schema 1 wrote it
+    assert (cache / "again.json").read_text() == GOLDEN_V1
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        (None, "KeyError"),
+        ("AC18721F75B1D31E067D004927C0C8BC", "32 lowercase hex digits"),
+        ("ac18721f", "32 lowercase hex digits"),
+        (17, "32 lowercase hex digits"),
+    ],
+)
+def test_schema_2_entries_need_a_whole_checksum(caplog, tmp_path, value, why):
+    cache = _golden_files(tmp_path)
+    d = json.loads(GOLDEN_V2)
+    if value is None:
+        del d["files"][0]["whole_checksum"]
+    else:
+        d["files"][0]["whole_checksum"] = value
+    (cache / "converted.json").write_text(json.dumps(d))
+    with caplog.at_level(logging.DEBUG, logger="dist"):
+        assert (
+            read_marker(cache / "converted.json", fingerprint="0123456789abcdef", base_dir=cache)
+            is None
+        )
+    assert any(why in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_whole_checksum_covers_every_byte(tmp_path):
+    p = tmp_path / "f"
+    p.write_bytes(b"a" * (5 << 20))
+    size, base = whole_checksum(p)
+    assert size == 5 << 20 and len(base) == 32
+    with open(p, "r+b") as f:
+        f.seek(2 << 20)
+        f.write(b"b")  # the middle, which file_checksum does not read
+    assert whole_checksum(p)[1] != base
+
+
+def test_hash_files_in_parallel_reports_an_unreadable_file_in_its_place(tmp_path):
+    paths = []
+    for i in range(5):
+        paths.append(tmp_path / f"f{i}")
+        paths[-1].write_bytes(bytes([i]) * ((i + 1) << 20))
+    paths.insert(2, tmp_path / "missing")
+    seen = []
+    got = list(hash_files(paths, workers=3, on_bytes=seen.append))
+    assert [p for p, _, _ in got] == paths
+    assert isinstance(got[2][2], FileNotFoundError)
+    ok = [g for g in got if not isinstance(g[2], OSError)]
+    assert [(s, d) for _, s, d in ok] == [whole_checksum(p) for p, _, _ in ok]
+    assert sum(seen) == sum(s for _, s, _ in ok)
+    with pytest.raises(ValueError, match="workers must be >= 1, got 0"):
+        list(hash_files(paths, workers=0))
+
+
+def test_hash_files_stops_its_threads_when_the_consumer_leaves(tmp_path):
+    paths = []
+    for i in range(6):
+        paths.append(tmp_path / f"f{i}")
+        paths[-1].write_bytes(bytes([i]) * (32 << 20))
+    seen = []
+    hashed = hash_files(paths, workers=2, on_bytes=seen.append)
+    next(hashed)
+    hashed.close()  # joins the threads: a running hash stops at its next chunk
+    assert not [t for t in threading.enumerate() if t.name.startswith("dist-hash")]
+    assert sum(seen) < sum(p.stat().st_size for p in paths)  # the rest was never read

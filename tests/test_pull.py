@@ -100,6 +100,11 @@ def test_pull_from_config_and_env():
 # ------------------------------------------------------------------ two nodes x two ranks
 
 
+def _whole_checksums(marker: dict) -> dict[str, str]:
+    """A marker's whole-file checksums by path inside its stage folder."""
+    return {f["path"].split("/", 1)[1]: f["whole_checksum"] for f in marker["files"]}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gcs", "hub"])
 def test_two_nodes_two_ranks_pull_instead_of_building(
@@ -156,6 +161,9 @@ def test_two_nodes_two_ranks_pull_instead_of_building(
         converted = read_json(cache / marker_name("converted"))
         assert converted["info"][PULLED_FROM]["url"].endswith(Path(src.cache_dir).name)
         assert converted["info"]["rows_in"] == src.report["rows_in"]
+        for s in STAGES:  # the pulled markers record whole-file checksums too
+            here, there = (read_json(c / marker_name(s)) for c in (cache, Path(src.cache_dir)))
+            assert _whole_checksums(here) == _whole_checksums(there), s
         assert not (root / ".staging" / f"pull-{src.fingerprint}").exists()
     if kind == "hub":
         # Every published file was downloaded exactly once per node (by its local rank
@@ -324,6 +332,9 @@ def test_later_stage_pulled_only_over_the_published_earlier_stage(
     assert (res.pulled, res.built) == (same, not same)
     assert (PULLED_FROM in filtered["info"]) == same
     assert filtered["info"]["rows_out"] == src.report["rows_out"]
+    if same:  # the pulled marker records the published whole-file checksums too
+        published = read_json(Path(src.cache_dir) / marker_name("filtered"))
+        assert _whole_checksums(filtered) == _whole_checksums(published)
     warned = [r for r in caplog.records if "is not the published one" in r.getMessage()]
     assert len(warned) == (0 if same else 1)
 

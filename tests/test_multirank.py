@@ -255,3 +255,101 @@ def test_one_builder_in_parts_overlaps_and_equals_one_part(small_config, tmp_pat
             assert parts[k]["wall"]["join"][1] <= parts[k + 1]["wall"]["join"][0] + 1e-3
     assert not [t for t in threading.enumerate() if t.name.startswith("hf_pipeline-embed")]
     _assert_same_cache(one, res)
+
+
+# ------------------------------------------------ issue 24 item 12: ranks must agree
+
+
+def _start_each(argvs_envs, timeout: float = 300) -> list[tuple[int, str, str]]:
+    """Start one real process per ``(argv, env)`` at once; their (code, stdout, stderr).
+    Every process is killed if the wait fails."""
+    import subprocess
+
+    from tests.conftest import PYTHON, script_env
+
+    procs = [
+        subprocess.Popen([PYTHON, *map(str, argv)], env=script_env(**env), text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for argv, env in argvs_envs
+    ]  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs, strict=True)]
+
+
+def _rank_env(rank: int, world: int, **extra: str) -> dict[str, str]:
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world), **extra}  # fmt: skip
+
+
+def _one_error_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    return lines[0]
+
+
+def test_rank_with_another_world_size_stops_every_rank(small_config, tmp_path):
+    """A rank started with WORLD_SIZE=2 among 4 (parallel: ranks, one shared cache root,
+    a launcher that names the job): every rank exits 2 with the same line naming rank 1
+    and world_size, and nothing is built (it used to retire the others' part markers)."""
+    data = copy_inputs(small_config, tmp_path / "data")
+    cache = tmp_path / "cache"
+    argv = [REPO / "scripts/prebuild_cache.py", "-q", "--cache-dir", cache,
+            *[a for o in [*SMALL_DEMO, f"data.shards={data}", "build.parallel=ranks"]
+              for a in ("--set", o)]]  # fmt: skip
+    job = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"}
+    runs = _start_each([(argv, _rank_env(r, 2 if r == 1 else 4, **job)) for r in range(4)])
+    lines = set()
+    for code, _out, err in runs:
+        assert code == 2, err[-3000:]
+        lines.add(_one_error_line(err))
+    (line,) = lines  # the same line on every rank
+    assert "rank 1 has world_size=2 but rank 0 has 4" in line, line
+    assert not list(cache.glob("*/parts")) and not list(cache.glob("*/converted*"))
+
+
+def test_rank_with_another_config_stops_every_rank(small_config, tmp_path):
+    """A rank started with encoder.max_length=32 used to build a second complete cache
+    alone: now both ranks exit 2 naming the field, before building anything."""
+    data = copy_inputs(small_config, tmp_path / "data")
+    cache = tmp_path / "cache"
+    argv = [REPO / "scripts/prebuild_cache.py", "-q", "--cache-dir", cache,
+            *[a for o in [*SMALL_DEMO, f"data.shards={data}", "build.parallel=ranks"]
+              for a in ("--set", o)]]  # fmt: skip
+    job = {"HF_PIPELINE_JOB_ID": "config-mismatch"}
+    runs = _start_each([
+        (argv, _rank_env(0, 2, **job)),
+        ([*argv, "--set", "encoder.max_length=32"], _rank_env(1, 2, **job)),
+    ])  # fmt: skip
+    lines = {_one_error_line(err) for code, _out, err in runs if code == 2}
+    assert [code for code, _, _ in runs] == [2, 2], runs
+    (line,) = lines
+    assert "rank 1 has encoder.max_length=32 but rank 0 has" in line, line
+    assert not list(cache.glob("demo-*"))
+
+
+def test_two_jobs_on_one_cache_root_do_not_meet(tmp_path):
+    """Two launches on one cache root, with different configs, agree each within its
+    own job (their ids differ); a later launch with an id already used is refused."""
+    root = str(tmp_path / "root")
+    script = REPO / "tests/procs/agree_rank.py"
+
+    def job(job_id: str, max_length: int) -> list:
+        sets = [f"build.cache_dir={root}", f"encoder.max_length={max_length}",
+                "coord.poll_interval=0.05", "coord.max_wait=120"]  # fmt: skip
+        return [([script, *sets], _rank_env(r, 2, SLURM_JOB_ID=job_id)) for r in range(2)]
+
+    runs = _start_each([*job("100", 32), *job("101", 64)], timeout=200)
+    for code, out, err in runs:
+        assert code == 0, err[-3000:]
+        assert json.loads(out) == {"store": "FileJobStore"}
+    # The same id again (a launcher reusing it): refused, not the first launch's posts read.
+    runs = _start_each(job("100", 32), timeout=200)
+    assert [code for code, _, _ in runs] == [2, 2], runs
+    assert all("already posted" in _one_error_line(err) for _, _, err in runs)
+

@@ -353,3 +353,38 @@ def test_two_jobs_on_one_cache_root_do_not_meet(tmp_path):
     assert [code for code, _, _ in runs] == [2, 2], runs
     assert all("already posted" in _one_error_line(err) for _, _, err in runs)
 
+
+# ------------------------------ issue 24 item 14: a torchrun launch is one JAX job
+
+
+def test_torchrun_ranks_train_one_model(small_config, built_cache, tmp_path):
+    """README's launch line without JAX_COORDINATOR_ADDRESS: real torchrun, 2 ranks.
+    They join one jax.distributed job (coordinator from MASTER_ADDR/MASTER_PORT), so
+    after the steps both hold the same parameters (they used to train a model each)."""
+    overrides = [*SMALL_DEMO, f"build.cache_dir={small_config.cache_root}",
+                 "train.steps=6", "loader.global_batch_size=16"]  # fmt: skip
+    runs = _start_each(
+        [([ "-m", "torch.distributed.run", "--nproc_per_node", "2",
+            REPO / "tests/procs/train_rank.py", tmp_path / "out-{rank}.json", *overrides],
+          {"OMP_NUM_THREADS": "1"})],
+        timeout=400,
+    )  # fmt: skip
+    code, out, err = runs[0]
+    assert code == 0, (out + err)[-4000:]
+    records = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in range(2)]
+    assert [r["process_count"] for r in records] == [2, 2], records
+    assert records[0]["params"] == records[1]["params"], records
+
+
+def test_ranks_without_a_coordinator_are_refused(small_config, tmp_path):
+    """RANK/WORLD_SIZE but nothing naming a coordinator (no MASTER_ADDR/MASTER_PORT,
+    no JAX_COORDINATOR_ADDRESS): train.py refuses with one line naming what to set,
+    exit 2, rather than train one model per rank."""
+    argv = [REPO / "scripts/train.py", "-q", "--cache-dir", tmp_path / "cache",
+            *[a for o in SMALL_DEMO for a in ("--set", o)]]  # fmt: skip
+    runs = _start_each([(argv, _rank_env(r, 2)) for r in range(2)], timeout=200)
+    for code, _out, err in runs:
+        assert code == 2, err[-3000:]
+        line = _one_error_line(err)
+        assert "JAX_COORDINATOR_ADDRESS" in line and "MASTER_ADDR" in line, line
+    assert not (tmp_path / "cache").exists()

@@ -71,6 +71,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "BuildResult",
     "REASONS",
+    "job_identity",
     "one_builder_part_shards",
     "prepare_cache",
     "resolve_inputs",
@@ -522,11 +523,36 @@ def _agree(cfg: Config, process, store, **values: Any) -> None:
     )  # fmt: skip
 
 
+def job_identity(cfg: Config, process) -> tuple[Inputs, str]:
+    """The inputs and the cache fingerprint of this job, agreed on by its ranks.
+
+    With a job store (:func:`_agreement_store`) the ranks first agree on their world
+    size and config (a rank with another config would otherwise wait for inputs under a
+    key nobody sets), then rank 0 resolves the inputs for all
+    (:func:`resolve_job_inputs`), then they agree on the fingerprint (node-local copies
+    of the inputs may differ).
+
+    Raises:
+        dist.agreement.RankDisagreementError: the ranks differ (on every rank).
+    """
+    store = _agreement_store(cfg, process)
+    if store is not None:
+        _agree(cfg, process, store)
+    inputs, encoder = resolve_job_inputs(cfg, process)
+    fingerprint = compute_fingerprint(
+        cfg, [f.identity() for f in inputs.shards], inputs.metadata.identity(), encoder
+    )
+    if store is not None:
+        _agree(cfg, process, store, fingerprint=fingerprint)
+    return inputs, fingerprint
+
+
 def resolve_job_inputs(cfg: Config, process) -> tuple[Inputs, dict[str, Any]]:
     """The inputs and the encoder's identity, resolved by one rank for the whole job.
 
-    With a remote source (``hf://``, ``gs://``) and an initialised ``torch.distributed``
-    or ``jax.distributed`` job, global rank 0 lists the shards, finds the metadata and
+    With a remote source (``hf://``, ``gs://``) and a job store (an initialised
+    ``torch.distributed`` or ``jax.distributed`` job, or torchrun's agent store: see
+    :func:`dist.kvstore.launch_store`), global rank 0 lists the shards, finds the metadata and
     resolves the revisions, and shares the result (with its error, if it failed) through
     the job's key-value store: 800 ranks make one set of Hub/GCS API calls, not 800 (the
     Hub answers a stampede with 429s), and every rank computes the same fingerprint.
@@ -675,15 +701,7 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
     check_not_bootstrapping()
     t0 = time.monotonic()
     process = process or detect()
-    store = _agreement_store(cfg, process)
-    if store is not None:  # world size and config first: a rank with another config
-        _agree(cfg, process, store)  # would wait for inputs under a key nobody sets
-    inputs, encoder = resolve_job_inputs(cfg, process)
-    fingerprint = compute_fingerprint(
-        cfg, [f.identity() for f in inputs.shards], inputs.metadata.identity(), encoder
-    )
-    if store is not None:  # the same inputs (node-local copies may differ)
-        _agree(cfg, process, store, fingerprint=fingerprint)
+    inputs, fingerprint = job_identity(cfg, process)
     layout = CacheLayout.for_config(cfg, fingerprint)
     if not cfg.data.staging_dir:
         # One staging folder per identity: two builds of the same source on one host

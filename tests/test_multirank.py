@@ -10,6 +10,7 @@ import pytest
 from tests.conftest import REPO, SMALL_DEMO, run_ranks
 from tests.helpers.caches import copy_inputs
 from tests.helpers.dist_job import two_rank_nodes
+from tests.servers import shard_dir  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -388,3 +389,37 @@ def test_ranks_without_a_coordinator_are_refused(small_config, tmp_path):
         line = _one_error_line(err)
         assert "JAX_COORDINATOR_ADDRESS" in line and "MASTER_ADDR" in line, line
     assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.remote
+def test_torchrun_ranks_make_the_hub_requests_of_one(shard_dir, tmp_path):  # noqa: F811
+    """8 ranks launched by real torchrun, no process group of their own, from hf://:
+    torchrun's store is the job store, so they make the Hub API requests of one rank
+    (each rank used to resolve the inputs itself: 5 requests per rank)."""
+    from tests.servers.hub import FakeHub
+
+    files = {f"latents/{p.name}": p.read_bytes() for p in shard_dir.glob("*.pt")}
+    files["coyo11m-meta.parquet"] = (shard_dir / "coyo11m-meta.parquet").read_bytes()
+    overrides = ["data.shards=hf://datasets/org/coyo-like/latents", "build.num_proc=1"]
+    script = REPO / "tests/procs/resolve_launched.py"
+    with FakeHub(page_size=2) as hub:
+        hub.add_commit("org/coyo-like", files)
+        env = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "OMP_NUM_THREADS": "1"}
+        (single,) = _start_each(
+            [([script, tmp_path / "one.json", *overrides], {**env, "HF_HOME": str(tmp_path / "h1")})]
+        )
+        assert single[0] == 0, single[2][-3000:]
+        requests_one = len(hub.log)
+        assert requests_one > 0
+        (launch,) = _start_each(
+            [(["-m", "torch.distributed.run", "--nproc_per_node", "8", script,
+               tmp_path / "r{rank}.json", *overrides], {**env, "HF_HOME": str(tmp_path / "h8")})],
+            timeout=400,
+        )  # fmt: skip
+        assert launch[0] == 0, (launch[1] + launch[2])[-4000:]
+        requests_eight = len(hub.log) - requests_one
+    one = json.loads((tmp_path / "one.json").read_text())
+    eight = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(8)]
+    assert requests_eight == requests_one, (requests_one, requests_eight)
+    assert {r["fingerprint"] for r in eight} == {one["fingerprint"]}
+    assert all(r["shards"] == one["shards"] == 4 for r in eight)

@@ -16,6 +16,7 @@ never all start could not train either).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -82,8 +83,6 @@ def agree(
             (the same line on every rank).
         TimeoutError: a rank posted nothing within ``timeout`` (names it).
     """
-    import time
-
     n = _CALLS[key] = _CALLS.get(key, 0) + 1
     base = f"{key}/{n}"
     mine = {"rank": rank, "world_size": world_size, "values": dict(values)}

@@ -517,10 +517,17 @@ def _agree(cfg: Config, process, store, **values: Any) -> None:
     every rank, before anything is built."""
     from dist.agreement import agree
 
-    agree(
-        store, key="hf_pipeline.agree", rank=process.rank, world_size=process.world_size,
-        values={**_agreed_config(cfg), **values}, timeout=cfg.coord.max_wait,
-    )  # fmt: skip
+    try:
+        agree(
+            store, key="hf_pipeline.agree", rank=process.rank, world_size=process.world_size,
+            values={**_agreed_config(cfg), **values}, timeout=cfg.coord.max_wait,
+        )  # fmt: skip
+    except OSError as e:
+        # A read-only cache root (a published cache mounted ro) must still load: the
+        # ranks' own folder there cannot be written, so they go unchecked, as before.
+        if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        log.warning("ranks not checked for agreement: cannot write %s (%s)", e.filename, e.strerror)
 
 
 def job_identity(cfg: Config, process) -> tuple[Inputs, str]:

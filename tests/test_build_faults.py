@@ -206,3 +206,19 @@ def test_builder_paused_in_the_embedding_leaves_no_folder_behind(small_config, t
     )
     assert not old.exists(), sorted(str(p.relative_to(old)) for p in old.rglob("*"))
     assert sorted(os.listdir(root)) == published
+
+
+def test_ranks_of_a_named_job_load_a_read_only_cache(small_config, built_cache, tmp_path, mounts):
+    """The ranks' agreement writes under the cache root (<root>/.jobs/<job id>/); on a
+    read-only mount of a built cache they still load it, writing nothing."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    mounts("--bind", str(small_config.cache_root), str(ro))
+    run_mount("-o", "remount,bind,ro", str(ro))
+    before = _snapshot(ro)
+    args = ["-q", "--cache-dir", str(ro), *[a for o in SMALL_DEMO for a in ("--set", o)]]
+    runs = run_ranks([REPO / "scripts/prebuild_cache.py", *args], 2, SLURM_JOB_ID="77")
+    for code, out, err in runs:
+        assert code == 0, err[-3000:]
+        assert "[found]" in out or "found" in out, out
+    assert _snapshot(ro) == before

@@ -223,10 +223,18 @@ class StageContext:
     lease_id: str
     probe: LeaseProbe
     _check: Callable[[], None] = dataclasses.field(repr=False, compare=False)
+    _phase: Callable[[str], None] = dataclasses.field(
+        default=lambda phase: None, repr=False, compare=False
+    )
 
     def check_ownership(self) -> None:
         """Raise :class:`LeaseLostError` if another process took this build over."""
         self._check()
+
+    def set_phase(self, phase: str) -> None:
+        """Say in this lease's heartbeat what the build is doing (``--status`` shows it:
+        ``building``, then e.g. ``embedding``). Thread-safe."""
+        self._phase(phase)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -608,6 +616,9 @@ class _Coordinator:
         except LeaseLostError:
             self.emit("lease_lost", lease_id=lease_id)
             lease.stop()
+            # The stage builds have returned (their writers joined): what they wrote
+            # after the successor collected our folders goes now.
+            self._discard_unpublished(lease)
             _unlink(heartbeat_path(self.cache_dir, lease_id))
             # Back to waiting for whoever took over, no longer as the preferred builder:
             # when its lease goes, its markers may reach this host's lookup cache late
@@ -623,6 +634,27 @@ class _Coordinator:
         built = any(m.lease_id == lease_id for m in markers.values())
         self.emit("complete", built=built, lease_id=lease_id)
         return markers
+
+    def _discard_unpublished(self, lease: Lease) -> None:
+        """Remove this lost lease's stage folders that no marker names.
+
+        A builder that resumes after its successor deleted its folders may still write
+        into them (a writer that passed its last check before the pause re-creates
+        them), so the lease-lost path removes them itself. A folder a marker (or a
+        retired marker) names was published by this lease and stays: the marker is read
+        before the retired ones, so a marker being retired meanwhile is seen in either.
+        """
+        for stage in self.stages:
+            name = stage_dir_name(stage.name, lease.lease_id)
+            if not (self.cache_dir / name).exists():
+                continue
+            named = {(read_json(self.marker_path(stage)) or {}).get("directory")}
+            prefix = f"{marker_name(stage.name)}.retired-"
+            for other in os.listdir(self.cache_dir):
+                if other.startswith(prefix):
+                    named.add((read_json(self.cache_dir / other) or {}).get("directory"))
+            if name not in named:
+                _discard_dir(self.cache_dir / name)
 
     def _clean_leftovers(self, lease: Lease) -> None:
         """Remove bookkeeping that dead leases left behind. Never a stage folder another
@@ -786,8 +818,13 @@ class _Coordinator:
                 lease_id=lease.lease_id,
                 probe=lease.probe,
                 _check=lease.check,
+                _phase=lambda phase: lease.set_phase(stage.name, phase),
             )
             info = dict(stage.build(ctx) or {})
+            # Lost while building? Then what the build wrote is not ours to describe:
+            # the except below removes it (a successor may have collected it already
+            # and the build re-created some of it).
+            lease.check()
             try:
                 json.dumps(info)
             except (TypeError, ValueError) as e:

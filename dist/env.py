@@ -41,7 +41,7 @@ from collections.abc import Mapping
 
 logger = logging.getLogger("dist")
 
-__all__ = ["EnvironmentConflictError", "ProcessInfo", "detect"]
+__all__ = ["EnvironmentConflictError", "ProcessInfo", "detect", "jax_initialize_args"]
 
 
 class EnvironmentConflictError(ValueError):
@@ -378,3 +378,42 @@ def _with_overrides(base: ProcessInfo, overrides: dict[str, int]) -> ProcessInfo
             if "node_rank" not in overrides:
                 fields["node_rank"] = 0
     return ProcessInfo(**fields)
+
+
+def jax_initialize_args(process: ProcessInfo, environ: Mapping[str, str] | None = None):
+    """How this process joins the job's ``jax.distributed``: the keyword arguments of
+    ``jax.distributed.initialize``, ``{}`` to let JAX read SLURM's or Open MPI's own
+    variables, or None for a single process.
+
+    In order: ``JAX_COORDINATOR_ADDRESS`` (host:port); else ``MASTER_ADDR`` and
+    ``MASTER_PORT`` (torchrun and most launchers set them; JAX's coordinator then
+    listens on ``MASTER_PORT + 1`` of that host, since torchrun's own store holds
+    ``MASTER_PORT``); else a SLURM or Open MPI job (JAX's cluster detection). The rank
+    and world size are ``process``'s. Reads ``environ`` (default ``os.environ``) only.
+
+    Raises:
+        EnvironmentConflictError: several processes, but nothing says where the
+            coordinator is (each would train a model of its own), or ``MASTER_PORT`` is
+            not a port number.
+    """
+    if process.world_size <= 1:
+        return None
+    env = os.environ if environ is None else environ
+    given = {"num_processes": process.world_size, "process_id": process.rank}
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        return {"coordinator_address": env["JAX_COORDINATOR_ADDRESS"], **given}
+    host, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+    if host and port:
+        if not port.isdigit() or not 0 < int(port) < 65535:
+            raise EnvironmentConflictError(
+                f"MASTER_PORT must be a port number below 65535, got {port!r}", ("MASTER_PORT",)
+            )
+        return {"coordinator_address": f"{host}:{int(port) + 1}", **given}
+    if process.source in ("slurm", "openmpi"):
+        return {}
+    raise EnvironmentConflictError(
+        f"{process.world_size} processes ({process.source}) but no jax.distributed "
+        "coordinator: set JAX_COORDINATOR_ADDRESS=host:port (the same on every rank), or "
+        "MASTER_ADDR and MASTER_PORT, or launch with torchrun, srun or mpirun",
+        ("JAX_COORDINATOR_ADDRESS", "MASTER_ADDR", "MASTER_PORT"),
+    )

@@ -71,6 +71,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "BuildResult",
     "REASONS",
+    "job_identity",
     "one_builder_part_shards",
     "prepare_cache",
     "resolve_inputs",
@@ -316,7 +317,7 @@ class _Builder:
         tmp = Path(ctx.tmp_dir)
         if self.parts is not None:  # built by the ranks: hard-link their files in
             table = CaptionTable.open(str(self.captions_path))
-            info = assemble(tmp, self.parts, table=table, link_from=True)
+            info = assemble(tmp, self.parts, table=table, link_from=True, probe=ctx.probe)
             return {**info, "seconds_captions": self.captions_seconds}
         work = tmp / "_work"
         work.mkdir(parents=True, exist_ok=True)
@@ -330,10 +331,11 @@ class _Builder:
             built = _build_in_parts(
                 self.cfg, shards=shards, out_dir=tmp / "parts", fingerprint=self.fingerprint,
                 part_shards=one_builder_part_shards(self.cfg, len(shards)), probe=ctx.probe,
+                on_phase=ctx.set_phase,
                 loading=loading, source=self.inputs.source,
                 captions_path=work / "captions.arrow", progress=self.progress,
             )  # fmt: skip
-        info = assemble(tmp, built, table=table, link_from=False)
+        info = assemble(tmp, built, table=table, link_from=False, probe=ctx.probe)
         shutil.rmtree(work, ignore_errors=True)
         return {**info, "seconds_captions": seconds_captions}
 
@@ -343,6 +345,7 @@ class _Builder:
 
         tmp = Path(ctx.tmp_dir)
         conv = Path(ctx.previous["converted"])
+        ctx.check_ownership()
         if (conv / REASONS_FILE).exists():  # the final reasons, across parts
             reason_files = [conv / REASONS_FILE]
         else:  # published by hf_pipeline 0.1: in the embedding files
@@ -405,7 +408,7 @@ def one_builder_part_shards(cfg: Config, num_shards: int) -> int:
 
 def _build_in_parts(
     cfg: Config, *, shards, part_shards: int, out_dir: Path, fingerprint: str, probe,
-    loading: _EncoderLoading, source, captions_path: Path, progress: bool,
+    loading: _EncoderLoading, source, captions_path: Path, progress: bool, on_phase=None,
 ) -> list[tuple[Path, dict[str, Any]]]:  # fmt: skip
     """``shards`` built in parts of ``part_shards`` (:func:`hf_pipeline.parts.plan_parts`)
     into ``out_dir/part-NNNNN/``, the embedding of each overlapping the join of the next
@@ -427,6 +430,7 @@ def _build_in_parts(
         cfg=cfg,
         probe=probe,
         encoder=loading.encoder,
+        on_phase=on_phase,
         join_kw={
             "source": source,
             "captions_path": str(captions_path),
@@ -458,27 +462,121 @@ def _me() -> dict[str, Any]:
 
 _RESOLUTIONS: dict[str, int] = {}  # resolutions of each config so far, this process
 
+#: The config fields every rank of a job must have equal (:func:`_agree`): what the
+#: cache holds, how the ranks split the build, and the sample order and model they
+#: train. Not the per-host ones (paths, worker counts, devices, prefetching): node-local
+#: copies and caches legitimately differ.
+_AGREED_FIELDS = (
+    "name",
+    *(f"data.{f}" for f in ("key_column", "caption_column", "on_missing", "on_bad_rows", "demo")),
+    *(f"encoder.{f}" for f in ("model", "revision", "max_length", "dtype", "output_dtype",
+                               "normalize")),
+    *(f"build.{f}" for f in ("latent_dtype", "parallel", "part_shards", "pull_from")),
+    "coord.scope",
+    *(f"loader.{f}" for f in ("global_batch_size", "seed", "crop", "shuffle", "partition",
+                              "block_size", "window_blocks", "drop_last", "latents_dtype")),
+    *(f"train.{f}" for f in ("steps", "learning_rate", "hidden", "seed")),
+)  # fmt: skip
+
+
+def _agreed_config(cfg: Config) -> dict[str, Any]:
+    """The :data:`_AGREED_FIELDS` of ``cfg`` by dotted name (JSON-able values)."""
+    d, out = cfg.to_dict(), {}
+    for name in _AGREED_FIELDS:
+        value: Any = d
+        for part in name.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        out[name] = json.loads(json.dumps(value, default=str))
+    return out
+
+
+def _agreement_store(cfg: Config, process):
+    """The store the ranks agree through (None: no job store, no agreement): the job's
+    (:func:`dist.kvstore.launch_store`), else, when the launcher names the job and the
+    ranks share the cache root, a folder of the job's own under it."""
+    from dist.kvstore import FileJobStore, launch_job_id, launch_store
+
+    if process.world_size <= 1:
+        return None
+    store = launch_store()
+    if store is not None:
+        return store
+    job = launch_job_id()
+    if job is None or cfg.coord.scope != "shared":
+        return None
+    return FileJobStore(cfg.cache_root / _JOBS_DIR / job, poll_interval=cfg.coord.poll_interval)
+
+
+#: Under the cache root: one folder per launch (its id) holding the ranks' agreement.
+_JOBS_DIR = ".jobs"
+
+
+def _agree(cfg: Config, process, store, **values: Any) -> None:
+    """Every rank checks that all ranks have its world size, config (and ``values``:
+    the fingerprint): else :class:`dist.agreement.RankDisagreementError` (exit 2) on
+    every rank, before anything is built."""
+    from dist.agreement import agree
+
+    try:
+        agree(
+            store, key="hf_pipeline.agree", rank=process.rank, world_size=process.world_size,
+            values={**_agreed_config(cfg), **values}, timeout=cfg.coord.max_wait,
+        )  # fmt: skip
+    except OSError as e:
+        # A read-only cache root (a published cache mounted ro) must still load: the
+        # ranks' own folder there cannot be written, so they go unchecked, as before.
+        if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        log.warning("ranks not checked for agreement: cannot write %s (%s)", e.filename, e.strerror)
+
+
+def job_identity(cfg: Config, process) -> tuple[Inputs, str]:
+    """The inputs and the cache fingerprint of this job, agreed on by its ranks.
+
+    With a job store (:func:`_agreement_store`) the ranks first agree on their world
+    size and config (a rank with another config would otherwise wait for inputs under a
+    key nobody sets), then rank 0 resolves the inputs for all
+    (:func:`resolve_job_inputs`), then they agree on the fingerprint (node-local copies
+    of the inputs may differ).
+
+    Raises:
+        dist.agreement.RankDisagreementError: the ranks differ (on every rank).
+    """
+    store = _agreement_store(cfg, process)
+    if store is not None:
+        _agree(cfg, process, store)
+    inputs, encoder = resolve_job_inputs(cfg, process)
+    fingerprint = compute_fingerprint(
+        cfg, [f.identity() for f in inputs.shards], inputs.metadata.identity(), encoder
+    )
+    if store is not None:
+        _agree(cfg, process, store, fingerprint=fingerprint)
+    return inputs, fingerprint
+
 
 def resolve_job_inputs(cfg: Config, process) -> tuple[Inputs, dict[str, Any]]:
     """The inputs and the encoder's identity, resolved by one rank for the whole job.
 
-    With a remote source (``hf://``, ``gs://``) and an initialised ``torch.distributed``
-    or ``jax.distributed`` job, global rank 0 lists the shards, finds the metadata and
+    With a remote source (``hf://``, ``gs://``) and a job store (an initialised
+    ``torch.distributed`` or ``jax.distributed`` job, or torchrun's agent store: see
+    :func:`dist.kvstore.launch_store`), global rank 0 lists the shards, finds the metadata and
     resolves the revisions, and shares the result (with its error, if it failed) through
     the job's key-value store: 800 ranks make one set of Hub/GCS API calls, not 800 (the
     Hub answers a stampede with 429s), and every rank computes the same fingerprint.
     Local folders (and the demo) are resolved by each rank: no API calls, and a
     node-local copy is what that rank reads.
     """
-    from dist.kvstore import job_store
+    from dist.kvstore import JobStore, launch_store
     from hf_pipeline.embed import encoder_identity
 
     remote = cfg.data.shards.startswith(("hf://", "gs://"))
-    store = job_store() if remote and process.world_size > 1 else None
-    if store is None:
+    store = launch_store() if remote and process.world_size > 1 else None
+    if not isinstance(store, JobStore):
         return resolve_inputs(cfg), encoder_identity(cfg.encoder)
+    # The fields the ranks agreed on, and the source: not the per-host paths (a
+    # node-local cache_dir must not keep its ranks from meeting rank 0's key).
     config_key = hashlib.sha256(
-        json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()
+        json.dumps([_agreed_config(cfg), cfg.data.shards, cfg.data.metadata], default=str).encode()
     ).hexdigest()[:16]
     # Every rank makes the same sequence of prepare_cache calls: the n-th call of one
     # config reads the n-th resolution, never a stale one.
@@ -566,7 +664,7 @@ def _build_parts_together(cfg, inputs, fingerprint, layout, process, progress, t
                     cfg, shards=part, part_shards=overlap_part_shards(cfg, len(part)),
                     out_dir=Path(ctx.tmp_dir), fingerprint=f"{fingerprint}-{plan.name}",
                     probe=ctx.probe, loading=loading, source=inputs.source,
-                    captions_path=captions_path, progress=progress,
+                    captions_path=captions_path, progress=progress, on_phase=ctx.set_phase,
                 )  # fmt: skip
                 return {"pieces": [{**info, "dir": f.name} for f, info in pieces]}
 
@@ -612,10 +710,7 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
     check_not_bootstrapping()
     t0 = time.monotonic()
     process = process or detect()
-    inputs, encoder = resolve_job_inputs(cfg, process)
-    fingerprint = compute_fingerprint(
-        cfg, [f.identity() for f in inputs.shards], inputs.metadata.identity(), encoder
-    )
+    inputs, fingerprint = job_identity(cfg, process)
     layout = CacheLayout.for_config(cfg, fingerprint)
     if not cfg.data.staging_dir:
         # One staging folder per identity: two builds of the same source on one host

@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,18 +43,25 @@ def embed_rows(
     probe,
     ahead: EncodeAhead,
     duplicate: np.ndarray,
+    on_phase=None,
 ) -> pa.Table:
     """``datasets.map`` function (Arrow format): the batch's final reasons, and its
     embeddings from :class:`EncodeAhead` (kept rows; zeros elsewhere), as an Arrow
-    table."""
+    table. ``on_phase("embedding")`` is called as the first batch starts."""
     probe.check()  # a builder that lost its lease stops at the next batch
     idx = np.asarray(indices, dtype=np.int64)
+    if on_phase is not None and len(idx) and idx[0] == 0:
+        on_phase("embedding")
     if isinstance(reasons, pa.ChunkedArray):
         reasons = reasons.combine_chunks()
     # In Arrow, not a Python string per row: this runs beside the encoder's thread,
     # whose kernel launches wait for the interpreter lock.
     final = pc.if_else(pa.array(keep_mask(reasons) & duplicate[idx]), DUPLICATE, reasons)
     emb = ahead.get(int(idx[0])) if len(idx) else np.zeros((0, ahead.dim), ahead.dtype)
+    # Again after the wait for the encoder (seconds; a pause lands here): the map
+    # creates the output folder and file after the first batch, and the lost lease's
+    # folder may be gone by now (collected by its successor).
+    probe.check()
     flat = pa.array(np.ascontiguousarray(emb).reshape(-1))  # no copy
     embedding = pa.FixedSizeListArray.from_arrays(flat, ahead.dim)
     return pa.table({"embedding": embedding, "drop_reason": final})
@@ -187,6 +195,7 @@ def embed_joined_rows(
     out_file: Path,
     fingerprint: str,
     reasons: ReasonCodes | None = None,
+    on_phase: Callable[[str], None] | None = None,
 ) -> EmbedResult:
     """Embed the kept rows of ``rows`` (the join's output) into ``out_file``.
 
@@ -200,6 +209,8 @@ def embed_joined_rows(
         out_file: where ``datasets`` writes ``embedding, drop_reason``.
         fingerprint: used for the ``datasets`` cache fingerprint.
         reasons: the join's ``drop_reason`` column as codes, when the caller has them.
+        on_phase: told ``"embedding"`` as the first batch starts (the builder's
+            heartbeat phase: :meth:`dist.coordinator.StageContext.set_phase`).
     """
     from datasets import Dataset, Features, List, Value
 
@@ -212,6 +223,7 @@ def embed_joined_rows(
         # new columns and writes no file; the part still needs its (empty) file.
         from datasets.arrow_writer import ArrowWriter
 
+        probe.check()  # never re-create a lost lease's folder
         Path(out_file).parent.mkdir(parents=True, exist_ok=True)
         with ArrowWriter(features=features, path=str(out_file)) as writer:
             writer.finalize()
@@ -234,7 +246,12 @@ def embed_joined_rows(
             with_indices=True,
             remove_columns=rows.column_names,
             features=features,
-            fn_kwargs={"probe": probe, "ahead": ahead, "duplicate": duplicate},
+            fn_kwargs={
+                "probe": probe,
+                "ahead": ahead,
+                "duplicate": duplicate,
+                "on_phase": on_phase,
+            },
             cache_file_name=str(out_file),
             new_fingerprint=f"{fingerprint}-embeddings",
             keep_in_memory=False,

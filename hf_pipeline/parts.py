@@ -33,7 +33,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -150,8 +150,9 @@ def join_part(
     return JoinedPart(out_dir, len(shards), joined, seconds, fingerprint, (wall0, time.time()))
 
 
-def embed_part(part: JoinedPart, *, cfg, probe, encoder) -> dict[str, Any]:
-    """Embed a joined part (the accelerator); the part's info (JSON-able)."""
+def embed_part(part: JoinedPart, *, cfg, probe, encoder, on_phase=None) -> dict[str, Any]:
+    """Embed a joined part (the accelerator); the part's info (JSON-able). ``on_phase``:
+    see :func:`hf_pipeline.embed_stage.embed_joined_rows`."""
     from hf_pipeline.embed_stage import embed_joined_rows
 
     wall0 = time.time()
@@ -172,6 +173,7 @@ def embed_part(part: JoinedPart, *, cfg, probe, encoder) -> dict[str, Any]:
         out_file=part.out_dir / "embeddings" / "data.arrow",
         fingerprint=part.fingerprint,
         reasons=pre,
+        on_phase=on_phase,
     )
     return {
         "shards": part.shards,
@@ -198,7 +200,13 @@ def embed_part(part: JoinedPart, *, cfg, probe, encoder) -> dict[str, Any]:
 
 
 def build_parts_overlapped(
-    parts: Sequence[Mapping[str, Any]], *, cfg, probe, encoder, join_kw: Mapping[str, Any]
+    parts: Sequence[Mapping[str, Any]],
+    *,
+    cfg,
+    probe,
+    encoder,
+    join_kw: Mapping[str, Any],
+    on_phase: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Join and embed ``parts`` into their folders, in order, the embedding of part k
     (the accelerator, on a thread) overlapping the join of part k+1 (the ``num_proc``
@@ -217,6 +225,7 @@ def build_parts_overlapped(
             key-sorted caption table), ``progress`` (the fetcher's progress bar) and
             ``tokenizer`` (the encoder's :class:`hf_pipeline.embed.CaptionTokenizer` or a
             future of it: the join workers tokenize with it; None: loaded for the join).
+        on_phase: told the builder's phase (``"embedding"``) for its heartbeat.
 
     Returns:
         Each part's info, in order. The first failure (join or embedding) stops the
@@ -233,7 +242,14 @@ def build_parts_overlapped(
                 done.result()  # an embedding failed: stop joining
             joined = join_part(cfg=cfg, probe=probe, **join_kw, **part_kw)
             pending.append(
-                embedder.submit(embed_part, joined, cfg=cfg, probe=embed_probe, encoder=encoder)
+                embedder.submit(
+                    embed_part,
+                    joined,
+                    cfg=cfg,
+                    probe=embed_probe,
+                    encoder=encoder,
+                    on_phase=on_phase,
+                )  # fmt: skip
             )
         return [f.result() for f in pending]
     except BaseException:
@@ -290,6 +306,7 @@ def assemble(
     *,
     table,
     link_from: bool,
+    probe=None,
 ) -> dict[str, Any]:
     """Assemble ``parts`` (folder, info), in shard order, into the ``converted`` stage.
 
@@ -300,11 +317,14 @@ def assemble(
         table: the caption table (for ``no_latents``).
         link_from: the part folders are elsewhere (published by other leases): hard-link
             their files in (never a copy of the latents); else they already are in place.
+        probe: checked before anything is written (a lost lease writes nothing).
 
     Returns:
         The ``converted`` stage info (the report's inputs).
     """
     t0 = time.monotonic()
+    if probe is not None:
+        probe.check()  # the parts were built by threads that may outlive a lost lease
     placed = []
     for i, (folder, _) in enumerate(parts):
         target = stage_dir / _PARTS / f"part-{i:05d}"

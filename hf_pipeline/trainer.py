@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import gc
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -67,18 +66,25 @@ class TrainResult:
 
 
 def init_jax_distributed(process, environ=None) -> bool:
-    """Join a ``jax.distributed`` job when ``JAX_COORDINATOR_ADDRESS`` is set.
+    """Join the job's ``jax.distributed`` when there are several processes.
 
-    Uses the rank and world size detected by :mod:`dist.env` (torchrun, SLURM, ...).
-    Returns True when JAX now spans several processes.
+    The coordinator comes from ``JAX_COORDINATOR_ADDRESS``, else from the launcher's
+    ``MASTER_ADDR``/``MASTER_PORT`` (torchrun), else from SLURM or Open MPI
+    (:func:`dist.env.jax_initialize_args`); the rank and world size are those
+    :mod:`dist.env` detected. Returns True when JAX now spans several processes.
+
+    Raises:
+        dist.env.EnvironmentConflictError: several processes but no coordinator to be
+            found (each would train its own model): names what to set.
     """
-    env = os.environ if environ is None else environ
-    addr = env.get("JAX_COORDINATOR_ADDRESS")
-    if not addr or process.world_size <= 1:
+    from dist.env import jax_initialize_args
+
+    kwargs = jax_initialize_args(process, environ)
+    if kwargs is None:
         return False
     import jax
 
-    jax.distributed.initialize(addr, num_processes=process.world_size, process_id=process.rank)
+    jax.distributed.initialize(**kwargs)
     return True
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -127,3 +130,95 @@ def test_sigkilled_builder_takes_its_join_workers_with_it(small_config, tmp_path
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _wait_for_phase(cache, pid: int, phase: str, timeout: float, procs) -> Path:
+    """The heartbeat file of process ``pid`` once it says ``phase`` (what ``--status``
+    shows), waiting with a deadline; fails early when a process of ``procs`` died."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        for hb in cache.glob("*/heartbeat-*.json"):
+            try:
+                d = json.loads(hb.read_text())
+            except (OSError, ValueError):  # replaced under us
+                continue
+            if d.get("pid") == pid and d.get("phase") == phase:
+                return hb
+        for p in procs:
+            assert p.poll() is None, f"process {p.pid} ended (rc {p.returncode}) before {phase}"
+        assert time.monotonic() < deadline, f"process {pid} reached no {phase!r} in {timeout}s"
+        time.sleep(0.01)
+
+
+def test_builder_paused_in_the_embedding_leaves_no_folder_behind(small_config, tmp_path):
+    """Issue 24 item 11: a builder SIGSTOPped while its encoder runs, whose successor
+    publishes and deletes the old lease's folder meanwhile, must not re-create that
+    folder when it resumes (the embeddings file, ``reasons.arrow``): once it exits, the
+    cache holds exactly the published stages."""
+    import os
+    import signal
+
+    data = copy_inputs(small_config, tmp_path / "data")
+    cache = tmp_path / "cache"
+    overrides = [
+        *SMALL_DEMO,
+        f"data.shards={data}",
+        "coord.lease_timeout=5",
+        "coord.heartbeat_interval=0.3",
+        "coord.poll_interval=0.1",
+    ]
+    args = [sys.executable, str(REPO / "scripts/prebuild_cache.py"), "-q", "--cache-dir",
+            str(cache), *[a for o in overrides for a in ("--set", o)]]  # fmt: skip
+    procs = [
+        subprocess.Popen(args, env=script_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                         LOCAL_WORLD_SIZE="2"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]  # fmt: skip
+    victim, successor = procs
+    try:
+        # The heartbeat says "embedding" once the first batch waits for the encoder.
+        hb = _wait_for_phase(cache, victim.pid, "embedding", timeout=300, procs=procs)
+        os.kill(victim.pid, signal.SIGSTOP)
+        try:
+            root = hb.parent
+            old = root / ("converted." + hb.name[len("heartbeat-") : -len(".json")])
+            assert old.is_dir()
+            _, err = successor.communicate(timeout=400)
+            assert successor.returncode == 0, err
+            assert (root / "filtered.json").exists() and not old.exists()
+        finally:
+            os.kill(victim.pid, signal.SIGCONT)
+        _, err = victim.communicate(timeout=120)
+        assert victim.returncode == 0, err
+        assert "standing down" in err or "taken over" in err, err
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+                p.wait()
+    markers = [json.loads((root / f"{s}.json").read_text()) for s in ("converted", "filtered")]
+    assert all(m["lease_id"] not in old.name for m in markers)
+    published = sorted(
+        [f"{s}.json" for s in ("converted", "filtered")] + [m["directory"] for m in markers]
+    )
+    assert not old.exists(), sorted(str(p.relative_to(old)) for p in old.rglob("*"))
+    assert sorted(os.listdir(root)) == published
+
+
+def test_ranks_of_a_named_job_load_a_read_only_cache(small_config, built_cache, tmp_path, mounts):
+    """The ranks' agreement writes under the cache root (<root>/.jobs/<job id>/); on a
+    read-only mount of a built cache they still load it, writing nothing."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    mounts("--bind", str(small_config.cache_root), str(ro))
+    run_mount("-o", "remount,bind,ro", str(ro))
+    before = _snapshot(ro)
+    args = ["-q", "--cache-dir", str(ro), *[a for o in SMALL_DEMO for a in ("--set", o)]]
+    runs = run_ranks([REPO / "scripts/prebuild_cache.py", *args], 2, SLURM_JOB_ID="77")
+    for code, out, err in runs:
+        assert code == 0, err[-3000:]
+        assert "[found]" in out or "found" in out, out
+    assert _snapshot(ro) == before

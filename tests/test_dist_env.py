@@ -230,3 +230,46 @@ jax.distributed.shutdown()
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["single", "jax.distributed 0 1"]
+
+
+# ------------------------------------------ the jax.distributed coordinator (issue 24/14)
+
+
+@pytest.mark.parametrize(
+    "env,expected",
+    [
+        ({"RANK": "1", "WORLD_SIZE": "2", "JAX_COORDINATOR_ADDRESS": "h:9", "MASTER_ADDR": "m",
+          "MASTER_PORT": "5"}, {"coordinator_address": "h:9", "num_processes": 2, "process_id": 1}),
+        ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "m", "MASTER_PORT": "29500"},
+         {"coordinator_address": "m:29501", "num_processes": 2, "process_id": 1}),
+        ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4"}, {}),  # JAX reads SLURM itself
+        ({"RANK": "0", "WORLD_SIZE": "1"}, None),
+    ],
+)  # fmt: skip
+def test_jax_initialize_args_from_the_launcher(env, expected):
+    from dist.env import jax_initialize_args
+
+    assert jax_initialize_args(detect(environ=env), env) == expected
+
+
+@pytest.mark.parametrize(
+    "env,named",
+    [
+        ({"RANK": "0", "WORLD_SIZE": "2"}, "JAX_COORDINATOR_ADDRESS"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "m", "MASTER_PORT": "x"}, "MASTER_PORT"),
+    ],
+)
+def test_jax_initialize_args_refuses_what_names_no_coordinator(env, named):
+    from dist.env import jax_initialize_args
+
+    with pytest.raises(EnvironmentConflictError, match=named) as info:
+        jax_initialize_args(detect(environ=env), env)
+    assert named in info.value.variables
+    assert pickle.loads(pickle.dumps(info.value)).variables == info.value.variables
+
+
+def test_rank_disagreement_error_pickles_with_rank_and_field():
+    from dist.agreement import RankDisagreementError
+
+    e = pickle.loads(pickle.dumps(RankDisagreementError("ranks disagree", 3, "world_size")))
+    assert (str(e), e.rank, e.field, e.input_error) == ("ranks disagree", 3, "world_size", True)

@@ -10,6 +10,7 @@ import pytest
 from tests.conftest import REPO, SMALL_DEMO, run_ranks
 from tests.helpers.caches import copy_inputs
 from tests.helpers.dist_job import two_rank_nodes
+from tests.servers import shard_dir  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -255,3 +256,170 @@ def test_one_builder_in_parts_overlaps_and_equals_one_part(small_config, tmp_pat
             assert parts[k]["wall"]["join"][1] <= parts[k + 1]["wall"]["join"][0] + 1e-3
     assert not [t for t in threading.enumerate() if t.name.startswith("hf_pipeline-embed")]
     _assert_same_cache(one, res)
+
+
+# ------------------------------------------------ issue 24 item 12: ranks must agree
+
+
+def _start_each(argvs_envs, timeout: float = 300) -> list[tuple[int, str, str]]:
+    """Start one real process per ``(argv, env)`` at once; their (code, stdout, stderr).
+    Every process is killed if the wait fails."""
+    import subprocess
+
+    from tests.conftest import PYTHON, script_env
+
+    procs = [
+        subprocess.Popen([PYTHON, *map(str, argv)], env=script_env(**env), text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for argv, env in argvs_envs
+    ]  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs, strict=True)]
+
+
+def _rank_env(rank: int, world: int, **extra: str) -> dict[str, str]:
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world), **extra}  # fmt: skip
+
+
+def _one_error_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    return lines[0]
+
+
+def test_rank_with_another_world_size_stops_every_rank(small_config, tmp_path):
+    """A rank started with WORLD_SIZE=2 among 4 (parallel: ranks, one shared cache root,
+    a launcher that names the job): every rank exits 2 with the same line naming rank 1
+    and world_size, and nothing is built (it used to retire the others' part markers)."""
+    data = copy_inputs(small_config, tmp_path / "data")
+    cache = tmp_path / "cache"
+    argv = [REPO / "scripts/prebuild_cache.py", "-q", "--cache-dir", cache,
+            *[a for o in [*SMALL_DEMO, f"data.shards={data}", "build.parallel=ranks"]
+              for a in ("--set", o)]]  # fmt: skip
+    job = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"}
+    runs = _start_each([(argv, _rank_env(r, 2 if r == 1 else 4, **job)) for r in range(4)])
+    lines = set()
+    for code, _out, err in runs:
+        assert code == 2, err[-3000:]
+        lines.add(_one_error_line(err))
+    (line,) = lines  # the same line on every rank
+    assert "rank 1 has world_size=2 but rank 0 has 4" in line, line
+    assert not list(cache.glob("*/parts")) and not list(cache.glob("*/converted*"))
+
+
+def test_rank_with_another_config_stops_every_rank(small_config, tmp_path):
+    """A rank started with encoder.max_length=32 used to build a second complete cache
+    alone: now both ranks exit 2 naming the field, before building anything."""
+    data = copy_inputs(small_config, tmp_path / "data")
+    cache = tmp_path / "cache"
+    argv = [REPO / "scripts/prebuild_cache.py", "-q", "--cache-dir", cache,
+            *[a for o in [*SMALL_DEMO, f"data.shards={data}", "build.parallel=ranks"]
+              for a in ("--set", o)]]  # fmt: skip
+    job = {"HF_PIPELINE_JOB_ID": "config-mismatch"}
+    runs = _start_each([
+        (argv, _rank_env(0, 2, **job)),
+        ([*argv, "--set", "encoder.max_length=32"], _rank_env(1, 2, **job)),
+    ])  # fmt: skip
+    lines = {_one_error_line(err) for code, _out, err in runs if code == 2}
+    assert [code for code, _, _ in runs] == [2, 2], runs
+    (line,) = lines
+    assert "rank 1 has encoder.max_length=32 but rank 0 has" in line, line
+    assert not list(cache.glob("demo-*"))
+
+
+def test_two_jobs_on_one_cache_root_do_not_meet(tmp_path):
+    """Two launches on one cache root, with different configs, agree each within its
+    own job (their ids differ); a later launch with an id already used is refused."""
+    root = str(tmp_path / "root")
+    script = REPO / "tests/procs/agree_rank.py"
+
+    def job(job_id: str, max_length: int) -> list:
+        sets = [f"build.cache_dir={root}", f"encoder.max_length={max_length}",
+                "coord.poll_interval=0.05", "coord.max_wait=120"]  # fmt: skip
+        return [([script, *sets], _rank_env(r, 2, SLURM_JOB_ID=job_id)) for r in range(2)]
+
+    runs = _start_each([*job("100", 32), *job("101", 64)], timeout=200)
+    for code, out, err in runs:
+        assert code == 0, err[-3000:]
+        assert json.loads(out) == {"store": "FileJobStore"}
+    # The same id again (a launcher reusing it): refused, not the first launch's posts read.
+    runs = _start_each(job("100", 32), timeout=200)
+    assert [code for code, _, _ in runs] == [2, 2], runs
+    assert all("already posted" in _one_error_line(err) for _, _, err in runs)
+
+
+# ------------------------------ issue 24 item 14: a torchrun launch is one JAX job
+
+
+def test_torchrun_ranks_train_one_model(small_config, built_cache, tmp_path):
+    """README's launch line without JAX_COORDINATOR_ADDRESS: real torchrun, 2 ranks.
+    They join one jax.distributed job (coordinator from MASTER_ADDR/MASTER_PORT), so
+    after the steps both hold the same parameters (they used to train a model each)."""
+    overrides = [*SMALL_DEMO, f"build.cache_dir={small_config.cache_root}",
+                 "train.steps=6", "loader.global_batch_size=16"]  # fmt: skip
+    runs = _start_each(
+        [([ "-m", "torch.distributed.run", "--nproc_per_node", "2",
+            REPO / "tests/procs/train_rank.py", tmp_path / "out-{rank}.json", *overrides],
+          {"OMP_NUM_THREADS": "1"})],
+        timeout=400,
+    )  # fmt: skip
+    code, out, err = runs[0]
+    assert code == 0, (out + err)[-4000:]
+    records = [json.loads((tmp_path / f"out-{r}.json").read_text()) for r in range(2)]
+    assert [r["process_count"] for r in records] == [2, 2], records
+    assert records[0]["params"] == records[1]["params"], records
+
+
+def test_ranks_without_a_coordinator_are_refused(small_config, tmp_path):
+    """RANK/WORLD_SIZE but nothing naming a coordinator (no MASTER_ADDR/MASTER_PORT,
+    no JAX_COORDINATOR_ADDRESS): train.py refuses with one line naming what to set,
+    exit 2, rather than train one model per rank."""
+    argv = [REPO / "scripts/train.py", "-q", "--cache-dir", tmp_path / "cache",
+            *[a for o in SMALL_DEMO for a in ("--set", o)]]  # fmt: skip
+    runs = _start_each([(argv, _rank_env(r, 2)) for r in range(2)], timeout=200)
+    for code, _out, err in runs:
+        assert code == 2, err[-3000:]
+        line = _one_error_line(err)
+        assert "JAX_COORDINATOR_ADDRESS" in line and "MASTER_ADDR" in line, line
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.remote
+def test_torchrun_ranks_make_the_hub_requests_of_one(shard_dir, tmp_path):  # noqa: F811
+    """8 ranks launched by real torchrun, no process group of their own, from hf://:
+    torchrun's store is the job store, so they make the Hub API requests of one rank
+    (each rank used to resolve the inputs itself: 5 requests per rank)."""
+    from tests.servers.hub import FakeHub
+
+    files = {f"latents/{p.name}": p.read_bytes() for p in shard_dir.glob("*.pt")}
+    files["coyo11m-meta.parquet"] = (shard_dir / "coyo11m-meta.parquet").read_bytes()
+    overrides = ["data.shards=hf://datasets/org/coyo-like/latents", "build.num_proc=1"]
+    script = REPO / "tests/procs/resolve_launched.py"
+    with FakeHub(page_size=2) as hub:
+        hub.add_commit("org/coyo-like", files)
+        env = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "OMP_NUM_THREADS": "1"}
+        (single,) = _start_each(
+            [([script, tmp_path / "one.json", *overrides], {**env, "HF_HOME": str(tmp_path / "h1")})]
+        )
+        assert single[0] == 0, single[2][-3000:]
+        requests_one = len(hub.log)
+        assert requests_one > 0
+        (launch,) = _start_each(
+            [(["-m", "torch.distributed.run", "--nproc_per_node", "8", script,
+               tmp_path / "r{rank}.json", *overrides], {**env, "HF_HOME": str(tmp_path / "h8")})],
+            timeout=400,
+        )  # fmt: skip
+        assert launch[0] == 0, (launch[1] + launch[2])[-4000:]
+        requests_eight = len(hub.log) - requests_one
+    one = json.loads((tmp_path / "one.json").read_text())
+    eight = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(8)]
+    assert requests_eight == requests_one, (requests_one, requests_eight)
+    assert {r["fingerprint"] for r in eight} == {one["fingerprint"]}
+    assert all(r["shards"] == one["shards"] == 4 for r in eight)

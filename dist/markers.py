@@ -57,9 +57,10 @@ SCHEMA_VERSION = 1
 _EDGE = 1 << 20  # checksum covers the first and last MiB: catches truncation and torn tails
 
 #: Largest JSON file read from a cache folder or a store (markers, manifests, failure
-#: records, heartbeats). A marker or manifest costs ~160 bytes per listed file; a
-#: COYO-11M cache lists a few thousand files (< 1 MiB): 64 MiB is a wide margin, and
-#: parsing that much takes well under 1 GB of memory.
+#: records, heartbeats, reports). Measured: a manifest entry is 216 bytes (path, size,
+#: crc32c, sha256), a marker entry ~125; the demo's converted.json is 3 KB (4 files). A
+#: cache has about parts x (num_proc + 1) files: COYO-11M over 800 ranks with num_proc=16
+#: is ~14k files, a ~3 MB manifest. 64 MiB holds ~300k files: a 20x margin.
 MAX_JSON_BYTES = 64 << 20
 #: Deepest nesting accepted. Ours are 4 deep (marker -> files -> entry; info -> dict);
 #: Python's parser dies of RecursionError near 1000.

@@ -28,8 +28,12 @@ A later stage is pulled only over earlier local stages of the same content as th
 published ones (a stage built here before, e.g. by a run without ``pull_from``, is not
 mixed with a published later stage: that stage is built here too).
 
-Files a marker lists outside its own stage folder (a future part layout) are placed in
-the stage folder under their cache-relative path, so the local marker still covers them.
+Every path a published marker, the manifest or the store's listing holds is checked
+(:mod:`dist.safepath`) before any filesystem call, and a published marker must name a
+folder of its own stage and list only files inside it
+(:func:`hf_pipeline.published.find_published`): a pull writes only inside the lease's
+stage folder and the staging folder. (:func:`local_relpath` still maps a file outside
+its marker's folder to its whole cache-relative path, for local markers.)
 """
 
 from __future__ import annotations

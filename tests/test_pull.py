@@ -490,3 +490,22 @@ def test_pull_refuses_a_marker_whose_folder_is_not_where_its_files_are(
     with pytest.raises(CacheFormatError, match=r"converted\.json: lists '.*' outside its folder"):
         prepare_cache(config(source_cache.data, root, f"build.pull_from={url}"), progress=False)
     _nothing_published(root)
+
+
+def test_status_shows_forged_published_names_escaped_and_damaged(source_cache, gcs_exact_store):
+    """Issue 23, item 6: a folder named ``demo\\nERROR ...-<16 hex>`` was listed with its
+    newline (a forged line in `--status` output), and a cache whose listing holds a
+    control character was read on. Both are "damaged", their names escaped."""
+    from hf_pipeline.publish_store import open_store
+    from hf_pipeline.published import list_published
+
+    server, url = gcs_exact_store
+    fs = gcs_fs(server)
+    forged = "demo\nERROR: everything is fine-0123456789abcdef"
+    fs.pipe_file(f"{url[5:]}/{forged}/converted.json", b"{}")
+    fs.pipe_file(f"{url[5:]}/demo-fedcba9876543210/a\x01b", b"{}")
+    rows = list_published(open_store(url, data_config=source_cache.cfg.data), STAGES)
+    assert [r.state for r in rows] == ["damaged", "damaged"], rows
+    assert all("\n" not in r.name + r.problem and "\x01" not in r.problem for r in rows), rows
+    assert rows[0].name == ascii(forged) and "control character" in rows[0].problem
+    assert rows[1].name == "demo-fedcba9876543210" and "'a\\x01b'" in rows[1].problem

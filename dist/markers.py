@@ -371,9 +371,10 @@ def _file_problems(marker: Marker, base: Path, *, verify: bool) -> list[str]:
     if not directory.is_dir():
         problems.append(f"stage folder {marker.directory!r} missing")
         return problems
+    seen: set[Path] = set()
     for entry in marker.files:
         try:
-            p = join_under(base, entry.path)
+            p = join_under(base, entry.path, checked_dirs=seen)
             size = p.stat().st_size
         except UnsafePathError as e:
             problems.append(f"listed file {entry.path!r}: {e.reason}")

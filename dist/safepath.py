@@ -138,13 +138,22 @@ def check_name(name: str) -> str:
     return name
 
 
-def join_under(base: str | os.PathLike, path: str) -> Path:
+def join_under(
+    base: str | os.PathLike, path: str, *, checked_dirs: set[Path] | None = None
+) -> Path:
     """``base / path`` for a foreign ``path``, proven to stay under ``base``.
 
     ``path`` is checked with :func:`check_relpath`; then every component between
     ``base`` and the result that already exists is ``lstat``-ed: none may be a symlink
     (a link placed in a cache could point anywhere). Components that do not exist yet
     are fine (the caller creates them under a checked parent).
+
+    Args:
+        base: the folder ``path`` is relative to.
+        path: the foreign path.
+        checked_dirs: folders already found not to be symlinks, skipped, and added to
+            (one set across the files of one marker: one ``lstat`` per folder, not per
+            file and level, on NFS).
 
     Raises:
         UnsafePathError: ``path`` is unsafe, or a component on the way is a symlink.
@@ -156,12 +165,17 @@ def join_under(base: str | os.PathLike, path: str) -> Path:
     if os.path.commonpath([os.path.abspath(base), os.path.abspath(out)]) != os.path.abspath(base):
         raise UnsafePathError(path, f"leaves {base}")
     here = base
-    for part in path.split("/"):
+    parts = path.split("/")
+    for i, part in enumerate(parts):
         here = here / part
+        if checked_dirs is not None and here in checked_dirs:
+            continue
         try:
             mode = os.lstat(here).st_mode
         except (FileNotFoundError, NotADirectoryError):
             break  # nothing below a missing component exists either
         if stat.S_ISLNK(mode):
             raise UnsafePathError(path, f"{here} is a symlink")
+        if checked_dirs is not None and i < len(parts) - 1:
+            checked_dirs.add(here)
     return out

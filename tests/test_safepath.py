@@ -128,3 +128,17 @@ def test_a_marker_listing_an_unsafe_path_reads_as_absent_in_one_line(path, tmp_p
         assert read_marker(tmp_path / "converted.json", fingerprint="f", base_dir=tmp_path) is None
     [line] = [r.getMessage() for r in caplog.records]
     assert "unsafe path" in line and "\n" not in line and "\x00" not in line, line
+
+
+def test_join_under_checks_each_folder_once_with_a_shared_set(tmp_path):
+    (tmp_path / "s" / "rows").mkdir(parents=True)
+    seen: set = set()
+    join_under(tmp_path, "s/rows/a.arrow", checked_dirs=seen)
+    assert seen == {tmp_path / "s", tmp_path / "s" / "rows"}
+    # A folder replaced by a symlink after it was checked is the caller's set's business;
+    # a fresh set finds it.
+    (tmp_path / "s" / "rows").rmdir()
+    os.symlink(tmp_path, tmp_path / "s" / "rows")
+    assert join_under(tmp_path, "s/rows/b.arrow", checked_dirs=seen)
+    with pytest.raises(UnsafePathError, match="is a symlink"):
+        join_under(tmp_path, "s/rows/b.arrow", checked_dirs=set())

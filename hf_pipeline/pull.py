@@ -305,7 +305,10 @@ class _Puller:
         Runs in a download thread."""
         assert self._store is not None
         # Staged under its published path: a later lease (after a kill) finds it there.
-        folder = StagingFolder(join_under(self.staging / "files", job.entry.path).parent)
+        try:
+            folder = StagingFolder(join_under(self.staging / "files", job.entry.path).parent)
+        except UnsafePathError as e:  # a symlink in the staging folder
+            raise CacheFormatError(str(self.staging), str(e)) from None
         try:
             path = stage_file(self._store.source, job.file, folder, self.policy, stats, stop=stop)
         except Cancelled:
@@ -321,7 +324,10 @@ class _Puller:
         if problem:
             folder.remove(job.file)  # a fixed store is fetched afresh, never trusted from here
             raise CacheFormatError(job.file.url, f"does not match what was published: {problem}")
-        dest = join_under(ctx.tmp_dir, job.place)  # inside the stage folder, no symlink
+        try:
+            dest = join_under(ctx.tmp_dir, job.place)  # inside the stage folder, no symlink
+        except UnsafePathError as e:
+            raise CacheFormatError(str(ctx.tmp_dir), str(e)) from None
         dest.parent.mkdir(parents=True, exist_ok=True)
         _link_or_copy(path, dest)
 

@@ -30,7 +30,7 @@ import xxhash
 
 from dist.atomic import fsync_dir, write_json_atomic
 from dist.errors import LeaseLostError
-from dist.markers import read_json
+from dist.markers import MAX_JSON_BYTES, parse_json, read_json
 
 __all__ = [
     "LEASE_FILE",
@@ -66,7 +66,7 @@ class LeaseView:
 
 def _parse_lease(raw: bytes) -> LeaseView:
     try:
-        d = json.loads(raw)
+        d = parse_json(raw, path=LEASE_FILE)  # bounded depth: a lease file others wrote
         return LeaseView(str(d["lease_id"]), str(d["lease_id"]), d.get("host"), d.get("pid"))
     except (ValueError, KeyError, TypeError):
         return LeaseView("raw-" + xxhash.xxh64(raw).hexdigest(), None, None, None)
@@ -76,7 +76,7 @@ def read_lease(path: Path) -> LeaseView | None:
     """The lease file at ``path``; None if there is none. OSError (ESTALE...) propagates."""
     try:
         with open(path, "rb") as f:
-            return _parse_lease(f.read())
+            return _parse_lease(f.read(MAX_JSON_BYTES + 1))  # bounded: others wrote it
     except FileNotFoundError:
         return None
 

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,18 +34,24 @@ import xxhash
 
 from dist import atomic
 from dist.checksums import hash_files
+from dist.safepath import UnsafePathError, check_name, check_relpath, join_under
 
 __all__ = [
+    "MAX_JSON_BYTES",
+    "MAX_JSON_DEPTH",
     "READABLE_SCHEMA_VERSIONS",
     "SCHEMA_VERSION",
     "FileEntry",
+    "ForeignJSONError",
     "Marker",
     "check_marker",
     "derived_from_problem",
     "describe_files",
     "file_checksum",
-    "read_json",
+    "load_json",
+    "parse_json",
     "publish_marker",
+    "read_json",
     "read_marker",
     "schema_problem",
     "write_marker",
@@ -58,6 +65,16 @@ SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (1, 2)
 _WHOLE_CHECKSUM_HEX = 32  # xxh3_128
 _EDGE = 1 << 20  # checksum covers the first and last MiB: catches truncation and torn tails
+
+#: Largest JSON file read from a cache folder or a store (markers, manifests, failure
+#: records, heartbeats, reports). Measured: a manifest entry is 216 bytes (path, size,
+#: crc32c, sha256), a marker entry ~125; the demo's converted.json is 3 KB (4 files). A
+#: cache has about parts x (num_proc + 1) files: COYO-11M over 800 ranks with num_proc=16
+#: is ~14k files, a ~3 MB manifest. 64 MiB holds ~300k files: a 20x margin.
+MAX_JSON_BYTES = 64 << 20
+#: Deepest nesting accepted. Ours are 4 deep (marker -> files -> entry; info -> dict);
+#: Python's parser dies of RecursionError near 1000.
+MAX_JSON_DEPTH = 64
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,8 +95,12 @@ class FileEntry:
     whole_checksum: str = ""
 
     def __post_init__(self):
-        if not self.path or self.path.startswith("/") or ".." in Path(self.path).parts:
-            raise ValueError(f"path must be relative inside the cache, got {self.path!r}")
+        try:  # it comes from others' markers: never joined to a folder unchecked
+            check_relpath(self.path)
+        except UnsafePathError as e:
+            raise UnsafePathError(
+                self.path, f"{e.reason}; a path must be relative inside the cache"
+            ) from None
         if self.size < 0:
             raise ValueError(f"size must be >= 0, got {self.size}")
 
@@ -113,6 +134,13 @@ class Marker:
     files: tuple[FileEntry, ...] = ()
     inputs: Mapping[str, str] = dataclasses.field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self):
+        # Stage folders are one level under the cache folder: a directory that is a path
+        # (or a foreign marker's "../x") is not a folder this cache owns.
+        check_name(self.directory)
+        for folder in self.inputs.values():
+            check_name(folder)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -250,11 +278,78 @@ def describe_files(
     return tuple(entries)
 
 
-def read_json(path: str | os.PathLike) -> Any | None:
-    """Parse a JSON file; None if it is missing, unreadable or malformed."""
+class ForeignJSONError(ValueError):
+    """JSON that others wrote is malformed, larger than :data:`MAX_JSON_BYTES` or nested
+    deeper than :data:`MAX_JSON_DEPTH`. ``str()`` is one line, ``"<path>: <reason>"``.
+
+    Attributes:
+        path: the file (or URL).
+        reason: what is wrong with it.
+    """
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path = str(path)
+        self.reason = reason
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.reason))
+
+
+# A JSON string, escapes included; possessive, so a long string is one linear scan.
+_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def _depth(raw: bytes) -> int:
+    """Deepest bracket nesting of ``raw`` outside strings (a cheap pre-scan: Python's
+    parser recurses once per level)."""
+    depth = deepest = 0
+    for b in _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS):
+        depth += 1 if b in (0x5B, 0x7B) else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def parse_json(raw: bytes, *, path: str | os.PathLike) -> Any:
+    """Parse JSON that others wrote, of at most :data:`MAX_JSON_BYTES` bytes and
+    :data:`MAX_JSON_DEPTH` levels.
+
+    Args:
+        raw: the bytes.
+        path: where they came from (named in the error).
+
+    Raises:
+        ForeignJSONError: too large, too deep or malformed.
+    """
+    if len(raw) > MAX_JSON_BYTES:
+        raise ForeignJSONError(str(path), f"larger than {MAX_JSON_BYTES} bytes")
+    if _depth(raw) > MAX_JSON_DEPTH:
+        raise ForeignJSONError(str(path), f"nested deeper than {MAX_JSON_DEPTH} levels")
     try:
-        with open(path, "rb") as f:
-            return json.loads(f.read())
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:  # RecursionError: the pre-scan is a heuristic
+        raise ForeignJSONError(str(path), f"malformed JSON ({type(e).__name__}: {e})") from None
+
+
+def load_json(path: str | os.PathLike) -> Any:
+    """Read and parse a JSON file others wrote; reads at most :data:`MAX_JSON_BYTES` + 1
+    bytes whatever the file's size.
+
+    Raises:
+        OSError: missing or unreadable (``FileNotFoundError`` when missing).
+        ForeignJSONError: too large, too deep or malformed.
+    """
+    with open(path, "rb") as f:
+        raw = f.read(MAX_JSON_BYTES + 1)
+    return parse_json(raw, path=path)
+
+
+def read_json(path: str | os.PathLike) -> Any | None:
+    """:func:`load_json`, lenient: None if the file is missing, unreadable, malformed,
+    too large or too deep (a malformed file others wrote counts as absent)."""
+    try:
+        return load_json(path)
     except (OSError, ValueError):
         return None
 
@@ -292,16 +387,13 @@ def check_marker(
 ) -> tuple[Marker | None, str | None]:
     """Like :func:`read_marker` but silent: returns ``(marker, None)`` or ``(None, why)``."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        parsed = load_json(path)
     except FileNotFoundError:
         return None, "missing"
     except OSError as e:
         return None, f"unreadable ({e.strerror or e})"
-    try:
-        parsed = json.loads(raw)
-    except ValueError as e:
-        return None, f"malformed JSON ({e})"
+    except ForeignJSONError as e:
+        return None, e.reason
     if isinstance(parsed, Mapping) and schema_problem(parsed):
         return None, schema_problem(parsed)
     try:
@@ -338,10 +430,14 @@ def _file_problems(marker: Marker, base: Path, *, verify: bool) -> list[str]:
     if not directory.is_dir():
         problems.append(f"stage folder {marker.directory!r} missing")
         return problems
+    seen: set[Path] = set()
     for entry in marker.files:
-        p = base / entry.path
         try:
+            p = join_under(base, entry.path, checked_dirs=seen)
             size = p.stat().st_size
+        except UnsafePathError as e:
+            problems.append(f"listed file {entry.path!r}: {e.reason}")
+            continue
         except OSError:
             problems.append(f"listed file {entry.path!r} missing")
             continue

@@ -124,10 +124,14 @@ class CacheLayout:
         if stage in self.stage_dirs:
             return self.root / self.stage_dirs[stage]
         from dist.markers import read_json
+        from dist.safepath import UnsafePathError, check_name
 
         marker = read_json(self.root / f"{stage}.json")
         directory = marker.get("directory") if isinstance(marker, dict) else None
-        return self.root / (directory if isinstance(directory, str) else stage)
+        try:  # lenient, but never a folder outside the cache ("/etc", "../x")
+            return self.root / check_name(directory)
+        except UnsafePathError:
+            return self.root / stage
 
     @property
     def converted(self) -> Path:
@@ -159,7 +163,22 @@ class CacheLayout:
         return sorted((filtered or self.filtered).glob("indices*.arrow"))
 
     def read_report(self) -> dict[str, Any]:
-        return json.loads(self.report_path.read_text())
+        """The build report (``report.json``); a pulled one came from a store: bounded.
+
+        Raises:
+            FileNotFoundError: no report.
+            CacheFormatError: too large, too deep, malformed or not a JSON object.
+        """
+        from dist.markers import ForeignJSONError, load_json
+        from hf_pipeline.errors import CacheFormatError
+
+        try:
+            report = load_json(self.report_path)
+        except ForeignJSONError as e:
+            raise CacheFormatError(e.path, e.reason) from None
+        if not isinstance(report, dict):
+            raise CacheFormatError(str(self.report_path), "not a JSON object")
+        return report
 
 
 def published_stage_dirs(

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dist.markers import Marker
+from dist.safepath import check_name, check_relpath
 from hf_pipeline.remote_file import RemoteFile
 from hf_pipeline.staging import READ_CHUNK, checksum_of
 
@@ -115,7 +116,8 @@ class Manifest:
     @classmethod
     def from_dict(cls, d: Any) -> Manifest:
         """Parse a manifest. Raises (KeyError, TypeError, ValueError) if malformed or
-        of another version."""
+        of another version; :class:`~dist.safepath.UnsafePathError` (a ValueError) for a
+        file path that is not a plain relative path or a name that is not one folder."""
         if not isinstance(d, Mapping):
             raise TypeError(f"manifest must be a JSON object, got {type(d).__name__}")
         if d.get("version") != MANIFEST_VERSION:
@@ -125,14 +127,14 @@ class Manifest:
             raise TypeError("files must be a JSON object")
         rows = d.get("rows")
         return cls(
-            name=str(d["name"]),
+            name=check_name(str(d["name"])),
             fingerprint=str(d["fingerprint"]),
             stages=tuple(str(s) for s in d["stages"]),
             rows=None if rows is None else int(rows),
             published_at=float(d["published_at"]),
             host=str(d["host"]),
             files={
-                str(p): ManifestEntry(
+                check_relpath(p): ManifestEntry(
                     size=int(e["size"]), crc32c=str(e["crc32c"]), sha256=str(e.get("sha256", ""))
                 )
                 for p, e in files.items()

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import unquote
 
+from dist.safepath import UnsafePathError, check_relpath
 from hf_pipeline.config import PUBLISH_SCHEMES
-from hf_pipeline.errors import SourceError
+from hf_pipeline.errors import CacheFormatError, SourceError
 from hf_pipeline.manifest import ManifestEntry, same_content
 from hf_pipeline.remote_file import RemoteFile
 from hf_pipeline.retry import RetryPolicy, TransientError, with_retries
@@ -135,10 +136,26 @@ class Store(abc.ABC):
         """Raise :class:`SourceError` if the location cannot hold caches (GCS: no such
         bucket), before a build whose publish or pull would fail on it."""
 
-    @abc.abstractmethod
     def list_files(self, cache_name: str) -> dict[str, RemoteFile]:
         """Every file under cache folder ``cache_name``, by path relative to it ({} when
-        there is no such folder)."""
+        there is no such folder).
+
+        Raises:
+            CacheFormatError: the store lists a path that is not a plain relative path
+                (``a//b``, ``..``, a newline...: :func:`dist.safepath.check_relpath`);
+                someone wrote it there, and no file of a cache has such a name.
+        """
+        listing = self._list_files(cache_name)
+        for rel in listing:
+            try:
+                check_relpath(rel)
+            except UnsafePathError as e:
+                raise CacheFormatError(self.location.cache_url(cache_name), str(e)) from None
+        return listing
+
+    @abc.abstractmethod
+    def _list_files(self, cache_name: str) -> dict[str, RemoteFile]:
+        """:meth:`list_files`, unchecked."""
 
     @abc.abstractmethod
     def list_cache_names(self) -> list[str]:
@@ -167,7 +184,7 @@ class _GCSStore(Store):
             # gcsfs says "FileNotFoundError: b/<bucket>/o" for every path in it.
             raise SourceError(self.location.url, f"no such bucket gs://{bucket}")
 
-    def list_files(self, cache_name: str) -> dict[str, RemoteFile]:
+    def _list_files(self, cache_name: str) -> dict[str, RemoteFile]:
         prefix = self._prefix(cache_name)
 
         def find():
@@ -268,7 +285,7 @@ class _HubStore(Store):
                 return []  # no such folder: nothing published there
             raise
 
-    def list_files(self, cache_name: str) -> dict[str, RemoteFile]:
+    def _list_files(self, cache_name: str) -> dict[str, RemoteFile]:
         folder = self._folder(cache_name)
         return {
             e.path[len(folder) + 1 :]: self.source.describe(e)

@@ -30,8 +30,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from dist.layout import marker_name
-from dist.markers import Marker, derived_from_problem, read_json, schema_problem
+from dist.layout import marker_name, parse_stage_dir
+from dist.markers import (
+    MAX_JSON_BYTES,
+    ForeignJSONError,
+    Marker,
+    derived_from_problem,
+    load_json,
+    schema_problem,
+)
+from dist.safepath import UnsafePathError, check_name, shown
 from hf_pipeline.errors import CacheFormatError
 from hf_pipeline.fetch_stats import FetchStats
 from hf_pipeline.manifest import MANIFEST_NAME, Manifest
@@ -47,7 +55,7 @@ __all__ = [
     "store_checksum_checked",
 ]
 
-_CACHE_NAME = re.compile(r"-[0-9a-f]{16}$")
+_CACHE_NAME = re.compile(r"-[0-9a-f]{16}\Z")  # \Z: "$" also matches before a final "\n"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,14 +81,28 @@ class PublishedCache:
         return f"{self.url}/{rel}"
 
 
-def _read_meta(store: Store, file: RemoteFile, staging: StagingFolder, stats: FetchStats) -> Any:
-    """A small JSON file of the store, staged (verified) first; None if not JSON."""
-    return read_json(stage_file(store.source, file, staging, store.policy, stats))
+def _read_meta(
+    store: Store, file: RemoteFile, url: str, staging: StagingFolder, stats: FetchStats
+) -> Any:
+    """A small JSON file of the store, staged (verified) first, parsed with the bounds of
+    :func:`dist.markers.parse_json`; never downloads more than ``MAX_JSON_BYTES``.
+
+    Raises:
+        CacheFormatError: too large (by the listing, before any download), too deeply
+            nested or not JSON; names ``url``.
+    """
+    if file.size > MAX_JSON_BYTES:
+        raise CacheFormatError(url, f"is {file.size} bytes, more than {MAX_JSON_BYTES} (refused)")
+    try:
+        return load_json(stage_file(store.source, file, staging, store.policy, stats))
+    except ForeignJSONError as e:
+        reason = "is not valid JSON" if e.reason.startswith("malformed JSON") else e.reason
+        raise CacheFormatError(url, reason) from None
 
 
 def _parse_marker(raw: Any, url: str, stage: str, fingerprint: str) -> Marker:
-    if raw is None:
-        raise CacheFormatError(url, "is not valid JSON")
+    if not isinstance(raw, Mapping):
+        raise CacheFormatError(url, "is not a JSON object")
     if schema_problem(raw):  # older published markers are read too (no whole checksums)
         raise CacheFormatError(url, schema_problem(raw))
     try:
@@ -91,6 +113,19 @@ def _parse_marker(raw: Any, url: str, stage: str, fingerprint: str) -> Marker:
         raise CacheFormatError(url, f"fingerprint {marker.fingerprint!r}, expected {fingerprint!r}")
     if marker.stage != stage:
         raise CacheFormatError(url, f"stage {marker.stage!r}, expected {stage!r}")
+    # The puller places files by their path inside the stage folder: a folder that is not
+    # this stage's, or a file outside it, would land a level too deep (and be found
+    # missing only when training opens the cache).
+    folder = parse_stage_dir(marker.directory)
+    if marker.directory != stage and (folder is None or folder.stage != stage):
+        raise CacheFormatError(
+            url, f"directory {shown(marker.directory)} is not a {stage!r} stage folder"
+        )
+    for entry in marker.files:
+        if not entry.path.startswith(marker.directory + "/"):
+            raise CacheFormatError(
+                url, f"lists {shown(entry.path)} outside its folder {marker.directory!r}"
+            )
     return marker
 
 
@@ -132,7 +167,7 @@ def find_published(
     markers: dict[str, Marker] = {}
     for stage in stages:
         name = marker_name(stage)
-        raw = _read_meta(store, listing[name], staging, stats)
+        raw = _read_meta(store, listing[name], f"{url}/{name}", staging, stats)
         marker = _parse_marker(raw, f"{url}/{name}", stage, fingerprint)
         why = derived_from_problem(marker, markers)
         if why is not None:
@@ -142,9 +177,7 @@ def find_published(
         raise CacheFormatError(
             f"{url}/{MANIFEST_NAME}", "missing although every marker is there (damaged)"
         )
-    raw = _read_meta(store, listing[MANIFEST_NAME], staging, stats)
-    if raw is None:  # as for the markers: say so, not "got NoneType"
-        raise CacheFormatError(f"{url}/{MANIFEST_NAME}", "is not valid JSON")
+    raw = _read_meta(store, listing[MANIFEST_NAME], f"{url}/{MANIFEST_NAME}", staging, stats)
     try:
         manifest = Manifest.from_dict(raw)
     except (KeyError, TypeError, ValueError) as e:
@@ -244,6 +277,16 @@ def list_published(store: Store, stages: Sequence[str]) -> list[PublishedStatus]
     with tempfile.TemporaryDirectory(prefix="hf_pipeline-status-") as meta:
         for i, name in enumerate(names):
             fingerprint = name.rsplit("-", 1)[-1]
+            try:
+                check_name(name)
+            except UnsafePathError as e:  # "x\nERROR ...-<fp>": a forged line, not a cache
+                out.append(
+                    PublishedStatus(
+                        name=shown(name), fingerprint=fingerprint, state="damaged",
+                        problem=f"{store.location.url}: {e}",
+                    )
+                )  # fmt: skip
+                continue
             try:
                 cache, why = find_published(
                     store, name, fingerprint, stages, meta_dir=Path(meta) / str(i)

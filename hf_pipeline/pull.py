@@ -28,8 +28,12 @@ A later stage is pulled only over earlier local stages of the same content as th
 published ones (a stage built here before, e.g. by a run without ``pull_from``, is not
 mixed with a published later stage: that stage is built here too).
 
-Files a marker lists outside its own stage folder (a future part layout) are placed in
-the stage folder under their cache-relative path, so the local marker still covers them.
+Every path a published marker, the manifest or the store's listing holds is checked
+(:mod:`dist.safepath`) before any filesystem call, and a published marker must name a
+folder of its own stage and list only files inside it
+(:func:`hf_pipeline.published.find_published`): a pull writes only inside the lease's
+stage folder and the staging folder. (:func:`local_relpath` still maps a file outside
+its marker's folder to its whole cache-relative path, for local markers.)
 """
 
 from __future__ import annotations
@@ -44,11 +48,12 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dist.coordinator import Stage, StageContext
 from dist.markers import FileEntry, Marker, file_checksum
+from dist.safepath import UnsafePathError, check_name, check_relpath, join_under
 from hf_pipeline.cache import STAGING_DIR
 from hf_pipeline.errors import CacheFormatError
 from hf_pipeline.fetch_stats import FetchStats
@@ -79,9 +84,15 @@ def was_pulled(marker: Marker) -> bool:
 def local_relpath(marker: Marker, path: str) -> str:
     """Where a file ``marker`` lists (``path``, relative to the cache folder) goes inside
     the stage folder: its path inside the marker's folder, or, for a file outside it,
-    its whole cache-relative path."""
-    prefix = marker.directory.rstrip("/") + "/"
-    return path[len(prefix) :] if path.startswith(prefix) else path
+    its whole cache-relative path.
+
+    Raises:
+        UnsafePathError: ``path`` or the result is not a plain relative path
+            (``converted.x//abs/path`` would leave ``/abs/path``).
+    """
+    parts = check_relpath(path).split("/")
+    inside = parts[0] == check_name(marker.directory) and len(parts) > 1
+    return "/".join(parts[1:]) if inside else path
 
 
 def _content(marker: Marker) -> dict[str, tuple[int, str]]:
@@ -217,7 +228,10 @@ class _Puller:
 
     def _pull_stage(self, remote: PublishedCache, stage: str, ctx: StageContext) -> dict[str, Any]:
         marker = remote.markers[stage]
-        places = [local_relpath(marker, e.path) for e in marker.files]
+        try:
+            places = [local_relpath(marker, e.path) for e in marker.files]
+        except UnsafePathError as e:  # find_published checked them: never reached today
+            raise CacheFormatError(remote.file_url(f"{stage}.json"), str(e)) from None
         if len(set(places)) != len(places):
             raise CacheFormatError(
                 remote.file_url(f"{stage}.json"), "lists two files for one place in its folder"
@@ -291,7 +305,10 @@ class _Puller:
         Runs in a download thread."""
         assert self._store is not None
         # Staged under its published path: a later lease (after a kill) finds it there.
-        folder = StagingFolder(self.staging / "files" / PurePosixPath(job.entry.path).parent)
+        try:
+            folder = StagingFolder(join_under(self.staging / "files", job.entry.path).parent)
+        except UnsafePathError as e:  # a symlink in the staging folder
+            raise CacheFormatError(str(self.staging), str(e)) from None
         try:
             path = stage_file(self._store.source, job.file, folder, self.policy, stats, stop=stop)
         except Cancelled:
@@ -307,7 +324,10 @@ class _Puller:
         if problem:
             folder.remove(job.file)  # a fixed store is fetched afresh, never trusted from here
             raise CacheFormatError(job.file.url, f"does not match what was published: {problem}")
-        dest = Path(ctx.tmp_dir) / job.place
+        try:
+            dest = join_under(ctx.tmp_dir, job.place)  # inside the stage folder, no symlink
+        except UnsafePathError as e:
+            raise CacheFormatError(str(ctx.tmp_dir), str(e)) from None
         dest.parent.mkdir(parents=True, exist_ok=True)
         _link_or_copy(path, dest)
 

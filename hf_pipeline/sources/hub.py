@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
 import logging
 import os
 import re
@@ -23,6 +22,8 @@ from typing import Any
 from urllib.parse import unquote
 
 from dist.atomic import write_json_atomic
+from dist.markers import load_json
+from dist.safepath import UnsafePathError, check_relpath
 from hf_pipeline.cache import HUB_LISTINGS_DIR
 from hf_pipeline.config import default_cache_root, hub_cache_dir, hub_endpoint, hub_offline
 from hf_pipeline.errors import SourceError, StoreUnreachableError
@@ -178,7 +179,7 @@ class HubSource(Source, scheme="hf://"):
 
     def _load_listing(self) -> dict:
         try:
-            data = json.loads(self._listing_cache().read_text(encoding="utf-8"))
+            data = load_json(self._listing_cache())  # bounded: the cache root is shared
             return data if isinstance(data, dict) else {}
         except (OSError, ValueError):
             return {}
@@ -236,7 +237,11 @@ class HubSource(Source, scheme="hf://"):
         prefix = f"hf://datasets/{self.repo_id}@"
         if not file.url.startswith(prefix):
             raise SourceError(file.url, f"not a file of {self.repo_id}")
-        return file.url[len(prefix) :].split("/", 1)[1]
+        path = file.url[len(prefix) :].split("/", 1)[1]
+        try:  # huggingface_hub joins it into its cache folder: a listing is foreign
+            return check_relpath(path)
+        except UnsafePathError as e:
+            raise SourceError(file.url, str(e)) from None
 
     def describe(self, entry: Any) -> RemoteFile:
         """The :class:`RemoteFile` of one file entry of ``HfApi.list_repo_tree`` at

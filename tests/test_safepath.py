@@ -1,0 +1,144 @@
+"""dist.safepath: every form of a foreign path, accepted or refused, and the join."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+
+from dist.safepath import (
+    MAX_PART_BYTES,
+    MAX_PATH_BYTES,
+    MAX_PATH_DEPTH,
+    UnsafePathError,
+    check_name,
+    check_relpath,
+    join_under,
+)
+
+GOOD = [
+    "a",
+    "converted.00aa/rows/data-00000.arrow",
+    "parts/part-00000/embeddings/e.arrow",
+    ".hidden",  # a dot-file is a name, not "."
+    "a..b",  # ".." inside a name is not a ".." part
+    "...",
+    "résumé/日本.arrow",
+    "/".join(["d"] * MAX_PATH_DEPTH),
+    "x" * MAX_PART_BYTES,
+]
+
+BAD = {
+    "empty": ("", "empty"),
+    "absolute": ("/etc/passwd", "absolute"),
+    "doubled slash": ("converted.x//tmp/victim/zz.pth", "empty part"),
+    "leading doubled slash": ("//tmp/x", "absolute"),
+    "trailing slash": ("a/", "empty part"),
+    "only a slash": ("/", "absolute"),
+    "dot part": ("./a", "'.' part"),
+    "dot in the middle": ("a/./b", "'.' part"),
+    "dotdot": ("..", "'..' part"),
+    "dotdot in the middle": ("a/../../b", "'..' part"),
+    "NUL": ("a\x00b", "control character"),
+    "newline": ("a\nINFO fake log line", "control character"),
+    "carriage return": ("a\rb", "control character"),
+    "tab": ("a\tb", "control character"),
+    "DEL": ("a\x7fb", "control character"),
+    "C1 control": ("a\x85b", "control character"),
+    "backslash": ("a\\..\\b", "backslash"),
+    "lone surrogate": ("a\ud800b", "not valid UTF-8"),
+    "too long": ("a/" * (MAX_PATH_BYTES // 2) + "b", f"longer than {MAX_PATH_BYTES} bytes"),
+    "too deep": ("/".join(["d"] * (MAX_PATH_DEPTH + 1)), f"more than {MAX_PATH_DEPTH} parts"),
+    "part too long": ("x" * (MAX_PART_BYTES + 1), f"longer than {MAX_PART_BYTES} bytes"),
+    "part too long in UTF-8": ("é" * 128, f"longer than {MAX_PART_BYTES} bytes"),
+    "not a string": (5, "must be a string, got int"),
+}
+
+
+@pytest.mark.parametrize("path", GOOD)
+def test_plain_relative_paths_are_accepted_unchanged(path):
+    assert check_relpath(path) is path
+
+
+@pytest.mark.parametrize("form", list(BAD))
+def test_every_unsafe_form_is_refused_in_one_line(form):
+    path, why = BAD[form]
+    with pytest.raises(UnsafePathError, match=why) as info:
+        check_relpath(path)
+    message = str(info.value)
+    assert "\n" not in message and "\r" not in message and "\x00" not in message
+    assert len(message) < 250  # an overlong path is cut, not printed whole
+    assert info.value.path == path
+    again = pickle.loads(pickle.dumps(info.value))  # crosses process boundaries
+    assert (str(again), again.path, again.reason) == (message, path, info.value.reason)
+
+
+def test_a_name_is_one_part():
+    assert check_name("demo-0123456789abcdef") == "demo-0123456789abcdef"
+    with pytest.raises(UnsafePathError, match="'/' in a name"):
+        check_name("a/b")
+    with pytest.raises(UnsafePathError, match="control character"):
+        check_name("demo\nERROR: forged-0123456789abcdef")
+
+
+def test_join_under_stays_under_the_base(tmp_path):
+    assert join_under(tmp_path, "a/b/c.arrow") == tmp_path / "a" / "b" / "c.arrow"
+    for path, why in BAD.values():
+        if isinstance(path, str):
+            with pytest.raises(UnsafePathError, match=why):
+                join_under(tmp_path, path)
+
+
+def test_join_under_refuses_a_symlink_on_the_way(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    base = tmp_path / "cache"
+    (base / "stage").mkdir(parents=True)
+    os.symlink(outside, base / "stage" / "rows")
+    with pytest.raises(UnsafePathError, match="rows is a symlink"):
+        join_under(base, "stage/rows/x.arrow")
+    os.symlink(outside / "x", base / "stage" / "last")  # the file itself, dangling
+    with pytest.raises(UnsafePathError, match="last is a symlink"):
+        join_under(base, "stage/last")
+    # Missing components and a regular file on the way are left to the caller's own call.
+    assert join_under(base, "stage/new/x") == base / "stage" / "new" / "x"
+    (base / "f").write_text("")
+    assert join_under(base, "f/x") == base / "f" / "x"
+
+
+@pytest.mark.parametrize("path", ["converted/a\x00b", "converted/a\nWARNING forged", "/etc/x"])
+def test_a_marker_listing_an_unsafe_path_reads_as_absent_in_one_line(path, tmp_path, caplog):
+    """Issue 23, item 6: NUL in a listed path was a ValueError traceback out of
+    read_marker (os.stat: embedded null byte); a newline was accepted."""
+    import json
+    import logging
+
+    from dist.markers import read_marker
+
+    (tmp_path / "converted").mkdir()
+    marker = {
+        "schema_version": 1, "fingerprint": "f", "stage": "converted",
+        "directory": "converted", "host": "h", "pid": 1, "lease_id": "l",
+        "started_at": 0.0, "finished_at": 0.0,
+        "files": [{"path": path, "size": 0, "checksum": "x"}],
+    }  # fmt: skip
+    (tmp_path / "converted.json").write_text(json.dumps(marker))
+    with caplog.at_level(logging.WARNING, logger="dist"):
+        assert read_marker(tmp_path / "converted.json", fingerprint="f", base_dir=tmp_path) is None
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "unsafe path" in line and "\n" not in line and "\x00" not in line, line
+
+
+def test_join_under_checks_each_folder_once_with_a_shared_set(tmp_path):
+    (tmp_path / "s" / "rows").mkdir(parents=True)
+    seen: set = set()
+    join_under(tmp_path, "s/rows/a.arrow", checked_dirs=seen)
+    assert seen == {tmp_path / "s", tmp_path / "s" / "rows"}
+    # A folder replaced by a symlink after it was checked is the caller's set's business;
+    # a fresh set finds it.
+    (tmp_path / "s" / "rows").rmdir()
+    os.symlink(tmp_path, tmp_path / "s" / "rows")
+    assert join_under(tmp_path, "s/rows/b.arrow", checked_dirs=seen)
+    with pytest.raises(UnsafePathError, match="is a symlink"):
+        join_under(tmp_path, "s/rows/b.arrow", checked_dirs=set())

@@ -267,7 +267,7 @@ def _present(files: list[Path], folder: Path, what: str) -> list[Path]:
     return files
 
 
-def open_sample_source(layout: CacheLayout, fingerprint: str):
+def open_sample_source(layout: CacheLayout, fingerprint: str | None = None):
     """Memory-map a built cache for batch gathers (``hf_pipeline.mapped.SampleSource``).
 
     Opens files read-only; safe to call from any number of processes at once. The
@@ -279,9 +279,14 @@ def open_sample_source(layout: CacheLayout, fingerprint: str):
     (:func:`published_stage_dirs`): both markers present, stating ``fingerprint``, and
     every file they list as they list it; else a :class:`CacheFormatError` names the
     marker and why (a cache without its ``filtered`` stage opened as 0 rows).
+    ``fingerprint=None``: the one the markers state (a folder opened by its path).
+    Only the files the markers list are read.
     """
     from hf_pipeline.mapped import SampleSource
 
+    if fingerprint is None:
+        stage_dirs, fingerprint = published_stage_dirs(layout.root, None)
+        layout = layout if layout.stage_dirs else CacheLayout(layout.root, stage_dirs)
     layout = _checked(layout, fingerprint)
     indices = _present(layout.indices_files(), layout.filtered, "filter indices (indices*.arrow)")
     rows = _present(layout.rows_files(), layout.converted, "rows files (rows/*.arrow)")
@@ -392,7 +397,6 @@ def open_dataset(
     import numpy as np
     import pyarrow as pa
     from datasets import Array4D, Dataset, Features, concatenate_datasets
-
 
     if latents is not None and latents not in _DATASET_LATENTS:
         raise ValueError(f"latents must be None or one of {_DATASET_LATENTS}, got {latents!r}")

@@ -41,6 +41,7 @@ _LAZY: dict[str, str] = {
     "LoaderOptions": "hf_pipeline.loader",
     # other clients
     "TorchBatches": "hf_pipeline.torch_data",
+    "TorchSamples": "hf_pipeline.torch_data",
     "torch_loader": "hf_pipeline.torch_data",
     "LatentDataModule": "hf_pipeline.torch_data",
     "GrainSource": "hf_pipeline.grain_source",
@@ -79,6 +80,7 @@ __all__ = [
     "SourceError",
     "StoreUnreachableError",
     "TorchBatches",
+    "TorchSamples",
     "UserError",
     "generate_demo",
     "load_config",
@@ -116,5 +118,5 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
     from hf_pipeline.mapped import SampleSource
     from hf_pipeline.publish import PublishReport, publish_cache
     from hf_pipeline.sampler import GlobalSampler, SamplerOptions
-    from hf_pipeline.torch_data import LatentDataModule, TorchBatches, torch_loader
+    from hf_pipeline.torch_data import LatentDataModule, TorchBatches, TorchSamples, torch_loader
     from hf_pipeline.trainer import shutdown_jax_distributed, train

@@ -8,13 +8,11 @@ and the checkpoint; this module only turns a record index into a sample.
 
 Records: ``{"latents": (C, H, W), "embeddings": (D,), "keys": int64 scalar}`` in the
 cache dtypes, so Grain's default batching gives the same names and shapes as
-:class:`hf_pipeline.loader.Loader` batches. Record ``i`` is a *sample id* of
-:mod:`hf_pipeline.sampler`: with ``crop="random"`` or a fixed crop index it is logical
-row ``i``; with ``crop="all"`` it is crop ``i % num_crops`` of row ``i // num_crops``.
-A random crop is a hash of ``(seed, row)`` (the sampler's epoch-0 crop), so a record's
+:class:`hf_pipeline.loader.Loader` batches. Records are numbered as
+:class:`hf_pipeline.records.SampleRecords` numbers them (``crop="all"``: one record per
+crop; a random crop is a hash of ``(seed, row)``, the same every epoch), so a record's
 value never depends on which worker, batch or resume reads it: Grain's checkpoints stay
-exact. It is the same every epoch (Grain's sources see no epoch); ``crop="all"`` makes
-every crop its own record instead.
+exact.
 
 Worker processes: Grain pickles the source into each worker (spawned processes). A
 pickled GrainSource is its cache folder, stage folders, fingerprint and options — a few
@@ -33,7 +31,6 @@ open is locked. ``close`` must not race with reads.
 
 from __future__ import annotations
 
-import operator
 import os
 import threading
 from collections.abc import Sequence
@@ -44,22 +41,10 @@ import numpy as np
 
 from hf_pipeline.cache import STAGES, CacheLayout, open_sample_source, published_stage_dirs
 from hf_pipeline.mapped import SampleSource
-from hf_pipeline.sampler import CropMode, GlobalSampler, SamplerOptions
+from hf_pipeline.records import SampleRecords, record_index
+from hf_pipeline.sampler import CropMode
 
 __all__ = ["GrainSource"]
-
-# Random crops are drawn as the sampler draws them for this epoch; Grain's sources see
-# no epoch, so every epoch reuses it.
-_CROP_EPOCH = 0
-
-
-def _record_options(crop, seed: int) -> SamplerOptions:
-    """The sampler options that map a record index to ``(row, crop)``.
-
-    SamplerOptions checks crop and seed with the loader's messages; the global batch
-    size plays no part in that mapping (Grain batches).
-    """
-    return SamplerOptions(global_batch_size=1, seed=seed, crop=crop)
 
 
 class GrainSource:
@@ -121,31 +106,27 @@ class GrainSource:
         self._root = root
         self._stage_dirs = dict(stage_dirs)
         self._fingerprint = fingerprint
-        self._options = _record_options(crop, seed)
+        self._crop, self._seed = crop, seed
         self._lock = threading.Lock()
-        self._source: SampleSource | None = None
-        self._sampler: GlobalSampler | None = None
+        self._records: SampleRecords | None = None
         self._open()  # here, so that a bad cache or crop fails at construction
 
     # ------------------------------------------------------------------ opening
 
-    def _open(self) -> tuple[SampleSource, GlobalSampler]:
-        source, sampler = self._source, self._sampler
-        if source is not None and sampler is not None:
-            return source, sampler
+    def _open(self) -> SampleRecords:
+        records = self._records
+        if records is not None:
+            return records
         with self._lock:  # Grain reads on several threads; map the files once
-            if self._source is None:
+            if self._records is None:
                 layout = CacheLayout(self._root, self._stage_dirs)
                 source = open_sample_source(layout, self._fingerprint)
                 try:
-                    self._sampler = GlobalSampler(
-                        source.num_rows, self._options, num_crops=source.num_crops
-                    )
+                    self._records = SampleRecords(source, crop=self._crop, seed=self._seed)
                 except BaseException:
                     source.close()
                     raise
-                self._source = source
-            return self._source, self._sampler
+            return self._records
 
     def __getstate__(self) -> dict[str, Any]:
         # Paths and options only: each process maps the files itself on first read.
@@ -153,17 +134,17 @@ class GrainSource:
             "root": str(self._root),
             "stage_dirs": dict(self._stage_dirs),
             "fingerprint": self._fingerprint,
-            "crop": self._options.crop,
-            "seed": self._options.seed,
+            "crop": self._crop,
+            "seed": self._seed,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._root = Path(state["root"])
         self._stage_dirs = dict(state["stage_dirs"])
         self._fingerprint = state["fingerprint"]
-        self._options = _record_options(state["crop"], state["seed"])
+        self._crop, self._seed = state["crop"], state["seed"]
         self._lock = threading.Lock()
-        self._source = self._sampler = None
+        self._records = None
 
     # ------------------------------------------------------------------ properties
 
@@ -180,35 +161,23 @@ class GrainSource:
     @property
     def crop(self) -> CropMode | int:
         """``"random"``, ``"all"`` or the fixed crop index."""
-        return self._options.crop
+        return self._crop
 
     @property
     def seed(self) -> int:
         """Seed of the random crops."""
-        return self._options.seed
+        return self._seed
 
     @property
     def sample_source(self) -> SampleSource:
         """The memory-mapped :class:`SampleSource` of this process (opened on demand)."""
-        return self._open()[0]
+        return self._open().source
 
     # ------------------------------------------------------------------ reading
 
     def __len__(self) -> int:
         """Records: rows, or rows x crops with ``crop="all"``."""
-        return self._open()[1].num_samples
-
-    def _rows_and_crops(self, indices) -> tuple[SampleSource, np.ndarray, np.ndarray]:
-        source, sampler = self._open()
-        ids = np.asarray(indices)
-        if ids.size and ids.dtype.kind not in "iu":
-            raise TypeError(f"record indices must be integers, got {ids.dtype} ({indices!r:.80})")
-        ids = ids.astype(np.int64, copy=False).reshape(-1)
-        if ids.size and (ids.min() < 0 or ids.max() >= sampler.num_samples):
-            bad = ids[(ids < 0) | (ids >= sampler.num_samples)][0]
-            raise IndexError(f"record index must be in [0, {sampler.num_samples}), got {bad}")
-        rows, crops = sampler.samples_to_rows(ids, _CROP_EPOCH)
-        return source, rows, crops
+        return len(self._open())
 
     def get_batch(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
         """Records ``indices`` stacked into one batch by a single NumPy gather.
@@ -223,8 +192,7 @@ class GrainSource:
             IndexError: an index outside ``[0, len(self))``.
             TypeError: indices that are not integers.
         """
-        source, rows, crops = self._rows_and_crops(indices)
-        return source.gather(rows, crops)
+        return self._open().get_batch(indices)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         """Record ``index``: ``{"latents": (C, H, W), "embeddings": (D,), "keys": int64}``.
@@ -233,13 +201,7 @@ class GrainSource:
             IndexError: ``index`` outside ``[0, len(self))``.
             TypeError: ``index`` is not an integer (a float, a string, a slice or a list).
         """
-        try:
-            index = operator.index(index)
-        except TypeError:
-            raise TypeError(
-                f"record index must be an integer, got {type(index).__name__} {index!r:.80}"
-            ) from None
-        batch = self.get_batch([index])
+        batch = self.get_batch([record_index(index)])
         return {
             "latents": batch["latents"][0],
             "embeddings": batch["embeddings"][0],
@@ -259,9 +221,9 @@ class GrainSource:
     def close(self) -> None:
         """Unmap the files of this process (idempotent); a later read maps them again."""
         with self._lock:
-            if self._source is not None:
-                self._source.close()
-            self._source = self._sampler = None
+            if self._records is not None:
+                self._records.source.close()
+            self._records = None
 
     def __enter__(self) -> GrainSource:
         return self
@@ -274,6 +236,6 @@ class GrainSource:
         # the identity (fingerprint) and options, not the mount point, so a checkpoint
         # restores on a host that mounts the same cache elsewhere.
         return (
-            f"GrainSource(fingerprint={self._fingerprint!r}, crop={self._options.crop!r}, "
-            f"seed={self._options.seed})"
+            f"GrainSource(fingerprint={self._fingerprint!r}, crop={self._crop!r}, "
+            f"seed={self._seed})"
         )

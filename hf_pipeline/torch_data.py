@@ -5,7 +5,18 @@ each global batch, exactly what :class:`hf_pipeline.loader.Loader` gives that ra
 Under a ``DataLoader`` with ``num_workers=K`` worker ``k`` assembles the steps
 ``start_step + k, start_step + k + K, ...``; the DataLoader reads workers round-robin, so
 batches arrive in step order, each exactly once. Use ``batch_size=None`` (the dataset
-already batches) — :func:`torch_loader` does that.
+already batches) — :func:`torch_loader` does that; a ``DataLoader`` with a ``batch_size``
+is refused at its first batch (it would stack several batches into one), and a
+persistent worker at its second epoch (it would repeat the first).
+
+The rank's share of each global batch is read when an iteration starts (an initialised
+``torch.distributed`` group, else the launcher's variables), never frozen when the
+dataset is made: a DataModule set up before ``Trainer.fit`` still splits every global
+batch over the DDP ranks.
+
+:class:`TorchSamples` is the map-style view (``len``, ``ds[i]`` -> one sample) over the
+same memory map, for ``DataLoader(ds, batch_size=B)`` with any sampler
+(``DistributedSampler``).
 
 The order is the Loader's: a :class:`~hf_pipeline.sampler.SamplerOptions` (a
 :class:`~hf_pipeline.loader.LoaderOptions`' ``order``, or its fields as keywords), so
@@ -37,8 +48,10 @@ import torch
 import torch.utils.data as tud
 
 from hf_pipeline.loader import LoaderOptions
+from hf_pipeline.records import SampleRecords, record_index
 from hf_pipeline.sampler import (
     ORDER_VERSION,
+    CropMode,
     GlobalSampler,
     SamplerOptions,
     check_order_version,
@@ -48,7 +61,9 @@ from hf_pipeline.sampler import (
 __all__ = [
     "STATE_VERSION",
     "LatentDataModule",  # noqa: F822 - made on first use by the module __getattr__
+    "TorchBatch",
     "TorchBatches",
+    "TorchSamples",
     "torch_loader",
 ]
 
@@ -62,12 +77,69 @@ def _to_tensor(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def _default_rank() -> tuple[int, int]:
+def _latents_dtype(latents_dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A floating torch dtype (or None) from a dtype or its name.
+
+    Raises:
+        ValueError: not a floating dtype.
+    """
+    if isinstance(latents_dtype, str):
+        latents_dtype = getattr(torch, latents_dtype, None) or latents_dtype
+    if latents_dtype is not None and not (
+        isinstance(latents_dtype, torch.dtype) and latents_dtype.is_floating_point
+    ):
+        raise ValueError(
+            "latents_dtype must be a floating torch dtype (or its name: bfloat16, "
+            f"float16, float32), got {latents_dtype!r}"
+        )
+    return latents_dtype
+
+
+def _process_group() -> tuple[int, int] | None:
+    """``(rank, world size)`` of an initialised ``torch.distributed`` group, else None."""
     import torch.distributed as torch_dist  # not the package ``dist``
 
     if torch_dist.is_available() and torch_dist.is_initialized():
         return torch_dist.get_rank(), torch_dist.get_world_size()
-    return 0, 1
+    return None
+
+
+def _job_share() -> tuple[int, int]:
+    """This process's ``(rank, world size)`` now: the process group's when one is
+    initialised (Lightning's DDP, ``init_process_group``), else the launcher's variables
+    (:func:`dist.env.detect`: torchrun, SLURM, ...), else 0 of 1."""
+    found = _process_group()
+    if found is not None:
+        return found
+    from dist.env import detect
+
+    process = detect()
+    return process.rank, process.world_size
+
+
+def _raising(error: Exception) -> Iterator[Any]:
+    raise error
+    yield  # a generator: raises at its first next()
+
+
+class TorchBatch(dict):
+    """One batch of :class:`TorchBatches`: a ``dict`` of tensors, already batched.
+
+    Its own type only so that torch's ``default_collate`` (a ``DataLoader`` with a
+    ``batch_size``, which would stack several batches into one) refuses it in one line.
+    """
+
+
+def _refuse_collate(batch, *, collate_fn_map=None):
+    raise TypeError(
+        "TorchBatches yields whole batches: use DataLoader(dataset, batch_size=None) or "
+        "hf_pipeline.torch_data.torch_loader(dataset); for per-sample batching with "
+        "batch_size=B use TorchSamples"
+    )
+
+
+# torch's documented extension point of default_collate: a function per element type.
+tud._utils.collate.default_collate_fn_map[TorchBatch] = _refuse_collate
 
 
 class TorchBatches(tud.IterableDataset):
@@ -78,8 +150,11 @@ class TorchBatches(tud.IterableDataset):
         order: the :class:`~hf_pipeline.sampler.SamplerOptions` of the global order,
             as a :class:`hf_pipeline.loader.Loader`'s ``options.order`` (same order,
             same shares).
-        process_index, process_count: this rank's share; default the
-            ``torch.distributed`` rank and world size, else 0 of 1.
+        process_index, process_count: this rank's share. Default: the job's, read each
+            time an iteration starts (never frozen at construction): an initialised
+            ``torch.distributed`` group's rank and world size (Lightning's DDP), else
+            the launcher's variables (``dist.env.detect``), else 0 of 1. DataLoader
+            workers get the share of the process that starts them.
         epoch: the epoch to iterate (see :meth:`set_epoch`).
         start_step: first step of the epoch to produce (resume).
         latents_dtype: optional torch dtype (or name) for the latents, e.g. bfloat16.
@@ -96,7 +171,12 @@ class TorchBatches(tud.IterableDataset):
 
     Raises:
         TypeError: an unknown keyword, or neither ``order`` nor ``global_batch_size``.
-        ValueError: invalid options or a global batch not divisible by the ranks.
+        ValueError: invalid options or a global batch not divisible by the ranks (with
+            the job's share: when an iteration starts).
+        TypeError: (from the DataLoader) a ``batch_size`` other than None: each item is
+            already a batch.
+        RuntimeError: a DataLoader worker iterates its copy twice (``persistent_workers=True``
+            would repeat the first epoch forever).
 
     Thread-safety: each DataLoader worker iterates its own copy.
     """
@@ -115,25 +195,55 @@ class TorchBatches(tud.IterableDataset):
     ):
         super().__init__()
         options = sampler_options(order, **order_fields)
-        if process_index is None or process_count is None:
-            rank, world = _default_rank()
-            process_index = rank if process_index is None else process_index
-            process_count = world if process_count is None else process_count
         self.source = source
         self.sampler = GlobalSampler(source.num_rows, options, num_crops=source.num_crops)
-        self._local = self.sampler.process_positions(process_index, process_count)
-        self.process_index, self.process_count = int(process_index), int(process_count)
+        self._given = (
+            None if process_index is None else int(process_index),
+            None if process_count is None else int(process_count),
+        )
+        self._shared: tuple[int, int] | None = None  # the parent's share, in a spawned worker
+        self._iterated_in_worker = False
+        if None not in self._given:
+            self.sampler.process_positions(*self._given)  # a bad share fails here
         self.set_epoch(epoch, start_step)
-        if isinstance(latents_dtype, str):
-            latents_dtype = getattr(torch, latents_dtype, None) or latents_dtype
-        if latents_dtype is not None and not (
-            isinstance(latents_dtype, torch.dtype) and latents_dtype.is_floating_point
-        ):
-            raise ValueError(
-                "latents_dtype must be a floating torch dtype (or its name: bfloat16, "
-                f"float16, float32), got {latents_dtype!r}"
-            )
-        self.latents_dtype = latents_dtype
+        self.latents_dtype = _latents_dtype(latents_dtype)
+
+    def share(self) -> tuple[int, int]:
+        """``(process_index, process_count)`` an iteration starting now takes.
+
+        Raises:
+            ValueError: the global batch is not divisible by the process count.
+        """
+        index, count = self._given
+        if index is None or count is None:
+            in_worker = tud.get_worker_info() is not None
+            rank, world = self._shared if in_worker and self._shared else _job_share()
+            index = rank if index is None else index
+            count = world if count is None else count
+        self.sampler.process_positions(index, count)  # checks the split
+        return index, count
+
+    @property
+    def process_index(self) -> int:
+        """This process's index among :attr:`process_count` (see :meth:`share`)."""
+        return self.share()[0]
+
+    @property
+    def process_count(self) -> int:
+        """The number of processes sharing each global batch (see :meth:`share`)."""
+        return self.share()[1]
+
+    @property
+    def _local(self) -> np.ndarray:
+        return self.sampler.process_positions(*self.share())
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A spawned (or forkserver) DataLoader worker has no process group: it gets the
+        # share of the process that pickles it, which starts the workers.
+        state = dict(self.__dict__)
+        if None in self._given:
+            state["_shared"] = self.share()
+        return state
 
     def set_epoch(self, epoch: int, start_step: int = 0) -> None:
         """Iterate ``epoch`` from ``start_step`` next time (call before each epoch).
@@ -159,24 +269,109 @@ class TorchBatches(tud.IterableDataset):
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         return range(self.start_step + worker, self.sampler.steps_per_epoch, workers)
 
-    def batch(self, step: int, epoch: int | None = None) -> dict[str, Any]:
-        """This rank's batch ``step`` of ``epoch`` (default the current one) as tensors."""
+    def batch(
+        self, step: int, epoch: int | None = None, local: np.ndarray | None = None
+    ) -> TorchBatch:
+        """This rank's batch ``step`` of ``epoch`` (default the current one) as tensors.
+
+        ``local``: the positions of the global batch to take (default this rank's share).
+        """
         epoch = self.epoch if epoch is None else epoch
-        share = self.sampler.batch_at(epoch, step, self._local)
+        local = self._local if local is None else local
+        share = self.sampler.batch_at(epoch, step, local)
         arrays = self.source.gather(share.rows, share.crops)
-        out = {name: _to_tensor(array) for name, array in arrays.items()}
+        out = TorchBatch((name, _to_tensor(array)) for name, array in arrays.items())
         if self.latents_dtype is not None:
             out["latents"] = out["latents"].to(self.latents_dtype)
         if not self.sampler.options.drop_last:
             out["mask"] = torch.from_numpy(share.mask)
         return out
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        # Epoch and steps are read now, not at the first next(): a set_epoch that comes
-        # between iter() and the first batch (Lightning calls it after its iter() when
-        # it resumes) must not move an iteration that has begun.
-        epoch, steps = self.epoch, self.steps()
-        return (self.batch(step, epoch) for step in steps)
+    def __iter__(self) -> Iterator[TorchBatch]:
+        if tud.get_worker_info() is not None:
+            # A worker's copy is made when the DataLoader's iteration starts; a second
+            # iteration of the same copy is a persistent worker, which set_epoch never
+            # reaches: it would repeat the first epoch's batches forever.
+            if self._iterated_in_worker:
+                # Raised at the first next(), not here: torch forwards errors of a fetch to
+                # the DataLoader, while one from iter() kills the worker without a word.
+                return _raising(
+                    RuntimeError(
+                        "TorchBatches was iterated twice by one DataLoader worker "
+                        "(persistent_workers=True): set_epoch never reaches persistent "
+                        "workers and every epoch would repeat the first; use "
+                        "persistent_workers=False"
+                    )
+                )
+            self._iterated_in_worker = True
+        # Epoch, steps and share are read now, not at the first next(): a set_epoch that
+        # comes between iter() and the first batch (Lightning calls it after its iter()
+        # when it resumes) must not move an iteration that has begun.
+        epoch, steps, local = self.epoch, self.steps(), self._local
+        return (self.batch(step, epoch, local) for step in steps)
+
+
+class TorchSamples(tud.Dataset):
+    """The cache's samples as a map-style dataset: ``len(ds)``, ``ds[i]`` -> one sample.
+
+    For the usual torch recipe — ``DataLoader(ds, batch_size=B, shuffle=True)``, or a
+    ``DistributedSampler`` per rank — over the same memory map as :class:`TorchBatches`.
+    Records are numbered as :class:`hf_pipeline.records.SampleRecords` numbers them
+    (``crop="all"``: one record per crop; a random crop is a hash of ``(seed, row)``,
+    the same every epoch). The order, the sharding and the epochs are the sampler's:
+    not the loader's global order (use :class:`TorchBatches` for that).
+
+    A ``DataLoader`` fetches a batch's samples with one gather (``__getitems__``), then
+    stacks them (``default_collate``). Workers get the source by pickling (its file
+    lists) or by fork.
+
+    Args:
+        source: a :class:`~hf_pipeline.mapped.SampleSource` (not closed by this object).
+        crop: ``"random"``, a fixed crop index, or ``"all"``, as ``loader.crop``.
+        seed: seed of the random crops.
+        latents_dtype: optional torch dtype (or name) for the latents, e.g. float32.
+
+    Returns (``ds[i]``):
+        ``{"latents": (C, H, W), "embeddings": (D,), "keys": int64 scalar}`` tensors;
+        latents in the cache's storage dtype (``torch.bfloat16`` for a bfloat16 cache)
+        unless ``latents_dtype`` says otherwise.
+
+    Raises:
+        ValueError: invalid ``crop``, ``seed`` or ``latents_dtype``.
+        IndexError, TypeError: (``ds[i]``) an index outside ``[0, len(ds))`` or not an int.
+
+    Thread-safety: reads are safe from several threads.
+    """
+
+    def __init__(
+        self,
+        source,
+        *,
+        crop: CropMode | int = "random",
+        seed: int = 0,
+        latents_dtype: torch.dtype | str | None = None,
+    ):
+        super().__init__()
+        self.records = SampleRecords(source, crop=crop, seed=seed)
+        self.latents_dtype = _latents_dtype(latents_dtype)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
+        """Samples ``indices`` from one gather (what a DataLoader's fetcher calls)."""
+        batch = self.records.get_batch(indices)
+        latents = _to_tensor(batch["latents"])
+        if self.latents_dtype is not None:
+            latents = latents.to(self.latents_dtype)
+        embeddings, keys = _to_tensor(batch["embeddings"]), _to_tensor(batch["keys"])
+        return [
+            {"latents": latents[j], "embeddings": embeddings[j], "keys": keys[j]}
+            for j in range(len(indices))
+        ]
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.__getitems__([record_index(index)])[0]
 
 
 class _EpochSampler(tud.Sampler):
@@ -328,13 +523,18 @@ class _LatentDataModule:
         """Nothing to do: :meth:`setup` coordinates the build across ranks itself."""
 
     def setup(self, stage: str | None = None) -> None:
-        """Find or build the cache (one rank builds, the others wait) and map it."""
+        """Find or build the cache (one rank builds, the others wait) and map it.
+
+        May be called before ``Trainer.fit`` (to size a model from ``dm.source``): the
+        rank's share of each global batch is read when an iteration starts, never here,
+        so a later DDP fit still splits every global batch over its ranks.
+        """
         from hf_pipeline.build import prepare_cache
         from hf_pipeline.cache import open_sample_source
 
         if self.source is not None:
             return
-        built = prepare_cache(self.cfg, progress=False)
+        built = prepare_cache(self.cfg, process=self._process(), progress=False)
         self.source = open_sample_source(built.layout, built.fingerprint)
         # The Loader's options: the same order and output dtype as Loader.from_config.
         options = LoaderOptions.from_config(self.cfg.loader)
@@ -350,6 +550,39 @@ class _LatentDataModule:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
         self.dataset.set_epoch(*self._position)
+
+    def _process(self):
+        """Who this process is for the build: the trainer's (or process group's) rank,
+        else the launcher's variables (``dist.env.detect``).
+
+        Lightning's DDP launcher starts each rank with ``WORLD_SIZE``, ``LOCAL_RANK``
+        and ``NODE_RANK`` but no ``RANK`` (the global rank comes with its process
+        group). Before ``Trainer.fit`` such a process is on its own: it finds or builds
+        the cache as rank 0 of 1 (the build's lease lets exactly one process build)
+        instead of reading half a launcher's variables.
+        """
+        import os
+
+        from dist.env import ProcessInfo, detect
+
+        trainer = getattr(self, "trainer", None)  # LightningDataModule's, once attached
+        group = _process_group()
+        if trainer is not None and (group is not None or trainer.world_size == 1):
+            return ProcessInfo(
+                rank=trainer.global_rank,
+                world_size=trainer.world_size,
+                local_rank=trainer.local_rank,
+                local_world_size=max(1, min(trainer.num_devices, trainer.world_size)),
+                node_rank=trainer.node_rank,
+                source="lightning",
+            )
+        if (
+            group is None
+            and "RANK" not in os.environ
+            and {"WORLD_SIZE", "LOCAL_RANK", "NODE_RANK"} <= os.environ.keys()
+        ):
+            return ProcessInfo(source="lightning, before Trainer.fit")
+        return detect()
 
     def set_epoch(self, epoch: int, start_step: int = 0) -> None:
         """Serve ``epoch`` from ``start_step`` next (the position :meth:`state_dict` reports).

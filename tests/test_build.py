@@ -522,7 +522,7 @@ def test_default_storage_keeps_the_source_bits(clean_builds, dtype):
                     seen.add((k, c))
             assert len(seen) == 36
     # datasets view (nothing was dropped: one contiguous run of kept rows).
-    ds = open_dataset(built.layout)
+    ds = open_dataset(built.layout, latents="stored")  # the column as stored, no copy
     assert len(ds) == 12
     # datasets' numpy format widens by default (uint16 -> int64, float16 -> float32):
     # ask for the stored type, then view it in the storage dtype.

@@ -100,7 +100,7 @@ def test_pickle_carries_paths_not_arrays(src):
         blob = dumps(src)
         assert len(blob) < 2000 < cache_bytes // 1000, (len(blob), cache_bytes)
         clone = pickle.loads(blob)
-        assert clone._source is None  # nothing mapped until this process reads
+        assert clone._records is None  # nothing mapped until this process reads
         try:
             assert len(clone) == len(src) and repr(clone) == repr(src)
             _assert_batches_equal(

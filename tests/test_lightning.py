@@ -136,3 +136,41 @@ def test_plain_dataloader_under_trainer_gets_each_epoch(built_cache, small_confi
             assert [k for epoch, _, k in model.seen if epoch == e] == _epoch_keys(
                 source, small_config, e
             )
+
+
+@pytest.mark.parametrize("when", ["pre", "fit"], ids=["setup_before_fit", "setup_in_fit"])
+def test_ddp_ranks_split_every_global_batch(small_config, built_cache, tmp_path, when):
+    """Real Lightning DDP, 2 CPU ranks (gloo). With README's `dm.setup("fit")` before
+    `Trainer.fit` both ranks got the whole global batch (the share was frozen as rank 0
+    of 1 then); now every sample of every global batch is seen exactly once across the
+    ranks, with or without the pre-setup, and no rank warns about its variables."""
+    import json
+    import subprocess
+
+    from hf_pipeline.cache import open_sample_source
+    from tests.conftest import PYTHON, REPO, SMALL_DEMO, script_env
+
+    with open_sample_source(built_cache.layout, built_cache.fingerprint) as source:
+        want = _epoch_keys(source, small_config, 0)
+        dim = source.embed_dim
+    overrides = [*SMALL_DEMO, f"build.cache_dir={small_config.cache_root}"]
+    script = REPO / "tests" / "procs" / "lightning_ddp.py"
+    run = subprocess.run(
+        [PYTHON, str(script), str(tmp_path), when, str(dim), *overrides],
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [s["world"] for s in seen] == [2, 2]
+    assert len(seen[0]["seen"]) == len(seen[1]["seen"]) == len(want) > 10
+    for step, batch in enumerate(want):
+        a, b = seen[0]["seen"][step], seen[1]["seen"][step]
+        assert len(a) == len(b) == len(batch) // 2, f"step {step}"
+        assert not set(a) & set(b), f"step {step}: both ranks got {sorted(set(a) & set(b))}"
+        assert sorted(a + b) == sorted(batch), f"step {step}"
+    assert "is set but" not in run.stderr, run.stderr[-3000:]
+    assert "rank 0 of 1" not in run.stderr

@@ -17,6 +17,7 @@ PAGES = (
     "docs/guides/torch.md",
     "docs/guides/lightning.md",
     "docs/guides/grain.md",
+    "docs/guides/datasets.md",
 )
 
 
@@ -48,18 +49,27 @@ def test_readme_and_docs_python_examples_run(small_config, built_cache, monkeypa
             path, [*SMALL_DEMO, f"build.cache_dir={small_config.cache_root}"], environ={}
         ),
     )
+    # The guides read the built demo cache's folder from DEMO_CACHE.
+    monkeypatch.setenv("DEMO_CACHE", str(built_cache.cache_dir))
     namespace: dict = {}
     for page in PAGES:
         for block in _python_blocks(page):
             exec(compile(block, page, "exec"), namespace)  # noqa: S102
+        if page.endswith("lightning.md"):
+            # Its blocks are scripts with a main guard (DDP re-runs the file; the DDP run
+            # itself is tests/test_lightning.py's): run the last one, the resume example.
+            namespace["main"]()
+            runs = list(tmp_path.glob("latent-run-*/epoch=0-step=*.ckpt"))
+            assert {p.name for p in runs} == {"epoch=0-step=5.ckpt", "epoch=0-step=10.ckpt"}
     assert namespace["built"].fingerprint == built_cache.fingerprint
     assert namespace["emb"].shape == (16, 384)
-    assert tuple(namespace["latents"].shape) == (64, 4, 32, 32)  # the torch example's batch
+    assert tuple(namespace["latents"].shape) == (16, 4, 32, 32)  # the torch example's batch
+    assert namespace["sample"]["latents"].ndim == 3  # TorchSamples: one sample
     assert namespace["state"]["step"] == 10
-    # Lightning: fit to step 10 with a checkpoint at 5, then resumed from it to 10.
-    assert namespace["resumed"].global_step == 10
-    assert namespace["run_dir"].startswith(str(tmp_path))
     # Grain: per-record and global-batch paths give Loader-shaped batches.
     assert namespace["first"]["latents"].shape == (16, 4, 32, 32)
     assert namespace["sixth"]["keys"].shape == (16,)
     assert namespace["step_batch"]["keys"].shape == (16,)
+    # Plain datasets: float latents in every format.
+    assert namespace["values"].shape[0] == 4
+    assert str(namespace["torch_ds"][0]["latents"].dtype).startswith("torch.float")

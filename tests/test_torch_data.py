@@ -364,3 +364,94 @@ def test_importing_torch_data_does_not_import_lightning():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "True"
+
+
+# ------------------------------------------------ plain torch use (issue 24 item 2)
+
+
+def _plain_loader(ds, num_workers: int, **kw):
+    extra = {"multiprocessing_context": _ctx(), "timeout": 60} if num_workers else {}
+    return torch.utils.data.DataLoader(ds, num_workers=num_workers, **extra, **kw)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_batch_size_is_refused_in_one_line(source, num_workers):
+    """`DataLoader(TorchBatches, batch_size=8)` stacked 8 batches into latents of shape
+    (8, b, C, H, W) without a word; `batch_size=None` gives the batches as they are."""
+    ds = TorchBatches(source, global_batch_size=16, process_index=0, process_count=1)
+    with pytest.raises(TypeError, match=r"TorchBatches yields whole batches: use DataLoader\("):
+        next(iter(_plain_loader(ds, num_workers, batch_size=8)))
+    got = list(_plain_loader(ds, num_workers, batch_size=None))
+    assert len(got) == len(ds) and got[0]["latents"].shape == (16, 4, 32, 32)
+    np.testing.assert_array_equal(got[1]["keys"].numpy(), _expected(ds, 1)["keys"])
+
+
+def test_persistent_workers_are_refused_not_repeated(source):
+    """Persistent workers keep their dataset copy: set_epoch never reached them and every
+    epoch repeated epoch 0. The second epoch is now an error, not a repeat."""
+    ds = TorchBatches(source, global_batch_size=16, seed=1, process_index=0, process_count=1)
+    dl = _plain_loader(ds, 2, batch_size=None, persistent_workers=True)
+    first = [b["keys"].tolist() for b in dl]
+    assert first == [_expected(ds, s, 0)["keys"].tolist() for s in range(len(ds))]
+    ds.set_epoch(1)
+    with pytest.raises(RuntimeError, match="persistent_workers=True"):
+        list(dl)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_the_share_is_read_when_iteration_starts(source, monkeypatch, context):
+    """A TorchBatches made before the job's rank is known (a DataModule set up before
+    `Trainer.fit`) takes the share the job has when the iteration starts, and its
+    workers (forked or spawned) take that of the process that starts them."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    ds = TorchBatches(source, global_batch_size=16, seed=2)  # made as rank 0 of 1
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    whole = TorchBatches(source, global_batch_size=16, seed=2, process_index=0, process_count=1)
+    if context == "fork" and "jax" in sys.modules:
+        context = "forkserver"  # see _ctx
+    dl = torch.utils.data.DataLoader(
+        ds, batch_size=None, num_workers=2, multiprocessing_context=context, timeout=120
+    )
+    for step, batch in enumerate(dl):
+        assert batch["keys"].tolist() == whole.batch(step)["keys"][8:].tolist()
+    assert step == len(ds) - 1
+    assert ds.share() == (1, 2)
+
+
+def test_map_style_samples_with_a_distributed_sampler(tmp_path):
+    """TorchSamples: `len`, `ds[i]` one sample, and the usual recipe — a DistributedSampler
+    per rank, DataLoader(batch_size=B, num_workers=2) — covers every record exactly once
+    across the ranks, each batch the samples its sampler named."""
+    from torch.utils.data import DistributedSampler
+
+    from hf_pipeline.torch_data import TorchSamples
+
+    with open_source(tmp_path, 200, fingerprint="m", drop_every=None) as src:
+        ds = TorchSamples(src, crop="all", seed=4)
+        assert len(ds) == 3 * src.num_rows == 600
+        one = ds[np.int64(5)]
+        assert one["latents"].shape == (4, 32, 32) and one["embeddings"].shape == (8,)
+        want = src.gather([5 // 3], 5 % 3)
+        np.testing.assert_array_equal(one["latents"].numpy(), want["latents"][0])
+        assert int(one["keys"]) == int(want["keys"][0])
+        for bad, error in ((600, IndexError), (-1, IndexError), (1.0, TypeError)):
+            with pytest.raises(error, match="record index"):
+                ds[bad]
+        seen = []
+        for rank in range(2):
+            sampler = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=9)
+            sampler.set_epoch(3)
+            indices = list(sampler)
+            batches = list(_plain_loader(ds, 2, batch_size=32, sampler=sampler))
+            assert [len(b["keys"]) for b in batches] == [32] * 9 + [12]
+            got = {k: torch.cat([b[k] for b in batches]).numpy() for k in batches[0]}
+            exp = ds.records.get_batch(indices)
+            for name in ("latents", "embeddings", "keys"):
+                np.testing.assert_array_equal(got[name], exp[name])
+            seen.append(indices)
+        assert not set(seen[0]) & set(seen[1])
+        assert sorted(seen[0] + seen[1]) == list(range(600))
+        bf = TorchSamples(src, crop=0, latents_dtype="float32")
+        assert bf[0]["latents"].dtype == torch.float32 and len(bf) == 200

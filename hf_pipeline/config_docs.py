@@ -16,9 +16,8 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Any, get_args
 
-from hf_pipeline.config import _LITERALS, _SECTIONS, ENV_VARS, Config
+from hf_pipeline.config import ENV_VARS, Config, field_choices, section_type
 
 __all__ = [
     "DOCS_PAGE",
@@ -47,15 +46,15 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _type_text(annotation: Any) -> str:
-    """``int``, ``str``, or a closed value set as ``'a' | 'b'``."""
-    name = annotation if isinstance(annotation, str) else annotation.__name__
-    if name in _LITERALS:
-        return " | ".join(f"`{json.dumps(v)}`" for v in get_args(_LITERALS[name]))
-    return f"`{name}`"
+def _type_text(field: dataclasses.Field) -> str:
+    """``int``, ``str``, or a closed value set as ``"a" | "b"``."""
+    choices = field_choices(field)
+    if choices is not None:
+        return " | ".join(f"`{json.dumps(v)}`" for v in choices)
+    return f"`{field.type if isinstance(field.type, str) else field.type.__name__}`"
 
 
-def _default_text(value: Any) -> str:
+def _default_text(value: object) -> str:
     """A default as it is written in YAML."""
     return f"`{json.dumps(value)}`"
 
@@ -73,7 +72,7 @@ def config_reference_markdown() -> str:
         lines.append("|---|---|---|---|---|")
         subsections = []
         for f in dataclasses.fields(cls):
-            sub = _SECTIONS.get(f.type if isinstance(f.type, str) else f.type.__name__)
+            sub = section_type(f)
             key = f"{dotted}{f.name}"
             if sub is not None:
                 subsections.append((sub, key))
@@ -82,7 +81,7 @@ def config_reference_markdown() -> str:
                 default = f.default
                 bounds = f.metadata.get("bounds")
                 cells = [
-                    _type_text(f.type),
+                    _type_text(f),
                     _default_text(default),
                     bounds.text() if bounds is not None else "",
                     f.metadata["help"],

@@ -334,10 +334,14 @@ class EncoderConfig:
         "(`torch.compile` replaying CUDA graphs)",
     )
     attn_implementation: EncoderAttention = _field(
-        "sdpa", "the encoder's attention kernels (transformers' `attn_implementation`)"
+        "sdpa",
+        "the encoder's attention kernels (transformers' `attn_implementation`): `sdpa` "
+        "(on CUDA any SDPA kernel but cuDNN's) or `eager`",
     )
     tf32: bool = _field(
-        False, "float32 matmuls on TF32 tensor cores (CUDA): faster, other numerics"
+        False,
+        "float32 matmuls on TF32 tensor cores (CUDA): ~3x faster on a GPU but other "
+        "numerics (~1e-3 relative), so another cache fingerprint",
     )
     fuse_gelu: bool = _field(
         True,
@@ -410,7 +414,7 @@ class BuildConfig:
         0,
         10_000_000,
         note=" (0: one part per builder)",
-        help="shards per part of a build",
+        help="shards per part with `parallel: ranks`",
     )
     overlap_parts: int = _bounded(
         0,
@@ -418,7 +422,9 @@ class BuildConfig:
         1024,
         note=" (0: automatic, 1: no overlap)",
         help="pieces a builder cuts its part into, built in order, the embedding of one "
-        "(the accelerator) overlapping the join of the next (the `num_proc` workers)",
+        "(the accelerator) overlapping the join of the next (the `num_proc` workers); "
+        "automatic: 4 when the encoder runs on an accelerator and each piece still gives "
+        "every worker a shard, else one; with `parallel: ranks` each rank cuts its part",
     )
     pull_from: str = _field(
         "",
@@ -460,7 +466,8 @@ class CoordConfig:
 
     scope: Scope = _field(
         "shared",
-        "`shared`: one build for every host sharing the cache folder; `node`: one per host",
+        "`shared`: one cache for the whole job (NFS, `HF_HOME`), global rank 0 builds; "
+        "`node`: one cache per node on local disk, local rank 0 of each node builds",
     )
     poll_interval: float = _bounded(
         5.0, 0, 3600, lo_open=True, help="seconds between a waiting rank's checks"
@@ -476,7 +483,11 @@ class CoordConfig:
         help="seconds without heartbeat progress before a builder is judged dead",
     )
     heartbeat_interval: float = _bounded(
-        2.0, 0, 3600, lo_open=True, help="seconds between the builder's heartbeats"
+        2.0,
+        0,
+        3600,
+        lo_open=True,
+        help="seconds between the builder's heartbeats (at most `lease_timeout` / 2)",
     )
 
     def __post_init__(self):
@@ -702,13 +713,15 @@ class EnvVar:
         field: the dotted config field it sets ("" for one read elsewhere, listed
             here so that the help and the docs name it).
         meaning: what it does.
-        default: what applies when it is unset.
+        default: what applies when it is unset, for one without a ``field`` (unset, a
+            field keeps the config file's value, else its built-in default: the docs
+            print that default from the field, not from here).
     """
 
     name: str
     field: str
     meaning: str
-    default: str
+    default: str = ""
 
 
 #: Every environment variable, in the order the help and docs list them. Those with a
@@ -719,50 +732,42 @@ ENV_VARS: tuple[EnvVar, ...] = (
         name="DATASET_NUM_PROC",
         field="build.num_proc",
         meaning="`datasets` worker processes for the join and filter",
-        default="min(8, CPUs)",
     ),
     EnvVar(
         name="DATASET_BATCH_SIZE",
         field="build.batch_size",
         meaning="rows per map batch (the embedding batch)",
-        default="1000",
     ),
     EnvVar(
         name="DATASET_WRITER_BATCH_SIZE",
         field="build.writer_batch_size",
         meaning="rows per Arrow record batch",
-        default="10000",
     ),
     EnvVar(
         name="DATASET_POLL_INTERVAL",
         field="coord.poll_interval",
         meaning="seconds between a waiting rank's checks",
-        default="5",
     ),
     EnvVar(
         name="DATASET_MAX_WAIT",
         field="coord.max_wait",
         meaning="seconds a rank waits for the cache in total",
-        default="3600",
     ),
     EnvVar(
         name="DATASET_LEASE_TIMEOUT",
         field="coord.lease_timeout",
         meaning="seconds without heartbeat progress before a builder is judged dead",
-        default="60",
     ),
     EnvVar(
         name="HF_PIPELINE_CACHE",
         field="build.cache_dir",
         meaning="the cache root",
-        default="the default cache root (`HF_DATASETS_CACHE`, `HF_HOME`)",
     ),
     EnvVar(
         name="HF_PIPELINE_PULL_FROM",
         field="build.pull_from",
         meaning="pull the published cache from `gs://...` or `hf://datasets/...` "
         "instead of building it",
-        default="never pull",
     ),
     EnvVar(
         name="HF_DATASETS_CACHE, HF_HOME",
@@ -781,19 +786,16 @@ ENV_VARS: tuple[EnvVar, ...] = (
         name="SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID",
         field="",
         meaning="who am I (SLURM)",
-        default="",
     ),
     EnvVar(
         name="OMPI_COMM_WORLD_*, PMI_RANK, PMI_SIZE",
         field="",
         meaning="who am I (Open MPI / PMI)",
-        default="",
     ),
     EnvVar(
         name="JAX_COORDINATOR_ADDRESS",
         field="",
         meaning="`train.py` joins `jax.distributed` with the detected rank and world",
-        default="",
     ),
     EnvVar(
         name="HF_TOKEN, HF_ENDPOINT, HF_HUB_OFFLINE, HF_HUB_CACHE",
@@ -806,7 +808,6 @@ ENV_VARS: tuple[EnvVar, ...] = (
         name="GOOGLE_APPLICATION_CREDENTIALS, STORAGE_EMULATOR_HOST",
         field="",
         meaning="GCS credentials, emulator (`gcs_emulator_host`)",
-        default="",
     ),
 )
 

@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-from hf_pipeline.config import ENV_VARS, Config, field_choices, section_type
+from hf_pipeline.config import ENV_VARS, Config, EnvVar, field_choices, section_type
 
 __all__ = [
     "DOCS_PAGE",
@@ -95,6 +95,21 @@ def config_reference_markdown() -> str:
     return "\n".join(lines)
 
 
+def _env_default(var: EnvVar) -> str:
+    """What applies while ``var`` is unset: the config file's value of its field, else
+    the field's built-in default (read from the field: defined once)."""
+    if not var.field:
+        return var.default
+    section, name = var.field.split(".")
+    cls = type(getattr(Config(), section))
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    text = f"the config file's, else `{json.dumps(field.default)}`"
+    bounds = field.metadata.get("bounds")
+    if bounds is not None and bounds.note.startswith(f" ({field.default}:"):
+        text += bounds.note  # what the default means, e.g. " (0: min(8, CPUs))"
+    return text
+
+
 def env_table_markdown() -> str:
     """``ENV_VARS`` as a Markdown table."""
     lines = [
@@ -104,7 +119,7 @@ def env_table_markdown() -> str:
     for var in ENV_VARS:
         names = ", ".join(f"`{n.strip()}`" for n in var.name.split(","))
         field = f"`{var.field}`" if var.field else ""
-        cells = [names, field, var.meaning, var.default]
+        cells = [names, field, var.meaning, _env_default(var)]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -114,8 +129,8 @@ def env_help() -> str:
     lines = ["environment (override the config file; --set overrides both):"]
     for var in ENV_VARS:
         what = f"{var.field}: {var.meaning}" if var.field else var.meaning
-        if var.default:
-            what += f" (unset: {var.default})"
+        if _env_default(var):
+            what += f" (unset: {_env_default(var)})"
         what = what.replace("`", "")
         if len(var.name) <= 27:
             lines.append(f"  {var.name:<27} {what}")

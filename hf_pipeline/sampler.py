@@ -38,6 +38,7 @@ per-epoch order cache is locked).
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 import threading
 from typing import Literal, get_args
 
@@ -47,13 +48,16 @@ __all__ = [
     "CROPS",
     "ORDER_VERSION",
     "PARTITIONS",
+    "SAMPLER_FIELDS",
     "SHUFFLES",
     "CropMode",
     "GlobalSampler",
+    "OptionError",
     "Partition",
     "ProcessBatch",
     "SamplerOptions",
     "Shuffle",
+    "check_at_least",
     "crop_problem",
     "sampler_options",
 ]
@@ -133,6 +137,28 @@ def crop_problem(crop, num_crops: int | None = None) -> str | None:
     return f"must be 'random', 'all' or {index}, got {crop!r}"
 
 
+class OptionError(ValueError):
+    """An option of :class:`SamplerOptions` or ``LoaderOptions`` has an invalid value.
+
+    Attributes:
+        field: the option's name (``hf_pipeline.config`` names it ``loader.<field>``).
+    """
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field} {message}")
+        self.field = field
+        self.message = message
+
+    def __reduce__(self):
+        return type(self), (self.field, self.message)
+
+
+def check_at_least(value: int, least: int, field: str) -> None:
+    """Raise :class:`OptionError` "``field`` must be >= ``least``, got ``value``"."""
+    if value < least:
+        raise OptionError(field, f"must be >= {least}, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplerOptions:
     """How the global order is drawn and split.
@@ -161,24 +187,26 @@ class SamplerOptions:
 
     def __post_init__(self):
         if not isinstance(self.drop_last, bool | np.bool_):
-            raise ValueError(f"drop_last must be True or False, got {self.drop_last!r}")
+            raise OptionError("drop_last", f"must be True or False, got {self.drop_last!r}")
         object.__setattr__(self, "drop_last", bool(self.drop_last))
-        if self.global_batch_size < 1:
-            raise ValueError(f"global_batch_size must be >= 1, got {self.global_batch_size}")
-        if self.seed < 0:
-            raise ValueError(f"seed must be >= 0, got {self.seed}")
-        if self.shuffle not in SHUFFLES:
-            raise ValueError(f"shuffle must be one of {SHUFFLES}, got {self.shuffle!r}")
-        if self.partition not in PARTITIONS:
-            raise ValueError(f"partition must be one of {PARTITIONS}, got {self.partition!r}")
+        check_at_least(self.global_batch_size, 1, "global_batch_size")
+        check_at_least(self.seed, 0, "seed")
+        for field, value, allowed in (
+            ("shuffle", self.shuffle, SHUFFLES),
+            ("partition", self.partition, PARTITIONS),
+        ):
+            if value not in allowed:
+                raise OptionError(field, f"must be one of {allowed}, got {reprlib.repr(value)}")
         problem = crop_problem(self.crop)
         if problem is not None:
-            raise ValueError(f"crop {problem}")
+            raise OptionError("crop", problem)
         object.__setattr__(self, "crop", _normalize_crop(self.crop))
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.window_blocks < 1:
-            raise ValueError(f"window_blocks must be >= 1, got {self.window_blocks}")
+        check_at_least(self.block_size, 1, "block_size")
+        check_at_least(self.window_blocks, 1, "window_blocks")
+
+
+#: The fields of :class:`SamplerOptions` (``hf_pipeline.config.LoaderConfig`` has each).
+SAMPLER_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SamplerOptions))
 
 
 def sampler_options(options: SamplerOptions | None = None, **fields) -> SamplerOptions:

@@ -25,8 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="train.py",
         description=__doc__.split("\n\n")[0],
-        epilog=cli.ENV_HELP
-        + "  JAX_COORDINATOR_ADDRESS    host:port: join jax.distributed with the detected rank/world\n",
+        epilog=cli.ENV_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     cli.add_common_args(p)

@@ -368,3 +368,111 @@ def test_scripts_refuse_hostile_configs_in_one_line_exit_2(tmp_path, script, arg
     assert line.startswith("error: ") and fragment in line and len(line) < 400, line[:1000]
     # Refused before anything was written: no cache folder, inside the root or beside it.
     assert not (tmp_path / "root").exists() and not (tmp_path / "escaped").exists()
+
+
+# ------------------------------------ one definition of each fact (issue 25, item 2)
+
+
+def test_every_field_has_its_meaning_and_every_env_var_a_real_field():
+    """Every field carries its meaning; each env variable that sets a field names one."""
+    from hf_pipeline.config import ENV_VARS
+
+    def fields(cls, prefix=""):
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("help"), f"{prefix}{f.name} has no meaning"
+            yield f"{prefix}{f.name}"
+            value = getattr(cls(), f.name)
+            if dataclasses.is_dataclass(value):
+                yield from fields(type(value), f"{prefix}{f.name}.")
+
+    known = set(fields(Config))
+    for var in ENV_VARS:
+        assert not var.field or var.field in known, var
+    # Each variable load_config reads sets its field (and only through the one table).
+    for var in (v for v in ENV_VARS if v.field):
+        section, name = var.field.split(".")
+        value = getattr(getattr(Config(), section), name)
+        raw = "7" if not isinstance(value, str) else "gs://bucket/x"
+        cfg = load_config(None, environ={var.name: raw})
+        assert getattr(getattr(cfg, section), name) == type(value)(raw), var
+
+
+def test_docs_configuration_reference_is_current():
+    """docs/configuration.md's reference is what config.py renders now (regenerate with
+    ``python -m hf_pipeline.config_docs --write-docs``), and names every field."""
+    from hf_pipeline.config_docs import DOCS_PAGE, config_reference_markdown, render_docs_page
+
+    page = DOCS_PAGE.read_text(encoding="utf-8")
+    assert render_docs_page(page) == page, "run: python -m hf_pipeline.config_docs --write-docs"
+    reference = config_reference_markdown()
+    assert reference in page
+    for section in ("data", "data.demo", "encoder", "build", "coord", "loader", "train"):
+        assert f"### `{section}`" in reference
+    # A field's bounds, default and meaning appear in its row.
+    row = next(r for r in reference.splitlines() if r.startswith("| `build.num_proc` |"))
+    assert "`0`" in row and "[0, 4096] (0: min(8, CPUs))" in row and "worker processes" in row
+
+
+def test_docs_drift_is_detected(tmp_path):
+    """A page whose generated block differs from the code is rewritten (so the check above
+    can fail), and a page without the markers is refused by name."""
+    from hf_pipeline.config_docs import DOCS_PAGE, render_docs_page, write_docs
+
+    page = tmp_path / "configuration.md"
+    stale = DOCS_PAGE.read_text(encoding="utf-8").replace("| `build.num_proc` |", "| `x` |")
+    page.write_text(stale)
+    assert render_docs_page(stale) != stale
+    assert write_docs(page) is True and write_docs(page) is False
+    assert page.read_text() == DOCS_PAGE.read_text(encoding="utf-8")
+    with pytest.raises(ValueError, match="BEGIN GENERATED: config reference"):
+        render_docs_page("# no markers\n")
+
+
+def test_env_table_is_current():
+    """The scripts' --help and the docs' env table both list every variable of the one
+    table, with its field and default."""
+    from hf_pipeline import cli
+    from hf_pipeline.config import ENV_VARS
+    from hf_pipeline.config_docs import DOCS_PAGE, env_help, env_table_markdown
+
+    assert cli.ENV_HELP == env_help()
+    assert env_table_markdown() in DOCS_PAGE.read_text(encoding="utf-8")
+    for var in ENV_VARS:
+        assert var.name in cli.ENV_HELP, var.name
+        assert var.field in cli.ENV_HELP
+        assert var.default.replace("`", "") in cli.ENV_HELP
+    # A field's variable shows the field's own built-in default, not a copy of it.
+    assert "DATASET_BATCH_SIZE" in cli.ENV_HELP and "else 1000)" in cli.ENV_HELP
+
+
+# ------------------------------ loader options defined once (issue 25, item 3)
+
+
+def test_loader_config_builds_the_loader_options():
+    """LoaderConfig has exactly the options' fields and builds them; a value the options
+    refuse is a one-line ConfigError naming loader.<field>."""
+    from hf_pipeline.config import LoaderConfig
+    from hf_pipeline.loader import LoaderOptions
+    from hf_pipeline.sampler import SamplerOptions
+
+    option_fields = {f.name for f in dataclasses.fields(SamplerOptions)} | {
+        f.name for f in dataclasses.fields(LoaderOptions)
+    } - {"order"}
+    assert {f.name for f in dataclasses.fields(LoaderConfig)} == option_fields
+    cfg = load_config(
+        None,
+        ["loader.crop=1", "loader.shuffle=block", "loader.num_threads=3", "loader.seed=9"],
+        environ={},
+    ).loader
+    options = cfg.loader_options()
+    assert options == LoaderOptions.from_config(cfg)
+    assert (
+        options.order
+        == cfg.sampler_options()
+        == SamplerOptions(global_batch_size=64, seed=9, crop=1, shuffle="block")
+    )
+    assert (options.num_threads, options.latents_dtype) == (3, None)
+    assert LoaderConfig().loader_options().num_threads is None
+    err = _refusal(["loader.partition=diagonal"])
+    assert err.field == "loader.partition" and "\n" not in str(err)
+    assert str(err).startswith("loader.partition must be one of ('contiguous', 'strided')")

@@ -801,6 +801,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
         default="single process; SLURM / Open MPI: JAX's own detection",
     ),
     EnvVar(
+        name="HF_PIPELINE_JOB_ID",
+        field="",
+        meaning="names the job when its ranks share only the cache root: their agreement "
+        "folder `<cache root>/.jobs/<id>/` (`dist.kvstore`); a launch id used before is refused",
+        default="SLURM's job, step and restart, else torchrun's run id, else no agreement",
+    ),
+    EnvVar(
         name="HF_TOKEN, HF_ENDPOINT, HF_HUB_OFFLINE, HF_HUB_CACHE",
         field="",
         meaning="Hub credentials, endpoint, offline mode, model cache (`hub_endpoint`, "

@@ -14,6 +14,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["hf_pipeline", "hf_pipeline.*", "dist", "dist.*"]),
     package_data={"hf_pipeline": ["configs/*.yaml"]},
+    # `hf-pipeline build|status|verify|clean|publish|train`: the scripts' code, installed.
+    entry_points={"console_scripts": ["hf-pipeline=hf_pipeline.commands:main"]},
     install_requires=[
         # torch first in .ci/run (a CPU build); any torch >= 2.1 works.
         "torch>=2.1",

@@ -1,0 +1,127 @@
+"""The ``hf-pipeline`` command: one subcommand per operation of the two scripts.
+
+  hf-pipeline build [--json PATH]          scripts/prebuild_cache.py
+  hf-pipeline status [URL] [--json PATH]   scripts/prebuild_cache.py --status [URL]
+  hf-pipeline verify [--json PATH]         scripts/prebuild_cache.py --verify
+  hf-pipeline clean [--dry-run]            scripts/prebuild_cache.py --clean [--dry-run]
+  hf-pipeline publish URL                  scripts/prebuild_cache.py --publish URL
+  hf-pipeline train [--steps N ...]        scripts/train.py
+
+Installed by ``pip install`` (setup.py's console_scripts) and run by
+``python -m hf_pipeline``. Each subcommand sets the same namespace the script's flags
+set and calls the same ``main`` (``commands.prebuild``, ``commands.train``), so their
+output and exit codes are the scripts' (``hf_pipeline.cli.run``: 0 ok, 1 a runtime
+failure, 2 bad usage or input, 130 interrupted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from hf_pipeline import cli
+from hf_pipeline.commands import prebuild, train
+
+__all__ = ["main", "parser"]
+
+PROG = "hf-pipeline"
+
+#: Every operation flag of prebuild_cache.py off: a subcommand then turns its own on.
+_NO_OPERATION = {"status": None, "publish": None, "verify": False, "clean": False}
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage error is one line (exit 2), like every bad input."""
+
+    def error(self, message: str) -> NoReturn:
+        # argparse's default prints the whole usage block first; the project's bad input
+        # is one line on stderr, and --help is where the usage lives.
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _add(subs, name: str, summary: str, epilog: str = cli.ENV_HELP) -> argparse.ArgumentParser:
+    p = subs.add_parser(
+        name,
+        help=summary,
+        description=summary,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    cli.add_common_args(p)
+    return p
+
+
+def parser() -> argparse.ArgumentParser:
+    """The ``hf-pipeline`` command line (subcommands build, status, verify, clean, publish,
+    train)."""
+    top = _Parser(
+        prog=PROG,
+        description="Build, inspect, publish and train from the shared hf_pipeline cache "
+        "(the two scripts' operations, one subcommand each; COMMAND --help for its flags).",
+        epilog=cli.ENV_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    subs = top.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND")
+
+    p = _add(subs, "build", "build (or find) the shared cache for a config")
+    prebuild.add_json_arg(p, "write the build summary as JSON to PATH ('-' = stdout)")
+    p.set_defaults(**_NO_OPERATION, dry_run=False, run=prebuild.main)
+
+    p = _add(subs, "status", "list the caches under the cache root, or those published at URL")
+    p.add_argument(
+        "status",
+        nargs="?",
+        default=True,
+        metavar="URL",
+        help="a store to list instead (gs://... or hf://datasets/...)",
+    )
+    prebuild.add_json_arg(p, "write the report as JSON to PATH ('-' = stdout); not with URL")
+    p.set_defaults(publish=None, verify=False, clean=False, dry_run=False, run=prebuild.main)
+
+    p = _add(
+        subs,
+        "verify",
+        "re-read every cache's files whole and check them against their markers' checksums",
+    )
+    prebuild.add_json_arg(p, "write the report as JSON to PATH ('-' = stdout)")
+    p.set_defaults(**{**_NO_OPERATION, "verify": True}, dry_run=False, run=prebuild.main)
+
+    p = _add(subs, "clean", "remove stale, failed or corrupt caches (never a live one)")
+    prebuild.add_json_arg(p, "write the report as JSON to PATH ('-' = stdout)")
+    prebuild.add_dry_run_arg(p)
+    p.set_defaults(**{**_NO_OPERATION, "clean": True}, run=prebuild.main)
+
+    p = _add(subs, "publish", "build the cache if needed, then upload it to URL (resumable)")
+    p.add_argument(
+        "publish",
+        metavar="URL",
+        help="gs://<bucket>[/<prefix>] or hf://datasets/<org>/<repo>[/<path>]; the cache "
+        "goes to URL/<name>-<fingerprint>/",
+    )
+    prebuild.add_json_arg(p, "write the build and publish summary as JSON to PATH ('-' = stdout)")
+    p.set_defaults(status=None, verify=False, clean=False, dry_run=False, run=prebuild.main)
+
+    p = _add(
+        subs,
+        "train",
+        "train the demo denoiser (JAX) from the shared cache",
+        epilog=train.EPILOG,
+    )
+    train.add_train_args(p)
+    p.set_defaults(run=train.main)
+    return top
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    return int(args.run(args) or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``hf-pipeline`` with ``argv`` (default: ``sys.argv[1:]``); the exit code."""
+    return cli.run(_dispatch, parser(), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,335 @@
+"""Build (or find) the shared cache for a config, before a training job starts.
+
+The code behind ``hf-pipeline build | status | verify | clean | publish`` and
+``scripts/prebuild_cache.py`` (one flag per operation there, one subcommand here): the
+same ``main(args)`` serves both, so they cannot drift. ``parser()`` is the script's
+command line; ``add_json_arg`` and ``add_dry_run_arg`` are the flags the subcommands share
+with it. Exit codes (through ``hf_pipeline.cli.run``): 0 ok, 1 coordination failure /
+store unreachable / problems found by --verify / something --clean could not remove,
+2 bad input, 130 interrupted. docs/operations.md says what --status, --verify and
+--clean show and touch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from hf_pipeline import cli
+
+__all__ = ["add_dry_run_arg", "add_json_arg", "main", "parser"]
+
+#: --json's help in the script, where one flag serves every operation.
+JSON_HELP = (
+    "write the build summary (with --status / --verify / --clean: their report) "
+    "as JSON to PATH ('-' = stdout)"
+)
+
+
+def add_json_arg(p: argparse.ArgumentParser, help: str = JSON_HELP) -> None:
+    """``--json PATH``: the summary or report as JSON (``-``: stdout)."""
+    p.add_argument("--json", metavar="PATH", help=help)
+
+
+def add_dry_run_arg(p: argparse.ArgumentParser) -> None:
+    """``--dry-run`` of the clean operation."""
+    p.add_argument(
+        "--dry-run", action="store_true", help="with --clean: only say what would be removed"
+    )
+
+
+def parser(prog: str = "prebuild_cache.py") -> argparse.ArgumentParser:
+    """The command line of ``scripts/prebuild_cache.py`` (one flag per operation)."""
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=__doc__.split("\n\n")[0],
+        epilog=cli.ENV_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    cli.add_common_args(p)
+    add_json_arg(p)
+    ops = p.add_mutually_exclusive_group()
+    ops.add_argument(
+        "--status",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="URL",
+        help="list the caches under the cache root, or those published at URL "
+        "(gs://... or hf://datasets/...)",
+    )
+    ops.add_argument(
+        "--publish",
+        metavar="URL",
+        help="build the cache if needed, then upload it to URL/<name>-<fingerprint>/ "
+        "(gs://<bucket>[/<prefix>] or hf://datasets/<org>/<repo>[/<path>]); resumable",
+    )
+    ops.add_argument(
+        "--verify",
+        action="store_true",
+        help="re-read every cache's files whole and check them against their markers' "
+        "checksums (docs/integrity.md); a corrupt cache is then reported by --status",
+    )
+    ops.add_argument(
+        "--clean",
+        action="store_true",
+        help="remove stale, failed or corrupt caches (never a live one, never a folder "
+        "without the hf_pipeline mark, never through a symlink) and files no marker lists",
+    )
+    add_dry_run_arg(p)
+    return p
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _print_summary(result) -> None:
+    s = result.summary()
+    if result.built:
+        how = f"built in {s['seconds']:.1f} s"
+    elif result.pulled:
+        how = f"pulled in {s['seconds']:.1f} s"
+    else:
+        how = f"found ({s['seconds']:.1f} s)"
+    print(f"cache       {s['cache_dir']}  [{how}]")
+    print(f"fingerprint {s['fingerprint']}")
+    print(f"rows        {s['rows_in']} latent rows in -> {s['rows_out']} kept")
+    dropped = ", ".join(f"{k} {v}" for k, v in sorted(s["dropped"].items())) or "none"
+    print(f"dropped     {dropped}")
+    for reason, bad in sorted((result.report.get("bad_rows") or {}).items()):
+        if bad.get("count"):
+            keys = ", ".join(map(str, bad.get("first_keys", [])))
+            print(f"bad rows    {reason} {bad['count']} (first keys: {keys})")
+    dup, null = s["duplicate_meta_rows"], s["null_key_meta_rows"]
+    print(
+        f"metadata    {dup} rows repeating an earlier key ignored (first wins), "
+        f"{null} with a null key dropped"
+    )
+    fetch = result.report.get("fetch") or {}
+    if fetch.get("files"):
+        print(
+            f"fetched     {fetch.get('files')} files, {_human_bytes(fetch.get('bytes', 0))}, "
+            f"{fetch.get('mean_mb_s', 0):.1f} MB/s, {fetch.get('retries', 0)} retries"
+        )
+
+
+def _describe(st) -> str:
+    from dist.inventory import CacheState
+
+    if st.state is CacheState.BUILDING:
+        who = f"{st.builder_host}/{st.builder_pid}" if st.builder_host else "?"
+        return f"building by {who} ({st.heartbeat_stage or '-'})"
+    if st.state is CacheState.PARTIAL:
+        return f"partial ({', '.join(st.stages_done)} done)"
+    return str(st.state)
+
+
+def _write_json(path: str, obj) -> None:
+    text = json.dumps(obj, indent=2, sort_keys=True)
+    if path == "-":
+        print(text)
+    else:
+        Path(path).write_text(text + "\n")
+
+
+def _admin(args, cfg) -> int:
+    from dist import inventory
+    from hf_pipeline.cache import STAGES
+
+    root = cfg.cache_root
+    # Watch leases a little longer than two heartbeats to tell live builders from dead.
+    observe = 2.5 * cfg.coord.heartbeat_interval
+    # Human lines go to stderr when the JSON goes to stdout.
+    out = sys.stderr if args.json == "-" else sys.stdout
+    if args.status:
+        rows = inventory.list_caches(root, stages=STAGES, observe_s=observe)
+        ignored = inventory.ignored_entries(root)
+        if args.json:
+            _write_json(args.json, {
+                "root": str(root),
+                "caches": [st.as_dict() for st in rows],
+                "ignored": [{"path": str(p), "why": why} for p, why in ignored],
+            })  # fmt: skip
+        if not rows:
+            print(f"no caches under {root}", file=out)
+        else:
+            print(f"{'cache':34} {'fingerprint':17} {'state':34} {'size':>10} {'age':>8}", file=out)
+        for st in rows:
+            print(
+                f"{st.path.name:34} {st.fingerprint or '?':17} {_describe(st):34} "
+                f"{_human_bytes(st.size_bytes):>10} {st.age_s / 3600:7.1f}h",
+                file=out,
+            )
+            for problem in st.problems:
+                print(f"    {problem}", file=out)
+        for path, why in ignored:
+            print(f"not a cache: {path.name}: {why}", file=out)
+        return 0
+    if args.verify:
+        import time
+
+        # A bar on stderr when someone watches it (a terminal) or asked for detail (-v).
+        progress = not args.quiet and (sys.stderr.isatty() or args.verbose)
+        bad = files = nbytes = 0
+        report_json = []
+        t0 = time.monotonic()
+        caches = inventory.list_caches(root, stages=STAGES)
+        for st in caches:
+            report = inventory.verify_cache(st.path, STAGES, progress=progress, record=True)
+            bad += bool(report.problems)
+            report_json.append(
+                {
+                    "path": str(st.path),
+                    "ok": not report.problems,
+                    "problems": list(report.problems),
+                    "notes": list(report.notes),
+                    "files": report.files,
+                    "bytes": report.bytes,
+                    "seconds": round(report.seconds, 3),
+                }
+            )
+            files += report.files
+            nbytes += report.bytes
+            read = (
+                f" ({report.files} files, {_human_bytes(report.bytes)} read whole "
+                f"in {report.seconds:.1f} s, {report.gb_per_s:.2f} GB/s)"
+                if report.files
+                else ""
+            )
+            verdict = "ok" if not report.problems else "; ".join(report.problems)
+            print(f"{st.path.name}: {verdict}{read}", file=out)
+            for note in report.notes:
+                print(f"    {note}", file=out)
+        seconds = time.monotonic() - t0
+        print(
+            f"verified {len(caches)} cache(s), {bad} with problems: {files} files, "
+            f"{_human_bytes(nbytes)} in {seconds:.1f} s "
+            f"({nbytes / 1e9 / seconds if seconds > 0 else 0.0:.2f} GB/s)",
+            file=out,
+        )
+        if args.json:
+            _write_json(args.json, {"root": str(root), "caches": report_json})
+        return 1 if bad else 0
+    report = inventory.clean(root, dry_run=args.dry_run, stages=STAGES, observe_s=max(observe, 1.0))
+    verb = "would remove" if args.dry_run else "removed"
+    for path in report.removed:
+        print(f"{verb} {path}", file=out)
+    for path, why in report.left:
+        print(f"left {path}: {why}", file=out)
+    print(f"{verb} {len(report.removed)} item(s) under {root}", file=out)
+    if args.json:
+        _write_json(args.json, {
+            "root": str(root),
+            "dry_run": bool(args.dry_run),
+            "removed": [str(p) for p in report.removed],
+            "left": [{"path": str(p), "why": why} for p, why in report.left],
+        })  # fmt: skip
+    return 1 if any(why.startswith("could not remove") for _, why in report.left) else 0
+
+
+def _published_status(url: str, cfg) -> int:
+    import time
+
+    from hf_pipeline.cache import STAGES
+    from hf_pipeline.publish_store import open_store
+    from hf_pipeline.published import list_published
+
+    rows = list_published(open_store(url, data_config=cfg.data), STAGES)
+    if not rows:
+        print(f"no published caches at {url}")
+        return 0
+    print(f"{'cache':34} {'fingerprint':17} {'state':10} {'rows':>9} {'size':>10}  published")
+    for st in rows:
+        when = (
+            time.strftime("%Y-%m-%d %H:%M", time.localtime(st.published_at))
+            if st.published_at
+            else "-"
+        )
+        count = "-" if st.rows is None else str(st.rows)
+        print(
+            f"{st.name:34} {st.fingerprint:17} {st.state:10} {count:>9} "
+            f"{_human_bytes(st.size_bytes):>10}  {when}{f' by {st.host}' if st.host else ''}"
+        )
+        if st.problem:
+            print(f"    {st.problem}")
+    return 0
+
+
+def _print_publish(report) -> None:
+    verb = {
+        "published": "published",
+        "unchanged": "already there, unchanged",
+        "already_published": "already published by another build; left as it is",
+    }[report.state]
+    print(f"published   {report.url}  [{verb}]")
+    print(
+        f"uploaded    {report.uploaded_files} of {report.files} files, "
+        f"{_human_bytes(report.uploaded_bytes)} in {report.seconds:.1f} s "
+        f"({report.skipped_files} already there)"
+    )
+
+
+def _check_json_path(path: Path) -> None:
+    """Raise a ConfigError naming ``--json`` if ``path`` cannot be written."""
+    from hf_pipeline.errors import ConfigError
+
+    folder = path.parent
+    why = (
+        "is a directory" if path.is_dir()
+        else f"its folder {folder} does not exist" if not folder.is_dir()
+        else f"its folder {folder} is not writable" if not os.access(folder, os.W_OK | os.X_OK)
+        else None
+    )  # fmt: skip
+    if why:
+        raise ConfigError(f"--json {path}: {why}")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the operation ``args`` names (build, status, verify, clean, publish); the exit code."""
+    from hf_pipeline.errors import ConfigError
+
+    if args.dry_run and not args.clean:
+        # Without this, a mistyped `--dry-run` alone would run a whole build.
+        raise ConfigError("--dry-run works only with --clean (it would otherwise build)")
+    if isinstance(args.status, str) and args.json:
+        raise ConfigError("--json is not supported with --status URL (only the local --status)")
+    if args.json and args.json != "-":
+        _check_json_path(Path(args.json))  # before the work, not after it
+    cfg = cli.config_from_args(args)
+    if isinstance(args.status, str):
+        return _published_status(args.status, cfg)
+    if args.status or args.verify or args.clean:
+        return _admin(args, cfg)
+    from hf_pipeline.build import prepare_cache
+
+    if args.publish:
+        from hf_pipeline.publish_store import open_store
+
+        # A bad URL or a missing bucket fails before the build, not after it.
+        open_store(args.publish, data_config=cfg.data).check_location()
+    result = prepare_cache(cfg, progress=not args.quiet)
+    _print_summary(result)
+    summary = result.summary()
+    if args.publish:
+        from hf_pipeline.publish import publish_cache
+
+        report = publish_cache(
+            result.cache_dir, result.fingerprint, args.publish, data_config=cfg.data
+        )
+        _print_publish(report)
+        summary["publish"] = report.as_dict()
+    if args.json:
+        text = json.dumps(summary, indent=2, sort_keys=True)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n")
+    return 0

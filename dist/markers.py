@@ -77,7 +77,7 @@ class FileEntry:
     checksum: str
     whole_checksum: str = ""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not self.path or self.path.startswith("/") or ".." in Path(self.path).parts:
             raise ValueError(f"path must be relative inside the cache, got {self.path!r}")
         if self.size < 0:
@@ -191,7 +191,7 @@ def schema_problem(raw: Any) -> str | None:
     return f"schema version {version!r}, expected {readable}"
 
 
-def file_checksum(path: str | os.PathLike, size: int | None = None) -> str:
+def file_checksum(path: str | os.PathLike[str], size: int | None = None) -> str:
     """Cheap checksum: xxh64 over the size, the first MiB and the last MiB.
 
     Reads at most 2 MiB whatever the file size, so verifying a 100 GB cache is quick;
@@ -210,7 +210,7 @@ def file_checksum(path: str | os.PathLike, size: int | None = None) -> str:
 
 
 def describe_files(
-    folder: str | os.PathLike, *, relative_to: str | os.PathLike
+    folder: str | os.PathLike[str], *, relative_to: str | os.PathLike[str]
 ) -> tuple[FileEntry, ...]:
     """List every regular file under ``folder`` (sorted) with size and checksums.
 
@@ -250,7 +250,7 @@ def describe_files(
     return tuple(entries)
 
 
-def read_json(path: str | os.PathLike) -> Any | None:
+def read_json(path: str | os.PathLike[str]) -> Any | None:
     """Parse a JSON file; None if it is missing, unreadable or malformed."""
     try:
         with open(path, "rb") as f:
@@ -263,7 +263,7 @@ def _marker_bytes(marker: Marker) -> bytes:
     return json.dumps(marker.to_dict(), sort_keys=True, indent=1).encode("utf-8")
 
 
-def write_marker(path: str | os.PathLike, marker: Marker) -> None:
+def write_marker(path: str | os.PathLike[str], marker: Marker) -> None:
     """Write ``marker`` atomically to ``path``, replacing any marker there (tools, tests).
 
     The build protocol never calls this: it publishes with :func:`publish_marker`.
@@ -272,7 +272,7 @@ def write_marker(path: str | os.PathLike, marker: Marker) -> None:
         fh.write(_marker_bytes(marker))
 
 
-def publish_marker(path: str | os.PathLike, marker: Marker) -> bool:
+def publish_marker(path: str | os.PathLike[str], marker: Marker) -> bool:
     """Create the marker at ``path`` unless one exists: the first publication stands.
 
     Returns:
@@ -283,10 +283,10 @@ def publish_marker(path: str | os.PathLike, marker: Marker) -> bool:
 
 
 def check_marker(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     *,
     fingerprint: str,
-    base_dir: str | os.PathLike,
+    base_dir: str | os.PathLike[str],
     stage: str | None = None,
     verify: bool = False,
 ) -> tuple[Marker | None, str | None]:
@@ -360,10 +360,10 @@ def _file_problems(marker: Marker, base: Path, *, verify: bool) -> list[str]:
 
 
 def read_marker(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     *,
     fingerprint: str,
-    base_dir: str | os.PathLike,
+    base_dir: str | os.PathLike[str],
     stage: str | None = None,
     verify: bool = False,
 ) -> Marker | None:

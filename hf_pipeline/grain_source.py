@@ -145,6 +145,7 @@ class GrainSource:
                     source.close()
                     raise
                 self._source = source
+            assert self._source is not None and self._sampler is not None  # set together above
             return self._source, self._sampler
 
     def __getstate__(self) -> dict[str, Any]:

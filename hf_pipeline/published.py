@@ -82,7 +82,7 @@ def _parse_marker(raw: Any, url: str, stage: str, fingerprint: str) -> Marker:
     if raw is None:
         raise CacheFormatError(url, "is not valid JSON")
     if schema_problem(raw):  # older published markers are read too (no whole checksums)
-        raise CacheFormatError(url, schema_problem(raw))
+        raise CacheFormatError(url, str(schema_problem(raw)))
     try:
         marker = Marker.from_dict(raw)
     except (KeyError, TypeError, ValueError) as e:

@@ -59,6 +59,11 @@ setup(
             "mkdocs-material>=9.5",
             "mkdocstrings-python>=1.10",
             "pre-commit>=3",
+            # Type checking (setup.cfg [mypy]) and the stubs of libraries without inline types.
+            "mypy>=1.10",
+            "types-PyYAML",
+            "types-tqdm",
+            "pandas-stubs",
         ],
     },
 )

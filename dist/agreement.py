@@ -18,9 +18,12 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dist.env import EnvironmentConflictError
+
+if TYPE_CHECKING:  # annotations only
+    from dist.kvstore import FileJobStore, JobStore
 
 __all__ = ["RankDisagreementError", "agree"]
 
@@ -43,7 +46,7 @@ class RankDisagreementError(EnvironmentConflictError):
         self.rank = int(rank)
         self.field = str(field)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.args[0], self.rank, self.field))
 
 
@@ -63,7 +66,13 @@ def _difference(post: Mapping[str, Any], ref: Mapping[str, Any]) -> tuple[str, A
 
 
 def agree(
-    store, *, key: str, rank: int, world_size: int, values: Mapping[str, Any], timeout: float
+    store: JobStore | FileJobStore,
+    *,
+    key: str,
+    rank: int,
+    world_size: int,
+    values: Mapping[str, Any],
+    timeout: float,
 ) -> None:
     """Post this rank's view under ``key`` and check that every rank posted the same.
 

@@ -25,7 +25,7 @@ from typing import IO, Any
 __all__ = ["atomic_write", "create_new", "fsync_dir", "write_json_atomic"]
 
 
-def fsync_dir(folder: str | os.PathLike) -> None:
+def fsync_dir(folder: str | os.PathLike[str]) -> None:
     """fsync a folder so a create or rename in it survives a crash.
 
     Best effort: does nothing where a folder cannot be opened or fsynced (some
@@ -45,7 +45,7 @@ def fsync_dir(folder: str | os.PathLike) -> None:
 
 @contextlib.contextmanager
 def atomic_write(
-    path: str | os.PathLike, mode: str = "wb", *, durable: bool = True
+    path: str | os.PathLike[str], mode: str = "wb", *, durable: bool = True
 ) -> Iterator[IO[Any]]:
     """Yield a file object whose content replaces ``path`` when the block ends cleanly.
 
@@ -84,7 +84,7 @@ def atomic_write(
 
 
 def write_json_atomic(
-    path: str | os.PathLike, obj: Any, *, durable: bool = True, **json_kw: Any
+    path: str | os.PathLike[str], obj: Any, *, durable: bool = True, **json_kw: Any
 ) -> None:
     """Write ``obj`` as JSON to ``path`` with :func:`atomic_write`.
 
@@ -100,7 +100,7 @@ def write_json_atomic(
         fh.write(data)
 
 
-def create_new(path: str | os.PathLike, data: bytes, *, durable: bool = True) -> bool:
+def create_new(path: str | os.PathLike[str], data: bytes, *, durable: bool = True) -> bool:
     """Publish ``data`` at ``path`` only if ``path`` does not exist yet (no overwrite).
 
     The content is written to a temp file in the same folder, fsynced, then hard-linked

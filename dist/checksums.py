@@ -15,6 +15,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import xxhash
 
@@ -23,11 +24,13 @@ __all__ = ["ALGORITHM", "default_workers", "hash_files", "whole_checksum"]
 #: What :func:`whole_checksum` computes (docs and messages say it; markers pin it by
 #: their schema version).
 ALGORITHM = "xxh3_128"
+#: A path type :func:`hash_files` hands back unchanged.
+_P = TypeVar("_P", bound="str | os.PathLike[str]")
 _CHUNK = 8 << 20  # large enough that per-call overhead vanishes, small for a smooth bar
 
 
 def whole_checksum(
-    path: str | os.PathLike, on_bytes: Callable[[int], None] | None = None
+    path: str | os.PathLike[str], on_bytes: Callable[[int], None] | None = None
 ) -> tuple[int, str]:
     """Size and xxh3_128 (hex) of every byte of ``path``, read once front to back.
 
@@ -62,11 +65,11 @@ def default_workers() -> int:
 
 
 def hash_files(
-    paths: Iterable[str | os.PathLike],
+    paths: Iterable[_P],
     *,
     workers: int | None = None,
     on_bytes: Callable[[int], None] | None = None,
-) -> Iterator[tuple[str | os.PathLike, int, str | OSError]]:
+) -> Iterator[tuple[_P, int, str | OSError]]:
     """:func:`whole_checksum` of each path, ``workers`` files at a time.
 
     Yields ``(path, bytes read, hex digest)`` in the order of ``paths``; an unreadable
@@ -88,7 +91,7 @@ def hash_files(
         if on_bytes is not None:
             on_bytes(n)
 
-    def one(path):
+    def one(path: _P) -> tuple[int, str | OSError]:
         try:
             return whole_checksum(path, chunk)
         except OSError as e:

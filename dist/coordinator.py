@@ -132,7 +132,7 @@ import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from dist.atomic import create_new, fsync_dir, write_json_atomic
 from dist.doorbell import Doorbell, StoreDoorbell, auto_doorbell
@@ -250,7 +250,7 @@ class Stage:
     name: str
     build: Callable[[StageContext], Mapping[str, Any] | None]
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _STAGE_NAME.match(self.name):
             raise ValueError(
                 f"name must be letters, digits, '_' or '-' (not leading), got {self.name!r}"
@@ -268,7 +268,7 @@ class _Timing:
     lease_timeout: float
     heartbeat_interval: float
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         problem = timing_problem(**dataclasses.asdict(self))  # config checks the same rules
         if problem is not None:
             raise ValueError(problem[1])
@@ -378,7 +378,7 @@ class _Coordinator:
         builder: bool,
         timing: _Timing,
         wakeup: Doorbell | None,
-        on_event: Callable[[str, dict], None] | None,
+        on_event: Callable[[str, dict[str, Any]], None] | None,
         world_size: int = 1,
     ):
         self.cache_dir = cache_dir
@@ -490,10 +490,10 @@ class _Coordinator:
         start = time.monotonic()
         failures_at_start = _failure_records(self.cache_dir)
         absent_since = start
-        last_key: tuple | None = None
+        last_key: tuple[str, int | None] | None = None
         last_view: LeaseView | None = None
         last_change = start
-        reported_dead: tuple | None = None
+        reported_dead: tuple[str, int | None] | None = None
         while True:
             token = self._bell("token")  # before the check: a later ring is never missed
             markers = self.complete_markers(log=True)
@@ -560,7 +560,9 @@ class _Coordinator:
                 input_error=bool(record.get("input_error", False)),
             )
 
-    def _raise_timeout(self, view: LeaseView | None, progress_age: float, elapsed: float):
+    def _raise_timeout(
+        self, view: LeaseView | None, progress_age: float, elapsed: float
+    ) -> NoReturn:
         path = self.marker_path(self.stages[-1])
         who = (
             f"builder host {view.host}, pid {view.pid}, lease {view.key}, last heartbeat "
@@ -572,7 +574,9 @@ class _Coordinator:
             f"gave up after {elapsed:.1f}s (max_wait) waiting for {path}: {who}", str(path)
         )
 
-    def _takeover(self, view: LeaseView, key: tuple, stuck: float) -> dict[str, Marker] | None:
+    def _takeover(
+        self, view: LeaseView, key: tuple[str, int | None], stuck: float
+    ) -> dict[str, Marker] | None:
         lease_timeout = self.timing.lease_timeout
         generation = int(max(0.0, stuck - lease_timeout) // lease_timeout)
         ticket = self.cache_dir / f"{LEASE_FILE}.takeover-{view.key}-{generation}"
@@ -708,7 +712,7 @@ class _Coordinator:
         built: Marker | None = None
         for _ in range(_MAX_PUBLISH_ATTEMPTS):
             marker, why = self._check_marker(stage, markers)
-            if marker is None and why != "missing" and "missing" in why:
+            if marker is None and why is not None and why != "missing" and "missing" in why:
                 # Files another host just published may reach our attribute cache late
                 # (NFS acregmax): look again before judging the stage broken.
                 time.sleep(min(self.timing.lease_timeout, 5.0))
@@ -899,7 +903,7 @@ class _Coordinator:
 
 
 def complete_markers(
-    cache_dir: str | os.PathLike, fingerprint: str, stages: Sequence[str]
+    cache_dir: str | os.PathLike[str], fingerprint: str, stages: Sequence[str]
 ) -> dict[str, Marker] | None:
     """The markers of ``stages`` if every one is valid (the cache is complete), else None.
 
@@ -918,7 +922,7 @@ def complete_markers(
 
 
 def ensure_built(
-    cache_dir: str | os.PathLike,
+    cache_dir: str | os.PathLike[str],
     fingerprint: str,
     stages: Sequence[Stage],
     *,
@@ -929,7 +933,7 @@ def ensure_built(
     lease_timeout: float = 60.0,
     heartbeat_interval: float = 2.0,
     wakeup: Doorbell | Literal["auto"] | None = "auto",
-    on_event: Callable[[str, dict], None] | None = None,
+    on_event: Callable[[str, dict[str, Any]], None] | None = None,
 ) -> dict[str, Marker]:
     """Make sure every stage of the cache in ``cache_dir`` is built; build it if we must.
 
@@ -984,9 +988,9 @@ def ensure_built(
     if not isinstance(fingerprint, str) or not fingerprint:
         raise ValueError(f"fingerprint must be a non-empty string, got {fingerprint!r}")
     cache_dir = Path(os.path.abspath(cache_dir))
-    if process is None and builder is None:
-        process = detect()
     if builder is None:
+        if process is None:
+            process = detect()
         builder = default_builder(process, "shared")
     world_size = process.world_size if process is not None else 1
     if wakeup == "auto":

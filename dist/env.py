@@ -38,6 +38,7 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
+from typing import Any
 
 logger = logging.getLogger("dist")
 
@@ -55,7 +56,7 @@ class EnvironmentConflictError(ValueError):
         super().__init__(message)
         self.variables = tuple(variables)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.args[0], self.variables))
 
 
@@ -81,7 +82,7 @@ class ProcessInfo:
     node_rank: int = 0
     source: str = "single"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("rank", "world_size", "local_rank", "local_world_size", "node_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -173,7 +174,9 @@ class _Reading:
     size_var: str
 
 
-def _read_family(environ: Mapping[str, str], family) -> _Reading | None:
+def _read_family(
+    environ: Mapping[str, str], family: tuple[str, str, str, str | None, str | None, str | None]
+) -> _Reading | None:
     source, rank_var, size_var, lrank_var, lsize_var, node_var = family
     rank = _int_var(environ, rank_var)
     size = _int_var(environ, size_var)
@@ -231,7 +234,7 @@ def _jax_rank() -> tuple[int, int] | None:
     try:
         # jax.distributed.initialize() sets a coordination client; without it
         # process_count() is 1 and would also initialise a backend we were not asked for.
-        from jax._src import distributed as jax_dist  # type: ignore[import-not-found]
+        from jax._src import distributed as jax_dist
 
         if getattr(jax_dist.global_state, "client", None) is None:
             return None
@@ -380,7 +383,9 @@ def _with_overrides(base: ProcessInfo, overrides: dict[str, int]) -> ProcessInfo
     return ProcessInfo(**fields)
 
 
-def jax_initialize_args(process: ProcessInfo, environ: Mapping[str, str] | None = None):
+def jax_initialize_args(
+    process: ProcessInfo, environ: Mapping[str, str] | None = None
+) -> dict[str, Any] | None:
     """How this process joins the job's ``jax.distributed``: the keyword arguments of
     ``jax.distributed.initialize``, ``{}`` to let JAX read SLURM's or Open MPI's own
     variables, or None for a single process.

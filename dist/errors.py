@@ -6,6 +6,8 @@ process), so every one carries its path as an attribute and survives ``pickle``.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = ["BuildFailedError", "CacheWaitTimeout", "LeaseLostError", "ReadOnlyCacheError"]
 
 
@@ -42,7 +44,7 @@ class BuildFailedError(RuntimeError):
         self.error_type = error_type
         self.reason = reason
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         kwargs = {
             "lease_id": self.lease_id,
             "host": self.host,
@@ -54,7 +56,7 @@ class BuildFailedError(RuntimeError):
         return (_rebuild_build_failed, (self.args[0], self.path, kwargs))
 
 
-def _rebuild_build_failed(message, path, kwargs):
+def _rebuild_build_failed(message: str, path: str, kwargs: dict[str, Any]) -> BuildFailedError:
     return BuildFailedError(message, path, **kwargs)
 
 
@@ -68,10 +70,10 @@ class _MessagePathError(Exception):
         super().__init__(message)
         self.path = str(path)
 
-    def __str__(self):
-        return self.args[0]
+    def __str__(self) -> str:
+        return str(self.args[0])
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.args[0], self.path))
 
 
@@ -108,5 +110,5 @@ class LeaseLostError(RuntimeError):
         self.path = str(path)
         self.lease_id = lease_id
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.args[0], self.path, self.lease_id))

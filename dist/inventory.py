@@ -161,7 +161,7 @@ def _is_link(path: Path) -> bool:
     return st is not None and stat.S_ISLNK(st.st_mode)
 
 
-def _lease_key(cache: Path) -> tuple | None:
+def _lease_key(cache: Path) -> tuple[str, int | None] | None:
     view = read_lease(cache / LEASE_FILE)
     if view is None:
         return None
@@ -267,7 +267,7 @@ def _unlisted(cache: Path, done: dict[str, Marker]) -> list[str]:
 
 
 def unlisted_files(
-    cache_dir: str | os.PathLike, stages: Sequence[str] = DEFAULT_STAGES
+    cache_dir: str | os.PathLike[str], stages: Sequence[str] = DEFAULT_STAGES
 ) -> list[str]:
     """Files inside the published stage folders of ``cache_dir`` that no valid marker
     lists (paths relative to ``cache_dir``): not part of the cache. Reads only."""
@@ -285,7 +285,7 @@ def _status(cache: Path, fingerprint: str, stages: Sequence[str], live: bool | N
     names = sorted(os.listdir(cache))
     view = read_lease(cache / LEASE_FILE)
     building = view is not None and live is not False
-    leftovers = _leftovers(cache, done, view.key if building else None)
+    leftovers = _leftovers(cache, done, view.key if view is not None and building else None)
     unlisted = _unlisted(cache, done)
     unmarked = [s for s in stages if (cache / s).is_dir() and s not in done]
     failures = [n for n in names if n.startswith("failed-") and n.endswith(".json")]
@@ -346,7 +346,7 @@ def _status(cache: Path, fingerprint: str, stages: Sequence[str], live: bool | N
 
 
 def list_caches(
-    root: str | os.PathLike, *, stages: Sequence[str] = DEFAULT_STAGES, observe_s: float = 0.0
+    root: str | os.PathLike[str], *, stages: Sequence[str] = DEFAULT_STAGES, observe_s: float = 0.0
 ) -> list[CacheStatus]:
     """Status of every cache folder directly under ``root``, sorted by name.
 
@@ -384,7 +384,7 @@ def _looks_like_cache(path: Path) -> bool:
     return "-" in name and len(name.rsplit("-", 1)[1]) == 16
 
 
-def ignored_entries(root: str | os.PathLike) -> list[tuple[Path, str]]:
+def ignored_entries(root: str | os.PathLike[str]) -> list[tuple[Path, str]]:
     """Entries of ``root`` that status and clean pass over and a person may want to know
     of: symlinks (never followed), folders named like a cache without the project's mark,
     trash of an interrupted removal. Plain user folders are not listed. Reads only."""
@@ -409,7 +409,7 @@ def ignored_entries(root: str | os.PathLike) -> list[tuple[Path, str]]:
     return out
 
 
-def verify(cache_dir: str | os.PathLike, stages: Sequence[str] = DEFAULT_STAGES) -> list[str]:
+def verify(cache_dir: str | os.PathLike[str], stages: Sequence[str] = DEFAULT_STAGES) -> list[str]:
     """Re-check every stage marker, file sizes and checksums; [] means the cache is sound.
 
     :func:`verify_cache`'s problems (every file read whole).
@@ -449,7 +449,7 @@ class VerifyReport:
 
 
 def verify_cache(
-    cache_dir: str | os.PathLike,
+    cache_dir: str | os.PathLike[str],
     stages: Sequence[str] = DEFAULT_STAGES,
     *,
     workers: int | None = None,
@@ -504,7 +504,8 @@ def verify_cache(
 
     def advance(n: int) -> None:
         with lock:  # called from the hashing threads
-            bar.update(n)
+            if bar is not None:  # advance is passed only with a bar
+                bar.update(n)
 
     read = 0
     t0 = time.monotonic()
@@ -566,7 +567,7 @@ def _record_verify(cache: Path, problems: Sequence[str]) -> None:
         pass  # a read-only cache: the findings are still printed and the exit code says so
 
 
-def verify_findings(cache: str | os.PathLike, done: Mapping[str, Marker]) -> list[str]:
+def verify_findings(cache: str | os.PathLike[str], done: Mapping[str, Marker]) -> list[str]:
     """What an earlier ``--verify`` (:func:`verify_cache` with ``record``) found wrong
     with the stages published now (``done``: their valid markers), one line each, or []."""
     rec = read_json(Path(cache) / VERIFY_RECORD)
@@ -678,7 +679,7 @@ def _complete_targets(
 
 
 def clean(
-    root: str | os.PathLike,
+    root: str | os.PathLike[str],
     *,
     dry_run: bool = True,
     stages: Sequence[str] = DEFAULT_STAGES,

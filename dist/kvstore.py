@@ -99,7 +99,7 @@ def job_client(torch_client: Callable[[Any], Any], what: str) -> Any | None:
         logger.warning("no torch.distributed %s: %s", what, e)
     if "jax" in sys.modules:
         try:
-            from jax._src import distributed as jax_dist  # type: ignore[import-not-found]
+            from jax._src import distributed as jax_dist
 
             client = getattr(jax_dist.global_state, "client", None)
             if client is not None:
@@ -131,8 +131,8 @@ def private_torch_store(store: Any) -> Any:
     import torch.distributed as td
 
     base = _base_store(store)
-    if isinstance(base, td.TCPStore):
-        return td.TCPStore(
+    if isinstance(base, td.TCPStore):  # type: ignore[attr-defined]  # torch re-exports it without __all__
+        return td.TCPStore(  # type: ignore[attr-defined]  # torch re-exports it without __all__
             base.host, base.port, is_master=False, timeout=datetime.timedelta(seconds=5)
         )
     return store  # FileStore/HashStore: local, cannot hang on the network
@@ -172,7 +172,7 @@ def launch_store(environ: Mapping[str, str] | None = None) -> JobStore | None:
     import torch.distributed as td
 
     try:
-        client = td.TCPStore(
+        client = td.TCPStore(  # type: ignore[attr-defined]  # torch re-exports it without __all__
             host, int(port), is_master=False, timeout=datetime.timedelta(seconds=30)
         )
     except Exception as e:  # torch raises its own DistStoreError / RuntimeError types

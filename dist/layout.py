@@ -156,7 +156,8 @@ def _read_regular(path: Path, limit: int = _MAX_MARK_BYTES) -> object | None:
             return None
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         with os.fdopen(fd, "rb") as f:
-            return json.loads(f.read(limit + 1))
+            parsed: object = json.loads(f.read(limit + 1))
+            return parsed
     except (OSError, ValueError, RecursionError):
         return None
 
@@ -199,7 +200,7 @@ def _legacy_mark(folder: Path, name: str, names: list[str]) -> str | None:
         m = _FAILED.match(n)
         record = _read_regular(folder / n, 1 << 20) if m else None
         if (
-            isinstance(record, dict) and record.get("lease_id") == m["lease"]
+            m is not None and isinstance(record, dict) and record.get("lease_id") == m["lease"]
             and {"host", "pid", "stage", "error_type", "message"} <= set(record)
         ):  # fmt: skip
             return fingerprint
@@ -236,7 +237,8 @@ def cache_mark(path: Path, *, name: str | None = None) -> str | None:
         and identity.get("schema_version") == IDENTITY_SCHEMA
         and _names_fingerprint(name, identity.get("fingerprint"))
     ):  # fmt: skip
-        return identity["fingerprint"]
+        fingerprint: str = identity["fingerprint"]  # a str: _names_fingerprint checked it
+        return fingerprint
     return _legacy_mark(path, name, names)
 
 

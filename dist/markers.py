@@ -219,7 +219,7 @@ def schema_problem(raw: Any) -> str | None:
     return f"schema version {version!r}, expected {readable}"
 
 
-def file_checksum(path: str | os.PathLike, size: int | None = None) -> str:
+def file_checksum(path: str | os.PathLike[str], size: int | None = None) -> str:
     """Cheap checksum: xxh64 over the size, the first MiB and the last MiB.
 
     Reads at most 2 MiB whatever the file size, so verifying a 100 GB cache is quick;
@@ -238,7 +238,7 @@ def file_checksum(path: str | os.PathLike, size: int | None = None) -> str:
 
 
 def describe_files(
-    folder: str | os.PathLike, *, relative_to: str | os.PathLike
+    folder: str | os.PathLike[str], *, relative_to: str | os.PathLike[str]
 ) -> tuple[FileEntry, ...]:
     """List every regular file under ``folder`` (sorted) with size and checksums.
 
@@ -358,7 +358,7 @@ def _marker_bytes(marker: Marker) -> bytes:
     return json.dumps(marker.to_dict(), sort_keys=True, indent=1).encode("utf-8")
 
 
-def write_marker(path: str | os.PathLike, marker: Marker) -> None:
+def write_marker(path: str | os.PathLike[str], marker: Marker) -> None:
     """Write ``marker`` atomically to ``path``, replacing any marker there (tools, tests).
 
     The build protocol never calls this: it publishes with :func:`publish_marker`.
@@ -367,7 +367,7 @@ def write_marker(path: str | os.PathLike, marker: Marker) -> None:
         fh.write(_marker_bytes(marker))
 
 
-def publish_marker(path: str | os.PathLike, marker: Marker) -> bool:
+def publish_marker(path: str | os.PathLike[str], marker: Marker) -> bool:
     """Create the marker at ``path`` unless one exists: the first publication stands.
 
     Returns:
@@ -378,10 +378,10 @@ def publish_marker(path: str | os.PathLike, marker: Marker) -> bool:
 
 
 def check_marker(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     *,
     fingerprint: str,
-    base_dir: str | os.PathLike,
+    base_dir: str | os.PathLike[str],
     stage: str | None = None,
     verify: bool = False,
 ) -> tuple[Marker | None, str | None]:
@@ -456,10 +456,10 @@ def _file_problems(marker: Marker, base: Path, *, verify: bool) -> list[str]:
 
 
 def read_marker(
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     *,
     fingerprint: str,
-    base_dir: str | os.PathLike,
+    base_dir: str | os.PathLike[str],
     stage: str | None = None,
     verify: bool = False,
 ) -> Marker | None:

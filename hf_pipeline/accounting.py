@@ -13,7 +13,7 @@ Everything here is NumPy/Arrow over whole columns: no Python object per row.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -81,7 +81,9 @@ class ReasonCodes:
 
     def counts(self) -> dict[str, int]:
         """``{reason: rows}`` for every reason some row has (``""`` for kept rows)."""
-        found = np.bincount(self.codes, minlength=len(self.names)) if len(self.codes) else []
+        found: Sequence[int] | np.ndarray = (
+            np.bincount(self.codes, minlength=len(self.names)) if len(self.codes) else []
+        )
         return {name: int(n) for name, n in zip(self.names, found, strict=False) if n}
 
 

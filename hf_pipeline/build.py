@@ -683,6 +683,13 @@ def _build_parts_together(cfg, inputs, fingerprint, layout, process, progress, t
     return parts, captions_path, cap.info.get("seconds")
 
 
+def _folder_lease(folder: Path) -> str:
+    """The lease of a published part folder (``part.<lease>``: its name parses)."""
+    parsed = parse_stage_dir(folder.name)
+    assert parsed is not None  # the builders named it with stage_dir_name
+    return parsed.lease_id
+
+
 def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildResult:
     """Find or build the cache for ``cfg``; every rank of a job calls this.
 
@@ -783,7 +790,7 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
     # A lease of ours published a stage (or a part); a builder taken over did not.
     ours = [m for m in markers.values() if m.lease_id in our_leases]
     # A piece lies in its part's published folder (part.<lease>/part-NNNNN).
-    our_parts = [f for f, _ in parts or [] if parse_stage_dir(f.parent.name).lease_id in our_leases]
+    our_parts = [f for f, _ in parts or [] if _folder_lease(f.parent) in our_leases]
     return BuildResult(
         fingerprint=fingerprint,
         cache_dir=layout.root,

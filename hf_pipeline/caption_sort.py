@@ -97,7 +97,7 @@ class Spill:
         self.total = total
         self.chunk_rows = chunk_rows
         self.num_chunks = -(-total // chunk_rows)
-        self._fds: list[tuple[int, int] | None] = [None] * self.num_chunks
+        self._fds: list[tuple[int, ...] | None] = [None] * self.num_chunks
         self._locks = [threading.Lock() for _ in range(self.num_chunks)]
 
     def _paths(self, chunk: int) -> tuple[Path, Path]:
@@ -138,7 +138,7 @@ class Spill:
                         os.open(p, flags, 0o600) for p in self._paths(chunk)
                     )
                 _write_all(fds[0], data[int(offsets[a]) : int(offsets[b])])
-                _write_all(fds[1], memoryview(rows[a:b]).cast("B"))
+                _write_all(fds[1], rows[a:b].data.cast("B"))
 
     def _close_files(self) -> None:
         for i, fds in enumerate(self._fds):

@@ -131,6 +131,7 @@ def choose_storage(wanted: str, shards: Sequence[Any], client, timeout: float) -
             continue
         rows, dtype = shard_header(path)
         if rows:
+            assert dtype is not None  # shard_header: None only for shards without rows
             return Storage(dtype, reference=f.name)
         # A shard without rows has no latents to keep: the next shard decides. Only a
         # part of nothing but empty shards takes the dtype they were saved in (the

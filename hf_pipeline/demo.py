@@ -33,6 +33,7 @@ import uuid
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 
@@ -216,6 +217,7 @@ def generate_demo(
     if num_proc > 1 and num_shards > 1:
         _check_spawnable(num_proc)
     out.parent.mkdir(parents=True, exist_ok=True)
+    tmp: Path | None  # None once renamed into place
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
@@ -492,7 +494,7 @@ def _write_metadata_file(
     meta_only_keys: np.ndarray,
     *,
     key_as_index: bool,
-    **defects: np.ndarray | int,
+    **defects: Any,  # _metadata_rows's keyword arguments (arrays and dup_meta_row)
 ) -> dict[str, int]:
     """Draw the captions and metadata rows from ``rng``, write the parquet; the counts."""
     captions = _captions(rng, attrs, keys)
@@ -597,10 +599,11 @@ def _texture(rng: np.random.Generator, kind: str, n: int) -> np.ndarray:
         return small.repeat(4, axis=2).repeat(4, axis=3)
     if kind == "smooth":
         small = rng.normal(0.0, 1.0, size=(n, 4, _SIZE // 8, _SIZE // 8)).astype(np.float32)
-        big = small.repeat(8, axis=2).repeat(8, axis=3)
+        big: np.ndarray = small.repeat(8, axis=2).repeat(8, axis=3)
         # Box-blur the 8x8 blocks along both axes (circular, cheap) to get soft blobs.
         for axis in (2, 3):
-            big = sum(np.roll(big, k, axis=axis) for k in range(-4, 4)) / 8.0
+            # sum() of arrays is an array (typeshed types it as possibly the int start 0)
+            big = cast(np.ndarray, sum(np.roll(big, k, axis=axis) for k in range(-4, 4))) / 8.0
         return (big * 1.6).astype(np.float32)
     raise AssertionError(f"unknown texture {kind}")
 
@@ -663,7 +666,7 @@ def _metadata_rows(
     keep[dup_latent_rows] = False
     rows = list(np.flatnonzero(keep)) + [int(dup_meta_row)]
     meta_keys = [int(keys[i]) for i in rows]
-    meta = {"key": meta_keys}
+    meta: dict[str, list[Any]] = {"key": meta_keys}
     for c in cap_cols:
         meta[c] = [cols[c][i] for i in rows]
 

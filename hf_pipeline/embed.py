@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, cast
 
 import numpy as np
 
@@ -229,7 +229,9 @@ class CaptionTokenizer:
         return TokenizerSpec(
             path=str(path),
             max_length=self.max_length,
-            direction=self.tokenizer.truncation_side,
+            direction=cast(
+                Literal["left", "right"], self.tokenizer.truncation_side
+            ),  # the only sides
             split_special_tokens=bool(getattr(self.tokenizer, "split_special_tokens", False)),
         )
 
@@ -404,13 +406,13 @@ class TextEncoder:
             from hf_pipeline.encoder_fusion import fuse_bias_gelu
 
             self.fused_gelu = fuse_bias_gelu(self.model)
-        hidden = getattr(self.model.config, "hidden_size", None)
+        hidden: Any = getattr(self.model.config, "hidden_size", None)
         if hidden is None and hasattr(self.model.config, "get_text_config"):
             hidden = self.model.config.get_text_config().hidden_size
         self.dim = int(hidden)
         self._torch = torch
         self._out_dtype = np.dtype(cfg.output_dtype)
-        self.compile_mode = cfg.compile
+        self.compile_mode: str = cfg.compile
         if self.compile_mode == "auto":
             self.compile_mode = _CUDA_COMPILE if self.device.startswith("cuda") else "eager"
         if self.compile_mode == "graphs" and not self.device.startswith("cuda"):
@@ -650,6 +652,7 @@ class TextEncoder:
             torch.compiler.cudagraph_mark_step_begin()
         if unmasked:
             with self._attention_backends(_SDPA_UNMASKED_BACKENDS):
+                assert self._forward_unmasked is not None  # unmasked implies it
                 pooled = self._forward_unmasked(input_ids)
         else:
             with self._attention_backends(_SDPA_BACKENDS):
@@ -891,7 +894,9 @@ def warm_up_ids(
     """
     import pyarrow as pa
 
-    shapes = {}  # padding in the mask (False) or rows that fill the width: [(rows, length)]
+    shapes: dict[
+        bool, list[tuple[int, int]]
+    ] = {}  # padding in the mask (False) or rows that fill the width: [(rows, length)]
     for width in np.unique(padded_widths(np.arange(1, cfg.max_length + 1), cfg.max_length)):
         width = int(width)
         full = full_rows(width, cfg.tokens_per_batch, cfg.micro_batch_size)
@@ -983,7 +988,9 @@ def micro_batches(
     widths = padded_widths(sorted_lengths, max_length)
     fills = (sorted_lengths >= widths) if split_full else np.zeros(n, dtype=bool)
     segment = widths * 2 + fills
-    cuts = np.concatenate([[0], np.flatnonzero(np.diff(segment)) + 1, [n]]) if n else []
+    cuts: np.ndarray | list[int] = (
+        np.concatenate([[0], np.flatnonzero(np.diff(segment)) + 1, [n]]) if n else []
+    )
     out = []
     for seg_start, seg_stop in zip(cuts[:-1], cuts[1:], strict=True):
         width, is_full = int(widths[seg_start]), bool(fills[seg_start])

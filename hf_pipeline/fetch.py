@@ -97,7 +97,7 @@ def consumption_order(files: Sequence[RemoteFile], num_workers: int) -> list[Rem
         size = n // k + (1 if i < n % k else 0)
         ranges.append(files[start : start + size])
         start += size
-    out = []
+    out: list[RemoteFile] = []
     for j in range(max((len(r) for r in ranges), default=0)):
         out.extend(r[j] for r in ranges if j < len(r))
     return out
@@ -225,7 +225,8 @@ class StagingClient:
                 return stage_file(self.source, file, staging, self.policy, self.stats)
             except SourceError as err:
                 self.stats.add(failures={"name": file.name, "url": file.url, "reason": err.reason})
-                return self._skip_or_raise(file, err)
+                self._skip_or_raise(file, err)
+                return None
         finally:
             self._dump_stats()
 
@@ -558,9 +559,15 @@ class ShardFetcher:
                         os.unlink(entry.path)
         return wanted
 
+    @property
+    def _ctl(self) -> Path:
+        """This run's control folder: set by ``start()``, before the threads that use it."""
+        assert self.ctl_dir is not None
+        return self.ctl_dir
+
     def _is_released(self, f: RemoteFile) -> bool:
         name = staged_name(f)
-        if (self.ctl_dir / _ctl_name(f, "released")).exists():
+        if (self._ctl / _ctl_name(f, "released")).exists():
             return True
         with self._lock:
             return self._state.get(name) is _FileState.RELEASED
@@ -573,7 +580,7 @@ class ShardFetcher:
                 now = time.monotonic()
                 if now - last_beat > _HEARTBEAT_S:
                     beat, last_beat = beat + 1, now
-                    write_json_atomic(self.ctl_dir / "heartbeat", beat, durable=False)
+                    write_json_atomic(self._ctl / "heartbeat", beat, durable=False)
                 with self._lock:
                     self._passes += 1
                     self._schedule(self._poll_markers(), by_name)
@@ -594,7 +601,7 @@ class ShardFetcher:
             f = by_name.get(name)
             if f is None:
                 with contextlib.suppress(OSError):
-                    write_json_atomic(self.ctl_dir / f"{name}.unknown", {}, durable=False)
+                    write_json_atomic(self._ctl / f"{name}.unknown", {}, durable=False)
             elif self._state.get(name) in (None, _FileState.RELEASED):
                 # "released" and wanted again: a worker redoes a shard
                 # (a retried map batch); fetch it again.
@@ -623,7 +630,7 @@ class ShardFetcher:
         with self._lock:
             self._state[staged_name(f)] = _FileState.FAILED
         with contextlib.suppress(OSError):
-            write_json_atomic(self.ctl_dir / _ctl_name(f, "failed"), marker)
+            write_json_atomic(self._ctl / _ctl_name(f, "failed"), marker)
 
     def _download(self, f: RemoteFile) -> None:
         bar_bytes = self._bars[1].update if self._bars else None

@@ -10,7 +10,7 @@ report's ``fetch`` section.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["FetchStats", "merge_fetch_stats"]
@@ -56,7 +56,11 @@ class FetchStats:
     def as_dict(self) -> dict[str, Any]:
         """A JSON-friendly snapshot."""
         with self._lock:
-            wall = (self._last - self._first) if self._first is not None else 0.0
+            wall = (
+                (self._last - self._first)
+                if self._first is not None and self._last is not None
+                else 0.0
+            )
             return {
                 "bytes": self.bytes,
                 "files": self.files,
@@ -72,7 +76,7 @@ class FetchStats:
             }
 
 
-def merge_fetch_stats(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def merge_fetch_stats(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Sum snapshots of :meth:`FetchStats.as_dict` (some may hold only a few keys).
 
     Lists are concatenated (``skipped`` keeps each file name once, first wins),
@@ -103,7 +107,12 @@ def merge_fetch_stats(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
             else:
                 out[key] += value
     seen: set[str] = set()
-    out["skipped"] = [s for s in out["skipped"] if not (s["name"] in seen or seen.add(s["name"]))]
+    unique = []
+    for s in out["skipped"]:
+        if s["name"] not in seen:
+            seen.add(s["name"])
+            unique.append(s)
+    out["skipped"] = unique
     out["mean_mb_s"] = (
         round(out["bytes"] / 1e6 / out["wall_seconds"], 3) if out["wall_seconds"] > 0 else 0.0
     )

@@ -33,7 +33,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -49,6 +49,9 @@ from hf_pipeline.sampler import (
     sampler_options,
 )
 from hf_pipeline.workers import usable_cpus
+
+if TYPE_CHECKING:  # annotations only: jax is imported when a loader starts
+    from jax.sharding import NamedSharding
 
 _log = logging.getLogger("hf_pipeline")
 
@@ -422,6 +425,8 @@ class Loader:
             count or the number of devices along ``data_axis``.
     """
 
+    _t_first: float | None  # when the first batch was asked for (reset_stats)
+
     def __init__(
         self,
         source,
@@ -501,7 +506,7 @@ class Loader:
             process_index = jax.process_index()
         process_count, process_index = int(process_count), int(process_index)
         self._local = self._sampler.process_positions(process_index, process_count)
-        self._sharding = None
+        self._sharding: NamedSharding | None = None
         self._layout = BatchLayout(
             global_batch_size=global_batch,
             process_count=process_count,
@@ -534,7 +539,7 @@ class Loader:
         # it must be one contiguous block for make_array_from_process_local_data.
         indices = self._sharding.addressable_devices_indices_map((global_batch,))
         spans = sorted(
-            {
+            {  # type: ignore[misc]  # jax types an index Optional; a NamedSharding's are tuples
                 (rows.start or 0, global_batch if rows.stop is None else rows.stop)
                 for rows, *_ in indices.values()
             }
@@ -690,7 +695,7 @@ class Loader:
     def _keys_for_jax(self, keys: np.ndarray):
         import jax
 
-        if jax.config.jax_enable_x64:
+        if jax.config.jax_enable_x64:  # type: ignore[attr-defined]  # a flag jax sets at runtime
             return keys
         if keys.size == 0 or (keys.min() >= -(2**31) and keys.max() < 2**31):
             return keys.astype(np.int32)
@@ -805,7 +810,7 @@ class Loader:
         """Start the :meth:`stats` counters afresh."""
         self._batches = self._samples = 0
         self._wait_s = 0.0
-        self._t_first: float | None = None
+        self._t_first = None
 
     def stats(self) -> LoaderStats:
         """Consumer-side throughput: mean wait per batch, queue depth, samples/s."""

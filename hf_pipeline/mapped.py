@@ -308,6 +308,7 @@ class MappedColumn:
             row_shape, dtype = (), np.dtype(np.uint8)
             if view_as is not None:
                 dtype = np.dtype(view_as)
+        assert dtype is not None  # set together with row_shape above
         stored = dtype
         if view_as is not None:
             view_as = np.dtype(view_as)
@@ -509,7 +510,10 @@ class SampleSource:
             None if indices_files is None else [os.fspath(f) for f in indices_files],
         )
         self._latent_dtype_name = latent_dtype
-        self._latents = self._keys = self._emb = None
+        # None only while opening: close() after a failed __init__ skips the unopened.
+        self._latents: MappedColumn = None  # type: ignore[assignment]
+        self._keys: MappedColumn = None  # type: ignore[assignment]
+        self._emb: MappedColumn = None  # type: ignore[assignment]
         try:
             self._latents = MappedColumn.open(
                 rows_files,

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -49,6 +49,9 @@ from hf_pipeline.accounting import (
     keep_mask,
     later_duplicates,
 )
+
+if TYPE_CHECKING:  # annotations only
+    from concurrent.futures import Future
 
 __all__ = [
     "REASONS_FILE",
@@ -235,7 +238,7 @@ def build_parts_overlapped(
 
     embedder = ThreadPoolExecutor(1, thread_name_prefix="hf_pipeline-embed-parts")
     embed_probe = _StoppableProbe(probe)
-    pending = []
+    pending: list[Future[Any]] = []
     try:
         for part_kw in parts:
             for done in [f for f in pending if f.done()]:

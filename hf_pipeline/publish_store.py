@@ -30,7 +30,7 @@ from hf_pipeline.retry import RetryPolicy, TransientError, with_retries
 
 if TYPE_CHECKING:  # pragma: no cover
     from hf_pipeline.config import DataConfig
-    from hf_pipeline.sources import Source
+    from hf_pipeline.sources import GCSSource, HubSource, Source
 
 __all__ = [
     "PublishLocation",
@@ -170,6 +170,7 @@ class Store(abc.ABC):
 
 
 class _GCSStore(Store):
+    source: GCSSource
     kind = "gcs"
 
     def _fs(self):
@@ -254,6 +255,7 @@ class _GCSStore(Store):
 
 
 class _HubStore(Store):
+    source: HubSource
     kind = "hub"
 
     def _api(self):
@@ -345,7 +347,7 @@ def open_store(
     # The sources only read (by range); they never stage into their own folder here.
     staging = Path(tempfile.gettempdir())
     if location.kind == "gcs":
-        source = GCSSource(
+        source: Source = GCSSource(
             location.url, data_config=data_config, policy=policy, staging_dir=staging
         )
         return _GCSStore(location, source, policy)

@@ -104,7 +104,7 @@ def _parse_marker(raw: Any, url: str, stage: str, fingerprint: str) -> Marker:
     if not isinstance(raw, Mapping):
         raise CacheFormatError(url, "is not a JSON object")
     if schema_problem(raw):  # older published markers are read too (no whole checksums)
-        raise CacheFormatError(url, schema_problem(raw))
+        raise CacheFormatError(url, str(schema_problem(raw)))
     try:
         marker = Marker.from_dict(raw)
     except (KeyError, TypeError, ValueError) as e:

@@ -91,7 +91,10 @@ class RetryPolicy:
     @classmethod
     def from_config(cls, data_config: DataConfig, **overrides: Any) -> RetryPolicy:
         """The policy a :class:`~hf_pipeline.config.DataConfig` asks for."""
-        kw = {"max_retries": data_config.max_retries, "file_timeout": data_config.file_timeout}
+        kw: dict[str, Any] = {
+            "max_retries": data_config.max_retries,
+            "file_timeout": data_config.file_timeout,
+        }
         kw.update(overrides)
         return cls(**kw)
 

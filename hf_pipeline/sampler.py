@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import reprlib
 import threading
-from typing import Literal, get_args
+from typing import Any, Literal, get_args, overload
 
 import numpy as np
 
@@ -99,8 +99,12 @@ CropMode = Literal["all", "random"]
 CROPS: tuple[str, ...] = get_args(CropMode)
 
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """Vectorized SplitMix64 finalizer (uint64 -> well-mixed uint64)."""
+@overload
+def _splitmix64(x: np.ndarray) -> np.ndarray: ...
+@overload
+def _splitmix64(x: np.uint64) -> np.uint64: ...
+def _splitmix64(x: Any) -> Any:
+    """Vectorized SplitMix64 finalizer (uint64 -> well-mixed uint64), of an array or a scalar."""
     with np.errstate(over="ignore"):
         z = x + np.uint64(0x9E3779B97F4A7C15)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)

@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, overload
 
 from dist.atomic import write_json_atomic
 from dist.markers import read_json
@@ -86,12 +86,13 @@ def _glob_escape(text: str) -> str:
     return re.sub(r"([\[\]*?])", r"[\1]", text)
 
 
-def checksum_of(path: Path, kind: ChecksumKind) -> str:
+def checksum_of(path: Path, kind: ChecksumKind | str) -> str:
     """Checksum of a whole file in the encoding the store publishes.
 
     Args:
         path: the file.
-        kind: which checksum, in the encoding its store publishes.
+        kind: which checksum, in the encoding its store publishes (a ``ChecksumKind``;
+            any str is accepted, as kinds come from store metadata).
 
     Raises:
         ValueError: an unknown ``kind``.
@@ -308,6 +309,34 @@ class _Download:
             if actual != expected:
                 part.unlink()
                 raise TransientError(f"{kind} mismatch: got {actual}, expected {expected}")
+
+
+@overload
+def stage_file(
+    reader: RangeReader,
+    file: RemoteFile,
+    staging: StagingFolder,
+    policy: RetryPolicy,
+    stats: FetchStats,
+    *,
+    stop: threading.Event | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+    unwanted: None = None,
+) -> Path: ...  # without ``unwanted`` the file is always staged (or it raises)
+
+
+@overload
+def stage_file(
+    reader: RangeReader,
+    file: RemoteFile,
+    staging: StagingFolder,
+    policy: RetryPolicy,
+    stats: FetchStats,
+    *,
+    stop: threading.Event | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+    unwanted: Callable[[], bool] | None,
+) -> Path | None: ...
 
 
 def stage_file(

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -408,6 +408,8 @@ class _BatchLoader(tud.DataLoader):
         **kw: ``DataLoader`` arguments (``batch_size`` stays ``None``).
     """
 
+    dataset: TorchBatches  # what __init__ is given (DataLoader types it Dataset)
+
     def __init__(
         self, dataset: TorchBatches, *, on_epoch: Callable[[int], None] | None = None, **kw
     ):
@@ -419,7 +421,7 @@ class _BatchLoader(tud.DataLoader):
         return self._epoch_sampler
 
     @sampler.setter
-    def sampler(self, placeholder) -> None:
+    def sampler(self, placeholder: tud.Sampler[Any] | Iterable[Any]) -> None:
         # DataLoader.__init__ assigns torch's placeholder (it yields None forever, as
         # ours does); assigning it later is refused by DataLoader.__setattr__.
         self._epoch_sampler = _EpochSampler(self._on_epoch)
@@ -658,6 +660,7 @@ class _LatentDataModule:
         if self.dataset is None:
             self._pending_state = dict(state)
             return
+        assert self._identity is not None  # set up with self.dataset
         for key, mine in self._identity.items():
             if key not in _SPLIT_FIELDS and key in state and state[key] != mine:
                 raise ValueError(

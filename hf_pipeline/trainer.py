@@ -114,12 +114,12 @@ def shutdown_jax_distributed(*, barrier_timeout: float = 300.0) -> None:
     if not jax.distributed.is_initialized():
         return
     # The job's coordination client (the same handle dist.env and the doorbell use).
-    from jax._src import distributed as jax_dist  # type: ignore[import-not-found]
+    from jax._src import distributed as jax_dist
     from jax.extend.backend import clear_backends
 
-    jax_dist.global_state.client.wait_at_barrier(
-        "hf_pipeline/shutdown", int(barrier_timeout * 1000)
-    )
+    client = jax_dist.global_state.client
+    assert client is not None  # jax.distributed is initialized (checked above)
+    client.wait_at_barrier("hf_pipeline/shutdown", int(barrier_timeout * 1000))
     jax.clear_caches()
     clear_backends()
     gc.collect()
@@ -204,6 +204,7 @@ class _Checkpoints:
         ocp = self._ocp
         where = f"train.checkpoint {self.path / str(step)}"
         try:
+            assert self._mngr is not None  # restore() is given a step of latest_step()
             got = self._mngr.restore(
                 step,
                 args=ocp.args.Composite(

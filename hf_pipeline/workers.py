@@ -294,7 +294,7 @@ def unimportable_main() -> str | None:
     path = getattr(main, "__file__", None)
     if getattr(main, "__spec__", None) is not None or path is None:
         return None
-    full = os.path.join(multiprocessing.process.ORIGINAL_DIR or "", path)
+    full = os.path.join(multiprocessing.process.ORIGINAL_DIR or "", path)  # type: ignore[attr-defined]  # CPython sets it; typeshed omits it
     return None if os.path.isfile(full) else path
 
 

@@ -94,7 +94,7 @@ class FileEntry:
     checksum: str
     whole_checksum: str = ""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         try:  # it comes from others' markers: never joined to a folder unchecked
             check_relpath(self.path)
         except UnsafePathError as e:
@@ -135,7 +135,7 @@ class Marker:
     inputs: Mapping[str, str] = dataclasses.field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         # Stage folders are one level under the cache folder: a directory that is a path
         # (or a foreign marker's "../x") is not a folder this cache owns.
         check_name(self.directory)
@@ -292,7 +292,7 @@ class ForeignJSONError(ValueError):
         self.path = str(path)
         self.reason = reason
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (type(self), (self.path, self.reason))
 
 
@@ -311,7 +311,7 @@ def _depth(raw: bytes) -> int:
     return deepest
 
 
-def parse_json(raw: bytes, *, path: str | os.PathLike) -> Any:
+def parse_json(raw: bytes, *, path: str | os.PathLike[str]) -> Any:
     """Parse JSON that others wrote, of at most :data:`MAX_JSON_BYTES` bytes and
     :data:`MAX_JSON_DEPTH` levels.
 
@@ -332,7 +332,7 @@ def parse_json(raw: bytes, *, path: str | os.PathLike) -> Any:
         raise ForeignJSONError(str(path), f"malformed JSON ({type(e).__name__}: {e})") from None
 
 
-def load_json(path: str | os.PathLike) -> Any:
+def load_json(path: str | os.PathLike[str]) -> Any:
     """Read and parse a JSON file others wrote; reads at most :data:`MAX_JSON_BYTES` + 1
     bytes whatever the file's size.
 
@@ -345,7 +345,7 @@ def load_json(path: str | os.PathLike) -> Any:
     return parse_json(raw, path=path)
 
 
-def read_json(path: str | os.PathLike) -> Any | None:
+def read_json(path: str | os.PathLike[str]) -> Any | None:
     """:func:`load_json`, lenient: None if the file is missing, unreadable, malformed,
     too large or too deep (a malformed file others wrote counts as absent)."""
     try:

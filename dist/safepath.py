@@ -22,6 +22,7 @@ import os
 import stat
 import unicodedata
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "MAX_PATH_BYTES",
@@ -60,7 +61,7 @@ class UnsafePathError(ValueError):
         self.path = path
         self.reason = reason
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (type(self), (self.path, self.reason))
 
 
@@ -139,7 +140,7 @@ def check_name(name: str) -> str:
 
 
 def join_under(
-    base: str | os.PathLike, path: str, *, checked_dirs: set[Path] | None = None
+    base: str | os.PathLike[str], path: str, *, checked_dirs: set[Path] | None = None
 ) -> Path:
     """``base / path`` for a foreign ``path``, proven to stay under ``base``.
 

@@ -134,7 +134,7 @@ class CacheLayout:
         marker = read_json(self.root / f"{stage}.json")
         directory = marker.get("directory") if isinstance(marker, dict) else None
         try:  # lenient, but never a folder outside the cache ("/etc", "../x")
-            return self.root / check_name(directory)
+            return self.root / check_name(directory if isinstance(directory, str) else "")
         except UnsafePathError:
             return self.root / stage
 
@@ -167,7 +167,10 @@ class CacheLayout:
 
         path = self.root / marker_name(stage)
         try:
-            marker = Marker.from_dict(read_json(path))
+            raw = read_json(path)  # None: missing or malformed
+            if not isinstance(raw, Mapping):
+                raise TypeError(f"not a JSON object ({type(raw).__name__})")
+            marker = Marker.from_dict(raw)
         except (KeyError, TypeError, ValueError) as exc:
             raise CacheFormatError(
                 str(path), f"missing or malformed: cannot list the {stage} files ({exc})"

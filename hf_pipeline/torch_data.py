@@ -203,8 +203,10 @@ class TorchBatches(tud.IterableDataset):
         )
         self._shared: tuple[int, int] | None = None  # the parent's share, in a spawned worker
         self._iterated_in_worker = False
-        if None not in self._given:
-            self.sampler.process_positions(*self._given)  # a bad share fails here
+        if process_index is not None and process_count is not None:
+            self.sampler.process_positions(
+                int(process_index), int(process_count)
+            )  # a bad share fails here
         self.set_epoch(epoch, start_step)
         self.latents_dtype = _latents_dtype(latents_dtype)
 

@@ -183,30 +183,30 @@ def _admin(args, cfg) -> int:
         t0 = time.monotonic()
         caches = inventory.list_caches(root, stages=STAGES)
         for st in caches:
-            report = inventory.verify_cache(st.path, STAGES, progress=progress, record=True)
-            bad += bool(report.problems)
+            found = inventory.verify_cache(st.path, STAGES, progress=progress, record=True)
+            bad += bool(found.problems)
             report_json.append(
                 {
                     "path": str(st.path),
-                    "ok": not report.problems,
-                    "problems": list(report.problems),
-                    "notes": list(report.notes),
-                    "files": report.files,
-                    "bytes": report.bytes,
-                    "seconds": round(report.seconds, 3),
+                    "ok": not found.problems,
+                    "problems": list(found.problems),
+                    "notes": list(found.notes),
+                    "files": found.files,
+                    "bytes": found.bytes,
+                    "seconds": round(found.seconds, 3),
                 }
             )
-            files += report.files
-            nbytes += report.bytes
+            files += found.files
+            nbytes += found.bytes
             read = (
-                f" ({report.files} files, {_human_bytes(report.bytes)} read whole "
-                f"in {report.seconds:.1f} s, {report.gb_per_s:.2f} GB/s)"
-                if report.files
+                f" ({found.files} files, {_human_bytes(found.bytes)} read whole "
+                f"in {found.seconds:.1f} s, {found.gb_per_s:.2f} GB/s)"
+                if found.files
                 else ""
             )
-            verdict = "ok" if not report.problems else "; ".join(report.problems)
+            verdict = "ok" if not found.problems else "; ".join(found.problems)
             print(f"{st.path.name}: {verdict}{read}", file=out)
-            for note in report.notes:
+            for note in found.notes:
                 print(f"    {note}", file=out)
         seconds = time.monotonic() - t0
         print(

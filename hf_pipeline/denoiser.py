@@ -28,7 +28,9 @@ def _dense(key, fan_in: int, fan_out: int, scale: float = 1.0) -> dict[str, jax.
     return {"w": w, "b": jnp.zeros((fan_out,), jnp.float32)}
 
 
-def init_params(key: jax.Array, embed_dim: int, hidden: int = 256, depth: int = 2) -> dict[str, Any]:
+def init_params(
+    key: jax.Array, embed_dim: int, hidden: int = 256, depth: int = 2
+) -> dict[str, Any]:
     """Random parameters for captions of ``embed_dim`` and a ``hidden``-wide MLP."""
     keys = jax.random.split(key, 4 + depth)
     return {
@@ -36,7 +38,10 @@ def init_params(key: jax.Array, embed_dim: int, hidden: int = 256, depth: int = 
         "cond": _dense(keys[1], embed_dim, hidden),
         "pos": jax.random.normal(keys[2], (_TOKENS, hidden), jnp.float32) * 0.02,
         "blocks": [
-            {"l1": _dense(keys[4 + i], hidden, hidden), "l2": _dense(jax.random.fold_in(keys[4 + i], 1), hidden, hidden, 0.1)}
+            {
+                "l1": _dense(keys[4 + i], hidden, hidden),
+                "l2": _dense(jax.random.fold_in(keys[4 + i], 1), hidden, hidden, 0.1),
+            }
             for i in range(depth)
         ],
         "out": _dense(keys[3], hidden, _PATCH_DIM, 0.1),
@@ -91,7 +96,9 @@ def loss_fn(params: dict[str, Any], batch: dict[str, jax.Array], key: jax.Array)
 def make_optimizer(learning_rate: float, steps: int) -> optax.GradientTransformation:
     """AdamW with a short warm-up and cosine decay."""
     warmup = max(1, min(50, steps // 10))
-    schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, max(steps, warmup + 1))
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, learning_rate, warmup, max(steps, warmup + 1)
+    )
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=1e-4))
 
 

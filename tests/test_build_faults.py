@@ -26,16 +26,28 @@ def _snapshot(root):
 
 
 def _published(root):
-    return sorted(p.name for p in root.rglob("*.json") if p.name in ("converted.json", "filtered.json"))
+    return sorted(
+        p.name for p in root.rglob("*.json") if p.name in ("converted.json", "filtered.json")
+    )
 
 
-def test_full_disk_fails_cleanly_for_every_rank_then_succeeds(small_config, built_cache, tmp_path, mounts):
+def test_full_disk_fails_cleanly_for_every_rank_then_succeeds(
+    small_config, built_cache, tmp_path, mounts
+):
     data = copy_inputs(small_config, tmp_path / "data")
     disk = tmp_path / "disk"
     disk.mkdir()
     mounts("-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk))  # the rows need ~10 MB
-    args = ["-q", "--cache-dir", str(disk), "--set", f"data.shards={data}",
-            *[a for o in SMALL_DEMO for a in ("--set", o)], "--set", "coord.lease_timeout=60"]
+    args = [
+        "-q",
+        "--cache-dir",
+        str(disk),
+        "--set",
+        f"data.shards={data}",
+        *[a for o in SMALL_DEMO for a in ("--set", o)],
+        "--set",
+        "coord.lease_timeout=60",
+    ]
     results = run_ranks([REPO / "scripts/prebuild_cache.py", *args], 2)
     named = 0
     for code, _out, err in results:
@@ -51,16 +63,25 @@ def test_full_disk_fails_cleanly_for_every_rank_then_succeeds(small_config, buil
 
     # Space again: the same command succeeds and the cache holds the demo's rows.
     run_mount("-o", "remount,size=64m", str(disk))
-    p = subprocess.run([PYTHON, str(REPO / "scripts/prebuild_cache.py"), *args],
-                       env=script_env(), capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [PYTHON, str(REPO / "scripts/prebuild_cache.py"), *args],
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr
-    cfg = load_config(None, [*SMALL_DEMO, f"build.cache_dir={disk}", f"data.shards={data}"], environ={})
+    cfg = load_config(
+        None, [*SMALL_DEMO, f"build.cache_dir={disk}", f"data.shards={data}"], environ={}
+    )
     res = prepare_cache(cfg, progress=False)
     assert res.built is False
     assert open_dataset(res.layout)["key"] == open_dataset(built_cache.layout)["key"]
 
 
-def test_read_only_mount_of_built_cache_loads_without_writing(small_config, built_cache, tmp_path, mounts):
+def test_read_only_mount_of_built_cache_loads_without_writing(
+    small_config, built_cache, tmp_path, mounts
+):
     ro = tmp_path / "ro"
     ro.mkdir()
     mounts("--bind", str(small_config.cache_root), str(ro))
@@ -84,9 +105,20 @@ def test_read_only_unbuilt_cache_fails_at_once_with_advice(small_config, tmp_pat
     mounts("--bind", str(tmp_path / "empty"), str(ro))
     run_mount("-o", "remount,bind,ro", str(ro))
     p = subprocess.run(
-        [PYTHON, str(REPO / "scripts/train.py"), "-q", "--cache-dir", str(ro),
-         "--set", f"data.shards={data}", *[a for o in SMALL_DEMO for a in ("--set", o)]],
-        env=script_env(), capture_output=True, text=True, timeout=120,
+        [
+            PYTHON,
+            str(REPO / "scripts/train.py"),
+            "-q",
+            "--cache-dir",
+            str(ro),
+            "--set",
+            f"data.shards={data}",
+            *[a for o in SMALL_DEMO for a in ("--set", o)],
+        ],
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert p.returncode == 1, p.stderr
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error: ")]
@@ -104,8 +136,16 @@ def test_sigkilled_builder_takes_its_join_workers_with_it(small_config, tmp_path
     import psutil
 
     data = copy_inputs(small_config, tmp_path / "data")
-    args = ["-q", "--cache-dir", str(tmp_path / "cache"), "--set", f"data.shards={data}",
-            *[a for o in SMALL_DEMO for a in ("--set", o)], "--set", "data.demo.num_shards=4"]
+    args = [
+        "-q",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--set",
+        f"data.shards={data}",
+        *[a for o in SMALL_DEMO for a in ("--set", o)],
+        "--set",
+        "data.demo.num_shards=4",
+    ]
     proc = subprocess.Popen([PYTHON, str(REPO / "scripts/prebuild_cache.py"), *args],
                             env=script_env(DATASET_NUM_PROC="2"), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)  # fmt: skip

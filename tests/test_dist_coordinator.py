@@ -84,9 +84,7 @@ def _published(markers) -> list[str]:
     """What a complete cache folder holds: each stage's folder and marker, and the
     identity file its first builder wrote; nothing else."""
     return sorted(
-        [m.directory for m in markers.values()]
-        + [f"{s}.json" for s in markers]
-        + [IDENTITY_FILE]
+        [m.directory for m in markers.values()] + [f"{s}.json" for s in markers] + [IDENTITY_FILE]
     )
 
 

@@ -406,7 +406,12 @@ def test_torchrun_ranks_make_the_hub_requests_of_one(shard_dir, tmp_path):  # no
         hub.add_commit("org/coyo-like", files)
         env = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "OMP_NUM_THREADS": "1"}
         (single,) = _start_each(
-            [([script, tmp_path / "one.json", *overrides], {**env, "HF_HOME": str(tmp_path / "h1")})]
+            [
+                (
+                    [script, tmp_path / "one.json", *overrides],
+                    {**env, "HF_HOME": str(tmp_path / "h1")},
+                )
+            ]
         )
         assert single[0] == 0, single[2][-3000:]
         requests_one = len(hub.log)

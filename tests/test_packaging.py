@@ -11,12 +11,18 @@ from tests.conftest import REPO
 
 
 def _snapshot(folder):
-    return sorted((p.relative_to(folder).as_posix(), p.stat().st_size) for p in folder.rglob("*") if p.is_file())
+    return sorted(
+        (p.relative_to(folder).as_posix(), p.stat().st_size)
+        for p in folder.rglob("*")
+        if p.is_file()
+    )
 
 
 def test_bdist_wheel_and_sdist_leave_dist_package_alone(tmp_path):
     repo = tmp_path / "repo"
-    junk = shutil.ignore_patterns(".git", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis")
+    junk = shutil.ignore_patterns(
+        ".git", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis"
+    )
 
     def ignore(folder, names):  # the top-level build/ only: hf_pipeline/build/ is a package
         return set(junk(folder, names)) | ({"build"} if folder == str(REPO) else set())
@@ -24,7 +30,13 @@ def test_bdist_wheel_and_sdist_leave_dist_package_alone(tmp_path):
     shutil.copytree(REPO, repo, ignore=ignore)
     before = _snapshot(repo / "dist")
     for cmd in (["bdist_wheel"], ["sdist"]):
-        p = subprocess.run([sys.executable, "setup.py", "-q", *cmd], cwd=repo, capture_output=True, text=True, timeout=300)
+        p = subprocess.run(
+            [sys.executable, "setup.py", "-q", *cmd],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert p.returncode == 0, p.stderr[-2000:]
     assert _snapshot(repo / "dist") == before, "an archive was written into the dist/ package"
     wheels = list((repo / "build" / "wheels").glob("hf_pipeline-*.whl"))

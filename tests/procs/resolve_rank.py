@@ -25,7 +25,9 @@ def main() -> None:
     fingerprint = compute_fingerprint(
         cfg, [f.identity() for f in inputs.shards], inputs.metadata.identity(), encoder
     )
-    print(json.dumps({"rank": process.rank, "fingerprint": fingerprint, "shards": len(inputs.shards)}))
+    print(
+        json.dumps({"rank": process.rank, "fingerprint": fingerprint, "shards": len(inputs.shards)})
+    )
     torch_dist.barrier()  # rank 0 hosts the store: it leaves last
     torch_dist.destroy_process_group()
 

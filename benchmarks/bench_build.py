@@ -51,7 +51,7 @@ from benchmarks._results import write_result  # noqa: E402
 
 def _child(spec: dict) -> int:
     """Run one build (in this fresh process) and print its numbers as JSON."""
-    from hf_pipeline.build import prepare_cache
+    from hf_pipeline.build.prepare import prepare_cache
     from hf_pipeline.config import load_config
 
     cfg = load_config(None, spec["overrides"])  # reads DATASET_NUM_PROC from the env
@@ -175,7 +175,7 @@ def _env(home: Path, **extra: str) -> dict:
 
 
 def _demo(work: Path, rows: int, per_shard: int):
-    from hf_pipeline.demo import generate_demo
+    from hf_pipeline.demo.generate import generate_demo
 
     n = max(1, -(-rows // per_shard))
     t0 = time.perf_counter()

@@ -67,9 +67,9 @@ def main() -> int:
     import numpy as np
     import torch
 
-    from hf_pipeline.build import prepare_cache
+    from hf_pipeline.build.prepare import prepare_cache
     from hf_pipeline.config import load_config
-    from hf_pipeline.embed import TextEncoder
+    from hf_pipeline.encoder.model import TextEncoder
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="hfp_build_gpu_"))
     model = args.model
@@ -92,7 +92,7 @@ def main() -> int:
             if not old.name.startswith("."):  # .demo-data, .staging: inputs, not caches
                 shutil.rmtree(old)
     # The demo is generated once (timed apart): the figures are the build's.
-    from hf_pipeline.build import resolve_inputs
+    from hf_pipeline.build.prepare import resolve_inputs
 
     t0 = time.perf_counter()
     resolve_inputs(cfg)
@@ -103,7 +103,7 @@ def main() -> int:
     wall = time.perf_counter() - t0
     r = res.report
     # The bare forward on the kept rows' token ids, warm, same process and GPU.
-    from hf_pipeline.cache import open_dataset
+    from hf_pipeline.cache.layout import open_dataset
 
     ids = open_dataset(res.layout).data.column("input_ids")
     encoder = TextEncoder(cfg.encoder)
@@ -115,7 +115,7 @@ def main() -> int:
     torch.cuda.synchronize() if torch.cuda.is_available() else None
     bare = time.perf_counter() - t0
     # The same rows in the stage's calls (EMBED_ROWS_PER_CALL rows each), nothing beside.
-    from hf_pipeline.embed_stage import EMBED_ROWS_PER_CALL
+    from hf_pipeline.build.embed_stage import EMBED_ROWS_PER_CALL
 
     call_laps: dict[str, float] = {}
     t0 = time.perf_counter()

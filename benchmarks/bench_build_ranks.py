@@ -128,7 +128,7 @@ def _child(spec: dict) -> int:
 
         td.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
     from dist.env import detect
-    from hf_pipeline.build import prepare_cache
+    from hf_pipeline.build.prepare import prepare_cache
     from hf_pipeline.config import load_config
 
     cfg = load_config(None, spec["overrides"])  # DATASET_NUM_PROC from the environment
@@ -494,8 +494,8 @@ def main(argv=None) -> int:
     # the temporary folder removed (the children run in sessions of their own).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
-    from hf_pipeline.demo import generate_demo
-    from hf_pipeline.workers import usable_cpus
+    from hf_pipeline.demo.generate import generate_demo
+    from hf_pipeline.workers.pool import usable_cpus
 
     cpus = args.cpus or usable_cpus()
     shards = args.rows // args.samples_per_shard

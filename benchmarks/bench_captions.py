@@ -162,7 +162,7 @@ def _child(spec: dict) -> int:
     """Run one caption step in this fresh process and print its figures as JSON."""
     import logging
 
-    from hf_pipeline import captions
+    from hf_pipeline.build import captions
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the phase times
     out = Path(spec["out"])
@@ -206,7 +206,7 @@ def _child(spec: dict) -> int:
 
 def _verify(spec: dict) -> int:
     """Compare two caption table files chunk by chunk; print whether they are equal."""
-    from hf_pipeline.captions import CaptionTable
+    from hf_pipeline.build.captions import CaptionTable
 
     a, b = CaptionTable.open(spec["a"]), CaptionTable.open(spec["b"])
     same = a.counts == b.counts and len(a) == len(b)

@@ -79,8 +79,8 @@ def main() -> int:
     import jax
     from bench_loader import build, build_pyarrow
 
-    from hf_pipeline.loader import Loader
-    from hf_pipeline.mapped import SampleSource
+    from hf_pipeline.read.loader import Loader
+    from hf_pipeline.read.mapped import SampleSource
 
     try:
         import datasets  # noqa: F401

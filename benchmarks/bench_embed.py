@@ -3,7 +3,7 @@
 
 For all-MiniLM-L6-v2 and a model shaped like ``google/gemma-3-270m`` (random weights
 built from their configs: the speed is the architecture's, no download needed), in each
-compute dtype, times :meth:`hf_pipeline.embed.TextEncoder.encode_ids` on the same
+compute dtype, times :meth:`hf_pipeline.encoder.model.TextEncoder.encode_ids` on the same
 synthetic token ids (COYO llava-caption lengths, ~95 tokens, truncated to ``max_length``)
 with the variants named in ``--variants`` (see ``VARIANTS``): ``v0.1`` is the reference,
 a frozen copy of ``encode_ids`` as it was before issue 10 (``_encode_ids_v01``: 256-row
@@ -139,7 +139,7 @@ def _tokenizer_folder(args) -> Path:
     """A folder holding the MiniLM tokenizer files (from --tokenizer or the package)."""
     if args.tokenizer:
         return Path(args.tokenizer)
-    from hf_pipeline.embed import resolve_encoder_path
+    from hf_pipeline.encoder.model import resolve_encoder_path
 
     return Path(resolve_encoder_path("minilm"))
 
@@ -211,7 +211,7 @@ def bench(args) -> list[dict]:
     import torch
 
     from hf_pipeline.config import EncoderConfig
-    from hf_pipeline.embed import TextEncoder
+    from hf_pipeline.encoder.model import TextEncoder
 
     gpu = torch.cuda.is_available()
     device = "cuda" if gpu else "cpu"

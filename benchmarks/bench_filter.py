@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The ``filtered`` stage's filter: :func:`hf_pipeline.parts.write_kept_indices` (NumPy
+"""The ``filtered`` stage's filter: :func:`hf_pipeline.build.parts.write_kept_indices` (NumPy
 over each record batch of the final drop reasons) against the reference, what the stage
 did before: ``datasets.Dataset.filter`` with a batched Python predicate, writing the
 same indices file. Same reasons file, same run; the two files must be equal.
@@ -32,7 +32,7 @@ _BATCH = 10_000  # build.writer_batch_size's default
 
 
 def _ours(reasons: str, out: str) -> int:
-    from hf_pipeline.parts import write_kept_indices
+    from hf_pipeline.build.parts import write_kept_indices
 
     return write_kept_indices([Path(reasons)], Path(out), fingerprint="bench", batch_rows=_BATCH)
 
@@ -89,7 +89,7 @@ def main() -> int:
     import numpy as np
     import pyarrow as pa
 
-    from hf_pipeline.parts import _write_reasons
+    from hf_pipeline.build.parts import _write_reasons
 
     with tempfile.TemporaryDirectory(prefix="bench_filter-") as tmp:
         work = Path(tmp)

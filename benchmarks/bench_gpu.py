@@ -3,12 +3,12 @@
 
 Runs on a GPU machine (falls back to the CPU, for a smoke run). Three parts:
 
-1. **embed** — :class:`hf_pipeline.embed.TextEncoder` rows/s on COYO-length captions, with
+1. **embed** — :class:`hf_pipeline.encoder.model.TextEncoder` rows/s on COYO-length captions, with
    the encoder's defaults (``benchmarks/bench_embed.py`` compares the encoder's variants)
    for all-MiniLM-L6-v2 (``--minilm`` folder; the packaged one by default) and for a
    model shaped like ``google/gemma-3-270m`` (640-d, 18 layers; random weights, built
    from its config: the speed is the architecture's, no download needed).
-2. **h2d** — batches/s the :class:`hf_pipeline.loader.Loader` delivers *on the device*
+2. **h2d** — batches/s the :class:`hf_pipeline.read.loader.Loader` delivers *on the device*
    (gather from the memory-mapped Arrow cache layout + transfer on its prefetch
    threads) against a plain ``jax.device_put`` of the same, pre-assembled host arrays
    in the same run.
@@ -64,7 +64,7 @@ def bench_embed(args) -> list[dict]:
     import torch
 
     from hf_pipeline.config import EncoderConfig
-    from hf_pipeline.embed import TextEncoder, resolve_encoder_path
+    from hf_pipeline.encoder.model import TextEncoder, resolve_encoder_path
 
     minilm = args.minilm or resolve_encoder_path("minilm")
     gpu = torch.cuda.is_available()
@@ -125,7 +125,7 @@ def _source(args):
     """The real memory-mapped cache layout (pyarrow-written: no ``datasets`` needed)."""
     from bench_loader import build_pyarrow
 
-    from hf_pipeline.mapped import SampleSource
+    from hf_pipeline.read.mapped import SampleSource
 
     files = build_pyarrow(
         str(Path(args.workdir) / "cache"),
@@ -141,7 +141,7 @@ def _source(args):
 def bench_h2d(args) -> dict:
     import jax
 
-    from hf_pipeline.loader import Loader
+    from hf_pipeline.read.loader import Loader
 
     src = _source(args)
     B = args.batch
@@ -188,7 +188,7 @@ def bench_overlap(args) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from hf_pipeline.loader import Loader
+    from hf_pipeline.read.loader import Loader
 
     src = _source(args)
     size = 2048 if jax.devices()[0].platform != "cpu" else 256

@@ -4,7 +4,7 @@ Builds (or reuses) the cache of ``benchmarks/bench_loader.py`` (``datasets`` map
 latents ``(3, 4, 32, 32)``, ``--embed-dim`` float32 embeddings), warms the page cache,
 then times shuffled batches of ``--batch`` samples, consumer side, best of ``--repeats``:
 
-- ``loader``: :class:`hf_pipeline.loader.Loader` (prefetch threads, gather + device_put
+- ``loader``: :class:`hf_pipeline.read.loader.Loader` (prefetch threads, gather + device_put
   to the default JAX device, CPU here);
 - ``gather``: :meth:`SampleSource.gather` on the calling thread (NumPy only): our floor;
 - ``grain MapDataset per-record``: ``MapDataset.source(GrainSource).shuffle().batch()``
@@ -15,7 +15,7 @@ then times shuffled batches of ``--batch`` samples, consumer side, best of ``--r
   ``.map(GrainSource.get_batch)``: one gather per batch (Grain still shuffles and
   batches the indices one by one);
 - ``grain MapDataset of global batches``: ``MapDataset.range(steps).map(f)`` where
-  ``f(g)`` gathers global batch ``g`` of :class:`~hf_pipeline.sampler.GlobalSampler`'s
+  ``f(g)`` gathers global batch ``g`` of :class:`~hf_pipeline.read.sampler.GlobalSampler`'s
   order (this process's share) with ``GrainSource.get_batch``: Grain handles iteration,
   prefetch and checkpoints, no per-sample Python anywhere.
 
@@ -94,10 +94,10 @@ def main(argv=None) -> dict:
     import grain
     import jax
 
-    from hf_pipeline.cache import CacheLayout
-    from hf_pipeline.grain_source import GrainSource
-    from hf_pipeline.loader import Loader
-    from hf_pipeline.sampler import GlobalSampler
+    from hf_pipeline.adapters.grain_source import GrainSource
+    from hf_pipeline.cache.layout import CacheLayout
+    from hf_pipeline.read.loader import Loader
+    from hf_pipeline.read.sampler import GlobalSampler
 
     root = args.cache_dir or os.path.join(
         tempfile.gettempdir(), f"bench_loader_datasets_{args.rows}_float16_{args.embed_dim}"
@@ -179,7 +179,7 @@ def main(argv=None) -> dict:
     record(
         "grain MapDataset of global batches",
         _time_iter(lambda: iter(by_batch.to_iter_dataset()), steps, args.repeats),
-        "record g = global batch g of hf_pipeline.sampler's order, one gather",
+        "record g = global batch g of hf_pipeline.read.sampler's order, one gather",
     )
 
     # The Loader hands out jax.Arrays, transferred on its prefetch threads: the same

@@ -256,8 +256,8 @@ def main(argv=None) -> dict:
 
     import jax
 
-    from hf_pipeline.loader import Loader
-    from hf_pipeline.mapped import SampleSource
+    from hf_pipeline.read.loader import Loader
+    from hf_pipeline.read.mapped import SampleSource
 
     src = SampleSource(rows_files, emb_files, idx_files, fingerprint="bench")
     B = args.batch

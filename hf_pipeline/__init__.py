@@ -27,31 +27,31 @@ from hf_pipeline.errors import (
 #: Public name -> the module that defines it (loaded on first use).
 _LAZY: dict[str, str] = {
     # build: find, pull or build the cache (every rank calls it; one builds)
-    "BuildResult": "hf_pipeline.build",
-    "prepare_cache": "hf_pipeline.build",
+    "BuildResult": "hf_pipeline.build.prepare",
+    "prepare_cache": "hf_pipeline.build.prepare",
     # the cache on disk, opened read-only
-    "CacheLayout": "hf_pipeline.cache",
-    "open_dataset": "hf_pipeline.cache",
-    "open_sample_source": "hf_pipeline.cache",
-    "SampleSource": "hf_pipeline.mapped",
+    "CacheLayout": "hf_pipeline.cache.layout",
+    "open_dataset": "hf_pipeline.cache.layout",
+    "open_sample_source": "hf_pipeline.cache.layout",
+    "SampleSource": "hf_pipeline.read.mapped",
     # batches: the global order and the JAX loader
-    "GlobalSampler": "hf_pipeline.sampler",
-    "SamplerOptions": "hf_pipeline.sampler",
-    "Loader": "hf_pipeline.loader",
-    "LoaderOptions": "hf_pipeline.loader",
+    "GlobalSampler": "hf_pipeline.read.sampler",
+    "SamplerOptions": "hf_pipeline.read.sampler",
+    "Loader": "hf_pipeline.read.loader",
+    "LoaderOptions": "hf_pipeline.read.loader",
     # other clients
-    "TorchBatches": "hf_pipeline.torch_data",
-    "TorchSamples": "hf_pipeline.torch_data",
-    "torch_loader": "hf_pipeline.torch_data",
-    "LatentDataModule": "hf_pipeline.torch_data",
-    "GrainSource": "hf_pipeline.grain_source",
+    "TorchBatches": "hf_pipeline.adapters.torch_data",
+    "TorchSamples": "hf_pipeline.adapters.torch_data",
+    "torch_loader": "hf_pipeline.adapters.torch_data",
+    "LatentDataModule": "hf_pipeline.adapters.torch_data",
+    "GrainSource": "hf_pipeline.adapters.grain_source",
     # publish once, pull anywhere
-    "publish_cache": "hf_pipeline.publish",
-    "PublishReport": "hf_pipeline.publish",
+    "publish_cache": "hf_pipeline.publish.upload",
+    "PublishReport": "hf_pipeline.publish.upload",
     # the demo data and the demo trainer
-    "generate_demo": "hf_pipeline.demo",
-    "train": "hf_pipeline.trainer",
-    "shutdown_jax_distributed": "hf_pipeline.trainer",
+    "generate_demo": "hf_pipeline.demo.generate",
+    "train": "hf_pipeline.trainer.loop",
+    "shutdown_jax_distributed": "hf_pipeline.trainer.loop",
     # coordination errors every rank may see
     "BuildFailedError": "dist.errors",
     "CacheWaitTimeout": "dist.errors",
@@ -110,13 +110,18 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
     from dist.errors import BuildFailedError, CacheWaitTimeout, ReadOnlyCacheError
-    from hf_pipeline.build import BuildResult, prepare_cache
-    from hf_pipeline.cache import CacheLayout, open_dataset, open_sample_source
-    from hf_pipeline.demo import generate_demo
-    from hf_pipeline.grain_source import GrainSource
-    from hf_pipeline.loader import Loader, LoaderOptions
-    from hf_pipeline.mapped import SampleSource
-    from hf_pipeline.publish import PublishReport, publish_cache
-    from hf_pipeline.sampler import GlobalSampler, SamplerOptions
-    from hf_pipeline.torch_data import LatentDataModule, TorchBatches, TorchSamples, torch_loader
-    from hf_pipeline.trainer import shutdown_jax_distributed, train
+    from hf_pipeline.adapters.grain_source import GrainSource
+    from hf_pipeline.adapters.torch_data import (
+        LatentDataModule,
+        TorchBatches,
+        TorchSamples,
+        torch_loader,
+    )
+    from hf_pipeline.build.prepare import BuildResult, prepare_cache
+    from hf_pipeline.cache.layout import CacheLayout, open_dataset, open_sample_source
+    from hf_pipeline.demo.generate import generate_demo
+    from hf_pipeline.publish.upload import PublishReport, publish_cache
+    from hf_pipeline.read.loader import Loader, LoaderOptions
+    from hf_pipeline.read.mapped import SampleSource
+    from hf_pipeline.read.sampler import GlobalSampler, SamplerOptions
+    from hf_pipeline.trainer.loop import shutdown_jax_distributed, train

@@ -26,8 +26,7 @@ from typing import Any, Literal, get_args
 
 from dist.coordinator import SCOPES, Scope
 from dist.timing import timing_problem
-from hf_pipeline.errors import ConfigError
-from hf_pipeline.latents import (
+from hf_pipeline.cache.latents import (
     EMBEDDING_DTYPES,
     LATENT_DTYPES,
     LATENT_SHAPE,
@@ -36,8 +35,9 @@ from hf_pipeline.latents import (
     LatentDtype,
     StorageDtype,
 )
-from hf_pipeline.loader import LoaderOptions
-from hf_pipeline.sampler import (
+from hf_pipeline.errors import ConfigError
+from hf_pipeline.read.loader import LoaderOptions
+from hf_pipeline.read.sampler import (
     SAMPLER_FIELDS,
     OptionError,
     Partition,
@@ -45,7 +45,7 @@ from hf_pipeline.sampler import (
     Shuffle,
     crop_problem,
 )
-from hf_pipeline.workers import usable_cpus
+from hf_pipeline.workers.pool import usable_cpus
 
 __all__ = [
     "BuildConfig",
@@ -90,7 +90,7 @@ PARALLEL_MODES: tuple[str, ...] = get_args(ParallelMode)
 #: replayed from CUDA graphs, one captured per micro-batch shape: no compiler; ``eager``
 #: off CUDA), ``default`` (``torch.compile``) or ``reduce-overhead`` (``torch.compile``
 #: replaying CUDA graphs). Graphs run the few row-count buckets per width of
-#: :func:`hf_pipeline.embed.micro_batches`. A speed knob: the embeddings differ by float
+#: :func:`hf_pipeline.encoder.model.micro_batches`. A speed knob: the embeddings differ by float
 #: noise.
 EncoderCompile = Literal["auto", "eager", "graphs", "default", "reduce-overhead"]
 
@@ -107,7 +107,7 @@ OnMissing = Literal["fail", "skip"]
 #: whole job cannot give; it is for callers of ``dist.ensure_built`` that pass one.
 _CONFIG_SCOPES = tuple(scope for scope in SCOPES if scope != "process")
 
-#: The stores a cache can be published to and pulled from (``hf_pipeline.publish_store``).
+#: The stores a cache can be published to and pulled from (``hf_pipeline.publish.stores``).
 PUBLISH_SCHEMES = ("gs://", "hf://datasets/")
 
 
@@ -510,8 +510,8 @@ class CoordConfig:
 class LoaderConfig:
     """How batches are drawn from the cache: the ``loader`` section of a config.
 
-    Each field is a field of :class:`~hf_pipeline.sampler.SamplerOptions` or
-    :class:`~hf_pipeline.loader.LoaderOptions` of the same name (a test holds them
+    Each field is a field of :class:`~hf_pipeline.read.sampler.SamplerOptions` or
+    :class:`~hf_pipeline.read.loader.LoaderOptions` of the same name (a test holds them
     equal); :meth:`loader_options` builds those, and their ``__post_init__`` is the rule
     for every value. The config adds what the options cannot know: upper bounds on
     hostile input and the crop count every shard has.
@@ -562,11 +562,11 @@ class LoaderConfig:
             raise ConfigError(f"loader.{exc}", field=f"loader.{exc.field}") from None
 
     def sampler_options(self) -> SamplerOptions:
-        """The :class:`~hf_pipeline.sampler.SamplerOptions` of this section."""
+        """The :class:`~hf_pipeline.read.sampler.SamplerOptions` of this section."""
         return SamplerOptions(**{name: getattr(self, name) for name in SAMPLER_FIELDS})
 
     def loader_options(self) -> LoaderOptions:
-        """The :class:`~hf_pipeline.loader.LoaderOptions` of this section.
+        """The :class:`~hf_pipeline.read.loader.LoaderOptions` of this section.
 
         ``num_threads: 0`` and ``latents_dtype: ""`` are the options' defaults (None).
         """

@@ -50,7 +50,7 @@ def small_config(session_cache_root):
 @pytest.fixture(scope="session")
 def built_cache(small_config):
     """The small demo, built once for the whole session."""
-    from hf_pipeline.build import prepare_cache
+    from hf_pipeline.build.prepare import prepare_cache
 
     return prepare_cache(small_config, progress=False)
 

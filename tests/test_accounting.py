@@ -1,11 +1,11 @@
-"""Row accounting helpers over whole columns (hf_pipeline.accounting)."""
+"""Row accounting helpers over whole columns (hf_pipeline.build.accounting)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from hf_pipeline.accounting import later_duplicates, sorted_unique
+from hf_pipeline.build.accounting import later_duplicates, sorted_unique
 
 
 @pytest.mark.parametrize(
@@ -58,7 +58,7 @@ def test_kept_indices_are_the_file_datasets_filter_writes(tmp_path):
     import datasets
     import pyarrow as pa
 
-    from hf_pipeline.parts import write_kept_indices
+    from hf_pipeline.build.parts import write_kept_indices
 
     rng = np.random.default_rng(0)
     choices = np.array(["", "", "", "no_caption", "duplicate_key", "nonfinite_latents"])
@@ -88,7 +88,7 @@ def test_kept_indices_are_the_file_datasets_filter_writes(tmp_path):
 
 
 def test_kept_indices_of_no_rows(tmp_path):
-    from hf_pipeline.parts import write_kept_indices
+    from hf_pipeline.build.parts import write_kept_indices
 
     _reasons_file(tmp_path / "r.arrow", [])
     out = tmp_path / "indices.arrow"

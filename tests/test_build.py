@@ -12,8 +12,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from hf_pipeline.build import REASONS, prepare_cache, resolve_inputs
-from hf_pipeline.cache import CacheLayout, compute_fingerprint, open_dataset, open_sample_source
+from hf_pipeline.build.prepare import REASONS, prepare_cache, resolve_inputs
+from hf_pipeline.cache.layout import (
+    CacheLayout,
+    compute_fingerprint,
+    open_dataset,
+    open_sample_source,
+)
 from hf_pipeline.config import load_config
 from hf_pipeline.errors import CorruptShardError, MetadataError, SourceError
 from tests.conftest import SMALL_DEMO
@@ -73,7 +78,7 @@ def test_join_matches_pandas_reference(built_cache, small_config):
 
 
 def test_latents_and_embeddings_are_the_inputs(built_cache, small_config):
-    from hf_pipeline.embed import TextEncoder
+    from hf_pipeline.encoder.model import TextEncoder
 
     inputs = resolve_inputs(small_config)
     by_key = {}
@@ -175,8 +180,8 @@ def test_changed_config_never_reuses(built_cache, small_config):
     assert ds["caption"] == ref[ref["reason"] == ""]["caption"].tolist()
     # A different encoder setting is a different identity too.
     longer = load_config(None, [*SMALL_DEMO, "encoder.max_length=32"], environ={})
-    from hf_pipeline.cache import compute_fingerprint as fp
-    from hf_pipeline.embed import encoder_identity
+    from hf_pipeline.cache.layout import compute_fingerprint as fp
+    from hf_pipeline.encoder.model import encoder_identity
 
     ids = ([f.identity() for f in inputs.shards], inputs.metadata.identity())
     assert fp(small_config, *ids, encoder_identity(small_config.encoder)) != fp(
@@ -331,7 +336,7 @@ def test_nonfinite_row_under_on_bad_rows_fail_names_shard_and_key(tmp_path):
 
 
 def test_on_bad_rows_is_part_of_the_identity(small_config):
-    from hf_pipeline.embed import encoder_identity
+    from hf_pipeline.encoder.model import encoder_identity
 
     inputs = resolve_inputs(small_config)
     fail = load_config(None, [*SMALL_DEMO, "data.on_bad_rows=fail"], environ={})
@@ -473,8 +478,8 @@ def clean_builds(tmp_path_factory):
 
 @pytest.mark.parametrize("dtype", list(_PLANTED))
 def test_default_storage_keeps_the_source_bits(clean_builds, dtype):
-    from hf_pipeline.loader import Loader
-    from hf_pipeline.precision import arrow_dtype, from_arrow
+    from hf_pipeline.cache.precision import arrow_dtype, from_arrow
+    from hf_pipeline.read.loader import Loader
 
     built, paths = clean_builds[dtype]
     assert load_config(None, environ={}).build.latent_dtype == "source"
@@ -642,7 +647,7 @@ def test_encoder_load_error_from_the_background_thread_fails_the_build(small_con
     the build's own (one ConfigError naming encoder.model), nothing published."""
     import shutil
 
-    from hf_pipeline.embed import resolve_encoder_path
+    from hf_pipeline.encoder.model import resolve_encoder_path
     from hf_pipeline.errors import ConfigError
 
     # The tokenizer loads (the join workers tokenize), the model does not: no weights.
@@ -711,7 +716,7 @@ def test_the_join_does_not_fsync_per_shard(tmp_path, monkeypatch):
 def test_one_builder_parts_only_where_they_overlap(
     shards, num_proc, device, part_shards, overlap_parts, expected
 ):
-    from hf_pipeline.build import one_builder_part_shards
+    from hf_pipeline.build.prepare import one_builder_part_shards
 
     cfg = load_config(
         None, [f"build.num_proc={num_proc}", f"encoder.device={device}",
@@ -734,7 +739,7 @@ def test_one_builder_parts_only_where_they_overlap(
 def test_a_rank_cuts_its_part_into_overlapped_pieces(
     shards, device, part_shards, overlap_parts, expected
 ):
-    from hf_pipeline.build import overlap_part_shards
+    from hf_pipeline.build.prepare import overlap_part_shards
 
     cfg = load_config(
         None, ["build.num_proc=16", f"encoder.device={device}", "build.parallel=ranks",
@@ -758,7 +763,7 @@ def test_the_caption_table_is_written_with_the_fork_server_up_and_quick_gil_hand
 
     import multiprocess.forkserver
 
-    import hf_pipeline.build as build
+    import hf_pipeline.build.prepare as build
 
     seen = []
     real_save = build._save_captions
@@ -796,7 +801,7 @@ def test_the_caption_table_is_written_with_the_fork_server_up_and_quick_gil_hand
 def test_a_part_marker_without_its_pieces_is_refused(info, tmp_path):
     """A rank's published part names the pieces it was built in; a marker that does not
     (or names a folder outside its part) is refused with the part's folder, never read."""
-    from hf_pipeline.build import _pieces
+    from hf_pipeline.build.prepare import _pieces
     from hf_pipeline.errors import CacheFormatError
 
     with pytest.raises(CacheFormatError, match="does not list its pieces") as ei:

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hf_pipeline.build import prepare_cache
-from hf_pipeline.cache import open_dataset, open_sample_source
+from hf_pipeline.build.prepare import prepare_cache
+from hf_pipeline.cache.layout import open_dataset, open_sample_source
 from hf_pipeline.config import load_config
 from tests.conftest import PYTHON, REPO, SMALL_DEMO, run_mount, run_ranks, script_env
 from tests.helpers.caches import copy_inputs

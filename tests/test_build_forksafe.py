@@ -1,7 +1,7 @@
 """The build is safe where users call it: after JAX (or CUDA) is up, its workers come
 from a clean fork server, never from a fork of the caller.
 
-``hf_pipeline.workers`` makes ``datasets``' ``num_proc`` pools start their workers from a
+``hf_pipeline.workers.pool`` makes ``datasets``' ``num_proc`` pools start their workers from a
 fork server of the build's own; these tests check that with real processes: a 2-rank
 ``jax.distributed`` job builds fresh caches several times without one ``os.fork()``,
 the start method is restored, the server has the libraries imported before any worker
@@ -21,7 +21,7 @@ import datasets
 import multiprocess
 import pytest
 
-from hf_pipeline.workers import PRELOAD, clean_workers
+from hf_pipeline.workers.pool import PRELOAD, clean_workers
 from tests.conftest import PYTHON, REPO, SMALL_DEMO, run_ranks, script_env
 
 _FORKS: list[int] = []
@@ -145,7 +145,7 @@ def test_workers_come_preloaded_from_a_server_of_the_block(start_method, tmp_pat
 
 _UNGUARDED = """
 import sys
-from hf_pipeline.build import prepare_cache
+from hf_pipeline.build.prepare import prepare_cache
 from hf_pipeline.config import load_config
 
 prepare_cache(load_config(None, sys.argv[1:]), progress=False)  # no __main__ guard
@@ -223,7 +223,7 @@ def test_quick_gil_handoff_nests_keeps_a_smaller_interval_and_restores():
     the caller's interval once, when the last ends; a caller's smaller one is kept."""
     import sys
 
-    from hf_pipeline.workers import GIL_SWITCH_INTERVAL, quick_gil_handoff
+    from hf_pipeline.workers.pool import GIL_SWITCH_INTERVAL, quick_gil_handoff
 
     before = sys.getswitchinterval()
     try:

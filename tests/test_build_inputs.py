@@ -170,7 +170,7 @@ def test_bad_captions_empty_shards_and_skipped_folders_in_one_build(tmp_path):
     code, out, err, _ = _prebuild(data, tmp_path / "c", "data.on_missing=skip")
     assert code == 0, err[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    from hf_pipeline.cache import CacheLayout
+    from hf_pipeline.cache.layout import CacheLayout
 
     report = json.loads(CacheLayout(summary["cache_dir"]).report_path.read_text())
     assert report["rows_in"] == 12 and report["rows_out"] == 10

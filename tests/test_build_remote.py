@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from hf_pipeline.build import REASONS, prepare_cache
-from hf_pipeline.cache import open_dataset
+from hf_pipeline.build.prepare import REASONS, prepare_cache
+from hf_pipeline.cache.layout import open_dataset
 from hf_pipeline.config import load_config
 from hf_pipeline.errors import SourceError
 from tests.conftest import SMALL_DEMO
@@ -91,7 +91,7 @@ def _nothing_published(root: Path) -> None:
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    from hf_pipeline.demo import generate_demo
+    from hf_pipeline.demo.generate import generate_demo
 
     return generate_demo(
         tmp_path_factory.mktemp("demo") / "data", num_shards=4, samples_per_shard=100
@@ -240,7 +240,7 @@ def proxy(gcs_env, monkeypatch):
 def test_kill_mid_download_then_rerun_fetches_nothing_twice(
     proxy, bucket, demo, local_build, tmp_path, monkeypatch, hf_home
 ):
-    from hf_pipeline.sources import GCSSource
+    from hf_pipeline.stores import GCSSource
 
     chunk = 256 << 10
     names = [p.name for p in demo.shard_paths]
@@ -348,9 +348,8 @@ def test_a_want_answered_before_the_scan_is_not_a_second_request(gcs_env, tmp_pa
     """Regression: a worker's "want" still unread when it released the file was taken
     for "wanted again" in the same scan: the shard was downloaded twice and left staged.
     """
-    from hf_pipeline import fetch
     from hf_pipeline.config import DataConfig
-    from hf_pipeline.sources import open_source
+    from hf_pipeline.stores import fetch, open_source
     from tests.servers import make_shards, upload_folder
 
     bucket = f"b-{uuid.uuid4().hex[:10]}"

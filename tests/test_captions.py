@@ -1,4 +1,4 @@
-"""Tests for hf_pipeline.captions: reading, validation, dedup, lookup, classify, IPC."""
+"""Tests for hf_pipeline.build.captions: reading, validation, dedup, lookup, classify, IPC."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hf_pipeline.captions import (
+from hf_pipeline.build.captions import (
     BAD_CAPTION_ENCODING,
     EMPTY_CAPTION,
     KEEP,
@@ -385,7 +385,7 @@ def test_write_sorted_captions_one_row_group_placed_by_spare_threads(
     batches (take, spill writes); same table as in memory."""
     import threading
 
-    import hf_pipeline.caption_sort as cs
+    import hf_pipeline.build.caption_sort as cs
 
     path = tmp_path / "m.parquet"
     pq.write_table(_messy_table(600, seed=5), path, row_group_size=600)

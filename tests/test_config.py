@@ -168,8 +168,8 @@ def test_closed_value_sets_are_their_owners():
     """The config accepts exactly the values the code that uses them knows (each set is
     defined once, where it is used), and names them all when refusing one."""
     from dist.coordinator import SCOPES
-    from hf_pipeline.latents import EMBEDDING_DTYPES
-    from hf_pipeline.sampler import PARTITIONS, SHUFFLES
+    from hf_pipeline.cache.latents import EMBEDDING_DTYPES
+    from hf_pipeline.read.sampler import PARTITIONS, SHUFFLES
 
     # coord.scope: "process" needs a cache folder per process, which a config cannot name.
     settable = {
@@ -452,8 +452,8 @@ def test_loader_config_builds_the_loader_options():
     """LoaderConfig has exactly the options' fields and builds them; a value the options
     refuse is a one-line ConfigError naming loader.<field>."""
     from hf_pipeline.config import LoaderConfig
-    from hf_pipeline.loader import LoaderOptions
-    from hf_pipeline.sampler import SamplerOptions
+    from hf_pipeline.read.loader import LoaderOptions
+    from hf_pipeline.read.sampler import SamplerOptions
 
     option_fields = {f.name for f in dataclasses.fields(SamplerOptions)} | {
         f.name for f in dataclasses.fields(LoaderOptions)

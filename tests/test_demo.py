@@ -1,4 +1,4 @@
-"""Tests for hf_pipeline.demo: real format, determinism, planted defects, concurrency, signal."""
+"""Tests for hf_pipeline.demo.generate: real format, determinism, planted defects, concurrency, signal."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from hf_pipeline.captions import REASONS, classify, read_captions
+from hf_pipeline.build.captions import REASONS, classify, read_captions
+from hf_pipeline.build.shards import LATENT_SHAPE, load_shard
 from hf_pipeline.config import DataConfig
-from hf_pipeline.demo import COLORS, METADATA_NAME, generate_demo
+from hf_pipeline.demo.generate import COLORS, METADATA_NAME, generate_demo
 from hf_pipeline.errors import SourceError
-from hf_pipeline.shards import LATENT_SHAPE, load_shard
-from hf_pipeline.sources import open_source
+from hf_pipeline.stores import open_source
 
 _SMALL = {"num_shards": 3, "samples_per_shard": 200, "seed": 7}
 _REPO = Path(__file__).resolve().parent.parent
@@ -220,7 +220,7 @@ def test_concurrent_generation_four_processes(tmp_path):
     code = textwrap.dedent(
         f"""
         import json, os, sys, time
-        from hf_pipeline.demo import generate_demo
+        from hf_pipeline.demo.generate import generate_demo
         renames = []
         _rename = os.rename
         def rename(src, dst):  # record who published and who lost the race
@@ -299,7 +299,7 @@ def test_parallel_writers_explain_a_main_they_cannot_import(tmp_path, how):
     guard: one message that says so and a non-zero exit, no half-written folder."""
     repo = Path(__file__).resolve().parent.parent
     code = (
-        "from hf_pipeline.demo import generate_demo\n"
+        "from hf_pipeline.demo.generate import generate_demo\n"
         f"generate_demo({str(tmp_path / 'demo')!r}, num_shards=3, samples_per_shard=10, "
         "num_proc=2)\n"
     )

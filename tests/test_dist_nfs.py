@@ -241,7 +241,7 @@ def test_whole_build_across_hosts(host_views, tmp_path):
 
 def _generate_demos(view: str, barrier, races: int, results) -> None:
     """One host of the race below: the same demo folders as the other host, at once."""
-    from hf_pipeline.demo import generate_demo
+    from hf_pipeline.demo.generate import generate_demo
 
     generate_demo(Path(view) / "warm", num_shards=1, samples_per_shard=10)  # imports done
     for i in range(races):

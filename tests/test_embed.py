@@ -10,7 +10,12 @@ import numpy as np
 import pytest
 
 from hf_pipeline.config import EncoderConfig, load_config
-from hf_pipeline.embed import TextEncoder, encoder_identity, micro_batches, resolve_encoder_path
+from hf_pipeline.encoder.model import (
+    TextEncoder,
+    encoder_identity,
+    micro_batches,
+    resolve_encoder_path,
+)
 from hf_pipeline.errors import ConfigError, SourceError, StoreUnreachableError
 from tests.servers import hf_home  # noqa: F401
 from tests.servers.hub import FakeHub
@@ -62,7 +67,7 @@ def test_worker_tokenizer_gives_the_ids_of_transformers(tmp_path, side, max_leng
     """The join workers tokenize with ``tokenizers`` alone (no transformers import, seconds
     per worker): the ids must be those of the transformers tokenizer, special tokens,
     truncation side and length included."""
-    from hf_pipeline.embed import CaptionTokenizer, WorkerTokenizer
+    from hf_pipeline.encoder.model import CaptionTokenizer, WorkerTokenizer
 
     tok = CaptionTokenizer(load_config(None, [f"encoder.max_length={max_length}"]).encoder)
     tok.tokenizer.truncation_side = side
@@ -76,7 +81,7 @@ def test_worker_tokenizer_gives_the_ids_of_transformers(tmp_path, side, max_leng
 
 
 def test_worker_tokenizer_spec_checks_its_fields(tmp_path):
-    from hf_pipeline.embed import TokenizerSpec
+    from hf_pipeline.encoder.model import TokenizerSpec
 
     with pytest.raises(ValueError, match="max_length must be >= 1, got 0"):
         TokenizerSpec(
@@ -197,7 +202,7 @@ def test_warm_up_covers_every_micro_batch_shape_a_build_can_run(
     build's micro-batches can have on an accelerator (row buckets on), with padding in
     the mask, and (BERT: rows without padding run unmasked) rows that fill their width:
     the build then plans and compiles nothing of its own."""
-    from hf_pipeline.embed import warm_up_ids
+    from hf_pipeline.encoder.model import warm_up_ids
 
     cfg = EncoderConfig(max_length=max_length, tokens_per_batch=budget, micro_batch_size=300)
     kw = dict(tokens_per_batch=budget, max_rows=300, max_length=max_length, pad_rows=True,
@@ -222,7 +227,7 @@ def test_warm_up_covers_every_micro_batch_shape_a_build_can_run(
 def test_eager_warm_up_runs_each_width_once_at_its_smallest_row_count(split_full):
     """Without every_bucket (eager models: nothing compiles or plans per shape), each
     padded width (and its unmasked variant) warms up once, with the fewest rows."""
-    from hf_pipeline.embed import row_buckets, warm_up_ids
+    from hf_pipeline.encoder.model import row_buckets, warm_up_ids
 
     cfg = EncoderConfig(max_length=128, tokens_per_batch=4096, micro_batch_size=300)
     got = [
@@ -284,7 +289,7 @@ def test_bert_rows_without_padding_run_unmasked_and_embed_as_the_models_forward(
 def test_only_a_plain_bert_model_runs_unmasked(encoder):
     from transformers import BertConfig, BertModel
 
-    from hf_pipeline.embed import _unmasked_bert
+    from hf_pipeline.encoder.model import _unmasked_bert
 
     assert _unmasked_bert(encoder.model)
     small = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
@@ -307,7 +312,7 @@ def test_warm_up_on_the_cpu_runs_nothing(encoder):
 def test_micro_batches_with_row_buckets_keep_the_shapes_few():
     # CUDA graphs record one graph per shape (and attention kernels plan one): whatever
     # the call sizes, a width has only the row counts of row_buckets.
-    from hf_pipeline.embed import row_buckets
+    from hf_pipeline.encoder.model import row_buckets
 
     rng = np.random.default_rng(1)
     shapes = set()
@@ -534,7 +539,7 @@ def test_hub_down_uses_the_cached_ref_and_says_so(model_hub, hf_home, monkeypatc
 
     _cache_ref(hf_home, "main", "b" * 40)
     _hub_down(monkeypatch)
-    with caplog.at_level(logging.WARNING, logger="hf_pipeline.sources"):
+    with caplog.at_level(logging.WARNING, logger="hf_pipeline.stores"):
         assert _revision() == "b" * 40
     assert any("did not answer" in r.message and "b" * 40 in r.message for r in caplog.records)
 
@@ -579,7 +584,7 @@ class _Owned:
 def test_embed_stage_encodes_ahead_and_keeps_rows_aligned(encoder, tmp_path, middle_batch_kept):
     """Three map batches; the encoding thread queues each batch's call before it waits for
     the previous one (a batch without kept rows has no call: zeros, in its place)."""
-    from hf_pipeline.embed_stage import EMBED_ROWS_PER_CALL, embed_joined_rows
+    from hf_pipeline.build.embed_stage import EMBED_ROWS_PER_CALL, embed_joined_rows
 
     n = EMBED_ROWS_PER_CALL * 2 + 5
     kept = {0, 7, n - 1} | ({EMBED_ROWS_PER_CALL + 1} if middle_batch_kept else set())
@@ -606,7 +611,7 @@ def test_embed_stage_encodes_ahead_and_keeps_rows_aligned(encoder, tmp_path, mid
 def test_an_encoder_failure_on_the_encoding_thread_fails_the_stage(encoder, tmp_path):
     import threading
 
-    from hf_pipeline.embed_stage import EMBED_ROWS_PER_CALL, embed_joined_rows
+    from hf_pipeline.build.embed_stage import EMBED_ROWS_PER_CALL, embed_joined_rows
 
     n = EMBED_ROWS_PER_CALL + 10
     bad = EMBED_ROWS_PER_CALL + 3  # in the second batch
@@ -625,8 +630,8 @@ def test_a_stopped_build_stops_its_part_embedding_at_the_next_batch(encoder, tmp
     one part, the whole build's embedding)."""
     import threading
 
-    from hf_pipeline.embed_stage import EMBED_ROWS_PER_CALL, embed_joined_rows
-    from hf_pipeline.parts import BuildStopped, _StoppableProbe
+    from hf_pipeline.build.embed_stage import EMBED_ROWS_PER_CALL, embed_joined_rows
+    from hf_pipeline.build.parts import BuildStopped, _StoppableProbe
 
     n = EMBED_ROWS_PER_CALL * 3
     rows = _joined_rows(tmp_path, n, {0, EMBED_ROWS_PER_CALL + 1, n - 1})
@@ -650,7 +655,7 @@ def test_a_stopped_build_stops_its_part_embedding_at_the_next_batch(encoder, tmp
 
 @pytest.mark.parametrize("full", [1, 2, 3, 7, 8, 300, 4096, 8192])
 def test_row_buckets_pad_a_partial_micro_batch_by_an_eighth_at_most(full):
-    from hf_pipeline.embed import row_buckets
+    from hf_pipeline.encoder.model import row_buckets
 
     buckets = row_buckets(full)
     assert buckets == sorted(set(buckets)) and buckets[-1] == full and buckets[0] == 1
@@ -700,7 +705,7 @@ def test_fused_bias_gelu_is_berts_intermediate_step(encoder):
 
     import torch
 
-    from hf_pipeline.encoder_fusion import BiasGeluLinear, fuse_bias_gelu
+    from hf_pipeline.encoder.fusion import BiasGeluLinear, fuse_bias_gelu
 
     fused = copy.deepcopy(encoder.model)
     assert fuse_bias_gelu(fused) == 6
@@ -723,7 +728,7 @@ def test_fused_bias_gelu_leaves_other_activations_and_forwards_alone():
     from transformers import BertConfig
     from transformers.models.bert.modeling_bert import BertIntermediate
 
-    from hf_pipeline.encoder_fusion import fuse_bias_gelu
+    from hf_pipeline.encoder.fusion import fuse_bias_gelu
 
     def bert_step(act, bias=True):
         step = BertIntermediate(BertConfig(hidden_size=8, intermediate_size=16))

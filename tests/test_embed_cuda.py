@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hf_pipeline.config import EncoderConfig
-from hf_pipeline.embed import TextEncoder, warm_up_ids
+from hf_pipeline.encoder.model import TextEncoder, warm_up_ids
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -115,7 +115,7 @@ def test_a_forward_that_cannot_be_captured_runs_eager_with_one_warning(caplog):
     run it eager, with the same results, and the reason is logged once."""
     import logging
 
-    from hf_pipeline.embed import CapturedGraphs
+    from hf_pipeline.encoder.model import CapturedGraphs
 
     def forward(x):
         return x * float(x.sum().item()) + 1  # the host reads a result: no capture

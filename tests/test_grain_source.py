@@ -12,10 +12,10 @@ import pytest
 
 grain = pytest.importorskip("grain")
 
-from hf_pipeline.cache import STAGES  # noqa: E402
-from hf_pipeline.grain_source import GrainSource  # noqa: E402
-from hf_pipeline.mapped import CacheFormatError  # noqa: E402
-from hf_pipeline.sampler import GlobalSampler  # noqa: E402
+from hf_pipeline.adapters.grain_source import GrainSource  # noqa: E402
+from hf_pipeline.cache.layout import STAGES  # noqa: E402
+from hf_pipeline.read.mapped import CacheFormatError  # noqa: E402
+from hf_pipeline.read.sampler import GlobalSampler  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -242,7 +242,7 @@ def test_map_dataset_iterator_checkpoint_resume(src):
 
 def test_global_batches_recipe_gives_the_loaders_batches(src):
     """README's fast path: one Grain record per global batch of our own order."""
-    from hf_pipeline.loader import Loader
+    from hf_pipeline.read.loader import Loader
 
     order = GlobalSampler(len(src), global_batch_size=16, seed=4)
     share = order.process_positions(1, 2)  # process 1 of 2

@@ -103,9 +103,9 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_the_modules_and_their_imports():
     edges, _ = _graph()
-    assert "hf_pipeline.sources.hub" in edges and "dist.atomic" in edges
-    assert "hf_pipeline.staging" in edges["hf_pipeline.sources.base"]
-    assert "hf_pipeline.sources.base" in edges["hf_pipeline.sources"]
+    assert "hf_pipeline.stores.hub" in edges and "dist.atomic" in edges
+    assert "hf_pipeline.stores.staging" in edges["hf_pipeline.stores.base"]
+    assert "hf_pipeline.stores.base" in edges["hf_pipeline.stores"]
 
 
 def test_no_import_cycles():

@@ -13,7 +13,7 @@ L = pytest.importorskip("lightning")
 
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
-from hf_pipeline.torch_data import LatentDataModule, TorchBatches, torch_loader  # noqa: E402
+from hf_pipeline.adapters.torch_data import LatentDataModule, TorchBatches, torch_loader  # noqa: E402
 
 
 class KeyRecorder(L.LightningModule):
@@ -73,7 +73,7 @@ def test_is_a_real_lightning_datamodule(small_config):
     dm = LatentDataModule(small_config, num_workers=0)
     assert isinstance(dm, L.LightningDataModule)
     assert callable(dm.on_exception)  # the AttributeError of issue 11
-    assert LatentDataModule.__module__ == "hf_pipeline.torch_data"
+    assert LatentDataModule.__module__ == "hf_pipeline.adapters.torch_data"
     assert LatentDataModule.__qualname__ == "LatentDataModule"
     assert dm.state_dict() == {}  # nothing to save before setup
     # Picklable by name (spawned strategies send the DataModule to new processes).
@@ -87,7 +87,7 @@ def test_is_a_real_lightning_datamodule(small_config):
 def test_fit_orders_each_epoch_and_resumes_at_the_next_batch(
     small_config, built_cache, tmp_path, num_workers
 ):
-    from hf_pipeline.cache import open_sample_source
+    from hf_pipeline.cache.layout import open_sample_source
 
     with open_sample_source(built_cache.layout, built_cache.fingerprint) as source:
         spe = source.num_rows // small_config.loader.global_batch_size
@@ -125,7 +125,7 @@ def test_fit_orders_each_epoch_and_resumes_at_the_next_batch(
 
 def test_plain_dataloader_under_trainer_gets_each_epoch(built_cache, small_config, tmp_path):
     """torch_loader's DataLoader too: Lightning's set_epoch reaches TorchBatches."""
-    from hf_pipeline.cache import open_sample_source
+    from hf_pipeline.cache.layout import open_sample_source
 
     with open_sample_source(built_cache.layout, built_cache.fingerprint) as source:
         ds = TorchBatches(source, global_batch_size=16, seed=0, process_index=0, process_count=1)
@@ -147,7 +147,7 @@ def test_ddp_ranks_split_every_global_batch(small_config, built_cache, tmp_path,
     import json
     import subprocess
 
-    from hf_pipeline.cache import open_sample_source
+    from hf_pipeline.cache.layout import open_sample_source
     from tests.conftest import PYTHON, REPO, SMALL_DEMO, script_env
 
     with open_sample_source(built_cache.layout, built_cache.fingerprint) as source:

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 from hf_pipeline.config import LoaderConfig
 from hf_pipeline.errors import ConfigError
-from hf_pipeline.loader import Loader, LoaderOptions, loader_options
-from hf_pipeline.mapped import SampleSource
-from hf_pipeline.sampler import ORDER_VERSION, GlobalSampler, SamplerOptions
+from hf_pipeline.read.loader import Loader, LoaderOptions, loader_options
+from hf_pipeline.read.mapped import SampleSource
+from hf_pipeline.read.sampler import ORDER_VERSION, GlobalSampler, SamplerOptions
 from tests.helpers.caches import build_cache, open_source
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -465,8 +465,8 @@ _MULTI_DEVICE = textwrap.dedent(
     import numpy as np
     import jax
     from jax.sharding import Mesh
-    from hf_pipeline.loader import Loader, LoaderOptions, loader_options
-    from hf_pipeline.mapped import SampleSource
+    from hf_pipeline.read.loader import Loader, LoaderOptions, loader_options
+    from hf_pipeline.read.mapped import SampleSource
     files = json.loads(sys.argv[1])
     src = SampleSource(*files)
     assert jax.device_count() == 4
@@ -522,9 +522,9 @@ _HELD_AT_EXIT = textwrap.dedent(
     """
     import json, sys
     if sys.argv[2] == "build":
-        import hf_pipeline.build  # more modules to tear down at exit
-    from hf_pipeline.loader import Loader
-    from hf_pipeline.mapped import SampleSource
+        import hf_pipeline.build.prepare  # more modules to tear down at exit
+    from hf_pipeline.read.loader import Loader
+    from hf_pipeline.read.mapped import SampleSource
     rows, emb, _ = json.loads(sys.argv[1])
     loader = Loader(SampleSource(rows, emb), global_batch_size=4, process_index=0, process_count=1)
     it = iter(loader)
@@ -570,8 +570,8 @@ _MULTI_PROCESS = textwrap.dedent(
         initialization_timeout=60,
     )
     from jax.sharding import Mesh
-    from hf_pipeline.loader import Loader, LoaderOptions, loader_options
-    from hf_pipeline.mapped import SampleSource
+    from hf_pipeline.read.loader import Loader, LoaderOptions, loader_options
+    from hf_pipeline.read.mapped import SampleSource
     src = SampleSource(*files)
     mesh = Mesh(np.array(jax.devices()), ("data",))
     ld = Loader(src, global_batch_size=8, mesh=mesh, seed=9)

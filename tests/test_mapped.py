@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from hf_pipeline.mapped import CacheFormatError, MappedColumn, SampleSource
+from hf_pipeline.read.mapped import CacheFormatError, MappedColumn, SampleSource
 from tests.helpers.caches import LATENT_SHAPE, build_cache
 
 

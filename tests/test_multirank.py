@@ -38,9 +38,9 @@ def test_four_ranks_one_build_identical_data_disjoint_slices(tmp_path):
 
     # Each global batch: rank slices are disjoint, equal-sized, and together are the
     # batch the same loader yields for a single process (world-size independent order).
-    from hf_pipeline.cache import CacheLayout, open_sample_source
+    from hf_pipeline.cache.layout import CacheLayout, open_sample_source
     from hf_pipeline.config import load_config
-    from hf_pipeline.loader import Loader
+    from hf_pipeline.read.loader import Loader
 
     steps = {len(r["batches"]) for r in results}
     assert len(steps) == 1 and steps.pop() > 0
@@ -79,7 +79,7 @@ def test_node_scope_one_build_per_node(tmp_path):
 
 
 def _everything(res):
-    from hf_pipeline.cache import open_dataset
+    from hf_pipeline.cache.layout import open_dataset
 
     ds = open_dataset(res.layout).with_format("numpy")
     return ds[:]
@@ -105,7 +105,7 @@ def _one_builder_and_ranks(small_config, tmp_path, world: int, *extra: str):
     Returns:
         The one builder's BuildResult and the ranks' cache, as prepare_cache then finds it.
     """
-    from hf_pipeline.build import prepare_cache
+    from hf_pipeline.build.prepare import prepare_cache
     from hf_pipeline.config import load_config
 
     data = copy_inputs(small_config, tmp_path / "data")
@@ -173,7 +173,7 @@ def test_sigkilled_part_builder_only_its_part_is_redone(small_config, tmp_path):
     import time
 
     from dist.markers import read_json
-    from hf_pipeline.build import prepare_cache
+    from hf_pipeline.build.prepare import prepare_cache
     from hf_pipeline.config import load_config
     from tests.conftest import PYTHON, script_env
 
@@ -231,7 +231,7 @@ def test_one_builder_in_parts_overlaps_and_equals_one_part(small_config, tmp_pat
     and the report lists the parts in shard order."""
     import threading
 
-    from hf_pipeline.build import prepare_cache
+    from hf_pipeline.build.prepare import prepare_cache
     from hf_pipeline.config import load_config
 
     data = copy_inputs(small_config, tmp_path / "data")

@@ -11,8 +11,8 @@ import datasets
 import numpy as np
 import pytest
 
-from hf_pipeline.cache import CacheLayout, open_dataset, open_sample_source
-from hf_pipeline.grain_source import GrainSource
+from hf_pipeline.adapters.grain_source import GrainSource
+from hf_pipeline.cache.layout import CacheLayout, open_dataset, open_sample_source
 from tests.conftest import SMALL_DEMO
 
 
@@ -25,7 +25,7 @@ def _views_in_tmp(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def bf16_cache(session_cache_root):
     """The small demo with bfloat16 latents, built through the real build."""
-    from hf_pipeline.build import prepare_cache
+    from hf_pipeline.build.prepare import prepare_cache
     from hf_pipeline.config import load_config
 
     cfg = load_config(
@@ -135,7 +135,7 @@ def test_latents_are_float_values_in_every_format(built_cache, bf16_cache, cache
 def test_latents_choices(built_cache, bf16_cache):
     """`latents="stored"` gives the Arrow column as stored (bfloat16 bits as uint16, no
     copy); `latents="float32"` float32 for any cache; anything else is one line."""
-    from hf_pipeline.precision import from_arrow
+    from hf_pipeline.cache.precision import from_arrow
 
     want = _reference(bf16_cache)["latents"]
     bits = open_dataset(bf16_cache.layout, latents="stored").with_format("numpy", dtype="uint16")

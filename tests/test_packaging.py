@@ -42,7 +42,7 @@ def test_bdist_wheel_and_sdist_leave_dist_package_alone(tmp_path):
     wheels = list((repo / "build" / "wheels").glob("hf_pipeline-*.whl"))
     assert len(wheels) == 1 and list((repo / "build" / "wheels").glob("hf_pipeline-*.tar.gz"))
     names = zipfile.ZipFile(wheels[0]).namelist()
-    assert "dist/coordinator.py" in names and "hf_pipeline/build.py" in names
+    assert "dist/coordinator.py" in names and "hf_pipeline/build/prepare.py" in names
     assert not any(n.startswith("tests/") for n in names)
 
 

@@ -1,5 +1,5 @@
 # ruff: noqa: F811 - pytest fixtures imported from tests.helpers / tests.servers are parameters
-"""Publishing a built cache (hf_pipeline.publish, hf_pipeline.published) to the real
+"""Publishing a built cache (hf_pipeline.publish.upload, hf_pipeline.publish.find) to the real
 fake-gcs-server and to the FakeHub: what lands where, in which order, idempotence,
 resume, ``--status URL`` and the script's exit codes."""
 
@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from dist.layout import marker_name
-from hf_pipeline.cache import STAGES
+from hf_pipeline.cache.layout import STAGES
 from hf_pipeline.errors import CacheFormatError, SourceError
-from hf_pipeline.manifest import (
+from hf_pipeline.publish.find import find_published, list_published
+from hf_pipeline.publish.manifest import (
     MANIFEST_NAME,
     MANIFEST_VERSION,
     Manifest,
@@ -25,11 +26,10 @@ from hf_pipeline.manifest import (
     file_digests,
     same_content,
 )
-from hf_pipeline.publish import publish_cache
-from hf_pipeline.publish_store import open_store, parse_location
-from hf_pipeline.published import find_published, list_published
-from hf_pipeline.remote_file import RemoteFile
-from hf_pipeline.staging import checksum_of
+from hf_pipeline.publish.stores import open_store, parse_location
+from hf_pipeline.publish.upload import publish_cache
+from hf_pipeline.stores.remote_file import RemoteFile
+from hf_pipeline.stores.staging import checksum_of
 from tests.conftest import PYTHON, REPO, script_env
 from tests.helpers.publishing import (  # noqa: F401
     HUB_REPO,
@@ -218,7 +218,7 @@ def test_publish_refuses_a_damaged_local_cache(source_cache, gcs_store, tmp_path
 @pytest.mark.slow
 def test_publish_leaves_another_build_of_the_fingerprint_alone(source_cache, gcs_store, tmp_path):
     """A complete cache of the same fingerprint published by another build stands."""
-    from hf_pipeline.build import prepare_cache
+    from hf_pipeline.build.prepare import prepare_cache
 
     server, url = gcs_store
     result = source_cache.result
@@ -429,7 +429,7 @@ def test_an_oversized_published_manifest_is_refused_without_downloading_it(sourc
     Now a manifest (or marker) over MAX_JSON_BYTES is refused by its listed size, before
     a byte of it is downloaded."""
     from dist.markers import MAX_JSON_BYTES
-    from hf_pipeline.fetch_stats import FetchStats
+    from hf_pipeline.stores.fetch_stats import FetchStats
 
     server, url = gcs_store
     result, cfg = source_cache.result, source_cache.cfg

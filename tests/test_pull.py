@@ -1,5 +1,5 @@
 # ruff: noqa: F811 - pytest fixtures imported from tests.helpers / tests.servers are parameters
-"""Pulling a published cache instead of building it (hf_pipeline.pull, build.pull_from):
+"""Pulling a published cache instead of building it (hf_pipeline.publish.pull, build.pull_from):
 many ranks on hosts without a shared filesystem, a pull SIGKILLed half-way, a tampered
 published file, and nothing published at all."""
 
@@ -28,11 +28,11 @@ from dist.markers import (
     read_marker,
     write_marker,
 )
-from hf_pipeline.build import prepare_cache
-from hf_pipeline.cache import STAGES
+from hf_pipeline.build.prepare import prepare_cache
+from hf_pipeline.cache.layout import STAGES
 from hf_pipeline.errors import CacheFormatError
-from hf_pipeline.publish import publish_cache
-from hf_pipeline.pull import PULLED_FROM, local_relpath
+from hf_pipeline.publish.pull import PULLED_FROM, local_relpath
+from hf_pipeline.publish.upload import publish_cache
 from tests.conftest import PYTHON, REPO, SMALL_DEMO, run_ranks, script_env
 from tests.helpers.dist_job import two_rank_nodes
 from tests.helpers.publishing import (  # noqa: F401
@@ -179,7 +179,7 @@ def test_two_nodes_two_ranks_pull_instead_of_building(
 def test_pull_killed_half_way_resumes_without_fetching_twice(
     source_cache, gcs_store, tmp_path, monkeypatch
 ):
-    from hf_pipeline.sources import GCSSource
+    from hf_pipeline.stores import GCSSource
 
     server, url = gcs_store
     src = source_cache.result
@@ -402,7 +402,7 @@ def _with_extra_file(src, published: dict[str, bytes], rel: str, payload: bytes,
     file ``rel`` listed consistently (size, edge checksum, crc32c, sha256): what an
     attacker with write access to the store publishes. Returns the changed files."""
     from dist.markers import file_checksum
-    from hf_pipeline.manifest import bytes_digests
+    from hf_pipeline.publish.manifest import bytes_digests
 
     scratch = tmp_path / "payload"
     scratch.write_bytes(payload)
@@ -507,8 +507,8 @@ def test_status_shows_forged_published_names_escaped_and_damaged(source_cache, g
     """Issue 23, item 6: a folder named ``demo\\nERROR ...-<16 hex>`` was listed with its
     newline (a forged line in `--status` output), and a cache whose listing holds a
     control character was read on. Both are "damaged", their names escaped."""
-    from hf_pipeline.publish_store import open_store
-    from hf_pipeline.published import list_published
+    from hf_pipeline.publish.find import list_published
+    from hf_pipeline.publish.stores import open_store
 
     server, url = gcs_exact_store
     fs = gcs_fs(server)

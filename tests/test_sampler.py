@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_pipeline.sampler import GlobalSampler, SamplerOptions
+from hf_pipeline.read.sampler import GlobalSampler, SamplerOptions
 
 SETTINGS = settings(max_examples=40, deadline=None)
 shuffles = st.sampled_from(["global", "block", "sequential"])
@@ -247,7 +247,7 @@ def test_validation_messages():
 # Golden sample orders, by ORDER_VERSION: (rows, crops) of every global batch of epochs 0
 # and 3, seed 7, for a few settings; computed once from the code that defined the version.
 # Every saved loader state points into these sequences. If this test fails, the order
-# changed: if that is deliberate, bump hf_pipeline.sampler.ORDER_VERSION and add the new
+# changed: if that is deliberate, bump hf_pipeline.read.sampler.ORDER_VERSION and add the new
 # version's arrays here (keep the old ones); otherwise the change is a bug.
 GOLDEN_SETTINGS = {
     "global-random": dict(num_rows=20, global_batch_size=6, shuffle="global", crop="random"),
@@ -319,7 +319,7 @@ GOLDEN = {
 @pytest.mark.parametrize("name", sorted(GOLDEN_SETTINGS))
 @pytest.mark.parametrize("epoch", [0, 3])
 def test_golden_order_of_this_order_version(name, epoch):
-    from hf_pipeline.sampler import ORDER_VERSION
+    from hf_pipeline.read.sampler import ORDER_VERSION
 
     settings = dict(GOLDEN_SETTINGS[name])
     s = GlobalSampler(settings.pop("num_rows"), seed=7, **settings)
@@ -332,7 +332,7 @@ def test_golden_order_of_this_order_version(name, epoch):
 
 
 def test_golden_padding_and_process_shares_of_this_order_version():
-    from hf_pipeline.sampler import ORDER_VERSION
+    from hf_pipeline.read.sampler import ORDER_VERSION
 
     golden = GOLDEN[ORDER_VERSION]
     settings = dict(GOLDEN_SETTINGS["global-random"], seed=7)

@@ -315,7 +315,7 @@ def test_train_two_processes_jax_distributed(session_cache_root, built_cache):
     )
     for code, _out, err in results:
         assert code == 0, err[-3000:]
-        # JAX is joined before the build and left in order (hf_pipeline.trainer): no
+        # JAX is joined before the build and left in order (hf_pipeline.trainer.loop): no
         # fork warning, no coordination-service trace at the end of a good run.
         assert "os.fork() was called" not in err
         assert "WatchTasks" not in err and "CANCELLED" not in err

@@ -1,4 +1,4 @@
-"""Tests for hf_pipeline.shards: natural order, listing, safe loading and validation."""
+"""Tests for hf_pipeline.build.shards: natural order, listing, safe loading and validation."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_pipeline.errors import CorruptShardError, SourceError
-from hf_pipeline.shards import (
+from hf_pipeline.build.shards import (
     LATENT_SHAPE,
     load_shard,
     nonfinite_rows,
@@ -17,6 +16,7 @@ from hf_pipeline.shards import (
     shard_header,
     shard_latent_dtype,
 )
+from hf_pipeline.errors import CorruptShardError, SourceError
 from tests.helpers.pickles import RunsCode
 
 

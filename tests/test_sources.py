@@ -12,9 +12,7 @@ import pytest
 
 from hf_pipeline.config import DataConfig
 from hf_pipeline.errors import SourceError
-from hf_pipeline.fetch import ShardFetcher, StagingClient, consumption_order
-from hf_pipeline.retry import RetryPolicy, TransientError, is_transient, with_retries
-from hf_pipeline.sources import (
+from hf_pipeline.stores import (
     GCSSource,
     HubSource,
     LocalSource,
@@ -22,7 +20,9 @@ from hf_pipeline.sources import (
     natural_key,
     open_source,
 )
-from hf_pipeline.staging import StagingFolder
+from hf_pipeline.stores.fetch import ShardFetcher, StagingClient, consumption_order
+from hf_pipeline.stores.retry import RetryPolicy, TransientError, is_transient, with_retries
+from hf_pipeline.stores.staging import StagingFolder
 from tests.servers import hf_home, make_shards, shard_dir  # noqa: F401
 
 FAST = RetryPolicy(max_retries=3, file_timeout=5, backoff_base=0.001)
@@ -321,7 +321,7 @@ def test_unreachable_with_mirror_falls_back_and_says_so(shard_dir, hf_home, monk
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
     monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     cfg = DataConfig(shards="gs://b/p", local_mirror=str(shard_dir))
-    with caplog.at_level(logging.WARNING, logger="hf_pipeline.sources"):
+    with caplog.at_level(logging.WARNING, logger="hf_pipeline.stores"):
         src = open_source("gs://b/p", data_config=cfg, policy=FAST)
     assert isinstance(src, LocalSource) and len(src.list_shards()) == 4
     assert any("unreachable" in r.message and str(shard_dir) in r.message for r in caplog.records)

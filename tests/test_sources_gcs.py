@@ -16,11 +16,11 @@ import pytest
 
 from hf_pipeline.config import DataConfig
 from hf_pipeline.errors import SourceError
-from hf_pipeline.fetch import ShardFetcher
-from hf_pipeline.retry import RetryPolicy
-from hf_pipeline.sources import GCSSource, open_source
-from hf_pipeline.staging import StagingFolder
-from hf_pipeline.workers import clean_workers
+from hf_pipeline.stores import GCSSource, open_source
+from hf_pipeline.stores.fetch import ShardFetcher
+from hf_pipeline.stores.retry import RetryPolicy
+from hf_pipeline.stores.staging import StagingFolder
+from hf_pipeline.workers.pool import clean_workers
 from tests.servers import gcs_bucket, gcs_server, hf_home, shard_dir  # noqa: F401
 from tests.servers.proxy import Fault, FaultProxy
 
@@ -263,7 +263,7 @@ def _convert(batch, files, client):
         p = client.acquire(files[i], timeout=60)
         shard = torch.load(p, weights_only=True)
         # NumPy, not a torch op: torch ops in forked workers can hang on the
-        # parent's OpenMP pool (see hf_pipeline/shards.py).
+        # parent's OpenMP pool (see hf_pipeline/build/shards.py).
         out.append(int(shard["keys"].numpy().sum()))
         client.release(files[i])
     return {"keysum": out}
@@ -374,7 +374,7 @@ def test_sigkill_mid_download_then_resume(proxy, gcs_bucket, tmp_path):
 
 
 def test_unlisted_file_reacquire_progress_and_dead_prefetcher(gcs_bucket, tmp_path, monkeypatch):
-    import hf_pipeline.fetch as fetch
+    import hf_pipeline.stores.fetch as fetch
 
     _, location, local = gcs_bucket
     cfg = _cfg(tmp_path, location, prefetch_ahead=1, download_workers=2)

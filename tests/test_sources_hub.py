@@ -3,7 +3,7 @@
 
 huggingface_hub freezes ``HF_ENDPOINT``/``HF_HUB_OFFLINE`` at import time, so the
 online -> offline test runs in fresh subprocesses. The in-process tests rely on
-``hf_pipeline.sources`` passing the endpoint explicitly and checking
+``hf_pipeline.stores`` passing the endpoint explicitly and checking
 ``HF_HUB_OFFLINE`` itself at call time.
 """
 
@@ -20,9 +20,9 @@ import pytest
 
 from hf_pipeline.config import DataConfig
 from hf_pipeline.errors import SourceError
-from hf_pipeline.fetch import ShardFetcher
-from hf_pipeline.retry import RetryPolicy
-from hf_pipeline.sources import HubSource, open_source
+from hf_pipeline.stores import HubSource, open_source
+from hf_pipeline.stores.fetch import ShardFetcher
+from hf_pipeline.stores.retry import RetryPolicy
 from tests.servers import hf_home, shard_dir  # noqa: F401
 from tests.servers.hub import FakeHub
 from tests.servers.proxy import Fault, FaultProxy

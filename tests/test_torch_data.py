@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from hf_pipeline.mapped import SampleSource
-from hf_pipeline.sampler import ORDER_VERSION, SamplerOptions
-from hf_pipeline.torch_data import TorchBatches, torch_loader
+from hf_pipeline.adapters.torch_data import TorchBatches, torch_loader
+from hf_pipeline.read.mapped import SampleSource
+from hf_pipeline.read.sampler import ORDER_VERSION, SamplerOptions
 from tests.helpers.caches import build_cache, open_source
 
 
@@ -166,7 +166,7 @@ def test_datamodule_over_the_built_cache(small_config, built_cache):
     """The Lightning-style DataModule: setup finds the cache, batches follow the loader order."""
     import numpy as np
 
-    from hf_pipeline.torch_data import LatentDataModule, TorchBatches
+    from hf_pipeline.adapters.torch_data import LatentDataModule, TorchBatches
 
     dm = LatentDataModule(small_config, num_workers=0)
     with pytest.raises(RuntimeError, match="setup"):
@@ -230,7 +230,7 @@ def test_order_as_options_or_keywords_gives_the_same_batches(source):
 
 
 def _datamodule(cfg, **kw):
-    from hf_pipeline.torch_data import LatentDataModule
+    from hf_pipeline.adapters.torch_data import LatentDataModule
 
     return LatentDataModule(cfg, **kw)
 
@@ -318,7 +318,7 @@ def test_datamodule_refuses_a_state_of_another_order(small_config, built_cache):
 
 def test_datamodule_state_interchanges_with_the_jax_loader(small_config, built_cache):
     """Same fields, same global order: a Loader state resumes a DataModule and back."""
-    from hf_pipeline.loader import Loader
+    from hf_pipeline.read.loader import Loader
 
     dm = _datamodule(small_config, num_workers=0)
     dm.setup()
@@ -337,7 +337,7 @@ def test_datamodule_state_interchanges_with_the_jax_loader(small_config, built_c
 
 
 def test_plain_datamodule_without_lightning(small_config, built_cache, monkeypatch):
-    from hf_pipeline import torch_data
+    from hf_pipeline.adapters import torch_data
 
     monkeypatch.setitem(sys.modules, "lightning", None)  # import raises ImportError
     monkeypatch.setitem(sys.modules, "pytorch_lightning", None)
@@ -356,7 +356,7 @@ def test_importing_torch_data_does_not_import_lightning():
     from tests.conftest import PYTHON, script_env
 
     code = (
-        "import sys, hf_pipeline.torch_data as t; assert 'lightning' not in sys.modules; "
+        "import sys, hf_pipeline.adapters.torch_data as t; assert 'lightning' not in sys.modules; "
         "t.LatentDataModule; print('lightning' in sys.modules)"
     )
     out = subprocess.run(
@@ -426,7 +426,7 @@ def test_map_style_samples_with_a_distributed_sampler(tmp_path):
     across the ranks, each batch the samples its sampler named."""
     from torch.utils.data import DistributedSampler
 
-    from hf_pipeline.torch_data import TorchSamples
+    from hf_pipeline.adapters.torch_data import TorchSamples
 
     with open_source(tmp_path, 200, fingerprint="m", drop_every=None) as src:
         ds = TorchSamples(src, crop="all", seed=4)

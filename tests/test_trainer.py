@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from hf_pipeline.cache import open_sample_source
+from hf_pipeline.cache.layout import open_sample_source
 from tests.conftest import PYTHON, REPO, SMALL_DEMO, script_env
 
 
@@ -29,7 +29,7 @@ def _cfg(small_config, **train):
 
 
 def test_loss_falls_and_stats_are_reported(small_config, source):
-    from hf_pipeline.trainer import train
+    from hf_pipeline.trainer.loop import train
 
     logs = []
     out = train(_cfg(small_config, steps=80, log_every=20), source, on_log=logs.append)
@@ -40,7 +40,7 @@ def test_loss_falls_and_stats_are_reported(small_config, source):
 
 
 def test_checkpoint_resume_continues_the_same_run(small_config, source, tmp_path):
-    from hf_pipeline.trainer import train
+    from hf_pipeline.trainer.loop import train
 
     straight = train(_cfg(small_config, steps=40, log_every=10), source)
     ckpt = tmp_path / "ckpt"
@@ -61,9 +61,9 @@ def test_trains_on_a_bfloat16_cache(tmp_path):
     """bf16 demo shards are stored as bf16 (default) and the model reads them as float32."""
     import ml_dtypes
 
-    from hf_pipeline.build import prepare_cache
+    from hf_pipeline.build.prepare import prepare_cache
     from hf_pipeline.config import load_config
-    from hf_pipeline.trainer import train
+    from hf_pipeline.trainer.loop import train
     from tests.conftest import SMALL_DEMO
 
     cfg = load_config(
@@ -93,7 +93,7 @@ def test_jax_distributed_is_a_no_op_for_one_process():
     import jax
 
     from dist.env import detect
-    from hf_pipeline.trainer import jax_distributed, shutdown_jax_distributed
+    from hf_pipeline.trainer.loop import jax_distributed, shutdown_jax_distributed
 
     process = detect(environ={})
     with jax_distributed(process, environ={"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1"}) as joined:
@@ -110,7 +110,7 @@ def _steps(ckpt):
 def test_checkpoints_every_n_steps_keep_the_newest_and_skip_half_written_ones(
     small_config, source, tmp_path
 ):
-    from hf_pipeline.trainer import train
+    from hf_pipeline.trainer.loop import train
 
     ckpt = tmp_path / "ckpt"
     cfg = _cfg(
@@ -139,7 +139,7 @@ def test_checkpoints_every_n_steps_keep_the_newest_and_skip_half_written_ones(
 
 def test_a_checkpoint_of_another_model_is_one_line(small_config, source, tmp_path):
     from hf_pipeline.errors import ConfigError
-    from hf_pipeline.trainer import train
+    from hf_pipeline.trainer.loop import train
 
     ckpt = tmp_path / "ckpt"
     train(_cfg(small_config, steps=10, checkpoint=str(ckpt)), source, max_steps=5)

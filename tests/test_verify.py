@@ -84,7 +84,7 @@ def test_verify_finds_64_flipped_bytes_in_the_middle_of_a_rows_file(root):
     assert f"would remove {cache}" in dry.stdout, dry.stdout
 
     # And no trainer opens it any more (the open reads --verify's record, not the data).
-    from hf_pipeline.cache import CacheLayout, open_sample_source
+    from hf_pipeline.cache.layout import CacheLayout, open_sample_source
     from hf_pipeline.errors import CacheFormatError
 
     fingerprint = json.loads((cache / "converted.json").read_text())["fingerprint"]
@@ -115,7 +115,7 @@ def _as_schema_1(marker_path):
 
 
 def test_a_schema_1_cache_still_opens_and_verify_says_what_it_could_not_check(root):
-    from hf_pipeline.cache import CacheLayout, open_sample_source
+    from hf_pipeline.cache.layout import CacheLayout, open_sample_source
 
     cache = _cache(root)
     for stage in ("converted", "filtered"):

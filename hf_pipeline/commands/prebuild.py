@@ -142,7 +142,7 @@ def _write_json(path: str, obj) -> None:
 
 def _admin(args, cfg) -> int:
     from dist import inventory
-    from hf_pipeline.cache import STAGES
+    from hf_pipeline.cache.layout import STAGES
 
     root = cfg.cache_root
     # Watch leases a little longer than two heartbeats to tell live builders from dead.
@@ -238,9 +238,9 @@ def _admin(args, cfg) -> int:
 def _published_status(url: str, cfg) -> int:
     import time
 
-    from hf_pipeline.cache import STAGES
-    from hf_pipeline.publish_store import open_store
-    from hf_pipeline.published import list_published
+    from hf_pipeline.cache.layout import STAGES
+    from hf_pipeline.publish.find import list_published
+    from hf_pipeline.publish.stores import open_store
 
     rows = list_published(open_store(url, data_config=cfg.data), STAGES)
     if not rows:
@@ -308,10 +308,10 @@ def main(args: argparse.Namespace) -> int:
         return _published_status(args.status, cfg)
     if args.status or args.verify or args.clean:
         return _admin(args, cfg)
-    from hf_pipeline.build import prepare_cache
+    from hf_pipeline.build.prepare import prepare_cache
 
     if args.publish:
-        from hf_pipeline.publish_store import open_store
+        from hf_pipeline.publish.stores import open_store
 
         # A bad URL or a missing bucket fails before the build, not after it.
         open_store(args.publish, data_config=cfg.data).check_location()
@@ -319,7 +319,7 @@ def main(args: argparse.Namespace) -> int:
     _print_summary(result)
     summary = result.summary()
     if args.publish:
-        from hf_pipeline.publish import publish_cache
+        from hf_pipeline.publish.upload import publish_cache
 
         report = publish_cache(
             result.cache_dir, result.fingerprint, args.publish, data_config=cfg.data

@@ -68,9 +68,9 @@ def main(args: argparse.Namespace) -> int:
     cfg = cli.config_from_args(args, extra)
 
     from dist.env import detect
-    from hf_pipeline.build import prepare_cache
-    from hf_pipeline.cache import open_sample_source
-    from hf_pipeline.trainer import jax_distributed, train
+    from hf_pipeline.build.prepare import prepare_cache
+    from hf_pipeline.cache.layout import open_sample_source
+    from hf_pipeline.trainer.loop import jax_distributed, train
 
     process = detect()
     lead = process.rank == 0

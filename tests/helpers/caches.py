@@ -2,7 +2,7 @@
 
 Shared by the tests of ``mapped``, ``loader`` and ``torch_data``: :func:`build_cache`
 writes the Arrow files with ``datasets`` (map/filter with ``num_proc``), and
-:func:`open_source` maps them as a :class:`~hf_pipeline.mapped.SampleSource` for a
+:func:`open_source` maps them as a :class:`~hf_pipeline.read.mapped.SampleSource` for a
 module-scoped fixture.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from hf_pipeline.mapped import SampleSource
+from hf_pipeline.read.mapped import SampleSource
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -83,7 +83,7 @@ def build_cache(
     def keep(k):
         return drop_every is None or k % drop_every != 0
 
-    from hf_pipeline.precision import arrow_dtype, numpy_dtype, to_arrow
+    from hf_pipeline.cache.precision import arrow_dtype, numpy_dtype, to_arrow
 
     feats = datasets.Features(
         {
@@ -173,7 +173,7 @@ def copy_inputs(config, folder):
     root): builds that must see the very same files (and so one fingerprint)."""
     import shutil
 
-    from hf_pipeline.build import resolve_inputs
+    from hf_pipeline.build.prepare import resolve_inputs
 
     inputs = resolve_inputs(config)
     folder.mkdir()

@@ -62,7 +62,7 @@ def tree(result) -> dict[str, str]:
 @dataclasses.dataclass(frozen=True)
 class SourceCache:
     data: Path
-    result: object  # hf_pipeline.build.BuildResult
+    result: object  # hf_pipeline.build.prepare.BuildResult
 
     @property
     def cfg(self):
@@ -71,7 +71,7 @@ class SourceCache:
 
 @pytest.fixture(scope="session")
 def demo_data(tmp_path_factory) -> Path:
-    from hf_pipeline.demo import generate_demo
+    from hf_pipeline.demo.generate import generate_demo
 
     out = tmp_path_factory.mktemp("publish-demo") / "data"
     generate_demo(out, num_shards=4, samples_per_shard=100)
@@ -80,7 +80,7 @@ def demo_data(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def source_cache(demo_data, tmp_path_factory) -> SourceCache:
-    from hf_pipeline.build import prepare_cache
+    from hf_pipeline.build.prepare import prepare_cache
 
     root = tmp_path_factory.mktemp("publish-source")
     result = prepare_cache(config(demo_data, root), progress=False)

@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dist.env import EnvironmentConflictError, detect  # noqa: E402
-from hf_pipeline import build  # noqa: E402
+from hf_pipeline.build import prepare as build  # noqa: E402
 from hf_pipeline.config import load_config  # noqa: E402
 
 

@@ -18,11 +18,11 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
 
-    from hf_pipeline.build import prepare_cache
+    from hf_pipeline.build.prepare import prepare_cache
     from hf_pipeline.config import load_config
 
     if args.read_chunk:
-        from hf_pipeline.sources import GCSSource
+        from hf_pipeline.stores import GCSSource
 
         # Several ranged reads per shard, so a kill leaves a partial .part to resume.
         GCSSource.read_chunk = args.read_chunk

@@ -2,7 +2,7 @@
 
 Usage: ``jax_rank_build.py OUT ROUNDS [overrides...]`` with RANK/WORLD_SIZE and
 JAX_COORDINATOR_ADDRESS set. Joins ``jax.distributed`` through
-:func:`hf_pipeline.trainer.jax_distributed`, starts JAX's CPU backend (which arms JAX's
+:func:`hf_pipeline.trainer.loop.jax_distributed`, starts JAX's CPU backend (which arms JAX's
 own at-fork warning) and runs one small cross-process computation, then calls
 ``prepare_cache`` ROUNDS times, each for a new demo seed (a new fingerprint: rank 0
 builds, the other ranks wait). Every ``os.fork()`` of this process is counted and every
@@ -31,9 +31,9 @@ def main() -> None:
     from jax.extend.backend import get_backend
 
     from dist.env import detect
-    from hf_pipeline.build import prepare_cache
+    from hf_pipeline.build.prepare import prepare_cache
     from hf_pipeline.config import load_config
-    from hf_pipeline.trainer import jax_distributed
+    from hf_pipeline.trainer.loop import jax_distributed
 
     process = detect()
     records = []

@@ -20,8 +20,8 @@ def main() -> None:
     import lightning as L
     import torch
 
+    from hf_pipeline.adapters.torch_data import LatentDataModule
     from hf_pipeline.config import load_config
-    from hf_pipeline.torch_data import LatentDataModule
 
     class Recorder(L.LightningModule):
         def __init__(self, embed_dim: int):

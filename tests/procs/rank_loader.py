@@ -18,15 +18,15 @@ import numpy as np
 def main() -> None:
     out_path, *overrides = sys.argv[1:]
     from dist.env import detect
-    from hf_pipeline.build import prepare_cache
+    from hf_pipeline.build.prepare import prepare_cache
     from hf_pipeline.config import load_config
 
     cfg = load_config(None, overrides)
     process = detect()
     res = prepare_cache(cfg, process=process, progress=False)
 
-    from hf_pipeline.cache import open_sample_source
-    from hf_pipeline.loader import Loader
+    from hf_pipeline.cache.layout import open_sample_source
+    from hf_pipeline.read.loader import Loader
 
     src = open_sample_source(res.layout, res.fingerprint)
     everything = src.gather(np.arange(src.num_rows), 0)

@@ -14,8 +14,8 @@ def main() -> None:
     import torch.distributed as torch_dist
 
     from dist.env import detect
-    from hf_pipeline.build import resolve_job_inputs
-    from hf_pipeline.cache import compute_fingerprint
+    from hf_pipeline.build.prepare import resolve_job_inputs
+    from hf_pipeline.cache.layout import compute_fingerprint
     from hf_pipeline.config import load_config
 
     torch_dist.init_process_group("gloo")

@@ -1,9 +1,9 @@
 """One rank of a short training run, launched as ``torchrun`` launches ``train.py``.
 
 ``train_rank.py OUT.json OVERRIDE...``: joins ``jax.distributed`` exactly as
-``scripts/train.py`` does (:func:`hf_pipeline.trainer.jax_distributed`, from the
+``scripts/train.py`` does (:func:`hf_pipeline.trainer.loop.jax_distributed`, from the
 launcher's variables), finds the cache, takes ``train.steps`` steps of the trainer's own
-step function on the trainer's loader (as :func:`hf_pipeline.trainer.train` does), and
+step function on the trainer's loader (as :func:`hf_pipeline.trainer.loop.train` does), and
 writes ``{rank, process_count, params}``: a digest of this rank's copy of the parameters.
 Without a joined job each rank would train its own model on its half of every batch.
 """
@@ -21,10 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 def main() -> int:
     out, overrides = sys.argv[1], sys.argv[2:]
     from dist.env import detect
-    from hf_pipeline.build import prepare_cache
-    from hf_pipeline.cache import open_sample_source
+    from hf_pipeline.build.prepare import prepare_cache
+    from hf_pipeline.cache.layout import open_sample_source
     from hf_pipeline.config import load_config
-    from hf_pipeline.trainer import jax_distributed
+    from hf_pipeline.trainer.loop import jax_distributed
 
     cfg = load_config(None, overrides)
     process = detect()
@@ -33,8 +33,8 @@ def main() -> int:
         import numpy as np
         from jax.sharding import Mesh
 
-        from hf_pipeline.denoiser import init_params, make_optimizer, make_train_step
-        from hf_pipeline.loader import Loader
+        from hf_pipeline.read.loader import Loader
+        from hf_pipeline.trainer.denoiser import init_params, make_optimizer, make_train_step
 
         result = prepare_cache(cfg, process=process, progress=False)
         with open_sample_source(result.layout, result.fingerprint) as source:

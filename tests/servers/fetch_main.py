@@ -14,9 +14,9 @@ import json
 import sys
 
 from hf_pipeline.config import DataConfig
-from hf_pipeline.fetch import ShardFetcher
-from hf_pipeline.retry import RetryPolicy
-from hf_pipeline.sources import open_source
+from hf_pipeline.stores import open_source
+from hf_pipeline.stores.fetch import ShardFetcher
+from hf_pipeline.stores.retry import RetryPolicy
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,470 @@
+"""Stage 1a, the join: latent shards + caption table -> ``key, latents, caption,
+drop_reason, input_ids`` rows, through ``Dataset.map(num_proc=build.num_proc)``.
+
+Each ``num_proc`` worker (forked by a clean fork server: :mod:`hf_pipeline.workers.pool`)
+takes one shard at a time from the :class:`~hf_pipeline.stores.fetch.StagingClient` (downloads
+run ahead in the builder), reads it with ``torch.load(weights_only=True)`` and validates it
+(:func:`hf_pipeline.build.shards.read_shard`), converts the latents to the storage dtype,
+looks the keys up in the memory-mapped caption table (``searchsorted``, no per-row dict),
+tokenizes the captions it keeps (so tokenization scales with ``num_proc``) and marks
+rows with NaN/inf latents ``nonfinite_latents`` (or fails, ``data.on_bad_rows: fail``),
+rows whose caption is not UTF-8 ``bad_caption_encoding``. A shard without rows adds none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dist.atomic import write_json_atomic
+from hf_pipeline.build.accounting import FIRST_KEYS, NONFINITE
+from hf_pipeline.stores.remote_file import RemoteFile
+
+__all__ = [
+    "JoinResult",
+    "Storage",
+    "choose_storage",
+    "convert_shards",
+    "join_shards",
+    "join_timeline",
+    "shard_table",
+    "worker_tokenizer",
+    "summarize_precision",
+]
+
+log = logging.getLogger("hf_pipeline")
+
+
+@dataclasses.dataclass(frozen=True)
+class Storage:
+    """The latent storage dtype of one build.
+
+    ``reference`` is the shard the dtype was read from when ``build.latent_dtype`` is
+    ``source`` (then every shard must hold that dtype), else ``""``.
+    """
+
+    dtype: str
+    reference: str = ""
+
+
+def summarize_precision(parts: list[dict[str, Any]], storage: str) -> dict[str, Any]:
+    """The report's ``precision`` block from the per-shard files of the convert workers."""
+    from hf_pipeline.cache.precision import PrecisionLoss, is_exact
+
+    by_dtype: dict[str, int] = {}
+    loss = PrecisionLoss()
+    for part in parts:
+        if not part["source_dtype"]:  # a shard without rows: no dtype, no values
+            continue
+        by_dtype[part["source_dtype"]] = by_dtype.get(part["source_dtype"], 0) + 1
+        counts = {k: v for k, v in part.items() if k not in ("source_dtype", "timing")}
+        loss = loss + PrecisionLoss(**counts)
+    sources = sorted(by_dtype)
+    return {
+        "source_dtype": sources[0] if len(sources) == 1 else ("mixed" if sources else ""),
+        "source_dtypes": by_dtype,
+        "storage_dtype": storage,
+        "lossy": not all(is_exact(d, storage) for d in sources),
+        **loss.as_dict(),
+    }
+
+
+def join_timeline(
+    shards: list[dict[str, Any]], start: float, end: float, *, tokenizer_wait: float = 0.0
+) -> dict[str, Any]:
+    """Where the join's wall time went, from the per-shard ``timing`` records.
+
+    ``start``/``end`` (wall clock) bracket the ``Dataset.map`` call, ``tokenizer_wait``
+    the wait for the builder's tokenizer at its start. The result says how long the
+    workers took to start (``seconds_to_first_shard``: the pool spawns and the workers
+    import their libraries; ``seconds_tokenizer_wait`` of it before they could have the
+    tokenizer), how long shards were being converted
+    (``seconds_converting``, first shard start to last shard end), what followed the last
+    shard (``seconds_after_last_shard``: the pool shuts down, ``datasets`` gathers the
+    files), and the workers' busy time (``worker_busy_seconds``, summed over shards).
+    """
+    times = [s["timing"] for s in shards if "timing" in s]
+    out: dict[str, Any] = {
+        "seconds": round(end - start, 3),
+        "workers": len({t["pid"] for t in times}),
+        "seconds_tokenizer_wait": round(tokenizer_wait, 3),
+    }
+    if times:
+        first = min(t["start"] for t in times)
+        last = max(t["end"] for t in times)
+        out |= {
+            "seconds_to_first_shard": round(first - start, 3),
+            "seconds_converting": round(last - first, 3),
+            "seconds_after_last_shard": round(end - last, 3),
+            "worker_busy_seconds": round(sum(t["end"] - t["start"] for t in times), 3),
+        }
+    return out
+
+
+def choose_storage(wanted: str, shards: Sequence[Any], client, timeout: float) -> Storage:
+    """The storage dtype: explicit, or (``source``) the first readable shard's dtype.
+
+    ``source`` reads the first non-empty shard's header here, before the workers start,
+    because the Arrow column type must be fixed up front; the workers then check every
+    shard (a shard without rows holds no dtype and is skipped by both).
+    The shard comes through the run's staging client: local files are read in place,
+    a remote one is downloaded by the fetcher (counted in the fetch stats, other
+    shards downloading meanwhile) and left staged for the worker that converts it,
+    which releases it.
+    """
+    from hf_pipeline.build.shards import shard_header
+
+    if wanted != "source":
+        return Storage(wanted)
+    empty_dtype = None
+    for f in shards:
+        path = client.acquire(f, timeout=timeout)
+        if path is None:  # skipped under on_missing="skip" (and recorded)
+            continue
+        rows, dtype = shard_header(path)
+        if rows:
+            assert dtype is not None  # shard_header: None only for shards without rows
+            return Storage(dtype, reference=f.name)
+        # A shard without rows has no latents to keep: the next shard decides. Only a
+        # part of nothing but empty shards takes the dtype they were saved in (the
+        # stage's column type comes from its first part).
+        empty_dtype = empty_dtype or dtype
+    # Every shard is missing (and skipped) or empty: nothing is stored; float32 holds anything.
+    return Storage(empty_dtype or "float32")
+
+
+_CAPTIONS: dict[str, Any] = {}
+_TOKENIZERS: dict[Any, Any] = {}
+
+
+def _captions(path: str):
+    # One memory-mapped caption table per worker process (opened lazily, by path).
+    table = _CAPTIONS.get(path)
+    if table is None:
+        from hf_pipeline.build.captions import CaptionTable
+
+        table = _CAPTIONS[path] = CaptionTable.open(path)
+    return table
+
+
+def _tokenizer(spec):
+    # One tokenizer per worker process, loaded there: from the builder's TokenizerSpec
+    # (``tokenizers`` alone), else (no Rust backend) transformers from the encoder config.
+    # The workers already run in parallel, so each tokenizes on one thread.
+    tok = _TOKENIZERS.get(spec)
+    if tok is None:
+        from hf_pipeline.encoder.model import CaptionTokenizer, TokenizerSpec, WorkerTokenizer
+
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        kind = WorkerTokenizer if isinstance(spec, TokenizerSpec) else CaptionTokenizer
+        tok = _TOKENIZERS[spec] = kind(spec)
+    return tok
+
+
+def worker_tokenizer(tokenizer, cfg, folder: Path):
+    """What the join workers tokenize with: a :class:`~hf_pipeline.encoder.model.TokenizerSpec`
+    saved in ``folder``, or the encoder config when the tokenizer has no Rust backend.
+
+    Args:
+        tokenizer: this process's :class:`~hf_pipeline.encoder.model.CaptionTokenizer`, a future
+            of it (loading in the background), or None (loaded here).
+        cfg: the :class:`hf_pipeline.config.Config`.
+        folder: where the spec's file goes (the part's scratch folder).
+    """
+    if tokenizer is None:
+        from hf_pipeline.encoder.model import CaptionTokenizer
+
+        tokenizer = CaptionTokenizer(cfg.encoder)
+    elif hasattr(tokenizer, "result"):  # a Future: waits here, re-raises a load error
+        tokenizer = tokenizer.result()
+    return tokenizer.export(folder) or cfg.encoder
+
+
+#: A RemoteFile's fields: the shard table's columns.
+_FILE_FIELDS = tuple(f.name for f in dataclasses.fields(RemoteFile))
+
+
+def shard_table(shards: Sequence[RemoteFile]):
+    """The join's input: a ``datasets.Dataset`` of one row per shard file, its
+    :class:`~hf_pipeline.stores.remote_file.RemoteFile` fields as columns.
+
+    ``Dataset.map(num_proc=K)`` gives each worker a contiguous slice of these rows, as
+    Arrow; a map over the names with the files in ``fn_kwargs`` pickled the whole part's
+    files into every worker's task, with dill's pure-Python pickler, in the builder's
+    task thread (0.3 s of its interpreter lock a part at 5,500 shards on a 2-CPU VM).
+    """
+    from datasets import Dataset
+
+    return Dataset.from_dict({k: [getattr(f, k) for f in shards] for k in _FILE_FIELDS})
+
+
+def convert_shards(
+    batch: Mapping[str, list],
+    indices: list[int],
+    *,
+    probe,
+    client,
+    captions_path: str,
+    storage: Storage,
+    precision_dir: str,
+    fetch_timeout: float,
+    tokenizer,
+    on_bad_rows: str,
+) -> dict[str, Any]:
+    """``datasets.map`` function: shard files -> joined, tokenized latent rows.
+
+    Runs in the ``num_proc`` workers. A batch is rows of the shard table
+    (:func:`shard_table`: one :class:`~hf_pipeline.stores.remote_file.RemoteFile` a row), so a
+    worker receives its own shards as Arrow rows; the other arguments, pickled with each
+    worker's task, hold nothing that grows with the shard count.
+    ``probe`` (:class:`dist.lease.LeaseProbe`) stops a builder that lost its lease at the
+    next shard; ``precision_dir`` gets one small JSON per shard (what the storage cast
+    changed), which :func:`summarize_precision` adds up.
+    """
+    from hf_pipeline.build.captions import caption_texts, classify, reason_names
+    from hf_pipeline.build.shards import LATENT_SHAPE, read_shard
+    from hf_pipeline.cache.precision import arrow_dtype, to_arrow
+    from hf_pipeline.errors import CorruptShardError
+
+    table = _captions(captions_path)
+    tokenize = _tokenizer(tokenizer)
+    keys, latents, captions, reasons, token_ids = [], [], [], [], []
+    for j, index in enumerate(indices):
+        probe.check()
+        t_start = time.time()  # wall clock: the timeline compares processes
+        f = RemoteFile(**{k: batch[k][j] for k in _FILE_FIELDS})
+        path = client.acquire(f, timeout=fetch_timeout)
+        if path is None:  # skipped under on_missing="skip"; recorded by the fetcher
+            continue
+        try:
+            shard = read_shard(path, dtype="source" if storage.reference else storage.dtype)
+        finally:
+            client.release(f)  # frees the staging slot even when the shard is corrupt
+        if not shard.source_dtype:  # no rows (saved as any 0-row tensors): nothing to join
+            _write_precision(precision_dir, index, shard, t_start)
+            continue
+        if storage.reference and shard.source_dtype != storage.dtype:
+            raise CorruptShardError(
+                str(path),
+                f"latents are {shard.source_dtype}, but the first shard "
+                f"{storage.reference} holds {storage.dtype}; build.latent_dtype: source "
+                "stores one dtype for all shards: set build.latent_dtype explicitly "
+                "(float32 stores float16, bfloat16 and float32 exactly)",
+            )
+        k, lat = shard.keys, to_arrow(shard.latents)
+        bad = shard.nonfinite
+        if bad.any():
+            first = ", ".join(map(str, k[bad][:FIRST_KEYS].tolist()))
+            if on_bad_rows == "fail":
+                raise CorruptShardError(
+                    f.url,
+                    f"latents must be finite, got NaN/inf in {int(bad.sum())} of {len(k)} rows "
+                    f"(first keys: {first}); data.on_bad_rows: drop builds without such rows",
+                )
+            log.warning(
+                "%s: dropping %d row(s) with NaN/inf latents (first keys: %s)",
+                f.name,
+                int(bad.sum()),
+                first,
+            )
+        caps, found = table.lookup(k)
+        codes = classify(caps, found)
+        # object dtype: a fixed-width str array would truncate the longer reason names.
+        why = reason_names(codes).astype(object)
+        why[bad] = NONFINITE
+        texts = caption_texts(caps, codes)  # "" for a caption that is not UTF-8
+        ids: list[list[int]] = [[] for _ in texts]
+        keep = np.flatnonzero(why == "")
+        for i, seq in zip(keep, tokenize([texts[i] for i in keep]), strict=True):
+            ids[i] = seq
+        _write_precision(precision_dir, index, shard, t_start)
+        reasons.append(why)
+        captions.append(texts)
+        token_ids.append(ids)
+        keys.append(k)
+        latents.append(lat)
+    if not keys:
+        return {
+            "key": np.zeros(0, np.int64),
+            "latents": np.zeros((0, *LATENT_SHAPE), arrow_dtype(storage.dtype)),
+            "caption": [],
+            "drop_reason": [],
+            "input_ids": [],
+        }
+    return {
+        "key": np.concatenate(keys),
+        "latents": np.concatenate(latents),
+        "caption": [c for part in captions for c in part],
+        "drop_reason": [str(r) for part in reasons for r in part],
+        "input_ids": [x for part in token_ids for x in part],
+    }
+
+
+def _write_precision(precision_dir: str, index: int, shard, t_start: float) -> None:
+    # One small file per shard: the builder adds them up for the report.
+    write_json_atomic(
+        Path(precision_dir) / f"{index:09d}.json",
+        {
+            "source_dtype": shard.source_dtype,
+            **shard.loss.as_dict(),
+            "timing": {"pid": os.getpid(), "start": t_start, "end": time.time()},
+        },
+        durable=False,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class JoinResult:
+    """What the join wrote and measured.
+
+    Attributes:
+        rows: the joined rows (a memory-mapped ``datasets.Dataset``).
+        storage: the latent storage dtype.
+        precision: the report's ``precision`` block.
+        fetch: the fetcher's stats (downloads, retries, skipped files).
+        num_proc: workers used.
+        timeline: where the wall time went (:func:`join_timeline`).
+    """
+
+    rows: Any
+    storage: Storage
+    precision: dict[str, Any]
+    fetch: dict[str, Any]
+    num_proc: int
+    timeline: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _check_workers_can_start(num_proc: int) -> None:
+    """Refuse a join whose workers could not import the main program (they import it
+    first; one read from standard input is no file), before anything starts: without
+    this, each worker printed a FileNotFoundError and the build died on an EOFError."""
+    from hf_pipeline.errors import ConfigError
+    from hf_pipeline.workers.pool import unimportable_main
+
+    path = unimportable_main()
+    if path is not None:
+        raise ConfigError(
+            f"build.num_proc is {num_proc}: the join's worker processes import the main "
+            f"program first, and {path!r} is not a file: run the build from a script "
+            f'(under `if __name__ == "__main__":`), or set DATASET_NUM_PROC=1',
+            field="build.num_proc",
+        )
+
+
+def join_shards(
+    *,
+    cfg,
+    source,
+    shards: Sequence[Any],
+    captions_path: str,
+    probe,
+    out_file: Path,
+    work_dir: Path,
+    fingerprint: str,
+    progress: bool,
+    tokenizer=None,
+) -> JoinResult:
+    """Run the join over ``shards`` into ``out_file`` (Arrow) with ``build.num_proc`` workers.
+
+    Args:
+        cfg: the :class:`hf_pipeline.config.Config`.
+        source: the :class:`hf_pipeline.stores.Source` the shards come from.
+        shards: the shard files (``RemoteFile``), in build order.
+        captions_path: the saved, key-sorted caption table.
+        probe: a :class:`dist.lease.LeaseProbe` (workers stop when the lease is lost).
+        out_file: where ``datasets`` writes the rows.
+        work_dir: scratch folder (per-shard precision files).
+        fingerprint: used for the ``datasets`` cache fingerprint.
+        progress: show the fetcher's progress bar.
+        tokenizer: this process's caption tokenizer, or a future of it, or None (see
+            :func:`worker_tokenizer`).
+    """
+    from datasets import Array4D, Features, List, Value
+
+    from hf_pipeline.cache.latents import LATENT_SHAPE
+    from hf_pipeline.cache.precision import arrow_dtype
+    from hf_pipeline.stores.fetch import ShardFetcher
+
+    build = cfg.build
+    num_proc = max(1, min(build.effective_num_proc, len(shards)))
+    if num_proc > 1:
+        _check_workers_can_start(num_proc)
+    precision_dir = work_dir / "precision"
+    precision_dir.mkdir(parents=True, exist_ok=True)
+    fetch_timeout = cfg.data.file_timeout * (cfg.data.max_retries + 1)
+    table = shard_table(shards)
+    with ShardFetcher(
+        source, shards, data_config=cfg.data, num_workers=num_proc, progress=progress
+    ) as fetcher:
+        storage = choose_storage(build.latent_dtype, shards, fetcher.client(), fetch_timeout)
+        features = Features(
+            {
+                "key": Value("int64"),
+                # Arrow has no bfloat16: its bits are stored as uint16 (see precision).
+                "latents": Array4D(LATENT_SHAPE, arrow_dtype(storage.dtype)),
+                "caption": Value("string"),
+                "drop_reason": Value("string"),
+                "input_ids": List(Value("int32")),
+            }
+        )
+        t_map = time.time()
+        # The builder's tokenizer may still be loading (a future): the workers wait for it.
+        tokenizer = worker_tokenizer(tokenizer, cfg, work_dir)
+        seconds_tokenizer = time.time() - t_map
+        rows = table.map(
+            convert_shards,
+            batched=True,
+            batch_size=1,
+            with_indices=True,
+            num_proc=num_proc if num_proc > 1 else None,
+            writer_batch_size=build.writer_batch_size,
+            features=features,
+            remove_columns=table.column_names,
+            fn_kwargs={
+                "probe": probe,
+                "client": fetcher.client(),
+                "captions_path": captions_path,
+                "storage": storage,
+                "precision_dir": str(precision_dir),
+                "fetch_timeout": fetch_timeout,
+                "tokenizer": tokenizer,
+                "on_bad_rows": cfg.data.on_bad_rows,
+            },
+            cache_file_name=str(out_file),
+            new_fingerprint=f"{fingerprint}-rows",
+            keep_in_memory=False,
+            desc="Join + tokenize captions",
+        )
+        t_done = time.time()
+        fetch_stats = fetcher.stats()
+    per_shard = [json.loads(p.read_text()) for p in sorted(precision_dir.glob("*.json"))]
+    precision = summarize_precision(per_shard, storage.dtype)
+    if precision["lossy"]:
+        log.warning(
+            "build.latent_dtype %s is lossy for %s latents: %d of %d values changed, "
+            "%d flushed to zero, %d beyond 1 ulp of %s (build.latent_dtype: source "
+            "stores them exactly)",
+            storage.dtype,
+            precision["source_dtype"],
+            precision["changed"],
+            precision["values"],
+            precision["flushed_to_zero"],
+            precision["beyond_1ulp"],
+            storage.dtype,
+        )
+    return JoinResult(
+        rows=rows,
+        storage=storage,
+        precision=precision,
+        fetch=fetch_stats,
+        num_proc=num_proc,
+        timeline=join_timeline(per_shard, t_map, t_done, tokenizer_wait=seconds_tokenizer),
+    )

@@ -1,0 +1,227 @@
+"""``manifest.json`` of a published cache, and the digests that compare files with a store.
+
+The stage markers (:mod:`dist.markers`) checksum only the first and last MiB of a file:
+cheap enough to check at every start, blind to a byte changed in the middle. A published
+cache also carries a manifest: each listed file's size and whole-file crc32c (GCS's own
+checksum, base64 of the big-endian value) and, when published to the Hub, sha256 (the
+Hub's LFS oid). A puller compares those with the store's checksum before downloading
+and with the bytes it got (:mod:`hf_pipeline.publish.pull`); a publisher uses them to skip files
+the store already holds (:func:`same_content`).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import json
+import os
+import socket
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dist.markers import Marker
+from dist.safepath import check_name, check_relpath
+from hf_pipeline.stores.remote_file import RemoteFile
+from hf_pipeline.stores.staging import READ_CHUNK, checksum_of
+
+__all__ = [
+    "MANIFEST_NAME",
+    "MANIFEST_VERSION",
+    "Manifest",
+    "ManifestEntry",
+    "bytes_digests",
+    "file_digests",
+    "new_manifest",
+    "same_content",
+]
+
+MANIFEST_NAME = "manifest.json"
+#: Bump when the manifest's format changes (readers refuse other versions).
+MANIFEST_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ManifestEntry:
+    """What one published file holds.
+
+    Attributes:
+        size: bytes.
+        crc32c: whole-file CRC32C, base64 of the big-endian value (GCS's encoding).
+        sha256: whole-file SHA-256, hex ("" when not computed: published to GCS).
+    """
+
+    size: int
+    crc32c: str
+    sha256: str = ""
+
+    def __post_init__(self):
+        if self.size < 0:
+            raise ValueError(f"size must be >= 0, got {self.size}")
+        if not self.crc32c:
+            raise ValueError("crc32c must be non-empty")
+
+    def checksum(self, kind: str) -> str:
+        """This file's checksum in a store's encoding, or "" when the manifest lacks it."""
+        return {"crc32c": self.crc32c, "sha256": self.sha256}.get(kind, "")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """``manifest.json`` of a published cache (see the module docstring).
+
+    Attributes:
+        name: the cache folder name (``<name>-<fingerprint>``).
+        fingerprint: the cache identity.
+        stages: the stage names, in build order.
+        rows: rows of the built cache (the last stage's ``rows_out``), or None.
+        published_at: wall-clock seconds since the epoch of the publication.
+        host: the publishing host.
+        files: every file the markers list, by path relative to the cache folder.
+        version: :data:`MANIFEST_VERSION`.
+    """
+
+    name: str
+    fingerprint: str
+    stages: tuple[str, ...]
+    rows: int | None
+    published_at: float
+    host: str
+    files: Mapping[str, ManifestEntry]
+    version: int = MANIFEST_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.size for e in self.files.values())
+
+    def to_bytes(self) -> bytes:
+        d = {
+            "version": self.version,
+            "name": self.name,
+            "fingerprint": self.fingerprint,
+            "stages": list(self.stages),
+            "rows": self.rows,
+            "published_at": self.published_at,
+            "host": self.host,
+            "bytes": self.total_bytes,
+            "files": {
+                p: {k: v for k, v in dataclasses.asdict(e).items() if v != ""}
+                for p, e in sorted(self.files.items())
+            },
+        }
+        return json.dumps(d, sort_keys=True, indent=1).encode()
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Manifest:
+        """Parse a manifest. Raises (KeyError, TypeError, ValueError) if malformed or
+        of another version; :class:`~dist.safepath.UnsafePathError` (a ValueError) for a
+        file path that is not a plain relative path or a name that is not one folder."""
+        if not isinstance(d, Mapping):
+            raise TypeError(f"manifest must be a JSON object, got {type(d).__name__}")
+        if d.get("version") != MANIFEST_VERSION:
+            raise ValueError(f"version {d.get('version')!r}, expected {MANIFEST_VERSION}")
+        files = d["files"]
+        if not isinstance(files, Mapping):
+            raise TypeError("files must be a JSON object")
+        rows = d.get("rows")
+        return cls(
+            name=check_name(str(d["name"])),
+            fingerprint=str(d["fingerprint"]),
+            stages=tuple(str(s) for s in d["stages"]),
+            rows=None if rows is None else int(rows),
+            published_at=float(d["published_at"]),
+            host=str(d["host"]),
+            files={
+                check_relpath(p): ManifestEntry(
+                    size=int(e["size"]), crc32c=str(e["crc32c"]), sha256=str(e.get("sha256", ""))
+                )
+                for p, e in files.items()
+            },
+        )
+
+    def same_files(self, other: Manifest) -> bool:
+        """Whether both describe the same cache content (dates and hosts aside)."""
+        return (self.name, self.fingerprint, self.stages, dict(self.files)) == (
+            other.name,
+            other.fingerprint,
+            other.stages,
+            dict(other.files),
+        )
+
+
+def _digest(chunks, *, sha256: bool) -> tuple[int, str, str]:
+    import google_crc32c
+
+    crc = google_crc32c.Checksum()
+    sha = hashlib.sha256() if sha256 else None
+    size = 0
+    for block in chunks:
+        size += len(block)
+        crc.update(block)
+        if sha is not None:
+            sha.update(block)
+    return size, base64.b64encode(crc.digest()).decode(), sha.hexdigest() if sha else ""
+
+
+def file_digests(path: str | os.PathLike, *, sha256: bool = False) -> ManifestEntry:
+    """Size, crc32c (and sha256) of a file, in one read. Thread-safe."""
+    with open(path, "rb") as fh:
+        size, crc, sha = _digest(iter(lambda: fh.read(READ_CHUNK), b""), sha256=sha256)
+    return ManifestEntry(size=size, crc32c=crc, sha256=sha)
+
+
+def bytes_digests(data: bytes, *, sha256: bool = False) -> ManifestEntry:
+    """:func:`file_digests` of bytes held in memory."""
+    size, crc, sha = _digest([data], sha256=sha256)
+    return ManifestEntry(size=size, crc32c=crc, sha256=sha)
+
+
+def _checksum_of_bytes(data: bytes, kind: str) -> str:
+    """:func:`~hf_pipeline.stores.staging.checksum_of` of bytes held in memory (md5, gitsha1)."""
+    if kind == "md5":
+        return base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode()
+    if kind == "gitsha1":
+        return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
+    return ""
+
+
+def same_content(remote: RemoteFile | None, entry: ManifestEntry, local: Path | bytes) -> bool:
+    """Whether the store's ``remote`` holds exactly the bytes ``entry`` describes.
+
+    Compared through the checksum the store publishes: crc32c/sha256 from ``entry``;
+    md5 or a git blob id (small Hub files) computed from ``local`` (a path or bytes).
+    A store that offers no checksum never matches (upload again rather than guess).
+    """
+    if remote is None or remote.size != entry.size:
+        return False
+    kind, _, value = remote.checksum.partition(":")
+    ours = entry.checksum(kind)
+    if not ours and kind in ("md5", "gitsha1"):
+        ours = (
+            _checksum_of_bytes(local, kind)
+            if isinstance(local, bytes)
+            else checksum_of(Path(local), kind)
+        )
+    return bool(ours) and ours == value
+
+
+def new_manifest(
+    cache_name: str,
+    fingerprint: str,
+    markers: Mapping[str, Marker],
+    files: Mapping[str, ManifestEntry],
+) -> Manifest:
+    """The manifest of a cache about to be published from this host, now."""
+    last = list(markers.values())[-1]
+    rows = last.info.get("rows_out")
+    return Manifest(
+        name=cache_name,
+        fingerprint=fingerprint,
+        stages=tuple(markers),
+        rows=int(rows) if isinstance(rows, int) else None,
+        published_at=time.time(),
+        host=socket.gethostname(),
+        files=dict(files),
+    )

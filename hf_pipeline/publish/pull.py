@@ -1,0 +1,344 @@
+"""Pull a published cache instead of building it (``build.pull_from``).
+
+:func:`pulled_stages` wraps the build's stages for :func:`dist.coordinator.ensure_built`,
+so nothing of the protocol changes: the process that would build (rank 0, or local rank
+0 with ``coord.scope: node``) runs the stage builds, the others wait exactly as for a
+build. Each wrapped build asks the store once per run (the first stage's build does)
+whether ``<pull_from>/<name>-<fingerprint>/`` holds a complete published cache
+(:func:`hf_pipeline.publish.find.find_published`). If not, it says so in one log line and
+builds as usual. If so, each stage's build downloads the files that stage's published
+marker lists into the lease's own stage folder (``ctx.tmp_dir``), at the same paths
+inside the stage folder, and returns the published marker's ``info`` (plus
+:data:`PULLED_FROM`); the coordinator then describes the folder and publishes the local
+marker like any other. Waiting ranks never talk to the store.
+
+Downloads are :func:`~hf_pipeline.stores.staging.stage_file` calls, as for the shards:
+``data.download_workers`` in parallel, each bounded by ``data.file_timeout`` and retried
+``data.max_retries`` times, verified against the store's checksum, and staged in
+``<cache root>/.staging/pull-<fingerprint>/`` under the file's published path: a
+SIGKILLed pull resumes there (verified files are kept, a partial one continues by
+range) whatever lease runs next. Then each file is checked against what was published —
+its whole-file crc32c against the manifest (before the download when the store's own
+checksum can be compared), its size and edge checksum against its marker — and
+hard-linked (copied where links fail) into the stage folder. A file that does not match
+is refused with :class:`~hf_pipeline.errors.CacheFormatError` naming it; nothing of the
+stage is published. The staging folder is removed once the last stage is in place.
+
+A later stage is pulled only over earlier local stages of the same content as the
+published ones (a stage built here before, e.g. by a run without ``pull_from``, is not
+mixed with a published later stage: that stage is built here too).
+
+Every path a published marker, the manifest or the store's listing holds is checked
+(:mod:`dist.safepath`) before any filesystem call, and a published marker must name a
+folder of its own stage and list only files inside it
+(:func:`hf_pipeline.publish.find.find_published`): a pull writes only inside the lease's
+stage folder and the staging folder. (:func:`local_relpath` still maps a file outside
+its marker's folder to its whole cache-relative path, for local markers.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dist.coordinator import Stage, StageContext
+from dist.markers import FileEntry, Marker, file_checksum
+from dist.safepath import UnsafePathError, check_name, check_relpath, join_under
+from hf_pipeline.cache.layout import STAGING_DIR
+from hf_pipeline.errors import CacheFormatError
+from hf_pipeline.publish.find import PublishedCache, find_published, store_checksum_checked
+from hf_pipeline.publish.manifest import MANIFEST_NAME
+from hf_pipeline.publish.stores import Store, open_store
+from hf_pipeline.stores.fetch_stats import FetchStats
+from hf_pipeline.stores.remote_file import RemoteFile
+from hf_pipeline.stores.retry import Cancelled, RetryPolicy
+from hf_pipeline.stores.staging import StagingFolder, checksum_of, stage_file
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hf_pipeline.config import Config, DataConfig
+
+__all__ = ["PULLED_FROM", "local_relpath", "pulled_stages", "was_pulled"]
+
+logger = logging.getLogger("hf_pipeline")
+
+#: Key of a pulled stage's marker ``info``: ``{"url", "files", "bytes", "resumed_bytes",
+#: "seconds"}`` of the download (the rest of ``info`` is the published marker's).
+PULLED_FROM = "pulled_from"
+
+
+def was_pulled(marker: Marker) -> bool:
+    """Whether the stage ``marker`` describes was downloaded, not built here."""
+    return isinstance(marker.info.get(PULLED_FROM), Mapping)
+
+
+def local_relpath(marker: Marker, path: str) -> str:
+    """Where a file ``marker`` lists (``path``, relative to the cache folder) goes inside
+    the stage folder: its path inside the marker's folder, or, for a file outside it,
+    its whole cache-relative path.
+
+    Raises:
+        UnsafePathError: ``path`` or the result is not a plain relative path
+            (``converted.x//abs/path`` would leave ``/abs/path``).
+    """
+    parts = check_relpath(path).split("/")
+    inside = parts[0] == check_name(marker.directory) and len(parts) > 1
+    return "/".join(parts[1:]) if inside else path
+
+
+def _content(marker: Marker) -> dict[str, tuple[int, str]]:
+    """A stage's files by their place inside the stage folder: what two builds of the
+    same stage must agree on, whatever their folder names."""
+    return {local_relpath(marker, e.path): (e.size, e.checksum) for e in marker.files}
+
+
+def pulled_stages(
+    cfg: Config,
+    fingerprint: str,
+    cache_dir: str | os.PathLike,
+    stages: Sequence[Stage],
+    *,
+    url: str | None = None,
+    policy: RetryPolicy | None = None,
+) -> list[Stage]:
+    """``stages`` (same names, same order) whose builds pull from ``url`` when it holds
+    the published cache of ``fingerprint``, and run the given builds otherwise.
+
+    No I/O here: the store is asked in the first stage build that runs.
+
+    Args:
+        cfg: the configuration (``data`` supplies retries, timeouts, parallelism).
+        fingerprint: the cache identity.
+        cache_dir: the local cache folder (its name is the published folder's name).
+        stages: the build's stages.
+        url: where caches are published (default ``cfg.build.pull_from``).
+        policy: override the retry policy (tests).
+    """
+    cache_dir = Path(cache_dir)
+    puller = _Puller(
+        url=url or cfg.build.pull_from,
+        cache_name=cache_dir.name,
+        fingerprint=fingerprint,
+        stage_names=tuple(s.name for s in stages),
+        data_config=cfg.data,
+        staging=cfg.cache_root / STAGING_DIR / f"pull-{fingerprint}",
+        policy=policy,
+    )
+    return [Stage(name=s.name, build=puller.stage_build(s)) for s in stages]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """One published file to fetch into the stage folder.
+
+    Attributes:
+        entry: the published marker's entry (cache-relative path, size, edge checksum).
+        file: the store's description of it (size, store checksum).
+        place: its path inside the local stage folder.
+        prechecked: the store's checksum equals the manifest's (so the verified
+            download is the published content; else the crc32c is computed after it).
+    """
+
+    entry: FileEntry
+    file: RemoteFile
+    place: str
+    prechecked: bool
+
+
+class _Puller:
+    """The remote cache (looked up once) and the download of one stage's files."""
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        cache_name: str,
+        fingerprint: str,
+        stage_names: tuple[str, ...],
+        data_config: DataConfig,
+        staging: Path,
+        policy: RetryPolicy | None,
+    ):
+        self.url = url
+        self.cache_name = cache_name
+        self.fingerprint = fingerprint
+        self.stage_names = stage_names
+        self.data_config = data_config
+        self.staging = Path(staging)
+        self.policy = policy or RetryPolicy.from_config(data_config)
+        self._lock = threading.Lock()
+        self._looked_up = False
+        self._store: Store | None = None
+        self._remote: PublishedCache | None = None
+
+    def stage_build(self, stage: Stage):
+        def build(ctx: StageContext) -> Mapping[str, Any] | None:
+            remote = self._lookup()
+            if remote is None:
+                return stage.build(ctx)
+            for name, local in ctx.markers.items():
+                if _content(local) != _content(remote.markers[name]):
+                    logger.warning(
+                        "%s: the local stage %r is not the published one; building stage %r "
+                        "here too",
+                        ctx.cache_dir,
+                        name,
+                        stage.name,
+                    )
+                    return stage.build(ctx)
+            info = self._pull_stage(remote, stage.name, ctx)
+            if stage.name == self.stage_names[-1]:
+                ctx.check_ownership()  # never delete what a successor may be resuming from
+                shutil.rmtree(self.staging, ignore_errors=True)
+            return info
+
+        return build
+
+    def _lookup(self) -> PublishedCache | None:
+        with self._lock:
+            if not self._looked_up:
+                self._store = open_store(self.url, data_config=self.data_config, policy=self.policy)
+                remote, why = find_published(
+                    self._store,
+                    self.cache_name,
+                    self.fingerprint,
+                    self.stage_names,
+                    meta_dir=self.staging / "meta",
+                )
+                if remote is None:
+                    logger.warning(
+                        "no published cache of %s at %s (%s): building it",
+                        self.fingerprint,
+                        self.url,
+                        why,
+                    )
+                else:
+                    logger.info("pulling the published cache %s", remote.url)
+                self._remote, self._looked_up = remote, True
+            return self._remote
+
+    def _pull_stage(self, remote: PublishedCache, stage: str, ctx: StageContext) -> dict[str, Any]:
+        marker = remote.markers[stage]
+        try:
+            places = [local_relpath(marker, e.path) for e in marker.files]
+        except UnsafePathError as e:  # find_published checked them: never reached today
+            raise CacheFormatError(remote.file_url(f"{stage}.json"), str(e)) from None
+        if len(set(places)) != len(places):
+            raise CacheFormatError(
+                remote.file_url(f"{stage}.json"), "lists two files for one place in its folder"
+            )
+        jobs = [
+            _Job(
+                entry=entry,
+                file=remote.files[entry.path],
+                place=place,
+                prechecked=store_checksum_checked(
+                    remote.manifest.files[entry.path], remote.files[entry.path]
+                ),
+            )
+            for entry, place in zip(marker.files, places, strict=True)
+        ]
+        t0 = time.monotonic()
+        stats = FetchStats()
+        stop = threading.Event()
+        workers = max(1, min(self.data_config.download_workers, len(jobs) or 1))
+        with ThreadPoolExecutor(workers, thread_name_prefix="hf_pipeline-pull") as pool:
+            futures = [
+                pool.submit(self._fetch, remote, stage, job, ctx, stop, stats) for job in jobs
+            ]
+            try:
+                pending = set(futures)
+                while pending:
+                    done, pending = wait(pending, timeout=1.0, return_when=FIRST_EXCEPTION)
+                    for f in done:
+                        f.result()  # the first failure, raised here
+                    ctx.check_ownership()
+            except BaseException:
+                stop.set()  # the others abandon their downloads (Cancelled) at once
+                for f in futures:
+                    f.cancel()
+                raise
+        got = stats.as_dict()
+        seconds = time.monotonic() - t0
+        size = sum(e.size for e in marker.files)
+        logger.info(
+            "pulled stage %s: %d files, %.1f MB in %.1f s (%.1f MB fetched, %.1f MB resumed)",
+            stage,
+            len(jobs),
+            size / 1e6,
+            seconds,
+            got["bytes"] / 1e6,
+            got["resumed_bytes"] / 1e6,
+        )
+        return {
+            **marker.info,
+            PULLED_FROM: {
+                "url": remote.url,
+                "lease_id": marker.lease_id,
+                "files": len(jobs),
+                "bytes": size,
+                "fetched_bytes": got["bytes"],
+                "resumed_bytes": got["resumed_bytes"],
+                "seconds": round(seconds, 3),
+            },
+        }
+
+    def _fetch(
+        self,
+        remote: PublishedCache,
+        stage: str,
+        job: _Job,
+        ctx: StageContext,
+        stop: threading.Event,
+        stats: FetchStats,
+    ) -> None:
+        """Stage one file (verified, resumable), check it, link it into the stage folder.
+        Runs in a download thread."""
+        assert self._store is not None
+        # Staged under its published path: a later lease (after a kill) finds it there.
+        try:
+            folder = StagingFolder(join_under(self.staging / "files", job.entry.path).parent)
+        except UnsafePathError as e:  # a symlink in the staging folder
+            raise CacheFormatError(str(self.staging), str(e)) from None
+        try:
+            path = stage_file(self._store.source, job.file, folder, self.policy, stats, stop=stop)
+        except Cancelled:
+            return
+        problem = ""
+        if not job.prechecked:
+            want = remote.manifest.files[job.entry.path].crc32c
+            got = checksum_of(path, "crc32c")
+            if got != want:
+                problem = f"crc32c {got}, but {MANIFEST_NAME} says {want}"
+        if not problem and file_checksum(path, job.entry.size) != job.entry.checksum:
+            problem = f"its first/last MiB do not match the checksum {stage}.json lists"
+        if problem:
+            folder.remove(job.file)  # a fixed store is fetched afresh, never trusted from here
+            raise CacheFormatError(job.file.url, f"does not match what was published: {problem}")
+        try:
+            dest = join_under(ctx.tmp_dir, job.place)  # inside the stage folder, no symlink
+        except UnsafePathError as e:
+            raise CacheFormatError(str(ctx.tmp_dir), str(e)) from None
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        _link_or_copy(path, dest)
+
+
+def _link_or_copy(src: Path, dest: Path) -> None:
+    try:
+        os.link(src, dest)
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EMLINK):
+            raise
+        # A filesystem without hard links: the bytes once more.
+        with contextlib.suppress(FileNotFoundError):
+            dest.unlink()
+        shutil.copyfile(src, dest)

@@ -1,0 +1,247 @@
+"""Publish a built cache to a bucket or a Hub repository (``prebuild_cache.py --publish``).
+
+:func:`publish_cache` copies the complete cache in ``cache_dir`` — its stage markers and
+every file they list, nothing else (no lease, heartbeat or unpublished folder) — to
+``URL/<name>-<fingerprint>/`` with a ``manifest.json`` of whole-file checksums
+(:mod:`hf_pipeline.publish.find` has the layout and why the order below is safe;
+:mod:`hf_pipeline.publish.manifest` the manifest; :mod:`hf_pipeline.publish.stores` the stores):
+
+* GCS: data files in parallel, then the manifest, then the markers (earlier stages
+  first); each object is verified after upload (its crc32c against the local file's);
+* the Hub: one commit with everything (``HfApi.create_commit``), atomic.
+
+Idempotent and resumable: a file the store already holds with the same size and
+checksum is not uploaded again (GCS: crc32c; the Hub: sha256 of LFS files, the git blob
+id of small ones), so a publish killed half-way re-runs to completion, and a re-run of a
+finished one uploads nothing. When the location already holds a complete cache of the
+same fingerprint built elsewhere (other lease ids), nothing is uploaded: the published
+cache stands, as a published stage does locally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from dist.layout import marker_name
+from dist.markers import Marker, check_marker, derived_from_problem, read_json
+from hf_pipeline.cache.layout import STAGES
+from hf_pipeline.errors import CacheFormatError
+from hf_pipeline.publish.find import find_published
+from hf_pipeline.publish.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    bytes_digests,
+    file_digests,
+    new_manifest,
+    same_content,
+)
+from hf_pipeline.publish.stores import Upload, open_store
+from hf_pipeline.stores.fetch_stats import FetchStats
+from hf_pipeline.stores.retry import RetryPolicy
+from hf_pipeline.stores.staging import StagingFolder, stage_file
+
+if TYPE_CHECKING:  # pragma: no cover
+    from hf_pipeline.config import DataConfig
+
+__all__ = ["PublishReport", "PublishState", "publish_cache"]
+
+logger = logging.getLogger("hf_pipeline")
+
+#: What a publication did: uploaded something; found everything already there; or found
+#: another build of the same fingerprint published there (left as it is).
+PublishState = Literal["published", "unchanged", "already_published"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PublishReport:
+    """What :func:`publish_cache` did.
+
+    Attributes:
+        url: the published cache folder.
+        state: see :data:`PublishState`.
+        files: files of the cache (the markers' files, the manifest and the markers).
+        uploaded_files, uploaded_bytes: what went over the network this time.
+        skipped_files: files the store already held, unchanged.
+        rows, total_bytes: the cache's rows and bytes (its data files).
+        seconds: wall time.
+    """
+
+    url: str
+    state: PublishState
+    files: int
+    uploaded_files: int
+    uploaded_bytes: int
+    skipped_files: int
+    rows: int | None
+    total_bytes: int
+    seconds: float
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _local_markers(cache_dir: Path, fingerprint: str, stages: Sequence[str]) -> dict[str, Marker]:
+    """The cache's markers, every listed file re-checksummed (a damaged local cache is
+    never published)."""
+    markers: dict[str, Marker] = {}
+    for stage in stages:
+        path = cache_dir / marker_name(stage)
+        marker, why = check_marker(
+            path, fingerprint=fingerprint, base_dir=cache_dir, stage=stage, verify=True
+        )
+        if marker is not None:
+            why = derived_from_problem(marker, markers)
+        if marker is None or why is not None:
+            raise CacheFormatError(str(path), f"not a complete cache to publish: {why}")
+        markers[stage] = marker
+    return markers
+
+
+def publish_cache(
+    cache_dir: str | os.PathLike,
+    fingerprint: str,
+    url: str,
+    *,
+    data_config: DataConfig,
+    stages: Sequence[str] = STAGES,
+    policy: RetryPolicy | None = None,
+) -> PublishReport:
+    """Publish the complete cache in ``cache_dir`` to ``url/<cache folder name>/``.
+
+    Args:
+        cache_dir: a built cache (every stage marker valid).
+        fingerprint: its identity.
+        url: ``gs://<bucket>[/<prefix>]`` or ``hf://datasets/<org>/<repo>[@<branch>][/<path>]``
+            (the Hub repository must exist).
+        data_config: retries, timeouts and ``download_workers`` (parallel uploads).
+        stages: the stage names, in build order.
+        policy: override the retry policy.
+
+    Returns:
+        What was done.
+
+    Raises:
+        CacheFormatError: the local cache is incomplete or damaged, or the location
+            holds a damaged cache of this fingerprint (names the file; remove it).
+        SourceError: a malformed URL, or the store refused (not found, forbidden).
+        StoreUnreachableError: the store did not answer after every retry.
+    """
+    t0 = time.monotonic()
+    cache_dir = Path(cache_dir)
+    name = cache_dir.name
+    markers = _local_markers(cache_dir, fingerprint, stages)
+    store = open_store(url, data_config=data_config, policy=policy)
+    cache_url = store.location.cache_url(name)
+    existing = store.list_files(name)
+    hub = store.kind == "hub"
+    workers = data_config.download_workers
+
+    marker_bytes = {s: (cache_dir / marker_name(s)).read_bytes() for s in stages}
+    marker_items = [
+        Upload(rel=marker_name(s), local=b, entry=bytes_digests(b, sha256=hub))
+        for s, b in marker_bytes.items()
+    ]
+    with tempfile.TemporaryDirectory(prefix="hf_pipeline-publish-") as meta:
+        if all(marker_name(s) in existing for s in stages) and not all(
+            same_content(existing[i.rel], i.entry, i.local) for i in marker_items
+        ):
+            # Another build of this fingerprint is published there: it stands (as the
+            # first publication of a stage does locally), if it is intact.
+            try:
+                other, why = find_published(store, name, fingerprint, stages, meta_dir=meta)
+            except CacheFormatError as e:
+                raise CacheFormatError(
+                    e.path, f"{e.reason}; remove {cache_url} and publish again"
+                ) from None
+            if other is None:  # pragma: no cover - listed a moment ago
+                raise CacheFormatError(cache_url, why)
+            logger.warning(
+                "%s: already published (by %s at %s); left as it is",
+                cache_url,
+                other.manifest.host,
+                time.strftime("%Y-%m-%d %H:%M", time.localtime(other.manifest.published_at)),
+            )
+            return _report(cache_url, "already_published", other.manifest, 0, 0, len(existing), t0)
+
+        rels = sorted({e.path for m in markers.values() for e in m.files})
+        with ThreadPoolExecutor(
+            max(1, min(workers, len(rels) or 1)), thread_name_prefix="hf_pipeline-digest"
+        ) as pool:
+            digests = dict(
+                zip(
+                    rels,
+                    pool.map(lambda r: file_digests(cache_dir / r, sha256=hub), rels),
+                    strict=True,
+                )
+            )
+        manifest = _manifest(store, existing, name, fingerprint, markers, digests, meta)
+        manifest_bytes = manifest.to_bytes()
+        manifest_item = Upload(
+            rel=MANIFEST_NAME, local=manifest_bytes, entry=bytes_digests(manifest_bytes, sha256=hub)
+        )
+        data = [Upload(rel=r, local=cache_dir / r, entry=digests[r]) for r in rels]
+        tail = [manifest_item, *marker_items]  # the markers last: they make it a cache
+        todo_data = [i for i in data if not same_content(existing.get(i.rel), i.entry, i.local)]
+        todo_tail = [i for i in tail if not same_content(existing.get(i.rel), i.entry, i.local)]
+        todo = [*todo_data, *todo_tail]
+        logger.info(
+            "publishing %s: %d of %d files to upload (%.1f MB)",
+            cache_url,
+            len(todo),
+            len(data) + len(tail),
+            sum(i.entry.size for i in todo) / 1e6,
+        )
+        store.upload(name, todo_data, todo_tail, workers=workers)
+        # Read it back as a pull would (a fresh store: the Hub has a new commit).
+        check = open_store(url, data_config=data_config, policy=policy)
+        got, why = find_published(check, name, fingerprint, stages, meta_dir=Path(meta) / "check")
+        if got is None:
+            raise CacheFormatError(cache_url, f"not readable after publishing: {why}")
+        state: PublishState = "published" if todo else "unchanged"
+        return _report(
+            cache_url,
+            state,
+            manifest,
+            len(todo),
+            sum(i.entry.size for i in todo),
+            len(data) + len(tail) - len(todo),
+            t0,
+        )
+
+
+def _manifest(store, existing, name, fingerprint, markers, digests, meta) -> Manifest:
+    """Ours, or the one already published when it describes the same files (so that a
+    re-run uploads nothing, not even a new date)."""
+    ours = new_manifest(name, fingerprint, markers, digests)
+    remote = existing.get(MANIFEST_NAME)
+    if remote is None:
+        return ours
+    try:
+        path = stage_file(store.source, remote, StagingFolder(meta), store.policy, FetchStats())
+        raw = read_json(path)
+        theirs = Manifest.from_dict(raw)
+    except (KeyError, TypeError, ValueError):
+        return ours  # malformed: ours replaces it (before the markers go up)
+    return theirs if theirs.same_files(ours) else ours
+
+
+def _report(url, state, manifest: Manifest, n_up, bytes_up, n_skip, t0) -> PublishReport:
+    return PublishReport(
+        url=url,
+        state=state,
+        files=len(manifest.files) + 1 + len(manifest.stages),
+        uploaded_files=n_up,
+        uploaded_bytes=bytes_up,
+        skipped_files=n_skip,
+        rows=manifest.rows,
+        total_bytes=manifest.total_bytes,
+        seconds=time.monotonic() - t0,
+    )

@@ -1,0 +1,3 @@
+"""The demo trainer: a small caption-conditioned latent denoiser in JAX + optax
+(``denoiser``) and its training loop (``loop``). Internal: use ``hf_pipeline.train``.
+"""

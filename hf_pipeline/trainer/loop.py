@@ -48,8 +48,9 @@ class TrainResult:
 
     Attributes:
         steps: optimizer steps taken in this run.
-        first_loss: mean loss over the first logging window.
-        last_loss: mean loss over the last logging window.
+        first_loss: loss of this run's first step (nan when it took none).
+        last_loss: loss of this run's last step (nan when it took none).
+        step: the step reached (``train.steps`` when the run is finished).
         samples_per_s: global samples per second over the run.
         data_wait_share: fraction of step time spent waiting for the next batch.
         history: one dict per log line.
@@ -59,6 +60,7 @@ class TrainResult:
     """
 
     steps: int
+    step: int
     first_loss: float
     last_loss: float
     samples_per_s: float
@@ -354,6 +356,8 @@ def train(
     global_batch = cfg.loader.global_batch_size
     history: list[dict[str, Any]] = []
     window_losses: list[jax.Array] = []
+    # Step losses, not window means: a run shorter than log_every has one window.
+    first_loss = last_loss = None
     window_wait = wait_total = 0.0
     t_window = t_run = time.perf_counter()
     step = start
@@ -373,6 +377,8 @@ def train(
                 params, opt_state, batch, jax.random.fold_in(base_key, step)
             )
             window_losses.append(loss)
+            first_loss = loss if first_loss is None else first_loss
+            last_loss = loss
             step += 1
             if step % t_cfg.log_every == 0 or step == end:
                 losses = np.asarray(jax.device_get(window_losses))
@@ -396,9 +402,10 @@ def train(
     run_s = time.perf_counter() - t_run
     return TrainResult(
         steps=step - start,
+        step=step,
         # No step left (a finished run resumed): no loss to report.
-        first_loss=history[0]["loss"] if history else float("nan"),
-        last_loss=history[-1]["loss"] if history else float("nan"),
+        first_loss=float("nan") if first_loss is None else float(first_loss),
+        last_loss=float("nan") if last_loss is None else float(last_loss),
         samples_per_s=(step - start) * global_batch / run_s if run_s > 0 else 0.0,
         data_wait_share=wait_total / run_s if run_s > 0 else 0.0,
         history=history,

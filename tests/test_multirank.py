@@ -428,3 +428,36 @@ def test_torchrun_ranks_make_the_hub_requests_of_one(shard_dir, tmp_path):  # no
     assert requests_eight == requests_one, (requests_one, requests_eight)
     assert {r["fingerprint"] for r in eight} == {one["fingerprint"]}
     assert all(r["shards"] == one["shards"] == 4 for r in eight)
+
+
+def test_torchrun_ranks_resume_a_checkpoint(small_config, built_cache, tmp_path):
+    """2 torchrun ranks train 6 steps saving every 3; a second launch resumes from step 3
+    of a copy (as after a SIGKILL once step 3 was saved) and finishes: both ranks end
+    with the same parameters as the uninterrupted run and log the same losses. The
+    restored state used to sit on each rank's own device, so the first resumed step
+    failed with "Received incompatible devices for jitted computation"."""
+    import shutil
+
+    def launch(ckpt, tag):
+        overrides = [*SMALL_DEMO, f"build.cache_dir={small_config.cache_root}",
+                     "train.steps=6", "loader.global_batch_size=16", "train.log_every=1",
+                     f"train.checkpoint={ckpt}", "train.checkpoint_every=3",
+                     "train.keep_checkpoints=5"]  # fmt: skip
+        (run,) = _start_each(
+            [(["-m", "torch.distributed.run", "--nproc_per_node", "2",
+               REPO / "tests/procs/train_loop_rank.py", tmp_path / f"{tag}-{{rank}}.json",
+               *overrides], {"OMP_NUM_THREADS": "1"})],
+            timeout=400,
+        )  # fmt: skip
+        assert run[0] == 0, (run[1] + run[2])[-4000:]
+        return [json.loads((tmp_path / f"{tag}-{r}.json").read_text()) for r in range(2)]
+
+    whole = launch(tmp_path / "a", "whole")
+    assert [r["steps"] for r in whole] == [6, 6] and whole[0]["params"] == whole[1]["params"]
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b/6")  # the run was killed after step 3 was saved
+    resumed = launch(tmp_path / "b", "resumed")
+    assert [r["process_count"] for r in resumed] == [2, 2], resumed
+    assert [r["steps"] for r in resumed] == [3, 3], resumed
+    assert {r["params"] for r in resumed} == {whole[0]["params"]}, (whole, resumed)
+    assert resumed[0]["losses"] == resumed[1]["losses"] == whole[0]["losses"][3:], resumed

@@ -322,3 +322,23 @@ def test_train_two_processes_jax_distributed(session_cache_root, built_cache):
     outs = [(out, err) for _code, out, err in results]
     assert "done: 20 steps" in outs[0][0] and "cache found" in outs[0][0]
     assert "done:" not in outs[1][0]  # only rank 0 prints
+
+
+def test_train_rerun_of_a_finished_run_and_a_run_shorter_than_a_log_window(
+    session_cache_root, built_cache, tmp_path
+):
+    """A run shorter than train.log_every reports its first and last step's loss (it
+    used to report one log entry twice: "loss X -> X (0% lower)"); rerunning the finished
+    checkpointed run says there is nothing to train, exit 0 (it used to print
+    "done: 0 steps, loss nan -> nan (nan% lower)")."""
+    args = ["train.py", "--cache-dir", str(session_cache_root), *_sets(SMALL_DEMO),
+            "--steps", "4", "--checkpoint", str(tmp_path / "ckpt"), "-q"]  # fmt: skip
+    p = _run(*args)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (done,) = [ln for ln in p.stdout.splitlines() if ln.startswith("done: 4 steps")]
+    first, last = done.split("loss ")[1].split(" (")[0].split(" -> ")
+    assert float(first) != float(last), done
+    again = _run(*args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already at step 4 of 4: nothing to train" in again.stdout, again.stdout
+    assert "nan" not in again.stdout and "done:" not in again.stdout, again.stdout

@@ -103,7 +103,9 @@ def main(args: argparse.Namespace) -> int:
                 process_count=process.world_size,
                 on_log=log,
             )
-    if lead:
+    if lead and out.steps == 0:  # a finished checkpointed run, run again
+        print(f"already at step {out.step} of {cfg.train.steps}: nothing to train", flush=True)
+    elif lead:
         drop = 100 * (1 - out.last_loss / out.first_loss) if out.first_loss else 0.0
         print(
             f"done: {out.steps} steps, loss {out.first_loss:.4f} -> {out.last_loss:.4f} "

@@ -48,21 +48,26 @@ class TrainResult:
 
     Attributes:
         steps: optimizer steps taken in this run.
-        first_loss: mean loss over the first logging window.
-        last_loss: mean loss over the last logging window.
+        first_loss: loss of this run's first step (nan when it took none).
+        last_loss: loss of this run's last step (nan when it took none).
+        step: the step reached (``train.steps`` when the run is finished).
         samples_per_s: global samples per second over the run.
         data_wait_share: fraction of step time spent waiting for the next batch.
         history: one dict per log line.
         loader_state: the loader's state after the last step (for resume).
+        params: the trained parameters with ``keep_params=True``, else None (the caller
+            drops them before leaving ``jax.distributed``).
     """
 
     steps: int
+    step: int
     first_loss: float
     last_loss: float
     samples_per_s: float
     data_wait_share: float
     history: list[dict[str, Any]]
     loader_state: dict[str, Any]
+    params: Any = None
 
 
 def init_jax_distributed(process, environ=None) -> bool:
@@ -196,19 +201,28 @@ class _Checkpoints:
         )
 
     def restore(self, step: int, params, opt_state) -> tuple[Any, Any, dict[str, Any]]:
-        """``(params, opt_state, loader_state)`` of ``step``, shaped like the arguments.
+        """``(params, opt_state, loader_state)`` of ``step``, shaped and placed like the
+        arguments.
 
         Raises:
             ConfigError: the checkpoint does not fit this model or is of another version.
         """
+        import jax
+
         ocp = self._ocp
         where = f"train.checkpoint {self.path / str(step)}"
+        # Restored onto the shardings of the fresh state it replaces, so a resumed run
+        # places its state exactly as a fresh start does.
+        target = jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+            {"params": params, "opt_state": opt_state},
+        )
         try:
             assert self._mngr is not None  # restore() is given a step of latest_step()
             got = self._mngr.restore(
                 step,
                 args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore({"params": params, "opt_state": opt_state}),
+                    state=ocp.args.StandardRestore(target),
                     meta=ocp.args.JsonRestore(),
                 ),
             )
@@ -238,6 +252,24 @@ class _Checkpoints:
             self._mngr.close()
 
 
+def _replicated(tree, mesh):
+    """``tree``'s arrays as one copy on each device of ``mesh``.
+
+    Every process passes the same values (the state is drawn from ``train.seed``), which
+    is what makes each process's copy the job's one replicated array.
+    """
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    sharding = NamedSharding(mesh, PartitionSpec())
+
+    def place(x):
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree_util.tree_map(place, tree)
+
+
 def train(
     cfg: Config,
     source,
@@ -246,6 +278,7 @@ def train(
     process_count: int = 1,
     max_steps: int | None = None,
     on_log: Callable[[dict[str, Any]], None] | None = None,
+    keep_params: bool = False,
 ) -> TrainResult:
     """Train the denoiser on ``source`` up to ``train.steps`` optimizer steps in total.
 
@@ -263,6 +296,7 @@ def train(
         max_steps: stop after this many steps in this call (the schedule still spans
             ``train.steps``); None runs to the end.
         on_log: called with each log record (step, loss, samples_per_s, data_wait).
+        keep_params: return the trained parameters in :attr:`TrainResult.params`.
 
     Returns:
         :class:`TrainResult`.
@@ -289,6 +323,11 @@ def train(
     optimizer = make_optimizer(t_cfg.learning_rate, total)
     params = init_params(jax.random.PRNGKey(t_cfg.seed), source.embed_dim, t_cfg.hidden)
     opt_state = optimizer.init(params)
+    if jax.process_count() > 1:
+        # Placed on the job's devices now rather than left to jit: a restore gives back
+        # the target's shardings, and an unplaced state would come back on each rank's
+        # own device, which jit refuses next to a batch spread over the job's devices.
+        params, opt_state = _replicated((params, opt_state), mesh)
     start = 0
     ckpts = None
     if t_cfg.checkpoint:
@@ -317,6 +356,8 @@ def train(
     global_batch = cfg.loader.global_batch_size
     history: list[dict[str, Any]] = []
     window_losses: list[jax.Array] = []
+    # Step losses, not window means: a run shorter than log_every has one window.
+    first_loss = last_loss = None
     window_wait = wait_total = 0.0
     t_window = t_run = time.perf_counter()
     step = start
@@ -336,6 +377,8 @@ def train(
                 params, opt_state, batch, jax.random.fold_in(base_key, step)
             )
             window_losses.append(loss)
+            first_loss = loss if first_loss is None else first_loss
+            last_loss = loss
             step += 1
             if step % t_cfg.log_every == 0 or step == end:
                 losses = np.asarray(jax.device_get(window_losses))
@@ -359,11 +402,13 @@ def train(
     run_s = time.perf_counter() - t_run
     return TrainResult(
         steps=step - start,
+        step=step,
         # No step left (a finished run resumed): no loss to report.
-        first_loss=history[0]["loss"] if history else float("nan"),
-        last_loss=history[-1]["loss"] if history else float("nan"),
+        first_loss=float("nan") if first_loss is None else float(first_loss),
+        last_loss=float("nan") if last_loss is None else float(last_loss),
         samples_per_s=(step - start) * global_batch / run_s if run_s > 0 else 0.0,
         data_wait_share=wait_total / run_s if run_s > 0 else 0.0,
         history=history,
         loader_state=state,
+        params=params if keep_params else None,
     )

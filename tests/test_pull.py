@@ -520,3 +520,115 @@ def test_status_shows_forged_published_names_escaped_and_damaged(source_cache, g
     assert all("\n" not in r.name + r.problem and "\x01" not in r.problem for r in rows), rows
     assert rows[0].name == ascii(forged) and "control character" in rows[0].problem
     assert rows[1].name == "demo-fedcba9876543210" and "'a\\x01b'" in rows[1].problem
+
+
+# ------------------------------------------------------------------ hostile metadata (issue: trust2)
+
+
+def _tamper_json(fs, obj: str, change) -> None:
+    """Rewrite the published JSON ``obj`` through ``change(dict) -> text``."""
+    fs.pipe_file(obj, change(json.loads(fs.cat_file(obj))).encode())
+
+
+@pytest.mark.parametrize("when", ["1e300", "-1e20", "NaN", "1" + "0" * 400])
+def test_status_shows_a_manifest_with_an_absurd_date_damaged_and_lists_the_rest(
+    when, source_cache, gcs_store, tmp_path
+):
+    """D1: ``published_at`` 1e300, -1e20, NaN or 10**400 crashed ``--status URL``
+    (OverflowError/ValueError traceback, exit 1, the caches after it not listed) and
+    ``--publish`` over it. Now the manifest is "damaged", the others listed, and a
+    publish over it replaces it."""
+    server, url = gcs_store
+    src = source_cache.result
+    publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
+    fs = gcs_fs(server)
+    name = Path(src.cache_dir).name
+    obj = f"{url[5:]}/{name}/manifest.json"
+    text = fs.cat_file(obj).decode()
+    text = re.sub(r'"published_at": [^,\n]+', f'"published_at": {when}', text)
+    fs.pipe_file(obj, text.encode())
+    later = "zz-0123456789abcdef"  # sorts after the tampered one
+    fs.pipe_file(f"{url[5:]}/{later}/converted.json", b"{}")
+    env = {"STORAGE_EMULATOR_HOST": server, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    out = _status_of(source_cache, url, env).splitlines()
+    line = next(x for x in out if x.startswith(name))
+    assert " damaged " in line, out
+    assert any("published_at" in x for x in out), out
+    assert any(x.startswith(later) for x in out), out
+    report = publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
+    assert report.state == "published"
+    assert json.loads(fs.cat_file(obj))["published_at"] < 1e11
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "why"),
+    [
+        ("rows", -1, "rows"),
+        ("rows", 10**30, "rows"),
+        ("rows", "12", "rows"),
+        ("rows", True, "rows"),
+        ("host", "a\nERROR forged", "host"),
+        ("host", "x" * 1000, "host"),
+        ("host", 3, "host"),
+        ("name", "demo\x1b[2J-0123456789abcdef", "unsafe path"),
+        ("fingerprint", "f\n" * 3, "fingerprint"),
+        ("stages", ["converted\n"], "stages"),
+        ("published_at", True, "published_at"),
+    ],
+)
+def test_manifest_from_dict_refuses_bad_fields(field, value, why):
+    """D1: every manifest field is checked (type, bounds, no control characters)."""
+    from hf_pipeline.publish.manifest import Manifest
+
+    good = {
+        "version": 1, "name": "demo-0123456789abcdef", "fingerprint": "0123456789abcdef",
+        "stages": ["converted", "filtered"], "rows": 3, "published_at": 1.7e9, "host": "h",
+        "files": {"converted.x/a": {"size": 1, "crc32c": "AAAAAA=="}},
+    }  # fmt: skip
+    Manifest.from_dict(good)
+    with pytest.raises(ValueError, match=why):
+        Manifest.from_dict({**good, field: value})
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [{"size": -1, "crc32c": "AAAAAA=="}, {"size": 1 << 60, "crc32c": "AAAAAA=="},
+     {"size": "1", "crc32c": "AAAAAA=="}, {"size": 1, "crc32c": "A\nB"},
+     {"size": 1, "crc32c": "AAAAAA==", "sha256": "z" * 64}],
+)  # fmt: skip
+def test_manifest_from_dict_refuses_bad_file_entries(entry):
+    from hf_pipeline.publish.manifest import Manifest
+
+    d = {
+        "version": 1, "name": "demo-0123456789abcdef", "fingerprint": "0123456789abcdef",
+        "stages": ["converted"], "rows": None, "published_at": 1.7e9, "host": "h",
+        "files": {"converted.x/a": entry},
+    }  # fmt: skip
+    with pytest.raises(ValueError):
+        Manifest.from_dict(d)
+
+
+def test_a_console_folder_object_is_not_a_file_of_the_cache(
+    source_cache, gcs_exact_store, tmp_path
+):
+    """M1: the zero-byte ``caches/demo-<fp>/`` object the GCS console's "Create folder"
+    makes made the cache damaged (``unsafe path '': empty``) and blocked pull and
+    publish. It is skipped; a non-empty object named so still is refused."""
+    server, url = gcs_exact_store
+    src = source_cache.result
+    publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
+    fs = gcs_fs(server)
+    name = Path(src.cache_dir).name
+    fs.pipe_file(f"{url[5:]}/{name}/", b"")
+    fs.pipe_file(f"{url[5:]}/{name}/{src.stage_dirs['converted']}/", b"")
+    env = {"STORAGE_EMULATOR_HOST": server, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    line = next(x for x in _status_of(source_cache, url, env).splitlines() if x.startswith(name))
+    assert " complete " in line, line
+    report = publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
+    assert report.state == "unchanged"
+    root = tmp_path / "cache"
+    res = _pull_with_the_script(source_cache, root, url, env)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    fs.pipe_file(f"{url[5:]}/{name}/", b"x")
+    line = next(x for x in _status_of(source_cache, url, env).splitlines() if x.startswith(name))
+    assert " damaged " in line, line

@@ -632,3 +632,37 @@ def test_a_console_folder_object_is_not_a_file_of_the_cache(
     fs.pipe_file(f"{url[5:]}/{name}/", b"x")
     line = next(x for x in _status_of(source_cache, url, env).splitlines() if x.startswith(name))
     assert " damaged " in line, line
+
+
+@pytest.mark.slow
+def test_pull_compares_the_published_whole_file_checksum(source_cache, gcs_store, tmp_path):
+    """D4: a byte changed in the middle of a big published file with only the
+    manifest's crc32c updated (the published marker left as is) was pulled, exit 0:
+    the marker's ``whole_checksum`` was never compared with the pulled bytes. Now it
+    is: refused naming the file, exit 2, nothing published locally."""
+    from hf_pipeline.publish.manifest import bytes_digests
+
+    server, url = gcs_store
+    src = source_cache.result
+    publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
+    conv = read_json(Path(src.cache_dir) / marker_name("converted"))
+    big = max(conv["files"], key=lambda f: f["size"])
+    assert big["size"] > 3 << 20 and big["whole_checksum"]  # the middle is outside the edges
+    fs = gcs_fs(server)
+    base = f"{url[5:]}/{Path(src.cache_dir).name}"
+    data = bytearray(fs.cat_file(f"{base}/{big['path']}"))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe_file(f"{base}/{big['path']}", bytes(data))
+
+    def new_crc(m):
+        m["files"][big["path"]]["crc32c"] = bytes_digests(bytes(data)).crc32c
+        return json.dumps(m)
+
+    _tamper_json(fs, f"{base}/manifest.json", new_crc)
+    env = {"STORAGE_EMULATOR_HOST": server, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    root = tmp_path / "cache"
+    res = _pull_with_the_script(source_cache, root, url, env)
+    assert res.returncode == 2, (res.stdout + res.stderr)[-3000:]
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1 and big["path"] in err[0] and "converted.json" in err[0], err
+    _nothing_published(root)

@@ -19,7 +19,8 @@ Downloads are :func:`~hf_pipeline.stores.staging.stage_file` calls, as for the s
 SIGKILLed pull resumes there (verified files are kept, a partial one continues by
 range) whatever lease runs next. Then each file is checked against what was published —
 its whole-file crc32c against the manifest (before the download when the store's own
-checksum can be compared), its size and edge checksum against its marker — and
+checksum can be compared), its size and edge checksum against its marker, and its
+whole-file xxh3_128 against the marker's ``whole_checksum`` (markers of schema 2) — and
 hard-linked (copied where links fail) into the stage folder. A file that does not match
 is refused with :class:`~hf_pipeline.errors.CacheFormatError` naming it; nothing of the
 stage is published. The staging folder is removed once the last stage is in place.
@@ -51,6 +52,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dist.checksums import ALGORITHM, whole_checksum
 from dist.coordinator import Stage, StageContext
 from dist.markers import FileEntry, Marker, file_checksum
 from dist.safepath import UnsafePathError, check_name, check_relpath, join_under
@@ -321,6 +323,12 @@ class _Puller:
                 problem = f"crc32c {got}, but {MANIFEST_NAME} says {want}"
         if not problem and file_checksum(path, job.entry.size) != job.entry.checksum:
             problem = f"its first/last MiB do not match the checksum {stage}.json lists"
+        if not problem and job.entry.whole_checksum:
+            # The manifest's crc32c and the store's can both be rewritten with the file;
+            # the published marker's whole-file checksum is the builder's own word.
+            _, whole = whole_checksum(path)
+            if whole != job.entry.whole_checksum:
+                problem = f"{ALGORITHM} {whole}, but {stage}.json lists {job.entry.whole_checksum}"
         if problem:
             folder.remove(job.file)  # a fixed store is fetched afresh, never trusted from here
             raise CacheFormatError(job.file.url, f"does not match what was published: {problem}")

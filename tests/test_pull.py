@@ -666,3 +666,90 @@ def test_pull_compares_the_published_whole_file_checksum(source_cache, gcs_store
     err = res.stderr.strip().splitlines()
     assert len(err) == 1 and big["path"] in err[0] and "converted.json" in err[0], err
     _nothing_published(root)
+
+
+def _republish_file(fs, base: str, stage: str, rel: str, payload: bytes, tmp_path) -> None:
+    """Replace published file ``rel`` (listed by ``<stage>.json``) with ``payload``, its
+    marker entry (size, edge and whole checksums) and manifest entry updated to match:
+    what an attacker with write access to the store publishes."""
+    from dist.checksums import whole_checksum
+    from dist.markers import file_checksum
+    from hf_pipeline.publish.manifest import bytes_digests
+
+    scratch = tmp_path / "payload"
+    scratch.write_bytes(payload)
+    fs.pipe_file(f"{base}/{rel}", payload)
+
+    def marker(m):
+        [e] = [e for e in m["files"] if e["path"] == rel]
+        e.update(size=len(payload), checksum=file_checksum(scratch))
+        e["whole_checksum"] = whole_checksum(scratch)[1]
+        return json.dumps(m)
+
+    def manifest(m):
+        m["files"][rel] = {"size": len(payload), "crc32c": bytes_digests(payload).crc32c}
+        return json.dumps(m)
+
+    _tamper_json(fs, f"{base}/{marker_name(stage)}", marker)
+    _tamper_json(fs, f"{base}/manifest.json", manifest)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"duplicate_meta_rows": "x\nFORGED"},
+        {"rows_in": 10**200},
+        {"dropped": {"no_caption\n\x1b[31mFORGED": 1}},
+        {"rows_out": 1},  # the rows no longer add up
+        {"bad_rows": {"nonfinite_latents": {"count": 1, "first_keys": ["a\nFORGED"]}}},
+        {"fetch": {"files": 1, "bytes": "lots"}},
+    ],
+    ids=["dup-str", "rows-in-huge", "dropped-escape", "accounting", "bad-rows-key", "fetch"],
+)
+def test_pull_refuses_a_report_of_the_wrong_shape(change, source_cache, gcs_store, tmp_path):
+    """D2: a published ``filtered.<lease>/report.json`` with fields of the wrong type
+    (checksums updated to match) was pulled and installed; every later run on that
+    root then crashed (ValueError traceback) and printed forged lines. Now the pull
+    refuses it in one line naming it, exit 2; the filtered stage is not published."""
+    server, url = gcs_store
+    src = source_cache.result
+    publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
+    fs = gcs_fs(server)
+    base = f"{url[5:]}/{Path(src.cache_dir).name}"
+    rel = f"{src.stage_dirs['filtered']}/report.json"
+    report = {**json.loads(fs.cat_file(f"{base}/{rel}")), **change}
+    _republish_file(fs, base, "filtered", rel, json.dumps(report).encode(), tmp_path)
+    env = {"STORAGE_EMULATOR_HOST": server, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    root = tmp_path / "cache"
+    res = _pull_with_the_script(source_cache, root, url, env)
+    assert res.returncode == 2, (res.stdout + res.stderr)[-3000:]
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1 and f"{url}/{Path(src.cache_dir).name}/{rel}" in err[0], err
+    assert "FORGED" not in res.stdout and "\x1b" not in res.stderr
+    assert not (root / Path(src.cache_dir).name / marker_name("filtered")).exists()
+
+
+def test_a_local_report_of_the_wrong_shape_is_one_line_exit_2(source_cache, tmp_path):
+    """D2: a report installed before this check (by an older release) is refused when
+    read: one line naming it, exit 2, not a traceback."""
+    root = tmp_path / "cache"
+    shutil.copytree(
+        Path(source_cache.result.cache_dir), root / Path(source_cache.result.cache_dir).name
+    )
+    cache = root / Path(source_cache.result.cache_dir).name
+    path = cache / source_cache.result.stage_dirs["filtered"] / "report.json"
+    fp = source_cache.result.fingerprint
+    marker = read_marker(cache / marker_name("filtered"), fingerprint=fp, base_dir=cache)
+    report = json.loads(path.read_text())
+    report["duplicate_meta_rows"] = "x\nFORGED"
+    path.write_text(json.dumps(report))
+    files = describe_files(cache / marker.directory, relative_to=cache)
+    write_marker(cache / marker_name("filtered"), dataclasses.replace(marker, files=files))
+    cmd = [PYTHON, str(REPO / "scripts/prebuild_cache.py"), "-q"]
+    for item in overrides(source_cache.data, root):
+        cmd += ["--set", item]
+    res = subprocess.run(cmd, env=script_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, (res.stdout + res.stderr)[-3000:]
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1 and str(path) in err[0] and "duplicate_meta_rows" in err[0], err
+    assert "FORGED" not in res.stdout + res.stderr

@@ -21,7 +21,9 @@ range) whatever lease runs next. Then each file is checked against what was publ
 its whole-file crc32c against the manifest (before the download when the store's own
 checksum can be compared), its size and edge checksum against its marker, and its
 whole-file xxh3_128 against the marker's ``whole_checksum`` (markers of schema 2) — and
-hard-linked (copied where links fail) into the stage folder. A file that does not match
+hard-linked (copied where links fail) into the stage folder. The build report is
+checked (:func:`hf_pipeline.cache.layout.read_report_file`: its keys' types and bounds,
+its rows adding up) before its stage is published. A file that does not match
 is refused with :class:`~hf_pipeline.errors.CacheFormatError` naming it; nothing of the
 stage is published. The staging folder is removed once the last stage is in place.
 
@@ -56,7 +58,7 @@ from dist.checksums import ALGORITHM, whole_checksum
 from dist.coordinator import Stage, StageContext
 from dist.markers import FileEntry, Marker, file_checksum
 from dist.safepath import UnsafePathError, check_name, check_relpath, join_under
-from hf_pipeline.cache.layout import STAGING_DIR
+from hf_pipeline.cache.layout import REPORT_NAME, REPORT_STAGE, STAGING_DIR, read_report_file
 from hf_pipeline.errors import CacheFormatError
 from hf_pipeline.publish.find import PublishedCache, find_published, store_checksum_checked
 from hf_pipeline.publish.manifest import MANIFEST_NAME
@@ -269,6 +271,18 @@ class _Puller:
                 for f in futures:
                     f.cancel()
                 raise
+        if stage == REPORT_STAGE:
+            # Checked before the stage is published: every later run on this root reads
+            # (and prints) it, so a forged one would break them all.
+            where = remote.file_url(f"{marker.directory}/{REPORT_NAME}")
+            try:
+                read_report_file(Path(ctx.tmp_dir) / REPORT_NAME)
+            except FileNotFoundError:
+                raise CacheFormatError(
+                    where, f"missing: {stage}.json lists no build report"
+                ) from None
+            except CacheFormatError as e:
+                raise CacheFormatError(where, e.reason) from None
         got = stats.as_dict()
         seconds = time.monotonic() - t0
         size = sum(e.size for e in marker.files)

@@ -753,3 +753,27 @@ def test_a_local_report_of_the_wrong_shape_is_one_line_exit_2(source_cache, tmp_
     err = res.stderr.strip().splitlines()
     assert len(err) == 1 and str(path) in err[0] and "duplicate_meta_rows" in err[0], err
     assert "FORGED" not in res.stdout + res.stderr
+
+
+def test_status_url_escapes_forged_text(source_cache, gcs_store):
+    """D3: a manifest's ``host`` and text from a published marker reached the terminal
+    raw through ``--status URL``: a newline and an ANSI escape forged a table row."""
+    server, url = gcs_store
+    src = source_cache.result
+    publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
+    fs = gcs_fs(server)
+    base = f"{url[5:]}/{Path(src.cache_dir).name}"
+    forged = "h\ndemo-ffffffffffffffff  complete \x1b[2J"
+
+    def host(m):
+        m["host"] = forged
+        return json.dumps(m)
+
+    _tamper_json(fs, f"{base}/manifest.json", host)
+    env = {"STORAGE_EMULATOR_HOST": server, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    out = _status_of(source_cache, url, env)
+    assert "\x1b" not in out and not any(x.startswith("demo-ffff") for x in out.splitlines())
+    _tamper_json(fs, f"{base}/manifest.json", lambda m: json.dumps({**m, "host": "h"}))
+    _tamper_json(fs, f"{base}/converted.json", lambda m: json.dumps({**m, "lease_id": forged}))
+    out = _status_of(source_cache, url, env)
+    assert "\x1b" not in out and not any(x.startswith("demo-ffff") for x in out.splitlines())

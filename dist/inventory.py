@@ -46,6 +46,7 @@ from dist.layout import (
 )
 from dist.lease import LEASE_FILE, heartbeat_counter, heartbeat_path, read_lease
 from dist.markers import Marker, check_marker, derived_from_problem, read_json
+from dist.safepath import shown
 
 __all__ = [
     "DEFAULT_STAGES",
@@ -300,9 +301,13 @@ def _status(cache: Path, fingerprint: str, stages: Sequence[str], live: bool | N
     for n in failures:
         record = read_json(cache / n)
         if isinstance(record, dict):
+            # Written by any host sharing the root: escaped and bounded (shown), so a
+            # newline or an ANSI escape in it cannot forge a row of --status.
+            host, pid, stage, kind, message = (
+                shown(record.get(k)) for k in ("host", "pid", "stage", "error_type", "message")
+            )
             problems.append(
-                f"failed build (host {record.get('host')}, pid {record.get('pid')}, stage "
-                f"{record.get('stage')}): {record.get('error_type')}: {record.get('message')}"
+                f"failed build (host {host}, pid {pid}, stage {stage}): {kind}: {message}"
             )
     hb = read_json(heartbeat_path(cache, view.key)) if view is not None else None
     hb = hb if isinstance(hb, dict) else {}
@@ -316,7 +321,7 @@ def _status(cache: Path, fingerprint: str, stages: Sequence[str], live: bool | N
         state = CacheState.CORRUPT
     elif view is not None:
         state = CacheState.STALE
-        problems.append(f"dead lease {view.key} (host {view.host}, pid {view.pid})")
+        problems.append(f"dead lease {view.key} (host {shown(view.host)}, pid {view.pid})")
     elif failures:
         state = CacheState.FAILED
     elif leftovers or unmarked:

@@ -299,3 +299,31 @@ def test_the_builder_leaves_no_trash_link_for_a_link_named_like_a_stage_folder(t
                  lease_timeout=1.0, heartbeat_interval=0.2, max_wait=30.0)  # fmt: skip
     assert _trash(cache) == [] and not os.path.lexists(cache / "converted.0123456789abcdef")
     assert (outside / "keep.txt").read_text() == "keep"
+
+
+def test_status_escapes_a_forged_failure_record(tmp_path):
+    """D3: a failure record's message and host reached the terminal raw: a newline and
+    an ANSI escape forged a table row. Now every foreign string of a status problem is
+    escaped (ascii) and bounded, in list_caches and in ``prebuild_cache.py --status``."""
+    from dist.inventory import list_caches
+    from dist.layout import IDENTITY_FILE, identity_bytes
+
+    cache = tmp_path / "root" / "demo-0123456789abcdef"
+    cache.mkdir(parents=True)
+    (cache / IDENTITY_FILE).write_bytes(identity_bytes("0123456789abcdef", host="h", pid=1))
+    (cache / "failed-00000000000000aa.json").write_text(json.dumps({
+        "host": "h\x1b[2J", "pid": "1\nforged", "stage": "converted",
+        "error_type": "E\r", "message": "boom\ndemo-ffffffffffffffff  ok  FORGED" + "x" * 500,
+    }))  # fmt: skip
+    [st] = list_caches(tmp_path / "root")
+    text = "\n".join(st.problems)
+    assert "\x1b" not in text and "\r" not in text and len(st.problems) == 1, st.problems
+    assert "\\n" in text and len(text) < 700, text
+    res = subprocess.run(
+        [PYTHON, str(REPO / "scripts/prebuild_cache.py"), "--status",
+         "--set", f"build.cache_dir={tmp_path / 'root'}"],
+        env=script_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "\x1b" not in res.stdout and "\r" not in res.stdout
+    assert not any(x.startswith("demo-ffffffffffffffff") for x in res.stdout.splitlines())

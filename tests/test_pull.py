@@ -520,3 +520,260 @@ def test_status_shows_forged_published_names_escaped_and_damaged(source_cache, g
     assert all("\n" not in r.name + r.problem and "\x01" not in r.problem for r in rows), rows
     assert rows[0].name == ascii(forged) and "control character" in rows[0].problem
     assert rows[1].name == "demo-fedcba9876543210" and "'a\\x01b'" in rows[1].problem
+
+
+# ------------------------------------------------------------------ hostile metadata (issue: trust2)
+
+
+def _tamper_json(fs, obj: str, change) -> None:
+    """Rewrite the published JSON ``obj`` through ``change(dict) -> text``."""
+    fs.pipe_file(obj, change(json.loads(fs.cat_file(obj))).encode())
+
+
+@pytest.mark.parametrize("when", ["1e300", "-1e20", "NaN", "1" + "0" * 400])
+def test_status_shows_a_manifest_with_an_absurd_date_damaged_and_lists_the_rest(
+    when, source_cache, gcs_store, tmp_path
+):
+    """D1: ``published_at`` 1e300, -1e20, NaN or 10**400 crashed ``--status URL``
+    (OverflowError/ValueError traceback, exit 1, the caches after it not listed) and
+    ``--publish`` over it. Now the manifest is "damaged", the others listed, and a
+    publish over it replaces it."""
+    server, url = gcs_store
+    src = source_cache.result
+    publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
+    fs = gcs_fs(server)
+    name = Path(src.cache_dir).name
+    obj = f"{url[5:]}/{name}/manifest.json"
+    text = fs.cat_file(obj).decode()
+    text = re.sub(r'"published_at": [^,\n]+', f'"published_at": {when}', text)
+    fs.pipe_file(obj, text.encode())
+    later = "zz-0123456789abcdef"  # sorts after the tampered one
+    fs.pipe_file(f"{url[5:]}/{later}/converted.json", b"{}")
+    env = {"STORAGE_EMULATOR_HOST": server, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    out = _status_of(source_cache, url, env).splitlines()
+    line = next(x for x in out if x.startswith(name))
+    assert " damaged " in line, out
+    assert any("published_at" in x for x in out), out
+    assert any(x.startswith(later) for x in out), out
+    report = publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
+    assert report.state == "published"
+    assert json.loads(fs.cat_file(obj))["published_at"] < 1e11
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "why"),
+    [
+        ("rows", -1, "rows"),
+        ("rows", 10**30, "rows"),
+        ("rows", "12", "rows"),
+        ("rows", True, "rows"),
+        ("host", "a\nERROR forged", "host"),
+        ("host", "x" * 1000, "host"),
+        ("host", 3, "host"),
+        ("name", "demo\x1b[2J-0123456789abcdef", "unsafe path"),
+        ("fingerprint", "f\n" * 3, "fingerprint"),
+        ("stages", ["converted\n"], "stages"),
+        ("published_at", True, "published_at"),
+    ],
+)
+def test_manifest_from_dict_refuses_bad_fields(field, value, why):
+    """D1: every manifest field is checked (type, bounds, no control characters)."""
+    from hf_pipeline.publish.manifest import Manifest
+
+    good = {
+        "version": 1, "name": "demo-0123456789abcdef", "fingerprint": "0123456789abcdef",
+        "stages": ["converted", "filtered"], "rows": 3, "published_at": 1.7e9, "host": "h",
+        "files": {"converted.x/a": {"size": 1, "crc32c": "AAAAAA=="}},
+    }  # fmt: skip
+    Manifest.from_dict(good)
+    with pytest.raises(ValueError, match=why):
+        Manifest.from_dict({**good, field: value})
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [{"size": -1, "crc32c": "AAAAAA=="}, {"size": 1 << 60, "crc32c": "AAAAAA=="},
+     {"size": "1", "crc32c": "AAAAAA=="}, {"size": 1, "crc32c": "A\nB"},
+     {"size": 1, "crc32c": "AAAAAA==", "sha256": "z" * 64}],
+)  # fmt: skip
+def test_manifest_from_dict_refuses_bad_file_entries(entry):
+    from hf_pipeline.publish.manifest import Manifest
+
+    d = {
+        "version": 1, "name": "demo-0123456789abcdef", "fingerprint": "0123456789abcdef",
+        "stages": ["converted"], "rows": None, "published_at": 1.7e9, "host": "h",
+        "files": {"converted.x/a": entry},
+    }  # fmt: skip
+    with pytest.raises(ValueError):
+        Manifest.from_dict(d)
+
+
+def test_a_console_folder_object_is_not_a_file_of_the_cache(
+    source_cache, gcs_exact_store, tmp_path
+):
+    """M1: the zero-byte ``caches/demo-<fp>/`` object the GCS console's "Create folder"
+    makes made the cache damaged (``unsafe path '': empty``) and blocked pull and
+    publish. It is skipped; a non-empty object named so still is refused."""
+    server, url = gcs_exact_store
+    src = source_cache.result
+    publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
+    fs = gcs_fs(server)
+    name = Path(src.cache_dir).name
+    fs.pipe_file(f"{url[5:]}/{name}/", b"")
+    fs.pipe_file(f"{url[5:]}/{name}/{src.stage_dirs['converted']}/", b"")
+    env = {"STORAGE_EMULATOR_HOST": server, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    line = next(x for x in _status_of(source_cache, url, env).splitlines() if x.startswith(name))
+    assert " complete " in line, line
+    report = publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
+    assert report.state == "unchanged"
+    root = tmp_path / "cache"
+    res = _pull_with_the_script(source_cache, root, url, env)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    fs.pipe_file(f"{url[5:]}/{name}/", b"x")
+    line = next(x for x in _status_of(source_cache, url, env).splitlines() if x.startswith(name))
+    assert " damaged " in line, line
+
+
+@pytest.mark.slow
+def test_pull_compares_the_published_whole_file_checksum(source_cache, gcs_store, tmp_path):
+    """D4: a byte changed in the middle of a big published file with only the
+    manifest's crc32c updated (the published marker left as is) was pulled, exit 0:
+    the marker's ``whole_checksum`` was never compared with the pulled bytes. Now it
+    is: refused naming the file, exit 2, nothing published locally."""
+    from hf_pipeline.publish.manifest import bytes_digests
+
+    server, url = gcs_store
+    src = source_cache.result
+    publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
+    conv = read_json(Path(src.cache_dir) / marker_name("converted"))
+    big = max(conv["files"], key=lambda f: f["size"])
+    assert big["size"] > 3 << 20 and big["whole_checksum"]  # the middle is outside the edges
+    fs = gcs_fs(server)
+    base = f"{url[5:]}/{Path(src.cache_dir).name}"
+    data = bytearray(fs.cat_file(f"{base}/{big['path']}"))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe_file(f"{base}/{big['path']}", bytes(data))
+
+    def new_crc(m):
+        m["files"][big["path"]]["crc32c"] = bytes_digests(bytes(data)).crc32c
+        return json.dumps(m)
+
+    _tamper_json(fs, f"{base}/manifest.json", new_crc)
+    env = {"STORAGE_EMULATOR_HOST": server, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    root = tmp_path / "cache"
+    res = _pull_with_the_script(source_cache, root, url, env)
+    assert res.returncode == 2, (res.stdout + res.stderr)[-3000:]
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1 and big["path"] in err[0] and "converted.json" in err[0], err
+    _nothing_published(root)
+
+
+def _republish_file(fs, base: str, stage: str, rel: str, payload: bytes, tmp_path) -> None:
+    """Replace published file ``rel`` (listed by ``<stage>.json``) with ``payload``, its
+    marker entry (size, edge and whole checksums) and manifest entry updated to match:
+    what an attacker with write access to the store publishes."""
+    from dist.checksums import whole_checksum
+    from dist.markers import file_checksum
+    from hf_pipeline.publish.manifest import bytes_digests
+
+    scratch = tmp_path / "payload"
+    scratch.write_bytes(payload)
+    fs.pipe_file(f"{base}/{rel}", payload)
+
+    def marker(m):
+        [e] = [e for e in m["files"] if e["path"] == rel]
+        e.update(size=len(payload), checksum=file_checksum(scratch))
+        e["whole_checksum"] = whole_checksum(scratch)[1]
+        return json.dumps(m)
+
+    def manifest(m):
+        m["files"][rel] = {"size": len(payload), "crc32c": bytes_digests(payload).crc32c}
+        return json.dumps(m)
+
+    _tamper_json(fs, f"{base}/{marker_name(stage)}", marker)
+    _tamper_json(fs, f"{base}/manifest.json", manifest)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"duplicate_meta_rows": "x\nFORGED"},
+        {"rows_in": 10**200},
+        {"dropped": {"no_caption\n\x1b[31mFORGED": 1}},
+        {"rows_out": 1},  # the rows no longer add up
+        {"bad_rows": {"nonfinite_latents": {"count": 1, "first_keys": ["a\nFORGED"]}}},
+        {"fetch": {"files": 1, "bytes": "lots"}},
+    ],
+    ids=["dup-str", "rows-in-huge", "dropped-escape", "accounting", "bad-rows-key", "fetch"],
+)
+def test_pull_refuses_a_report_of_the_wrong_shape(change, source_cache, gcs_store, tmp_path):
+    """D2: a published ``filtered.<lease>/report.json`` with fields of the wrong type
+    (checksums updated to match) was pulled and installed; every later run on that
+    root then crashed (ValueError traceback) and printed forged lines. Now the pull
+    refuses it in one line naming it, exit 2; the filtered stage is not published."""
+    server, url = gcs_store
+    src = source_cache.result
+    publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
+    fs = gcs_fs(server)
+    base = f"{url[5:]}/{Path(src.cache_dir).name}"
+    rel = f"{src.stage_dirs['filtered']}/report.json"
+    report = {**json.loads(fs.cat_file(f"{base}/{rel}")), **change}
+    _republish_file(fs, base, "filtered", rel, json.dumps(report).encode(), tmp_path)
+    env = {"STORAGE_EMULATOR_HOST": server, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    root = tmp_path / "cache"
+    res = _pull_with_the_script(source_cache, root, url, env)
+    assert res.returncode == 2, (res.stdout + res.stderr)[-3000:]
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1 and f"{url}/{Path(src.cache_dir).name}/{rel}" in err[0], err
+    assert "FORGED" not in res.stdout and "\x1b" not in res.stderr
+    assert not (root / Path(src.cache_dir).name / marker_name("filtered")).exists()
+
+
+def test_a_local_report_of_the_wrong_shape_is_one_line_exit_2(source_cache, tmp_path):
+    """D2: a report installed before this check (by an older release) is refused when
+    read: one line naming it, exit 2, not a traceback."""
+    root = tmp_path / "cache"
+    shutil.copytree(
+        Path(source_cache.result.cache_dir), root / Path(source_cache.result.cache_dir).name
+    )
+    cache = root / Path(source_cache.result.cache_dir).name
+    path = cache / source_cache.result.stage_dirs["filtered"] / "report.json"
+    fp = source_cache.result.fingerprint
+    marker = read_marker(cache / marker_name("filtered"), fingerprint=fp, base_dir=cache)
+    report = json.loads(path.read_text())
+    report["duplicate_meta_rows"] = "x\nFORGED"
+    path.write_text(json.dumps(report))
+    files = describe_files(cache / marker.directory, relative_to=cache)
+    write_marker(cache / marker_name("filtered"), dataclasses.replace(marker, files=files))
+    cmd = [PYTHON, str(REPO / "scripts/prebuild_cache.py"), "-q"]
+    for item in overrides(source_cache.data, root):
+        cmd += ["--set", item]
+    res = subprocess.run(cmd, env=script_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, (res.stdout + res.stderr)[-3000:]
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1 and str(path) in err[0] and "duplicate_meta_rows" in err[0], err
+    assert "FORGED" not in res.stdout + res.stderr
+
+
+def test_status_url_escapes_forged_text(source_cache, gcs_store):
+    """D3: a manifest's ``host`` and text from a published marker reached the terminal
+    raw through ``--status URL``: a newline and an ANSI escape forged a table row."""
+    server, url = gcs_store
+    src = source_cache.result
+    publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
+    fs = gcs_fs(server)
+    base = f"{url[5:]}/{Path(src.cache_dir).name}"
+    forged = "h\ndemo-ffffffffffffffff  complete \x1b[2J"
+
+    def host(m):
+        m["host"] = forged
+        return json.dumps(m)
+
+    _tamper_json(fs, f"{base}/manifest.json", host)
+    env = {"STORAGE_EMULATOR_HOST": server, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    out = _status_of(source_cache, url, env)
+    assert "\x1b" not in out and not any(x.startswith("demo-ffff") for x in out.splitlines())
+    _tamper_json(fs, f"{base}/manifest.json", lambda m: json.dumps({**m, "host": "h"}))
+    _tamper_json(fs, f"{base}/converted.json", lambda m: json.dumps({**m, "lease_id": forged}))
+    out = _status_of(source_cache, url, env)
+    assert "\x1b" not in out and not any(x.startswith("demo-ffff") for x in out.splitlines())

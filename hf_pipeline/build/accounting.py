@@ -13,12 +13,15 @@ Everything here is NumPy/Arrow over whole columns: no Python object per row.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from dist.safepath import shown
 
 __all__ = [
     "DUPLICATE",
@@ -30,6 +33,7 @@ __all__ = [
     "bad_rows_summary",
     "build_report",
     "keep_mask",
+    "report_problem",
     "later_duplicates",
     "sorted_unique",
 ]
@@ -187,3 +191,114 @@ def build_report(
     if accounted != report["rows_in"]:
         raise AssertionError(f"row accounting broken: {accounted} != {report['rows_in']}")
     return report
+
+
+#: Keys of the report's ``dropped`` block besides :data:`REASONS`.
+OTHER_DROPS: tuple[str, ...] = ("no_latents", "missing_shard_files")
+#: Bound of every count in a report (a larger one is forged, or overflows what prints it).
+MAX_COUNT = 1 << 48
+_MAX_TEXT = 4096  # fingerprint, cache_dir, a first key
+
+
+def _count_problem(field: str, value: object) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"{field} must be an integer, got {type(value).__name__}"
+    if not 0 <= value <= MAX_COUNT:
+        return f"{field} must be in [0, {MAX_COUNT}], got {shown(value)}"
+    return None
+
+
+def _text_problem(field: str, value: object) -> str | None:
+    if not isinstance(value, str) or len(value) > _MAX_TEXT or not value.isprintable():
+        return f"{field} must be a string of printable characters, got {shown(value)}"
+    return None
+
+
+def report_problem(report: object) -> str | None:
+    """Why ``report`` is not a build report this release can print and trust (the known
+    keys' types and bounds, reason names from the known set, and
+    ``rows_out + sum(dropped reasons) == rows_in``), or None.
+
+    A report may come from a store (a pulled cache): hostile until checked. Unknown
+    keys are left alone (a later release may add some); nothing prints them.
+    """
+    if not isinstance(report, Mapping):
+        return f"must be a JSON object, got {type(report).__name__}"
+    problems: list[str | None] = []
+    for key in ("rows_in", "rows_out", "duplicate_meta_rows"):
+        problems.append(_count_problem(key, report.get(key)))
+    for key in ("null_key_meta_rows",):  # absent from caches published before it
+        if key in report:
+            problems.append(_count_problem(key, report[key]))
+    if report.get("embed_dim") is not None:
+        problems.append(_count_problem("embed_dim", report["embed_dim"]))
+    for key in ("fingerprint", "cache_dir"):
+        problems.append(_text_problem(key, report.get(key)))
+    for key in ("seconds_captions", "seconds_assemble", "seconds_convert", "seconds_embed"):
+        v = report.get(key)
+        if v is not None and (
+            isinstance(v, bool)
+            or not isinstance(v, (int, float))
+            or not (math.isfinite(v) and v >= 0)
+        ):
+            problems.append(f"{key} must be a finite number >= 0 or null, got {shown(v)}")
+    for key, kind in (("parts", list), ("skipped_files", list), ("builder", Mapping),
+                      ("config", Mapping), ("fetch", Mapping), ("bad_rows", Mapping),
+                      ("precision", Mapping)):  # fmt: skip
+        if report.get(key) is not None and not isinstance(report[key], kind):
+            problems.append(f"{key} must be a JSON {kind.__name__.lower()}")
+    problems.append(_dropped_problem(report.get("dropped")))
+    problems.append(_bad_rows_problem(report.get("bad_rows")))
+    fetch = report.get("fetch")
+    if isinstance(fetch, Mapping):
+        for key in ("files", "bytes", "retries"):
+            if key in fetch:
+                problems.append(_count_problem(f"fetch.{key}", fetch[key]))
+        v = fetch.get("mean_mb_s", 0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            problems.append(f"fetch.mean_mb_s must be a finite number, got {shown(v)}")
+    precision = report.get("precision")
+    if isinstance(precision, Mapping) and "storage_dtype" in precision:
+        problems.append(_text_problem("precision.storage_dtype", precision["storage_dtype"]))
+    found = next((p for p in problems if p), None)
+    if found:
+        return found
+    dropped = report["dropped"]
+    accounted = report["rows_out"] + sum(dropped.get(r, 0) for r in REASONS)
+    if accounted != report["rows_in"]:
+        return (
+            f"rows do not add up: rows_out {report['rows_out']} + dropped {accounted - report['rows_out']} "
+            f"!= rows_in {report['rows_in']}"
+        )
+    return None
+
+
+def _dropped_problem(dropped: object) -> str | None:
+    if not isinstance(dropped, Mapping):
+        return "dropped must be a JSON object"
+    for reason, n in dropped.items():
+        if reason not in REASONS and reason not in OTHER_DROPS:
+            return f"dropped has an unknown reason {shown(reason)}"
+        if why := _count_problem(f"dropped.{reason}", n):
+            return why
+    return None
+
+
+def _bad_rows_problem(bad_rows: object) -> str | None:
+    if not isinstance(bad_rows, Mapping):
+        return None  # absent or not an object: said above
+    for reason, bad in bad_rows.items():
+        if reason not in REASONS:
+            return f"bad_rows has an unknown reason {shown(reason)}"
+        if not isinstance(bad, Mapping):
+            return f"bad_rows.{reason} must be a JSON object"
+        if why := _count_problem(f"bad_rows.{reason}.count", bad.get("count", 0)):
+            return why
+        keys = bad.get("first_keys", [])
+        if not isinstance(keys, list) or len(keys) > FIRST_KEYS:
+            return f"bad_rows.{reason}.first_keys must be a list of at most {FIRST_KEYS} keys"
+        for k in keys:
+            ok = isinstance(k, int) and not isinstance(k, bool) and abs(k) <= 1 << 64
+            if not ok and _text_problem("", k):
+                return f"bad_rows.{reason}.first_keys holds {shown(k)}"
+    return None

@@ -58,6 +58,8 @@ HUB_LISTINGS_DIR = ".hub_listings"
 SCHEMA_VERSION = 1
 #: Build stages, in order; each is published as a folder plus a marker.
 STAGES = ("converted", "filtered")
+#: The build report: ``<REPORT_STAGE>.<lease>/<REPORT_NAME>``.
+REPORT_STAGE, REPORT_NAME = "filtered", "report.json"
 
 
 def compute_fingerprint(
@@ -148,7 +150,7 @@ class CacheLayout:
 
     @property
     def report_path(self) -> Path:
-        return self.filtered / "report.json"
+        return self.stage_dir(REPORT_STAGE) / REPORT_NAME
 
     def listed_files(self, stage: str) -> list[Path]:
         """The files that ``stage``'s marker lists, sorted: the only files a reader reads.
@@ -212,22 +214,36 @@ class CacheLayout:
         ]
 
     def read_report(self) -> dict[str, Any]:
-        """The build report (``report.json``); a pulled one came from a store: bounded.
+        """The build report (``report.json``), checked (:func:`read_report_file`).
 
         Raises:
             FileNotFoundError: no report.
-            CacheFormatError: too large, too deep, malformed or not a JSON object.
+            CacheFormatError: too large, too deep, malformed, or not a build report.
         """
-        from dist.markers import ForeignJSONError, load_json
-        from hf_pipeline.errors import CacheFormatError
+        return read_report_file(self.report_path)
 
-        try:
-            report = load_json(self.report_path)
-        except ForeignJSONError as e:
-            raise CacheFormatError(e.path, e.reason) from None
-        if not isinstance(report, dict):
-            raise CacheFormatError(str(self.report_path), "not a JSON object")
-        return report
+
+def read_report_file(path: Path) -> dict[str, Any]:
+    """A build report file, checked: a pulled one came from a store (bounded, and of
+    the shape :func:`hf_pipeline.build.accounting.report_problem` accepts, its rows
+    adding up), so that what prints or sums it never meets a forged value.
+
+    Raises:
+        FileNotFoundError: no report.
+        CacheFormatError: too large, too deep, malformed, or not a build report.
+    """
+    from dist.markers import ForeignJSONError, load_json
+    from hf_pipeline.build.accounting import report_problem
+    from hf_pipeline.errors import CacheFormatError
+
+    try:
+        report = load_json(path)
+    except ForeignJSONError as e:
+        raise CacheFormatError(e.path, e.reason) from None
+    why = report_problem(report)
+    if why:
+        raise CacheFormatError(str(path), f"not a valid build report: {why}")
+    return report
 
 
 def published_stage_dirs(

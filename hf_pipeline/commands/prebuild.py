@@ -18,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+from dist.safepath import shown
 from hf_pipeline import cli
 
 __all__ = ["add_dry_run_arg", "add_json_arg", "main", "parser"]
@@ -91,6 +92,14 @@ def _human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def _safe(text: object) -> str:
+    """``text`` for one terminal line: as it is when printable, else escaped and bounded
+    (:func:`dist.safepath.shown`). Names, hosts and problems come from shared roots and
+    stores: a newline or an ANSI escape in them must not forge a row."""
+    s = str(text)
+    return s if s.isprintable() else shown(s)
+
+
 def _print_summary(result) -> None:
     s = result.summary()
     if result.built:
@@ -125,8 +134,8 @@ def _describe(st) -> str:
     from dist.inventory import CacheState
 
     if st.state is CacheState.BUILDING:
-        who = f"{st.builder_host}/{st.builder_pid}" if st.builder_host else "?"
-        return f"building by {who} ({st.heartbeat_stage or '-'})"
+        who = f"{_safe(st.builder_host)}/{st.builder_pid}" if st.builder_host else "?"
+        return f"building by {who} ({_safe(st.heartbeat_stage or '-')})"
     if st.state is CacheState.PARTIAL:
         return f"partial ({', '.join(st.stages_done)} done)"
     return str(st.state)
@@ -164,14 +173,14 @@ def _admin(args, cfg) -> int:
             print(f"{'cache':34} {'fingerprint':17} {'state':34} {'size':>10} {'age':>8}", file=out)
         for st in rows:
             print(
-                f"{st.path.name:34} {st.fingerprint or '?':17} {_describe(st):34} "
+                f"{_safe(st.path.name):34} {_safe(st.fingerprint or '?'):17} {_describe(st):34} "
                 f"{_human_bytes(st.size_bytes):>10} {st.age_s / 3600:7.1f}h",
                 file=out,
             )
             for problem in st.problems:
-                print(f"    {problem}", file=out)
+                print(f"    {_safe(problem)}", file=out)
         for path, why in ignored:
-            print(f"not a cache: {path.name}: {why}", file=out)
+            print(f"not a cache: {_safe(path.name)}: {_safe(why)}", file=out)
         return 0
     if args.verify:
         import time
@@ -204,10 +213,10 @@ def _admin(args, cfg) -> int:
                 if found.files
                 else ""
             )
-            verdict = "ok" if not found.problems else "; ".join(found.problems)
-            print(f"{st.path.name}: {verdict}{read}", file=out)
+            verdict = "ok" if not found.problems else _safe("; ".join(found.problems))
+            print(f"{_safe(st.path.name)}: {verdict}{read}", file=out)
             for note in found.notes:
-                print(f"    {note}", file=out)
+                print(f"    {_safe(note)}", file=out)
         seconds = time.monotonic() - t0
         print(
             f"verified {len(caches)} cache(s), {bad} with problems: {files} files, "
@@ -254,12 +263,13 @@ def _published_status(url: str, cfg) -> int:
             else "-"
         )
         count = "-" if st.rows is None else str(st.rows)
+        by = f" by {_safe(st.host)}" if st.host else ""
         print(
-            f"{st.name:34} {st.fingerprint:17} {st.state:10} {count:>9} "
-            f"{_human_bytes(st.size_bytes):>10}  {when}{f' by {st.host}' if st.host else ''}"
+            f"{_safe(st.name):34} {_safe(st.fingerprint):17} {st.state:10} {count:>9} "
+            f"{_human_bytes(st.size_bytes):>10}  {when}{by}"
         )
         if st.problem:
-            print(f"    {st.problem}")
+            print(f"    {_safe(st.problem)}")
     return 0
 
 

@@ -15,7 +15,9 @@ import base64
 import dataclasses
 import hashlib
 import json
+import math
 import os
+import re
 import socket
 import time
 from collections.abc import Mapping
@@ -23,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dist.markers import Marker
-from dist.safepath import check_name, check_relpath
+from dist.safepath import check_name, check_relpath, shown
 from hf_pipeline.stores.remote_file import RemoteFile
 from hf_pipeline.stores.staging import READ_CHUNK, checksum_of
 
@@ -41,6 +43,13 @@ __all__ = [
 MANIFEST_NAME = "manifest.json"
 #: Bump when the manifest's format changes (readers refuse other versions).
 MANIFEST_VERSION = 1
+#: Bounds of a manifest's fields (a published manifest is foreign input: a date or a
+#: count beyond them is forged, and would overflow what prints or sums it).
+MAX_FILE_BYTES = 1 << 50  # 1 PiB: no cache file is larger
+MAX_ROWS = 1 << 48
+MAX_TEXT = 255  # host, name, fingerprint, a stage name, a checksum
+#: published_at from the epoch to 2200-01-01 (seconds; time.localtime handles these).
+PUBLISHED_AT_RANGE = (0.0, 7_258_118_400.0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,10 +67,12 @@ class ManifestEntry:
     sha256: str = ""
 
     def __post_init__(self):
-        if self.size < 0:
-            raise ValueError(f"size must be >= 0, got {self.size}")
-        if not self.crc32c:
-            raise ValueError("crc32c must be non-empty")
+        _check_int("size", self.size, MAX_FILE_BYTES)
+        _check_text("crc32c", self.crc32c)
+        if not re.fullmatch(r"[A-Za-z0-9+/]{6}==", self.crc32c):
+            raise ValueError(f"crc32c must be base64 of 4 bytes, got {shown(self.crc32c)}")
+        if self.sha256 and not re.fullmatch(r"[0-9a-f]{64}", self.sha256):
+            raise ValueError(f"sha256 must be 64 lowercase hex digits, got {shown(self.sha256)}")
 
     def checksum(self, kind: str) -> str:
         """This file's checksum in a store's encoding, or "" when the manifest lacks it."""
@@ -91,6 +102,26 @@ class Manifest:
     host: str
     files: Mapping[str, ManifestEntry]
     version: int = MANIFEST_VERSION
+
+    def __post_init__(self):
+        # Everything is checked here, so that --status prints, sums and formats only
+        # values that fit (a date of 1e300 or NaN crashed time.localtime).
+        _check_text("name", self.name)
+        _check_text("fingerprint", self.fingerprint)
+        _check_text("host", self.host, empty_ok=True)
+        if not self.stages:
+            raise ValueError("stages must be non-empty")
+        for stage in self.stages:
+            _check_text("stages", stage)
+        if self.rows is not None:
+            _check_int("rows", self.rows, MAX_ROWS)
+        at = self.published_at
+        lo, hi = PUBLISHED_AT_RANGE
+        if isinstance(at, bool) or not isinstance(at, (int, float)) or not lo <= at <= hi:
+            raise ValueError(
+                f"published_at must be seconds since the epoch in [{lo:.0f}, {hi:.0f}], "
+                f"got {shown(at)}"
+            )
 
     @property
     def total_bytes(self) -> int:
@@ -125,20 +156,28 @@ class Manifest:
         files = d["files"]
         if not isinstance(files, Mapping):
             raise TypeError("files must be a JSON object")
-        rows = d.get("rows")
+        stages = d["stages"]
+        if not isinstance(stages, list):
+            raise TypeError(f"stages must be a JSON list, got {type(stages).__name__}")
+        at = d["published_at"]
+        if isinstance(at, int) and not isinstance(at, bool):
+            # 10**400 as a JSON number: float() would raise OverflowError (no ValueError)
+            at = float(at) if abs(at) < 1 << 64 else math.inf
+        entries = {}
+        for p, e in files.items():
+            if not isinstance(e, Mapping):
+                raise TypeError(f"files[{shown(p)}] must be a JSON object")
+            entries[check_relpath(p)] = ManifestEntry(
+                size=e["size"], crc32c=e["crc32c"], sha256=e.get("sha256", "")
+            )
         return cls(
-            name=check_name(str(d["name"])),
-            fingerprint=str(d["fingerprint"]),
-            stages=tuple(str(s) for s in d["stages"]),
-            rows=None if rows is None else int(rows),
-            published_at=float(d["published_at"]),
-            host=str(d["host"]),
-            files={
-                check_relpath(p): ManifestEntry(
-                    size=int(e["size"]), crc32c=str(e["crc32c"]), sha256=str(e.get("sha256", ""))
-                )
-                for p, e in files.items()
-            },
+            name=_check_text("name", check_name(d["name"])),
+            fingerprint=d["fingerprint"],
+            stages=tuple(stages),
+            rows=d.get("rows"),
+            published_at=at,
+            host=d["host"],
+            files=entries,
         )
 
     def same_files(self, other: Manifest) -> bool:
@@ -149,6 +188,28 @@ class Manifest:
             other.stages,
             dict(other.files),
         )
+
+
+def _check_text(field: str, value: object, *, empty_ok: bool = False) -> str:
+    """``value`` if it is a string of at most :data:`MAX_TEXT` printable characters."""
+    if not isinstance(value, str):
+        raise ValueError(f"{field} must be a string, got {type(value).__name__}")
+    if not value and not empty_ok:
+        raise ValueError(f"{field} must be non-empty")
+    if len(value) > MAX_TEXT:
+        raise ValueError(f"{field} must be at most {MAX_TEXT} characters, got {len(value)}")
+    if not value.isprintable():  # newlines, ANSI escapes: forged lines on a terminal
+        raise ValueError(f"{field} must hold no control character, got {shown(value)}")
+    return value
+
+
+def _check_int(field: str, value: object, limit: int) -> int:
+    """``value`` if it is an int (not a bool) in ``[0, limit]``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{field} must be an integer, got {type(value).__name__}")
+    if not 0 <= value <= limit:
+        raise ValueError(f"{field} must be in [0, {limit}], got {shown(value)}")
+    return value
 
 
 def _digest(chunks, *, sha256: bool) -> tuple[int, str, str]:

@@ -19,8 +19,11 @@ Downloads are :func:`~hf_pipeline.stores.staging.stage_file` calls, as for the s
 SIGKILLed pull resumes there (verified files are kept, a partial one continues by
 range) whatever lease runs next. Then each file is checked against what was published —
 its whole-file crc32c against the manifest (before the download when the store's own
-checksum can be compared), its size and edge checksum against its marker — and
-hard-linked (copied where links fail) into the stage folder. A file that does not match
+checksum can be compared), its size and edge checksum against its marker, and its
+whole-file xxh3_128 against the marker's ``whole_checksum`` (markers of schema 2) — and
+hard-linked (copied where links fail) into the stage folder. The build report is
+checked (:func:`hf_pipeline.cache.layout.read_report_file`: its keys' types and bounds,
+its rows adding up) before its stage is published. A file that does not match
 is refused with :class:`~hf_pipeline.errors.CacheFormatError` naming it; nothing of the
 stage is published. The staging folder is removed once the last stage is in place.
 
@@ -51,10 +54,11 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dist.checksums import ALGORITHM, whole_checksum
 from dist.coordinator import Stage, StageContext
 from dist.markers import FileEntry, Marker, file_checksum
 from dist.safepath import UnsafePathError, check_name, check_relpath, join_under
-from hf_pipeline.cache.layout import STAGING_DIR
+from hf_pipeline.cache.layout import REPORT_NAME, REPORT_STAGE, STAGING_DIR, read_report_file
 from hf_pipeline.errors import CacheFormatError
 from hf_pipeline.publish.find import PublishedCache, find_published, store_checksum_checked
 from hf_pipeline.publish.manifest import MANIFEST_NAME
@@ -267,6 +271,18 @@ class _Puller:
                 for f in futures:
                     f.cancel()
                 raise
+        if stage == REPORT_STAGE:
+            # Checked before the stage is published: every later run on this root reads
+            # (and prints) it, so a forged one would break them all.
+            where = remote.file_url(f"{marker.directory}/{REPORT_NAME}")
+            try:
+                read_report_file(Path(ctx.tmp_dir) / REPORT_NAME)
+            except FileNotFoundError:
+                raise CacheFormatError(
+                    where, f"missing: {stage}.json lists no build report"
+                ) from None
+            except CacheFormatError as e:
+                raise CacheFormatError(where, e.reason) from None
         got = stats.as_dict()
         seconds = time.monotonic() - t0
         size = sum(e.size for e in marker.files)
@@ -321,6 +337,12 @@ class _Puller:
                 problem = f"crc32c {got}, but {MANIFEST_NAME} says {want}"
         if not problem and file_checksum(path, job.entry.size) != job.entry.checksum:
             problem = f"its first/last MiB do not match the checksum {stage}.json lists"
+        if not problem and job.entry.whole_checksum:
+            # The manifest's crc32c and the store's can both be rewritten with the file;
+            # the published marker's whole-file checksum is the builder's own word.
+            _, whole = whole_checksum(path)
+            if whole != job.entry.whole_checksum:
+                problem = f"{ALGORITHM} {whole}, but {stage}.json lists {job.entry.whole_checksum}"
         if problem:
             folder.remove(job.file)  # a fixed store is fetched afresh, never trusted from here
             raise CacheFormatError(job.file.url, f"does not match what was published: {problem}")

@@ -138,14 +138,22 @@ class Store(abc.ABC):
 
     def list_files(self, cache_name: str) -> dict[str, RemoteFile]:
         """Every file under cache folder ``cache_name``, by path relative to it ({} when
-        there is no such folder).
+        there is no such folder). Zero-byte objects named ``<folder>/`` (folder
+        placeholders) are left out.
 
         Raises:
             CacheFormatError: the store lists a path that is not a plain relative path
                 (``a//b``, ``..``, a newline...: :func:`dist.safepath.check_relpath`);
                 someone wrote it there, and no file of a cache has such a name.
         """
-        listing = self._list_files(cache_name)
+        listing = {
+            rel: file
+            for rel, file in self._list_files(cache_name).items()
+            # A zero-byte "<folder>/" object is what the GCS console's "Create folder"
+            # makes: a folder placeholder, no file of the cache. Only empty ones: bytes
+            # under such a name are still refused below.
+            if not ((rel == "" or rel.endswith("/")) and file.size == 0)
+        }
         for rel in listing:
             try:
                 check_relpath(rel)

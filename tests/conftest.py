@@ -71,33 +71,19 @@ def script_env(**extra: str) -> dict[str, str]:
 PYTHON = sys.executable
 
 
-def run_ranks(
-    argv, world: int, *, timeout: float = 300, rank_env=None, **env: str
-) -> list[tuple[int, str, str]]:
-    """Start ``world`` real processes of ``argv`` with torchrun's RANK/WORLD_SIZE variables.
-
-    ``rank_env(rank)`` may return more variables for one rank (e.g. its node).
-    Returns ``(returncode, stdout, stderr)`` per rank; every process is killed (never
-    left behind) if the wait times out or the test fails.
-    """
+def run_each(argvs_envs, *, timeout: float = 300) -> list[tuple[int, str, str]]:
+    """Start one real process per ``(argv, env)`` at once (``env`` on top of
+    :func:`script_env`); ``(returncode, stdout, stderr)`` of each. Every process is killed
+    (never left behind) if the wait times out or the test fails."""
     procs = [
         subprocess.Popen(
             [PYTHON, *map(str, argv)],
-            env=script_env(
-                **{
-                    "RANK": str(r),
-                    "WORLD_SIZE": str(world),
-                    "LOCAL_RANK": str(r),
-                    "LOCAL_WORLD_SIZE": str(world),
-                    **env,
-                    **(rank_env(r) if rank_env else {}),
-                }
-            ),
+            env=script_env(**env),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for r in range(world)
+        for argv, env in argvs_envs
     ]
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
@@ -107,6 +93,33 @@ def run_ranks(
                 p.kill()
                 p.wait()
     return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs, strict=True)]
+
+
+def run_ranks(
+    argv, world: int, *, timeout: float = 300, rank_env=None, **env: str
+) -> list[tuple[int, str, str]]:
+    """Start ``world`` real processes of ``argv`` with torchrun's RANK/WORLD_SIZE variables.
+
+    ``rank_env(rank)`` may return more variables for one rank (e.g. its node).
+    Returns ``(returncode, stdout, stderr)`` per rank (:func:`run_each`).
+    """
+    return run_each(
+        [
+            (
+                argv,
+                {
+                    "RANK": str(r),
+                    "WORLD_SIZE": str(world),
+                    "LOCAL_RANK": str(r),
+                    "LOCAL_WORLD_SIZE": str(world),
+                    **env,
+                    **(rank_env(r) if rank_env else {}),
+                },
+            )
+            for r in range(world)
+        ],
+        timeout=timeout,
+    )
 
 
 # ------------------------------------------------------------ real mounts (root only)

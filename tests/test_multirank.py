@@ -262,25 +262,9 @@ def test_one_builder_in_parts_overlaps_and_equals_one_part(small_config, tmp_pat
 
 
 def _start_each(argvs_envs, timeout: float = 300) -> list[tuple[int, str, str]]:
-    """Start one real process per ``(argv, env)`` at once; their (code, stdout, stderr).
-    Every process is killed if the wait fails."""
-    import subprocess
+    from tests.conftest import run_each
 
-    from tests.conftest import PYTHON, script_env
-
-    procs = [
-        subprocess.Popen([PYTHON, *map(str, argv)], env=script_env(**env), text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        for argv, env in argvs_envs
-    ]  # fmt: skip
-    try:
-        outs = [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs, strict=True)]
+    return run_each(argvs_envs, timeout=timeout)
 
 
 def _rank_env(rank: int, world: int, **extra: str) -> dict[str, str]:

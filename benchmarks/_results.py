@@ -13,7 +13,11 @@ can be traced to its run::
 
 ``commit`` is that of the repository this file lives in. The GPU hosts receive a copy of
 the working tree that may lack ``.git``: then ``commit`` is ``"unknown"`` and ``dirty``
-is ``null`` (never the commit of some enclosing repository the copy happens to sit in).
+is ``null`` (never the commit of some enclosing repository the copy happens to sit in),
+unless whoever sent the copy declares its commit in the environment variable
+``BENCH_TREE_COMMIT`` (40 hex digits: the sending checkout's HEAD, sent while
+that checkout was clean): then ``commit`` is that sha, ``dirty`` stays ``null`` and
+``commit_declared`` is ``true``. A checkout with ``.git`` ignores the variable.
 ``dirty`` counts tracked changes and untracked files, except result files (under
 ``benchmarks/results/`` and the file being written): an untracked module is code that
 ran, a result written earlier is not.
@@ -39,6 +43,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import socket
 import subprocess
 import sys
@@ -116,12 +121,18 @@ def _run_tool(cmd: Sequence[str]) -> str | None:
     return proc.stdout if proc.returncode == 0 else None
 
 
+TREE_COMMIT_ENV = "BENCH_TREE_COMMIT"
+
+
 def _commit(repo: Path, written: Path | None) -> tuple[str, bool | None]:
     """(HEAD's sha, dirty) of ``repo``; ("unknown", None) when it is not a git checkout."""
     git = ["git", "-C", str(repo)]
     top = _run_tool([*git, "rev-parse", "--show-toplevel"])
     # A copy without .git inside another checkout would report that checkout's commit.
     if top is None or Path(top.strip()).resolve() != repo.resolve():
+        declared = os.environ.get(TREE_COMMIT_ENV, "").strip().lower()
+        if re.fullmatch(r"[0-9a-f]{40}", declared):
+            return declared, None
         return "unknown", None
     head = _run_tool([*git, "rev-parse", "HEAD"])
     status = _run_tool([*git, "status", "--porcelain", "--untracked-files=all"])
@@ -197,6 +208,7 @@ def stamp(*, written: str | os.PathLike | None = None, repo: Path = REPO) -> dic
         repo: the repository whose commit is recorded (this file's).
     """
     commit, dirty = _commit(repo, Path(written) if written is not None else None)
+    declared = dirty is None and commit != "unknown" and not (repo / ".git").exists()
     try:
         affinity: int | None = len(os.sched_getaffinity(0))
     except AttributeError:  # not on macOS
@@ -205,6 +217,7 @@ def stamp(*, written: str | os.PathLike | None = None, repo: Path = REPO) -> dic
         "schema_version": SCHEMA_VERSION,
         "commit": commit,
         "dirty": dirty,
+        **({"commit_declared": True} if declared else {}),
         "host": socket.gethostname(),
         "card": _card(),
         "cpus": {"affinity": affinity, "count": os.cpu_count()},

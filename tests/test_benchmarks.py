@@ -122,6 +122,19 @@ def test_stamp_without_git_is_unknown_even_inside_another_checkout(tmp_path):
     assert (doc["commit"], doc["dirty"]) == ("unknown", None)
 
 
+def test_a_copy_without_git_records_the_commit_its_sender_declares(tmp_path, monkeypatch):
+    repo = _checkout(tmp_path)
+    head = _git(repo, "rev-parse", "HEAD").strip()
+    shutil.rmtree(repo / ".git")
+    monkeypatch.setenv("BENCH_TREE_COMMIT", head)
+    doc = _probe(repo, tmp_path / "declared.json")
+    assert (doc["commit"], doc["dirty"], doc["commit_declared"]) == (head, None, True)
+    monkeypatch.setenv("BENCH_TREE_COMMIT", "not-a-sha; rm -rf /")
+    doc = _probe(repo, tmp_path / "garbage.json")
+    assert (doc["commit"], doc["dirty"]) == ("unknown", None)
+    assert "commit_declared" not in doc
+
+
 @pytest.mark.parametrize(
     ("names", "exit_code", "card"),
     [

@@ -13,11 +13,13 @@ can be traced to its run::
 
 ``commit`` is that of the repository this file lives in. The GPU hosts receive a copy of
 the working tree that may lack ``.git``: then ``commit`` is ``"unknown"`` and ``dirty``
-is ``null`` (never the commit of some enclosing repository the copy happens to sit in),
-unless whoever sent the copy declares its commit in the environment variable
-``BENCH_TREE_COMMIT`` (40 hex digits: the sending checkout's HEAD, sent while
-that checkout was clean): then ``commit`` is that sha, ``dirty`` stays ``null`` and
-``commit_declared`` is ``true``. A checkout with ``.git`` ignores the variable.
+is ``null`` (never the commit of some enclosing repository the copy happens to sit in).
+A copy may also carry a ``.git`` that is not its history (seen: the lent GPU hosts'
+copies hold the session's first commit, with the later work as uncommitted changes). So
+whoever sends a copy declares its commit in the environment variable
+``BENCH_TREE_COMMIT`` (40 hex digits: the sending checkout's HEAD, sent while that
+checkout was clean): then ``commit`` is that sha, ``dirty`` is ``null`` and
+``commit_declared`` is ``true``, whatever git says there.
 ``dirty`` counts tracked changes and untracked files, except result files (under
 ``benchmarks/results/`` and the file being written): an untracked module is code that
 ran, a result written earlier is not.
@@ -126,13 +128,13 @@ TREE_COMMIT_ENV = "BENCH_TREE_COMMIT"
 
 def _commit(repo: Path, written: Path | None) -> tuple[str, bool | None]:
     """(HEAD's sha, dirty) of ``repo``; ("unknown", None) when it is not a git checkout."""
+    declared = os.environ.get(TREE_COMMIT_ENV, "").strip().lower()
+    if re.fullmatch(r"[0-9a-f]{40}", declared):
+        return declared, None
     git = ["git", "-C", str(repo)]
     top = _run_tool([*git, "rev-parse", "--show-toplevel"])
     # A copy without .git inside another checkout would report that checkout's commit.
     if top is None or Path(top.strip()).resolve() != repo.resolve():
-        declared = os.environ.get(TREE_COMMIT_ENV, "").strip().lower()
-        if re.fullmatch(r"[0-9a-f]{40}", declared):
-            return declared, None
         return "unknown", None
     head = _run_tool([*git, "rev-parse", "HEAD"])
     status = _run_tool([*git, "status", "--porcelain", "--untracked-files=all"])
@@ -208,7 +210,7 @@ def stamp(*, written: str | os.PathLike | None = None, repo: Path = REPO) -> dic
         repo: the repository whose commit is recorded (this file's).
     """
     commit, dirty = _commit(repo, Path(written) if written is not None else None)
-    declared = dirty is None and commit != "unknown" and not (repo / ".git").exists()
+    declared = re.fullmatch(r"[0-9a-f]{40}", os.environ.get(TREE_COMMIT_ENV, "").strip().lower())
     try:
         affinity: int | None = len(os.sched_getaffinity(0))
     except AttributeError:  # not on macOS
@@ -217,7 +219,7 @@ def stamp(*, written: str | os.PathLike | None = None, repo: Path = REPO) -> dic
         "schema_version": SCHEMA_VERSION,
         "commit": commit,
         "dirty": dirty,
-        **({"commit_declared": True} if declared else {}),
+        **({"commit_declared": True} if declared is not None else {}),
         "host": socket.gethostname(),
         "card": _card(),
         "cpus": {"affinity": affinity, "count": os.cpu_count()},

@@ -122,9 +122,14 @@ def test_stamp_without_git_is_unknown_even_inside_another_checkout(tmp_path):
     assert (doc["commit"], doc["dirty"]) == ("unknown", None)
 
 
-def test_a_copy_without_git_records_the_commit_its_sender_declares(tmp_path, monkeypatch):
+def test_a_copy_records_the_commit_its_sender_declares(tmp_path, monkeypatch):
     repo = _checkout(tmp_path)
     head = _git(repo, "rev-parse", "HEAD").strip()
+    declared = "ab" * 20
+    # The GPU hosts' copies carry a .git that is not their history: the declaration wins.
+    monkeypatch.setenv("BENCH_TREE_COMMIT", declared)
+    doc = _probe(repo, tmp_path / "over_git.json")
+    assert (doc["commit"], doc["dirty"], doc["commit_declared"]) == (declared, None, True)
     shutil.rmtree(repo / ".git")
     monkeypatch.setenv("BENCH_TREE_COMMIT", head)
     doc = _probe(repo, tmp_path / "declared.json")

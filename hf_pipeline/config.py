@@ -107,7 +107,9 @@ OnMissing = Literal["fail", "skip"]
 #: whole job cannot give; it is for callers of ``dist.ensure_built`` that pass one.
 _CONFIG_SCOPES = tuple(scope for scope in SCOPES if scope != "process")
 
-#: The stores a cache can be published to and pulled from (``hf_pipeline.publish.stores``).
+#: The stores a cache can be published to and pulled from: the schemes of the
+#: ``hf_pipeline.stores`` kinds with a write side (``stores.base.publish_schemes()``; a test
+#: checks they agree). Here because the config is checked before any store is imported.
 PUBLISH_SCHEMES = ("gs://", "hf://datasets/")
 
 

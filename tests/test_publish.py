@@ -26,8 +26,8 @@ from hf_pipeline.publish.manifest import (
     file_digests,
     same_content,
 )
-from hf_pipeline.publish.stores import open_store, parse_location
 from hf_pipeline.publish.upload import publish_cache
+from hf_pipeline.stores import open_store, parse_location
 from hf_pipeline.stores.remote_file import RemoteFile
 from hf_pipeline.stores.staging import checksum_of
 from tests.conftest import PYTHON, REPO, script_env
@@ -71,6 +71,15 @@ def test_parse_location():
     for bad in ("s3://b/p", "gs://", "hf://models/org/repo", "hf://datasets/org", "gs://b/*.x"):
         with pytest.raises(SourceError, match="must look like gs://"):
             parse_location(bad)
+
+
+def test_publish_schemes_are_the_store_kinds():
+    """config checks build.pull_from against PUBLISH_SCHEMES before any store module is
+    imported: a kind of store added in hf_pipeline/stores must be listed there too."""
+    from hf_pipeline.config import PUBLISH_SCHEMES
+    from hf_pipeline.stores.base import publish_schemes
+
+    assert sorted(PUBLISH_SCHEMES) == sorted(publish_schemes())
 
 
 def test_manifest_golden():

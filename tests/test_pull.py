@@ -508,7 +508,7 @@ def test_status_shows_forged_published_names_escaped_and_damaged(source_cache, g
     newline (a forged line in `--status` output), and a cache whose listing holds a
     control character was read on. Both are "damaged", their names escaped."""
     from hf_pipeline.publish.find import list_published
-    from hf_pipeline.publish.stores import open_store
+    from hf_pipeline.stores import open_store
 
     server, url = gcs_exact_store
     fs = gcs_fs(server)

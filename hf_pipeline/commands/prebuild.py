@@ -249,7 +249,7 @@ def _published_status(url: str, cfg) -> int:
 
     from hf_pipeline.cache.layout import STAGES
     from hf_pipeline.publish.find import list_published
-    from hf_pipeline.publish.stores import open_store
+    from hf_pipeline.stores.factory import open_store
 
     rows = list_published(open_store(url, data_config=cfg.data), STAGES)
     if not rows:
@@ -321,7 +321,7 @@ def main(args: argparse.Namespace) -> int:
     from hf_pipeline.build.prepare import prepare_cache
 
     if args.publish:
-        from hf_pipeline.publish.stores import open_store
+        from hf_pipeline.stores.factory import open_store
 
         # A bad URL or a missing bucket fails before the build, not after it.
         open_store(args.publish, data_config=cfg.data).check_location()

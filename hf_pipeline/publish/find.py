@@ -42,7 +42,7 @@ from dist.markers import (
 from dist.safepath import UnsafePathError, check_name, shown
 from hf_pipeline.errors import CacheFormatError
 from hf_pipeline.publish.manifest import MANIFEST_NAME, Manifest
-from hf_pipeline.publish.stores import Store
+from hf_pipeline.stores.base import Store
 from hf_pipeline.stores.fetch_stats import FetchStats
 from hf_pipeline.stores.remote_file import RemoteFile
 from hf_pipeline.stores.staging import StagingFolder, stage_file

@@ -62,7 +62,8 @@ from hf_pipeline.cache.layout import REPORT_NAME, REPORT_STAGE, STAGING_DIR, rea
 from hf_pipeline.errors import CacheFormatError
 from hf_pipeline.publish.find import PublishedCache, find_published, store_checksum_checked
 from hf_pipeline.publish.manifest import MANIFEST_NAME
-from hf_pipeline.publish.stores import Store, open_store
+from hf_pipeline.stores.base import Store
+from hf_pipeline.stores.factory import open_store
 from hf_pipeline.stores.fetch_stats import FetchStats
 from hf_pipeline.stores.remote_file import RemoteFile
 from hf_pipeline.stores.retry import Cancelled, RetryPolicy

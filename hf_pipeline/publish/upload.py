@@ -4,7 +4,7 @@
 every file they list, nothing else (no lease, heartbeat or unpublished folder) — to
 ``URL/<name>-<fingerprint>/`` with a ``manifest.json`` of whole-file checksums
 (:mod:`hf_pipeline.publish.find` has the layout and why the order below is safe;
-:mod:`hf_pipeline.publish.manifest` the manifest; :mod:`hf_pipeline.publish.stores` the stores):
+:mod:`hf_pipeline.publish.manifest` the manifest; :mod:`hf_pipeline.stores` the stores):
 
 * GCS: data files in parallel, then the manifest, then the markers (earlier stages
   first); each object is verified after upload (its crc32c against the local file's);
@@ -43,7 +43,8 @@ from hf_pipeline.publish.manifest import (
     new_manifest,
     same_content,
 )
-from hf_pipeline.publish.stores import Upload, open_store
+from hf_pipeline.stores.base import Upload
+from hf_pipeline.stores.factory import open_store
 from hf_pipeline.stores.fetch_stats import FetchStats
 from hf_pipeline.stores.retry import RetryPolicy
 from hf_pipeline.stores.staging import StagingFolder, stage_file

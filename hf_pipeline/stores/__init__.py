@@ -1,4 +1,5 @@
-"""Where raw files live: a local folder/glob, ``hf://datasets/...`` or ``gs://...``.
+"""The storage backends: where raw files live (a local folder/glob, ``hf://datasets/...``
+or ``gs://...``) and where caches are published (``gs://...``, ``hf://datasets/...``).
 
 One interface, :class:`Source`, from :func:`open_source`::
 
@@ -8,15 +9,23 @@ One interface, :class:`Source`, from :func:`open_source`::
     fingerprint_inputs = src.identity()  # [(name, size, etag)]
     meta_path = src.fetch_one(meta)      # local verified copy
 
-One module per kind of store, on one base:
+and, for publishing, one interface, :class:`Store`, from :func:`open_store`::
 
-* :mod:`~hf_pipeline.stores.base`: the :class:`Source` interface (the hooks a kind
-  implements are listed there), listing rules, :func:`natural_key`.
-* :mod:`~hf_pipeline.stores.local`: :class:`LocalSource` (read in place).
-* :mod:`~hf_pipeline.stores.gcs`: :class:`GCSSource` (gcsfs).
-* :mod:`~hf_pipeline.stores.hub`: :class:`HubSource` (huggingface_hub) and
-  :func:`resolve_hub_commit`.
-* :mod:`~hf_pipeline.stores.factory`: :func:`open_source` (with the local mirror).
+    store = open_store("gs://bucket/caches", data_config=cfg.data)
+    store.list_files(cache_name)         # {rel: RemoteFile}
+    store.upload(cache_name, data, tail, workers=8)
+
+One module per kind of store, with both its read and its write side, on one base:
+
+* :mod:`~hf_pipeline.stores.base`: the :class:`Source` and :class:`Store` interfaces
+  (the hooks a kind implements are listed there), listing rules, :func:`natural_key`,
+  and the scheme lookups (:func:`make_source`, :func:`store_class`).
+* :mod:`~hf_pipeline.stores.local`: :class:`LocalSource` (read in place; no write side).
+* :mod:`~hf_pipeline.stores.gcs`: :class:`GCSSource`, :class:`GCSStore` (gcsfs).
+* :mod:`~hf_pipeline.stores.hub`: :class:`HubSource`, :class:`HubStore`
+  (huggingface_hub) and :func:`resolve_hub_commit`.
+* :mod:`~hf_pipeline.stores.factory`: :func:`open_source` (with the local mirror) and
+  :func:`open_store`.
 
 Shard bytes are fetched through :mod:`hf_pipeline.stores.fetch` (``ShardFetcher`` in the
 parent, ``StagingClient`` in ``datasets.map`` workers), which stages them with
@@ -29,23 +38,40 @@ Environment (read at call time, through :mod:`hf_pipeline.config`):
 ``HF_HUB_CACHE``/``HF_HOME``.
 """
 
-# Every kind is imported here, so that make_source knows them all whichever module
-# of the package is imported first.
-from hf_pipeline.stores.base import Source, make_source, natural_key
-from hf_pipeline.stores.factory import open_source
-from hf_pipeline.stores.gcs import GCSSource
-from hf_pipeline.stores.hub import HubSource, resolve_hub_commit
+# Every kind is imported here (one line each: the dispatch), so that make_source and
+# store_class know them all whichever module of the package is imported first.
+from hf_pipeline.stores.base import (
+    PublishLocation,
+    Source,
+    Store,
+    Upload,
+    make_source,
+    natural_key,
+    parse_location,
+    store_class,
+)
+from hf_pipeline.stores.factory import open_source, open_store
+from hf_pipeline.stores.gcs import GCSSource, GCSStore
+from hf_pipeline.stores.hub import HubSource, HubStore, resolve_hub_commit
 from hf_pipeline.stores.local import LocalSource
 from hf_pipeline.stores.remote_file import RemoteFile
 
 __all__ = [
     "GCSSource",
+    "GCSStore",
     "HubSource",
+    "HubStore",
     "LocalSource",
+    "PublishLocation",
     "RemoteFile",
     "Source",
+    "Store",
+    "Upload",
     "make_source",
     "natural_key",
     "open_source",
+    "open_store",
+    "parse_location",
     "resolve_hub_commit",
+    "store_class",
 ]

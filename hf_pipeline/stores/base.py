@@ -1,5 +1,6 @@
-"""The :class:`Source` interface every kind of store implements, and its shared logic.
+"""The two interfaces a kind of store implements, and their shared logic.
 
+:class:`Source` is the read side (shard inputs, and the bytes of a published cache).
 What all kinds share lives here: the shard listing rules (natural order, names that
 must be row ranges, missing shards under ``data.on_missing``), metadata discovery,
 sibling sources for a metadata file in another store, and the staging of a file that
@@ -7,24 +8,30 @@ cannot be read in place. A kind (:mod:`~hf_pipeline.stores.local`,
 :mod:`~hf_pipeline.stores.gcs`, :mod:`~hf_pipeline.stores.hub`) implements the hooks
 listed in :class:`Source` and declares the URL scheme it serves; :func:`make_source`
 picks the kind for a location.
+
+:class:`Store` is the write side: a :class:`PublishLocation` where caches are published
+(listing and :meth:`Store.upload`). A kind that can hold published caches subclasses it
+in the same module, with the scheme of its locations; :func:`store_class` picks it.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import fnmatch
 import hashlib
 import logging
 import os
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from dist.safepath import UnsafePathError, check_relpath
 from hf_pipeline.cache.layout import STAGING_DIR
 from hf_pipeline.config import default_cache_root
-from hf_pipeline.errors import SourceError
+from hf_pipeline.errors import CacheFormatError, SourceError
 from hf_pipeline.stores.fetch_stats import FetchStats
 from hf_pipeline.stores.remote_file import RemoteFile
 from hf_pipeline.stores.retry import Cancelled, RetryPolicy
@@ -32,15 +39,22 @@ from hf_pipeline.stores.staging import StagingFolder, stage_file
 
 if TYPE_CHECKING:  # pragma: no cover
     from hf_pipeline.config import DataConfig
+    from hf_pipeline.publish.manifest import ManifestEntry
 
 __all__ = [
     "GLOB_CHARS",
     "SHARD_SUFFIX",
+    "PublishLocation",
     "Source",
+    "Store",
+    "Upload",
     "filter_by_glob",
     "make_source",
     "natural_key",
+    "parse_location",
+    "publish_schemes",
     "split_name_glob",
+    "store_class",
 ]
 
 logger = logging.getLogger(__name__)
@@ -434,3 +448,176 @@ def make_source(location: str, **kw: Any) -> Source:
         )
     # The package's __init__ imports every kind, so plain paths always have one.
     return _KINDS[""](location, **kw)
+
+
+# --------------------------------------------------------------- the write side
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PublishLocation:
+    """Where published caches live.
+
+    Attributes:
+        url: the location, without a trailing slash.
+        kind: the store (its :attr:`Store.kind`).
+        path: GCS: ``bucket[/prefix]``; the Hub: the folder in the repository ("" for
+            its root).
+        repo_id: the Hub repository (``org/name``); "" for GCS.
+        revision: the Hub branch published to and read from (``main``); "" for GCS.
+    """
+
+    url: str
+    kind: str
+    path: str
+    repo_id: str = ""
+    revision: str = ""
+
+    def cache_url(self, cache_name: str, rel: str = "") -> str:
+        """The URL of cache folder ``cache_name`` (or of ``rel`` inside it)."""
+        return f"{self.url}/{cache_name}" + (f"/{rel}" if rel else "")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Upload:
+    """One file to publish.
+
+    Attributes:
+        rel: path relative to the cache folder.
+        local: the local file, or its bytes.
+        entry: its digests (:func:`~hf_pipeline.publish.manifest.file_digests`).
+    """
+
+    rel: str
+    local: Path | bytes
+    entry: ManifestEntry
+
+
+#: URL scheme of a publish location ("gs://", "hf://datasets/") -> the kind serving it.
+_STORES: dict[str, type[Store]] = {}
+
+
+class Store(abc.ABC):
+    """The store of one :class:`PublishLocation`, through its own client library.
+
+    A kind subclasses with the scheme of its locations (``class GCSStore(Store,
+    scheme="gs://")``) and implements :meth:`parse_location`, :meth:`source_location`,
+    :meth:`_list_files`, :meth:`list_cache_names` and :meth:`upload` (and
+    :meth:`check_location` if the location can be checked before a build).
+
+    Every call goes through :func:`~hf_pipeline.stores.retry.with_retries`. Thread-safe for
+    listing and reading; one :meth:`upload` at a time.
+
+    Attributes:
+        location: where.
+        policy: retries and per-file timeout.
+        source: reads files by range (:func:`~hf_pipeline.stores.staging.stage_file`'s reader).
+    """
+
+    kind: ClassVar[str] = ""
+    #: The form of a location, for the error that names the accepted ones.
+    location_form: ClassVar[str] = ""
+
+    def __init_subclass__(cls, *, scheme: str | None = None, **kw: Any):
+        super().__init_subclass__(**kw)
+        if scheme is not None:
+            _STORES[scheme] = cls
+
+    def __init__(self, location: PublishLocation, source: Source, policy: RetryPolicy):
+        self.location = location
+        self.source = source
+        self.policy = policy
+
+    @classmethod
+    @abc.abstractmethod
+    def parse_location(cls, url: str) -> PublishLocation | None:
+        """The location ``url`` (which starts with this kind's scheme, and has no trailing
+        slash) names, or None when it is malformed."""
+
+    @classmethod
+    @abc.abstractmethod
+    def source_location(cls, location: PublishLocation) -> str:
+        """The location of the :class:`Source` that reads this store's files."""
+
+    def check_location(self) -> None:  # noqa: B027 - a store without a check: nothing to do
+        """Raise :class:`SourceError` if the location cannot hold caches (GCS: no such
+        bucket), before a build whose publish or pull would fail on it."""
+
+    def list_files(self, cache_name: str) -> dict[str, RemoteFile]:
+        """Every file under cache folder ``cache_name``, by path relative to it ({} when
+        there is no such folder). Zero-byte objects named ``<folder>/`` (folder
+        placeholders) are left out.
+
+        Raises:
+            CacheFormatError: the store lists a path that is not a plain relative path
+                (``a//b``, ``..``, a newline...: :func:`dist.safepath.check_relpath`);
+                someone wrote it there, and no file of a cache has such a name.
+        """
+        listing = {
+            rel: file
+            for rel, file in self._list_files(cache_name).items()
+            # A zero-byte "<folder>/" object is what the GCS console's "Create folder"
+            # makes: a folder placeholder, no file of the cache. Only empty ones: bytes
+            # under such a name are still refused below.
+            if not ((rel == "" or rel.endswith("/")) and file.size == 0)
+        }
+        for rel in listing:
+            try:
+                check_relpath(rel)
+            except UnsafePathError as e:
+                raise CacheFormatError(self.location.cache_url(cache_name), str(e)) from None
+        return listing
+
+    @abc.abstractmethod
+    def _list_files(self, cache_name: str) -> dict[str, RemoteFile]:
+        """:meth:`list_files`, unchecked."""
+
+    @abc.abstractmethod
+    def list_cache_names(self) -> list[str]:
+        """The folders directly under the location (sorted)."""
+
+    @abc.abstractmethod
+    def upload(
+        self, cache_name: str, data: Sequence[Upload], tail: Sequence[Upload], *, workers: int
+    ) -> None:
+        """Upload ``data`` (any order, in parallel), then ``tail`` in its order, into
+        cache folder ``cache_name``; every upload is verified against its digests."""
+
+
+def publish_schemes() -> tuple[str, ...]:
+    """The schemes of the kinds caches can be published to (``config.PUBLISH_SCHEMES``
+    must list the same: a test checks)."""
+    return tuple(_STORES)
+
+
+def store_class(url: str) -> type[Store]:
+    """The kind of :class:`Store` serving publish location ``url``; no I/O.
+
+    Raises:
+        SourceError: a scheme no kind of store serves.
+    """
+    for scheme, cls in _STORES.items():
+        if url.startswith(scheme):
+            return cls
+    raise _not_a_location(url)
+
+
+def parse_location(url: str) -> PublishLocation:
+    """Parse a publish location (``gs://<bucket>[/<prefix>]``,
+    ``hf://datasets/<org>/<repo>[@<rev>][/<path>]``, ...: one form per kind of store).
+
+    Raises:
+        SourceError: any other form.
+    """
+    url = url.strip().rstrip("/")
+    location = store_class(url).parse_location(url)
+    if location is None:
+        raise _not_a_location(url)
+    return location
+
+
+def _not_a_location(url: str) -> SourceError:
+    forms = " or ".join(cls.location_form for cls in _STORES.values())
+    return SourceError(
+        url,
+        f"a place to publish caches must look like {forms} (one of {', '.join(publish_schemes())})",
+    )

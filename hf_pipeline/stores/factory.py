@@ -1,20 +1,37 @@
-"""Opening a shard location: the right kind of source, or the local mirror."""
+"""Opening a location: a shard location's source (or the local mirror), a publish
+location's store.
+
+Which kind serves a URL is decided by its scheme, which each kind declares on its class
+(``class GCSSource(Source, scheme="gs://")``, ``class GCSStore(Store, scheme="gs://")``)
+and :func:`~hf_pipeline.stores.base.make_source` /
+:func:`~hf_pipeline.stores.base.store_class` look up; :mod:`hf_pipeline.stores` imports
+every kind's module, so each is known whichever module is imported first.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hf_pipeline.errors import StoreUnreachableError
-from hf_pipeline.stores.base import Source, make_source
+from hf_pipeline.stores.base import (
+    PublishLocation,
+    Source,
+    Store,
+    make_source,
+    parse_location,
+    store_class,
+)
 from hf_pipeline.stores.local import LocalSource
+from hf_pipeline.stores.retry import RetryPolicy
 
 if TYPE_CHECKING:  # pragma: no cover
     from hf_pipeline.config import DataConfig
-    from hf_pipeline.stores.retry import RetryPolicy
 
-__all__ = ["open_source"]
+__all__ = ["open_source", "open_store"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,3 +77,24 @@ def open_source(
         local.fetch_stats = src.fetch_stats  # the retries that led here are reported too
         return local
     return src
+
+
+def open_store(
+    url: str | PublishLocation, *, data_config: DataConfig, policy: RetryPolicy | None = None
+) -> Store:
+    """The :class:`~hf_pipeline.stores.base.Store` of a publish location; no I/O yet.
+
+    Raises:
+        SourceError: a malformed URL, or a scheme no kind of store serves.
+    """
+    location = url if isinstance(url, PublishLocation) else parse_location(url)
+    cls = store_class(location.url)
+    policy = policy or RetryPolicy.from_config(data_config)
+    # The source only reads (by range); it never stages into its own folder here.
+    source = make_source(
+        cls.source_location(location),
+        data_config=data_config,
+        policy=policy,
+        staging_dir=Path(tempfile.gettempdir()),
+    )
+    return cls(location, source, policy)

@@ -1,4 +1,6 @@
-"""``gs://bucket/prefix``: objects directly under a prefix, listed and read with gcsfs.
+"""``gs://bucket/prefix``, through gcsfs: :class:`GCSSource` lists and reads the objects
+directly under a prefix; :class:`GCSStore` publishes caches there (object by object, each
+read back and checked).
 
 Environment (read at call time through :mod:`hf_pipeline.config`):
 ``STORAGE_EMULATOR_HOST`` points at a GCS emulator (anonymous access).
@@ -8,16 +10,24 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hf_pipeline.config import gcs_emulator_host
 from hf_pipeline.errors import SourceError
-from hf_pipeline.stores.base import Source, filter_by_glob, split_name_glob
+from hf_pipeline.stores.base import (
+    PublishLocation,
+    Source,
+    Store,
+    Upload,
+    filter_by_glob,
+    split_name_glob,
+)
 from hf_pipeline.stores.remote_file import RemoteFile
-from hf_pipeline.stores.retry import Cancelled, check_deadline, with_retries
+from hf_pipeline.stores.retry import Cancelled, TransientError, check_deadline, with_retries
 from hf_pipeline.stores.staging import READ_CHUNK
 
-__all__ = ["GCSSource"]
+__all__ = ["GCSSource", "GCSStore"]
 
 
 def _gcsfs_class():
@@ -184,3 +194,106 @@ class GCSSource(Source, scheme="gs://"):
                 raise ConnectionError(f"empty body at offset {pos}")
             pos += len(block)
             yield block
+
+
+class GCSStore(Store, scheme="gs://"):
+    """Published caches under ``gs://<bucket>[/<prefix>]``: each file an object, uploaded
+    and read back (its crc32c checked) one by one; the tail in order, so the last stage
+    marker appears last."""
+
+    source: GCSSource
+    kind = "gcs"
+    location_form = "gs://<bucket>[/<prefix>]"
+
+    @classmethod
+    def parse_location(cls, url: str) -> PublishLocation | None:
+        path = url[len("gs://") :].strip("/")
+        if not path or "*" in path or "?" in path or "[" in path:
+            return None  # a bucket is needed, and a glob names no single place
+        return PublishLocation(url=f"gs://{path}", kind=cls.kind, path=path)
+
+    @classmethod
+    def source_location(cls, location: PublishLocation) -> str:
+        return location.url
+
+    def _fs(self):
+        return self.source.filesystem()
+
+    def _prefix(self, cache_name: str) -> str:
+        return f"{self.location.path}/{cache_name}"
+
+    def check_location(self) -> None:
+        bucket = self.location.path.split("/", 1)[0]
+        if not with_retries(f"gs://{bucket}", lambda: self._fs().exists(bucket), self.policy):
+            # gcsfs says "FileNotFoundError: b/<bucket>/o" for every path in it.
+            raise SourceError(self.location.url, f"no such bucket gs://{bucket}")
+
+    def _list_files(self, cache_name: str) -> dict[str, RemoteFile]:
+        prefix = self._prefix(cache_name)
+
+        def find():
+            fs = self._fs()
+            fs.invalidate_cache(prefix)  # gcsfs keeps listings; a store changes under us
+            try:
+                return fs.find(prefix, detail=True, withdirs=False)
+            except FileNotFoundError:  # no such bucket (a missing prefix lists empty)
+                return {}
+
+        found = with_retries(f"gs://{prefix}", find, self.policy)
+        if not found:
+            self.check_location()  # nothing there: say so when the bucket is missing
+        return {
+            name[len(prefix) + 1 :]: self.source.describe(info)
+            for name, info in found.items()
+            if name.startswith(prefix + "/") and info.get("type") == "file"
+        }
+
+    def list_cache_names(self) -> list[str]:
+        path = self.location.path
+
+        def ls():
+            try:
+                return self._fs().ls(path, detail=True, refresh=True)
+            except FileNotFoundError:
+                return []  # an empty prefix: nothing published yet
+
+        entries = with_retries(self.location.url, ls, self.policy)
+        if not entries:
+            self.check_location()  # a missing bucket is not "nothing published yet"
+        return sorted(
+            e["name"].rstrip("/").rsplit("/", 1)[-1]
+            for e in entries
+            if e.get("type") == "directory"
+        )
+
+    def _put(self, cache_name: str, item: Upload) -> None:
+        # Imported here: publish.manifest imports this package's leaf modules, so a
+        # module-level import would run into it half-initialised.
+        from hf_pipeline.publish.manifest import same_content
+
+        path = f"{self._prefix(cache_name)}/{item.rel}"
+        fs = self._fs()
+
+        def attempt():
+            if isinstance(item.local, bytes):
+                fs.pipe_file(path, item.local)
+            else:
+                fs.put_file(str(item.local), path)
+            got = self.source.describe(fs.info(path, refresh=True))
+            if not same_content(got, item.entry, item.local):
+                raise TransientError(
+                    f"after upload the store holds {got.size} bytes ({got.checksum}), "
+                    f"expected {item.entry.size} (crc32c:{item.entry.crc32c})"
+                )
+
+        with_retries(f"gs://{path}", attempt, self.policy)
+
+    def upload(self, cache_name, data, tail, *, workers):
+        if data:
+            with ThreadPoolExecutor(
+                max(1, min(workers, len(data))), thread_name_prefix="hf_pipeline-publish"
+            ) as pool:
+                # list(): re-raise the first failure here (never dropped with its future).
+                list(pool.map(lambda item: self._put(cache_name, item), data))
+        for item in tail:  # in order: the last marker is what makes the folder a cache
+            self._put(cache_name, item)

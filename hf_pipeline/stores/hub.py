@@ -1,4 +1,6 @@
-"""``hf://datasets/<org>/<repo>[@<revision>]/<folder>``, through huggingface_hub.
+"""``hf://datasets/<org>/<repo>[@<revision>]/<folder>``, through huggingface_hub:
+:class:`HubSource` lists and reads files; :class:`HubStore` publishes caches there (one
+``create_commit`` per cache, atomic).
 
 Also :func:`resolve_hub_commit`, the one rule for turning a Hub revision into a commit
 (used for datasets here and for the text encoder's model in :mod:`hf_pipeline.encoder.model`).
@@ -27,7 +29,13 @@ from dist.safepath import UnsafePathError, check_relpath
 from hf_pipeline.cache.layout import HUB_LISTINGS_DIR
 from hf_pipeline.config import default_cache_root, hub_cache_dir, hub_endpoint, hub_offline
 from hf_pipeline.errors import SourceError, StoreUnreachableError
-from hf_pipeline.stores.base import Source, filter_by_glob, split_name_glob
+from hf_pipeline.stores.base import (
+    PublishLocation,
+    Source,
+    Store,
+    filter_by_glob,
+    split_name_glob,
+)
 from hf_pipeline.stores.remote_file import RemoteFile
 from hf_pipeline.stores.retry import (
     Cancelled,
@@ -39,7 +47,7 @@ from hf_pipeline.stores.retry import (
 )
 from hf_pipeline.stores.staging import checksum_of
 
-__all__ = ["HubSource", "resolve_hub_commit"]
+__all__ = ["HubSource", "HubStore", "resolve_hub_commit"]
 
 logger = logging.getLogger(__name__)
 
@@ -436,3 +444,103 @@ class HubSource(Source, scheme="hf://"):
                     block, skip = block[cut:], skip - cut
                 if block:
                     yield block
+
+
+class HubStore(Store, scheme="hf://datasets/"):
+    """Published caches in a Hub dataset repository's folder; one ``create_commit`` per
+    cache, so a cache appears whole or not at all."""
+
+    source: HubSource
+    kind = "hub"
+    location_form = "hf://datasets/<org>/<repo>[@<branch>][/<path>]"
+
+    @classmethod
+    def parse_location(cls, url: str) -> PublishLocation | None:
+        parts = [p for p in url[len("hf://datasets/") :].split("/") if p]
+        if len(parts) < 2:
+            return None
+        name, _, rev = parts[1].partition("@")
+        if not name:
+            return None
+        return PublishLocation(
+            url=url,
+            kind=cls.kind,
+            path="/".join(parts[2:]),
+            repo_id=f"{parts[0]}/{name}",
+            revision=unquote(rev) if rev else "main",
+        )
+
+    @classmethod
+    def source_location(cls, location: PublishLocation) -> str:
+        return f"hf://datasets/{location.repo_id}@{location.revision}"
+
+    def _api(self):
+        from huggingface_hub import HfApi
+
+        return HfApi(endpoint=hub_endpoint())
+
+    def _folder(self, cache_name: str = "") -> str:
+        return "/".join(p for p in (self.location.path, cache_name) if p)
+
+    def _tree(self, folder: str, *, recursive: bool) -> list[Any]:
+        def list_tree():
+            return list(
+                self._api().list_repo_tree(
+                    self.location.repo_id,
+                    folder or None,
+                    revision=self.source.commit,
+                    repo_type="dataset",
+                    recursive=recursive,
+                )
+            )
+
+        try:
+            return with_retries(self.location.cache_url(folder), list_tree, self.policy)
+        except SourceError as err:
+            if type(err.__cause__).__name__ in ("EntryNotFoundError", "RemoteEntryNotFoundError"):
+                return []  # no such folder: nothing published there
+            raise
+
+    def _list_files(self, cache_name: str) -> dict[str, RemoteFile]:
+        folder = self._folder(cache_name)
+        return {
+            e.path[len(folder) + 1 :]: self.source.describe(e)
+            for e in self._tree(folder, recursive=True)
+            if hasattr(e, "blob_id") and e.path.startswith(folder + "/")
+        }
+
+    def list_cache_names(self) -> list[str]:
+        return sorted(
+            e.path.rsplit("/", 1)[-1]
+            for e in self._tree(self._folder(), recursive=False)
+            if not hasattr(e, "blob_id")
+        )
+
+    def upload(self, cache_name, data, tail, *, workers):
+        from huggingface_hub import CommitOperationAdd
+
+        items = [*data, *tail]
+        if not items:
+            return
+        folder = self._folder(cache_name)
+
+        def commit():
+            ops = []
+            for item in items:
+                local = item.local if isinstance(item.local, bytes) else str(item.local)
+                op = CommitOperationAdd(path_in_repo=f"{folder}/{item.rel}", path_or_fileobj=local)
+                if item.entry.sha256:
+                    op.upload_info.sha256 = bytes.fromhex(item.entry.sha256)  # hashed once
+                ops.append(op)
+            # One commit: the cache appears whole or not at all. A retry after a lost
+            # answer finds the files there and commits nothing twice.
+            return self._api().create_commit(
+                self.location.repo_id,
+                ops,
+                commit_message=f"hf_pipeline: publish {cache_name}",
+                repo_type="dataset",
+                revision=self.location.revision,
+                num_threads=max(1, workers),
+            )
+
+        with_retries(self.location.cache_url(cache_name), commit, self.policy)

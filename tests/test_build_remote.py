@@ -382,3 +382,33 @@ def test_a_want_answered_before_the_scan_is_not_a_second_request(gcs_env, tmp_pa
             assert pf.wait_idle(timeout=30)
         assert {f.name: proxy.count(f.name) for f in files} == {f.name: 1 for f in files}
     assert not list((tmp_path / "staging").glob("*.pt"))
+
+
+def test_a_gcs_reupload_of_the_same_bytes_is_the_same_cache(gcs_env, bucket, demo, tmp_path):
+    """The identity of an object is its content (md5), not its generation: the same
+    bytes uploaded again find the same cache; other bytes do not."""
+    from dist.env import detect
+    from hf_pipeline.build.prepare import job_identity
+
+    one = detect(rank=0, world_size=1, local_rank=0, local_world_size=1)
+    cfg = _cfg(tmp_path, f"gs://{bucket}/{PREFIX}", metadata=f"gs://{bucket}/{META}")
+    inputs, fingerprint = job_identity(cfg, one)
+    fs = gcs_fs(gcs_env)
+    for p in demo.shard_paths:
+        fs.put_file(str(p), f"{bucket}/{PREFIX}/{p.name}")
+    fs.put_file(str(demo.metadata_path), f"{bucket}/{META}")
+    again, fp_again = job_identity(cfg, one)
+    assert fp_again == fingerprint
+    assert all(a.version != b.version for a, b in zip(again.shards, inputs.shards, strict=True))
+    # One changed byte in another bucket's copy: another fingerprint.
+    other = f"{bucket}-x"
+    fs.mkdir(other)
+    for p in demo.shard_paths:
+        fs.put_file(str(p), f"{other}/{PREFIX}/{p.name}")
+    raw = bytearray(Path(demo.metadata_path).read_bytes())
+    raw[100] ^= 1
+    changed = tmp_path / "meta.parquet"
+    changed.write_bytes(bytes(raw))
+    fs.put_file(str(changed), f"{other}/{META}")
+    cfg_other = _cfg(tmp_path, f"gs://{other}/{PREFIX}", metadata=f"gs://{other}/{META}")
+    assert job_identity(cfg_other, one)[1] != fingerprint

@@ -412,3 +412,22 @@ def test_a_gcs_reupload_of_the_same_bytes_is_the_same_cache(gcs_env, bucket, dem
     fs.put_file(str(changed), f"{other}/{META}")
     cfg_other = _cfg(tmp_path, f"gs://{other}/{PREFIX}", metadata=f"gs://{other}/{META}")
     assert job_identity(cfg_other, one)[1] != fingerprint
+
+
+def test_a_hub_commit_that_leaves_the_shards_alone_is_the_same_cache(hub, demo, tmp_path):
+    """A Hub file's identity is its content (LFS sha256 or git blob id), not the commit:
+    a new commit that only edits the README keeps the fingerprint."""
+    from dist.env import detect
+    from hf_pipeline.build.prepare import job_identity
+
+    one = detect(rank=0, world_size=1, local_rank=0, local_world_size=1)
+    location = f"hf://datasets/{HUB_REPO}/latents-3crop"
+    cfg = _cfg(tmp_path, location, metadata=f"hf://datasets/{HUB_REPO}/coyo11m-meta.parquet")
+    inputs, fingerprint = job_identity(cfg, one)
+    files = {f"latents-3crop/{p.name}": p.read_bytes() for p in demo.shard_paths}
+    files["coyo11m-meta.parquet"] = demo.metadata_path.read_bytes()
+    files["README.md"] = b"# edited\n"
+    second = hub.add_commit(HUB_REPO, files)
+    moved, fp_moved = job_identity(cfg, one)
+    assert second in moved.shards[0].url and second not in inputs.shards[0].url
+    assert fp_moved == fingerprint

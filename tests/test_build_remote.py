@@ -382,3 +382,52 @@ def test_a_want_answered_before_the_scan_is_not_a_second_request(gcs_env, tmp_pa
             assert pf.wait_idle(timeout=30)
         assert {f.name: proxy.count(f.name) for f in files} == {f.name: 1 for f in files}
     assert not list((tmp_path / "staging").glob("*.pt"))
+
+
+def test_a_gcs_reupload_of_the_same_bytes_is_the_same_cache(gcs_env, bucket, demo, tmp_path):
+    """The identity of an object is its content (md5), not its generation: the same
+    bytes uploaded again find the same cache; other bytes do not."""
+    from dist.env import detect
+    from hf_pipeline.build.prepare import job_identity
+
+    one = detect(rank=0, world_size=1, local_rank=0, local_world_size=1)
+    cfg = _cfg(tmp_path, f"gs://{bucket}/{PREFIX}", metadata=f"gs://{bucket}/{META}")
+    inputs, fingerprint = job_identity(cfg, one)
+    fs = gcs_fs(gcs_env)
+    for p in demo.shard_paths:
+        fs.put_file(str(p), f"{bucket}/{PREFIX}/{p.name}")
+    fs.put_file(str(demo.metadata_path), f"{bucket}/{META}")
+    again, fp_again = job_identity(cfg, one)
+    assert fp_again == fingerprint
+    assert all(a.version != b.version for a, b in zip(again.shards, inputs.shards, strict=True))
+    # One changed byte in another bucket's copy: another fingerprint.
+    other = f"{bucket}-x"
+    fs.mkdir(other)
+    for p in demo.shard_paths:
+        fs.put_file(str(p), f"{other}/{PREFIX}/{p.name}")
+    raw = bytearray(Path(demo.metadata_path).read_bytes())
+    raw[100] ^= 1
+    changed = tmp_path / "meta.parquet"
+    changed.write_bytes(bytes(raw))
+    fs.put_file(str(changed), f"{other}/{META}")
+    cfg_other = _cfg(tmp_path, f"gs://{other}/{PREFIX}", metadata=f"gs://{other}/{META}")
+    assert job_identity(cfg_other, one)[1] != fingerprint
+
+
+def test_a_hub_commit_that_leaves_the_shards_alone_is_the_same_cache(hub, demo, tmp_path):
+    """A Hub file's identity is its content (LFS sha256 or git blob id), not the commit:
+    a new commit that only edits the README keeps the fingerprint."""
+    from dist.env import detect
+    from hf_pipeline.build.prepare import job_identity
+
+    one = detect(rank=0, world_size=1, local_rank=0, local_world_size=1)
+    location = f"hf://datasets/{HUB_REPO}/latents-3crop"
+    cfg = _cfg(tmp_path, location, metadata=f"hf://datasets/{HUB_REPO}/coyo11m-meta.parquet")
+    inputs, fingerprint = job_identity(cfg, one)
+    files = {f"latents-3crop/{p.name}": p.read_bytes() for p in demo.shard_paths}
+    files["coyo11m-meta.parquet"] = demo.metadata_path.read_bytes()
+    files["README.md"] = b"# edited\n"
+    second = hub.add_commit(HUB_REPO, files)
+    moved, fp_moved = job_identity(cfg, one)
+    assert second in moved.shards[0].url and second not in inputs.shards[0].url
+    assert fp_moved == fingerprint

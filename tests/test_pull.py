@@ -777,3 +777,55 @@ def test_status_url_escapes_forged_text(source_cache, gcs_store):
     _tamper_json(fs, f"{base}/converted.json", lambda m: json.dumps({**m, "lease_id": forged}))
     out = _status_of(source_cache, url, env)
     assert "\x1b" not in out and not any(x.startswith("demo-ffff") for x in out.splitlines())
+
+
+def test_pull_links_the_files_a_local_cache_already_has(source_cache, gcs_store, tmp_path, caplog):
+    """Content-addressed pull: a file whose published size and whole-file checksum a
+    complete cache under the same root already lists is hard-linked, not downloaded;
+    a local copy that does not check out (a changed byte) is not used, nor a cache whose
+    files are symlinks (to the very bytes): those files are downloaded. The pulled cache
+    is the published one, byte for byte, and its markers say what was linked and what
+    fetched."""
+    server, url = gcs_store
+    src = source_cache.result
+    publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
+    root = tmp_path / "cache"
+    root.mkdir()
+    other = root / f"other-{src.fingerprint}"  # another complete cache of the same files
+    shutil.copytree(src.cache_dir, other, symlinks=True)
+    conv = read_json(other / marker_name("converted"))["files"]
+    big, second = sorted(conv, key=lambda f: -f["size"])[:2]
+    data = bytearray((other / big["path"]).read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, same first/last MiB: only the whole hash differs
+    (other / big["path"]).write_bytes(bytes(data))
+    # A cache whose copy of that file is a symlink to the right bytes: never followed.
+    links = root / f"links-{src.fingerprint}"
+    shutil.copytree(src.cache_dir, links, symlinks=True)
+    (links / big["path"]).unlink()
+    (links / big["path"]).symlink_to(Path(src.cache_dir) / big["path"])
+
+    with caplog.at_level(logging.WARNING, logger="hf_pipeline"):
+        res = prepare_cache(
+            config(source_cache.data, root, f"build.pull_from={url}"), progress=False
+        )
+    assert res.pulled and not res.built and res.fingerprint == src.fingerprint
+    assert tree(res) == tree(src)
+    got = {s: read_json(Path(res.cache_dir) / marker_name(s))["info"][PULLED_FROM] for s in STAGES}
+    c = got["converted"]
+    assert (c["linked_files"], c["fetched_files"]) == (len(conv) - 1, 1)
+    assert c["linked_bytes"] == sum(f["size"] for f in conv) - big["size"]
+    assert c["fetched_bytes"] == big["size"]
+    n_filtered = len(read_json(other / marker_name("filtered"))["files"])
+    assert (got["filtered"]["linked_files"], got["filtered"]["fetched_files"]) == (n_filtered, 0)
+    assert got["filtered"]["fetched_bytes"] == 0
+    mine = read_json(Path(res.cache_dir) / marker_name("converted"))["directory"]
+
+    def placed(f):
+        return os.stat(Path(res.cache_dir) / mine / f["path"].split("/", 1)[1]).st_ino
+
+    assert placed(second) == os.stat(other / second["path"]).st_ino  # linked, not copied
+    assert placed(big) not in {
+        os.stat(other / big["path"]).st_ino, os.stat(Path(src.cache_dir) / big["path"]).st_ino
+    }  # fmt: skip
+    warned = [r.getMessage() for r in caplog.records if "local copy" in r.getMessage()]
+    assert len(warned) == 1 and big["path"] in warned[0] and "xxh3_128" in warned[0], warned

@@ -67,6 +67,7 @@ from hf_pipeline.workers.pool import check_not_bootstrapping, clean_workers, qui
 if TYPE_CHECKING:  # pragma: no cover
     from hf_pipeline.demo.generate import DemoData
     from hf_pipeline.stores import Source
+    from hf_pipeline.stores.identity import HashStats, StatKey
 
 __all__ = [
     "BuildResult",
@@ -90,12 +91,15 @@ class Inputs:
         shards: the shard files, in build order.
         metadata: the caption parquet.
         demo: the generated demo data when ``data.shards`` is ``demo``.
+        hashing: what finding the local inputs' content identities cost
+            (:class:`hf_pipeline.stores.identity.HashStats`; None: no local input).
     """
 
     source: Source
     shards: list[RemoteFile]
     metadata: RemoteFile
     demo: DemoData | None = None
+    hashing: HashStats | None = None
 
     def staged_in(self, staging_dir: str | os.PathLike) -> Inputs:
         """The same inputs, downloading into ``staging_dir``."""
@@ -117,6 +121,8 @@ class BuildResult:
         stage_dirs: the published folder of each stage, from the markers.
         pulled: True when this process downloaded a stage from ``build.pull_from`` and
             published it here (``built`` stays False: nothing was built).
+        hashing: :meth:`hf_pipeline.stores.identity.HashStats.as_dict` of this
+            process's identification of the local inputs (``{}``: none were local).
     """
 
     fingerprint: str
@@ -126,6 +132,7 @@ class BuildResult:
     seconds: float
     stage_dirs: Mapping[str, str] = dataclasses.field(default_factory=dict)
     pulled: bool = False
+    hashing: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def layout(self) -> CacheLayout:
@@ -146,6 +153,7 @@ class BuildResult:
             "seconds": round(self.seconds, 3),
             "built": self.built,
             "pulled": self.pulled,
+            "hashing": dict(self.hashing),
         }
 
 
@@ -153,12 +161,21 @@ class BuildResult:
 _PARALLEL_DEMO_ROWS = 100_000
 
 
-def resolve_inputs(cfg: Config) -> Inputs:
+def resolve_inputs(
+    cfg: Config, *, progress: bool = False, known: Mapping[StatKey, str] | None = None
+) -> Inputs:
     """List the shard files and find the metadata table (generating the demo if asked).
 
-    Safe to call from every rank at once: demo generation is atomic and idempotent.
+    Local files (shards, metadata) get their content identity
+    (:func:`hf_pipeline.stores.identity.content_identities`): from the cache root's
+    content index, else from ``known`` (the job's resolver's digests), else hashed
+    (a tqdm bar with ``progress``); what that cost is ``Inputs.hashing`` and one log line.
+
+    Safe to call from every rank at once: demo generation is atomic and idempotent, the
+    index is replaced atomically.
     """
     from hf_pipeline.stores import open_source
+    from hf_pipeline.stores.identity import INDEX_DIR, ContentIndex, content_identities, is_local
 
     demo = None
     shards_loc, meta_loc = cfg.data.shards, cfg.data.metadata
@@ -193,7 +210,22 @@ def resolve_inputs(cfg: Config) -> Inputs:
     source = open_source(shards_loc, data_config=cfg.data, staging_dir=staging)
     shards = source.list_shards()
     metadata = source.find_metadata(meta_loc)
-    return Inputs(source=source, shards=shards, metadata=metadata, demo=demo)
+    hashing = None
+    if any(is_local(f) for f in [*shards, metadata]):
+        files, hashing = content_identities(
+            [*shards, metadata],
+            index=ContentIndex(cfg.cache_root / INDEX_DIR),
+            known=known,
+            progress=progress,
+        )
+        shards, metadata = files[:-1], files[-1]
+        log.info(
+            "input identity: %d local files, %d from the index, %d hashed (%.2f GB in %.2f s, "
+            "%.2f GB/s)",
+            hashing.files, hashing.index_hits, hashing.hashed_files,
+            hashing.hashed_bytes / 1e9, hashing.seconds, hashing.gb_per_s,
+        )  # fmt: skip
+    return Inputs(source=source, shards=shards, metadata=metadata, demo=demo, hashing=hashing)
 
 
 def _save_captions(cfg: Config, inputs: Inputs, path: Path):
@@ -530,14 +562,15 @@ def _agree(cfg: Config, process, store, **values: Any) -> None:
         log.warning("ranks not checked for agreement: cannot write %s (%s)", e.filename, e.strerror)
 
 
-def job_identity(cfg: Config, process) -> tuple[Inputs, str]:
+def job_identity(cfg: Config, process, *, progress: bool = False) -> tuple[Inputs, str]:
     """The inputs and the cache fingerprint of this job, agreed on by its ranks.
 
     With a job store (:func:`_agreement_store`) the ranks first agree on their world
     size and config (a rank with another config would otherwise wait for inputs under a
     key nobody sets), then rank 0 resolves the inputs for all
     (:func:`resolve_job_inputs`), then they agree on the fingerprint (node-local copies
-    of the inputs may differ).
+    of the inputs may differ). A cache built by a release before content identity
+    (:func:`_earlier_release_fingerprint`) is found under its old fingerprint.
 
     Raises:
         dist.agreement.RankDisagreementError: the ranks differ (on every rank).
@@ -545,16 +578,55 @@ def job_identity(cfg: Config, process) -> tuple[Inputs, str]:
     store = _agreement_store(cfg, process)
     if store is not None:
         _agree(cfg, process, store)
-    inputs, encoder = resolve_job_inputs(cfg, process)
+    inputs, encoder = resolve_job_inputs(cfg, process, progress=progress)
     fingerprint = compute_fingerprint(
         cfg, [f.identity() for f in inputs.shards], inputs.metadata.identity(), encoder
     )
+    fingerprint = _earlier_release_fingerprint(cfg, inputs, encoder, fingerprint)
     if store is not None:
         _agree(cfg, process, store, fingerprint=fingerprint)
     return inputs, fingerprint
 
 
-def resolve_job_inputs(cfg: Config, process) -> tuple[Inputs, dict[str, Any]]:
+def _earlier_release_fingerprint(
+    cfg: Config, inputs: Inputs, encoder: Mapping[str, Any], fingerprint: str
+) -> str:
+    """``fingerprint``, or the fingerprint an earlier release gave these inputs when
+    only that one names a complete cache under the cache root.
+
+    Releases before content identity fingerprinted local files by their mtime and GCS
+    objects by their generation (:meth:`RemoteFile.legacy_identity`). Such a cache holds
+    these very inputs as long as those tokens did not change, so an upgrade reuses it
+    rather than rebuilding; once a token changes (a touch, a re-upload), the cache is
+    built once under the content fingerprint, which then stays.
+    """
+    from dist.coordinator import complete_markers
+    from dist.layout import marker_name
+
+    # Markers present: the content cache (ensure_built checks them); only their absence
+    # (the first start after an upgrade, or a new identity) is worth a look further.
+    here = CacheLayout.for_config(cfg, fingerprint).root
+    if all((here / marker_name(s)).exists() for s in STAGES):
+        return fingerprint
+    legacy = compute_fingerprint(
+        cfg, [f.legacy_identity() for f in inputs.shards], inputs.metadata.legacy_identity(),
+        encoder,
+    )  # fmt: skip
+    if legacy == fingerprint:  # Hub inputs: their identity was their content already
+        return fingerprint
+    if not complete_markers(CacheLayout.for_config(cfg, legacy).root, legacy, STAGES):
+        return fingerprint
+    log.info(
+        "using the cache %s built by an earlier release (fingerprint over mtimes/generations; "
+        "the content fingerprint is %s)",
+        CacheLayout.for_config(cfg, legacy).root, fingerprint,
+    )  # fmt: skip
+    return legacy
+
+
+def resolve_job_inputs(
+    cfg: Config, process, *, progress: bool = False
+) -> tuple[Inputs, dict[str, Any]]:
     """The inputs and the encoder's identity, resolved by one rank for the whole job.
 
     With a remote source (``hf://``, ``gs://``) and a job store (an initialised
@@ -564,15 +636,19 @@ def resolve_job_inputs(cfg: Config, process) -> tuple[Inputs, dict[str, Any]]:
     the job's key-value store: 800 ranks make one set of Hub/GCS API calls, not 800 (the
     Hub answers a stampede with 429s), and every rank computes the same fingerprint.
     Local folders (and the demo) are resolved by each rank: no API calls, and a
-    node-local copy is what that rank reads.
+    node-local copy is what that rank reads. Their content is hashed once per job: with
+    a job store, rank 0 resolves first and shares its digests (JSON) by the files'
+    stat; another rank takes a digest for a file of the very same stat, from the cache
+    root's content index or from rank 0, and hashes only what neither knows (a
+    node-local copy). Without a job store each rank consults the index itself.
     """
     from dist.kvstore import JobStore, launch_store
     from hf_pipeline.encoder.model import encoder_identity
 
     remote = cfg.data.shards.startswith(("hf://", "gs://"))
-    store = launch_store() if remote and process.world_size > 1 else None
+    store = launch_store() if process.world_size > 1 else None
     if not isinstance(store, JobStore):
-        return resolve_inputs(cfg), encoder_identity(cfg.encoder)
+        return resolve_inputs(cfg, progress=progress), encoder_identity(cfg.encoder)
     # The fields the ranks agreed on, and the source: not the per-host paths (a
     # node-local cache_dir must not keep its ranks from meeting rank 0's key).
     config_key = hashlib.sha256(
@@ -581,10 +657,14 @@ def resolve_job_inputs(cfg: Config, process) -> tuple[Inputs, dict[str, Any]]:
     # Every rank makes the same sequence of prepare_cache calls: the n-th call of one
     # config reads the n-th resolution, never a stale one.
     n = _RESOLUTIONS[config_key] = _RESOLUTIONS.get(config_key, 0) + 1
+    if not remote:
+        return _local_job_inputs(cfg, process, store, f"{config_key}/{n}", progress), (
+            encoder_identity(cfg.encoder)
+        )
     key = f"hf_pipeline.inputs/{config_key}/{n}"
     if process.rank == 0:
         try:
-            resolved = (resolve_inputs(cfg), encoder_identity(cfg.encoder))
+            resolved = (resolve_inputs(cfg, progress=progress), encoder_identity(cfg.encoder))
         except Exception as e:
             store.set(key, pickle.dumps(("error", e)))
             raise
@@ -594,7 +674,43 @@ def resolve_job_inputs(cfg: Config, process) -> tuple[Inputs, dict[str, Any]]:
     kind, value = pickle.loads(store.get(key, timeout=cfg.coord.max_wait))
     if kind == "error":
         raise value
-    return value
+    inputs, encoder = value
+    return dataclasses.replace(inputs, hashing=None), encoder  # rank 0 hashed, not this one
+
+
+def _local_job_inputs(cfg: Config, process, store, key: str, progress: bool) -> Inputs:
+    """Local inputs, hashed by rank 0 for the job (:func:`resolve_job_inputs`)."""
+    from dist.markers import ForeignJSONError, parse_json
+    from hf_pipeline.stores.identity import digests_of
+
+    key = f"hf_pipeline.digests/{key}"
+    if process.rank == 0:
+        try:
+            inputs = resolve_inputs(cfg, progress=progress)
+        except Exception as e:
+            store.set(key, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+            raise
+        digests = digests_of([*inputs.shards, inputs.metadata])
+        rows = [[*k, v] for k, v in digests.items()]
+        store.set(key, json.dumps({"digests": rows}).encode())
+        return inputs
+    raw = store.get(key, timeout=cfg.coord.max_wait)
+    known: dict[StatKey, str] = {}
+    try:
+        doc = parse_json(raw, path=f"job store key {key}")
+    except ForeignJSONError as e:
+        log.warning("%s: hashing the inputs here", e)
+        doc = {}
+    rows = doc.get("digests") if isinstance(doc, dict) else None
+    for row in rows if isinstance(rows, list) else []:
+        if (
+            isinstance(row, list) and len(row) == 6 and isinstance(row[0], str)
+            and all(type(v) is int for v in row[1:5])
+            and isinstance(row[5], str) and re.fullmatch(r"[0-9a-f]{32}", row[5])
+        ):  # fmt: skip
+            known[tuple(row[:5])] = row[5]
+    # Rank 0's error: this rank resolves alone and raises its own (typed) error.
+    return resolve_inputs(cfg, progress=False, known=known)
 
 
 def _stage(name: str, fn, *, pools: bool = True):
@@ -717,7 +833,7 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
     check_not_bootstrapping()
     t0 = time.monotonic()
     process = process or detect()
-    inputs, fingerprint = job_identity(cfg, process)
+    inputs, fingerprint = job_identity(cfg, process, progress=progress)
     layout = CacheLayout.for_config(cfg, fingerprint)
     if not cfg.data.staging_dir:
         # One staging folder per identity: two builds of the same source on one host
@@ -799,4 +915,5 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
         seconds=time.monotonic() - t0,
         stage_dirs=stage_dirs,
         pulled=any(was_pulled(m) for m in ours),
+        hashing=inputs.hashing.as_dict() if inputs.hashing is not None else {},
     )

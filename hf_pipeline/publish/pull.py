@@ -27,6 +27,16 @@ its rows adding up) before its stage is published. A file that does not match
 is refused with :class:`~hf_pipeline.errors.CacheFormatError` naming it; nothing of the
 stage is published. The staging folder is removed once the last stage is in place.
 
+Content-addressed: before a file is downloaded, the complete caches under the same
+cache root are searched for a file their markers list with the published size and
+``whole_checksum`` (a cache sharing parts with the published one, an older copy of it).
+Such a file is hard-linked into the stage folder instead (never through a symlink:
+``link`` does not follow one, the path is checked with :func:`dist.safepath.join_under`),
+and the *linked* file is then checked as a download is (size, edge checksum, whole-file
+xxh3_128 against the published marker): on any mismatch the link is removed and the
+file downloaded. The stage's :data:`PULLED_FROM` says how many files and bytes were
+linked and fetched.
+
 A later stage is pulled only over earlier local stages of the same content as the
 published ones (a stage built here before, e.g. by a run without ``pull_from``, is not
 mixed with a published later stage: that stage is built here too).
@@ -47,6 +57,7 @@ import errno
 import logging
 import os
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -58,7 +69,13 @@ from dist.checksums import ALGORITHM, whole_checksum
 from dist.coordinator import Stage, StageContext
 from dist.markers import FileEntry, Marker, file_checksum
 from dist.safepath import UnsafePathError, check_name, check_relpath, join_under
-from hf_pipeline.cache.layout import REPORT_NAME, REPORT_STAGE, STAGING_DIR, read_report_file
+from hf_pipeline.cache.layout import (
+    REPORT_NAME,
+    REPORT_STAGE,
+    STAGES,
+    STAGING_DIR,
+    read_report_file,
+)
 from hf_pipeline.errors import CacheFormatError
 from hf_pipeline.publish.find import PublishedCache, find_published, store_checksum_checked
 from hf_pipeline.publish.manifest import MANIFEST_NAME
@@ -76,8 +93,9 @@ __all__ = ["PULLED_FROM", "local_relpath", "pulled_stages", "was_pulled"]
 
 logger = logging.getLogger("hf_pipeline")
 
-#: Key of a pulled stage's marker ``info``: ``{"url", "files", "bytes", "resumed_bytes",
-#: "seconds"}`` of the download (the rest of ``info`` is the published marker's).
+#: Key of a pulled stage's marker ``info``: ``{"url", "files", "bytes", "fetched_bytes",
+#: "resumed_bytes", "linked_files", "linked_bytes", "seconds"}`` of the pull (the rest of
+#: ``info`` is the published marker's); linked: hard-linked from a local complete cache.
 PULLED_FROM = "pulled_from"
 
 
@@ -137,6 +155,7 @@ def pulled_stages(
         data_config=cfg.data,
         staging=cfg.cache_root / STAGING_DIR / f"pull-{fingerprint}",
         policy=policy,
+        cache_root=cfg.cache_root,
     )
     return [Stage(name=s.name, build=puller.stage_build(s)) for s in stages]
 
@@ -172,6 +191,7 @@ class _Puller:
         data_config: DataConfig,
         staging: Path,
         policy: RetryPolicy | None,
+        cache_root: Path | None = None,
     ):
         self.url = url
         self.cache_name = cache_name
@@ -184,6 +204,8 @@ class _Puller:
         self._looked_up = False
         self._store: Store | None = None
         self._remote: PublishedCache | None = None
+        self.cache_root = None if cache_root is None else Path(cache_root)
+        self._copies: dict[tuple[int, str], list[Path]] | None = None
 
     def stage_build(self, stage: Stage):
         def build(ctx: StageContext) -> Mapping[str, Any] | None:
@@ -254,11 +276,13 @@ class _Puller:
         ]
         t0 = time.monotonic()
         stats = FetchStats()
+        linked = _Linked()
         stop = threading.Event()
         workers = max(1, min(self.data_config.download_workers, len(jobs) or 1))
         with ThreadPoolExecutor(workers, thread_name_prefix="hf_pipeline-pull") as pool:
             futures = [
-                pool.submit(self._fetch, remote, stage, job, ctx, stop, stats) for job in jobs
+                pool.submit(self._fetch, remote, stage, job, ctx, stop, stats, linked)
+                for job in jobs
             ]
             try:
                 pending = set(futures)
@@ -288,14 +312,11 @@ class _Puller:
         seconds = time.monotonic() - t0
         size = sum(e.size for e in marker.files)
         logger.info(
-            "pulled stage %s: %d files, %.1f MB in %.1f s (%.1f MB fetched, %.1f MB resumed)",
-            stage,
-            len(jobs),
-            size / 1e6,
-            seconds,
-            got["bytes"] / 1e6,
-            got["resumed_bytes"] / 1e6,
-        )
+            "pulled stage %s: %d files, %.1f MB in %.1f s (%.1f MB fetched, %.1f MB resumed, "
+            "%d files / %.1f MB linked from local caches)",
+            stage, len(jobs), size / 1e6, seconds, got["bytes"] / 1e6,
+            got["resumed_bytes"] / 1e6, linked.files, linked.bytes / 1e6,
+        )  # fmt: skip
         return {
             **marker.info,
             PULLED_FROM: {
@@ -303,8 +324,11 @@ class _Puller:
                 "lease_id": marker.lease_id,
                 "files": len(jobs),
                 "bytes": size,
+                "fetched_files": len(jobs) - linked.files,
                 "fetched_bytes": got["bytes"],
                 "resumed_bytes": got["resumed_bytes"],
+                "linked_files": linked.files,
+                "linked_bytes": linked.bytes,
                 "seconds": round(seconds, 3),
             },
         }
@@ -317,10 +341,13 @@ class _Puller:
         ctx: StageContext,
         stop: threading.Event,
         stats: FetchStats,
+        linked: _Linked,
     ) -> None:
-        """Stage one file (verified, resumable), check it, link it into the stage folder.
-        Runs in a download thread."""
+        """Link one file from a local cache, or stage it (verified, resumable), check it
+        and link it into the stage folder. Runs in a download thread."""
         assert self._store is not None
+        if self._link_local_copy(job, ctx, linked):
+            return
         # Staged under its published path: a later lease (after a kill) finds it there.
         try:
             folder = StagingFolder(join_under(self.staging / "files", job.entry.path).parent)
@@ -353,6 +380,98 @@ class _Puller:
             raise CacheFormatError(str(ctx.tmp_dir), str(e)) from None
         dest.parent.mkdir(parents=True, exist_ok=True)
         _link_or_copy(path, dest)
+
+    def _local_copies(self) -> dict[tuple[int, str], list[Path]]:
+        """``{(size, whole_checksum): [paths]}`` of the files the complete caches under
+        the cache root list (read once per pull; only files a valid marker lists)."""
+        from dist.coordinator import complete_markers
+        from dist.layout import cache_mark
+
+        with self._lock:
+            if self._copies is not None:
+                return self._copies
+            copies: dict[tuple[int, str], list[Path]] = {}
+            try:
+                entries = sorted(self.cache_root.iterdir()) if self.cache_root else []
+            except OSError:
+                entries = []
+            for cache in entries:
+                fingerprint = cache_mark(cache)  # None: a dot folder, a symlink, not a cache
+                if fingerprint is None:
+                    continue
+                markers = complete_markers(cache, fingerprint, STAGES)
+                for marker in (markers or {}).values():
+                    for e in marker.files:
+                        if e.whole_checksum:
+                            with contextlib.suppress(UnsafePathError):
+                                path = join_under(cache, e.path)
+                                copies.setdefault((e.size, e.whole_checksum), []).append(path)
+            self._copies = copies
+            return copies
+
+    def _link_local_copy(self, job: _Job, ctx: StageContext, linked: _Linked) -> bool:
+        """Hard-link a local file of the published content into place; False: none (or
+        none that checks out), download it."""
+        entry = job.entry
+        if not entry.whole_checksum or self.cache_root is None:
+            return False
+        candidates = self._local_copies().get((entry.size, entry.whole_checksum), [])
+        if not candidates:
+            return False
+        try:
+            dest = join_under(ctx.tmp_dir, job.place)
+        except UnsafePathError as e:
+            raise CacheFormatError(str(ctx.tmp_dir), str(e)) from None
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        for src in candidates:
+            try:
+                # follow_symlinks=False: a link placed in a cache is linked as a link
+                # (then refused below), never followed to whatever it names.
+                os.link(src, dest, follow_symlinks=False)
+            except OSError:
+                continue
+            # What is checked is the inode now in place, not the path it came from (a
+            # file swapped between a check and the link would otherwise pass).
+            problem = _linked_problem(dest, entry)
+            if not problem:
+                linked.add(entry.size)
+                return True
+            with contextlib.suppress(FileNotFoundError):
+                dest.unlink()
+            logger.warning("local copy %s not used for %s: %s", src, job.file.url, problem)
+        return False
+
+
+class _Linked:
+    """Files and bytes linked from local caches (thread-safe counters)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.files = 0
+        self.bytes = 0
+
+    def add(self, size: int) -> None:
+        with self._lock:
+            self.files += 1
+            self.bytes += size
+
+
+def _linked_problem(path: Path, entry: FileEntry) -> str:
+    """Why the file at ``path`` is not the content ``entry`` lists ("" when it is)."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            return "not a regular file"
+        if st.st_size != entry.size:
+            return f"{st.st_size} bytes, not {entry.size}"
+        if file_checksum(path, entry.size) != entry.checksum:
+            return "its first/last MiB do not match the published marker"
+        _, whole = whole_checksum(path)
+    except OSError as e:
+        return f"unreadable ({e.strerror or e})"
+    if whole != entry.whole_checksum:
+        return f"{ALGORITHM} {whole}, not {entry.whole_checksum}"
+    return ""
 
 
 def _link_or_copy(src: Path, dest: Path) -> None:

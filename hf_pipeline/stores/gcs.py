@@ -132,8 +132,15 @@ class GCSSource(Source, scheme="gs://"):
             name=name.rsplit("/", 1)[-1],
             url=f"gs://{name}",
             size=int(info["size"]),
-            etag=str(info.get("generation") or info.get("etag") or ""),
+            # The content, not the generation: a re-upload of the same bytes is the
+            # same input. md5 first (128 bits; composite objects have only crc32c).
+            etag=(
+                f"md5:{info['md5Hash']}"
+                if info.get("md5Hash")
+                else checksum or str(info.get("generation") or info.get("etag") or "")
+            ),
             checksum=checksum,
+            version=str(info.get("generation") or info.get("etag") or ""),
         )
 
     def _ls(self, path: str) -> list[RemoteFile]:

@@ -1,4 +1,7 @@
-"""A local folder of shards, or a glob: files are read in place, never copied."""
+"""A local folder of shards, or a glob: files are read in place, never copied.
+
+A listed file has no etag: its identity is its content (:mod:`hf_pipeline.stores.identity`).
+"""
 
 from __future__ import annotations
 
@@ -34,10 +37,22 @@ class LocalSource(Source, scheme=""):
 
     @staticmethod
     def _file(path: Path) -> RemoteFile:
+        # No etag yet: a local file's identity is its content, hashed (or found in the
+        # content index) by hf_pipeline.stores.identity for the files a build uses,
+        # never for every file a folder lists. The mtime is only the version token.
         st = path.stat()
         return RemoteFile(
-            name=path.name, url=str(path.resolve()), size=st.st_size, etag=str(st.st_mtime_ns)
+            name=path.name, url=str(path.resolve()), size=st.st_size, version=str(st.st_mtime_ns)
         )
+
+    def identity(self) -> list[tuple]:
+        """``[(name, size, "xxh3_128:<hex>"), ...]`` of the shards: every byte hashed
+        (no index; :func:`hf_pipeline.build.prepare.resolve_inputs` uses the cache
+        root's)."""
+        from hf_pipeline.stores.identity import ContentIndex, content_identities
+
+        files, _ = content_identities(self.list_shards(), index=ContentIndex(None))
+        return [f.identity() for f in files]
 
     def list_shard_folder(self) -> list[RemoteFile]:
         if not GLOB_CHARS.search(os.path.expanduser(self.location)) and not self._folder.is_dir():

@@ -27,11 +27,16 @@ class RemoteFile:
         url: full location (local path, ``gs://bucket/obj``,
             ``hf://datasets/org/repo@<commit>/path``).
         size: bytes.
-        etag: the store's version token: GCS generation, Hub content hash
-            (LFS sha256 or git blob id), local ``mtime_ns``.
+        etag: the file's content identity, what the cache fingerprint includes: GCS
+            md5 (crc32c for composite objects, which have none), Hub content hash (LFS
+            sha256 or git blob id), local ``xxh3_128:<hex>`` of the bytes
+            (:mod:`hf_pipeline.stores.identity`; ``""`` until it is computed).
         checksum: ``"<kind>:<value>"`` the download is verified against
             (``crc32c``/``md5`` base64 for GCS, ``sha256``/``gitsha1`` hex for the
             Hub), or ``""`` when the store offers none (local).
+        version: the store's version token, not part of the identity (GCS
+            generation, local ``mtime_ns``): what releases before content identity
+            put in the fingerprint, read only to find a cache they built.
     """
 
     name: str
@@ -39,7 +44,14 @@ class RemoteFile:
     size: int
     etag: str = ""
     checksum: str = ""
+    version: str = ""
 
     def identity(self) -> tuple[str, int, str]:
         """``(name, size, etag)`` for the cache fingerprint."""
         return (self.name, self.size, self.etag)
+
+    def legacy_identity(self) -> tuple[str, int, str]:
+        """``(name, size, version token)``: the identity releases before content
+        identity fingerprinted (local ``mtime_ns``, GCS generation; the Hub's was
+        already its content hash)."""
+        return (self.name, self.size, self.version or self.etag)

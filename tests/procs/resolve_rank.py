@@ -1,7 +1,9 @@
 """One rank that joins a gloo job (env://) and resolves the build's inputs.
 
-Prints JSON: the fingerprint this rank computes and how many shards it sees. Used by
-tests/test_build_inputs.py to count Hub requests for 1 and for 8 ranks.
+Prints JSON: the fingerprint this rank computes, how many shards it sees and what this
+rank hashed (``Inputs.hashing``). Used by tests/test_build_inputs.py to count Hub
+requests for 1 and for 8 ranks, and by tests/test_identity.py (local inputs hashed once
+per job).
 """
 
 from __future__ import annotations
@@ -25,8 +27,16 @@ def main() -> None:
     fingerprint = compute_fingerprint(
         cfg, [f.identity() for f in inputs.shards], inputs.metadata.identity(), encoder
     )
+    hashing = inputs.hashing.as_dict() if inputs.hashing is not None else None
     print(
-        json.dumps({"rank": process.rank, "fingerprint": fingerprint, "shards": len(inputs.shards)})
+        json.dumps(
+            {
+                "rank": process.rank,
+                "fingerprint": fingerprint,
+                "shards": len(inputs.shards),
+                "hashing": hashing,
+            }
+        )
     )
     torch_dist.barrier()  # rank 0 hosts the store: it leaves last
     torch_dist.destroy_process_group()

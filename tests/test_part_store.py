@@ -147,15 +147,21 @@ def inputs(tmp_path_factory):
     return {"base": base, "initial": initial, "final": final, "meta": meta, "clean": clean}
 
 
-def test_appended_shards_build_only_the_new_parts_and_equal_a_clean_build(inputs):
+@pytest.fixture(scope="module")
+def grown(inputs):
+    """The initial input built, then the final one in the same cache root."""
+    root = inputs["base"] / "grow"
+    first = _build(root, inputs["initial"], inputs["meta"])
+    return first, _build(root, inputs["final"], inputs["meta"])
+
+
+def test_appended_shards_build_only_the_new_parts_and_equal_a_clean_build(inputs, grown):
     """Shards appended at the end and between old ones, one holding duplicates of old
     keys: the build reuses every stored part it can, reads only the shards of the
     parts it builds, and gives the cache a from-scratch build of the final input
     gives (the first finite occurrence of a key in shard order still wins)."""
-    root = inputs["base"] / "grow"
-    first = _build(root, inputs["initial"], inputs["meta"])
+    first, res = grown
     assert first.report["reuse"]["joins_reused"] == 0
-    res = _build(root, inputs["final"], inputs["meta"])
     _assert_same_cache(res, inputs["clean"])
     reuse, parts = res.report["reuse"], res.report["parts"]
     assert reuse["parts"] == len(parts) >= 3
@@ -175,13 +181,102 @@ def test_appended_shards_build_only_the_new_parts_and_equal_a_clean_build(inputs
     assert res.report["dropped"]["duplicate_key"] >= 10
 
 
-def test_another_encoder_reuses_the_joins_and_writes_no_latent_bytes(inputs):
+def test_metadata_rows_appended_with_the_shards_reuse_the_old_parts(inputs):
+    """New shards come with new metadata rows (a new metadata file): the old parts'
+    keys match the very same captions, so their joins are reused (checked against what
+    each stored part matched); the result is the from-scratch cache of the final input.
+    A caption changed for one old key re-joins exactly the part holding that key."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+    import torch
+
+    full = pq.read_table(inputs["meta"])
+    old_keys = np.concatenate(
+        [
+            torch.load(f, weights_only=True)["keys"].numpy()
+            for f in sorted(inputs["initial"].iterdir())
+        ]
+    )
+    (inputs["base"] / "meta-old").mkdir()
+    old_meta = inputs["base"] / "meta-old" / inputs["meta"].name
+    pq.write_table(full.filter(pc.is_in(full["key"], pa_array(old_keys))), old_meta)
+    root = inputs["base"] / "meta"
+    first = _build(root, inputs["initial"], old_meta)
+    res = _build(root, inputs["final"], inputs["meta"])
+    _assert_same_cache(res, inputs["clean"])
+    reuse = res.report["reuse"]
+    assert reuse["joins_reused"] == 6 and reuse["joins_built"] == 3, reuse
+    assert first.report["rows_out"] < res.report["rows_out"]
+
+    # One old key (of shard 3, which no other shard repeats) gets another caption.
+    every = np.concatenate(
+        [torch.load(f, weights_only=True)["keys"].numpy() for f in inputs["final"].iterdir()]
+    )
+    shard3 = torch.load(sorted(inputs["initial"].iterdir())[2], weights_only=True)["keys"]
+    key = next(
+        int(k) for k in shard3 if (every == int(k)).sum() == 1 and int(k) in full["key"].to_pylist()
+    )
+    caps = [("a new caption" if k == key else c) for k, c in
+            zip(full["key"].to_pylist(), full["caption_llava"].to_pylist(), strict=True)]  # fmt: skip
+    (inputs["base"] / "meta-edit").mkdir()
+    edited = inputs["base"] / "meta-edit" / inputs["meta"].name
+    pq.write_table(full.set_column(1, "caption_llava", pa_array(caps)), edited)
+    again = _build(root, inputs["final"], edited)
+    assert again.report["reuse"]["joins_built"] == 1, again.report["reuse"]
+    (changed,) = [p for p in again.report["parts"] if not p["reused"]["join"]]
+    assert changed["shards"] == 1
+    got = _content(again)
+    assert got["caption"][got["key"].tolist().index(key)] == "a new caption"
+
+
+def pa_array(values):
+    import pyarrow as pa
+
+    return pa.array(values)
+
+
+def test_a_run_resumed_across_an_append_is_refused_naming_both_fingerprints(
+    small_config, grown, tmp_path
+):
+    """A checkpoint saved on the cache before the append: its sample order belongs to
+    that dataset, so resuming on the grown cache is refused, in one line naming both
+    fingerprints (and nothing is trained)."""
+    import dataclasses
+
+    from hf_pipeline.cache.layout import open_sample_source
+    from hf_pipeline.errors import ConfigError
+    from hf_pipeline.trainer.loop import train
+
+    first, res = grown
+    cfg = dataclasses.replace(
+        small_config,
+        train=dataclasses.replace(small_config.train, steps=10, checkpoint=str(tmp_path / "ck")),
+    )
+    with open_sample_source(first.layout, first.fingerprint) as src:
+        train(cfg, src, max_steps=3)
+    with open_sample_source(res.layout, res.fingerprint) as src:
+        with pytest.raises(ConfigError, match="dataset changed") as ei:
+            train(cfg, src)
+    msg = str(ei.value)
+    assert first.fingerprint in msg and res.fingerprint in msg and "\n" not in msg
+    assert ei.value.field == "train.checkpoint"
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.isdigit()) == ["3"]
+
+
+@pytest.fixture(scope="module")
+def two_encoders(inputs):
+    """The final input built with the default encoder, then with max_length 16, in one
+    cache root."""
+    root = inputs["base"] / "enc"
+    first = _build(root, inputs["final"], inputs["meta"])
+    return first, _build(root, inputs["final"], inputs["meta"], "encoder.max_length=16")
+
+
+def test_another_encoder_reuses_the_joins_and_writes_no_latent_bytes(inputs, two_encoders):
     """A changed encoder (another max_length) builds only embeddings: no shard read, 0
     latent bytes written; the two caches share the latents on disk (same inodes), and
     the new cache equals a from-scratch build with that encoder."""
-    root = inputs["base"] / "enc"
-    first = _build(root, inputs["final"], inputs["meta"])
-    res = _build(root, inputs["final"], inputs["meta"], "encoder.max_length=16")
+    first, res = two_encoders
     assert res.fingerprint != first.fingerprint
     reuse = res.report["reuse"]
     assert reuse["joins_built"] == 0 and reuse["joins_reused"] == reuse["parts"]
@@ -245,5 +340,78 @@ def test_sigkill_during_an_incremental_build_then_a_build_equals_a_clean_one(inp
     assert not (victim / "join.json").exists(), "killed before it published"
     res = _build(root, inputs["final"], inputs["meta"], "coord.lease_timeout=4")
     _assert_same_cache(res, inputs["clean"])
-    assert res.report["reuse"]["joins_reused"] >= len(before) - 2
+    assert res.report["reuse"]["joins_reused"] == len(before)
     assert len(list(victim.glob("join.*/"))) == 1, "one published copy of the part"
+
+
+def _admin(root: Path, *ops: str) -> dict:
+    """``prebuild_cache.py --cache-dir root <ops> --json -`` (a real process): its JSON."""
+    import json
+
+    out = subprocess.run(
+        [PYTHON, str(REPO / "scripts/prebuild_cache.py"), "--cache-dir", str(root), *ops,
+         "--json", "-", "--set", "coord.heartbeat_interval=0.2"],
+        env=script_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+def test_status_shows_sharing_and_clean_keeps_every_file_a_complete_cache_uses(
+    inputs, two_encoders
+):
+    """Two caches over the same parts (two encoders): --status says what each shares
+    with the other. One of them turns corrupt: --clean removes it, and with it the
+    stored embeddings only it used, but not one file the other (complete) cache uses:
+    that cache still verifies whole and reads the same rows. Once no cache is left, the
+    stored parts go too; a folder in the store without the project's mark stays."""
+    from dist.inventory import verify
+    from hf_pipeline.cache.layout import STAGES
+
+    first, second = two_encoders
+    root = first.cache_dir.parent
+    parts = first.report["reuse"]["parts"]
+    status = _admin(root, "--status")
+    caches = {c["path"]: c for c in status["caches"]}
+    for mine, other in ((first, second), (second, first)):
+        c = caches[str(mine.cache_dir)]
+        assert c["state"] == "complete" and c["shared_with"] == [other.cache_dir.name]
+        assert c["shared_parts"] == parts and c["shared_files"] >= parts
+    units = {Path(u["path"]).name: u for u in status["parts"]}
+    assert len([n for n in units if n.startswith("join-")]) == parts
+    assert len([n for n in units if n.startswith("embed-")]) == 2 * parts
+    assert all(u["in_use"] for u in units.values())
+
+    want = _content(second)
+    foreign = root / ".parts" / "join-notours"
+    foreign.mkdir()
+    (foreign / "data.arrow").write_bytes(b"someone else's")
+    marker = first.cache_dir / "converted.json"
+    marker.write_text("{ not a marker")  # the first cache is corrupt now
+    report = _admin(root, "--clean")
+    removed = {Path(p).name for p in report["removed"]}
+    assert first.cache_dir.name in removed and second.cache_dir.name not in removed
+    # The first cache's embeddings (no other cache used them) went; the joins stay.
+    gone = {n for n in units if n.startswith("embed-") and n.endswith(first_encoder_key(first))}
+    assert len(gone) == parts and gone <= removed
+    assert not any(n.startswith(("join-", "captions-")) for n in removed)
+    assert verify(second.cache_dir, STAGES) == []  # every file whole, checksums included
+    got = _content(second)
+    assert got["key"].tolist() == want["key"].tolist()
+    assert got["latents"].tobytes() == want["latents"].tobytes()
+
+    (second.cache_dir / "converted.json").write_text("{ not a marker")
+    report = _admin(root, "--clean")
+    left = [p.name for p in (root / ".parts").iterdir()]
+    assert left == ["join-notours"], left  # every stored unit went; not what is not ours
+    assert (foreign / "data.arrow").read_bytes() == b"someone else's"
+
+
+def first_encoder_key(res) -> str:
+    """The encoder key of a cache built with the default encoder."""
+    from hf_pipeline.build.part_store import encoder_key
+    from hf_pipeline.config import load_config
+    from hf_pipeline.encoder.model import encoder_identity
+
+    assert res.report["config"]["encoder"]["max_length"] == load_config(None, []).encoder.max_length
+    return encoder_key(encoder_identity(load_config(None, [], environ={}).encoder))

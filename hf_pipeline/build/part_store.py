@@ -6,10 +6,10 @@ what shapes their bytes, not by the cache that first needed them::
 
     <cache_root>/.parts/
       captions-<id>/          the key-sorted caption table of one metadata file
-      join-<part id>/         a part's join: rows/data.arrow (key, latents, caption,
+      join-<part>-<meta>/     a part's join: rows/data.arrow (key, latents, caption,
                               drop_reason); no token ids, so no encoder in its identity
-      embed-<part id>-<enc>/  a part's embeddings under one encoder: embeddings/data.arrow
-                              (embedding, input_ids, drop_reason)
+      embed-<part>-<meta>-<enc>/  its embeddings under one encoder:
+                              embeddings/data.arrow (embedding, input_ids, drop_reason)
 
 Every one of them is a cache unit of :mod:`dist.coordinator`: built in its lease's own
 folder, published by a marker created last (never overwritten), taken over when its
@@ -20,10 +20,14 @@ of that unit collects. A cache's ``converted`` stage hard-links the published fi
 whatever the number of caches (encoders, appended inputs) that use it.
 
 Identity (:func:`join_id`): the join's config fields (key and caption columns,
-``on_missing``, ``on_bad_rows``, ``latent_dtype``), the metadata file's identity, and
-the part's shards' ``(name, size, etag)``, under :data:`PART_SCHEMA`. The metadata is
-in it whole: a changed metadata file (rows appended for new shards) re-joins every
-part (docs/guides/evolve.md says why, and what would reuse them).
+``on_missing``, ``on_bad_rows``, ``latent_dtype``) and the part's shards'
+``(name, size, etag)``, under :data:`PART_SCHEMA` (``<part>``); a join is stored under
+that and the caption table it was built with (``<meta>``, :func:`captions_id`). The
+join depends on the metadata only through the caption rows its keys match, so a join
+stored under another metadata file is reused when those rows are the same: its
+marker records :func:`caption_digest` of them, and a build compares it with the digest
+of the same keys in its own caption table (the keys read from the stored rows). New
+metadata rows for new shards then cost only the new parts.
 
 Boundaries (:func:`plan_content_parts`): content-defined, so that inserting a shard
 moves no boundary but its own part's: a part ends after shard ``i`` when a hash of
@@ -49,6 +53,7 @@ __all__ = [
     "PARTS_DIR",
     "PART_SCHEMA",
     "StoredPart",
+    "caption_digest",
     "captions_id",
     "encoder_key",
     "join_id",
@@ -105,23 +110,42 @@ def captions_id(cfg, metadata: Sequence[Any]) -> str:
     )
 
 
-def join_id(cfg, metadata: Sequence[Any], shards: Sequence[Sequence[Any]]) -> str:
-    """A part's identity: what shapes its join's bytes (the module docstring).
+def join_id(cfg, shards: Sequence[Sequence[Any]]) -> str:
+    """A part's identity without its captions: what shapes its join's bytes besides the
+    caption rows its keys match (the module docstring).
 
     Args:
         cfg: the :class:`hf_pipeline.config.Config`.
-        metadata: the metadata file's ``(name, size, etag)``.
         shards: the part's shards' ``(name, size, etag)``, in build order.
     """
     fields = {f"{a}.{b}": getattr(getattr(cfg, a), b) for a, b in _JOIN_FIELDS}
-    return _digest(
-        {
-            "schema": PART_SCHEMA,
-            "fields": fields,
-            "metadata": _plain(metadata),
-            "shards": [_plain(s) for s in shards],
-        }
-    )
+    return _digest({"schema": PART_SCHEMA, "fields": fields, "shards": [_plain(s) for s in shards]})
+
+
+def caption_digest(table, keys) -> str:
+    """A digest of what the caption table gives ``keys`` (in order): for each key,
+    whether it has a metadata row and its caption's bytes (or null). The join's
+    output is a function of the shards and exactly this.
+
+    Args:
+        table: a :class:`hf_pipeline.build.captions.CaptionTable`.
+        keys: the part's keys, in row order (int64).
+    """
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    keys = np.ascontiguousarray(np.asarray(keys, dtype="<i8"))
+    caps, found = table.lookup(keys)
+    caps = pa.concat_arrays([caps.cast(pa.large_binary())]) if len(caps) else caps
+    h = hashlib.sha256()
+    h.update(keys.tobytes())
+    h.update(np.asarray(found, dtype=np.uint8).tobytes())
+    lengths = pc.fill_null(pc.binary_length(caps), -1).to_numpy(zero_copy_only=False)
+    h.update(np.asarray(lengths, dtype="<i8").tobytes())
+    for value in caps.drop_null().to_pylist() if len(caps) else []:
+        h.update(value)
+    return h.hexdigest()[:32]
 
 
 def encoder_key(encoder: Mapping[str, Any]) -> str:
@@ -173,15 +197,23 @@ class StoredPart:
 
     Attributes:
         plan: the part's shard range in this build.
-        join_id: its join's identity (:func:`join_id`).
+        part: its identity without captions (:func:`join_id`).
+        captions: the caption table its join is stored under (16 hex digits of
+            :func:`captions_id`): this build's, or the one of a stored join reused
+            because its captions are the same.
         encoder: the encoder's key (:func:`encoder_key`).
         store: the store folder (:func:`store_dir`).
     """
 
     plan: PartPlan
-    join_id: str
+    part: str
+    captions: str
     encoder: str
     store: Path
+
+    @property
+    def join_id(self) -> str:
+        return f"{self.part}-{self.captions}"
 
     @property
     def embed_id(self) -> str:
@@ -207,7 +239,8 @@ def stored_parts(
     return [
         StoredPart(
             plan=p,
-            join_id=join_id(cfg, metadata, [f.identity() for f in shards[p.start : p.stop]]),
+            part=join_id(cfg, [f.identity() for f in shards[p.start : p.stop]]),
+            captions=captions_id(cfg, metadata)[:16],
             encoder=key,
             store=root,
         )

@@ -59,6 +59,7 @@ __all__ = [
     "join_part",
     "latent_bytes",
     "part_files",
+    "read_keys",
     "write_kept_indices",
 ]
 
@@ -236,6 +237,12 @@ class BuildStopped(RuntimeError):
 def part_files(part_dir: Path, kind: str) -> list[Path]:
     """The Arrow files of ``kind`` (``"rows"`` or ``"embeddings"``) of one part, in order."""
     return sorted((part_dir / kind).glob("*.arrow"))
+
+
+def read_keys(rows_files: Sequence[Path]) -> np.ndarray:
+    """The key column of a part's rows files, in row order (memory-mapped: the latents
+    are not read)."""
+    return _column(rows_files, "key").to_numpy() if rows_files else np.zeros(0, np.int64)
 
 
 def _column(files: Sequence[Path], name: str) -> pa.ChunkedArray:

@@ -557,6 +557,30 @@ def _reuse(fingerprint: str, joins: list, embeds: list) -> dict[str, Any]:
     }
 
 
+def _stored_join(part, table):
+    """``part`` with the join to use: the one stored under this build's caption table,
+    else one stored under another whose marker's ``captions_digest`` equals the digest
+    of its own keys in ``table`` (the same captions: the same rows), else (none) this
+    build's, to be built."""
+    from dist.coordinator import complete_markers as unit_markers
+    from hf_pipeline.build.part_store import caption_digest
+    from hf_pipeline.build.parts import part_files, read_keys
+
+    if unit_markers(part.join_dir, part.join_id, ["join"]) is not None:
+        return part
+    for folder in sorted(part.store.glob(f"join-{part.part}-*")):
+        captions = folder.name[len(f"join-{part.part}-") :]
+        other = dataclasses.replace(part, captions=captions)
+        markers = unit_markers(folder, other.join_id, ["join"]) if folder.is_dir() else None
+        if markers is None:
+            continue
+        digest = markers["join"].info.get("captions_digest")
+        keys = read_keys(part_files(folder / markers["join"].directory, "rows"))
+        if isinstance(digest, str) and digest == caption_digest(table, keys):
+            return other
+    return part
+
+
 def _ensure_parts(
     cfg, inputs, fingerprint, process, progress, timing, *, count: int, me: int, on_phase=None
 ) -> BuiltParts:
@@ -576,7 +600,8 @@ def _ensure_parts(
 
     from dist.coordinator import complete_markers as unit_markers
     from dist.coordinator import ensure_built
-    from hf_pipeline.build.part_store import captions_id, store_dir, stored_parts
+    from hf_pipeline.build.captions import CaptionTable
+    from hf_pipeline.build.part_store import caption_digest, captions_id, store_dir, stored_parts
     from hf_pipeline.build.parts import (
         StoppableProbe,
         embed_part,
@@ -593,13 +618,12 @@ def _ensure_parts(
         cfg, shards=shards, metadata=inputs.metadata.identity(),
         encoder=encoder_identity(cfg.encoder),
     )  # fmt: skip
-    need_join = any(unit_markers(p.join_dir, p.join_id, ["join"]) is None for p in planned)
+    # Every embedding already stored under this caption table: no model to load.
     need_embed = any(unit_markers(p.embed_dir, p.embed_id, ["embed"]) is None for p in planned)
     with contextlib.ExitStack() as stack:
         # The fork server of the joins' workers imports its libraries, and the model
         # loads, while the caption table is written (or waited for).
-        if need_join:
-            stack.enter_context(clean_workers())
+        stack.enter_context(clean_workers())
         loading = stack.enter_context(_EncoderLoading(cfg, process)) if need_embed else None
 
         def captions(ctx):
@@ -613,6 +637,8 @@ def _ensure_parts(
             builder=me == 0, **timing,
         )["captions"]  # fmt: skip
         captions_path = store / f"captions-{cid}" / cap.directory / "captions.arrow"
+        table = CaptionTable.open(str(captions_path))
+        planned = [_stored_join(p, table) for p in planned]
 
         def join_builder(part):
             def build(ctx):
@@ -622,7 +648,14 @@ def _ensure_parts(
                     captions_path=str(captions_path), out_dir=Path(ctx.tmp_dir),
                     fingerprint=part.join_id, progress=progress,
                 )  # fmt: skip
-                return {**join_info(joined), "builder": _me(), "built_for": fingerprint}
+                keys = joined.joined.rows.data.column("key").to_numpy()
+                return {
+                    **join_info(joined), "builder": _me(), "built_for": fingerprint,
+                    # What a later build with other metadata compares (part_store).
+                    "captions_digest": caption_digest(table, keys),
+                    # What --clean keeps while this join is in use (dist.inventory).
+                    "uses": [f"captions-{cid}"],
+                }  # fmt: skip
 
             return build
 
@@ -637,9 +670,14 @@ def _ensure_parts(
                 info = embed_part(
                     part_files(join_folder, "rows"), cfg=cfg, probe=probe,
                     encoder=loading.encoder, out_dir=Path(ctx.tmp_dir),
-                    fingerprint=part.embed_id, on_phase=on_phase or ctx.set_phase,
+                    # datasets' fingerprints are at most 64 characters.
+                    fingerprint=hashlib.sha256(part.embed_id.encode()).hexdigest()[:32],
+                    on_phase=on_phase or ctx.set_phase,
                 )  # fmt: skip
-                return {**info, "builder": _me(), "built_for": fingerprint}
+                return {
+                    **info, "builder": _me(), "built_for": fingerprint,
+                    "uses": [part.join_dir.name],
+                }  # fmt: skip
 
             return build
 

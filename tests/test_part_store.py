@@ -415,3 +415,15 @@ def first_encoder_key(res) -> str:
 
     assert res.report["config"]["encoder"]["max_length"] == load_config(None, []).encoder.max_length
     return encoder_key(encoder_identity(load_config(None, [], environ={}).encoder))
+
+
+def test_parts_of_many_shards_joined_by_several_workers_give_the_same_cache(inputs):
+    """Bigger parts (several shards, joined by the ``num_proc`` workers, whose files
+    ``datasets`` names with a suffix) give the cache a part per shard gives: the cut is
+    a speed knob, not part of the result (the fingerprint included)."""
+    res = _build(
+        inputs["base"] / "big-parts", inputs["final"], inputs["meta"], "build.part_shards=8"
+    )
+    assert any(p["shards"] > 1 for p in res.report["parts"])
+    assert max(p["join"]["workers"] for p in res.report["parts"]) == 2
+    _assert_same_cache(res, inputs["clean"])

@@ -557,6 +557,12 @@ def _reuse(fingerprint: str, joins: list, embeds: list) -> dict[str, Any]:
     }
 
 
+def _short(unit_id: str) -> str:
+    """A unit's ``datasets`` fingerprint prefix: ``datasets`` refuses one longer than 64
+    characters, suffixes included (``-rows_00000_of_00016`` with ``num_proc`` workers)."""
+    return hashlib.sha256(unit_id.encode()).hexdigest()[:32]
+
+
 def _stored_join(part, table):
     """``part`` with the join to use: the one stored under this build's caption table,
     else one stored under another whose marker's ``captions_digest`` equals the digest
@@ -646,7 +652,7 @@ def _ensure_parts(
                     cfg=cfg, probe=ctx.probe, source=inputs.source,
                     shards=shards[part.plan.start : part.plan.stop],
                     captions_path=str(captions_path), out_dir=Path(ctx.tmp_dir),
-                    fingerprint=part.join_id, progress=progress,
+                    fingerprint=_short(part.join_id), progress=progress,
                 )  # fmt: skip
                 keys = joined.joined.rows.data.column("key").to_numpy()
                 return {
@@ -670,8 +676,7 @@ def _ensure_parts(
                 info = embed_part(
                     part_files(join_folder, "rows"), cfg=cfg, probe=probe,
                     encoder=loading.encoder, out_dir=Path(ctx.tmp_dir),
-                    # datasets' fingerprints are at most 64 characters.
-                    fingerprint=hashlib.sha256(part.embed_id.encode()).hexdigest()[:32],
+                    fingerprint=_short(part.embed_id),
                     on_phase=on_phase or ctx.set_phase,
                 )  # fmt: skip
                 return {

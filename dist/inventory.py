@@ -15,6 +15,14 @@ The root may hold other people's things (a shared ``HF_PIPELINE_CACHE``), so wha
   of an earlier run), never followed;
 - inside a complete cache, only protocol bookkeeping, unpublished stage folders, and
   regular files inside a published stage folder that its marker does not list.
+
+A *store* (``stores`` of :func:`clean`, :func:`list_store`) is a folder of the root
+holding *units*: cache folders of one stage each, named ``<stage>-<id>``, whose files
+caches hard-link into their own stages (hf_pipeline's part store, ``.parts``). Caches
+that share a unit share its files' inodes: removing a cache removes its links, never
+the bytes another cache still links. A complete unit is *in use* while one of its files
+has a link besides its own, or while a unit in use names it in its marker's ``uses``;
+:func:`clean` removes units that are not (and stale, failed or corrupt ones).
 """
 
 from __future__ import annotations
@@ -54,10 +62,12 @@ __all__ = [
     "CacheState",
     "CacheStatus",
     "CleanReport",
+    "StoredUnit",
     "VerifyReport",
     "clean",
     "ignored_entries",
     "list_caches",
+    "list_store",
     "unlisted_files",
     "verify",
     "verify_cache",
@@ -111,6 +121,10 @@ class CacheStatus:
             files no marker lists).
         unlisted: paths (relative to the folder) inside published stage folders that no
             marker lists: written by something else (a ``datasets`` call on the cache).
+        shared_files, shared_bytes: the files its markers list that another cache of
+            the root also holds (hard links to one inode: counted once on disk).
+        shared_parts: the ``parts/<part>`` folders holding such files.
+        shared_with: the names of those other caches.
     """
 
     path: Path
@@ -128,6 +142,10 @@ class CacheStatus:
     age_s: float = 0.0
     problems: tuple[str, ...] = ()
     unlisted: tuple[str, ...] = ()
+    shared_files: int = 0
+    shared_bytes: int = 0
+    shared_parts: int = 0
+    shared_with: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-able (``prebuild_cache.py --status --json``)."""
@@ -373,15 +391,114 @@ def list_caches(
         return []
     marks = {p: cache_mark(p) for p in sorted(root.iterdir())}
     caches = [p for p, fingerprint in marks.items() if fingerprint is not None]
-    live: dict[Path, bool | None] = {c: None for c in caches}
+    live = _observed(caches, observe_s)
+    statuses = [_status(c, marks[c] or "", list(stages), live[c]) for c in caches]
+    return _with_sharing(statuses, stages)
+
+
+def _observed(folders: Sequence[Path], observe_s: float) -> dict[Path, bool | None]:
+    """Whether each folder's lease heartbeat moved during ``observe_s`` (None: no lease,
+    or not observed)."""
+    live: dict[Path, bool | None] = {c: None for c in folders}
     if observe_s > 0:
-        before = {c: _lease_key(c) for c in caches}
+        before = {c: _lease_key(c) for c in folders}
         if any(k is not None for k in before.values()):
             time.sleep(observe_s)
-            for c in caches:
+            for c in folders:
                 if before[c] is not None:
                     live[c] = _lease_key(c) != before[c]
-    return [_status(c, marks[c] or "", list(stages), live[c]) for c in caches]
+    return live
+
+
+def _listed_regular(folder: Path, done: Mapping[str, Marker]) -> list[tuple[str, os.stat_result]]:
+    """The regular files ``done``'s markers list (relative path, lstat), never a link."""
+    out = []
+    for marker in done.values():
+        for f in marker.files:
+            st = _lstat(folder / f.path)
+            if st is not None and stat.S_ISREG(st.st_mode):
+                out.append((f.path, st))
+    return out
+
+
+def _with_sharing(statuses: list[CacheStatus], stages: Sequence[str]) -> list[CacheStatus]:
+    """``statuses`` with what each cache shares with the others (same inodes)."""
+    owners: dict[tuple[int, int], set[Path]] = {}
+    files: dict[Path, list[tuple[str, os.stat_result]]] = {}
+    for st in statuses:
+        done = _valid_markers(st.path, list(stages), st.fingerprint or "")[0]
+        files[st.path] = _listed_regular(st.path, done)
+        for _, f in files[st.path]:
+            owners.setdefault((f.st_dev, f.st_ino), set()).add(st.path)
+    out = []
+    for st in statuses:
+        shared = [(rel, f) for rel, f in files[st.path] if len(owners[(f.st_dev, f.st_ino)]) > 1]
+        others = {o for _, f in shared for o in owners[(f.st_dev, f.st_ino)]} - {st.path}
+        # <stage folder>/parts/<part>/...: the parts a cache is assembled from.
+        parts = {
+            "/".join(rel.split("/")[:3]) for rel, _ in shared if rel.split("/")[1:2] == ["parts"]
+        }
+        out.append(
+            dataclasses.replace(
+                st,
+                shared_files=len(shared),
+                shared_bytes=sum(f.st_size for _, f in shared),
+                shared_parts=len(parts),
+                shared_with=tuple(sorted(o.name for o in others)),
+            )
+        )
+    return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StoredUnit:
+    """One unit of a store (the module docstring).
+
+    Attributes:
+        status: its :class:`CacheStatus` (its one stage: the name's prefix).
+        in_use: complete and in use (a file linked elsewhere, or named by a unit in use).
+        links: the most links any of its files has besides its own (the caches that
+            hold it, while it is in the store).
+    """
+
+    status: CacheStatus
+    in_use: bool
+    links: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.status.as_dict(), "in_use": self.in_use, "links": self.links}
+
+
+def list_store(store: str | os.PathLike[str], *, observe_s: float = 0.0) -> list[StoredUnit]:
+    """The units of ``store`` (folders ``<stage>-<id>`` with the project's mark; anything
+    else is left alone) and whether each is in use, sorted by name; [] if ``store`` does
+    not exist. Reads only."""
+    if observe_s < 0:
+        raise ValueError(f"observe_s must be >= 0, got {observe_s}")
+    store = Path(store)
+    if not store.is_dir():
+        return []
+    marks = {p: cache_mark(p) for p in sorted(store.iterdir())}
+    units = [p for p, fp in marks.items() if fp is not None and "-" in p.name]
+    live = _observed(units, observe_s)
+    found: dict[str, tuple[CacheStatus, int, list[str]]] = {}
+    for u in units:
+        stage = u.name.split("-", 1)[0]
+        st = _status(u, marks[u] or "", [stage], live[u])
+        done = _valid_markers(u, [stage], marks[u] or "")[0]
+        links = max((f.st_nlink - 1 for _, f in _listed_regular(u, done)), default=0)
+        uses = done[stage].info.get("uses", []) if stage in done else []
+        found[u.name] = (st, links, [n for n in uses if isinstance(n, str)])
+    in_use = {n for n, (st, links, _) in found.items() if st.state is CacheState.COMPLETE and links}
+    grew = True
+    while grew:  # what a unit in use names is in use too (an embedding names its join...)
+        more = {n for u in in_use for n in found[u][2] if n in found} - in_use
+        grew = bool(more)
+        in_use |= more
+    return [
+        StoredUnit(status=st, in_use=name in in_use, links=links)
+        for name, (st, links, _) in found.items()
+    ]
 
 
 def _looks_like_cache(path: Path) -> bool:
@@ -689,8 +806,10 @@ def clean(
     dry_run: bool = True,
     stages: Sequence[str] = DEFAULT_STAGES,
     observe_s: float = 5.0,
+    stores: Sequence[str] = (),
 ) -> CleanReport:
-    """Remove stale, corrupt and failed caches, and leftovers inside complete ones.
+    """Remove stale, corrupt and failed caches, and leftovers inside complete ones; then
+    the units of ``stores`` that no cache uses any more (:func:`list_store`).
 
     Only folders carrying the project's mark (:func:`dist.layout.cache_mark`) are caches;
     nothing is reached through a symlink (see the module docstring). A cache whose lease
@@ -704,6 +823,8 @@ def clean(
         dry_run: only report what would be removed.
         stages: stage names in build order.
         observe_s: liveness observation window (> the builders' heartbeat interval).
+        stores: folders of ``root`` that are stores (the module docstring); cleaned
+            after the caches, so that a cache removed now frees its units at once.
 
     Returns:
         A :class:`CleanReport`.
@@ -743,4 +864,28 @@ def clean(
             drop(path)  # an earlier run's trash: a link (unlinked, never followed) or a cache
         else:
             left.append((path, why))
+    for name in stores:
+        store = Path(root) / name
+        if _is_link(store):
+            left.append((store, "a symbolic link: never followed, left as it is"))
+            continue
+        for unit in list_store(store, observe_s=observe_s):
+            st = unit.status
+            if st.state is CacheState.BUILDING:
+                continue
+            if _lease_key(st.path) != (
+                None if st.lease_id is None else (st.lease_id, st.heartbeat_counter)
+            ):
+                continue  # somebody claimed or beat since we looked
+            if st.state in _REMOVABLE or (st.state is CacheState.COMPLETE and not unit.in_use):
+                drop(st.path)  # no cache links its files: nothing reads them any more
+            else:  # kept: only what dead builders left in it
+                targets, links = _complete_targets(st.path, st, [st.path.name.split("-", 1)[0]])
+                left += links
+                for target in targets:
+                    drop(target)
+        for path in sorted(store.iterdir()) if store.is_dir() else []:
+            inner = parse_trash_name(path.name)
+            if inner is not None and (_is_link(path) or cache_mark(path, name=inner)):
+                drop(path)  # an interrupted removal of a unit
     return CleanReport(removed=tuple(removed), left=tuple(left))

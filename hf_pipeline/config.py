@@ -415,18 +415,18 @@ class BuildConfig:
         0,
         0,
         10_000_000,
-        note=" (0: one part per builder)",
-        help="shards per part with `parallel: ranks`",
+        note=" (0: 16)",
+        help="the average shards per part; parts are content-defined (a hash of a shard's "
+        "name ends a part) and stored by their own identity under `.parts/` for every "
+        "later cache (docs/guides/evolve.md)",
     )
     overlap_parts: int = _bounded(
         0,
         0,
         1024,
         note=" (0: automatic, 1: no overlap)",
-        help="pieces a builder cuts its part into, built in order, the embedding of one "
-        "(the accelerator) overlapping the join of the next (the `num_proc` workers); "
-        "automatic: 4 when the encoder runs on an accelerator and each piece still gives "
-        "every worker a shard, else one; with `parallel: ranks` each rank cuts its part",
+        help="no longer used (kept so that configs setting it still load): the embedding "
+        "of each part overlaps the join of the next, and `part_shards` sizes the parts",
     )
     pull_from: str = _field(
         "",

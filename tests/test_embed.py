@@ -558,19 +558,35 @@ def test_offline_uses_the_cached_ref_or_says_how_to_fix(model_hub, hf_home, monk
     assert model_hub.count("/api/models/") == 0
 
 
-def _joined_rows(tmp_path, n, kept, bad_row=None):
-    """A join's output as the embed stage reads it: ``n`` rows, ``kept`` of them to embed."""
-    import datasets
-    import pyarrow as pa
+_CAPTION = "a photo of a cat"
 
-    ids = [[101, 2023, 102] for _ in range(n)]
-    if bad_row is not None:
-        ids[bad_row] = [101, 10**6, 102]  # beyond the vocabulary: the model itself fails
+
+def _joined_rows(tmp_path, n, kept):
+    """A join's output as the embed stage reads it: ``n`` rows, ``kept`` of them to embed
+    (the embed stage tokenizes their captions)."""
+    import datasets
+
     reasons = ["" if i in kept else "no_caption" for i in range(n)]
-    table = {"input_ids": pa.array(ids, pa.list_(pa.int32())), "drop_reason": reasons}
+    captions = [_CAPTION if i in kept else "" for i in range(n)]
+    table = {"caption": captions, "drop_reason": reasons}
     return datasets.Dataset.from_dict(table).flatten_indices(
         cache_file_name=str(tmp_path / "rows.arrow")
     )
+
+
+class _OneBadCaption:
+    """The encoder's tokenizer, giving one caption an id beyond the vocabulary: the model
+    itself then fails on the encoding thread."""
+
+    def __init__(self, tokenizer, bad: str):
+        self._tokenizer, self._bad = tokenizer, bad
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def __call__(self, texts):
+        ids = self._tokenizer(texts)
+        return [[101, 10**6, 102] if t == self._bad else x for t, x in zip(texts, ids, strict=True)]
 
 
 class _Owned:
@@ -599,23 +615,36 @@ def test_embed_stage_encodes_ahead_and_keeps_rows_aligned(encoder, tmp_path, mid
     emb = np.asarray(out.embedded.with_format("numpy")["embedding"])
     reasons = out.embedded.with_format(None)["drop_reason"]
     assert reasons[7] == "duplicate_key" and reasons[0] == reasons[n - 1] == ""
-    expected = encoder.encode_ids(rows.data.column("input_ids").take([0]))[0]
+    expected = encoder.encode([_CAPTION])[0]
     for i in sorted(kept - {7}):
         np.testing.assert_allclose(emb[i], expected, atol=1e-5)
+    # The token ids are written beside the embeddings (the join holds none).
+    ids = out.embedded.with_format(None)["input_ids"]
+    assert ids[0] == encoder.tokenizer([_CAPTION])[0] and ids[1] == [] and ids[7] == []
     assert not emb[[1, 7, EMBED_ROWS_PER_CALL]].any(), "rows not embedded are zeros"
     if not middle_batch_kept:
         assert not emb[EMBED_ROWS_PER_CALL : 2 * EMBED_ROWS_PER_CALL].any()
     assert out.timeline["batches"] == (3 if middle_batch_kept else 2)
 
 
-def test_an_encoder_failure_on_the_encoding_thread_fails_the_stage(encoder, tmp_path):
+def test_an_encoder_failure_on_the_encoding_thread_fails_the_stage(encoder, tmp_path, monkeypatch):
     import threading
+
+    import datasets
 
     from hf_pipeline.build.embed_stage import EMBED_ROWS_PER_CALL, embed_joined_rows
 
     n = EMBED_ROWS_PER_CALL + 10
     bad = EMBED_ROWS_PER_CALL + 3  # in the second batch
-    rows = _joined_rows(tmp_path, n, {0, bad}, bad_row=bad)
+    captions = [_CAPTION] * n
+    captions[bad] = "the bad one"
+    rows = datasets.Dataset.from_dict(
+        {
+            "caption": captions,
+            "drop_reason": ["" if i in (0, bad) else "no_caption" for i in range(n)],
+        }
+    ).flatten_indices(cache_file_name=str(tmp_path / "rows.arrow"))
+    monkeypatch.setattr(encoder, "tokenizer", _OneBadCaption(encoder.tokenizer, "the bad one"))
     with pytest.raises(IndexError):
         embed_joined_rows(
             rows, np.zeros(n, bool), encoder=encoder, cfg=load_config(None, []),
@@ -631,7 +660,7 @@ def test_a_stopped_build_stops_its_part_embedding_at_the_next_batch(encoder, tmp
     import threading
 
     from hf_pipeline.build.embed_stage import EMBED_ROWS_PER_CALL, embed_joined_rows
-    from hf_pipeline.build.parts import BuildStopped, _StoppableProbe
+    from hf_pipeline.build.parts import BuildStopped, StoppableProbe
 
     n = EMBED_ROWS_PER_CALL * 3
     rows = _joined_rows(tmp_path, n, {0, EMBED_ROWS_PER_CALL + 1, n - 1})
@@ -643,7 +672,7 @@ def test_a_stopped_build_stops_its_part_embedding_at_the_next_batch(encoder, tmp
             if len(checks) == 2:  # the first batch is under way: the build stops
                 probe.stop()
 
-    probe = _StoppableProbe(Counting())
+    probe = StoppableProbe(Counting())
     with pytest.raises(BuildStopped):
         embed_joined_rows(
             rows, np.zeros(n, bool), encoder=encoder, cfg=load_config(None, []),

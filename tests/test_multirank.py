@@ -133,32 +133,29 @@ def test_four_ranks_build_in_parts_equal_to_one_builder(small_config, tmp_path):
     """build.parallel=ranks: 4 real processes each build a part; rank 0 assembles. The
     cache equals a single builder's: same fingerprint, same kept keys in the same order,
     byte-identical latents and captions, embeddings equal up to float noise."""
-    one, res = _one_builder_and_ranks(small_config, tmp_path, 4)
+    one, res = _one_builder_and_ranks(small_config, tmp_path, 4, "build.part_shards=1")
     parts = res.report["parts"]  # the report says who built which shards
     assert [p["shards"] for p in parts] == [1, 1, 1, 1]
     assert len({p["builder"]["pid"] for p in parts}) == 4
     _assert_same_cache(one, res)
 
 
-def test_two_ranks_build_their_parts_in_overlapped_pieces(small_config, tmp_path):
-    """build.parallel=ranks with build.overlap_parts=2: each of 2 ranks builds its part
-    (2 shards) as 2 pieces, the embedding of the first overlapping the join of the
-    second, as one builder does; the assembly takes the pieces as parts, and the cache
-    equals a single builder's."""
-    one, res = _one_builder_and_ranks(small_config, tmp_path, 2, "build.overlap_parts=2")
-    pieces = res.report["parts"]
-    assert [p["shards"] for p in pieces] == [1, 1, 1, 1]
-    pids = [p["builder"]["pid"] for p in pieces]
-    assert pids[0] == pids[1] != pids[2] == pids[3], "a rank built both pieces of its part"
-    for first, second in (pieces[0:2], pieces[2:4]):
-        # The first piece's embedding started before the second piece's join ended.
+def test_two_ranks_build_their_parts_overlapped(small_config, tmp_path):
+    """build.parallel=ranks, 2 ranks, 4 parts: each rank builds its 2 parts (index modulo
+    the ranks), the embedding of its first overlapping the join of its second, as one
+    builder does; the stage hard-linked all four, and the cache equals a single
+    builder's."""
+    one, res = _one_builder_and_ranks(small_config, tmp_path, 2, "build.part_shards=1")
+    parts = res.report["parts"]
+    assert [p["shards"] for p in parts] == [1, 1, 1, 1]
+    pids = [p["builder"]["pid"] for p in parts]
+    assert pids[0] == pids[2] != pids[1] == pids[3], "a rank built parts k and k+2"
+    for first, second in (parts[0::2], parts[1::2]):
+        # The first part's embedding started before the second part's join ended.
         assert first["wall"]["join"][1] <= first["wall"]["embed"][0]
         assert first["wall"]["embed"][0] < second["wall"]["join"][1]
         assert first["wall"]["join"][1] <= second["wall"]["join"][0] + 1e-3
-    # Each rank published one part holding its pieces; the stage hard-linked all four.
-    for part in ("part-00000", "part-00001"):
-        (unit,) = (res.layout.root / "parts" / part).glob("part.*/")
-        assert sorted(d.name for d in unit.iterdir() if d.is_dir()) == ["part-00000", "part-00001"]
+    assert res.report["reuse"]["joins_built"] == 4
     conv = res.layout.stage_dir("converted")
     assert len(list((conv / "parts").glob("part-*/rows/*.arrow"))) == 4
     _assert_same_cache(one, res)
@@ -180,7 +177,8 @@ def test_sigkilled_part_builder_only_its_part_is_redone(small_config, tmp_path):
     data = copy_inputs(small_config, tmp_path / "data")
     base = [*SMALL_DEMO, f"data.shards={data}", "coord.poll_interval=0.1"]
     par = [*base, f"build.cache_dir={tmp_path / 'par'}", "build.parallel=ranks",
-           "coord.lease_timeout=4", "coord.heartbeat_interval=0.5"]  # fmt: skip
+           "build.part_shards=1", "coord.lease_timeout=4",
+           "coord.heartbeat_interval=0.5"]  # fmt: skip
     procs = [
         subprocess.Popen(
             [PYTHON, str(REPO / "tests/procs/rank_loader.py"), str(tmp_path / "r{rank}.json"), *par],
@@ -193,12 +191,12 @@ def test_sigkilled_part_builder_only_its_part_is_redone(small_config, tmp_path):
         victim = procs[2]
         deadline = time.monotonic() + 240
         part2 = None
-        while part2 is None:  # rank 2 holds part 2's lease and has started building it
+        while part2 is None:  # rank 2 holds part 2's lease and has started joining it
             assert time.monotonic() < deadline, "rank 2 never started its part"
-            for lease in (tmp_path / "par").glob("*/parts/part-00002/lease"):
+            for lease in (tmp_path / "par" / ".parts").glob("join-*/lease"):
                 info = read_json(lease)
                 if isinstance(info, dict) and info.get("pid") == victim.pid:
-                    if any(lease.parent.glob("part.*/")):
+                    if any(lease.parent.glob("join.*/")):
                         part2 = lease.parent
             time.sleep(0.05)
         os.kill(victim.pid, signal.SIGKILL)
@@ -216,8 +214,9 @@ def test_sigkilled_part_builder_only_its_part_is_redone(small_config, tmp_path):
     pids = [p["builder"]["pid"] for p in parts]
     assert pids[2] != victim.pid and pids[2] in {p.pid for p in procs}
     assert pids[0] == procs[0].pid and pids[1] == procs[1].pid and pids[3] == procs[3].pid
-    # Exactly one published copy of each part: only part 2 was built twice.
-    assert len(list(part2.glob("part.*/"))) == 1
+    # Exactly one published copy of the part: only part 2 was built twice.
+    assert part2.name == f"join-{parts[2]['id']}"
+    assert len(list(part2.glob("join.*/"))) == 1
     one = prepare_cache(
         load_config(None, [*base, f"build.cache_dir={tmp_path / 'one'}"], environ={}),
         progress=False,

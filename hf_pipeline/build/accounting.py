@@ -172,6 +172,8 @@ def build_report(
         "bad_rows": converted.get("bad_rows", {}),
         # Who built which shards (one part unless build.part_shards / parallel: ranks).
         "parts": converted.get("parts", []),
+        # What came from the part store and what was built (absent before it).
+        "reuse": converted.get("reuse"),
         "skipped_files": skipped,
         "fetch": converted.get("fetch", {}),
         # The key-sorted caption table (the builder's, or rank 0's with parallel: ranks);

@@ -1,14 +1,17 @@
 """Stage 1a, the join: latent shards + caption table -> ``key, latents, caption,
-drop_reason, input_ids`` rows, through ``Dataset.map(num_proc=build.num_proc)``.
+drop_reason`` rows, through ``Dataset.map(num_proc=build.num_proc)``.
 
 Each ``num_proc`` worker (forked by a clean fork server: :mod:`hf_pipeline.workers.pool`)
 takes one shard at a time from the :class:`~hf_pipeline.stores.fetch.StagingClient` (downloads
 run ahead in the builder), reads it with ``torch.load(weights_only=True)`` and validates it
 (:func:`hf_pipeline.build.shards.read_shard`), converts the latents to the storage dtype,
-looks the keys up in the memory-mapped caption table (``searchsorted``, no per-row dict),
-tokenizes the captions it keeps (so tokenization scales with ``num_proc``) and marks
-rows with NaN/inf latents ``nonfinite_latents`` (or fails, ``data.on_bad_rows: fail``),
+looks the keys up in the memory-mapped caption table (``searchsorted``, no per-row dict)
+and marks rows with NaN/inf latents ``nonfinite_latents`` (or fails, ``data.on_bad_rows: fail``),
 rows whose caption is not UTF-8 ``bad_caption_encoding``. A shard without rows adds none.
+
+The join holds no token ids: they belong to the encoder, and a part's join is shared by
+every encoder (:mod:`hf_pipeline.build.part_store`); the embedding tokenizes
+(:mod:`hf_pipeline.build.embed_stage`).
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ __all__ = [
     "join_shards",
     "join_timeline",
     "shard_table",
-    "worker_tokenizer",
     "summarize_precision",
 ]
 
@@ -142,7 +144,6 @@ def choose_storage(wanted: str, shards: Sequence[Any], client, timeout: float) -
 
 
 _CAPTIONS: dict[str, Any] = {}
-_TOKENIZERS: dict[Any, Any] = {}
 
 
 def _captions(path: str):
@@ -153,39 +154,6 @@ def _captions(path: str):
 
         table = _CAPTIONS[path] = CaptionTable.open(path)
     return table
-
-
-def _tokenizer(spec):
-    # One tokenizer per worker process, loaded there: from the builder's TokenizerSpec
-    # (``tokenizers`` alone), else (no Rust backend) transformers from the encoder config.
-    # The workers already run in parallel, so each tokenizes on one thread.
-    tok = _TOKENIZERS.get(spec)
-    if tok is None:
-        from hf_pipeline.encoder.model import CaptionTokenizer, TokenizerSpec, WorkerTokenizer
-
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        kind = WorkerTokenizer if isinstance(spec, TokenizerSpec) else CaptionTokenizer
-        tok = _TOKENIZERS[spec] = kind(spec)
-    return tok
-
-
-def worker_tokenizer(tokenizer, cfg, folder: Path):
-    """What the join workers tokenize with: a :class:`~hf_pipeline.encoder.model.TokenizerSpec`
-    saved in ``folder``, or the encoder config when the tokenizer has no Rust backend.
-
-    Args:
-        tokenizer: this process's :class:`~hf_pipeline.encoder.model.CaptionTokenizer`, a future
-            of it (loading in the background), or None (loaded here).
-        cfg: the :class:`hf_pipeline.config.Config`.
-        folder: where the spec's file goes (the part's scratch folder).
-    """
-    if tokenizer is None:
-        from hf_pipeline.encoder.model import CaptionTokenizer
-
-        tokenizer = CaptionTokenizer(cfg.encoder)
-    elif hasattr(tokenizer, "result"):  # a Future: waits here, re-raises a load error
-        tokenizer = tokenizer.result()
-    return tokenizer.export(folder) or cfg.encoder
 
 
 #: A RemoteFile's fields: the shard table's columns.
@@ -216,10 +184,9 @@ def convert_shards(
     storage: Storage,
     precision_dir: str,
     fetch_timeout: float,
-    tokenizer,
     on_bad_rows: str,
 ) -> dict[str, Any]:
-    """``datasets.map`` function: shard files -> joined, tokenized latent rows.
+    """``datasets.map`` function: shard files -> joined latent rows.
 
     Runs in the ``num_proc`` workers. A batch is rows of the shard table
     (:func:`shard_table`: one :class:`~hf_pipeline.stores.remote_file.RemoteFile` a row), so a
@@ -235,8 +202,7 @@ def convert_shards(
     from hf_pipeline.errors import CorruptShardError
 
     table = _captions(captions_path)
-    tokenize = _tokenizer(tokenizer)
-    keys, latents, captions, reasons, token_ids = [], [], [], [], []
+    keys, latents, captions, reasons = [], [], [], []
     for j, index in enumerate(indices):
         probe.check()
         t_start = time.time()  # wall clock: the timeline compares processes
@@ -281,14 +247,9 @@ def convert_shards(
         why = reason_names(codes).astype(object)
         why[bad] = NONFINITE
         texts = caption_texts(caps, codes)  # "" for a caption that is not UTF-8
-        ids: list[list[int]] = [[] for _ in texts]
-        keep = np.flatnonzero(why == "")
-        for i, seq in zip(keep, tokenize([texts[i] for i in keep]), strict=True):
-            ids[i] = seq
         _write_precision(precision_dir, index, shard, t_start)
         reasons.append(why)
         captions.append(texts)
-        token_ids.append(ids)
         keys.append(k)
         latents.append(lat)
     if not keys:
@@ -297,14 +258,12 @@ def convert_shards(
             "latents": np.zeros((0, *LATENT_SHAPE), arrow_dtype(storage.dtype)),
             "caption": [],
             "drop_reason": [],
-            "input_ids": [],
         }
     return {
         "key": np.concatenate(keys),
         "latents": np.concatenate(latents),
         "caption": [c for part in captions for c in part],
         "drop_reason": [str(r) for part in reasons for r in part],
-        "input_ids": [x for part in token_ids for x in part],
     }
 
 
@@ -370,7 +329,6 @@ def join_shards(
     work_dir: Path,
     fingerprint: str,
     progress: bool,
-    tokenizer=None,
 ) -> JoinResult:
     """Run the join over ``shards`` into ``out_file`` (Arrow) with ``build.num_proc`` workers.
 
@@ -384,10 +342,8 @@ def join_shards(
         work_dir: scratch folder (per-shard precision files).
         fingerprint: used for the ``datasets`` cache fingerprint.
         progress: show the fetcher's progress bar.
-        tokenizer: this process's caption tokenizer, or a future of it, or None (see
-            :func:`worker_tokenizer`).
     """
-    from datasets import Array4D, Features, List, Value
+    from datasets import Array4D, Features, Value
 
     from hf_pipeline.cache.latents import LATENT_SHAPE
     from hf_pipeline.cache.precision import arrow_dtype
@@ -412,13 +368,9 @@ def join_shards(
                 "latents": Array4D(LATENT_SHAPE, arrow_dtype(storage.dtype)),
                 "caption": Value("string"),
                 "drop_reason": Value("string"),
-                "input_ids": List(Value("int32")),
             }
         )
         t_map = time.time()
-        # The builder's tokenizer may still be loading (a future): the workers wait for it.
-        tokenizer = worker_tokenizer(tokenizer, cfg, work_dir)
-        seconds_tokenizer = time.time() - t_map
         rows = table.map(
             convert_shards,
             batched=True,
@@ -435,13 +387,12 @@ def join_shards(
                 "storage": storage,
                 "precision_dir": str(precision_dir),
                 "fetch_timeout": fetch_timeout,
-                "tokenizer": tokenizer,
                 "on_bad_rows": cfg.data.on_bad_rows,
             },
             cache_file_name=str(out_file),
             new_fingerprint=f"{fingerprint}-rows",
             keep_in_memory=False,
-            desc="Join + tokenize captions",
+            desc="Join captions",
         )
         t_done = time.time()
         fetch_stats = fetcher.stats()
@@ -466,5 +417,5 @@ def join_shards(
         precision=precision,
         fetch=fetch_stats,
         num_proc=num_proc,
-        timeline=join_timeline(per_shard, t_map, t_done, tokenizer_wait=seconds_tokenizer),
+        timeline=join_timeline(per_shard, t_map, t_done),
     )

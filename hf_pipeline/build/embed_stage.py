@@ -1,11 +1,16 @@
-"""Stage 1c, the embedding: token ids of the joined rows -> one embedding per kept row.
+"""Stage 1c, the embedding: captions of the joined rows -> token ids -> one embedding
+per kept row.
 
 ``Dataset.map(batch_size=build.batch_size)`` in the building process, with the encoder
 (:class:`hf_pipeline.encoder.model.TextEncoder`) on the accelerator: one model, big batches,
 encoded by a thread a batch ahead of the map that writes them (:class:`EncodeAhead`).
 Only rows that will be kept are encoded; a row that is a duplicate of an earlier key
-gets its ``duplicate_key`` reason here. Writes ``embedding, drop_reason`` Arrow files
-row-aligned with the joined rows (the 24 KB latents are never rewritten).
+gets its ``duplicate_key`` reason here. Writes ``embedding, input_ids, drop_reason``
+Arrow files row-aligned with the joined rows (the 24 KB latents are never rewritten).
+
+The captions are tokenized here (:func:`tokenize_kept`), not in the join: the token ids
+belong to the encoder (its tokenizer, its ``max_length``), and the join of a part is
+shared by every encoder (:mod:`hf_pipeline.build.part_store`).
 """
 
 from __future__ import annotations
@@ -25,7 +30,17 @@ import pyarrow.compute as pc
 
 from hf_pipeline.build.accounting import DUPLICATE, KEEP, ReasonCodes, keep_mask
 
-__all__ = ["EMBED_ROWS_PER_CALL", "EmbedResult", "EncodeAhead", "embed_joined_rows", "embed_rows"]
+__all__ = [
+    "EMBED_ROWS_PER_CALL",
+    "EmbedResult",
+    "EncodeAhead",
+    "embed_joined_rows",
+    "embed_rows",
+    "tokenize_kept",
+]
+
+#: Captions per tokenizer call (a batch call runs in the tokenizer's Rust code).
+_TOKENIZE_ROWS = 4096
 
 #: Rows handed to the encoder per map batch at least: its micro-batches (a token budget
 #: of one padded width each) can only be as large as one width's share of a call, and
@@ -43,11 +58,13 @@ def embed_rows(
     probe,
     ahead: EncodeAhead,
     duplicate: np.ndarray,
+    input_ids: pa.Array,
     on_phase=None,
 ) -> pa.Table:
-    """``datasets.map`` function (Arrow format): the batch's final reasons, and its
-    embeddings from :class:`EncodeAhead` (kept rows; zeros elsewhere), as an Arrow
-    table. ``on_phase("embedding")`` is called as the first batch starts."""
+    """``datasets.map`` function (Arrow format): the batch's final reasons, its token ids
+    (``input_ids``: the part's, empty for rows not kept) and its embeddings from
+    :class:`EncodeAhead` (kept rows; zeros elsewhere), as an Arrow table.
+    ``on_phase("embedding")`` is called as the first batch starts."""
     probe.check()  # a builder that lost its lease stops at the next batch
     idx = np.asarray(indices, dtype=np.int64)
     if on_phase is not None and len(idx) and idx[0] == 0:
@@ -64,7 +81,8 @@ def embed_rows(
     probe.check()
     flat = pa.array(np.ascontiguousarray(emb).reshape(-1))  # no copy
     embedding = pa.FixedSizeListArray.from_arrays(flat, ahead.dim)
-    return pa.table({"embedding": embedding, "drop_reason": final})
+    ids = input_ids.slice(int(idx[0]), len(idx)) if len(idx) else input_ids.slice(0, 0)
+    return pa.table({"embedding": embedding, "input_ids": ids, "drop_reason": final})
 
 
 class EncodeAhead:
@@ -185,6 +203,27 @@ class EmbedResult:
     timeline: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+def tokenize_kept(captions: pa.ChunkedArray | pa.Array, keep: np.ndarray, tokenizer) -> pa.Array:
+    """The token ids of the ``keep`` rows' captions (``list<int32>``, one row per caption;
+    an empty list for a row not kept), by ``tokenizer`` (a
+    :class:`hf_pipeline.encoder.model.CaptionTokenizer`) in batches."""
+    if isinstance(captions, pa.ChunkedArray):
+        captions = captions.combine_chunks()
+    rows = np.flatnonzero(keep)
+    lengths = np.zeros(len(keep), dtype=np.int64)
+    values: list[np.ndarray] = []
+    for start in range(0, len(rows), _TOKENIZE_ROWS):
+        chunk = rows[start : start + _TOKENIZE_ROWS]
+        texts = captions.take(pa.array(chunk)).to_pylist()
+        for i, seq in zip(chunk, tokenizer(texts), strict=True):
+            lengths[i] = len(seq)
+            values.append(np.asarray(seq, dtype=np.int32))
+    offsets = np.zeros(len(keep) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.concatenate(values) if values else np.zeros(0, np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.int32()))
+
+
 def embed_joined_rows(
     rows,
     duplicate: np.ndarray,
@@ -200,13 +239,13 @@ def embed_joined_rows(
     """Embed the kept rows of ``rows`` (the join's output) into ``out_file``.
 
     Args:
-        rows: the joined rows (``datasets.Dataset`` with ``input_ids, drop_reason``).
+        rows: the joined rows (``datasets.Dataset`` with ``caption, drop_reason``).
         duplicate: True for rows whose key appeared in an earlier eligible row.
         encoder: the loaded :class:`hf_pipeline.encoder.model.TextEncoder` (one per process:
             the model loads once for all parts).
         cfg: the :class:`hf_pipeline.config.Config` (encoder, batch sizes).
         probe: a :class:`dist.lease.LeaseProbe` checked every batch.
-        out_file: where ``datasets`` writes ``embedding, drop_reason``.
+        out_file: where ``datasets`` writes ``embedding, input_ids, drop_reason``.
         fingerprint: used for the ``datasets`` cache fingerprint.
         reasons: the join's ``drop_reason`` column as codes, when the caller has them.
         on_phase: told ``"embedding"`` as the first batch starts (the builder's
@@ -216,7 +255,11 @@ def embed_joined_rows(
 
     emb_type = "float16" if cfg.encoder.output_dtype == "float16" else "float32"
     features = Features(
-        {"embedding": List(Value(emb_type), length=encoder.dim), "drop_reason": Value("string")}
+        {
+            "embedding": List(Value(emb_type), length=encoder.dim),
+            "input_ids": List(Value("int32")),
+            "drop_reason": Value("string"),
+        }
     )
     if len(rows) == 0:
         # A part of empty shards: datasets' map returns an empty dataset without the
@@ -233,9 +276,11 @@ def embed_joined_rows(
     if reasons is None:
         reasons = ReasonCodes(rows.data.column("drop_reason"))
     keep = reasons.mask(KEEP) & ~duplicate
-    ahead = EncodeAhead(
-        encoder, rows.data.column("input_ids"), keep, batch_size=batch_size, probe=probe
-    )
+    t_tok = time.monotonic()
+    input_ids = tokenize_kept(rows.data.column("caption"), keep, encoder.tokenizer)
+    seconds_tokenize = round(time.monotonic() - t_tok, 3)
+    probe.check()
+    ahead = EncodeAhead(encoder, input_ids, keep, batch_size=batch_size, probe=probe)
     try:
         embedded = rows.with_format("arrow").map(
             embed_rows,
@@ -250,6 +295,7 @@ def embed_joined_rows(
                 "probe": probe,
                 "ahead": ahead,
                 "duplicate": duplicate,
+                "input_ids": input_ids,
                 "on_phase": on_phase,
             },
             cache_file_name=str(out_file),
@@ -263,5 +309,5 @@ def embed_joined_rows(
         embedded=embedded,
         reasons=ReasonCodes(embedded.data.column("drop_reason")),
         dim=encoder.dim,
-        timeline=ahead.timeline(),
+        timeline={**ahead.timeline(), "seconds_tokenize": seconds_tokenize},
     )

@@ -1,27 +1,24 @@
 """The build in parts: contiguous shard ranges, each joined and embedded on its own.
 
-A *part* is a contiguous range of the shard list. :func:`join_part` runs its join
-(:mod:`hf_pipeline.build.convert`, ``num_proc`` workers) and :func:`embed_part` its embedding
-(:mod:`hf_pipeline.build.embed_stage`, the accelerator) into a folder
-(:func:`build_parts_overlapped` runs both for a list of parts)::
+A *part* is a contiguous range of the shard list (content-defined boundaries, and its
+own identity: :mod:`hf_pipeline.build.part_store`, which stores built parts for every
+later cache). :func:`join_part` runs its join (:mod:`hf_pipeline.build.convert`,
+``num_proc`` workers) and :func:`embed_part` its embedding
+(:mod:`hf_pipeline.build.embed_stage`, the accelerator), each into a folder of its own::
 
-    <part>/rows/data*.arrow         key, latents, caption, drop_reason, input_ids
-    <part>/embeddings/data*.arrow   embedding, drop_reason (duplicates within the part)
+    <join>/rows/data*.arrow              key, latents, caption, drop_reason
+    <embed>/embeddings/data*.arrow       embedding, input_ids, drop_reason (duplicates
+                                         within the part)
 
 and :func:`assemble` turns the parts, in shard order, into the ``converted`` stage:
 the duplicate pass across parts (the first finite occurrence in global shard order
 wins, as with one part), the final drop reason of every row (``reasons.arrow``) and
-the stage's report info. The latents are never copied: with ``build.parallel: ranks``
-the parts are published by the ranks that built them (each under its own lease, see
-:func:`hf_pipeline.build.prepare.prepare_cache`) and the assembly hard-links their files.
+the stage's report info. The latents are never copied: the assembly hard-links the
+parts' published files into ``converted/parts/part-NNNNN/``.
 
-One builder builds its parts in order (one part, unless ``build.part_shards``,
-``build.overlap_parts`` or the accelerator default cuts more; then
-:func:`build_parts_overlapped` embeds a part while the next one joins). A rank's part
-is built the same way, in overlapped *pieces* (``part-NNNNN/part.<lease>/part-MMMMM/``),
-which the assembly takes as parts. Every way gives the same cache: same kept keys in
-the same order, byte-identical latents and captions; the embeddings differ only by
-float noise (the encoder batches rows differently).
+Every way of cutting the input gives the same cache: same kept keys in the same
+order, byte-identical latents and captions; the embeddings differ only by float noise
+(the encoder batches rows differently).
 """
 
 from __future__ import annotations
@@ -33,9 +30,9 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -50,19 +47,19 @@ from hf_pipeline.build.accounting import (
     later_duplicates,
 )
 
-if TYPE_CHECKING:  # annotations only
-    from concurrent.futures import Future
-
 __all__ = [
     "REASONS_FILE",
+    "BuildStopped",
     "JoinedPart",
     "PartPlan",
+    "StoppableProbe",
     "assemble",
-    "build_parts_overlapped",
     "embed_part",
+    "join_info",
     "join_part",
+    "latent_bytes",
     "part_files",
-    "plan_parts",
+    "read_keys",
     "write_kept_indices",
 ]
 
@@ -75,7 +72,7 @@ _PARTS = "parts"
 #: loading: where the part's time went; absent from parts published before them).
 _PART_REPORT = (
     "shards", "rows_in", "builder", "seconds_convert", "seconds_embed",
-    "seconds_encoder_wait", "encoder_load", "join", "embed", "wall",
+    "seconds_encoder_wait", "encoder_load", "join", "embed", "wall", "id", "reused",
 )  # fmt: skip
 
 
@@ -90,22 +87,6 @@ class PartPlan:
     @property
     def name(self) -> str:
         return f"part-{self.index:05d}"
-
-
-def plan_parts(num_shards: int, part_shards: int) -> list[PartPlan]:
-    """Contiguous parts of ``part_shards`` shards (the last may be shorter).
-
-    Args:
-        num_shards: shards in the build.
-        part_shards: shards per part; 0 means one part holding every shard.
-    """
-    if num_shards == 0:
-        return [PartPlan(0, 0, 0)]
-    size = part_shards if part_shards > 0 else num_shards
-    return [
-        PartPlan(i, start, min(num_shards, start + size))
-        for i, start in enumerate(range(0, num_shards, size))
-    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +111,6 @@ def join_part(
     out_dir: Path,
     fingerprint: str,
     progress: bool,
-    tokenizer=None,
 ) -> JoinedPart:
     """Join one part's ``shards`` into ``out_dir`` (the ``num_proc`` workers)."""
     from hf_pipeline.build.convert import join_shards
@@ -146,129 +126,95 @@ def join_part(
         work_dir=out_dir / "_work",
         fingerprint=fingerprint,
         progress=progress,
-        tokenizer=tokenizer,
     )
     shutil.rmtree(out_dir / "_work", ignore_errors=True)
     seconds = round(time.monotonic() - t0, 3)
     return JoinedPart(out_dir, len(shards), joined, seconds, fingerprint, (wall0, time.time()))
 
 
-def embed_part(part: JoinedPart, *, cfg, probe, encoder, on_phase=None) -> dict[str, Any]:
-    """Embed a joined part (the accelerator); the part's info (JSON-able). ``on_phase``:
-    see :func:`hf_pipeline.build.embed_stage.embed_joined_rows`."""
-    from hf_pipeline.build.embed_stage import embed_joined_rows
+def latent_bytes(rows: int, storage_dtype: str) -> int:
+    """The bytes of ``rows`` latent rows stored as ``storage_dtype``."""
+    from hf_pipeline.cache.latents import LATENT_SHAPE
 
-    wall0 = time.time()
+    itemsize = 2 if storage_dtype in ("float16", "bfloat16") else 4
+    return int(rows) * int(np.prod(LATENT_SHAPE)) * itemsize
+
+
+def join_info(part: JoinedPart) -> dict[str, Any]:
+    """A joined part's info (JSON-able): what the join read, wrote and measured."""
     joined = part.joined
     keys = joined.rows.data.column("key").to_numpy()
     pre = ReasonCodes(joined.rows.data.column("drop_reason"))
+    return {
+        "shards": part.shards,
+        "rows_in": int(len(keys)),
+        "pre_duplicate_reasons": pre.counts(),
+        "bad_rows": bad_rows_summary(keys, pre.mask(NONFINITE)),
+        "fetch": joined.fetch,
+        "precision": joined.precision,
+        "latent_dtype": joined.storage.dtype,
+        "latent_bytes": latent_bytes(len(keys), joined.storage.dtype),
+        "seconds_convert": part.seconds_convert,
+        # The join's own timeline.
+        "join": joined.timeline,
+        "wall_join": list(part.join_wall),
+        "num_proc": joined.num_proc,
+    }
+
+
+def embed_part(
+    rows_files: Sequence[Path], *, cfg, probe, encoder, out_dir: Path, fingerprint: str,
+    on_phase=None,
+) -> dict[str, Any]:  # fmt: skip
+    """Tokenize and embed a joined part (its published ``rows_files``) into
+    ``out_dir/embeddings/`` (the accelerator); the embedding's info (JSON-able).
+    ``on_phase``: see :func:`hf_pipeline.build.embed_stage.embed_joined_rows`.
+
+    Args:
+        encoder: the :class:`hf_pipeline.encoder.model.TextEncoder`, or a future of it
+            (waited for here; a load error is raised).
+    """
+    from datasets import Dataset, concatenate_datasets
+
+    from hf_pipeline.build.embed_stage import embed_joined_rows
+
+    wall0 = time.time()
+    parts = [Dataset.from_file(str(f)) for f in rows_files]
+    rows = concatenate_datasets(parts) if len(parts) != 1 else parts[0]
+    keys = rows.data.column("key").to_numpy()
+    pre = ReasonCodes(rows.data.column("drop_reason"))
     nonfinite = pre.mask(NONFINITE)
     t_wait = time.monotonic()
     if hasattr(encoder, "result"):  # a Future: waits here, re-raises a load error
         encoder = encoder.result()
     t1 = time.monotonic()
     embedded = embed_joined_rows(
-        joined.rows,
+        rows,
         later_duplicates(keys, eligible=~nonfinite),
         encoder=encoder,
         cfg=cfg,
         probe=probe,
-        out_file=part.out_dir / "embeddings" / "data.arrow",
-        fingerprint=part.fingerprint,
+        out_file=out_dir / "embeddings" / "data.arrow",
+        fingerprint=fingerprint,
         reasons=pre,
         on_phase=on_phase,
     )
     return {
-        "shards": part.shards,
-        "rows_in": int(len(keys)),
-        "pre_duplicate_reasons": pre.counts(),
-        "bad_rows": bad_rows_summary(keys, nonfinite),
         "embed_dim": int(encoder.dim),
-        "fetch": joined.fetch,
-        "precision": joined.precision,
-        "latent_dtype": joined.storage.dtype,
-        "seconds_convert": part.seconds_convert,
         "seconds_embed": round(time.monotonic() - t1, 3),
-        # Where the embedding went: encoding, the map's writes, either side waiting.
+        # Where the embedding went: tokenizing, encoding, the map's writes, waits.
         "embed": embedded.timeline,
-        # The join's own timeline, and the wait for the encoder loading beside it.
-        "join": joined.timeline,
         "seconds_encoder_wait": round(t1 - t_wait, 3),
         # Where the encoder's loading went (TextEncoder.load_seconds), this process's.
         "encoder_load": dict(getattr(encoder, "load_seconds", {})),
-        # Wall clock: with one builder in parts, a part's embedding overlaps the next join.
-        "wall": {"join": list(part.join_wall), "embed": [wall0, time.time()]},
-        "num_proc": joined.num_proc,
+        "wall_embed": [wall0, time.time()],
     }
 
 
-def build_parts_overlapped(
-    parts: Sequence[Mapping[str, Any]],
-    *,
-    cfg,
-    probe,
-    encoder,
-    join_kw: Mapping[str, Any],
-    on_phase: Callable[[str], None] | None = None,
-) -> list[dict[str, Any]]:
-    """Join and embed ``parts`` into their folders, in order, the embedding of part k
-    (the accelerator, on a thread) overlapping the join of part k+1 (the ``num_proc``
-    workers). One part is built the same way: joined, then embedded.
-
-    Args:
-        parts: each part's own :func:`join_part` keyword arguments, in shard order:
-            ``shards`` (its shard files, in build order), ``out_dir`` (its folder,
-            created) and ``fingerprint`` (the ``datasets`` cache fingerprint prefix).
-        cfg: the :class:`hf_pipeline.config.Config`.
-        probe: a :class:`dist.lease.LeaseProbe` (the work stops when the lease is lost).
-        encoder: the :class:`hf_pipeline.encoder.model.TextEncoder` (one per process), or a
-            future of it (loading in the background while the first part joins).
-        join_kw: the :func:`join_part` keyword arguments common to every part:
-            ``source`` (where the shards come from), ``captions_path`` (the saved,
-            key-sorted caption table), ``progress`` (the fetcher's progress bar) and
-            ``tokenizer`` (the encoder's :class:`hf_pipeline.encoder.model.CaptionTokenizer` or a
-            future of it: the join workers tokenize with it; None: loaded for the join).
-        on_phase: told the builder's phase (``"embedding"``) for its heartbeat.
-
-    Returns:
-        Each part's info, in order. The first failure (join or embedding) stops the
-        rest and is raised once the embedding in flight has ended.
-    """
-    from concurrent.futures import ThreadPoolExecutor
-
-    embedder = ThreadPoolExecutor(1, thread_name_prefix="hf_pipeline-embed-parts")
-    embed_probe = _StoppableProbe(probe)
-    pending: list[Future[Any]] = []
-    try:
-        for part_kw in parts:
-            for done in [f for f in pending if f.done()]:
-                done.result()  # an embedding failed: stop joining
-            joined = join_part(cfg=cfg, probe=probe, **join_kw, **part_kw)
-            pending.append(
-                embedder.submit(
-                    embed_part,
-                    joined,
-                    cfg=cfg,
-                    probe=embed_probe,
-                    encoder=encoder,
-                    on_phase=on_phase,
-                )  # fmt: skip
-            )
-        return [f.result() for f in pending]
-    except BaseException:
-        # Ctrl-C or a failed join: the embedding in flight stops at its next batch (it
-        # ran to the end of its part, minutes with one part of a big build).
-        embed_probe.stop()
-        raise
-    finally:
-        for f in pending:
-            f.cancel()
-        embedder.shutdown(wait=True)
-
-
-class _StoppableProbe:
-    """The lease probe of the part embeddings, which :meth:`stop` also ends: their next
-    check (every embedding batch) raises :class:`BuildStopped`. Thread-safe."""
+class StoppableProbe:
+    """A lease probe that :meth:`stop` also ends: its next check (every embedding batch)
+    raises :class:`BuildStopped`: a part's embedding on a thread stops with the build
+    around it. Thread-safe."""
 
     def __init__(self, probe):
         self._probe = probe
@@ -293,6 +239,12 @@ def part_files(part_dir: Path, kind: str) -> list[Path]:
     return sorted((part_dir / kind).glob("*.arrow"))
 
 
+def read_keys(rows_files: Sequence[Path]) -> np.ndarray:
+    """The key column of a part's rows files, in row order (memory-mapped: the latents
+    are not read)."""
+    return _column(rows_files, "key").to_numpy() if rows_files else np.zeros(0, np.int64)
+
+
 def _column(files: Sequence[Path], name: str) -> pa.ChunkedArray:
     chunks, typ = [], pa.string() if name == "drop_reason" else None
     for path in files:
@@ -305,21 +257,21 @@ def _column(files: Sequence[Path], name: str) -> pa.ChunkedArray:
 
 def assemble(
     stage_dir: Path,
-    parts: Sequence[tuple[Path, Mapping[str, Any]]],
+    parts: Sequence[tuple[Sequence[Path], Mapping[str, Any]]],
     *,
     table,
-    link_from: bool,
     probe=None,
 ) -> dict[str, Any]:
-    """Assemble ``parts`` (folder, info), in shard order, into the ``converted`` stage.
+    """Assemble ``parts``, in shard order, into the ``converted`` stage.
 
     Args:
         stage_dir: the stage folder being built; the parts end up in
             ``stage_dir/parts/part-NNNNN/``.
-        parts: each part's folder and :func:`embed_part` info.
+        parts: each part's published folders (its join's, holding ``rows/``, and its
+            embedding's, holding ``embeddings/``), whose files are hard-linked in
+            (never a copy of the latents), and its info (:func:`join_info` and
+            :func:`embed_part`'s together).
         table: the caption table (for ``no_latents``).
-        link_from: the part folders are elsewhere (published by other leases): hard-link
-            their files in (never a copy of the latents); else they already are in place.
         probe: checked before anything is written (a lost lease writes nothing).
 
     Returns:
@@ -329,9 +281,9 @@ def assemble(
     if probe is not None:
         probe.check()  # the parts were built by threads that may outlive a lost lease
     placed = []
-    for i, (folder, _) in enumerate(parts):
+    for i, (folders, _) in enumerate(parts):
         target = stage_dir / _PARTS / f"part-{i:05d}"
-        if link_from:
+        for folder in folders:
             _link_tree(folder, target)
         placed.append(target)
     rows_files = [f for d in placed for f in part_files(d, "rows")]

@@ -4,14 +4,19 @@
 fingerprint and runs the two stages through :func:`dist.coordinator.ensure_built`
 (exactly one process builds; each stage is published with a marker):
 
-1. ``converted``
+1. ``converted``, from parts (content-defined shard ranges with their own identity,
+   stored under ``<cache_root>/.parts/`` for every later cache:
+   :mod:`hf_pipeline.build.part_store`); only the parts not stored yet are built:
    a. *join* (:mod:`hf_pipeline.build.convert`) — ``Dataset.map(num_proc=build.num_proc)``
-      over the shard list: read and validate each shard, convert the latents to the
-      storage dtype, join captions by key, tokenize, mark ``nonfinite_latents``.
+      over a part's shards: read and validate each shard, convert the latents to the
+      storage dtype, join captions by key, mark ``nonfinite_latents``.
    b. *duplicates* (:mod:`hf_pipeline.build.accounting`) — one NumPy pass over the key
       column marks all but the first occurrence of each key (among finite rows).
-   c. *embed* (:mod:`hf_pipeline.build.embed_stage`) — ``Dataset.map`` in this process with
-      the encoder on the accelerator; only rows that will be kept are encoded.
+   c. *embed* (:mod:`hf_pipeline.build.embed_stage`) — tokenize, then ``Dataset.map`` in
+      this process with the encoder on the accelerator; only rows that will be kept are
+      encoded. Stored per (part, encoder): a new encoder reuses the joins.
+   d. *assembly* (:func:`hf_pipeline.build.parts.assemble`) — hard-links every part's
+      files into the stage and marks duplicates across parts.
 2. ``filtered`` — the ids of the rows with ``drop_reason == ""``, written as
    ``Dataset.filter`` writes them (:func:`hf_pipeline.build.parts.write_kept_indices`); the
    build report (:func:`hf_pipeline.build.accounting.build_report`) lands next
@@ -36,8 +41,6 @@ import json
 import logging
 import os
 import pickle
-import re
-import shutil
 import socket
 import time
 from collections.abc import Mapping
@@ -46,7 +49,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dist.atomic import write_json_atomic
-from dist.layout import parse_stage_dir
 from hf_pipeline.build.accounting import (
     REASONS,
     build_report,
@@ -60,7 +62,6 @@ from hf_pipeline.cache.layout import (
     compute_fingerprint,
 )
 from hf_pipeline.config import Config
-from hf_pipeline.errors import CacheFormatError
 from hf_pipeline.stores.remote_file import RemoteFile
 from hf_pipeline.workers.pool import check_not_bootstrapping, clean_workers, quick_gil_handoff
 
@@ -73,7 +74,6 @@ __all__ = [
     "BuildResult",
     "REASONS",
     "job_identity",
-    "one_builder_part_shards",
     "prepare_cache",
     "resolve_inputs",
     "resolve_job_inputs",
@@ -314,9 +314,9 @@ def _encoder(cfg: Config, process, tokenizer, started: float):
 class _Builder:
     """The stage functions, sharing the resolved inputs and the config.
 
-    ``parts`` (``build.parallel: ranks``): the part folders and infos the ranks
-    published, in shard order, and the caption table they used; the ``converted``
-    stage then only assembles them. Otherwise it builds every part itself.
+    ``parts`` (``build.parallel: ranks``): the parts the ranks built or found
+    (:func:`_ensure_parts`); the ``converted`` stage then only assembles them. Otherwise
+    it finds or builds every part itself, with the coordinator's ``timing``.
     """
 
     def __init__(
@@ -327,9 +327,8 @@ class _Builder:
         progress: bool,
         *,
         process=None,
-        parts: list[tuple[Path, dict]] | None = None,
-        captions_path: Path | None = None,
-        captions_seconds: float | None = None,
+        parts: BuiltParts | None = None,
+        timing: Mapping[str, Any] | None = None,
     ):
         self.cfg = cfg
         self.inputs = inputs
@@ -337,39 +336,26 @@ class _Builder:
         self.progress = progress
         self.process = process
         self.parts = parts
-        self.captions_path = captions_path
-        self.captions_seconds = captions_seconds
+        self.timing = dict(timing or {})
 
     def converted(self, ctx) -> dict[str, Any]:
-        """Stage 1: per part, join (num_proc workers) and embed (the accelerator); then
-        the duplicates across parts and the final drop reasons (:mod:`hf_pipeline.build.parts`)."""
+        """Stage 1: the parts (built by the ranks, or here: only those the store does not
+        hold yet, :func:`_ensure_parts`), assembled: hard links, the duplicates across
+        parts and the final drop reasons (:mod:`hf_pipeline.build.parts`)."""
         from hf_pipeline.build.captions import CaptionTable
         from hf_pipeline.build.parts import assemble
 
         tmp = Path(ctx.tmp_dir)
-        if self.parts is not None:  # built by the ranks: hard-link their files in
-            table = CaptionTable.open(str(self.captions_path))
-            info = assemble(tmp, self.parts, table=table, link_from=True, probe=ctx.probe)
-            return {**info, "seconds_captions": self.captions_seconds}
-        work = tmp / "_work"
-        work.mkdir(parents=True, exist_ok=True)
-        shards = self.inputs.shards
-        # The model loads (disk, then the accelerator) while the caption table is written
-        # and the num_proc workers join: it is ready when the first embedding starts.
-        with _EncoderLoading(self.cfg, self.process) as loading:
-            t_captions = time.monotonic()
-            table = _save_captions(self.cfg, self.inputs, work / "captions.arrow")
-            seconds_captions = round(time.monotonic() - t_captions, 3)
-            built = _build_in_parts(
-                self.cfg, shards=shards, out_dir=tmp / "parts", fingerprint=self.fingerprint,
-                part_shards=one_builder_part_shards(self.cfg, len(shards)), probe=ctx.probe,
-                on_phase=ctx.set_phase,
-                loading=loading, source=self.inputs.source,
-                captions_path=work / "captions.arrow", progress=self.progress,
+        built = self.parts
+        if built is None:  # one builder: every part is ours
+            built = _ensure_parts(
+                self.cfg, self.inputs, self.fingerprint, self.process, self.progress,
+                self.timing, count=1, me=0, on_phase=ctx.set_phase,
             )  # fmt: skip
-        info = assemble(tmp, built, table=table, link_from=False, probe=ctx.probe)
-        shutil.rmtree(work, ignore_errors=True)
-        return {**info, "seconds_captions": seconds_captions}
+        ctx.check_ownership()
+        table = CaptionTable.open(str(built.captions_path))
+        info = assemble(tmp, built.parts, table=table, probe=ctx.probe)
+        return {**info, "seconds_captions": built.captions_seconds, "reuse": built.reuse}
 
     def filtered(self, ctx) -> dict[str, Any]:
         """Stage 2: the kept-row indices and the build report."""
@@ -404,88 +390,6 @@ class _Builder:
                 report["rows_in"], dropped or "none",
             )  # fmt: skip
         return {"rows_out": report["rows_out"], "dropped": report["dropped"]}
-
-
-#: Pieces of a builder's part on an accelerator when ``build.overlap_parts`` is 0: the
-#: embedding of a piece overlaps the join of the next, so 4 pieces hide up to 3/4 of
-#: the shorter of the two. Only when each piece still gives every worker a shard (a
-#: piece's pool starts again and waits for its slowest worker): measured on an H200 host
-#: with 16 workers, 100 shards (100k rows) built in 7.6-7.8 s in 4 parts of 25 against
-#: 8.0-8.9 s in one (benchmarks/results/build_gpu_h200_100k_parts_overlap.json). On the
-#: CPU the model already uses every core: one piece.
-_OVERLAP_PARTS = 4
-
-
-def overlap_part_shards(cfg: Config, num_shards: int) -> int:
-    """The shards per overlapped piece of a builder's ``num_shards`` shards (0: one
-    piece): ``build.overlap_parts`` pieces when set, else 4 when the encoder runs on an
-    accelerator and each piece still gives every ``num_proc`` worker a shard."""
-    if cfg.build.overlap_parts:
-        return 0 if cfg.build.overlap_parts == 1 else -(-num_shards // cfg.build.overlap_parts)
-    if num_shards < _OVERLAP_PARTS * cfg.build.effective_num_proc:
-        return 0
-    device = cfg.encoder.device
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return 0 if device == "cpu" else -(-num_shards // _OVERLAP_PARTS)
-
-
-def one_builder_part_shards(cfg: Config, num_shards: int) -> int:
-    """The shards per part of one builder (0: one part): ``build.part_shards`` when set,
-    else :func:`overlap_part_shards`."""
-    return cfg.build.part_shards or overlap_part_shards(cfg, num_shards)
-
-
-def _build_in_parts(
-    cfg: Config, *, shards, part_shards: int, out_dir: Path, fingerprint: str, probe,
-    loading: _EncoderLoading, source, captions_path: Path, progress: bool, on_phase=None,
-) -> list[tuple[Path, dict[str, Any]]]:  # fmt: skip
-    """``shards`` built in parts of ``part_shards`` (:func:`hf_pipeline.build.parts.plan_parts`)
-    into ``out_dir/part-NNNNN/``, the embedding of each overlapping the join of the next
-    (:func:`hf_pipeline.build.parts.build_parts_overlapped`); ``[(folder, info)]`` in shard
-    order, each info naming its builder."""
-    from hf_pipeline.build.parts import build_parts_overlapped, plan_parts
-
-    plans = plan_parts(len(shards), part_shards)
-    folders = [out_dir / plan.name for plan in plans]
-    infos = build_parts_overlapped(
-        [
-            {
-                "shards": shards[plan.start : plan.stop],
-                "out_dir": folder,
-                "fingerprint": f"{fingerprint}-{plan.name}",
-            }
-            for plan, folder in zip(plans, folders, strict=True)
-        ],
-        cfg=cfg,
-        probe=probe,
-        encoder=loading.encoder,
-        on_phase=on_phase,
-        join_kw={
-            "source": source,
-            "captions_path": str(captions_path),
-            "progress": progress,
-            "tokenizer": loading.tokenizer,
-        },
-    )
-    return [(f, {**i, "builder": _me()}) for f, i in zip(folders, infos, strict=True)]
-
-
-_PIECE_DIR = re.compile(r"part-\d{5}")
-
-
-def _pieces(unit: Path, info: Mapping[str, Any]) -> list[tuple[Path, dict[str, Any]]]:
-    """A rank's published part as the pieces it was built in: ``[(folder, info)]``."""
-    pieces = info.get("pieces")
-    if not (
-        isinstance(pieces, list)
-        and pieces
-        and all(isinstance(p, dict) and _PIECE_DIR.fullmatch(str(p.get("dir"))) for p in pieces)
-    ):
-        raise CacheFormatError(str(unit), "the part's marker does not list its pieces")
-    return [(unit / p["dir"], dict(p)) for p in pieces]
 
 
 def _me() -> dict[str, Any]:
@@ -732,78 +636,220 @@ def _stage(name: str, fn, *, pools: bool = True):
     return Stage(name=name, build=run)
 
 
-def _build_parts_together(cfg, inputs, fingerprint, layout, process, progress, timing):
-    """``build.parallel: ranks``: every rank (of the job, or of the node with
-    ``coord.scope: node``) builds its share of the parts on its own accelerator.
+@dataclasses.dataclass(frozen=True)
+class BuiltParts:
+    """Every part of a build, found in the store or built (:func:`_ensure_parts`).
 
-    Each part, and the caption table before them, is its own cache unit under
-    ``<cache>/parts/``, built through :func:`dist.coordinator.ensure_built` under its
-    builder's lease: a rank claims its own parts at once, then waits for the others
-    and takes over a part whose builder died (only that part is redone). A rank builds
-    its part as one builder does, in overlapped pieces (:func:`overlap_part_shards`),
-    which its marker lists.
-
-    Returns:
-        Every piece of the published parts ``[(folder, info)]`` in shard order (the
-        assembly takes them as parts), the caption table, and the seconds its builder
-        took to write it (None from a release before them).
+    Attributes:
+        parts: each part's published folders (join, embedding) and info, in shard order
+            (what :func:`hf_pipeline.build.parts.assemble` takes).
+        captions_path: the caption table the joins used.
+        captions_seconds: the seconds its builder took to write it.
+        reuse: the report's ``reuse`` block (:func:`_reuse`).
+        markers: the parts' markers (joins and embeddings).
     """
-    from dist.coordinator import ensure_built
-    from hf_pipeline.build.parts import plan_parts
 
-    local = cfg.coord.scope == "node"
-    count = process.local_world_size if local else process.world_size
-    me = process.local_rank if local else process.rank
-    root = layout.root / "parts"
-    root.mkdir(parents=True, exist_ok=True)
-    # The fork server of the parts' join workers imports its libraries, and the model
-    # loads, while the caption table is written (or waited for).
-    with clean_workers(), _EncoderLoading(cfg, process) as loading:
+    parts: list[tuple[tuple[Path, Path], dict[str, Any]]]
+    captions_path: Path
+    captions_seconds: float | None
+    reuse: dict[str, Any]
+    markers: list[Any]
+
+
+def _reuse(fingerprint: str, joins: list, embeds: list) -> dict[str, Any]:
+    """What the build reused from the part store and what it wrote: a stored unit is
+    *built* for this cache when its marker says it was built for ``fingerprint`` (by
+    this build, or by an earlier attempt of it that died), else *reused*. The joins
+    built are the only ones that read latent shards and write latent bytes."""
+    built_joins = [m for m in joins if m.info.get("built_for") == fingerprint]
+    return {
+        "parts": len(joins),
+        "joins_built": len(built_joins),
+        "joins_reused": len(joins) - len(built_joins),
+        "embeddings_built": sum(m.info.get("built_for") == fingerprint for m in embeds),
+        "embeddings_reused": sum(m.info.get("built_for") != fingerprint for m in embeds),
+        "shards_read": sum(int(m.info.get("shards", 0)) for m in built_joins),
+        "latent_bytes_written": sum(int(m.info.get("latent_bytes", 0)) for m in built_joins),
+    }
+
+
+def _short(unit_id: str) -> str:
+    """A unit's ``datasets`` fingerprint prefix: ``datasets`` refuses one longer than 64
+    characters, suffixes included (``-rows_00000_of_00016`` with ``num_proc`` workers)."""
+    return hashlib.sha256(unit_id.encode()).hexdigest()[:32]
+
+
+def _stored_join(part, table):
+    """``part`` with the join to use: the one stored under this build's caption table,
+    else one stored under another whose marker's ``captions_digest`` equals the digest
+    of its own keys in ``table`` (the same captions: the same rows), else (none) this
+    build's, to be built."""
+    from dist.coordinator import complete_markers as unit_markers
+    from hf_pipeline.build.part_store import caption_digest
+    from hf_pipeline.build.parts import part_files, read_keys
+
+    if unit_markers(part.join_dir, part.join_id, ["join"]) is not None:
+        return part
+    for folder in sorted(part.store.glob(f"join-{part.part}-*")):
+        captions = folder.name[len(f"join-{part.part}-") :]
+        other = dataclasses.replace(part, captions=captions)
+        markers = unit_markers(folder, other.join_id, ["join"]) if folder.is_dir() else None
+        if markers is None:
+            continue
+        digest = markers["join"].info.get("captions_digest")
+        keys = read_keys(part_files(folder / markers["join"].directory, "rows"))
+        if isinstance(digest, str) and digest == caption_digest(table, keys):
+            return other
+    return part
+
+
+def _ensure_parts(
+    cfg, inputs, fingerprint, process, progress, timing, *, count: int, me: int, on_phase=None
+) -> BuiltParts:
+    """Find or build every part of the build in the part store
+    (:mod:`hf_pipeline.build.part_store`): the caption table, then per part its join
+    and its embedding, each a cache unit of its own built through
+    :func:`dist.coordinator.ensure_built`. ``count`` builders share the work (``me`` is
+    this one; 1 and 0 for one builder): each claims its own parts at once
+    (``index % count == me``), then waits for the others and takes over a unit whose
+    builder died (only that unit is redone). A unit already stored is reused as it is.
+
+    The embedding of part k runs on a thread while part k+1 joins (the accelerator
+    and the ``num_proc`` workers at once). The model loads only when some embedding is
+    missing, the join workers' fork server starts only when some join is.
+    """
+    from concurrent.futures import Future
+
+    from dist.coordinator import complete_markers as unit_markers
+    from dist.coordinator import ensure_built
+    from hf_pipeline.build.captions import CaptionTable
+    from hf_pipeline.build.part_store import caption_digest, captions_id, store_dir, stored_parts
+    from hf_pipeline.build.parts import (
+        StoppableProbe,
+        embed_part,
+        join_info,
+        join_part,
+        part_files,
+    )
+    from hf_pipeline.encoder.model import encoder_identity
+
+    store = store_dir(cfg.cache_root)
+    store.mkdir(parents=True, exist_ok=True)
+    shards = inputs.shards
+    planned = stored_parts(
+        cfg, shards=shards, metadata=inputs.metadata.identity(),
+        encoder=encoder_identity(cfg.encoder),
+    )  # fmt: skip
+    # Every embedding already stored under this caption table: no model to load.
+    need_embed = any(unit_markers(p.embed_dir, p.embed_id, ["embed"]) is None for p in planned)
+    with contextlib.ExitStack() as stack:
+        # The fork server of the joins' workers imports its libraries, and the model
+        # loads, while the caption table is written (or waited for).
+        stack.enter_context(clean_workers())
+        loading = stack.enter_context(_EncoderLoading(cfg, process)) if need_embed else None
 
         def captions(ctx):
             t0 = time.monotonic()
             table = _save_captions(cfg, inputs, Path(ctx.tmp_dir) / "captions.arrow")
             return {"keys": len(table), "seconds": round(time.monotonic() - t0, 3)}
 
+        cid = captions_id(cfg, inputs.metadata.identity())
         cap = ensure_built(
-            root / "captions", f"{fingerprint}.captions", [_stage("captions", captions, pools=False)],
+            store / f"captions-{cid}", cid, [_stage("captions", captions, pools=False)],
             builder=me == 0, **timing,
         )["captions"]  # fmt: skip
-        captions_path = root / "captions" / cap.directory / "captions.arrow"
-        shards = inputs.shards
-        plans = plan_parts(len(shards), cfg.build.part_shards or -(-len(shards) // max(1, count)))
+        captions_path = store / f"captions-{cid}" / cap.directory / "captions.arrow"
+        table = CaptionTable.open(str(captions_path))
+        planned = [_stored_join(p, table) for p in planned]
 
-        def part_builder(plan):
+        def join_builder(part):
             def build(ctx):
-                part = shards[plan.start : plan.stop]
-                pieces = _build_in_parts(
-                    cfg, shards=part, part_shards=overlap_part_shards(cfg, len(part)),
-                    out_dir=Path(ctx.tmp_dir), fingerprint=f"{fingerprint}-{plan.name}",
-                    probe=ctx.probe, loading=loading, source=inputs.source,
-                    captions_path=captions_path, progress=progress, on_phase=ctx.set_phase,
+                joined = join_part(
+                    cfg=cfg, probe=ctx.probe, source=inputs.source,
+                    shards=shards[part.plan.start : part.plan.stop],
+                    captions_path=str(captions_path), out_dir=Path(ctx.tmp_dir),
+                    fingerprint=_short(part.join_id), progress=progress,
                 )  # fmt: skip
-                return {"pieces": [{**info, "dir": f.name} for f, info in pieces]}
+                keys = joined.joined.rows.data.column("key").to_numpy()
+                return {
+                    **join_info(joined), "builder": _me(), "built_for": fingerprint,
+                    # What a later build with other metadata compares (part_store).
+                    "captions_digest": caption_digest(table, keys),
+                    # What --clean keeps while this join is in use (dist.inventory).
+                    "uses": [f"captions-{cid}"],
+                }  # fmt: skip
 
             return build
 
-        mine = [p for p in plans if p.index % count == me]
-        published = {}
-        for plan in mine + [p for p in plans if p.index % count != me]:
-            # ".pieces": a part of an earlier release (no pieces) is never taken for one.
-            marker = ensure_built(
-                root / plan.name, f"{fingerprint}.{plan.name}.of{len(plans)}.pieces",
-                [_stage("part", part_builder(plan))], builder=plan in mine, **timing,
-            )["part"]  # fmt: skip
-            published[plan.index] = _pieces(root / plan.name / marker.directory, marker.info)
-    parts = [piece for p in plans for piece in published[p.index]]
-    return parts, captions_path, cap.info.get("seconds")
+        stop_embedding: list[StoppableProbe] = []
 
+        def embed_builder(part, join_folder: Path):
+            def build(ctx):
+                probe = StoppableProbe(ctx.probe)
+                stop_embedding.append(probe)
+                if loading is None:  # stored when planned, then found invalid
+                    raise RuntimeError(f"{part.embed_dir}: no encoder loaded to rebuild it")
+                info = embed_part(
+                    part_files(join_folder, "rows"), cfg=cfg, probe=probe,
+                    encoder=loading.encoder, out_dir=Path(ctx.tmp_dir),
+                    fingerprint=_short(part.embed_id),
+                    on_phase=on_phase or ctx.set_phase,
+                )  # fmt: skip
+                return {
+                    **info, "builder": _me(), "built_for": fingerprint,
+                    "uses": [part.join_dir.name],
+                }  # fmt: skip
 
-def _folder_lease(folder: Path) -> str:
-    """The lease of a published part folder (``part.<lease>``: its name parses)."""
-    parsed = parse_stage_dir(folder.name)
-    assert parsed is not None  # the builders named it with stage_dir_name
-    return parsed.lease_id
+            return build
+
+        mine = [p for p in planned if p.plan.index % count == me]
+        joins: dict[int, Any] = {}
+        embeds: dict[int, Future] = {}
+        embedder = ThreadPoolExecutor(1, thread_name_prefix="hf_pipeline-embed-parts")
+        try:
+            for part in mine + [p for p in planned if p.plan.index % count != me]:
+                for done in [f for f in embeds.values() if f.done()]:
+                    done.result()  # an embedding failed: stop joining
+                ours = part in mine
+                jm = joins[part.plan.index] = ensure_built(
+                    part.join_dir, part.join_id, [_stage("join", join_builder(part), pools=False)],
+                    builder=ours, **timing,
+                )["join"]  # fmt: skip
+                embeds[part.plan.index] = embedder.submit(
+                    ensure_built, part.embed_dir, part.embed_id,
+                    [_stage("embed", embed_builder(part, part.join_dir / jm.directory),
+                            pools=False)],
+                    builder=ours, **timing,
+                )  # fmt: skip
+            emb = {i: f.result()["embed"] for i, f in embeds.items()}
+        except BaseException:
+            # Ctrl-C or a failed join: the embedding in flight stops at its next batch.
+            for probe in stop_embedding:
+                probe.stop()
+            raise
+        finally:
+            for f in embeds.values():
+                f.cancel()
+            embedder.shutdown(wait=True)
+    parts = []
+    for p in planned:
+        j, e = joins[p.plan.index], emb[p.plan.index]
+        info = {**j.info, **e.info, "id": p.join_id}
+        info["wall"] = {"join": j.info.get("wall_join"), "embed": e.info.get("wall_embed")}
+        info["reused"] = {
+            "join": j.info.get("built_for") != fingerprint,
+            "embed": e.info.get("built_for") != fingerprint,
+        }
+        parts.append(((p.join_dir / j.directory, p.embed_dir / e.directory), info))
+    joins_list = [joins[p.plan.index] for p in planned]
+    embeds_list = [emb[p.plan.index] for p in planned]
+    return BuiltParts(
+        parts=parts,
+        captions_path=captions_path,
+        captions_seconds=cap.info.get("seconds"),
+        reuse=_reuse(fingerprint, joins_list, embeds_list),
+        markers=[cap, *joins_list, *embeds_list],
+    )
 
 
 def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildResult:
@@ -860,22 +906,25 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
     if not progress:
         ds_utils.disable_progress_bars()
     try:
-        parts = captions = captions_seconds = None
+        parts = None
         if (
             cfg.build.parallel == "ranks"
             and not cfg.build.pull_from  # a pull downloads; a missing one: one builder
             and complete_markers(layout.root, fingerprint, STAGES) is None
         ):
-            parts, captions, captions_seconds = _build_parts_together(
-                cfg, inputs, fingerprint, layout, process, progress, timing
-            )
+            local = cfg.coord.scope == "node"
+            parts = _ensure_parts(
+                cfg, inputs, fingerprint, process, progress, timing,
+                count=process.local_world_size if local else process.world_size,
+                me=process.local_rank if local else process.rank,
+            )  # fmt: skip
         builder = _Builder(
-            cfg, inputs, fingerprint, progress, process=process, parts=parts,
-            captions_path=captions, captions_seconds=captions_seconds,
-        )  # fmt: skip
+            cfg, inputs, fingerprint, progress, process=process, parts=parts, timing=timing
+        )
         stages = [
-            # With the ranks' parts, converted only assembles them; the filter is in-process.
-            _stage(STAGES[0], builder.converted, pools=parts is None),
+            # converted assembles parts (their joins start their own pools); the filter
+            # is in-process.
+            _stage(STAGES[0], builder.converted, pools=False),
             _stage(STAGES[1], builder.filtered, pools=False),
         ]
         if cfg.build.pull_from:
@@ -905,8 +954,8 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
     layout = CacheLayout(layout.root, stage_dirs)
     # A lease of ours published a stage (or a part); a builder taken over did not.
     ours = [m for m in markers.values() if m.lease_id in our_leases]
-    # A piece lies in its part's published folder (part.<lease>/part-NNNNN).
-    our_parts = [f for f, _ in parts or [] if _folder_lease(f.parent) in our_leases]
+    # With parallel: ranks, a part (its join or its embedding) published by a lease of ours.
+    our_parts = [m for m in (parts.markers if parts else []) if m.lease_id in our_leases]
     return BuildResult(
         fingerprint=fingerprint,
         cache_dir=layout.root,

@@ -3,8 +3,11 @@
 One cache is one folder ``<cache_root>/<name>-<fingerprint>/``:
 
 ```
-converted/rows/data*.arrow        key, latents (Array4D 3x4x32x32), caption, drop_reason
-converted/embeddings/data*.arrow  embedding (fixed-size list, D), drop_reason (final)
+converted/parts/part-NNNNN/rows/data*.arrow        key, latents (Array4D 3x4x32x32),
+                                                   caption, drop_reason
+converted/parts/part-NNNNN/embeddings/data*.arrow  embedding (fixed-size list, D),
+                                                   input_ids, drop_reason (within the part)
+converted/reasons.arrow           the final drop reason of every row (across parts)
 converted.json                    marker (dist.markers): files, sizes, row counts
 filtered/indices*.arrow           uint64 physical row ids kept by the filter
 filtered/report.json              the build report
@@ -14,7 +17,9 @@ filtered.json                     marker
 All ``.arrow`` files are written by ``datasets`` (``Dataset.map``) or in its format
 (the filter's indices), so a user can also open them with ``datasets``
 (:func:`open_dataset`). A published cache
-is never modified; a changed fingerprint means a new folder.
+is never modified; a changed fingerprint means a new folder. The parts' files are hard
+links to the part store (``<cache_root>/.parts/``, :mod:`hf_pipeline.build.part_store`),
+shared with every other cache built from the same parts.
 """
 
 from __future__ import annotations
@@ -503,7 +508,10 @@ def open_dataset(
     emb = concatenate_datasets(
         [Dataset.from_file(p) for p in _linked(view, layout.root, emb_files)]
     )
-    full = concatenate_datasets([rows, emb.remove_columns("drop_reason")], axis=1)
+    # The token ids: in the embedding files (they belong to the encoder); in the rows
+    # files of caches built before parts had their own identity.
+    drop = ["drop_reason"] + (["input_ids"] if "input_ids" in rows.column_names else [])
+    full = concatenate_datasets([rows, emb.remove_columns(drop)], axis=1)
     full = full.select_columns(["key", "latents", "caption", "input_ids", "embedding"])
     idx_tables = [
         pa.ipc.open_stream(pa.memory_map(str(p))).read_all() for p in layout.indices_files()

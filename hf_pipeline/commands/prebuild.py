@@ -151,6 +151,7 @@ def _write_json(path: str, obj) -> None:
 
 def _admin(args, cfg) -> int:
     from dist import inventory
+    from hf_pipeline.build.part_store import PARTS_DIR
     from hf_pipeline.cache.layout import STAGES
 
     root = cfg.cache_root
@@ -160,11 +161,13 @@ def _admin(args, cfg) -> int:
     out = sys.stderr if args.json == "-" else sys.stdout
     if args.status:
         rows = inventory.list_caches(root, stages=STAGES, observe_s=observe)
+        units = inventory.list_store(root / PARTS_DIR, observe_s=observe)
         ignored = inventory.ignored_entries(root)
         if args.json:
             _write_json(args.json, {
                 "root": str(root),
                 "caches": [st.as_dict() for st in rows],
+                "parts": [u.as_dict() for u in units],
                 "ignored": [{"path": str(p), "why": why} for p, why in ignored],
             })  # fmt: skip
         if not rows:
@@ -177,8 +180,24 @@ def _admin(args, cfg) -> int:
                 f"{_human_bytes(st.size_bytes):>10} {st.age_s / 3600:7.1f}h",
                 file=out,
             )
+            if st.shared_files:
+                print(
+                    f"    shares {st.shared_parts} part(s), {st.shared_files} file(s), "
+                    f"{_human_bytes(st.shared_bytes)} (stored once) with "
+                    f"{_safe(', '.join(st.shared_with))}",
+                    file=out,
+                )
             for problem in st.problems:
                 print(f"    {_safe(problem)}", file=out)
+        if units:
+            unused = [u for u in units if not u.in_use]
+            print(
+                f"stored parts ({PARTS_DIR}): {len(units)} unit(s), "
+                f"{_human_bytes(sum(u.status.size_bytes for u in units))}, reusable by later "
+                f"builds; {len(unused)} used by no cache "
+                f"({_human_bytes(sum(u.status.size_bytes for u in unused))}: --clean removes them)",
+                file=out,
+            )
         for path, why in ignored:
             print(f"not a cache: {_safe(path.name)}: {_safe(why)}", file=out)
         return 0
@@ -227,7 +246,9 @@ def _admin(args, cfg) -> int:
         if args.json:
             _write_json(args.json, {"root": str(root), "caches": report_json})
         return 1 if bad else 0
-    report = inventory.clean(root, dry_run=args.dry_run, stages=STAGES, observe_s=max(observe, 1.0))
+    report = inventory.clean(
+        root, dry_run=args.dry_run, stages=STAGES, observe_s=max(observe, 1.0), stores=(PARTS_DIR,)
+    )
     verb = "would remove" if args.dry_run else "removed"
     for path in report.removed:
         print(f"{verb} {path}", file=out)

@@ -340,6 +340,20 @@ def train(
         latest = ckpts.latest_step()
         if latest is not None:
             params, opt_state, loader_state = ckpts.restore(latest, params, opt_state)
+            saved_on = loader_state.get("fingerprint") if isinstance(loader_state, dict) else None
+            this = loader.state_dict()["fingerprint"]
+            if saved_on is not None and saved_on != this:
+                # The sample order is a function of (seed, epoch, dataset): the checkpoint's
+                # position means nothing in another dataset (shards appended, another
+                # encoder or caption column), so it is not continued under a rule.
+                raise ConfigError(
+                    f"train.checkpoint {ckpts.path / str(latest)} was saved on the cache "
+                    f"{str(saved_on)[:64]!r}, this run reads the cache {this!r}: the dataset "
+                    "changed (shards appended, another encoder or caption column) and the "
+                    "checkpoint's sample order belongs to the old one; resume on the old "
+                    "cache, or start a new train.checkpoint folder",
+                    field="train.checkpoint",
+                )
             try:
                 loader.load_state_dict(loader_state)
             except ValueError as exc:

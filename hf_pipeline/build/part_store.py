@@ -1,0 +1,248 @@
+"""Built parts stored by their own identity, found by every later cache of one cache root.
+
+A cache is assembled from *parts* (contiguous shard ranges, :mod:`hf_pipeline.build.parts`).
+Each part's join and each part's embeddings are stored once, under the cache root, by
+what shapes their bytes, not by the cache that first needed them::
+
+    <cache_root>/.parts/
+      captions-<id>/          the key-sorted caption table of one metadata file
+      join-<part>-<meta>/     a part's join: rows/data.arrow (key, latents, caption,
+                              drop_reason); no token ids, so no encoder in its identity
+      embed-<part>-<meta>-<enc>/  its embeddings under one encoder:
+                              embeddings/data.arrow (embedding, input_ids, drop_reason)
+
+Every one of them is a cache unit of :mod:`dist.coordinator`: built in its lease's own
+folder, published by a marker created last (never overwritten), taken over when its
+builder dies, fenced against a builder that lost its lease. A part is never half
+visible, and a SIGKILLed build leaves only an unpublished folder that the next builder
+of that unit collects. A cache's ``converted`` stage hard-links the published files
+(:func:`hf_pipeline.build.parts.assemble`): latent bytes are written once per part,
+whatever the number of caches (encoders, appended inputs) that use it.
+
+Identity (:func:`join_id`): the join's config fields (key and caption columns,
+``on_missing``, ``on_bad_rows``, ``latent_dtype``) and the part's shards'
+``(name, size, etag)``, under :data:`PART_SCHEMA` (``<part>``); a join is stored under
+that and the caption table it was built with (``<meta>``, :func:`captions_id`). The
+join depends on the metadata only through the caption rows its keys match, so a join
+stored under another metadata file is reused when those rows are the same: its
+marker records :func:`caption_digest` of them, and a build compares it with the digest
+of the same keys in its own caption table (the keys read from the stored rows). New
+metadata rows for new shards then cost only the new parts.
+
+Boundaries (:func:`plan_content_parts`): content-defined, so that inserting a shard
+moves no boundary but its own part's: a part ends after shard ``i`` when a hash of
+``i``'s *name* is 0 modulo the average part size (between a minimum and a maximum
+size). Fixed-size parts would shift every boundary after an inserted shard and so
+re-join every later part. The name, not the whole identity: a shard whose bytes
+change keeps the boundaries, and only its own part is re-joined.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hf_pipeline.build.parts import PartPlan
+
+__all__ = [
+    "DEFAULT_PART_SHARDS",
+    "PARTS_DIR",
+    "PART_SCHEMA",
+    "StoredPart",
+    "caption_digest",
+    "captions_id",
+    "encoder_key",
+    "join_id",
+    "part_bounds",
+    "plan_content_parts",
+    "store_dir",
+    "stored_parts",
+]
+
+#: The folder of the stored parts under the cache root (a dot-folder: never listed or
+#: cleaned as a cache; ``dist.inventory`` cleans it by its own rule).
+PARTS_DIR = ".parts"
+#: Bump when a stored part's files or the meaning of a column change.
+PART_SCHEMA = 1
+#: The average part size in shards when ``build.part_shards`` is 0 (a constant: a size
+#: that followed the input's length would move every boundary when shards are added).
+DEFAULT_PART_SHARDS = 16
+
+#: The config fields that shape a part's join (the caption column included: it is
+#: in the rows). Not the encoder: the join holds no token ids.
+_JOIN_FIELDS = (
+    ("data", "key_column"),
+    ("data", "caption_column"),
+    ("data", "on_missing"),
+    ("data", "on_bad_rows"),
+    ("build", "latent_dtype"),
+)
+
+
+def store_dir(cache_root: str | Path) -> Path:
+    """The stored parts of ``cache_root``."""
+    return Path(cache_root) / PARTS_DIR
+
+
+def _digest(payload: Any, n: int = 32) -> str:
+    blob = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:n]
+
+
+def _plain(identity: Sequence[Any]) -> list[Any]:
+    return [v if isinstance(v, (str, int, float, bool)) or v is None else str(v) for v in identity]
+
+
+def captions_id(cfg, metadata: Sequence[Any]) -> str:
+    """The caption table's identity: the metadata file's ``(name, size, etag)`` and the
+    key and caption columns."""
+    return _digest(
+        {
+            "schema": PART_SCHEMA,
+            "metadata": _plain(metadata),
+            "key_column": cfg.data.key_column,
+            "caption_column": cfg.data.caption_column,
+        }
+    )
+
+
+def join_id(cfg, shards: Sequence[Sequence[Any]]) -> str:
+    """A part's identity without its captions: what shapes its join's bytes besides the
+    caption rows its keys match (the module docstring).
+
+    Args:
+        cfg: the :class:`hf_pipeline.config.Config`.
+        shards: the part's shards' ``(name, size, etag)``, in build order.
+    """
+    fields = {f"{a}.{b}": getattr(getattr(cfg, a), b) for a, b in _JOIN_FIELDS}
+    return _digest({"schema": PART_SCHEMA, "fields": fields, "shards": [_plain(s) for s in shards]})
+
+
+def caption_digest(table, keys) -> str:
+    """A digest of what the caption table gives ``keys`` (in order): for each key,
+    whether it has a metadata row and its caption's bytes (or null). The join's
+    output is a function of the shards and exactly this.
+
+    Args:
+        table: a :class:`hf_pipeline.build.captions.CaptionTable`.
+        keys: the part's keys, in row order (int64).
+    """
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    keys = np.ascontiguousarray(np.asarray(keys, dtype="<i8"))
+    caps, found = table.lookup(keys)
+    caps = pa.concat_arrays([caps.cast(pa.large_binary())]) if len(caps) else caps
+    h = hashlib.sha256()
+    h.update(keys.tobytes())
+    h.update(np.asarray(found, dtype=np.uint8).tobytes())
+    lengths = pc.fill_null(pc.binary_length(caps), -1).to_numpy(zero_copy_only=False)
+    h.update(np.asarray(lengths, dtype="<i8").tobytes())
+    for value in caps.drop_null().to_pylist() if len(caps) else []:
+        h.update(value)
+    return h.hexdigest()[:32]
+
+
+def encoder_key(encoder: Mapping[str, Any]) -> str:
+    """16 hex digits of an encoder's identity
+    (:func:`hf_pipeline.encoder.model.encoder_identity`)."""
+    return _digest({k: encoder[k] for k in sorted(encoder)}, 16)
+
+
+def part_bounds(average: int) -> tuple[int, int]:
+    """``(min, max)`` shards of a part whose average is ``average`` (>= 1): a quarter
+    and four times it, so that a run of unlucky hashes neither makes a part per
+    shard nor one part of everything."""
+    if average < 1:
+        raise ValueError(f"average must be >= 1, got {average}")
+    return max(1, average // 4), average * 4
+
+
+def _cuts_after(name: str, average: int) -> bool:
+    h = int.from_bytes(hashlib.sha256(name.encode("utf-8", "surrogatepass")).digest()[:8], "big")
+    return h % average == 0
+
+
+def plan_content_parts(names: Sequence[str], average: int) -> list[PartPlan]:
+    """Content-defined parts of the shard list (the module docstring says why).
+
+    Args:
+        names: the shard file names, in build order.
+        average: the average part size in shards (>= 1; 1: a part per shard).
+
+    Returns:
+        Contiguous parts covering every shard, in order (one empty part for no shards).
+    """
+    low, high = part_bounds(average)
+    plans: list[PartPlan] = []
+    start = 0
+    for i, name in enumerate(names):
+        size = i + 1 - start
+        if size >= high or (size >= low and _cuts_after(name, average)):
+            plans.append(PartPlan(len(plans), start, i + 1))
+            start = i + 1
+    if start < len(names) or not plans:
+        plans.append(PartPlan(len(plans), start, len(names)))
+    return plans
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StoredPart:
+    """One part of a build and where the store keeps it.
+
+    Attributes:
+        plan: the part's shard range in this build.
+        part: its identity without captions (:func:`join_id`).
+        captions: the caption table its join is stored under (16 hex digits of
+            :func:`captions_id`): this build's, or the one of a stored join reused
+            because its captions are the same.
+        encoder: the encoder's key (:func:`encoder_key`).
+        store: the store folder (:func:`store_dir`).
+    """
+
+    plan: PartPlan
+    part: str
+    captions: str
+    encoder: str
+    store: Path
+
+    @property
+    def join_id(self) -> str:
+        return f"{self.part}-{self.captions}"
+
+    @property
+    def embed_id(self) -> str:
+        return f"{self.join_id}-{self.encoder}"
+
+    @property
+    def join_dir(self) -> Path:
+        return self.store / f"join-{self.join_id}"
+
+    @property
+    def embed_dir(self) -> Path:
+        return self.store / f"embed-{self.embed_id}"
+
+
+def stored_parts(
+    cfg, *, shards: Sequence[Any], metadata: Sequence[Any], encoder: Mapping[str, Any]
+) -> list[StoredPart]:
+    """The parts of a build of ``shards`` (``RemoteFile`` s, in build order), each with
+    its identity and its store folders under ``cfg.cache_root``."""
+    average = cfg.build.part_shards or DEFAULT_PART_SHARDS
+    plans = plan_content_parts([f.name for f in shards], average)
+    key, root = encoder_key(encoder), store_dir(cfg.cache_root)
+    return [
+        StoredPart(
+            plan=p,
+            part=join_id(cfg, [f.identity() for f in shards[p.start : p.stop]]),
+            captions=captions_id(cfg, metadata)[:16],
+            encoder=key,
+            store=root,
+        )
+        for p in plans
+    ]

@@ -1,0 +1,429 @@
+"""Parts with their own identity (hf_pipeline.build.part_store): content-defined
+boundaries, reuse across caches (appended shards, another encoder), and a SIGKILLed
+incremental build. Every scenario is compared with a from-scratch build of the same
+final input: same keys in the same order, same latent and caption bytes, same
+fingerprint; what was *not* done is read from the build report."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hf_pipeline.build.part_store import part_bounds, plan_content_parts
+from tests.conftest import PYTHON, REPO, SMALL_DEMO, script_env
+
+pytestmark = pytest.mark.slow
+
+#: The demo shards of these tests: 8 shards of 40 rows (names 000000-000039.pt ...).
+_SHARDS, _ROWS = 8, 40
+#: The shard that holds duplicates of old keys; its name sorts between shards 1 and 2.
+_DUP = "000045-000054.pt"
+
+
+def _names(n: int) -> list[str]:
+    return [f"{i * 100:06d}-{i * 100 + 99:06d}.pt" for i in range(n)]
+
+
+# ------------------------------------------------------------------ boundaries
+
+
+@pytest.mark.parametrize("average", [1, 2, 4, 16])
+def test_parts_cover_every_shard_in_order_within_their_bounds(average):
+    names = _names(500)
+    plans = plan_content_parts(names, average)
+    assert plans[0].start == 0 and plans[-1].stop == len(names)
+    assert [p.index for p in plans] == list(range(len(plans)))
+    low, high = part_bounds(average)
+    for a, b in zip(plans, plans[1:], strict=False):
+        assert a.stop == b.start
+    assert all(p.stop - p.start <= high for p in plans)
+    assert all(p.stop - p.start >= low for p in plans[:-1])  # the last ends with the list
+    if average > 1:  # about len/average parts: content-defined, not one per shard
+        assert len(names) / average / 3 < len(plans) < len(names) / average * 3
+
+
+def test_an_inserted_shard_moves_no_boundary_but_its_own_parts():
+    """Content-defined: a shard inserted in the middle changes the part it lands in (and
+    at most the next, until the next natural cut), never the parts before or far after
+    it; fixed-size parts would shift every later boundary."""
+    names = _names(400)
+    before = plan_content_parts(names, 8)
+    grown = [*names[:200], "000150-new.pt", *names[200:]]
+    after = plan_content_parts(grown, 8)
+
+    def ranges(plans, seq):
+        return {tuple(seq[p.start : p.stop]) for p in plans}
+
+    old, new = ranges(before, names), ranges(after, grown)
+    changed = old - new
+    assert 1 <= len(changed) <= 2, changed
+    assert len(old & new) >= len(old) - 2
+
+
+def test_no_shards_is_one_empty_part_and_bounds_are_checked():
+    (only,) = plan_content_parts([], 4)
+    assert (only.start, only.stop) == (0, 0)
+    with pytest.raises(ValueError, match="average must be >= 1, got 0"):
+        part_bounds(0)
+
+
+# ------------------------------------------------------------------ scenarios
+
+
+def _config(root: Path, data: Path, meta: Path, *extra: str):
+    # A part per shard (the boundaries are tested above): which parts an insertion
+    # touches is then known, whatever the hashes of these few names.
+    from hf_pipeline.config import load_config
+
+    return load_config(
+        None,
+        [*SMALL_DEMO, f"data.shards={data}", f"data.metadata={meta}",
+         f"build.cache_dir={root}", "build.part_shards=1", *extra],
+        environ={},
+    )  # fmt: skip
+
+
+def _build(root, data, meta, *extra):
+    from hf_pipeline.build.prepare import prepare_cache
+
+    return prepare_cache(_config(root, data, meta, *extra), progress=False)
+
+
+def _content(res):
+    """Keys, latents (stored bits), captions, embeddings of a cache's kept rows."""
+    from hf_pipeline.cache.layout import open_dataset
+
+    ds = open_dataset(res.layout, latents="stored").with_format("numpy")[:]
+    return ds
+
+
+def _assert_same_cache(got, want):
+    assert got.fingerprint == want.fingerprint
+    a, b = _content(got), _content(want)
+    assert a["key"].tolist() == b["key"].tolist()
+    assert a["latents"].tobytes() == b["latents"].tobytes()
+    assert a["caption"].tolist() == b["caption"].tolist()
+    assert [list(x) for x in a["input_ids"]] == [list(x) for x in b["input_ids"]]
+    np.testing.assert_allclose(a["embedding"], b["embedding"], atol=1e-5)
+    for k in ("rows_in", "rows_out", "dropped"):
+        assert got.report[k] == want.report[k], k
+
+
+def _folder(path: Path, files) -> Path:
+    """A shard folder of hard links to ``files`` (same inodes: same size, mtime, bytes)."""
+    path.mkdir(parents=True)
+    for f in files:
+        os.link(f, path / Path(f).name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """The demo shards, a shard of duplicates of shard 0's first keys (other latents)
+    named to sort between shards 1 and 2, the metadata; the *initial* input folder
+    lacks shards 2 and 7 and the duplicates, the *final* one has them all; and a
+    from-scratch build of the final input."""
+    import torch
+
+    from hf_pipeline.demo.generate import generate_demo
+
+    base = tmp_path_factory.mktemp("evolve")
+    demo = generate_demo(base / "gen", num_shards=_SHARDS, samples_per_shard=_ROWS, seed=3)
+    shards = sorted(Path(p) for p in demo.shard_paths)
+    first = torch.load(shards[0], weights_only=True)
+    dup = base / "gen-dup" / _DUP
+    dup.parent.mkdir()
+    torch.save({"keys": first["keys"][:10].clone(), "latents": first["latents"][:10] + 1}, dup)
+    initial = _folder(base / "initial", [s for i, s in enumerate(shards) if i not in (2, 7)])
+    final = _folder(base / "final", [*shards, dup])
+    meta = Path(demo.metadata_path)
+    clean = _build(base / "clean", final, meta)
+    return {"base": base, "initial": initial, "final": final, "meta": meta, "clean": clean}
+
+
+@pytest.fixture(scope="module")
+def grown(inputs):
+    """The initial input built, then the final one in the same cache root."""
+    root = inputs["base"] / "grow"
+    first = _build(root, inputs["initial"], inputs["meta"])
+    return first, _build(root, inputs["final"], inputs["meta"])
+
+
+def test_appended_shards_build_only_the_new_parts_and_equal_a_clean_build(inputs, grown):
+    """Shards appended at the end and between old ones, one holding duplicates of old
+    keys: the build reuses every stored part it can, reads only the shards of the
+    parts it builds, and gives the cache a from-scratch build of the final input
+    gives (the first finite occurrence of a key in shard order still wins)."""
+    first, res = grown
+    assert first.report["reuse"]["joins_reused"] == 0
+    _assert_same_cache(res, inputs["clean"])
+    reuse, parts = res.report["reuse"], res.report["parts"]
+    assert reuse["parts"] == len(parts) >= 3
+    # The 6 initial shards' parts are reused; shard 2, shard 7 and the duplicates are built.
+    assert reuse["joins_reused"] == 6 and reuse["joins_built"] == 3 == len(parts) - 6
+    built = [p for p in parts if not p["reused"]["join"]]
+    # Only the built parts' shards were opened, and only their latents written.
+    assert reuse["shards_read"] == sum(p["shards"] for p in built) < _SHARDS + 1
+    assert (
+        0 < reuse["latent_bytes_written"] < inputs["clean"].report["reuse"]["latent_bytes_written"]
+    )
+    # A reused part is the very file the first cache holds (a hard link, not a copy).
+    old_inodes = {f.stat().st_ino for f in first.layout.converted.glob("parts/*/rows/*.arrow")}
+    new_inodes = {f.stat().st_ino for f in res.layout.converted.glob("parts/*/rows/*.arrow")}
+    assert len(old_inodes & new_inodes) == reuse["joins_reused"]
+    # The duplicates of shard 0's keys lost to the first occurrence.
+    assert res.report["dropped"]["duplicate_key"] >= 10
+
+
+def test_metadata_rows_appended_with_the_shards_reuse_the_old_parts(inputs):
+    """New shards come with new metadata rows (a new metadata file): the old parts'
+    keys match the very same captions, so their joins are reused (checked against what
+    each stored part matched); the result is the from-scratch cache of the final input.
+    A caption changed for one old key re-joins exactly the part holding that key."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+    import torch
+
+    full = pq.read_table(inputs["meta"])
+    old_keys = np.concatenate(
+        [
+            torch.load(f, weights_only=True)["keys"].numpy()
+            for f in sorted(inputs["initial"].iterdir())
+        ]
+    )
+    (inputs["base"] / "meta-old").mkdir()
+    old_meta = inputs["base"] / "meta-old" / inputs["meta"].name
+    pq.write_table(full.filter(pc.is_in(full["key"], pa_array(old_keys))), old_meta)
+    root = inputs["base"] / "meta"
+    first = _build(root, inputs["initial"], old_meta)
+    res = _build(root, inputs["final"], inputs["meta"])
+    _assert_same_cache(res, inputs["clean"])
+    reuse = res.report["reuse"]
+    assert reuse["joins_reused"] == 6 and reuse["joins_built"] == 3, reuse
+    assert first.report["rows_out"] < res.report["rows_out"]
+
+    # One old key (of shard 3, which no other shard repeats) gets another caption.
+    every = np.concatenate(
+        [torch.load(f, weights_only=True)["keys"].numpy() for f in inputs["final"].iterdir()]
+    )
+    shard3 = torch.load(sorted(inputs["initial"].iterdir())[2], weights_only=True)["keys"]
+    key = next(
+        int(k) for k in shard3 if (every == int(k)).sum() == 1 and int(k) in full["key"].to_pylist()
+    )
+    caps = [("a new caption" if k == key else c) for k, c in
+            zip(full["key"].to_pylist(), full["caption_llava"].to_pylist(), strict=True)]  # fmt: skip
+    (inputs["base"] / "meta-edit").mkdir()
+    edited = inputs["base"] / "meta-edit" / inputs["meta"].name
+    pq.write_table(full.set_column(1, "caption_llava", pa_array(caps)), edited)
+    again = _build(root, inputs["final"], edited)
+    assert again.report["reuse"]["joins_built"] == 1, again.report["reuse"]
+    (changed,) = [p for p in again.report["parts"] if not p["reused"]["join"]]
+    assert changed["shards"] == 1
+    got = _content(again)
+    assert got["caption"][got["key"].tolist().index(key)] == "a new caption"
+
+
+def pa_array(values):
+    import pyarrow as pa
+
+    return pa.array(values)
+
+
+def test_a_run_resumed_across_an_append_is_refused_naming_both_fingerprints(
+    small_config, grown, tmp_path
+):
+    """A checkpoint saved on the cache before the append: its sample order belongs to
+    that dataset, so resuming on the grown cache is refused, in one line naming both
+    fingerprints (and nothing is trained)."""
+    import dataclasses
+
+    from hf_pipeline.cache.layout import open_sample_source
+    from hf_pipeline.errors import ConfigError
+    from hf_pipeline.trainer.loop import train
+
+    first, res = grown
+    cfg = dataclasses.replace(
+        small_config,
+        train=dataclasses.replace(small_config.train, steps=10, checkpoint=str(tmp_path / "ck")),
+    )
+    with open_sample_source(first.layout, first.fingerprint) as src:
+        train(cfg, src, max_steps=3)
+    with open_sample_source(res.layout, res.fingerprint) as src:
+        with pytest.raises(ConfigError, match="dataset changed") as ei:
+            train(cfg, src)
+    msg = str(ei.value)
+    assert first.fingerprint in msg and res.fingerprint in msg and "\n" not in msg
+    assert ei.value.field == "train.checkpoint"
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.isdigit()) == ["3"]
+
+
+@pytest.fixture(scope="module")
+def two_encoders(inputs):
+    """The final input built with the default encoder, then with max_length 16, in one
+    cache root."""
+    root = inputs["base"] / "enc"
+    first = _build(root, inputs["final"], inputs["meta"])
+    return first, _build(root, inputs["final"], inputs["meta"], "encoder.max_length=16")
+
+
+def test_another_encoder_reuses_the_joins_and_writes_no_latent_bytes(inputs, two_encoders):
+    """A changed encoder (another max_length) builds only embeddings: no shard read, 0
+    latent bytes written; the two caches share the latents on disk (same inodes), and
+    the new cache equals a from-scratch build with that encoder."""
+    first, res = two_encoders
+    assert res.fingerprint != first.fingerprint
+    reuse = res.report["reuse"]
+    assert reuse["joins_built"] == 0 and reuse["joins_reused"] == reuse["parts"]
+    assert reuse["shards_read"] == 0 and reuse["latent_bytes_written"] == 0
+    assert reuse["embeddings_built"] == reuse["parts"] and reuse["embeddings_reused"] == 0
+    rows = {
+        f.relative_to(first.layout.converted): f
+        for f in first.layout.converted.glob("parts/*/rows/*.arrow")
+    }
+    for rel, f in rows.items():
+        g = res.layout.converted / rel
+        assert g.stat().st_ino == f.stat().st_ino  # the latents once on disk
+        assert g.stat().st_nlink >= 3  # the store's file and both caches' links
+    clean = _build(
+        inputs["base"] / "enc-clean", inputs["final"], inputs["meta"], "encoder.max_length=16"
+    )
+    _assert_same_cache(res, clean)
+    # The token ids belong to the encoder: max_length 16 truncates them.
+    assert max(len(x) for x in _content(res)["input_ids"]) <= 16
+
+
+def test_sigkill_during_an_incremental_build_then_a_build_equals_a_clean_one(inputs):
+    """The incremental build (the final input over the initial one's parts) is
+    SIGKILLed while it joins a new part; the next build takes the dead lease over and
+    gives the from-scratch cache, and the store holds each part once."""
+    from dist.markers import read_json
+
+    root = inputs["base"] / "kill"
+    _build(root, inputs["initial"], inputs["meta"])
+    before = {d.name for d in (root / ".parts").glob("join-*")}
+    args = [
+        REPO / "scripts/prebuild_cache.py", "-q", "--cache-dir", root,
+        *[a for o in [*SMALL_DEMO, f"data.shards={inputs['final']}",
+                      f"data.metadata={inputs['meta']}", "build.part_shards=1",
+                      "coord.lease_timeout=4", "coord.heartbeat_interval=0.5"]
+          for a in ("--set", o)],
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        [PYTHON, *map(str, args)], env=script_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        victim = None
+        while victim is None:  # the build holds a new part's lease and writes into it
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "the build never started a new part"
+            for lease in (root / ".parts").glob("join-*/lease"):
+                info = read_json(lease)
+                if isinstance(info, dict) and info.get("pid") == proc.pid:
+                    if any(lease.parent.glob("join.*/rows")):
+                        victim = lease.parent
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert victim.name not in before
+    assert not (victim / "join.json").exists(), "killed before it published"
+    res = _build(root, inputs["final"], inputs["meta"], "coord.lease_timeout=4")
+    _assert_same_cache(res, inputs["clean"])
+    assert res.report["reuse"]["joins_reused"] == len(before)
+    assert len(list(victim.glob("join.*/"))) == 1, "one published copy of the part"
+
+
+def _admin(root: Path, *ops: str) -> dict:
+    """``prebuild_cache.py --cache-dir root <ops> --json -`` (a real process): its JSON."""
+    import json
+
+    out = subprocess.run(
+        [PYTHON, str(REPO / "scripts/prebuild_cache.py"), "--cache-dir", str(root), *ops,
+         "--json", "-", "--set", "coord.heartbeat_interval=0.2"],
+        env=script_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+def test_status_shows_sharing_and_clean_keeps_every_file_a_complete_cache_uses(
+    inputs, two_encoders
+):
+    """Two caches over the same parts (two encoders): --status says what each shares
+    with the other. One of them turns corrupt: --clean removes it, and with it the
+    stored embeddings only it used, but not one file the other (complete) cache uses:
+    that cache still verifies whole and reads the same rows. Once no cache is left, the
+    stored parts go too; a folder in the store without the project's mark stays."""
+    from dist.inventory import verify
+    from hf_pipeline.cache.layout import STAGES
+
+    first, second = two_encoders
+    root = first.cache_dir.parent
+    parts = first.report["reuse"]["parts"]
+    status = _admin(root, "--status")
+    caches = {c["path"]: c for c in status["caches"]}
+    for mine, other in ((first, second), (second, first)):
+        c = caches[str(mine.cache_dir)]
+        assert c["state"] == "complete" and c["shared_with"] == [other.cache_dir.name]
+        assert c["shared_parts"] == parts and c["shared_files"] >= parts
+    units = {Path(u["path"]).name: u for u in status["parts"]}
+    assert len([n for n in units if n.startswith("join-")]) == parts
+    assert len([n for n in units if n.startswith("embed-")]) == 2 * parts
+    assert all(u["in_use"] for u in units.values())
+
+    want = _content(second)
+    foreign = root / ".parts" / "join-notours"
+    foreign.mkdir()
+    (foreign / "data.arrow").write_bytes(b"someone else's")
+    marker = first.cache_dir / "converted.json"
+    marker.write_text("{ not a marker")  # the first cache is corrupt now
+    report = _admin(root, "--clean")
+    removed = {Path(p).name for p in report["removed"]}
+    assert first.cache_dir.name in removed and second.cache_dir.name not in removed
+    # The first cache's embeddings (no other cache used them) went; the joins stay.
+    gone = {n for n in units if n.startswith("embed-") and n.endswith(first_encoder_key(first))}
+    assert len(gone) == parts and gone <= removed
+    assert not any(n.startswith(("join-", "captions-")) for n in removed)
+    assert verify(second.cache_dir, STAGES) == []  # every file whole, checksums included
+    got = _content(second)
+    assert got["key"].tolist() == want["key"].tolist()
+    assert got["latents"].tobytes() == want["latents"].tobytes()
+
+    (second.cache_dir / "converted.json").write_text("{ not a marker")
+    report = _admin(root, "--clean")
+    left = [p.name for p in (root / ".parts").iterdir()]
+    assert left == ["join-notours"], left  # every stored unit went; not what is not ours
+    assert (foreign / "data.arrow").read_bytes() == b"someone else's"
+
+
+def first_encoder_key(res) -> str:
+    """The encoder key of a cache built with the default encoder."""
+    from hf_pipeline.build.part_store import encoder_key
+    from hf_pipeline.config import load_config
+    from hf_pipeline.encoder.model import encoder_identity
+
+    assert res.report["config"]["encoder"]["max_length"] == load_config(None, []).encoder.max_length
+    return encoder_key(encoder_identity(load_config(None, [], environ={}).encoder))
+
+
+def test_parts_of_many_shards_joined_by_several_workers_give_the_same_cache(inputs):
+    """Bigger parts (several shards, joined by the ``num_proc`` workers, whose files
+    ``datasets`` names with a suffix) give the cache a part per shard gives: the cut is
+    a speed knob, not part of the result (the fingerprint included)."""
+    res = _build(
+        inputs["base"] / "big-parts", inputs["final"], inputs["meta"], "build.part_shards=8"
+    )
+    assert any(p["shards"] > 1 for p in res.report["parts"])
+    assert max(p["join"]["workers"] for p in res.report["parts"]) == 2
+    _assert_same_cache(res, inputs["clean"])

@@ -30,7 +30,7 @@ _CHUNK = 8 << 20  # large enough that per-call overhead vanishes, small for a sm
 
 
 def whole_checksum(
-    path: str | os.PathLike[str], on_bytes: Callable[[int], None] | None = None
+    path: str | os.PathLike[str], on_bytes: Callable[[int], object] | None = None
 ) -> tuple[int, str]:
     """Size and xxh3_128 (hex) of every byte of ``path``, read once front to back.
 
@@ -68,7 +68,7 @@ def hash_files(
     paths: Iterable[_P],
     *,
     workers: int | None = None,
-    on_bytes: Callable[[int], None] | None = None,
+    on_bytes: Callable[[int], object] | None = None,
 ) -> Iterator[tuple[_P, int, str | OSError]]:
     """:func:`whole_checksum` of each path, ``workers`` files at a time.
 

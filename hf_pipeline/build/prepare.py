@@ -41,6 +41,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import socket
 import time
 from collections.abc import Mapping
@@ -595,8 +596,7 @@ def _local_job_inputs(cfg: Config, process, store, key: str, progress: bool) -> 
             store.set(key, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
             raise
         digests = digests_of([*inputs.shards, inputs.metadata])
-        rows = [[*k, v] for k, v in digests.items()]
-        store.set(key, json.dumps({"digests": rows}).encode())
+        store.set(key, json.dumps({"digests": [[*k, v] for k, v in digests.items()]}).encode())
         return inputs
     raw = store.get(key, timeout=cfg.coord.max_wait)
     known: dict[StatKey, str] = {}
@@ -605,14 +605,14 @@ def _local_job_inputs(cfg: Config, process, store, key: str, progress: bool) -> 
     except ForeignJSONError as e:
         log.warning("%s: hashing the inputs here", e)
         doc = {}
-    rows = doc.get("digests") if isinstance(doc, dict) else None
-    for row in rows if isinstance(rows, list) else []:
+    listed = doc.get("digests") if isinstance(doc, dict) else None
+    for row in listed if isinstance(listed, list) else []:
         if (
             isinstance(row, list) and len(row) == 6 and isinstance(row[0], str)
             and all(type(v) is int for v in row[1:5])
             and isinstance(row[5], str) and re.fullmatch(r"[0-9a-f]{32}", row[5])
         ):  # fmt: skip
-            known[tuple(row[:5])] = row[5]
+            known[(row[0], row[1], row[2], row[3], row[4])] = row[5]
     # Rank 0's error: this rank resolves alone and raises its own (typed) error.
     return resolve_inputs(cfg, progress=False, known=known)
 

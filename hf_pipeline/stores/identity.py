@@ -220,11 +220,11 @@ class ContentIndex:
             return {}, "'entries' is not a JSON object"
         if len(rows) > MAX_ENTRIES:
             return {}, f"holds {len(rows)} entries, more than {MAX_ENTRIES}"
-        out = {}
+        out: dict[str, _Entry] = {}
         for k, v in rows.items():
-            e = _entry(v)
-            if e is not None and os.path.isabs(k):
-                out[k] = e
+            entry = _entry(v)
+            if entry is not None and os.path.isabs(k):
+                out[k] = entry
         dropped = len(rows) - len(out)
         if dropped:
             log.warning("content index %s: %d malformed entries ignored", path, dropped)
@@ -247,7 +247,8 @@ class ContentIndex:
 
         A read-only or full cache root leaves the index as it is (a warning).
         """
-        if self.folder is None or not self._new:
+        path = self.path
+        if self.folder is None or path is None or not self._new:
             return
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -266,7 +267,7 @@ class ContentIndex:
                 "algorithm": ALGORITHM,
                 "entries": {k: e.row() for k, e in merged.items()},
             }
-            with atomic_write(self.path, "w") as fh:
+            with atomic_write(path, "w") as fh:
                 json.dump(doc, fh, separators=(",", ":"))
         except OSError as e:
             if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC):
@@ -317,7 +318,9 @@ def content_identities(
         ) as bar:
             paths = [keys[i][0] for i in misses]
             for i, (_, size, digest) in zip(
-                misses, hash_files(paths, workers=workers, on_bytes=bar.update), strict=True
+                misses,
+                hash_files(paths, workers=workers, on_bytes=bar.update),
+                strict=True,
             ):
                 path = files[i].url
                 if isinstance(digest, OSError):

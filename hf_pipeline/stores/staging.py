@@ -253,7 +253,7 @@ class _Download:
     policy: RetryPolicy
     stats: FetchStats
     stop: threading.Event | None
-    on_bytes: Callable[[int], None] | None
+    on_bytes: Callable[[int], object] | None
 
     def attempt(self) -> Path:
         """Resume or start a part, fill it, verify it and publish it.
@@ -320,7 +320,7 @@ def stage_file(
     stats: FetchStats,
     *,
     stop: threading.Event | None = None,
-    on_bytes: Callable[[int], None] | None = None,
+    on_bytes: Callable[[int], object] | None = None,
     unwanted: None = None,
 ) -> Path: ...  # without ``unwanted`` the file is always staged (or it raises)
 
@@ -334,7 +334,7 @@ def stage_file(
     stats: FetchStats,
     *,
     stop: threading.Event | None = None,
-    on_bytes: Callable[[int], None] | None = None,
+    on_bytes: Callable[[int], object] | None = None,
     unwanted: Callable[[], bool] | None,
 ) -> Path | None: ...
 
@@ -347,7 +347,7 @@ def stage_file(
     stats: FetchStats,
     *,
     stop: threading.Event | None = None,
-    on_bytes: Callable[[int], None] | None = None,
+    on_bytes: Callable[[int], object] | None = None,
     unwanted: Callable[[], bool] | None = None,
 ) -> Path | None:
     """Download ``file`` into ``staging`` verified and atomically, with retries.

@@ -272,7 +272,15 @@ def two_encoders(inputs):
     return first, _build(root, inputs["final"], inputs["meta"], "encoder.max_length=16")
 
 
-def test_another_encoder_reuses_the_joins_and_writes_no_latent_bytes(inputs, two_encoders):
+@pytest.fixture(scope="module")
+def clean16(inputs):
+    """A from-scratch build of the final input with encoder.max_length=16."""
+    return _build(
+        inputs["base"] / "enc-clean", inputs["final"], inputs["meta"], "encoder.max_length=16"
+    )
+
+
+def test_another_encoder_reuses_the_joins_and_writes_no_latent_bytes(inputs, two_encoders, clean16):
     """A changed encoder (another max_length) builds only embeddings: no shard read, 0
     latent bytes written; the two caches share the latents on disk (same inodes), and
     the new cache equals a from-scratch build with that encoder."""
@@ -290,28 +298,22 @@ def test_another_encoder_reuses_the_joins_and_writes_no_latent_bytes(inputs, two
         g = res.layout.converted / rel
         assert g.stat().st_ino == f.stat().st_ino  # the latents once on disk
         assert g.stat().st_nlink >= 3  # the store's file and both caches' links
-    clean = _build(
-        inputs["base"] / "enc-clean", inputs["final"], inputs["meta"], "encoder.max_length=16"
-    )
-    _assert_same_cache(res, clean)
+    _assert_same_cache(res, clean16)
     # The token ids belong to the encoder: max_length 16 truncates them.
     assert max(len(x) for x in _content(res)["input_ids"]) <= 16
 
 
-def test_sigkill_during_an_incremental_build_then_a_build_equals_a_clean_one(inputs):
-    """The incremental build (the final input over the initial one's parts) is
-    SIGKILLed while it joins a new part; the next build takes the dead lease over and
-    gives the from-scratch cache, and the store holds each part once."""
+def _start_and_kill(root: Path, inputs, unit: str, *extra: str) -> Path:
+    """``prebuild_cache.py`` of the final input into ``root`` (a real process), SIGKILLed
+    once it holds the lease of a stored ``unit`` (``join`` or ``embed``) and writes in
+    it; the unit's folder."""
     from dist.markers import read_json
 
-    root = inputs["base"] / "kill"
-    _build(root, inputs["initial"], inputs["meta"])
-    before = {d.name for d in (root / ".parts").glob("join-*")}
     args = [
         REPO / "scripts/prebuild_cache.py", "-q", "--cache-dir", root,
         *[a for o in [*SMALL_DEMO, f"data.shards={inputs['final']}",
                       f"data.metadata={inputs['meta']}", "build.part_shards=1",
-                      "coord.lease_timeout=4", "coord.heartbeat_interval=0.5"]
+                      "coord.lease_timeout=4", "coord.heartbeat_interval=0.5", *extra]
           for a in ("--set", o)],
     ]  # fmt: skip
     proc = subprocess.Popen(
@@ -321,13 +323,15 @@ def test_sigkill_during_an_incremental_build_then_a_build_equals_a_clean_one(inp
     try:
         deadline = time.monotonic() + 240
         victim = None
-        while victim is None:  # the build holds a new part's lease and writes into it
+        while victim is None:  # the build holds a new unit's lease and writes into it
             assert proc.poll() is None, proc.communicate()[0][-3000:]
-            assert time.monotonic() < deadline, "the build never started a new part"
-            for lease in (root / ".parts").glob("join-*/lease"):
+            assert time.monotonic() < deadline, f"the build never started a {unit}"
+            for lease in (root / ".parts").glob(f"{unit}-*/lease"):
                 info = read_json(lease)
                 if isinstance(info, dict) and info.get("pid") == proc.pid:
-                    if any(lease.parent.glob("join.*/rows")):
+                    # Its folder is made as it starts (an embedding then waits for
+                    # the model to load: seconds to catch it in).
+                    if any(d.is_dir() for d in lease.parent.glob(f"{unit}.*")):
                         victim = lease.parent
             time.sleep(0.05)
         os.kill(proc.pid, signal.SIGKILL)
@@ -336,6 +340,17 @@ def test_sigkill_during_an_incremental_build_then_a_build_equals_a_clean_one(inp
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    return victim
+
+
+def test_sigkill_during_an_incremental_build_then_a_build_equals_a_clean_one(inputs):
+    """The incremental build (the final input over the initial one's parts) is
+    SIGKILLed while it joins a new part; the next build takes the dead lease over and
+    gives the from-scratch cache, and the store holds each part once."""
+    root = inputs["base"] / "kill"
+    _build(root, inputs["initial"], inputs["meta"])
+    before = {d.name for d in (root / ".parts").glob("join-*")}
+    victim = _start_and_kill(root, inputs, "join")
     assert victim.name not in before
     assert not (victim / "join.json").exists(), "killed before it published"
     res = _build(root, inputs["final"], inputs["meta"], "coord.lease_timeout=4")
@@ -427,3 +442,57 @@ def test_parts_of_many_shards_joined_by_several_workers_give_the_same_cache(inpu
     assert any(p["shards"] > 1 for p in res.report["parts"])
     assert max(p["join"]["workers"] for p in res.report["parts"]) == 2
     _assert_same_cache(res, inputs["clean"])
+
+
+def test_ranks_build_only_the_missing_parts_together(inputs, tmp_path):
+    """build.parallel=ranks, 2 real rank processes, first over the initial input, then
+    over the final one in the same cache root: the second run reuses the 6 stored
+    parts and the ranks share the 3 missing ones (part ``i`` to rank ``i % 2``); the
+    cache equals the from-scratch build."""
+    import json
+
+    from hf_pipeline.build.prepare import prepare_cache
+    from tests.conftest import run_ranks
+
+    root = inputs["base"] / "ranks"
+
+    def ranks(data: Path) -> list[dict]:
+        over = [*SMALL_DEMO, f"data.shards={data}", f"data.metadata={inputs['meta']}",
+                f"build.cache_dir={root}", "build.part_shards=1", "build.parallel=ranks",
+                "coord.poll_interval=0.1"]  # fmt: skip
+        runs = run_ranks(
+            [REPO / "tests/procs/rank_loader.py", tmp_path / "r{rank}.json", *over], 2, timeout=600
+        )
+        for code, out, err in runs:
+            assert code == 0, (out + err)[-3000:]
+        return [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2)]
+
+    ranks(inputs["initial"])
+    results = ranks(inputs["final"])
+    assert all(r["built"] for r in results), "each rank built a missing part"
+    cfg = _config(root, inputs["final"], inputs["meta"], "build.parallel=ranks")
+    res = prepare_cache(cfg, progress=False)
+    assert not res.built
+    reuse, parts = res.report["reuse"], res.report["parts"]
+    assert reuse["joins_reused"] == 6 and reuse["joins_built"] == 3
+    built = [(i, p["builder"]["pid"]) for i, p in enumerate(parts) if not p["reused"]["join"]]
+    assert len({pid for _, pid in built}) == 2, built  # both ranks built
+    for i, pid in built:  # part i by rank i % 2: the same process for the same parity
+        assert pid == next(q for j, q in built if j % 2 == i % 2)
+    _assert_same_cache(res, inputs["clean"])
+
+
+def test_sigkill_during_a_re_embedding_then_a_build_equals_a_clean_one(inputs, clean16):
+    """Another encoder over stored joins, SIGKILLed while it embeds a part: the next
+    build takes over, writes no latent bytes, and gives the from-scratch cache."""
+    root = inputs["base"] / "kill-embed"
+    _build(root, inputs["final"], inputs["meta"])
+    victim = _start_and_kill(root, inputs, "embed", "encoder.max_length=16")
+    assert not (victim / "embed.json").exists(), "killed before it published"
+    res = _build(root, inputs["final"], inputs["meta"], "encoder.max_length=16",
+                 "coord.lease_timeout=4")  # fmt: skip
+    reuse = res.report["reuse"]
+    assert reuse["joins_built"] == 0 and reuse["latent_bytes_written"] == 0
+    assert reuse["embeddings_built"] == reuse["parts"]
+    assert len(list(victim.glob("embed.*/"))) == 1, "one published copy of the embeddings"
+    _assert_same_cache(res, clean16)

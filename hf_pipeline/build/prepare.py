@@ -43,6 +43,7 @@ import os
 import pickle
 import re
 import socket
+import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -746,7 +747,16 @@ def _ensure_parts(
         # The fork server of the joins' workers imports its libraries, and the model
         # loads, while the caption table is written (or waited for).
         stack.enter_context(clean_workers())
-        loading = stack.enter_context(_EncoderLoading(cfg, process)) if need_embed else None
+        loading = [stack.enter_context(_EncoderLoading(cfg, process)) if need_embed else None]
+        loading_lock = threading.Lock()
+
+        def encoder():
+            """The encoder (a future): loading from the start when an embedding was
+            missing at once, else from the first one found missing later."""
+            with loading_lock:
+                if loading[0] is None:
+                    loading[0] = stack.enter_context(_EncoderLoading(cfg, process))
+                return loading[0].encoder
 
         def captions(ctx):
             t0 = time.monotonic()
@@ -787,11 +797,9 @@ def _ensure_parts(
             def build(ctx):
                 probe = StoppableProbe(ctx.probe)
                 stop_embedding.append(probe)
-                if loading is None:  # stored when planned, then found invalid
-                    raise RuntimeError(f"{part.embed_dir}: no encoder loaded to rebuild it")
                 info = embed_part(
                     part_files(join_folder, "rows"), cfg=cfg, probe=probe,
-                    encoder=loading.encoder, out_dir=Path(ctx.tmp_dir),
+                    encoder=encoder(), out_dir=Path(ctx.tmp_dir),
                     fingerprint=_short(part.embed_id),
                     on_phase=on_phase or ctx.set_phase,
                 )  # fmt: skip

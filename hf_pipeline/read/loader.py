@@ -479,6 +479,9 @@ class Loader:
             # read-ahead per 8 KiB sample; ordered reads want the read-ahead.
             advise("random" if self._order.shuffle == "global" else "sequential")
         self._epoch, self._step = int(start_epoch), 0
+        # A source that reads ahead from a store (StreamSource) is told which batches come.
+        self._plans = callable(getattr(source, "plan", None))
+        self._owns_source = False
         self._prefetcher: _Prefetcher | None = None
         self._closed = False
         self._keys_warned = False
@@ -486,16 +489,45 @@ class Loader:
         self.reset_stats()
 
     @classmethod
-    def from_config(cls, source, loader_config, **overrides) -> Loader:
+    def from_config(cls, source, loader_config, *, data_config=None, **overrides) -> Loader:
         """A Loader from a :class:`~hf_pipeline.config.LoaderConfig` plus overrides.
 
         Args:
-            source: the :class:`SampleSource`.
+            source: the :class:`SampleSource`, or None to stream the published cache
+                ``loader_config.stream_from`` names (a
+                :class:`~hf_pipeline.read.stream.StreamSource` with the section's
+                ``stream_*`` options, closed with the loader).
             loader_config: the ``loader`` section of the config.
+            data_config: the ``data`` section: retries and per-read timeout of a
+                streamed source (default: its defaults).
             **overrides: any ``Loader`` keyword (``mesh=...``, ``process_index=...``,
                 or an option field, which replaces the config's).
+
+        Raises:
+            ConfigError: ``source`` is None and ``loader.stream_from`` is not set.
         """
-        return cls(source, LoaderOptions.from_config(loader_config), **overrides)
+        if source is not None:
+            return cls(source, LoaderOptions.from_config(loader_config), **overrides)
+        if not loader_config.stream_from:
+            raise ConfigError(
+                "no source given and loader.stream_from is empty: open the cache "
+                "(open_sample_source) or set loader.stream_from to a published cache",
+                field="loader.stream_from",
+            )
+        from hf_pipeline.read.stream import StreamSource
+        from hf_pipeline.stores.retry import RetryPolicy
+
+        policy = None if data_config is None else RetryPolicy.from_config(data_config)
+        stream = StreamSource(
+            loader_config.stream_from, loader_config.stream_options(), policy=policy
+        )
+        try:
+            loader = cls(stream, LoaderOptions.from_config(loader_config), **overrides)
+        except BaseException:
+            stream.close()
+            raise
+        loader._owns_source = True
+        return loader
 
     def _init_processes(self, jax, process_index, process_count) -> None:
         """Without a mesh: one device per process, the share from the process index."""
@@ -675,7 +707,10 @@ class Loader:
     def _produce(self, position: tuple[int, int]) -> dict[str, Any]:
         epoch, step = position
         share: ProcessBatch = self._sampler.batch_at(epoch, step, self._local)
-        batch = self._source.gather(share.rows, share.crops)
+        if self._plans:
+            batch = self._source.gather(share.rows, share.crops, position=position)
+        else:
+            batch = self._source.gather(share.rows, share.crops)
         if not self._order.drop_last:
             batch["mask"] = share.mask
         return self._to_device(batch)
@@ -734,15 +769,25 @@ class Loader:
         jax.block_until_ready([value for value in out.values() if isinstance(value, jax.Array)])
         return {name: out[name] for name in batch}  # keep the key order
 
+    def _planned(self, epoch: int, step: int, num_epochs: int | None):
+        """``(position, rows)`` of this process's batches from ``(epoch, step)``: what
+        a streaming source fetches ahead."""
+        for position in self._positions(epoch, step, num_epochs):
+            yield position, self._sampler.batch_at(*position, self._local).rows
+
     def _stop_prefetch(self) -> None:
         prefetcher, self._prefetcher = self._prefetcher, None
         if prefetcher is not None:
             prefetcher.close()
+        if self._plans:
+            self._source.plan(None)
 
     def _iterate(self, num_epochs: int | None):
         if self._closed:
             raise RuntimeError("the loader is closed")
         self._stop_prefetch()
+        if self._plans:
+            self._source.plan(self._planned(self._epoch, self._step, num_epochs))
         prefetcher = _Prefetcher(
             self._produce,
             self._positions(self._epoch, self._step, num_epochs),
@@ -770,6 +815,8 @@ class Loader:
             prefetcher.close()
             if self._prefetcher is prefetcher:
                 self._prefetcher = None
+                if self._plans:
+                    self._source.plan(None)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """The remaining batches of the current epoch (then the state moves to the next)."""
@@ -826,9 +873,12 @@ class Loader:
         )
 
     def close(self) -> None:
-        """Stop and join the prefetch thread (idempotent; the source stays open)."""
+        """Stop and join the prefetch thread (idempotent). The source stays open, unless
+        :meth:`from_config` opened it (``loader.stream_from``)."""
         self._closed = True
         self._stop_prefetch()
+        if self._owns_source:
+            self._source.close()
 
     def __enter__(self) -> Loader:
         return self

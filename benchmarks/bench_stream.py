@@ -92,11 +92,13 @@ def main() -> None:
     from hf_pipeline.read.loader import Loader
     from hf_pipeline.read.stream import StreamOptions, StreamSource
     from hf_pipeline.stores.retry import RetryPolicy
+    from tests.servers import drain_stderr
     from tests.servers.proxy import Fault, FaultProxy
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-stream-"))
     server = FakeGCSServer()
     server.start()
+    drain_stderr(server)  # else it stops answering after a few hundred requests
     try:
         os.environ["STORAGE_EMULATOR_HOST"] = server.url
         from gcsfs.core import GCSFileSystem

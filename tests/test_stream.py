@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -29,25 +28,12 @@ from tests.helpers.publishing import (  # noqa: F401
     hub_store,
     source_cache,
 )
-from tests.servers import gcs_fs
+from tests.servers import drain_stderr, gcs_fs
 from tests.servers.proxy import Fault, FaultProxy
 
 pytestmark = pytest.mark.remote
 
 _FAST = RetryPolicy(max_retries=4, file_timeout=5.0, backoff_base=0.01, backoff_max=0.05)
-
-
-def drain_stderr(server) -> None:
-    """Read fake-gcs-server's stderr until it exits. The wrapper starts it with
-    ``stderr=PIPE`` and never reads it: after a few hundred requests the server blocks
-    writing its request log into the full pipe and stops answering (seen here: every
-    request, curl's too, then timed out)."""
-    pipe = server._process.stderr  # the wrapper's only handle on it
-    threading.Thread(
-        target=lambda: [None for _ in iter(lambda: pipe.read(1 << 16), b"")],
-        name="fake-gcs-stderr",
-        daemon=True,
-    ).start()
 
 
 @pytest.fixture
@@ -121,7 +107,7 @@ def test_streamed_batches_equal_local_gcs(order, gcs_cache, local_source):
     a small cache (planned ahead, blocks evicted) and ``num_threads=2`` gathers."""
     _, url = gcs_cache
     kw = {"global_batch_size": 24, "seed": 5, "num_threads": 2, **order}
-    with StreamSource(url, StreamOptions(cache_bytes=600_000, ahead=3), policy=_FAST) as stream:
+    with StreamSource(url, StreamOptions(cache_bytes=3_000_000, ahead=3), policy=_FAST) as stream:
         assert stream.num_rows == local_source.num_rows
         for count in (1, 2):
             for index in range(count):
@@ -129,7 +115,7 @@ def test_streamed_batches_equal_local_gcs(order, gcs_cache, local_source):
                 want = _epoch(Loader(local_source, **share, **kw))
                 _same(want, _epoch(Loader(stream, **share, **kw)))
         stats = stream.stats()
-        assert stats.planned_blocks > 0 and stats.max_held_bytes <= 600_000
+        assert stats.planned_blocks > 0 and stats.max_held_bytes <= 3_000_000
         assert stats.retries == stats.refetched == 0
 
 
@@ -151,7 +137,7 @@ def test_pure_streaming_and_the_cache_limit(gcs_cache, local_source):
     _, url = gcs_cache
     kw = {"global_batch_size": 16, "seed": 1, "shuffle": "global"}
     want = _epoch(Loader(local_source, process_index=0, process_count=1, **kw))
-    for limit in (0, 200_000):
+    for limit in (0, 1_500_000):
         with StreamSource(url, StreamOptions(cache_bytes=limit, ahead=4), policy=_FAST) as s:
             got = []
             for batch in Loader(s, process_index=0, process_count=1, num_threads=1, **kw):
@@ -307,3 +293,62 @@ def test_stream_options_and_config():
     with pytest.raises(ConfigError, match="loader.stream_from"):
         Loader.from_config(None, load_config(None, [], environ={}).loader)
     assert dataclasses.fields(StreamOptions)
+
+
+def test_lightning_data_module_streams(gcs_cache, source_cache, local_source, tmp_path):
+    """``loader.stream_from`` set: LatentDataModule reads the published cache in place
+    (no build, nothing under its cache root) and gives the local batches."""
+    from hf_pipeline.adapters.torch_data import LatentDataModule, TorchBatches
+
+    _, url = gcs_cache
+    cfg = config(
+        source_cache.data,
+        tmp_path / "empty-root",
+        f"loader.stream_from={url}",
+        "loader.global_batch_size=16",
+        "loader.seed=4",
+    )
+    dm = LatentDataModule(cfg, num_workers=0)
+    dm.setup("fit")
+    try:
+        got = [{k: v.numpy() for k, v in b.items()} for b in dm.train_dataloader()]
+    finally:
+        dm.teardown("fit")
+    order = cfg.loader.sampler_options()
+    want = TorchBatches(local_source, order, process_index=0, process_count=1)
+    _same([{k: v.numpy() for k, v in b.items()} for b in want], got)
+    assert not (tmp_path / "empty-root").exists()
+
+
+def _digest(batch: dict) -> dict:
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in ("latents", "embeddings"):
+        h.update(np.ascontiguousarray(batch[name]).tobytes())
+    return {"keys": batch["keys"].tolist(), "sha": h.hexdigest()}
+
+
+def test_two_real_processes_stream_their_shares(gcs_cache, local_source):
+    """Two OS processes (RANK/WORLD_SIZE), only ``HF_PIPELINE_STREAM_FROM`` set: each
+    streams its own share of every global batch, bit for bit the local loader's."""
+    from tests.conftest import REPO, run_ranks
+
+    server, url = gcs_cache
+    sets = ["loader.global_batch_size=16", "loader.seed=8", "loader.shuffle=block",
+            "loader.block_size=8", "data.file_timeout=10"]  # fmt: skip
+    outs = run_ranks(
+        [REPO / "tests" / "procs" / "stream_rank.py", *sets],
+        2,
+        timeout=400,
+        HF_PIPELINE_STREAM_FROM=url,
+        STORAGE_EMULATOR_HOST=server,
+        GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",
+        JAX_PLATFORMS="cpu",
+    )
+    for rank, (code, out, err) in enumerate(outs):
+        assert code == 0, err[-2000:]
+        got = json.loads(out.strip().splitlines()[-1])
+        kw = {"global_batch_size": 16, "seed": 8, "shuffle": "block", "block_size": 8}
+        want = _epoch(Loader(local_source, process_index=rank, process_count=2, **kw))
+        assert got["batches"] == [_digest(b) for b in want]

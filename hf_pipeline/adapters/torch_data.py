@@ -538,15 +538,27 @@ class _LatentDataModule:
 
         if self.source is not None:
             return
-        built = prepare_cache(self.cfg, process=self._process(), progress=False)
-        self.source = open_sample_source(built.layout, built.fingerprint)
+        if self.cfg.loader.stream_from:  # read the published cache in place: no build
+            from hf_pipeline.read.stream import StreamSource
+            from hf_pipeline.stores.retry import RetryPolicy
+
+            self.source = StreamSource(
+                self.cfg.loader.stream_from,
+                self.cfg.loader.stream_options(),
+                policy=RetryPolicy.from_config(self.cfg.data),
+            )
+            fingerprint = self.source.fingerprint
+        else:
+            built = prepare_cache(self.cfg, process=self._process(), progress=False)
+            self.source = open_sample_source(built.layout, built.fingerprint)
+            fingerprint = built.fingerprint
         # The Loader's options: the same order and output dtype as Loader.from_config.
         options = LoaderOptions.from_config(self.cfg.loader)
         self.dataset = TorchBatches(self.source, options.order, latents_dtype=options.latents_dtype)
         self._identity = {
             "order_version": ORDER_VERSION,
             **dataclasses.asdict(self.dataset.sampler.options),
-            "fingerprint": str(built.fingerprint),
+            "fingerprint": str(fingerprint),
             "num_rows": self.dataset.sampler.num_rows,
         }
         self._steps_per_epoch = self.dataset.sampler.steps_per_epoch

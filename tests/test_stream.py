@@ -232,7 +232,8 @@ def test_faults_are_survived(gcs_cache, local_source, monkeypatch):
                 Fault(match=".arrow", action="status", status=429, times=1),
             )
             got = _epoch(Loader(s, process_index=0, process_count=1, num_threads=1, **kw))
-            assert s.stats().retries >= 6
+            # aiohttp itself retries a request whose reused connection was reset once.
+            assert s.stats().retries >= 5
         assert [f for f in proxy._faults if f.times != 0] == []
     _same(want, got)
 

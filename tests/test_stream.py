@@ -257,7 +257,7 @@ def test_a_hopeless_store_is_one_line(fault, gcs_cache, monkeypatch):
     assert ".arrow" in err.value.path and len(str(err.value).splitlines()) == 1
 
 
-def test_bad_urls_and_unstreamable_caches(gcs_cache, gcs_store, tmp_path):
+def test_bad_urls_and_forged_manifests(gcs_cache, gcs_store):
     from hf_pipeline.errors import SourceError
 
     _, url = gcs_cache
@@ -265,18 +265,34 @@ def test_bad_urls_and_unstreamable_caches(gcs_cache, gcs_store, tmp_path):
         StreamSource("gs://bucket/caches", policy=_FAST)
     with pytest.raises(SourceError, match="does not exist"):
         StreamSource(url[:-16] + "0" * 16, policy=_FAST)
-    # A manifest without a stream index (published before streaming): one clear line.
     server, _ = gcs_store
     fs = gcs_fs(server)
     base = url[len("gs://") :]
-    manifest = json.loads(fs.cat_file(f"{base}/manifest.json"))
-    del manifest["stream"]
-    fs.pipe_file(f"{base}/manifest.json", json.dumps(manifest).encode())
-    with pytest.raises(CacheFormatError, match="has no stream index"):
-        StreamSource(url, policy=_FAST)
-    # A forged index: a chunk past the end of its file.
-    manifest_bad = json.loads(json.dumps(manifest))
-    fs.pipe_file(f"{base}/manifest.json", json.dumps(manifest_bad).encode())
+    good = json.loads(fs.cat_file(f"{base}/manifest.json"))
+
+    def refused(change, match: str) -> None:
+        manifest = json.loads(json.dumps(good))
+        change(manifest)
+        fs.pipe_file(f"{base}/manifest.json", json.dumps(manifest).encode())
+        with pytest.raises(CacheFormatError, match=match) as err:
+            StreamSource(url, policy=_FAST)
+        assert "manifest.json" in err.value.path and len(str(err.value).splitlines()) == 1
+
+    # Published before streaming: one clear line.
+    refused(lambda m: m.pop("stream"), "has no stream index .* publish the cache again")
+    lat = ("stream", "columns", "latents")
+
+    def col(m):
+        return m[lat[0]][lat[1]][lat[2]]
+
+    # A forged index: a chunk past the end of its file, digests missing, a bad dtype.
+    refused(
+        lambda m: col(m)["chunks"][0].__setitem__(2, 1 << 40),
+        r"latents.chunks\[0\] ends past the end of",
+    )
+    refused(lambda m: col(m).__setitem__("digests", ""), "latents.digests holds 0 digests")
+    refused(lambda m: col(m).__setitem__("dtype", "|O"), "latents.dtype must be one of")
+    refused(lambda m: m.__setitem__("fingerprint", "f" * 16), "fingerprint 'ffff")
 
 
 def test_stream_options_and_config():

@@ -12,6 +12,10 @@ or from keywords by :func:`loader_options`; where this process sits (process ind
 mesh) is given to the :class:`Loader` beside it. :mod:`hf_pipeline.adapters.torch_data` draws
 the same order from the same options.
 
+A source that reads a published cache in place (:class:`hf_pipeline.read.stream.StreamSource`,
+``loader.stream_from``) is told the positions and rows of the batches to come
+(``source.plan``) so that it fetches them ahead; its batches are the same.
+
 Exact resume: :meth:`Loader.state_dict` describes the NEXT batch the consumer will get
 (not how far the prefetch thread ran ahead). The state names global batches, not
 process shares, so a state saved with ``W`` processes restores with ``W'`` processes

@@ -652,15 +652,16 @@ class StreamSource:
         """Pin ``ids`` for a planned batch and start reads of the missing ones (caller
         holds the lock). True: done; False: no room now; None: can never fit."""
         limit = self.options.cache_bytes
-        new = [b for b in ids.tolist() if b not in self._blocks and b not in self._reserved]
+        want = ids.tolist()
+        keep = set(want)
+        new = [b for b in want if b not in self._blocks and b not in self._reserved]
         need = int(self._block_bytes[new].sum()) if new else 0
-        evictable = sum(int(self._block_bytes[b]) for b in self._kept if b not in ids)
         if need > limit:
             return None
         if self._held + self._reserved_bytes + need > limit:
+            evictable = sum(int(self._block_bytes[b]) for b in self._kept if b not in keep)
             if self._held - evictable + self._reserved_bytes + need > limit:
                 return False
-            keep = set(ids.tolist())
             for b in list(self._kept):
                 if self._held + self._reserved_bytes + need <= limit:
                     break
@@ -669,7 +670,7 @@ class StreamSource:
                 del self._kept[b]
                 self._held -= int(self._block_bytes[b])
                 del self._blocks[b]
-        for b in ids.tolist():
+        for b in want:
             self._pins[b] = self._pins.get(b, 0) + 1
             self._kept.pop(b, None)
         for b in new:

@@ -638,6 +638,14 @@ class StreamSource:
         if batches is not None and not self._closed:
             self._planner = _Planner(self, batches)
 
+    def _start_planned(self, blocks: list[int]) -> None:
+        """Start the reads of blocks reserved by the planner (caller holds the lock)."""
+        blocks = [
+            b for b in dict.fromkeys(blocks) if b not in self._inflight and b in self._reserved
+        ]
+        self._counts["planned_blocks"] += len(blocks)
+        self._submit(blocks)
+
     def _unpin(self, b: int) -> None:
         """One plan fewer needs ``b`` (caller holds the lock)."""
         left = self._pins.get(b, 0) - 1
@@ -648,9 +656,11 @@ class StreamSource:
         if b in self._blocks:
             self._kept[b] = None  # kept while the limit allows (the planner evicts)
 
-    def _reserve(self, ids: np.ndarray) -> bool | None:
-        """Pin ``ids`` for a planned batch and start reads of the missing ones (caller
-        holds the lock). True: done; False: no room now; None: can never fit."""
+    def _reserve(self, ids: np.ndarray) -> list[int] | bool | None:
+        """Pin ``ids`` for a planned batch and reserve room for the missing ones (caller
+        holds the lock). Returns the blocks to read (the caller starts them, together
+        with those of the next planned batches: neighbours across batches merge into
+        one read); False: no room now; None: can never fit."""
         limit = self.options.cache_bytes
         want = ids.tolist()
         keep = set(want)
@@ -677,10 +687,7 @@ class StreamSource:
             self._reserved.add(b)
         self._reserved_bytes += need
         self._max_held = max(self._max_held, self._held + self._reserved_bytes)
-        fetch = [b for b in new if b not in self._inflight]
-        self._counts["planned_blocks"] += len(fetch)
-        self._submit(fetch)
-        return True
+        return [b for b in new if b not in self._inflight]
 
     # ------------------------------------------------------------------ stats & life
 
@@ -781,6 +788,7 @@ class _Planner:
 
     def _run(self) -> None:
         src = self._source
+        pending: list[int] = []  # reserved, not read yet: read with the next batches'
         try:
             for index, (position, rows) in enumerate(self._batches):
                 ids = src.block_ids(rows)
@@ -792,15 +800,33 @@ class _Planner:
                             self._released.discard(position)
                             break
                         if index < self._consumed + src.options.ahead:
-                            done = src._reserve(ids)
-                            if done:
+                            got = src._reserve(ids)
+                            if got is None:  # larger than the whole cache: on demand
+                                break
+                            if got is not False:
                                 self._planned[position] = ids
+                                pending.extend(got)
+                                if index <= self._consumed:  # wanted now: no waiting
+                                    src._start_planned(pending)
+                                    pending = []
                                 break
-                            if done is None:  # larger than the whole cache: on demand
-                                break
+                        # Nothing more fits or is due: read what is reserved, then wait.
+                        if pending:
+                            src._start_planned(pending)
+                            pending = []
                         src._room.wait(_STOP_CHECK_S)
+            with src._lock:
+                src._start_planned(pending)
+                pending = []
         except BaseException as exc:  # noqa: BLE001 - gathers fetch on demand and raise it
             logger.warning("stream planner stopped: %s", exc)
+        finally:
+            with src._lock:  # stopped: what was reserved and never read frees its room
+                for b in pending:
+                    if b in src._reserved and b not in src._inflight:
+                        src._reserved.discard(b)
+                        src._reserved_bytes -= int(src._block_bytes[b])
+                src._room.notify_all()
 
     def stop(self) -> None:
         self._stop.set()

@@ -606,7 +606,7 @@ class LoaderConfig:
 
     def stream_options(self):
         """The :class:`~hf_pipeline.read.stream.StreamOptions` of the ``stream_*`` fields."""
-        from hf_pipeline.read.stream import StreamOptions
+        from hf_pipeline.read.stream.options import StreamOptions
 
         return StreamOptions(
             ahead=self.stream_ahead,

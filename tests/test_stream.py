@@ -20,7 +20,7 @@ from hf_pipeline.cache.layout import open_sample_source
 from hf_pipeline.errors import CacheFormatError, StoreUnreachableError
 from hf_pipeline.publish.upload import publish_cache
 from hf_pipeline.read.loader import Loader
-from hf_pipeline.read.stream import StreamOptions, StreamSource
+from hf_pipeline.read.stream import StreamOptions, StreamSource, open_stream
 from hf_pipeline.stores.retry import RetryPolicy
 from tests.helpers.publishing import (  # noqa: F401
     config,
@@ -307,8 +307,8 @@ def test_stream_options_and_config():
     assert cfg.stream_options() == StreamOptions(cache_bytes=0)
     with pytest.raises(ConfigError, match=r"loader.stream_from must be .*got 's3://x'"):
         load_config(None, [], environ={"HF_PIPELINE_STREAM_FROM": "s3://x"})
-    with pytest.raises(ConfigError, match="loader.stream_from"):
-        Loader.from_config(None, load_config(None, [], environ={}).loader)
+    with pytest.raises(ConfigError, match="loader.stream_from is empty"):
+        open_stream(load_config(None, [], environ={}).loader)
     assert dataclasses.fields(StreamOptions)
 
 

@@ -539,14 +539,9 @@ class _LatentDataModule:
         if self.source is not None:
             return
         if self.cfg.loader.stream_from:  # read the published cache in place: no build
-            from hf_pipeline.read.stream import StreamSource
-            from hf_pipeline.stores.retry import RetryPolicy
+            from hf_pipeline.read.stream import open_stream
 
-            self.source = StreamSource(
-                self.cfg.loader.stream_from,
-                self.cfg.loader.stream_options(),
-                policy=RetryPolicy.from_config(self.cfg.data),
-            )
+            self.source = open_stream(self.cfg.loader, self.cfg.data)
             fingerprint = self.source.fingerprint
         else:
             built = prepare_cache(self.cfg, process=self._process(), progress=False)

@@ -485,7 +485,6 @@ class Loader:
         self._epoch, self._step = int(start_epoch), 0
         # A source that reads ahead from a store (StreamSource) is told which batches come.
         self._plans = callable(getattr(source, "plan", None))
-        self._owns_source = False
         self._prefetcher: _Prefetcher | None = None
         self._closed = False
         self._keys_warned = False
@@ -493,45 +492,18 @@ class Loader:
         self.reset_stats()
 
     @classmethod
-    def from_config(cls, source, loader_config, *, data_config=None, **overrides) -> Loader:
+    def from_config(cls, source, loader_config, **overrides) -> Loader:
         """A Loader from a :class:`~hf_pipeline.config.LoaderConfig` plus overrides.
 
         Args:
-            source: the :class:`SampleSource`, or None to stream the published cache
-                ``loader_config.stream_from`` names (a
-                :class:`~hf_pipeline.read.stream.StreamSource` with the section's
-                ``stream_*`` options, closed with the loader).
+            source: the :class:`SampleSource`, or a
+                :class:`~hf_pipeline.read.stream.StreamSource` (``open_stream(cfg.loader,
+                cfg.data)`` for ``loader.stream_from``).
             loader_config: the ``loader`` section of the config.
-            data_config: the ``data`` section: retries and per-read timeout of a
-                streamed source (default: its defaults).
             **overrides: any ``Loader`` keyword (``mesh=...``, ``process_index=...``,
                 or an option field, which replaces the config's).
-
-        Raises:
-            ConfigError: ``source`` is None and ``loader.stream_from`` is not set.
         """
-        if source is not None:
-            return cls(source, LoaderOptions.from_config(loader_config), **overrides)
-        if not loader_config.stream_from:
-            raise ConfigError(
-                "no source given and loader.stream_from is empty: open the cache "
-                "(open_sample_source) or set loader.stream_from to a published cache",
-                field="loader.stream_from",
-            )
-        from hf_pipeline.read.stream import StreamSource
-        from hf_pipeline.stores.retry import RetryPolicy
-
-        policy = None if data_config is None else RetryPolicy.from_config(data_config)
-        stream = StreamSource(
-            loader_config.stream_from, loader_config.stream_options(), policy=policy
-        )
-        try:
-            loader = cls(stream, LoaderOptions.from_config(loader_config), **overrides)
-        except BaseException:
-            stream.close()
-            raise
-        loader._owns_source = True
-        return loader
+        return cls(source, LoaderOptions.from_config(loader_config), **overrides)
 
     def _init_processes(self, jax, process_index, process_count) -> None:
         """Without a mesh: one device per process, the share from the process index."""
@@ -877,12 +849,9 @@ class Loader:
         )
 
     def close(self) -> None:
-        """Stop and join the prefetch thread (idempotent). The source stays open, unless
-        :meth:`from_config` opened it (``loader.stream_from``)."""
+        """Stop and join the prefetch thread (idempotent; the source stays open)."""
         self._closed = True
         self._stop_prefetch()
-        if self._owns_source:
-            self._source.close()
 
     def __enter__(self) -> Loader:
         return self

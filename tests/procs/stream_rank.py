@@ -20,17 +20,17 @@ def main() -> None:
     from dist.env import detect
     from hf_pipeline.config import load_config
     from hf_pipeline.read.loader import Loader
+    from hf_pipeline.read.stream import open_stream
 
     cfg = load_config(None, sys.argv[1:])
     process = detect()
     batches = []
-    with Loader.from_config(
-        None,
-        cfg.loader,
-        data_config=cfg.data,
-        process_index=process.rank,
-        process_count=process.world_size,
-    ) as loader:
+    with (
+        open_stream(cfg.loader, cfg.data) as source,
+        Loader.from_config(
+            source, cfg.loader, process_index=process.rank, process_count=process.world_size
+        ) as loader,
+    ):
         for batch in loader:
             h = hashlib.sha256()
             for name in ("latents", "embeddings"):

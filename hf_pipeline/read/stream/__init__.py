@@ -6,7 +6,8 @@ from hf_pipeline.read.stream.index import (
     StreamIndex,
     build_stream_index,
 )
-from hf_pipeline.read.stream.source import StreamOptions, StreamSource, StreamStats, open_stream
+from hf_pipeline.read.stream.options import StreamOptions
+from hf_pipeline.read.stream.source import StreamSource, StreamStats, open_stream
 
 __all__ = [
     "DEFAULT_BLOCK_BYTES",

@@ -48,46 +48,17 @@ import numpy as np
 
 from dist.checksums import BLOCK_ALGORITHM, block_digest
 from hf_pipeline.errors import CacheFormatError, SourceError
-from hf_pipeline.read.sampler import check_at_least
 from hf_pipeline.read.stream.index import StreamIndex
+from hf_pipeline.read.stream.options import StreamOptions
 from hf_pipeline.stores.retry import Cancelled, RetryPolicy, TransientError, with_retries
 
-__all__ = ["StreamOptions", "StreamSource", "StreamStats"]
+__all__ = ["StreamOptions", "StreamSource", "StreamStats", "open_stream"]
 
 logger = logging.getLogger("hf_pipeline")
 
 _MANIFEST = "manifest.json"
 _CACHE_NAME = re.compile(r"-([0-9a-f]{16})\Z")
 _STOP_CHECK_S = 0.1
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class StreamOptions:
-    """How a :class:`StreamSource` reads ahead and what it may hold.
-
-    Attributes:
-        ahead: batches (steps) of this process planned and fetched ahead of the one
-            being assembled.
-        cache_bytes: most bytes of blocks held between batches (prefetched or kept for
-            reuse); 0 streams every batch on demand.
-        concurrency: ranged reads in flight at once.
-        coalesce_bytes: neighbouring blocks of a file at most this many bytes apart
-            are fetched in one read (the gap is read and dropped).
-        max_read_bytes: the largest single read (a long sequential run is cut there).
-    """
-
-    ahead: int = 8
-    cache_bytes: int = 1 << 30
-    concurrency: int = 16
-    coalesce_bytes: int = 64 << 10
-    max_read_bytes: int = 16 << 20
-
-    def __post_init__(self):
-        check_at_least(self.ahead, 1, "stream_ahead")
-        check_at_least(self.cache_bytes, 0, "stream_cache_bytes")
-        check_at_least(self.concurrency, 1, "stream_concurrency")
-        check_at_least(self.coalesce_bytes, 0, "coalesce_bytes")
-        check_at_least(self.max_read_bytes, 1, "max_read_bytes")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -837,6 +808,22 @@ class _Planner:
             logger.warning("stream planner did not stop within 10 s")
 
 
-def open_stream(url: str, options: StreamOptions | None = None, **kw) -> StreamSource:
-    """:class:`StreamSource` ``(url, options, **kw)``."""
-    return StreamSource(url, options, **kw)
+def open_stream(loader_config, data_config=None) -> StreamSource:
+    """The :class:`StreamSource` of the config: ``loader.stream_from`` with the
+    ``loader.stream_*`` options, and the ``data`` section's retries and per-read
+    timeout (its defaults without ``data_config``).
+
+    Raises:
+        ConfigError: ``loader.stream_from`` is empty.
+        SourceError, StoreUnreachableError, CacheFormatError: as :class:`StreamSource`.
+    """
+    from hf_pipeline.errors import ConfigError
+
+    if not loader_config.stream_from:
+        raise ConfigError(
+            "loader.stream_from is empty: set it to a published cache folder "
+            "(gs://<bucket>/<prefix>/<name>-<fingerprint>), or open the local cache",
+            field="loader.stream_from",
+        )
+    policy = None if data_config is None else RetryPolicy.from_config(data_config)
+    return StreamSource(loader_config.stream_from, loader_config.stream_options(), policy=policy)

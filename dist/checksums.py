@@ -15,17 +15,27 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import xxhash
 
-__all__ = ["ALGORITHM", "default_workers", "hash_files", "whole_checksum"]
+__all__ = [
+    "ALGORITHM",
+    "BLOCK_ALGORITHM",
+    "block_digest",
+    "default_workers",
+    "hash_files",
+    "whole_checksum",
+]
 
 #: What :func:`whole_checksum` computes (docs and messages say it; markers pin it by
 #: their schema version).
 ALGORITHM = "xxh3_128"
 #: A path type :func:`hash_files` hands back unchanged.
 _P = TypeVar("_P", bound="str | os.PathLike[str]")
+#: What :func:`block_digest` computes: the per-block checksums a published cache's
+#: stream index carries (8 bytes a block keeps the index small; a block is a few rows).
+BLOCK_ALGORITHM = "xxh3_64"
 _CHUNK = 8 << 20  # large enough that per-call overhead vanishes, small for a smooth bar
 
 
@@ -56,6 +66,12 @@ def whole_checksum(
             if on_bytes is not None:
                 on_bytes(n)
     return size, h.hexdigest()
+
+
+def block_digest(data: bytes | memoryview | Any) -> int:
+    """xxh3_64 of one block of bytes (``bytes``, ``memoryview`` or a contiguous NumPy
+    array), as an unsigned 64-bit int. Releases the GIL while hashing."""
+    return xxhash.xxh3_64_intdigest(data)
 
 
 def default_workers() -> int:

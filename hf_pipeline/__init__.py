@@ -45,6 +45,10 @@ _LAZY: dict[str, str] = {
     "torch_loader": "hf_pipeline.adapters.torch_data",
     "LatentDataModule": "hf_pipeline.adapters.torch_data",
     "GrainSource": "hf_pipeline.adapters.grain_source",
+    # read a published cache in place
+    "StreamOptions": "hf_pipeline.read.stream",
+    "StreamSource": "hf_pipeline.read.stream",
+    "open_stream": "hf_pipeline.read.stream",
     # publish once, pull anywhere
     "publish_cache": "hf_pipeline.publish.upload",
     "PublishReport": "hf_pipeline.publish.upload",
@@ -79,6 +83,8 @@ __all__ = [
     "SamplerOptions",
     "SourceError",
     "StoreUnreachableError",
+    "StreamOptions",
+    "StreamSource",
     "TorchBatches",
     "TorchSamples",
     "UserError",
@@ -86,6 +92,7 @@ __all__ = [
     "load_config",
     "open_dataset",
     "open_sample_source",
+    "open_stream",
     "prepare_cache",
     "publish_cache",
     "shutdown_jax_distributed",
@@ -124,4 +131,5 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
     from hf_pipeline.read.loader import Loader, LoaderOptions
     from hf_pipeline.read.mapped import SampleSource
     from hf_pipeline.read.sampler import GlobalSampler, SamplerOptions
+    from hf_pipeline.read.stream import StreamOptions, StreamSource, open_stream
     from hf_pipeline.trainer.loop import shutdown_jax_distributed, train

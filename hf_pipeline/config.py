@@ -548,9 +548,36 @@ class LoaderConfig:
     latents_dtype: str = _field(
         "", 'output dtype of the latents (`bfloat16`, `float32`, ...); "" keeps the cache\'s'
     )
+    stream_from: str = _field(
+        "",
+        "a published cache folder (`gs://<bucket>[/<prefix>]/<name>-<fingerprint>` or "
+        "`hf://datasets/<org>/<repo>[@<revision>]/[<path>/]<name>-<fingerprint>`, as "
+        "`--publish` writes it) to read in place by verified ranged reads instead of a "
+        'local cache ("": read the local cache); docs/guides/streaming.md',
+    )
+    stream_ahead: int = _bounded(
+        8, 1, 1 << 20, help="batches (steps) of this process fetched ahead when streaming"
+    )
+    stream_cache_bytes: int = _bounded(
+        1 << 30,
+        0,
+        1 << 50,
+        note=" (0: every batch on demand)",
+        help="most bytes a streaming loader holds between batches (prefetched or kept)",
+    )
+    stream_concurrency: int = _bounded(
+        16, 1, 1024, help="ranged reads in flight at once when streaming"
+    )
 
     def __post_init__(self):
         _check_fields(self, "loader.")
+        _check(
+            self.stream_from == "" or self.stream_from.startswith(PUBLISH_SCHEMES),
+            "loader.stream_from",
+            "must be '' or gs://<bucket>[/<prefix>]/<name>-<fingerprint> or "
+            "hf://datasets/<org>/<repo>[/<path>]/<name>-<fingerprint>, "
+            f"got {shown(self.stream_from)}",
+        )
         # The sampler's crop rule, with the crop count every shard must have.
         problem = (
             crop_problem(self.crop, LATENT_SHAPE[0])
@@ -577,6 +604,16 @@ class LoaderConfig:
             prefetch=self.prefetch,
             num_threads=self.num_threads or None,
             latents_dtype=self.latents_dtype or None,
+        )
+
+    def stream_options(self):
+        """The :class:`~hf_pipeline.read.stream.StreamOptions` of the ``stream_*`` fields."""
+        from hf_pipeline.read.stream.options import StreamOptions
+
+        return StreamOptions(
+            ahead=self.stream_ahead,
+            cache_bytes=self.stream_cache_bytes,
+            concurrency=self.stream_concurrency,
         )
 
 
@@ -770,6 +807,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
         field="build.pull_from",
         meaning="pull the published cache from `gs://...` or `hf://datasets/...` "
         "instead of building it",
+    ),
+    EnvVar(
+        name="HF_PIPELINE_STREAM_FROM",
+        field="loader.stream_from",
+        meaning="read the published cache at `gs://...` or `hf://datasets/...` in place "
+        "(ranged reads) instead of a local cache",
     ),
     EnvVar(
         name="HF_DATASETS_CACHE, HF_HOME",

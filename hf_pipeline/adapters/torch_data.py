@@ -516,7 +516,7 @@ class _LatentDataModule:
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         self.loader_kw = loader_kw
-        self.source = None
+        self.source: Any = None
         self.dataset: TorchBatches | None = None
         self._position = (0, 0)  # (epoch, step) of the next batch the consumer gets
         self._identity: dict[str, Any] | None = None  # the order's identity, once set up
@@ -538,15 +538,22 @@ class _LatentDataModule:
 
         if self.source is not None:
             return
-        built = prepare_cache(self.cfg, process=self._process(), progress=False)
-        self.source = open_sample_source(built.layout, built.fingerprint)
+        if self.cfg.loader.stream_from:  # read the published cache in place: no build
+            from hf_pipeline.read.stream import open_stream
+
+            self.source = open_stream(self.cfg.loader, self.cfg.data)
+            fingerprint = self.source.fingerprint
+        else:
+            built = prepare_cache(self.cfg, process=self._process(), progress=False)
+            self.source = open_sample_source(built.layout, built.fingerprint)
+            fingerprint = built.fingerprint
         # The Loader's options: the same order and output dtype as Loader.from_config.
         options = LoaderOptions.from_config(self.cfg.loader)
         self.dataset = TorchBatches(self.source, options.order, latents_dtype=options.latents_dtype)
         self._identity = {
             "order_version": ORDER_VERSION,
             **dataclasses.asdict(self.dataset.sampler.options),
-            "fingerprint": str(built.fingerprint),
+            "fingerprint": str(fingerprint),
             "num_rows": self.dataset.sampler.num_rows,
         }
         self._steps_per_epoch = self.dataset.sampler.steps_per_epoch

@@ -91,6 +91,10 @@ class Manifest:
         published_at: wall-clock seconds since the epoch of the publication.
         host: the publishing host.
         files: every file the markers list, by path relative to the cache folder.
+        stream: the stream index (:mod:`hf_pipeline.read.stream.index`: where each row's
+            bytes sit, per-block checksums) as published, or None (a cache published
+            before streaming, which can still be pulled). Checked by the streaming
+            reader (``StreamIndex.from_dict``), not here.
         version: :data:`MANIFEST_VERSION`.
     """
 
@@ -101,6 +105,7 @@ class Manifest:
     published_at: float
     host: str
     files: Mapping[str, ManifestEntry]
+    stream: Mapping[str, Any] | None = None
     version: int = MANIFEST_VERSION
 
     def __post_init__(self):
@@ -142,6 +147,8 @@ class Manifest:
                 for p, e in sorted(self.files.items())
             },
         }
+        if self.stream is not None:
+            d["stream"] = self.stream
         return json.dumps(d, sort_keys=True, indent=1).encode()
 
     @classmethod
@@ -163,6 +170,9 @@ class Manifest:
         if isinstance(at, int) and not isinstance(at, bool):
             # 10**400 as a JSON number: float() would raise OverflowError (no ValueError)
             at = float(at) if abs(at) < 1 << 64 else math.inf
+        stream = d.get("stream")
+        if stream is not None and not isinstance(stream, Mapping):
+            raise TypeError(f"stream must be a JSON object, got {type(stream).__name__}")
         entries = {}
         for p, e in files.items():
             if not isinstance(e, Mapping):
@@ -178,15 +188,18 @@ class Manifest:
             published_at=at,
             host=d["host"],
             files=entries,
+            stream=stream,
         )
 
     def same_files(self, other: Manifest) -> bool:
-        """Whether both describe the same cache content (dates and hosts aside)."""
-        return (self.name, self.fingerprint, self.stages, dict(self.files)) == (
+        """Whether both describe the same cache content (dates and hosts aside), stream
+        index included (an older manifest without one is replaced by a re-publish)."""
+        return (self.name, self.fingerprint, self.stages, dict(self.files), self.stream) == (
             other.name,
             other.fingerprint,
             other.stages,
             dict(other.files),
+            other.stream,
         )
 
 
@@ -273,8 +286,10 @@ def new_manifest(
     fingerprint: str,
     markers: Mapping[str, Marker],
     files: Mapping[str, ManifestEntry],
+    stream: Mapping[str, Any] | None = None,
 ) -> Manifest:
-    """The manifest of a cache about to be published from this host, now."""
+    """The manifest of a cache about to be published from this host, now (``stream``:
+    its stream index, ``StreamIndex.to_dict()``)."""
     last = list(markers.values())[-1]
     rows = last.info.get("rows_out")
     return Manifest(
@@ -285,4 +300,5 @@ def new_manifest(
         published_at=time.time(),
         host=socket.gethostname(),
         files=dict(files),
+        stream=stream,
     )

@@ -2,9 +2,11 @@
 
 :func:`publish_cache` copies the complete cache in ``cache_dir`` — its stage markers and
 every file they list, nothing else (no lease, heartbeat or unpublished folder) — to
-``URL/<name>-<fingerprint>/`` with a ``manifest.json`` of whole-file checksums
-(:mod:`hf_pipeline.publish.find` has the layout and why the order below is safe;
-:mod:`hf_pipeline.publish.manifest` the manifest; :mod:`hf_pipeline.stores` the stores):
+``URL/<name>-<fingerprint>/`` with a ``manifest.json`` of whole-file checksums and the
+stream index a streaming reader needs (where each row sits, a checksum per block of rows:
+:mod:`hf_pipeline.read.stream.index`). :mod:`hf_pipeline.publish.find` has the layout and
+why the order below is safe; :mod:`hf_pipeline.publish.manifest` the manifest;
+:mod:`hf_pipeline.stores` the stores:
 
 * GCS: data files in parallel, then the manifest, then the markers (earlier stages
   first); each object is verified after upload (its crc32c against the local file's);
@@ -43,6 +45,7 @@ from hf_pipeline.publish.manifest import (
     new_manifest,
     same_content,
 )
+from hf_pipeline.read.stream.index import DEFAULT_BLOCK_BYTES
 from hf_pipeline.stores.base import Upload
 from hf_pipeline.stores.factory import open_store
 from hf_pipeline.stores.fetch_stats import FetchStats
@@ -114,6 +117,7 @@ def publish_cache(
     data_config: DataConfig,
     stages: Sequence[str] = STAGES,
     policy: RetryPolicy | None = None,
+    stream_block_bytes: int = DEFAULT_BLOCK_BYTES,
 ) -> PublishReport:
     """Publish the complete cache in ``cache_dir`` to ``url/<cache folder name>/``.
 
@@ -125,6 +129,8 @@ def publish_cache(
         data_config: retries, timeouts and ``download_workers`` (parallel uploads).
         stages: the stage names, in build order.
         policy: override the retry policy.
+        stream_block_bytes: target bytes of one checksum block of the stream index
+            (whole rows; the unit of a streaming reader's ranged reads).
 
     Returns:
         What was done.
@@ -183,7 +189,8 @@ def publish_cache(
                     strict=True,
                 )
             )
-        manifest = _manifest(store, existing, name, fingerprint, markers, digests, meta)
+        stream = _stream_index(cache_dir, markers, stream_block_bytes)
+        manifest = _manifest(store, existing, name, fingerprint, markers, digests, meta, stream)
         manifest_bytes = manifest.to_bytes()
         manifest_item = Upload(
             rel=MANIFEST_NAME, local=manifest_bytes, entry=bytes_digests(manifest_bytes, sha256=hub)
@@ -218,10 +225,34 @@ def publish_cache(
         )
 
 
-def _manifest(store, existing, name, fingerprint, markers, digests, meta) -> Manifest:
+def _stream_index(cache_dir: Path, markers: dict[str, Marker], block_bytes: int) -> dict:
+    """The stream index of the local cache (:mod:`hf_pipeline.read.stream.index`): where
+    each row of the files the markers list sits, and a checksum per block of rows."""
+    from hf_pipeline.cache.layout import CacheLayout
+    from hf_pipeline.read.stream.index import build_stream_index
+
+    layout = CacheLayout(cache_dir, {stage: m.directory for stage, m in markers.items()})
+
+    def rels(paths: list[Path]) -> list[str]:
+        return [p.relative_to(cache_dir).as_posix() for p in paths]
+
+    try:
+        latent_dtype = (layout.read_report().get("precision") or {}).get("storage_dtype")
+    except FileNotFoundError:
+        latent_dtype = None  # built before the report said: float16/float32, read as stored
+    files = {
+        "rows": rels(layout.rows_files()),
+        "embeddings": rels(layout.embedding_files()),
+        "indices": rels(layout.indices_files()),
+    }
+    index = build_stream_index(cache_dir, files, latent_dtype=latent_dtype, block_bytes=block_bytes)
+    return index.to_dict()
+
+
+def _manifest(store, existing, name, fingerprint, markers, digests, meta, stream) -> Manifest:
     """Ours, or the one already published when it describes the same files (so that a
     re-run uploads nothing, not even a new date)."""
-    ours = new_manifest(name, fingerprint, markers, digests)
+    ours = new_manifest(name, fingerprint, markers, digests, stream)
     remote = existing.get(MANIFEST_NAME)
     if remote is None:
         return ours

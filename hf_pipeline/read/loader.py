@@ -12,6 +12,10 @@ or from keywords by :func:`loader_options`; where this process sits (process ind
 mesh) is given to the :class:`Loader` beside it. :mod:`hf_pipeline.adapters.torch_data` draws
 the same order from the same options.
 
+A source that reads a published cache in place (:class:`hf_pipeline.read.stream.StreamSource`,
+``loader.stream_from``) is told the positions and rows of the batches to come
+(``source.plan``) so that it fetches them ahead; its batches are the same.
+
 Exact resume: :meth:`Loader.state_dict` describes the NEXT batch the consumer will get
 (not how far the prefetch thread ran ahead). The state names global batches, not
 process shares, so a state saved with ``W`` processes restores with ``W'`` processes
@@ -479,6 +483,8 @@ class Loader:
             # read-ahead per 8 KiB sample; ordered reads want the read-ahead.
             advise("random" if self._order.shuffle == "global" else "sequential")
         self._epoch, self._step = int(start_epoch), 0
+        # A source that reads ahead from a store (StreamSource) is told which batches come.
+        self._plans = callable(getattr(source, "plan", None))
         self._prefetcher: _Prefetcher | None = None
         self._closed = False
         self._keys_warned = False
@@ -490,7 +496,9 @@ class Loader:
         """A Loader from a :class:`~hf_pipeline.config.LoaderConfig` plus overrides.
 
         Args:
-            source: the :class:`SampleSource`.
+            source: the :class:`SampleSource`, or a
+                :class:`~hf_pipeline.read.stream.StreamSource` (``open_stream(cfg.loader,
+                cfg.data)`` for ``loader.stream_from``).
             loader_config: the ``loader`` section of the config.
             **overrides: any ``Loader`` keyword (``mesh=...``, ``process_index=...``,
                 or an option field, which replaces the config's).
@@ -675,7 +683,10 @@ class Loader:
     def _produce(self, position: tuple[int, int]) -> dict[str, Any]:
         epoch, step = position
         share: ProcessBatch = self._sampler.batch_at(epoch, step, self._local)
-        batch = self._source.gather(share.rows, share.crops)
+        if self._plans:
+            batch = self._source.gather(share.rows, share.crops, position=position)
+        else:
+            batch = self._source.gather(share.rows, share.crops)
         if not self._order.drop_last:
             batch["mask"] = share.mask
         return self._to_device(batch)
@@ -734,15 +745,26 @@ class Loader:
         jax.block_until_ready([value for value in out.values() if isinstance(value, jax.Array)])
         return {name: out[name] for name in batch}  # keep the key order
 
+    def _planned(self, epoch: int, step: int, num_epochs: int | None):
+        """``(position, rows)`` of this process's batches from ``(epoch, step)``: what
+        a streaming source fetches ahead."""
+        for position in self._positions(epoch, step, num_epochs):
+            epoch_at, step_at = position
+            yield position, self._sampler.batch_at(epoch_at, step_at, self._local).rows
+
     def _stop_prefetch(self) -> None:
         prefetcher, self._prefetcher = self._prefetcher, None
         if prefetcher is not None:
             prefetcher.close()
+        if self._plans:
+            self._source.plan(None)
 
     def _iterate(self, num_epochs: int | None):
         if self._closed:
             raise RuntimeError("the loader is closed")
         self._stop_prefetch()
+        if self._plans:
+            self._source.plan(self._planned(self._epoch, self._step, num_epochs))
         prefetcher = _Prefetcher(
             self._produce,
             self._positions(self._epoch, self._step, num_epochs),
@@ -770,6 +792,8 @@ class Loader:
             prefetcher.close()
             if self._prefetcher is prefetcher:
                 self._prefetcher = None
+                if self._plans:
+                    self._source.plan(None)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """The remaining batches of the current epoch (then the state moves to the next)."""

@@ -196,6 +196,7 @@ class MappedColumn:
         self._paths = list(paths)
         self._maps = maps  # (memory map, whole-file buffer) per file, kept alive
         self._column = column
+        self._chunks = tuple(chunks)
         self.row_shape: tuple[int, ...] = tuple(row_shape)
         self.dtype: np.dtype = np.dtype(dtype)
         #: The dtype Arrow stores (``dtype`` is what gathers return; same width).
@@ -349,6 +350,12 @@ class MappedColumn:
             view.flags.writeable = False
             self._views[itemsize] = view
         return view
+
+    def chunk_table(self) -> list[tuple[int, int, int]]:
+        """``(file index, rows, byte offset of the first value in that file)`` of every
+        non-empty record batch, in row order: where each row's bytes sit in its file
+        (what a published cache's stream index records, :mod:`hf_pipeline.read.stream`)."""
+        return [(c.file, c.num_rows, c.offset) for c in self._chunks]
 
     def byte_offsets(self, rows: np.ndarray) -> np.ndarray:
         """Byte offsets (relative to the lowest mapping) of ``rows``' first value.

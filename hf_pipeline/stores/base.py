@@ -362,6 +362,12 @@ class Source(abc.ABC):
         # Only remote stores read ranges; local files are always read in place.
         raise TypeError(f"{type(self).__name__} reads files in place, not by ranges")
 
+    def read_span(self, rel: str, start: int, end: int, deadline: float) -> bytes:
+        """Bytes ``[start, end)`` of ``rel`` (a path under this source's location) in one
+        ranged request, for streaming a published cache (:mod:`hf_pipeline.read.stream`);
+        the remote stores implement it."""
+        raise TypeError(f"{type(self).__name__} does not serve ranged reads of a published cache")
+
     def fetch_missing(self, file: RemoteFile) -> Path:
         """Fetch ``file``, owned here and not readable in place; default: stage it."""
         try:

@@ -202,6 +202,22 @@ class GCSSource(Source, scheme="gs://"):
             pos += len(block)
             yield block
 
+    def read_span(self, rel: str, start: int, end: int, deadline: float) -> bytes:
+        """Bytes ``[start, end)`` of object ``rel`` (a path under this source's location)
+        in one ranged request (one attempt:
+        retries are the caller's, :func:`~hf_pipeline.stores.retry.with_retries`).
+
+        Fewer bytes than asked (a truncated body, or an object shorter than ``end``) come
+        back as they are: the caller checks the length. Bounded by the client's socket
+        timeouts (``file_timeout``) and by ``deadline`` (a ``time.monotonic()`` value).
+        Thread-safe.
+        """
+        path = f"{self._path}/{rel}"
+        check_deadline(deadline, f"gs://{path}", self.policy.file_timeout)
+        data = self._fs().cat_file(path, start=start, end=end)
+        check_deadline(deadline, f"gs://{path}", self.policy.file_timeout)
+        return data
+
 
 class GCSStore(Store, scheme="gs://"):
     """Published caches under ``gs://<bucket>[/<prefix>]``: each file an object, uploaded

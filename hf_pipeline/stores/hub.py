@@ -401,6 +401,70 @@ class HubSource(Source, scheme="hf://"):
         self.fetch_stats.add(files=1, bytes=file.size)
         return path
 
+    def read_span(self, rel: str, start: int, end: int, deadline: float) -> bytes:
+        """Bytes ``[start, end)`` of file ``rel`` (a path under this source's folder; read
+        at :attr:`commit`) in one ranged request; one attempt, retries are the caller's (:func:`~hf_pipeline.stores.retry.with_retries`).
+
+        Fewer bytes than asked (a cut body) come back as they are: the caller checks the
+        length. Bounded by the HTTP timeouts (``file_timeout``) and by ``deadline`` (a
+        ``time.monotonic()`` value), checked between the body's reads. Thread-safe.
+        """
+        if hub_offline():
+            raise SourceError(
+                f"{self.location}/{rel}",
+                "HF_HUB_OFFLINE is set: a cache cannot be streamed offline",
+            )
+        from huggingface_hub import hf_hub_url
+
+        try:  # the path comes from a published manifest: foreign
+            path = check_relpath(f"{self.path_in_repo}/{rel}" if self.path_in_repo else rel)
+        except UnsafePathError as e:
+            raise SourceError(f"{self.location}/{rel}", str(e)) from None
+        url = self._url(path)
+        http = hf_hub_url(
+            self.repo_id, path, repo_type="dataset", revision=self.commit, endpoint=hub_endpoint()
+        )
+        parts, got = [], 0
+        with self._get(http, {"Range": f"bytes={start}-{end - 1}"}) as resp:
+            skip = start if resp.status_code == 200 else 0  # a server that ignored Range
+            for block in resp.iter_bytes():
+                check_deadline(deadline, url, self.policy.file_timeout)
+                if skip:
+                    cut = min(skip, len(block))
+                    block, skip = block[cut:], skip - cut
+                parts.append(block)
+                got += len(block)
+                if got >= end - start:
+                    break
+        return b"".join(parts)[: end - start]
+
+    def _get(self, url: str, extra: dict[str, str]):
+        """A streamed GET of ``url`` through huggingface_hub's session (a context manager);
+        raises the Hub's error for a failed status."""
+        import httpx2
+        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+        headers = build_hf_headers()
+        headers["Accept-Encoding"] = "identity"  # sizes and checksums are of the raw bytes
+        headers.update(extra)
+        timeout_s = self.policy.file_timeout
+        timeout = httpx2.Timeout(
+            connect=min(timeout_s, 30),
+            read=min(timeout_s, 60),
+            write=min(timeout_s, 60),
+            pool=min(timeout_s, 60),
+        )
+
+        @contextlib.contextmanager
+        def checked():
+            with get_session().stream(
+                "GET", url, headers=headers, timeout=timeout, follow_redirects=True
+            ) as resp:
+                hf_raise_for_status(resp)
+                yield resp
+
+        return checked()
+
     def read_range(self, file, offset, deadline, stop):
         if hub_offline():
             raise SourceError(

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 __all__ = [
+    "drain_stderr",
     "gcs_bucket",
     "gcs_fs",
     "gcs_server",
@@ -168,3 +169,22 @@ def gcs_bucket(gcs_server, shard_dir, monkeypatch, hf_home):
             fs.put_file(str(p), f"{bucket}/latents/{p.name}")
     fs.put_file(str(shard_dir / "coyo11m-meta.parquet"), f"{bucket}/coyo11m-meta.parquet")
     yield gcs_server, f"gs://{bucket}/latents", shard_dir
+
+
+def drain_stderr(server) -> None:
+    """Read a started ``FakeGCSServer``'s stderr until it exits, on a daemon thread.
+
+    The wrapper starts fake-gcs-server with ``stderr=PIPE`` and never reads it: after a
+    few hundred requests the server blocks writing its request log into the full pipe
+    and stops answering (every request, curl's too, then times out). Call it for a
+    server that serves many requests (streaming, benchmarks).
+    """
+    import threading
+
+    pipe = server._process.stderr  # the wrapper's only handle on it
+
+    def drain() -> None:
+        while pipe.read(1 << 16):
+            pass
+
+    threading.Thread(target=drain, name="fake-gcs-stderr", daemon=True).start()

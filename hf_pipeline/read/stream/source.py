@@ -1,0 +1,830 @@
+"""Training samples read in place from a published cache, by verified ranged reads.
+
+:class:`StreamSource` is a :class:`~hf_pipeline.read.mapped.SampleSource` whose files stay
+in the store (``gs://...`` or ``hf://datasets/...``, as ``--publish`` writes them). It
+reads ``manifest.json`` once and its stream index (:mod:`hf_pipeline.read.stream.index`):
+no listing, no per-file footer. A gather fetches the checksum blocks that hold its
+rows; each block is checked against its published digest before a byte of it is used.
+
+Ahead of the consumer: the :class:`~hf_pipeline.read.loader.Loader` hands :meth:`plan`
+the positions and rows of this process's upcoming batches (the sample order is a pure
+function of seed and epoch); a planner thread fetches the blocks of the next
+``ahead`` batches while they fit in ``cache_bytes``, in reads of neighbouring blocks
+merged (``coalesce_bytes``), ``concurrency`` reads at a time. A gather takes its blocks
+from there and fetches whatever is missing itself (so ``cache_bytes=0`` streams
+everything on demand). Once the batch that planned a block is assembled, the block
+stays only while the limit allows; the planner evicts kept blocks (least recently
+used) before it waits.
+
+Trust: a range shorter than asked is retried; a block whose digest differs is fetched
+once more, then refused (:class:`~hf_pipeline.errors.CacheFormatError` naming the file
+and the bytes). Every read goes through :func:`~hf_pipeline.stores.retry.with_retries`
+with the data config's retries and per-read timeout; a store that never answers ends in
+one :class:`~hf_pipeline.errors.StoreUnreachableError`, never a hang (every wait has a
+deadline).
+
+Bounded memory: the blocks held between batches (prefetched, or kept after use) plus
+those the planner has reserved never exceed ``cache_bytes`` (:meth:`cache_state`). The
+batch being assembled is the only other memory: its own blocks, dropped after it.
+
+Thread-safety: ``gather`` may be called from several threads at once (the Loader's
+``num_threads``); one ``plan`` at a time; ``close`` is idempotent.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import re
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Literal
+
+import numpy as np
+
+from dist.checksums import BLOCK_ALGORITHM, block_digest
+from hf_pipeline.errors import CacheFormatError, SourceError
+from hf_pipeline.read.stream.index import StreamIndex
+from hf_pipeline.read.stream.options import StreamOptions
+from hf_pipeline.stores.retry import Cancelled, RetryPolicy, TransientError, with_retries
+
+__all__ = ["StreamOptions", "StreamSource", "StreamStats", "open_stream"]
+
+logger = logging.getLogger("hf_pipeline")
+
+_MANIFEST = "manifest.json"
+_CACHE_NAME = re.compile(r"-([0-9a-f]{16})\Z")
+_STOP_CHECK_S = 0.1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StreamStats:
+    """What a :class:`StreamSource` fetched and holds.
+
+    Attributes:
+        requests: ranged reads that returned (retries included in ``retries``).
+        bytes_fetched: bytes those reads brought (gaps and refetches included).
+        bytes_needed: bytes of the distinct rows gathered (whole rows of every column).
+        retries: reads retried (5xx, reset, timeout, short body).
+        refetched: ranges fetched again after a checksum mismatch.
+        planned_blocks: blocks fetched ahead by the planner.
+        demand_blocks: blocks a gather had to fetch itself.
+        held_bytes: bytes of blocks held now.
+        max_held_bytes: the most held plus reserved at any moment.
+        limit_bytes: ``cache_bytes``.
+    """
+
+    requests: int
+    bytes_fetched: int
+    bytes_needed: int
+    retries: int
+    refetched: int
+    planned_blocks: int
+    demand_blocks: int
+    held_bytes: int
+    max_held_bytes: int
+    limit_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Column:
+    """One column's rows in the global block numbering."""
+
+    name: str
+    row_bytes: int
+    row_shape: tuple[int, ...]
+    dtype: np.dtype
+    block_rows: int
+    starts: np.ndarray  # first row of each chunk (+ total)
+    block0: np.ndarray  # first global block id of each chunk
+
+
+def _split_url(url: str) -> tuple[str, str]:
+    """``(store location, cache name)`` of a published cache's URL."""
+    from hf_pipeline.config import PUBLISH_SCHEMES
+
+    url = url.strip().rstrip("/")
+    name = url.rsplit("/", 1)[-1]
+    if not url.startswith(PUBLISH_SCHEMES) or not _CACHE_NAME.search(name):
+        raise SourceError(
+            url,
+            "a published cache to stream must look like gs://<bucket>[/<prefix>]/<name>-"
+            "<fingerprint> or hf://datasets/<org>/<repo>[@<revision>]/[<path>/]<name>-"
+            "<fingerprint> (the folder --publish wrote)",
+        )
+    return url, name
+
+
+class StreamSource:
+    """The samples of a published cache, read in place (see the module docstring).
+
+    Args:
+        url: the published cache folder (``gs://bucket/caches/demo-<fingerprint>``).
+        options: :class:`StreamOptions`.
+        policy: retries and per-read timeout (default: the data config's defaults).
+        fingerprint: the identity expected (None: the one the folder name states).
+
+    Raises:
+        SourceError: a malformed URL, or the store refused (not found, forbidden).
+        StoreUnreachableError: the store did not answer after every retry.
+        CacheFormatError: the manifest is missing, malformed, of another fingerprint,
+            has no stream index (published by an older version), or the filter's
+            indices do not check out; names the file.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        options: StreamOptions | None = None,
+        *,
+        policy: RetryPolicy | None = None,
+        fingerprint: str | None = None,
+    ):
+        from hf_pipeline.config import DataConfig
+        from hf_pipeline.stores import make_source
+
+        self.url, name = _split_url(url)
+        self.options = options or StreamOptions()
+        self.policy = policy or RetryPolicy.from_config(DataConfig())
+        self._store = make_source(self.url, data_config=DataConfig(), policy=self.policy)
+        # Reentrant: a read that is already done runs its callback (_landed) at once, in
+        # the thread that submits it, which holds the lock.
+        self._lock = threading.RLock()
+        self._room = threading.Condition(self._lock)  # notified when bytes are freed
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(
+            self.options.concurrency, thread_name_prefix="hf_pipeline-stream"
+        )
+        self._closed = False
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._blocks: dict[int, np.ndarray] = {}
+        self._kept: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._pins: dict[int, int] = {}
+        self._reserved: set[int] = set()
+        self._inflight: dict[int, Future] = {}
+        self._held = self._reserved_bytes = self._max_held = 0
+        self._planner: _Planner | None = None
+        try:
+            self._open(name, fingerprint)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ opening
+
+    def _open(self, name: str, fingerprint: str | None) -> None:
+        from dist.markers import MAX_JSON_BYTES, ForeignJSONError, parse_json
+        from hf_pipeline.publish.manifest import Manifest
+
+        where = f"{self.url}/{_MANIFEST}"
+        data = self._read(_MANIFEST, 0, MAX_JSON_BYTES + 1, exact=False)
+        try:
+            raw = parse_json(data, path=where)
+        except ForeignJSONError as e:
+            raise CacheFormatError(where, e.reason) from None
+        try:
+            manifest = Manifest.from_dict(raw)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CacheFormatError(where, f"malformed manifest ({type(e).__name__}: {e})") from None
+        stated = _CACHE_NAME.search(name).group(1)  # type: ignore[union-attr]  # checked
+        want = fingerprint or stated
+        if manifest.fingerprint != want or stated != want:
+            raise CacheFormatError(
+                where, f"fingerprint {manifest.fingerprint!r}, expected {want!r}"
+            )
+        if manifest.stream is None:
+            raise CacheFormatError(
+                where,
+                "has no stream index (published by an older hf_pipeline): publish the cache "
+                "again with prebuild_cache.py --publish, or pull it (build.pull_from)",
+            )
+        sizes = {rel: entry.size for rel, entry in manifest.files.items()}
+        try:
+            index = StreamIndex.from_dict(manifest.stream, sizes)
+        except ValueError as e:
+            raise CacheFormatError(where, str(e)) from None
+        self.fingerprint = manifest.fingerprint
+        self.manifest = manifest
+        self._index = index
+        self._build_tables(index)
+        idx_col = self._columns["indices"]
+        all_idx = self._read_column(idx_col, np.arange(int(idx_col.starts[-1])))
+        self._init_rows(all_idx.astype(np.int64), index.columns["indices"].files[0])
+
+    def _build_tables(self, index: StreamIndex) -> None:
+        from hf_pipeline.cache.precision import numpy_dtype
+
+        files: list[str] = []
+        file_of: dict[str, int] = {}
+        b_file, b_start, b_bytes, b_digest = [], [], [], []
+        self._columns: dict[str, _Column] = {}
+        next_block = 0
+        for name, col in index.columns.items():
+            for f in col.files:
+                file_of.setdefault(f, len(files))
+                if file_of[f] == len(files):
+                    files.append(f)
+            rows = np.array([r for _, r, _ in col.chunks], dtype=np.int64)
+            starts = np.zeros(len(rows) + 1, dtype=np.int64)
+            starts[1:] = np.cumsum(rows)
+            per = col.blocks_per_chunk()
+            block0 = next_block + np.concatenate([[0], np.cumsum(per)[:-1]]).astype(np.int64)
+            for (file, n, offset), first in zip(col.chunks, block0, strict=True):
+                k = np.arange(-(-n // col.block_rows), dtype=np.int64)
+                b_file.append(np.full(k.size, file_of[col.files[file]], dtype=np.int64))
+                b_start.append(offset + k * col.block_rows * col.row_bytes)
+                b_bytes.append(np.minimum(col.block_rows, n - k * col.block_rows) * col.row_bytes)
+                assert first == next_block  # chunks are numbered in order
+                next_block += k.size
+            b_digest.append(col.digests)
+            dtype = np.dtype(col.dtype)
+            if name == "latents" and index.latent_dtype is not None:
+                view = np.dtype(numpy_dtype(index.latent_dtype))
+                if view.itemsize != dtype.itemsize:
+                    raise CacheFormatError(
+                        f"{self.url}/{_MANIFEST}",
+                        f"latents stored as {dtype} cannot be {index.latent_dtype}",
+                    )
+                dtype = view
+            self._columns[name] = _Column(
+                name=name,
+                row_bytes=col.row_bytes,
+                row_shape=col.row_shape,
+                dtype=dtype,
+                block_rows=col.block_rows,
+                starts=starts,
+                block0=block0 if block0.size else np.zeros(0, np.int64),
+            )
+        cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0, np.int64)  # noqa: E731
+        self._files = files
+        self._block_file = cat(b_file)
+        self._block_start = cat(b_start)
+        self._block_bytes = cat(b_bytes)
+        self._block_digest = np.concatenate(b_digest)
+
+    def _init_rows(self, idx: np.ndarray, where: str) -> None:
+        lat = self._columns["latents"]
+        physical = int(lat.starts[-1])
+        url = f"{self.url}/{where}"
+        if idx.size and (idx[0] < 0 or idx[-1] >= physical):
+            raise CacheFormatError(url, f"indices outside [0, {physical}) rows")
+        if idx.size > 1 and not np.all(np.diff(idx) > 0):
+            raise CacheFormatError(url, "indices are not strictly ascending")
+        self._indices = idx
+        self.num_rows = int(idx.size)
+        self.num_physical_rows = physical
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def num_crops(self) -> int:
+        return self._columns["latents"].row_shape[0]
+
+    @property
+    def latent_shape(self) -> tuple[int, ...]:
+        return self._columns["latents"].row_shape[1:]
+
+    @property
+    def embed_dim(self) -> int:
+        return self._columns["embedding"].row_shape[0]
+
+    @property
+    def latent_dtype(self) -> np.dtype:
+        return self._columns["latents"].dtype
+
+    @property
+    def embedding_dtype(self) -> np.dtype:
+        return self._columns["embedding"].dtype
+
+    @property
+    def sample_bytes(self) -> int:
+        lat, emb = self._columns["latents"], self._columns["embedding"]
+        return lat.row_bytes // self.num_crops + emb.row_bytes + 8
+
+    @property
+    def keys(self) -> np.ndarray:
+        """Keys of all kept rows, in logical row order (int64; fetched on each call)."""
+        return self._read_column(self._columns["key"], self._indices)
+
+    def physical(self, rows: np.ndarray) -> np.ndarray:
+        """Physical row ids of logical ``rows``.
+
+        Raises:
+            IndexError: a row id is outside ``[0, num_rows)``.
+        """
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        if rows.size and (rows.min() < 0 or rows.max() >= self.num_rows):
+            raise IndexError(
+                f"row ids must be in [0, {self.num_rows}), got [{rows.min()}, {rows.max()}]"
+            )
+        return self._indices[rows]
+
+    # ------------------------------------------------------------------ gathering
+
+    def _locate(self, col: _Column, phys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(global block id, byte offset inside the block)`` of each physical row."""
+        chunk = np.searchsorted(col.starts, phys, side="right") - 1
+        r = phys - col.starts[chunk]
+        k = r // col.block_rows
+        return col.block0[chunk] + k, (r - k * col.block_rows) * col.row_bytes
+
+    def block_ids(self, rows: np.ndarray) -> np.ndarray:
+        """The global block ids holding logical ``rows`` in every column (sorted, unique)."""
+        phys = self.physical(rows)
+        ids = [self._locate(self._columns[n], phys)[0] for n in ("latents", "embedding", "key")]
+        return np.unique(np.concatenate(ids))
+
+    def gather(
+        self,
+        rows: np.ndarray,
+        crops: np.ndarray | int,
+        *,
+        out: dict[str, np.ndarray] | None = None,
+        position: Any = None,
+    ) -> dict[str, np.ndarray]:
+        """Gather samples by logical row id, as :meth:`SampleSource.gather` does.
+
+        Args:
+            rows, crops, out: as :meth:`~hf_pipeline.read.mapped.SampleSource.gather`.
+            position: the plan position this batch is (from :meth:`plan`): its blocks
+                are released once it is assembled.
+
+        Raises:
+            IndexError: a row or crop index is out of range.
+            CacheFormatError: a block failed its checksum twice (names the file).
+            StoreUnreachableError, SourceError: the store failed after every retry.
+        """
+        phys = self.physical(rows)
+        try:
+            located = {
+                n: self._locate(self._columns[n], phys) for n in ("latents", "embedding", "key")
+            }
+            ids = np.unique(np.concatenate([b for b, _ in located.values()]))
+            blocks = self._obtain(ids)
+            lat = self._columns["latents"]
+            crops_arr = np.asarray(crops, dtype=np.int64)
+            if crops_arr.size and (crops_arr.min() < 0 or crops_arr.max() >= lat.row_shape[0]):
+                raise IndexError(f"sub index must be in [0, {lat.row_shape[0]}), got {crops}")
+            result = {
+                "latents": self._assemble(lat, blocks, *located["latents"], crops_arr),
+                "embeddings": self._assemble(
+                    self._columns["embedding"], blocks, *located["embedding"], None
+                ),
+                "keys": self._assemble(self._columns["key"], blocks, *located["key"], None),
+            }
+            with self._lock:
+                uniq = np.unique(phys).size
+                self._counts["bytes_needed"] += uniq * sum(
+                    self._columns[n].row_bytes for n in ("latents", "embedding", "key")
+                )
+        finally:
+            if position is not None and self._planner is not None:
+                self._planner.release(position)
+        if out:
+            for name, arr in result.items():
+                if name in out:
+                    np.copyto(out[name], arr)
+                    result[name] = out[name]
+        return result
+
+    def _assemble(self, col, blocks, ids, within, sub) -> np.ndarray:
+        """The rows (or one crop of each) out of their blocks: one fancy-index copy."""
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        parts = [blocks[int(b)] for b in uniq]
+        sizes = np.array([p.size for p in parts], dtype=np.int64)
+        base = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        buf = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        offsets = base[inverse] + within
+        shape = col.row_shape
+        item = col.row_bytes
+        if sub is not None:
+            item = col.row_bytes // shape[0]
+            offsets = offsets + sub * item
+            shape = shape[1:]
+        # Every offset is a multiple of `item` (blocks hold whole rows, rows whole crops).
+        view = np.lib.stride_tricks.as_strided(
+            buf, shape=(buf.size // item, item), strides=(item, 1), writeable=False
+        )
+        got = view[offsets // item]
+        return got.view(col.dtype).reshape((ids.size, *shape))
+
+    def _read_column(self, col: _Column, phys: np.ndarray) -> np.ndarray:
+        ids, within = self._locate(col, phys)
+        blocks = self._obtain(np.unique(ids))
+        return self._assemble(col, blocks, ids, within, None)
+
+    # ------------------------------------------------------------------ blocks
+
+    def _obtain(self, ids: np.ndarray) -> dict[int, np.ndarray]:
+        """The verified bytes of blocks ``ids``: held ones, in flight ones, the rest
+        fetched now (kept afterwards while the limit allows)."""
+        got: dict[int, np.ndarray] = {}
+        waits: dict[Future, list[int]] = {}
+        missing = []
+        with self._lock:
+            self._check_open()
+            for b in ids.tolist():
+                arr = self._blocks.get(b)
+                if arr is not None:
+                    got[b] = arr
+                    if b in self._kept:
+                        self._kept.move_to_end(b)
+                elif b in self._inflight:
+                    waits.setdefault(self._inflight[b], []).append(b)
+                else:
+                    missing.append(b)
+            self._counts["demand_blocks"] += len(missing)
+            for future, blocks in self._submit(missing):
+                waits[future] = blocks
+        for future in waits:
+            got.update(self._result(future))
+        return got
+
+    def _result(self, future: Future) -> dict[int, np.ndarray]:
+        """A read's blocks, waiting at most as long as its retries can take."""
+        p = self.policy
+        limit = (p.max_retries + 1) * (p.file_timeout + p.backoff_max) * 2 + 10
+        deadline = time.monotonic() + limit
+        while True:
+            try:
+                return future.result(timeout=_STOP_CHECK_S)
+            except FutureTimeout:
+                self._check_open()
+                if time.monotonic() > deadline:  # pragma: no cover - reads are bounded
+                    raise TimeoutError(
+                        f"{self.url}: a read did not end within {limit:.0f}s"
+                    ) from None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"the stream source of {self.url} is closed")
+
+    def _submit(self, ids: list[int]) -> list[tuple[Future, list[int]]]:
+        """Start reads of ``ids`` (caller holds the lock), neighbours merged."""
+        out: list[tuple[Future, list[int]]] = []
+        if not ids:
+            return out
+        ids = sorted(ids, key=lambda b: (self._block_file[b], self._block_start[b]))
+        opts = self.options
+        run = [ids[0]]
+        for b in ids[1:]:
+            last = run[-1]
+            start, end = (
+                self._block_start[run[0]],
+                self._block_start[last] + self._block_bytes[last],
+            )
+            if (
+                self._block_file[b] == self._block_file[last]
+                and 0 <= self._block_start[b] - end <= opts.coalesce_bytes
+                and self._block_start[b] + self._block_bytes[b] - start <= opts.max_read_bytes
+            ):
+                run.append(b)
+            else:
+                out.append(self._start_read(run))
+                run = [b]
+        out.append(self._start_read(run))
+        return out
+
+    def _start_read(self, run: list[int]) -> tuple[Future, list[int]]:
+        future = self._pool.submit(self._read_blocks, run)
+        for b in run:
+            self._inflight[b] = future
+        future.add_done_callback(functools.partial(self._landed, run))
+        return future, run
+
+    def _read_blocks(self, run: list[int]) -> dict[int, np.ndarray]:
+        """Fetch one run of neighbouring blocks and verify each; once more on a mismatch."""
+        rel = self._files[int(self._block_file[run[0]])]
+        start = int(self._block_start[run[0]])
+        end = int(self._block_start[run[-1]] + self._block_bytes[run[-1]])
+        for attempt in (1, 2):
+            data = np.frombuffer(self._read(rel, start, end), dtype=np.uint8)
+            out, bad = {}, None
+            for b in run:
+                s = int(self._block_start[b]) - start
+                block = data[s : s + int(self._block_bytes[b])]
+                if block_digest(block) != int(self._block_digest[b]):
+                    bad = b
+                    break
+                # A copy only when the read spanned gaps: the gaps' bytes must not stay
+                # alive behind a view (they are not counted as held).
+                out[b] = (
+                    block if len(run) == 1 or end - start == self._run_bytes(run) else block.copy()
+                )
+            if bad is None:
+                return out
+            if attempt == 1:
+                with self._lock:
+                    self._counts["refetched"] += 1
+                logger.warning(
+                    "%s/%s: bytes %d-%d fail their %s checksum; fetching them again",
+                    self.url, rel, self._block_start[bad],
+                    self._block_start[bad] + self._block_bytes[bad], BLOCK_ALGORITHM,
+                )  # fmt: skip
+        a, b = int(self._block_start[bad]), int(self._block_start[bad] + self._block_bytes[bad])
+        raise CacheFormatError(
+            f"{self.url}/{rel}",
+            f"bytes {a}-{b} do not match their {BLOCK_ALGORITHM} checksum in {_MANIFEST} "
+            "(fetched twice): the published file was changed or the store serves other bytes",
+        )
+
+    def _run_bytes(self, run: list[int]) -> int:
+        return int(sum(int(self._block_bytes[b]) for b in run))
+
+    def _read(self, rel: str, start: int, end: int, *, exact: bool = True) -> bytes:
+        """Bytes ``[start, end)`` of ``rel`` with retries; a short body is retried."""
+        url = f"{self.url}/{rel}"
+
+        def attempt() -> bytes:
+            data = self._store.read_span(
+                rel, start, end, time.monotonic() + self.policy.file_timeout
+            )
+            if exact and len(data) != end - start:
+                raise TransientError(f"{url}: got {len(data)} of {end - start} bytes at {start}")
+            return data
+
+        def retried(exc: BaseException) -> None:
+            with self._lock:
+                self._counts["retries"] += 1
+
+        try:
+            data = with_retries(url, attempt, self.policy, on_retry=retried, stop=self._stop)
+        except Cancelled:
+            raise RuntimeError(f"the stream source of {self.url} is closed") from None
+        except SourceError as err:
+            if isinstance(err.__cause__, FileNotFoundError):
+                raise SourceError(url, "does not exist in the store") from err.__cause__
+            raise
+        with self._lock:
+            self._counts["requests"] += 1
+            self._counts["bytes_fetched"] += len(data)
+        return data
+
+    def _landed(self, run: list[int], future: Future) -> None:
+        """A read ended: keep its blocks that are reserved, and others while they fit."""
+        with self._lock:
+            for b in run:
+                if self._inflight.get(b) is future:
+                    del self._inflight[b]
+            try:
+                blocks = None if future.cancelled() or future.exception() else future.result()
+            except BaseException:  # noqa: BLE001 - the waiter gets the read's error itself
+                blocks = None
+            for b in run:
+                reserved = b in self._reserved
+                if reserved:
+                    self._reserved.discard(b)
+                    self._reserved_bytes -= int(self._block_bytes[b])
+                if blocks is None or b in self._blocks:
+                    continue
+                n = int(self._block_bytes[b])
+                # Reserved bytes were counted when the planner reserved them; anything
+                # else is kept only while it fits.
+                if reserved or self._held + self._reserved_bytes + n <= self.options.cache_bytes:
+                    self._blocks[b] = blocks[b]
+                    self._held += n
+                    if not self._pins.get(b, 0):
+                        self._kept[b] = None
+            self._max_held = max(self._max_held, self._held + self._reserved_bytes)
+            self._room.notify_all()
+
+    # ------------------------------------------------------------------ plan
+
+    def plan(self, batches: Iterator[tuple[Any, np.ndarray]] | None) -> None:
+        """Fetch ahead for ``batches``: ``(position, logical rows)`` of this process's
+        upcoming batches in order (what a gather with ``position=`` will consume).
+        ``None`` stops planning (blocks already held stay while the limit allows)."""
+        old, self._planner = self._planner, None
+        if old is not None:
+            old.stop()
+        with self._lock:
+            for b in self._pins:
+                if b in self._blocks:
+                    self._kept[b] = None  # no plan needs it now: kept while the limit allows
+            self._pins.clear()
+        if batches is not None and not self._closed:
+            self._planner = _Planner(self, batches)
+
+    def _start_planned(self, blocks: list[int]) -> None:
+        """Start the reads of blocks reserved by the planner (caller holds the lock)."""
+        blocks = [
+            b for b in dict.fromkeys(blocks) if b not in self._inflight and b in self._reserved
+        ]
+        self._counts["planned_blocks"] += len(blocks)
+        self._submit(blocks)
+
+    def _unpin(self, b: int) -> None:
+        """One plan fewer needs ``b`` (caller holds the lock)."""
+        left = self._pins.get(b, 0) - 1
+        if left > 0:
+            self._pins[b] = left
+            return
+        self._pins.pop(b, None)
+        if b in self._blocks:
+            self._kept[b] = None  # kept while the limit allows (the planner evicts)
+
+    def _reserve(self, ids: np.ndarray) -> list[int] | Literal[False] | None:
+        """Pin ``ids`` for a planned batch and reserve room for the missing ones (caller
+        holds the lock). Returns the blocks to read (the caller starts them, together
+        with those of the next planned batches: neighbours across batches merge into
+        one read); False: no room now; None: can never fit."""
+        limit = self.options.cache_bytes
+        want = ids.tolist()
+        keep = set(want)
+        new = [b for b in want if b not in self._blocks and b not in self._reserved]
+        need = int(self._block_bytes[new].sum()) if new else 0
+        if need > limit:
+            return None
+        if self._held + self._reserved_bytes + need > limit:
+            evictable = sum(int(self._block_bytes[b]) for b in self._kept if b not in keep)
+            if self._held - evictable + self._reserved_bytes + need > limit:
+                return False
+            for b in list(self._kept):
+                if self._held + self._reserved_bytes + need <= limit:
+                    break
+                if b in keep:
+                    continue
+                del self._kept[b]
+                self._held -= int(self._block_bytes[b])
+                del self._blocks[b]
+        for b in want:
+            self._pins[b] = self._pins.get(b, 0) + 1
+            self._kept.pop(b, None)
+        for b in new:
+            self._reserved.add(b)
+        self._reserved_bytes += need
+        self._max_held = max(self._max_held, self._held + self._reserved_bytes)
+        return [b for b in new if b not in self._inflight]
+
+    # ------------------------------------------------------------------ stats & life
+
+    def stats(self) -> StreamStats:
+        """Counters since the source was opened (thread-safe)."""
+        with self._lock:
+            c = self._counts
+            return StreamStats(
+                requests=c["requests"],
+                bytes_fetched=c["bytes_fetched"],
+                bytes_needed=c["bytes_needed"],
+                retries=c["retries"],
+                refetched=c["refetched"],
+                planned_blocks=c["planned_blocks"],
+                demand_blocks=c["demand_blocks"],
+                held_bytes=self._held,
+                max_held_bytes=self._max_held,
+                limit_bytes=self.options.cache_bytes,
+            )
+
+    def cache_state(self) -> dict[str, int]:
+        """What the cache holds right now, counted from the blocks themselves:
+        ``{"blocks", "bytes", "reserved_bytes", "limit_bytes"}`` (thread-safe)."""
+        with self._lock:
+            return {
+                "blocks": len(self._blocks),
+                "bytes": int(sum(a.nbytes for a in self._blocks.values())),
+                "reserved_bytes": self._reserved_bytes,
+                "limit_bytes": self.options.cache_bytes,
+            }
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self._counts.clear()
+            self._max_held = self._held + self._reserved_bytes
+
+    def __reduce__(self):
+        # A DataLoader worker opens its own: one manifest read, its own cache.
+        return (_reopen, (self.url, self.options, self.policy, self.fingerprint))
+
+    def close(self) -> None:
+        """Stop planning and reading, drop the held blocks (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        planner, self._planner = self._planner, None
+        if planner is not None:
+            planner.stop()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            self._blocks.clear()
+            self._kept.clear()
+            self._held = 0
+
+    def __enter__(self) -> StreamSource:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        rows = getattr(self, "num_rows", "?")
+        return f"StreamSource({self.url!r}, rows={rows}, {self.options})"
+
+
+def _reopen(url, options, policy, fingerprint):
+    return StreamSource(url, options, policy=policy, fingerprint=fingerprint)
+
+
+class _Planner:
+    """A named daemon thread walking the planned batches ``ahead`` of the consumer."""
+
+    def __init__(self, source: StreamSource, batches: Iterator[tuple[Any, np.ndarray]]):
+        self._source = source
+        self._batches = batches
+        self._stop = threading.Event()
+        self._planned: dict[Any, np.ndarray] = {}
+        self._released: set[Any] = set()
+        self._consumed = 0
+        self._thread = threading.Thread(
+            target=self._run, name="hf_pipeline-stream-plan", daemon=True
+        )
+        self._thread.start()
+
+    def release(self, position: Any) -> None:
+        """The batch at ``position`` is assembled: unpin its blocks."""
+        src = self._source
+        with src._lock:
+            self._consumed += 1
+            ids = self._planned.pop(position, None)
+            if ids is None:
+                self._released.add(position)  # the planner is behind: it skips this one
+            else:
+                for b in ids.tolist():
+                    src._unpin(b)
+            src._room.notify_all()
+
+    def _run(self) -> None:
+        src = self._source
+        pending: list[int] = []  # reserved, not read yet: read with the next batches'
+        try:
+            for index, (position, rows) in enumerate(self._batches):
+                ids = src.block_ids(rows)
+                with src._lock:
+                    while True:
+                        if self._stop.is_set():
+                            return
+                        if position in self._released:
+                            self._released.discard(position)
+                            break
+                        if index < self._consumed + src.options.ahead:
+                            got = src._reserve(ids)
+                            if got is None:  # larger than the whole cache: on demand
+                                break
+                            if got is not False:
+                                self._planned[position] = ids
+                                pending.extend(got)
+                                if index <= self._consumed:  # wanted now: no waiting
+                                    src._start_planned(pending)
+                                    pending = []
+                                break
+                        # Nothing more fits or is due: read what is reserved, then wait.
+                        if pending:
+                            src._start_planned(pending)
+                            pending = []
+                        src._room.wait(_STOP_CHECK_S)
+            with src._lock:
+                src._start_planned(pending)
+                pending = []
+        except BaseException as exc:  # noqa: BLE001 - gathers fetch on demand and raise it
+            logger.warning("stream planner stopped: %s", exc)
+        finally:
+            with src._lock:  # stopped: what was reserved and never read frees its room
+                for b in pending:
+                    if b in src._reserved and b not in src._inflight:
+                        src._reserved.discard(b)
+                        src._reserved_bytes -= int(src._block_bytes[b])
+                src._room.notify_all()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._source._room:
+            self._source._room.notify_all()
+        self._thread.join(timeout=10.0)
+        if self._thread.is_alive():  # pragma: no cover - every wait above is bounded
+            logger.warning("stream planner did not stop within 10 s")
+
+
+def open_stream(loader_config, data_config=None) -> StreamSource:
+    """The :class:`StreamSource` of the config: ``loader.stream_from`` with the
+    ``loader.stream_*`` options, and the ``data`` section's retries and per-read
+    timeout (its defaults without ``data_config``).
+
+    Raises:
+        ConfigError: ``loader.stream_from`` is empty.
+        SourceError, StoreUnreachableError, CacheFormatError: as :class:`StreamSource`.
+    """
+    from hf_pipeline.errors import ConfigError
+
+    if not loader_config.stream_from:
+        raise ConfigError(
+            "loader.stream_from is empty: set it to a published cache folder "
+            "(gs://<bucket>/<prefix>/<name>-<fingerprint>), or open the local cache",
+            field="loader.stream_from",
+        )
+    policy = None if data_config is None else RetryPolicy.from_config(data_config)
+    return StreamSource(loader_config.stream_from, loader_config.stream_options(), policy=policy)

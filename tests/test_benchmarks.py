@@ -202,6 +202,7 @@ def test_reader_accepts_the_unstamped_files_and_refuses_bad_ones(tmp_path):
         read_result(broken)
 
 
+@pytest.mark.slow
 def test_bench_filter_writes_a_stamped_result(tmp_path):
     out = tmp_path / "filter.json"
     proc = subprocess.run(

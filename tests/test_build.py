@@ -165,6 +165,7 @@ def test_unchanged_config_never_rebuilds(built_cache, small_config):
     assert prepare_cache(faster, progress=False).fingerprint == built_cache.fingerprint
 
 
+@pytest.mark.slow
 def test_changed_config_never_reuses(built_cache, small_config):
     other = load_config(
         None,
@@ -208,6 +209,7 @@ def _nothing_published(root: Path) -> None:
         assert stage_dirs == [], f"builder left {stage_dirs} behind"
 
 
+@pytest.mark.slow
 def test_corrupt_shard_fails_cleanly(small_config, tmp_path):
     data, _ = _copy_demo(small_config, tmp_path)
     victim = sorted(data.glob("*.pt"))[1]
@@ -224,6 +226,7 @@ def test_corrupt_shard_fails_cleanly(small_config, tmp_path):
     _nothing_published(tmp_path / "c")
 
 
+@pytest.mark.slow
 def test_corrupt_shard_in_a_later_part_fails_cleanly_while_an_embedding_runs(
     small_config, tmp_path
 ):
@@ -296,6 +299,7 @@ def _nan_config(data: Path, cache: Path, *extra: str, name: str = "nan"):
     )
 
 
+@pytest.mark.slow
 def test_nonfinite_rows_are_dropped_counted_and_named(tmp_path):
     # Before: one NaN failed the whole build (CorruptShardError, exit 2).
     data, finite8 = shards_with_nonfinite_rows(tmp_path / "data")
@@ -324,6 +328,7 @@ def test_nonfinite_rows_are_dropped_counted_and_named(tmp_path):
         src.close()
 
 
+@pytest.mark.slow
 def test_nonfinite_row_under_on_bad_rows_fail_names_shard_and_key(tmp_path):
     data, _ = shards_with_nonfinite_rows(tmp_path / "data")
     cfg = _nan_config(data, tmp_path / "c", "data.on_bad_rows=fail", name="bad")
@@ -349,6 +354,7 @@ def test_on_bad_rows_is_part_of_the_identity(small_config):
     assert compute_fingerprint(small_config, *args) != compute_fingerprint(fail, *args)
 
 
+@pytest.mark.slow
 def test_empty_shards_build_in_parts_of_their_own_and_null_keys_are_counted(tmp_path, caplog):
     """A part holding only empty shards (0 rows: on a GPU a builder makes 4 parts by
     default) crashed the embed stage (datasets' map of 0 rows writes no file and drops
@@ -387,6 +393,7 @@ def test_empty_shards_build_in_parts_of_their_own_and_null_keys_are_counted(tmp_
         open_sample_source(res.layout, res.fingerprint)
 
 
+@pytest.mark.slow
 def test_a_dangling_shard_symlink_is_a_missing_shard(tmp_path):
     # Before: left out silently (exit 0, nothing in the report) even under
     # on_missing: fail.
@@ -642,6 +649,7 @@ def test_source_storage_refuses_mixed_shard_dtypes(tmp_path):
         np.testing.assert_array_equal(src.gather(np.arange(18), 0)["latents"], ref[:, 0])
 
 
+@pytest.mark.slow
 def test_encoder_load_error_from_the_background_thread_fails_the_build(small_config, tmp_path):
     """The encoder loads on a thread while the workers join: its error must surface as
     the build's own (one ConfigError naming encoder.model), nothing published."""
@@ -669,6 +677,7 @@ def test_encoder_load_error_from_the_background_thread_fails_the_build(small_con
     _nothing_published(tmp_path / "c")
 
 
+@pytest.mark.slow
 def test_the_join_does_not_fsync_per_shard(tmp_path, monkeypatch):
     """Issue 10: the join's per-shard bookkeeping (fetch counters, precision records) is
     not fsynced: on ext4 an fsync waits for the dirty data of the Arrow files being
@@ -698,6 +707,7 @@ def test_the_join_does_not_fsync_per_shard(tmp_path, monkeypatch):
     assert counts[6] == counts[2], counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["one", "ranks"])
 def test_the_caption_table_is_written_with_the_fork_server_up_and_quick_gil_handoff(
     parallel, tmp_path, monkeypatch

@@ -83,6 +83,7 @@ def test_overlapping_blocks_in_threads_restore_once(start_method):
     assert multiprocess.get_start_method(allow_none=True) == "fork"
 
 
+@pytest.mark.slow
 def test_datasets_map_with_num_proc_never_forks_the_caller(start_method, tmp_path):
     ds = datasets.Dataset.from_dict({"x": list(range(10))})
     forks = len(_FORKS)
@@ -120,6 +121,7 @@ def _facts(tmp_path, name):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_workers_come_preloaded_from_a_server_of_the_block(start_method, tmp_path, monkeypatch):
     """The workers are children of the block's fork server, with PRELOAD imported before
     they start; each block's server sees the environment of its time and is gone when

@@ -126,6 +126,7 @@ def gcs_env(gcs_server, monkeypatch, hf_home):
     return gcs_server
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ahead", [4, 0], ids=["prefetch4", "prefetch0"])
 def test_gcs_build_equals_local_build(gcs_env, bucket, demo, local_build, tmp_path, ahead):
     root = tmp_path / "cache"

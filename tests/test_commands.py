@@ -84,6 +84,7 @@ def pip_installed(tmp_path_factory) -> Path:
     return base / "site"
 
 
+@pytest.mark.slow
 def test_pip_install_puts_hf_pipeline_on_path(pip_installed, tmp_path):
     exe = pip_installed / "bin" / "hf-pipeline"
     assert exe.is_file() and os.access(exe, os.X_OK)

@@ -84,6 +84,7 @@ def test_deterministic_byte_identical(tmp_path):
     assert _files(c.out_dir)[a.shard_paths[0].name] != fa[a.shard_paths[0].name]
 
 
+@pytest.mark.slow
 def test_parallel_writers_same_bytes(tmp_path):
     """num_proc > 1 (a pool of spawned processes writes the shards) gives the very bytes
     of the in-process generation, and a folder made one way is reused the other way."""
@@ -214,6 +215,7 @@ def test_reuse_and_refusals(tmp_path):
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
 
+@pytest.mark.slow
 def test_concurrent_generation_four_processes(tmp_path):
     target = tmp_path / "shared" / "demo"
     start_at = time.time() + 3.0  # all four start generating at the same instant

@@ -344,6 +344,7 @@ TEXTS = [f"a {'very ' * (i % 23)}small red circle number {i}" for i in range(70)
 ]
 
 
+@pytest.mark.slow
 def test_token_budget_and_eager_attention_keep_the_embeddings(encoder):
     ref = encoder.encode(TEXTS)
     budget = TextEncoder(EncoderConfig(micro_batch_size=512, tokens_per_batch=256))
@@ -596,6 +597,7 @@ class _Owned:
         pass
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("middle_batch_kept", [True, False])
 def test_embed_stage_encodes_ahead_and_keeps_rows_aligned(encoder, tmp_path, middle_batch_kept):
     """Three map batches; the encoding thread queues each batch's call before it waits for

@@ -138,6 +138,7 @@ def test_plain_dataloader_under_trainer_gets_each_epoch(built_cache, small_confi
             )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["pre", "fit"], ids=["setup_before_fit", "setup_in_fit"])
 def test_ddp_ranks_split_every_global_batch(small_config, built_cache, tmp_path, when):
     """Real Lightning DDP, 2 CPU ranks (gloo). With README's `dm.setup("fit")` before

@@ -536,6 +536,7 @@ _HELD_AT_EXIT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("imports", ["loader", "build"])
 @pytest.mark.parametrize("close", ["keep", "close"])
 def test_an_iterator_held_at_exit_ends_quietly(source, tmp_path, imports, close):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.conftest import REPO, SMALL_DEMO
 
 #: The pages whose ``python`` blocks run, in order.
@@ -31,6 +33,7 @@ def test_every_page_has_examples():
         assert _python_blocks(page), page
 
 
+@pytest.mark.slow
 def test_readme_and_docs_python_examples_run(small_config, built_cache, monkeypatch, tmp_path):
     import tempfile
 

@@ -71,6 +71,7 @@ def test_prebuild_json_path_that_cannot_be_written_fails_before_the_build(tmp_pa
         assert not list(cache.glob("demo-*"))  # nothing was built
 
 
+@pytest.mark.slow
 def test_a_raw_pickle_shard_is_one_error_line_and_runs_nothing(tmp_path):
     """A raw pickle (not torch.save's zip) in the shard folder: refused, exit 2, and
     the error is the only line (torch warned "Detected pickle protocol 4" first)."""
@@ -194,6 +195,7 @@ def test_unreachable_store_is_one_line_exit_1(tmp_path, args, env, fragment):
     assert not list(tmp_path.rglob("converted.json"))
 
 
+@pytest.mark.slow
 def test_bad_row_under_on_bad_rows_fail_is_one_line_exit_2(tmp_path):
     from tests.servers import shards_with_nonfinite_rows
 
@@ -219,6 +221,7 @@ def test_bad_row_under_on_bad_rows_fail_is_one_line_exit_2(tmp_path):
     assert not list(cache.rglob("converted.json")) and not list(cache.rglob("filtered"))
 
 
+@pytest.mark.slow
 def test_every_rank_exits_2_when_the_builder_fails_on_the_input(tmp_path):
     """The waiting ranks got the builder's error but exit 1 (a fault's code) where the
     builder exited 2 (the input's): a job's exit code depended on which rank it read."""
@@ -240,6 +243,7 @@ def test_env_overrides_reach_the_build(tmp_path):
     assert p.returncode == 2 and "DATASET_BATCH_SIZE" in p.stderr
 
 
+@pytest.mark.slow
 def test_train_short_run_loss_falls(session_cache_root, built_cache):
     p = _run(
         "train.py",
@@ -260,6 +264,7 @@ def test_train_short_run_loss_falls(session_cache_root, built_cache):
     assert "done: 60 steps" in p.stdout
 
 
+@pytest.mark.slow
 def test_train_batch_larger_than_data_is_one_line_exit_2(session_cache_root, built_cache):
     rows = built_cache.report["rows_out"]
     big = rows + 1
@@ -324,6 +329,7 @@ def test_train_two_processes_jax_distributed(session_cache_root, built_cache):
     assert "done:" not in outs[1][0]  # only rank 0 prints
 
 
+@pytest.mark.slow
 def test_train_rerun_of_a_finished_run_and_a_run_shorter_than_a_log_window(
     session_cache_root, built_cache, tmp_path
 ):

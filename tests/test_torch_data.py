@@ -65,6 +65,7 @@ def test_workers_disjoint_in_order(source, num_workers):
     assert len(all_keys) == len(set(all_keys))  # crop="random": one sample per row
 
 
+@pytest.mark.slow
 def test_ranks_union_is_global_batch_and_resume(source):
     kw = dict(global_batch_size=12, seed=5, crop="all", partition="strided")
     ranks = [TorchBatches(source, process_index=p, process_count=3, **kw) for p in range(3)]
@@ -83,6 +84,7 @@ def test_ranks_union_is_global_batch_and_resume(source):
     assert [b["keys"].tolist() for b in resumed] == [b["keys"].tolist() for b in per_rank[0][4:]]
 
 
+@pytest.mark.slow
 def test_pad_mask_bf16_and_spawned_workers(source):
     ds = TorchBatches(
         source,
@@ -128,7 +130,7 @@ def test_positions_and_dtypes_out_of_range_are_refused(source):
             )  # fmt: skip
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_bfloat16_cache_gives_bfloat16_tensors(tmp_path, num_workers):
     """torch.from_numpy refuses ml_dtypes: the bits are shared as int16 and viewed."""
     files = build_cache(tmp_path, 60, dtype="bfloat16", num_proc=1, embed_dim=8)
@@ -350,6 +352,7 @@ def test_plain_datamodule_without_lightning(small_config, built_cache, monkeypat
     dm.teardown()
 
 
+@pytest.mark.slow
 def test_importing_torch_data_does_not_import_lightning():
     import subprocess
 
@@ -374,7 +377,7 @@ def _plain_loader(ds, num_workers: int, **kw):
     return torch.utils.data.DataLoader(ds, num_workers=num_workers, **extra, **kw)
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_batch_size_is_refused_in_one_line(source, num_workers):
     """`DataLoader(TorchBatches, batch_size=8)` stacked 8 batches into latents of shape
     (8, b, C, H, W) without a word; `batch_size=None` gives the batches as they are."""
@@ -386,6 +389,7 @@ def test_a_batch_size_is_refused_in_one_line(source, num_workers):
     np.testing.assert_array_equal(got[1]["keys"].numpy(), _expected(ds, 1)["keys"])
 
 
+@pytest.mark.slow
 def test_persistent_workers_are_refused_not_repeated(source):
     """Persistent workers keep their dataset copy: set_epoch never reached them and every
     epoch repeated epoch 0. The second epoch is now an error, not a repeat."""
@@ -398,6 +402,7 @@ def test_persistent_workers_are_refused_not_repeated(source):
         list(dl)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_the_share_is_read_when_iteration_starts(source, monkeypatch, context):
     """A TorchBatches made before the job's rank is known (a DataModule set up before
@@ -420,6 +425,7 @@ def test_the_share_is_read_when_iteration_starts(source, monkeypatch, context):
     assert ds.share() == (1, 2)
 
 
+@pytest.mark.slow
 def test_map_style_samples_with_a_distributed_sampler(tmp_path):
     """TorchSamples: `len`, `ds[i]` one sample, and the usual recipe — a DistributedSampler
     per rank, DataLoader(batch_size=B, num_workers=2) — covers every record exactly once

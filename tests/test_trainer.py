@@ -28,6 +28,7 @@ def _cfg(small_config, **train):
     return dataclasses.replace(small_config, train=dataclasses.replace(small_config.train, **train))
 
 
+@pytest.mark.slow
 def test_loss_falls_and_stats_are_reported(small_config, source):
     from hf_pipeline.trainer.loop import train
 
@@ -39,6 +40,7 @@ def test_loss_falls_and_stats_are_reported(small_config, source):
     assert {"step", "loss", "samples_per_s", "data_wait", "epoch"} <= set(logs[0])
 
 
+@pytest.mark.slow
 def test_checkpoint_resume_continues_the_same_run(small_config, source, tmp_path):
     from hf_pipeline.trainer.loop import train
 
@@ -57,6 +59,7 @@ def test_checkpoint_resume_continues_the_same_run(small_config, source, tmp_path
     assert second.loader_state == straight.loader_state
 
 
+@pytest.mark.slow
 def test_trains_on_a_bfloat16_cache(tmp_path):
     """bf16 demo shards are stored as bf16 (default) and the model reads them as float32."""
     import ml_dtypes
@@ -107,6 +110,7 @@ def _steps(ckpt):
     return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
 
 
+@pytest.mark.slow
 def test_checkpoints_every_n_steps_keep_the_newest_and_skip_half_written_ones(
     small_config, source, tmp_path
 ):
@@ -137,6 +141,7 @@ def test_checkpoints_every_n_steps_keep_the_newest_and_skip_half_written_ones(
     assert _steps(ckpt) == [30, 40]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_model_is_one_line(small_config, source, tmp_path):
     from hf_pipeline.errors import ConfigError
     from hf_pipeline.trainer.loop import train

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 import uuid
 from pathlib import Path
@@ -369,3 +370,33 @@ def test_two_real_processes_stream_their_shares(gcs_cache, local_source):
         kw = {"global_batch_size": 16, "seed": 8, "shuffle": "block", "block_size": 8}
         want = _epoch(Loader(local_source, process_index=rank, process_count=2, **kw))
         assert got["batches"] == [_digest(b) for b in want]
+
+
+def test_train_script_streams_without_a_local_cache(gcs_cache, tmp_path):
+    """The card's command, ``scripts/train.py``, with only ``HF_PIPELINE_STREAM_FROM``
+    set: it trains on the published cache read in place, and builds or downloads no
+    cache (its cache root stays empty)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    server, url = gcs_cache
+    root = tmp_path / "cache-root"
+    env = {
+        **os.environ,
+        "HF_PIPELINE_STREAM_FROM": url,
+        "HF_PIPELINE_CACHE": str(root),
+        "STORAGE_EMULATOR_HOST": server,
+        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+        "JAX_PLATFORMS": "cpu",
+    }
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "train.py"), "--steps", "3", "--batch-size", "16",
+         "--set", "loader.stream_cache_bytes=0", "--quiet"],
+        env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"streaming {url}" in proc.stdout
+    assert "done: 3 steps" in proc.stdout
+    assert not root.exists() or not any(root.iterdir()), sorted(root.rglob("*"))[:10]

@@ -55,7 +55,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Build or find the cache (every rank), then train on it; 0 when done."""
+    """Build or find the cache (every rank), or stream a published one
+    (``loader.stream_from``), then train on it; 0 when done."""
     extra = []
     if args.steps is not None:
         extra.append(f"train.steps={args.steps}")
@@ -87,15 +88,31 @@ def main(args: argparse.Namespace) -> int:
     # workers, and waiting ranks are woken through JAX's key-value store. Every rank
     # leaves jax.distributed in order at the end, so a good run ends quietly.
     with jax_distributed(process):
-        result = prepare_cache(cfg, process=process, progress=lead and not args.quiet)
-        if lead:
-            how = "built" if result.built else "found"
-            print(
-                f"[rank {process.rank}/{process.world_size}] cache {how}: {result.cache_dir} "
-                f"({result.report['rows_out']} rows, {result.seconds:.1f} s)",
-                flush=True,
-            )
-        with open_sample_source(result.layout, result.fingerprint) as source:
+        if cfg.loader.stream_from:
+            # A published cache read in place (loader.stream_from): no build, no local
+            # copy; each rank fetches only its share of each batch.
+            from hf_pipeline.read.stream import open_stream
+
+            opened = open_stream(cfg.loader, cfg.data)
+            if lead:
+                print(
+                    f"[rank {process.rank}/{process.world_size}] streaming "
+                    f"{cfg.loader.stream_from} ({opened.num_rows} rows, cache limit "
+                    f"{cfg.loader.stream_cache_bytes} bytes)",
+                    flush=True,
+                )
+        else:
+            result = prepare_cache(cfg, process=process, progress=lead and not args.quiet)
+            if lead:
+                how = "built" if result.built else "found"
+                print(
+                    f"[rank {process.rank}/{process.world_size}] cache {how}: "
+                    f"{result.cache_dir} ({result.report['rows_out']} rows, "
+                    f"{result.seconds:.1f} s)",
+                    flush=True,
+                )
+            opened = open_sample_source(result.layout, result.fingerprint)
+        with opened as source:
             out = train(
                 cfg,
                 source,

@@ -1,0 +1,182 @@
+#!/usr/bin/env python
+"""A cache that evolves (issue 26): append 10% shards, touch every shard, re-embed with
+another encoder setting, each against a from-scratch build of the same input (same run).
+
+Generates the demo scaled to ``--rows`` once, then makes two input folders of hard
+links: *base* (the first 90% of the shards) and *full* (all shards: a new crawl appended
+at the end), both with the demo's metadata. (Shards inserted between old ones are
+correct too, tests/test_part_store.py, but each touches the content-defined part it
+falls into: scattered over every part, they rebuild every part.) Every build is a fresh process
+(``python -c`` running ``prepare_cache``), timed from its start to its exit:
+
+1. ``scratch``: *full* built into an empty cache root (the reference);
+2. ``base``: *base* built into root R;
+3. ``append``: *full* built into R (only the new parts should be built);
+4. ``touch``: every shard of *full* touched, built into R again (found: hashing only);
+5. ``hit``: the same again (the content index hits: nothing hashed);
+6. ``reembed``: *full* with ``encoder.max_length`` changed, into R (embeddings only).
+
+Reports each wall, the report's ``reuse`` block (parts built/reused, latent bytes
+written), the hashing stats, and the ratios the issue states: append / scratch (goal
+<= 0.2), touch / scratch (<= 0.05), hit wall (<= 1 s), reembed / the scratch build's
+embed stage (<= 1.2, latent bytes written 0), and the disk use of R before and after
+the re-embedding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._results import write_result  # noqa: E402
+from benchmarks.random_models import (  # noqa: E402
+    add_random_model_options,
+    random_model,
+    random_model_option,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+_CHILD = """
+import json, sys, time
+t0 = time.perf_counter()
+from hf_pipeline.build.prepare import prepare_cache
+from hf_pipeline.config import load_config
+cfg = load_config(None, json.loads(sys.argv[1]))
+res = prepare_cache(cfg, progress=False)
+r = res.report
+print(json.dumps({
+    "inner_s": round(time.perf_counter() - t0, 3), "built": res.built,
+    "fingerprint": res.fingerprint, "rows_out": r["rows_out"], "reuse": r.get("reuse"),
+    "seconds_embed": r.get("seconds_embed"), "seconds_convert": r.get("seconds_convert"),
+    "hashing": getattr(res, "hashing", None),
+}))
+"""
+
+
+def _du(path: Path) -> int:
+    """Bytes on disk under ``path``, each inode once (hard links are shared bytes)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            st = os.lstat(os.path.join(root, name))
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
+
+
+def _build(overrides: list[str]) -> dict:
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps(overrides)],
+        capture_output=True, text=True, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
+    )  # fmt: skip
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"build failed ({overrides}):\n{proc.stderr[-3000:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["wall_s"] = round(wall, 3)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=100_000)
+    ap.add_argument("--samples-per-shard", type=int, default=1000)
+    ap.add_argument("--model", default="", help="encoder folder (default: the config's)")
+    add_random_model_options(ap)
+    ap.add_argument("--dtype", default="", help="encoder.dtype (default: the config's)")
+    ap.add_argument("--work-dir", default="")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    kind, tokenizer = random_model_option(ap, args)
+
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="hfp_evolve_"))
+    model = args.model
+    if tokenizer:
+        model = str(random_model(kind, work / kind, tokenizer))
+    shards = max(10, args.rows // args.samples_per_shard)
+    common = [*([f"encoder.model={model}"] if model else []),
+              *([f"encoder.dtype={args.dtype}"] if args.dtype else []), *args.set]  # fmt: skip
+
+    # The demo, generated once, then two folders of hard links to its files.
+    from hf_pipeline.build.prepare import resolve_inputs
+    from hf_pipeline.config import load_config
+
+    gen_root = work / "gen"
+    t0 = time.perf_counter()
+    inputs = resolve_inputs(
+        load_config(None, [f"build.cache_dir={gen_root}", f"data.demo.num_shards={shards}",
+                           f"data.demo.samples_per_shard={args.samples_per_shard}", *common])
+    )  # fmt: skip
+    generate_s = time.perf_counter() - t0
+    shard_paths = sorted(Path(f.url) for f in inputs.shards)
+    metadata = Path(inputs.metadata.url)
+    base, full = work / "base", work / "full"
+    cut = len(shard_paths) - max(1, len(shard_paths) // 10)
+    for folder, keep in ((base, shard_paths[:cut]), (full, shard_paths)):
+        folder.mkdir(parents=True, exist_ok=True)
+        for p in keep:
+            os.link(p, folder / p.name)
+    os.sync()
+
+    def cfg(data: Path, root: Path, *more: str) -> list[str]:
+        return [f"build.cache_dir={root}", f"data.shards={data}",
+                f"data.metadata={metadata}", *common, *more]  # fmt: skip
+
+    root = work / "root"
+    runs: dict[str, dict] = {}
+    runs["scratch"] = _build(cfg(full, work / "scratch-root"))
+    runs["base"] = _build(cfg(base, root))
+    runs["append"] = _build(cfg(full, root))
+    now = time.time()
+    for p in full.iterdir():
+        os.utime(p, (now, now))
+    time.sleep(2.5)  # past the content index's racy window: the next start may trust it
+    runs["touch"] = _build(cfg(full, root))
+    runs["hit"] = _build(cfg(full, root))
+    du_before = _du(root)
+    max_length = load_config(None, common).encoder.max_length
+    runs["reembed"] = _build(cfg(full, root, f"encoder.max_length={max(8, max_length // 2)}"))
+    du_after = _du(root)
+
+    scratch = runs["scratch"]
+    out = {
+        "rows_in": shards * args.samples_per_shard,
+        "shards": shards,
+        "appended_shards": len(shard_paths) - len(list(base.iterdir())),
+        "cpus": os.cpu_count(),
+        "generate_s": round(generate_s, 2),
+        "runs": runs,
+        "append_over_scratch": round(runs["append"]["wall_s"] / scratch["wall_s"], 3),
+        "touch_over_scratch": round(runs["touch"]["wall_s"] / scratch["wall_s"], 3),
+        "hit_wall_s": runs["hit"]["wall_s"],
+        "reembed_over_scratch_embed_stage": round(
+            runs["reembed"]["wall_s"] / max(float(scratch["seconds_embed"] or 0), 1e-9), 3
+        ),
+        "append_same_fingerprint_as_scratch": runs["append"]["fingerprint"]
+        == scratch["fingerprint"],
+        "disk_bytes_before_reembed": du_before,
+        "disk_bytes_after_reembed": du_after,
+        "overrides": common,
+    }
+    print(json.dumps(out, indent=1))
+    if args.json:
+        write_result(args.json, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

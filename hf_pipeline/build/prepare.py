@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import glob
 import hashlib
 import json
 import logging
@@ -39,6 +40,7 @@ import pickle
 import re
 import shutil
 import socket
+import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -218,33 +220,62 @@ def _save_captions(cfg: Config, inputs: Inputs, path: Path):
 
 class _EncoderLoading:
     """This process's caption tokenizer and encoder, loading on a thread of their own
-    from the start of the build: the tokenizer first (the join's workers need it,
-    exported, before the model), then the model (``.encoder``, a future), which is
-    ready when the first embedding starts.
+    from the start of the build: the tokenizer first, then the model (``.encoder``, a
+    future), which is ready when the first embedding starts.
+
+    The join's workers tokenize with :attr:`for_workers`: the tokenizer exported once
+    per encoder and software stack under the cache root
+    (:class:`hf_pipeline.encoder.model.ExportedTokenizers`), so the first shard does not
+    wait for transformers' import and tokenizer (4-10 s on a GPU host beside 16
+    starting workers: issue 28); the first build of an encoder exports it from the
+    loaded tokenizer, and the loading thread checks that a kept one is still exactly
+    what transformers makes of the model's files (else the build fails before anything
+    is published).
 
     Measured on a 4xH100 host (1M rows): starting the model only after the caption
     table made the join's first shard later (4.6-7.5 s against 4.0 s), as its loading
     (imports, ``torch.compile``, the warm-up) then met the pool's start; the stages hand
     the GIL over within 1 ms instead (:func:`hf_pipeline.workers.pool.quick_gil_handoff`).
 
-    ``transformers.PreTrainedTokenizerBase`` is resolved here first: ``datasets`` reads
-    that attribute (when ``transformers`` is in ``sys.modules``) while it fingerprints,
-    and transformers' lazy module must never resolve it while the loading thread is
-    importing. Only that (0.5 s): the model classes (seconds on a GPU host, where torch
-    loads its CUDA libraries) are imported by the loading thread, off the critical path.
+    What the loading thread imports is imported on the calling (main) thread first
+    (:func:`_import_before_threads`): ``datasets`` reads ``transformers`` and ``torch``
+    from ``sys.modules`` while it fingerprints, and ``dist`` reads ``torch.distributed``
+    there; a module another thread is still importing is a partial one.
 
     A context manager: leaving it waits for the loading thread.
     """
 
-    def __init__(self, cfg: Config, process):
-        from transformers import PreTrainedTokenizerBase  # noqa: F401
+    def __init__(self, cfg: Config, process, *, timeline=None, encoder_ident=None):
+        from hf_pipeline.build.startup import StartupTimeline
+        from hf_pipeline.encoder.model import (
+            EXPORTED_TOKENIZERS_DIR,
+            ExportedTokenizers,
+            exported_tokenizer_key,
+        )
 
+        _import_before_threads(timeline)
+        started = time.monotonic()
+        self.timeline = timeline if timeline is not None else StartupTimeline()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hf_pipeline-encoder-load")
+        self.tokenizer = self._pool.submit(self._load_tokenizer, cfg)
+        kept = None
+        if encoder_ident is not None:
+            kept = (
+                ExportedTokenizers(cfg.cache_root / EXPORTED_TOKENIZERS_DIR),
+                exported_tokenizer_key(encoder_ident),
+            )
+        self.for_workers = _WorkersTokenizer(cfg, self.tokenizer, kept, self.timeline)
+        self.encoder = self._pool.submit(
+            _encoder, cfg, process, self.tokenizer, started, self.for_workers, self.timeline,
+            encoder_ident,
+        )  # fmt: skip
+
+    def _load_tokenizer(self, cfg: Config):
         from hf_pipeline.encoder.model import CaptionTokenizer
 
-        started = time.monotonic()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hf_pipeline-encoder-load")
-        self.tokenizer = self._pool.submit(CaptionTokenizer, cfg.encoder)
-        self.encoder = self._pool.submit(_encoder, cfg, process, self.tokenizer, started)
+        tokenizer = CaptionTokenizer(cfg.encoder)
+        self.timeline.mark("tokenizer")
+        return tokenizer
 
     def __enter__(self) -> _EncoderLoading:
         return self
@@ -253,30 +284,126 @@ class _EncoderLoading:
         self._pool.shutdown(wait=True)
 
 
-def _encoder(cfg: Config, process, tokenizer, started: float):
+def _import_before_threads(timeline=None) -> None:
+    """Import on this (the main) thread what the build's threads import: torch (and
+    ``torch.distributed``, which transformers imports) and transformers' tokenizer base
+    class. Another thread's import in progress leaves a partial module in
+    ``sys.modules``, where ``datasets``' pickler (``transformers.PreTrainedTokenizerBase``)
+    and the doorbell (``torch.distributed.is_available``) look: seen on a 4xH200 host,
+    ``no torch.distributed doorbell, polling only: partially initialized module
+    'torch.distributed' has no attribute 'is_available'`` (issue 28). The main thread
+    needs torch before the join anyway (the first shard's header, the device); the
+    fork server imports its own meanwhile."""
+    import torch
+    import torch.distributed  # noqa: F401
+    from transformers import PreTrainedTokenizerBase  # noqa: F401
+
+    del torch
+    if timeline is not None:
+        timeline.mark("imports")
+
+
+class _WorkersTokenizer:
+    """What the join's workers tokenize with (:func:`hf_pipeline.build.convert.worker_tokenizer`
+    calls :meth:`export`): the kept export of this encoder when there is one, else the
+    loading tokenizer's export (then kept for the next build). Thread-safe."""
+
+    def __init__(self, cfg: Config, tokenizer, kept, timeline):
+        self._cfg = cfg
+        self._tokenizer = tokenizer  # a Future of the CaptionTokenizer
+        self._kept = kept  # (ExportedTokenizers, key) or None
+        self._timeline = timeline
+        self._lock = threading.Lock()
+        #: The kept spec the workers were given (None: theirs came from the tokenizer).
+        self.from_kept = None
+
+    def _load_kept(self):
+        if self._kept is None:
+            return None
+        exported, key = self._kept
+        return exported.load(key, max_length=self._cfg.encoder.max_length)
+
+    def export(self, folder):
+        """The workers' :class:`hf_pipeline.encoder.model.TokenizerSpec` (or None: no
+        Rust backend, the workers load the tokenizer themselves)."""
+        self._timeline.mark("join_map")
+        with self._lock:
+            spec = self.from_kept or self._load_kept()
+            if spec is not None:
+                self.from_kept = spec
+                self._timeline.note("worker_tokenizer", "kept")
+            else:
+                spec = self._tokenizer.result().export(folder)  # re-raises a load error
+                self._timeline.note("worker_tokenizer", "none" if spec is None else "exported")
+                if spec is not None and self._kept is not None:
+                    exported, key = self._kept
+                    exported.save(key, spec)
+        self._timeline.mark("worker_tokenizer")
+        return spec
+
+
+def _encoder(
+    cfg: Config, process, tokenizer, started: float, for_workers=None, timeline=None,
+    encoder_ident=None,
+):  # fmt: skip
     """The encoder of this process: with ``build.parallel: ranks`` and ``device: auto``,
     each rank of a node on its own GPU (``cuda:<local rank>``). Its ``load_seconds``
     also count the ``tokenizer`` loaded before it and the loading's whole span since
-    ``started`` (``ready``)."""
+    ``started`` (``ready``).
+
+    Raises:
+        RuntimeError: the kept tokenizer export the workers used is not what the
+            tokenizer exports now (nothing is then published).
+    """
     tokenizer_seconds = time.monotonic() - started  # the tokenizer loaded first
-    from hf_pipeline.encoder.model import TextEncoder, describe_device
+    from hf_pipeline.encoder.model import ExportedTokenizers, TextEncoder, describe_device
 
-    enc_cfg = cfg.encoder
-    if cfg.build.parallel == "ranks" and enc_cfg.device == "auto" and process is not None:
-        import torch
+    loaded = tokenizer.result()
+    if for_workers is not None and for_workers.from_kept is not None:
+        if not ExportedTokenizers.matches(for_workers.from_kept, loaded):
+            raise RuntimeError(
+                f"the kept tokenizer export {for_workers.from_kept.path} is not what "
+                f"{cfg.encoder.model!r}'s tokenizer exports: remove that folder and build again"
+            )
+    enc_cfg = dataclasses.replace(cfg.encoder, device=_encoder_device(cfg, process))
+    encoder = TextEncoder(enc_cfg, tokenizer=loaded)
+    # While the join runs: the first batches then run at full speed. A compiled encoder
+    # is compiled once per job and software stack: the first process shares its
+    # artifacts through the cache root, the others load them (CompileArtifacts).
+    shared = None
+    if encoder_ident is not None:
+        from hf_pipeline.encoder.model import (
+            COMPILE_ARTIFACTS_DIR,
+            CompileArtifacts,
+            compile_artifacts_key,
+        )
 
-        if torch.cuda.is_available():
-            device = f"cuda:{process.local_rank % torch.cuda.device_count()}"
-            enc_cfg = dataclasses.replace(enc_cfg, device=device)
-    encoder = TextEncoder(enc_cfg, tokenizer=tokenizer.result())
-    encoder.warm_up()  # while the join runs: the first batches then run at full speed
+        key = compile_artifacts_key(enc_cfg, encoder_ident, encoder.device)
+        shared = CompileArtifacts(cfg.cache_root / COMPILE_ARTIFACTS_DIR, key)
+    encoder.warm_up_shared(shared)
     encoder.load_seconds = {
         "tokenizer": round(tokenizer_seconds, 3),
         **encoder.load_seconds,
         "ready": round(time.monotonic() - started, 3),
     }
-    log.info("encoder %s (dim %d) on %s", enc_cfg.model, encoder.dim, describe_device())
+    if timeline is not None:
+        timeline.mark("encoder")
+    log.info(
+        "encoder %s (dim %d) on %s", enc_cfg.model, encoder.dim, describe_device(encoder.device)
+    )
     return encoder
+
+
+def _encoder_device(cfg: Config, process) -> str:
+    """``encoder.device``, or with ``build.parallel: ranks`` and ``device: auto`` on a
+    CUDA host, this rank's own GPU (``cuda:<local rank>``)."""
+    device = cfg.encoder.device
+    if cfg.build.parallel == "ranks" and device == "auto" and process is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            device = f"cuda:{process.local_rank % torch.cuda.device_count()}"
+    return device
 
 
 class _Builder:
@@ -298,6 +425,8 @@ class _Builder:
         parts: list[tuple[Path, dict]] | None = None,
         captions_path: Path | None = None,
         captions_seconds: float | None = None,
+        loading: _EncoderLoading | None = None,
+        startup=None,
     ):
         self.cfg = cfg
         self.inputs = inputs
@@ -307,6 +436,8 @@ class _Builder:
         self.parts = parts
         self.captions_path = captions_path
         self.captions_seconds = captions_seconds
+        self.loading = loading  # started by prepare_cache (None: started by the stage)
+        self.startup = startup  # prepare_cache's StartupTimeline (None: not reported)
 
     def converted(self, ctx) -> dict[str, Any]:
         """Stage 1: per part, join (num_proc workers) and embed (the accelerator); then
@@ -318,13 +449,13 @@ class _Builder:
         if self.parts is not None:  # built by the ranks: hard-link their files in
             table = CaptionTable.open(str(self.captions_path))
             info = assemble(tmp, self.parts, table=table, link_from=True, probe=ctx.probe)
-            return {**info, "seconds_captions": self.captions_seconds}
+            return {**info, "seconds_captions": self.captions_seconds, **self._startup(info)}
         work = tmp / "_work"
         work.mkdir(parents=True, exist_ok=True)
         shards = self.inputs.shards
         # The model loads (disk, then the accelerator) while the caption table is written
         # and the num_proc workers join: it is ready when the first embedding starts.
-        with _EncoderLoading(self.cfg, self.process) as loading:
+        with _loading(self.loading, self.cfg, self.process) as loading:
             t_captions = time.monotonic()
             table = _save_captions(self.cfg, self.inputs, work / "captions.arrow")
             seconds_captions = round(time.monotonic() - t_captions, 3)
@@ -337,7 +468,21 @@ class _Builder:
             )  # fmt: skip
         info = assemble(tmp, built, table=table, link_from=False, probe=ctx.probe)
         shutil.rmtree(work, ignore_errors=True)
-        return {**info, "seconds_captions": seconds_captions}
+        return {**info, "seconds_captions": seconds_captions, **self._startup(info)}
+
+    def _startup(self, info: Mapping[str, Any]) -> dict[str, Any]:
+        """``{"startup": ...}``: this process's start-up timeline
+        (:class:`hf_pipeline.build.startup.StartupTimeline`) with its first join's first
+        shard, for the report; ``{}`` when not timed."""
+        if self.startup is None:
+            return {}
+        join_map = self.startup.at("join_map")
+        parts = info.get("parts") or []
+        first = (parts[0].get("join") or {}).get("seconds_to_first_shard") if parts else None
+        if join_map is not None and first is not None:
+            # The join's clock starts where it hands the workers their tokenizer.
+            self.startup.mark("first_shard", at=join_map + float(first))
+        return {"startup": self.startup.as_dict()}
 
     def filtered(self, ctx) -> dict[str, Any]:
         """Stage 2: the kept-row indices and the build report."""
@@ -435,7 +580,7 @@ def _build_in_parts(
             "source": source,
             "captions_path": str(captions_path),
             "progress": progress,
-            "tokenizer": loading.tokenizer,
+            "tokenizer": loading.for_workers,
         },
     )
     return [(f, {**i, "builder": _me()}) for f, i in zip(folders, infos, strict=True)]
@@ -542,6 +687,12 @@ def job_identity(cfg: Config, process) -> tuple[Inputs, str]:
     Raises:
         dist.agreement.RankDisagreementError: the ranks differ (on every rank).
     """
+    inputs, fingerprint, _ = _job_identity(cfg, process)
+    return inputs, fingerprint
+
+
+def _job_identity(cfg: Config, process) -> tuple[Inputs, str, dict[str, Any]]:
+    """:func:`job_identity`, and the encoder's identity."""
     store = _agreement_store(cfg, process)
     if store is not None:
         _agree(cfg, process, store)
@@ -551,7 +702,7 @@ def job_identity(cfg: Config, process) -> tuple[Inputs, str]:
     )
     if store is not None:
         _agree(cfg, process, store, fingerprint=fingerprint)
-    return inputs, fingerprint
+    return inputs, fingerprint, encoder
 
 
 def resolve_job_inputs(cfg: Config, process) -> tuple[Inputs, dict[str, Any]]:
@@ -616,7 +767,9 @@ def _stage(name: str, fn, *, pools: bool = True):
     return Stage(name=name, build=run)
 
 
-def _build_parts_together(cfg, inputs, fingerprint, layout, process, progress, timing):
+def _build_parts_together(
+    cfg, inputs, fingerprint, layout, process, progress, timing, loading=None
+):
     """``build.parallel: ranks``: every rank (of the job, or of the node with
     ``coord.scope: node``) builds its share of the parts on its own accelerator.
 
@@ -642,7 +795,7 @@ def _build_parts_together(cfg, inputs, fingerprint, layout, process, progress, t
     root.mkdir(parents=True, exist_ok=True)
     # The fork server of the parts' join workers imports its libraries, and the model
     # loads, while the caption table is written (or waited for).
-    with clean_workers(), _EncoderLoading(cfg, process) as loading:
+    with clean_workers(), _loading(loading, cfg, process) as loading:
 
         def captions(ctx):
             t0 = time.monotonic()
@@ -683,6 +836,54 @@ def _build_parts_together(cfg, inputs, fingerprint, layout, process, progress, t
     return parts, captions_path, cap.info.get("seconds")
 
 
+def _published_of_name(cfg: Config) -> bool:
+    """Whether a cache of ``cfg.name`` under the cache root has a ``filtered`` marker
+    (any fingerprint; a listing only, nothing trusted from it)."""
+    from dist.layout import marker_name
+
+    try:
+        return any(cfg.cache_root.glob(f"{glob.escape(cfg.name)}-*/{marker_name(STAGES[-1])}"))
+    except OSError:
+        return False
+
+
+def _start_early(stack: contextlib.ExitStack, cfg: Config, process, startup, encoder_ident):
+    """Start, in ``stack`` (which :func:`prepare_cache` began with the workers' fork
+    server), what the join's first shard and the first embedding need beside the
+    workers: the main thread's imports and the encoder's loading thread, with the
+    GIL handed over quickly (:func:`hf_pipeline.workers.pool.quick_gil_handoff`).
+    Returns the :class:`_EncoderLoading`.
+
+    With ``build.parallel: ranks`` and ``device: auto`` on a CUDA host, this thread's
+    current device becomes the rank's own (``cuda:<local rank>``) first: what torch
+    releases on it at the end (the encoder's CUDA graphs, its page-locked buffers) then
+    goes to that GPU, not GPU 0 (issue 28: ranks 1-3 opened a context on GPU 0 while
+    exiting).
+    """
+    stack.enter_context(quick_gil_handoff())
+    loading = stack.enter_context(
+        _EncoderLoading(cfg, process, timeline=startup, encoder_ident=encoder_ident)
+    )
+    _own_device(_encoder_device(cfg, process))
+    return loading
+
+
+def _own_device(device: str) -> None:
+    """Make ``device`` (``cuda:<n>``) this thread's current CUDA device; nothing for a
+    device without an index or off CUDA."""
+    if device.startswith("cuda:"):
+        import torch
+
+        torch.cuda.set_device(device)
+
+
+def _loading(loading: _EncoderLoading | None, cfg: Config, process):
+    """``loading`` (started by :func:`prepare_cache`, which ends it) or a new one."""
+    if loading is not None:
+        return contextlib.nullcontext(loading)
+    return _EncoderLoading(cfg, process)
+
+
 def _folder_lease(folder: Path) -> str:
     """The lease of a published part folder (``part.<lease>``: its name parses)."""
     parsed = parse_stage_dir(folder.name)
@@ -713,11 +914,34 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
     """
     from dist.coordinator import complete_markers, default_builder, ensure_built
     from dist.env import detect
+    from hf_pipeline.build.startup import StartupTimeline
 
     check_not_bootstrapping()
     t0 = time.monotonic()
+    startup = StartupTimeline()
     process = process or detect()
-    inputs, fingerprint = job_identity(cfg, process)
+    ranks = cfg.build.parallel == "ranks" and not cfg.build.pull_from  # a pull downloads
+    # What the join's first shard needs starts first (issue 28: it waited seconds): in
+    # a process that may join shards, the fork server of the join's workers (its own
+    # process imports their libraries) while the inputs are listed; stopped at once
+    # if the cache turns out to be there (else with this call). Not where a cache of
+    # this config's name is published already: most likely the one wanted, found
+    # without the server's start (a second of CPU).
+    early = contextlib.ExitStack()
+    if (
+        not cfg.build.pull_from
+        and cfg.build.effective_num_proc > 1
+        and (ranks or default_builder(process, cfg.coord.scope))
+        and not _published_of_name(cfg)
+    ):
+        early.enter_context(clean_workers())
+        startup.mark("workers_starting")
+    try:
+        inputs, fingerprint, encoder_ident = _job_identity(cfg, process)
+    except BaseException:
+        early.close()
+        raise
+    startup.mark("identity")
     layout = CacheLayout.for_config(cfg, fingerprint)
     if not cfg.data.staging_dir:
         # One staging folder per identity: two builds of the same source on one host
@@ -744,18 +968,25 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
     if not progress:
         ds_utils.disable_progress_bars()
     try:
+        # Whether this process joins shards: then the encoder starts loading now, and
+        # the workers' fork server goes on (see _start_early); else it stops.
+        joins = (
+            not cfg.build.pull_from
+            and complete_markers(layout.root, fingerprint, STAGES[:1]) is None
+            and (ranks or default_builder(process, coord.scope))
+        )
+        if not joins:
+            early.close()
+        loading = _start_early(early, cfg, process, startup, encoder_ident) if joins else None
         parts = captions = captions_seconds = None
-        if (
-            cfg.build.parallel == "ranks"
-            and not cfg.build.pull_from  # a pull downloads; a missing one: one builder
-            and complete_markers(layout.root, fingerprint, STAGES) is None
-        ):
+        if ranks and complete_markers(layout.root, fingerprint, STAGES) is None:
             parts, captions, captions_seconds = _build_parts_together(
-                cfg, inputs, fingerprint, layout, process, progress, timing
+                cfg, inputs, fingerprint, layout, process, progress, timing, loading
             )
         builder = _Builder(
             cfg, inputs, fingerprint, progress, process=process, parts=parts,
             captions_path=captions, captions_seconds=captions_seconds,
+            loading=loading, startup=startup if loading is not None else None,
         )  # fmt: skip
         stages = [
             # With the ranks' parts, converted only assembles them; the filter is in-process.
@@ -781,6 +1012,7 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
             errno.ENOSPC, f"{exc.strerror or exc} (building the cache in)", str(layout.root)
         ) from exc
     finally:
+        early.close()
         if bars_were_on and not progress:
             ds_utils.enable_progress_bars()
     from hf_pipeline.publish.pull import was_pulled

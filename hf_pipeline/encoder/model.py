@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import time
@@ -29,12 +30,18 @@ from hf_pipeline.errors import ConfigError, SourceError
 __all__ = [
     "CaptionTokenizer",
     "CapturedGraphs",
+    "COMPILE_ARTIFACTS_DIR",
+    "CompileArtifacts",
+    "EXPORTED_TOKENIZERS_DIR",
     "EncodeJob",
+    "ExportedTokenizers",
     "MicroBatch",
     "TextEncoder",
     "TokenizerSpec",
     "WorkerTokenizer",
+    "compile_artifacts_key",
     "encoder_identity",
+    "exported_tokenizer_key",
     "full_rows",
     "micro_batches",
     "padded_widths",
@@ -276,6 +283,118 @@ class WorkerTokenizer:
         return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=True)]
 
 
+#: Under the cache root: the tokenizers exported for the join workers, one folder per
+#: :func:`exported_tokenizer_key` (a dot-folder: never listed or cleaned as a cache).
+EXPORTED_TOKENIZERS_DIR = ".tokenizers"
+_EXPORT_VERSION = 1
+
+
+def exported_tokenizer_key(identity: dict[str, Any]) -> str:
+    """What an exported tokenizer depends on: the encoder's identity (model, revision,
+    max_length; :func:`encoder_identity`) and the versions of transformers (which
+    configures the backend) and tokenizers (which serializes it). Read from the
+    installed packages' metadata: importing transformers is what the export saves."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions = {}
+    for name in ("transformers", "tokenizers"):
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:  # pragma: no cover - both are dependencies
+            versions[name] = None
+    text = json.dumps(
+        {"identity": identity, **versions, "v": _EXPORT_VERSION}, sort_keys=True, default=str
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class ExportedTokenizers:
+    """Exported tokenizers (:meth:`CaptionTokenizer.export`) kept under ``folder``, so a
+    build's join workers start tokenizing without this process importing transformers
+    and loading its tokenizer first (4-10 s on a GPU host beside starting workers; the
+    first shard waited for it).
+
+    A folder per key holds ``tokenizer.json`` and ``spec.json`` (the call's settings and
+    the file's sha256), published whole by a rename: a reader sees all of it or nothing.
+    What it reads was written by other processes on a shared root: a spec that does not
+    parse, or whose file does not match its checksum, counts as absent. Process-safe.
+    """
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+
+    def load(self, key: str, *, max_length: int) -> TokenizerSpec | None:
+        """The exported tokenizer of ``key``, or None (absent, or not intact)."""
+        entry = self.folder / key
+        try:
+            meta = json.loads((entry / "spec.json").read_text())
+            path = entry / "tokenizer.json"
+            if not isinstance(meta, dict) or meta.get("version") != _EXPORT_VERSION:
+                return None
+            if meta.get("max_length") != max_length or _file_sha256(path) != meta.get("sha256"):
+                return None
+            return TokenizerSpec(
+                path=str(path),
+                max_length=int(meta["max_length"]),
+                direction=meta["direction"],
+                split_special_tokens=bool(meta["split_special_tokens"]),
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def save(self, key: str, spec: TokenizerSpec) -> None:
+        """Keep ``spec`` (its file is copied) under ``key``; an entry already there is
+        kept. Best effort: a read-only or full root only logs (the build goes on)."""
+        import shutil
+        import uuid
+
+        entry = self.folder / key
+        if entry.exists():
+            return
+        tmp = self.folder / f".tmp-{uuid.uuid4().hex}"
+        try:
+            tmp.mkdir(parents=True)
+            shutil.copyfile(spec.path, tmp / "tokenizer.json")
+            meta = {
+                "version": _EXPORT_VERSION,
+                "max_length": spec.max_length,
+                "direction": spec.direction,
+                "split_special_tokens": spec.split_special_tokens,
+                "sha256": _file_sha256(tmp / "tokenizer.json"),
+            }
+            (tmp / "spec.json").write_text(json.dumps(meta, sort_keys=True))
+            os.rename(tmp, entry)  # another process's entry already there: ours goes
+        except OSError as exc:
+            if not entry.exists():
+                log.info("exported tokenizer not kept under %s: %s", self.folder, exc)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    @staticmethod
+    def matches(spec: TokenizerSpec, tokenizer: CaptionTokenizer) -> bool:
+        """Whether ``spec`` (loaded from this cache) is exactly what ``tokenizer`` exports
+        now: the same backend text and the same call settings."""
+        backend = getattr(tokenizer.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return False
+        text = backend.to_str().encode()
+        return (
+            hashlib.sha256(text).hexdigest() == _file_sha256(Path(spec.path))
+            and spec.max_length == tokenizer.max_length
+            and spec.direction == tokenizer.tokenizer.truncation_side
+            and spec.split_special_tokens
+            == bool(getattr(tokenizer.tokenizer, "split_special_tokens", False))
+        )
+
+
 def _own_cuda_graph_trees() -> None:
     """Give the calling thread torch's CUDA graph-tree state.
 
@@ -349,6 +468,172 @@ class _Laps:
         now = time.monotonic()
         self._into[name] = round(now - self._last, 3)
         self._last = now
+
+
+#: Under the cache root: compiled encoders' torch compile artifacts, one file per
+#: :func:`compile_artifacts_key` (a dot-folder: never listed or cleaned as a cache).
+COMPILE_ARTIFACTS_DIR = ".compiled"
+
+
+def compile_artifacts_key(cfg: EncoderConfig, identity: dict[str, Any], device: str) -> str:
+    """What a compiled encoder's artifacts depend on: the software stack (Python, torch
+    with its CUDA and Triton, transformers), the device's kind (its name and compute
+    capability; the CPU's architecture), the encoder's identity (model and revision)
+    and every config field that shapes the compiled graphs."""
+    import platform
+    import sys
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    stack = {"python": list(sys.version_info[:2]), "torch": torch.__version__}
+    stack["cuda"] = torch.version.cuda
+    for name in ("triton", "transformers"):
+        try:
+            stack[name] = version(name)
+        except PackageNotFoundError:
+            stack[name] = None
+    if device.startswith("cuda"):
+        d = torch.device(device)
+        kind = [torch.cuda.get_device_name(d), list(torch.cuda.get_device_capability(d))]
+    else:
+        kind = [platform.machine(), device]
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "device"}
+    text = json.dumps(
+        {"stack": stack, "device": kind, "identity": identity, "config": fields},
+        sort_keys=True, default=str,
+    )  # fmt: skip
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+class CompileArtifacts:
+    """A compiled encoder's torch compile artifacts, shared through a folder on the
+    cache root: the first process of a job (and of every later job on the same
+    software stack) compiles and saves them (``torch.compiler.save_cache_artifacts``:
+    inductor's graphs, AOTAutograd's, the Triton kernels, the autotuning results, in
+    one blob); every other loads them first (``load_cache_artifacts``), so its compile
+    finds every graph in torch's caches (97 s cold for gemma-3-270m on an H200, each
+    rank of a job again: issue 28).
+
+    Chosen over pointing ``TORCHINDUCTOR_CACHE_DIR`` at the shared root: that changes
+    the whole process's torch (the caller's own compiles too), writes thousands of
+    small files concurrently on NFS, and says nothing of whether it was used; one
+    blob published by a link (never overwritten) is read whole or not at all, and the
+    load is reported.
+
+    Who compiles: the first process to create ``<key>.claim`` (``O_EXCL``); the others
+    wait for ``<key>.bin`` up to ``wait_s`` of their own clock (stopping early when the
+    claimer is a dead process of this host), then compile themselves. Process-safe.
+
+    Args:
+        folder: the shared folder (``<cache root>/.compiled``).
+        key: :func:`compile_artifacts_key`.
+        wait_s: how long a process that did not claim waits for the claimer's blob.
+        poll_s: between looks.
+    """
+
+    def __init__(self, folder: str | os.PathLike, key: str, *, wait_s: float = 300.0,
+                 poll_s: float = 0.5):  # fmt: skip
+        if not wait_s >= 0:
+            raise ValueError(f"wait_s must be >= 0, got {wait_s}")
+        if not poll_s > 0:
+            raise ValueError(f"poll_s must be > 0, got {poll_s}")
+        self.folder = Path(folder)
+        self.key = key
+        self.wait_s = wait_s
+        self.poll_s = poll_s
+        self.blob = self.folder / f"{key}.bin"
+        self._claim = self.folder / f"{key}.claim"
+        self.claimed = False
+
+    def _claimer_dead(self) -> bool:
+        import socket
+
+        try:
+            host, pid = self._claim.read_text().split()
+            if host != socket.gethostname():
+                return False  # another host's process: its clock, not ours, says
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except (OSError, ValueError):
+            return False
+        return False
+
+    def load(self) -> bool:
+        """Load the shared artifacts into this process's torch caches, waiting for the
+        claimer's if another process claimed the compile; True if loaded. False: this
+        process compiles (it claimed, the wait ran out, or the blob did not load); then
+        :meth:`save` after the compile."""
+        import socket
+
+        import torch
+
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            try:
+                data = self.blob.read_bytes()
+            except FileNotFoundError:
+                data = None
+            except OSError as exc:
+                log.info("compile artifacts %s not read: %s", self.blob, exc)
+                return False
+            if data is not None:
+                try:
+                    info = torch.compiler.load_cache_artifacts(data)
+                except Exception as exc:  # torch's own types; a foreign blob is just absent
+                    log.warning("compile artifacts %s not loaded: %s", self.blob, exc)
+                    return False
+                if info is None:  # torch logged why (a checksum that does not match)
+                    log.warning("compile artifacts %s not loaded", self.blob)
+                    return False
+                log.info("compile artifacts loaded from %s (%s)", self.blob, info)
+                return True
+            if not self.claimed:
+                try:
+                    self.folder.mkdir(parents=True, exist_ok=True)
+                    fd = os.open(self._claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                except FileExistsError:
+                    pass
+                except OSError as exc:  # a read-only root: compile, share nothing
+                    log.info("compile artifacts not shared under %s: %s", self.folder, exc)
+                    return False
+                else:
+                    with os.fdopen(fd, "w") as f:
+                        f.write(f"{socket.gethostname()} {os.getpid()}\n")
+                    self.claimed = True
+                    return False
+            if time.monotonic() >= deadline or self._claimer_dead():
+                return False
+            time.sleep(self.poll_s)
+
+    def save(self) -> bool:
+        """Publish this process's compile artifacts (create-if-absent: a blob already
+        there stays); True if this call published them. Best effort: an unwritable
+        root only logs."""
+        import torch
+
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is None or self.blob.exists():
+            return False
+        data, _info = saved
+        tmp = self.folder / f".tmp-{os.getpid()}-{self.key}"
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(tmp, self.blob)
+            return True
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            log.info("compile artifacts not shared under %s: %s", self.folder, exc)
+            return False
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
 
 class TextEncoder:
@@ -618,6 +903,21 @@ class TextEncoder:
         if self.device == "cpu":
             return
         self._on_graph_thread(self._warm_up)
+
+    def warm_up_shared(self, shared: CompileArtifacts | None) -> None:
+        """:meth:`warm_up`, a compiled encoder's from ``shared`` artifacts when another
+        process compiled it (:class:`CompileArtifacts`): loaded before, or published
+        after. ``load_seconds`` then say ``compile_artifacts`` (``loaded``,
+        ``published`` or ``compiled``) and ``compile_artifacts_wait`` (seconds)."""
+        if not self._compiled or shared is None or self.device == "cpu":
+            self.warm_up()
+            return
+        t0 = time.monotonic()
+        loaded = shared.load()
+        self.load_seconds["compile_artifacts_wait"] = round(time.monotonic() - t0, 3)
+        self.warm_up()
+        how = "loaded" if loaded else ("published" if shared.save() else "compiled")
+        self.load_seconds["compile_artifacts"] = how  # type: ignore[assignment]
 
     def _warm_up(self) -> None:
         t0 = time.monotonic()
@@ -1005,10 +1305,14 @@ def micro_batches(
     return out
 
 
-def describe_device() -> str:
-    """One line naming where the encoder will run (for logs)."""
+def describe_device(device: str | None = None) -> str:
+    """One line naming ``device`` (default: where ``encoder.device: auto`` runs), for logs.
+
+    Asks about that device only: never GPU 0 for a rank given another (issue 28)."""
     import torch
 
-    if torch.cuda.is_available():
-        return f"cuda ({torch.cuda.get_device_name(0)})"
-    return f"cpu ({torch.get_num_threads()} threads)"
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
+    return f"{device} ({torch.get_num_threads()} threads)"

@@ -12,7 +12,8 @@ can be traced to its run::
      "results": <the script's own payload, unchanged>}
 
 ``commit`` is that of the repository this file lives in. The GPU hosts receive a copy of
-the working tree that may lack ``.git``: then ``commit`` is ``"unknown"`` and ``dirty``
+the working tree that may lack ``.git``: then ``commit`` is ``HF_PIPELINE_BENCH_COMMIT``
+(set by ``benchmarks/gpu_session.sh --commit SHA``) or ``"unknown"``, and ``dirty``
 is ``null`` (never the commit of some enclosing repository the copy happens to sit in).
 ``dirty`` counts tracked changes and untracked files, except result files (under
 ``benchmarks/results/`` and the file being written): an untracked module is code that
@@ -122,7 +123,10 @@ def _commit(repo: Path, written: Path | None) -> tuple[str, bool | None]:
     top = _run_tool([*git, "rev-parse", "--show-toplevel"])
     # A copy without .git inside another checkout would report that checkout's commit.
     if top is None or Path(top.strip()).resolve() != repo.resolve():
-        return "unknown", None
+        # A GPU host's copy of the tree has no .git: the commit it was sent from, as
+        # the sender says (benchmarks/gpu_session.sh --commit), dirty unknown.
+        sent = os.environ.get("HF_PIPELINE_BENCH_COMMIT", "").strip()
+        return (sent or "unknown"), None
     head = _run_tool([*git, "rev-parse", "HEAD"])
     status = _run_tool([*git, "status", "--porcelain", "--untracked-files=all"])
     if head is None:

@@ -883,3 +883,41 @@ def test_compile_artifacts_wait_for_the_claimer_then_compile_themselves(tmp_path
     assert time.monotonic() - t0 >= 0.3
     (tmp_path / "k.bin").write_bytes(b"not torch's")  # a foreign blob: absent, not a crash
     assert CompileArtifacts(tmp_path, "k", wait_s=0).load() is False
+
+
+def test_a_causal_decoder_runs_without_the_padding_mask_and_embeds_as_each_row_alone(tmp_path):
+    """Issue 28 (MFU): a causal decoder (gemma-3 shape; sliding window shorter than the
+    rows) runs its micro-batches without the padding mask (SDPA's causal kernel); each
+    row still embeds as its own unpadded forward does (within float noise). BERT keeps
+    its path."""
+    import pyarrow as pa
+    import torch
+    from transformers import AutoModel, AutoTokenizer, BertConfig, Gemma3TextConfig
+
+    from hf_pipeline.encoder.model import resolve_encoder_path
+
+    torch.manual_seed(0)
+    folder = tmp_path / "gemma"
+    AutoModel.from_config(
+        Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
+                         head_dim=16, max_position_embeddings=512, sliding_window=8)
+    ).save_pretrained(folder)  # fmt: skip
+    AutoTokenizer.from_pretrained(resolve_encoder_path("minilm")).save_pretrained(folder)
+    enc = TextEncoder(EncoderConfig(model=str(folder), device="cpu", max_length=40))
+    assert enc.causal
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(5, 290, size=int(n)).tolist() for n in rng.integers(1, 40, size=50)]
+    got = enc.encode_ids(pa.array(rows, type=pa.list_(pa.int32())))
+    with torch.no_grad():
+        alone = np.stack([
+            enc.model(input_ids=torch.tensor([r])).last_hidden_state[0].float().mean(0).numpy()
+            for r in rows
+        ])  # fmt: skip
+    np.testing.assert_allclose(got, alone, rtol=1e-4, atol=2e-5)
+    bert = AutoModel.from_config(
+        BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    )  # fmt: skip
+    from hf_pipeline.encoder.model import _causal_decoder
+
+    assert not _causal_decoder(bert)

@@ -733,19 +733,22 @@ class TextEncoder:
         # BERT: micro-batches without padding run without an attention mask (see
         # _pool_unmasked); other models: every micro-batch through the model's forward.
         unmasked = _unmasked_bert(self.model)
+        #: A causal decoder (gemma-3) runs without the padding mask (_pool_causal).
+        self.causal = _causal_decoder(self.model)
+        forward = self._pool_causal if self.causal else self._pool
         if self.compile_mode == "eager":
-            self._forward = self._pool
+            self._forward = forward
             self._forward_unmasked = self._pool_unmasked if unmasked else None
         elif self.compile_mode == "graphs":
             pool = torch.cuda.graph_pool_handle()  # one memory pool for all the shapes
-            self._forward = CapturedGraphs(self._pool, pool)
+            self._forward = CapturedGraphs(forward, pool)
             self._forward_unmasked = CapturedGraphs(self._pool_unmasked, pool) if unmasked else None
         else:
             # dynamic=None: the first shape compiles static, the second recompiles with
             # symbolic sizes and serves every later shape (a compile per shape would hit
             # dynamo's recompile limit, 8, and silently run eager beyond it).
             mode = None if self.compile_mode == "default" else self.compile_mode
-            self._forward = torch.compile(self._pool, mode=mode, dynamic=None)
+            self._forward = torch.compile(forward, mode=mode, dynamic=None)
             self._forward_unmasked = (
                 torch.compile(self._pool_unmasked, mode=mode, dynamic=None) if unmasked else None
             )
@@ -978,6 +981,17 @@ class TextEncoder:
         m = mask.unsqueeze(-1).to(hidden.dtype)
         return self._finish((hidden * m).sum(1) / m.sum(1).clamp(min=1))
 
+    def _pool_causal(self, input_ids, mask):
+        """:meth:`_pool` of a causal decoder (see :func:`_causal_decoder`), its forward
+        without the padding mask. A micro-batch's rows are padded on the right, so a real
+        token attends only to real tokens before it with or without that mask, and only
+        real tokens are pooled: the same embeddings (within float noise), while the model
+        builds no 4-D mask and SDPA runs its causal kernel (flash attention on CUDA)
+        instead of a masked one."""
+        hidden = self.model(input_ids=input_ids).last_hidden_state
+        m = mask.unsqueeze(-1).to(hidden.dtype)
+        return self._finish((hidden * m).sum(1) / m.sum(1).clamp(min=1))
+
     def _finish(self, pooled):
         """Pooled rows as float32, L2-normalised with ``encoder.normalize``."""
         if self.cfg.normalize:
@@ -1091,6 +1105,16 @@ def _unmasked_bert(model) -> bool:
         and not getattr(cfg, "is_decoder", False)
         and not getattr(cfg, "add_cross_attention", False)
     )
+
+
+def _causal_decoder(model) -> bool:
+    """Whether every attention layer of ``model`` is causal (a decoder-only model such as
+    gemma-3, not one configured bidirectional): transformers marks each with
+    ``is_causal``; BERT's say False."""
+    flags = [
+        m.is_causal for m in model.modules() if isinstance(getattr(m, "is_causal", None), bool)
+    ]
+    return bool(flags) and all(flags)
 
 
 class _DeviceSequences:

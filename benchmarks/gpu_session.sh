@@ -98,9 +98,12 @@ else
   MFU=(--models gemma --dtypes bfloat16 --variants eager,defaults --gemma-rows 30000 --repeat 2)
 fi
 
-# 1. The 100k-row demo by a fresh process, 5 times (16 workers: DATASET_NUM_PROC).
-step fresh_100k 60 env DATASET_NUM_PROC="$((NCPU < 16 ? NCPU : 16))" \
-  "$PY" benchmarks/bench_build_gpu.py "${FRESH[@]}" --random-minilm "$TOK" \
+# 1. The 100k-row demo by a fresh process, 5 times, on 16 CPUs of its own (a node's share
+#    of the hosts; 16 workers: DATASET_NUM_PROC) and GPU 0.
+PIN=()
+if [ "$NCPU" -ge 16 ] && command -v taskset >/dev/null; then PIN=(taskset -c 0-15); fi
+step fresh_100k 60 env DATASET_NUM_PROC="$((NCPU < 16 ? NCPU : 16))" CUDA_VISIBLE_DEVICES=0 \
+  "${PIN[@]}" "$PY" benchmarks/bench_build_gpu.py "${FRESH[@]}" --random-minilm "$TOK" \
   --work-dir "$WORK/fresh" --json "$OUT/fresh_100k.json"
 rm -rf "$WORK/fresh"
 

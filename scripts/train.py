@@ -21,8 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hf_pipeline import cli  # noqa: E402
-from hf_pipeline.commands import exit_now, train  # noqa: E402
+from hf_pipeline.commands import train  # noqa: E402
 
 if __name__ == "__main__":
-    # Out at once once the output is written (hf_pipeline.commands.exit_now).
-    exit_now(cli.run(train.main, train.parser()))
+    sys.exit(cli.run(train.main, train.parser()))

@@ -138,8 +138,9 @@ def exit_now(code: int) -> NoReturn:
     thread, whose current device was GPU 0. Everything a command leaves is on disk
     before this (markers are fsync'd; ``--json`` and the report are closed files), the
     fork server of the build's workers dies with the process (PR_SET_PDEATHSIG, see
-    :mod:`hf_pipeline.workers.pool`). For the scripts' entry points only: a program
-    that calls the library keeps its own shut-down.
+    :mod:`hf_pipeline.workers.pool`). For the build scripts' entry points only: a
+    program that calls the library keeps its own shut-down, and so does ``train.py``
+    (``jax.distributed`` says goodbye to its peers at exit).
     """
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
@@ -149,4 +150,4 @@ def exit_now(code: int) -> NoReturn:
 
 
 if __name__ == "__main__":
-    exit_now(main())
+    sys.exit(main())

@@ -22,7 +22,7 @@ an earlier run (or another version of the code) compiled nor hides the compile t
 fresh node pays.
 
 ``--fresh-process-runs N`` measures the build as a user runs it instead: N times, the
-caches removed (the generated demo, the kept tokenizer exports and compile artifacts
+caches and the part store removed (the generated demo and the compile artifacts
 stay, as on a node that built before), ``scripts/prebuild_cache.py`` runs as a fresh
 subprocess with the same overrides; each wall is its start to its exit
 (``fresh_process_walls_s``), with each build's start-up timeline from its report
@@ -53,8 +53,12 @@ from benchmarks.random_models import (  # noqa: E402
 def _remove_caches(cache_root: Path) -> None:
     import shutil
 
+    from hf_pipeline.build.part_store import PARTS_DIR
+
     for old in cache_root.iterdir() if cache_root.is_dir() else ():
-        if not old.name.startswith("."):  # .demo-data, .staging, .tokenizers, .compiled
+        # Kept: .demo-data, .staging, .compiled. The stored parts go: a run that found
+        # them would build nothing.
+        if not old.name.startswith(".") or old.name == PARTS_DIR:
             shutil.rmtree(old)
 
 
@@ -157,12 +161,8 @@ def main() -> int:
         *args.set,
     ]
     cfg = load_config(None, overrides)
-    if args.rebuild and (work / "cache").is_dir():
-        import shutil
-
-        for old in (work / "cache").iterdir():
-            if not old.name.startswith("."):  # .demo-data, .staging: inputs, not caches
-                shutil.rmtree(old)
+    if args.rebuild:
+        _remove_caches(work / "cache")
     # The demo is generated once (timed apart): the figures are the build's.
     from hf_pipeline.build.prepare import resolve_inputs
 

@@ -168,6 +168,8 @@ def _child(spec: dict) -> int:
         "seconds_captions": r.get("seconds_captions"),
         "seconds_assemble": r.get("seconds_assemble"),
         "parts": r["parts"],
+        # The builder's start-up timeline (rank 0's report: its own process).
+        "startup": r.get("startup"),
     }
     Path(spec["result"]).write_text(json.dumps(out, indent=1))
     if group:
@@ -489,7 +491,11 @@ def main(argv=None) -> int:
     ap.add_argument("--_child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._child:
-        return _child(json.loads(args._child))
+        from hf_pipeline.commands import exit_now
+
+        # Out as scripts/prebuild_cache.py goes once its output is written: the wall
+        # counts to the last process's exit, not the interpreter's shut-down (issue 28).
+        exit_now(_child(json.loads(args._child)))
     # `timeout` sends SIGTERM: unwind, so that the builds' process groups are killed and
     # the temporary folder removed (the children run in sessions of their own).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))

@@ -42,7 +42,13 @@ from typing import Any
 
 logger = logging.getLogger("dist")
 
-__all__ = ["EnvironmentConflictError", "ProcessInfo", "detect", "jax_initialize_args"]
+__all__ = [
+    "EnvironmentConflictError",
+    "ProcessInfo",
+    "detect",
+    "imported_module",
+    "jax_initialize_args",
+]
 
 
 class EnvironmentConflictError(ValueError):
@@ -216,8 +222,24 @@ def _env_readings(environ: Mapping[str, str]) -> list[_Reading]:
     return readings
 
 
+def imported_module(name: str) -> Any | None:
+    """The module ``name`` if the program has imported it whole, else None.
+
+    Not one that a thread is still importing: ``sys.modules`` holds a module from the
+    start of its import, and another thread reading it then finds half of its names
+    (seen on a 4xH200 host: ``partially initialized module 'torch.distributed' has no
+    attribute 'is_available'`` while the encoder's loading thread imported it, issue
+    28). A module being imported cannot have been set up by the program yet (no process
+    group, no client), so it is as good as absent. Thread-safe.
+    """
+    module = sys.modules.get(name)
+    if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
+        return None
+    return module
+
+
 def _torch_rank() -> tuple[int, int] | None:
-    torch_dist = sys.modules.get("torch.distributed")
+    torch_dist = imported_module("torch.distributed")
     if torch_dist is None:
         return None
     try:

@@ -89,7 +89,9 @@ def job_client(torch_client: Callable[[Any], Any], what: str) -> Any | None:
         what: what the caller makes of the store, for the warning when there is none
             to be had (``"no torch.distributed <what>: <error>"``).
     """
-    torch_dist = sys.modules.get("torch.distributed")
+    from dist.env import imported_module
+
+    torch_dist = imported_module("torch.distributed")  # never one a thread is importing
     try:
         if torch_dist is not None and torch_dist.is_available() and torch_dist.is_initialized():
             from torch.distributed import distributed_c10d

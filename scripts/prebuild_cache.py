@@ -24,7 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hf_pipeline import cli  # noqa: E402
-from hf_pipeline.commands import prebuild  # noqa: E402
+from hf_pipeline.commands import exit_now, prebuild  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(cli.run(prebuild.main, prebuild.parser()))
+    # Out at once once the output is written (hf_pipeline.commands.exit_now).
+    exit_now(cli.run(prebuild.main, prebuild.parser()))

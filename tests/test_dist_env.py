@@ -273,3 +273,54 @@ def test_rank_disagreement_error_pickles_with_rank_and_field():
 
     e = pickle.loads(pickle.dumps(RankDisagreementError("ranks disagree", 3, "world_size")))
     assert (str(e), e.rank, e.field, e.input_error) == ("ranks disagree", 3, "world_size", True)
+
+
+_RACE = r"""
+import logging, sys, threading
+
+from dist.env import detect
+from dist.kvstore import job_client
+
+warnings = []
+
+
+class Keep(logging.Handler):
+    def emit(self, record):
+        warnings.append(record.getMessage())
+
+
+logging.getLogger("dist").addHandler(Keep())
+# torch imports torch.distributed (and puts it in sys.modules) early in its own import:
+# a thread importing torch leaves a partial torch.distributed there for a while.
+importer = threading.Thread(target=lambda: __import__("torch"))
+importer.start()
+partial_seen = 0
+while importer.is_alive():
+    module = sys.modules.get("torch.distributed")
+    if module is not None and getattr(module.__spec__, "_initializing", False):
+        partial_seen += 1
+    job_client(lambda store: store, "store")
+    detect()
+importer.join(timeout=300)
+assert sys.modules["torch.distributed"].is_available() in (True, False)
+print("partial_seen", partial_seen)
+print("warnings", warnings)
+"""
+
+
+def test_a_module_another_thread_is_importing_is_absent_not_half_read():
+    """Issue 28: while a thread imported torch, the doorbell's store lookup on the main
+    thread read a partial torch.distributed (``has no attribute 'is_available'``) and
+    warned. Reproduced with the real import in a fresh interpreter: the lookups run all
+    through the import; none may warn, and the window must have been hit."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    p = subprocess.run(
+        [sys.executable, "-c", _RACE], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert p.returncode == 0, p.stderr
+    lines = dict(line.split(" ", 1) for line in p.stdout.splitlines())
+    assert int(lines["partial_seen"]) > 0, "the import's window was not hit: nothing was tested"
+    assert lines["warnings"] == "[]", lines["warnings"]

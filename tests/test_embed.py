@@ -849,3 +849,106 @@ def test_a_decoder_encodes_without_its_kv_cache(tmp_path):
     m = mask.unsqueeze(-1).float()
     expected = ((out.last_hidden_state * m).sum(1) / m.sum(1)).numpy()
     np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+def test_a_compiled_encoder_is_compiled_once_and_loaded_by_the_next_process(tmp_path):
+    """Issue 28: each rank compiled the same graphs again. The first process publishes
+    its compile artifacts under the shared folder; the second, with local torch caches
+    of its own (another host's), loads them and its compile hits inductor's and
+    AOTAutograd's caches; the embeddings are the same. (On the CPU the C++ of the
+    kernels is still built per process: the time saved is a GPU host's.)"""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    from tests.conftest import REPO, script_env
+
+    folder = tmp_path / "bert"
+    folder.mkdir()
+    words = [f"w{i}" for i in range(50)]
+    (folder / "vocab.txt").write_text(
+        "\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n"
+    )
+    BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
+    torch.manual_seed(0)
+    BertModel(
+        BertConfig(vocab_size=55, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                   intermediate_size=64, max_position_embeddings=64)
+    ).save_pretrained(folder)  # fmt: skip
+    runs = []
+    for i in (1, 2):
+        p = subprocess.run(
+            [sys.executable, str(REPO / "tests/procs/compile_artifacts.py"), str(folder),
+             str(tmp_path / "shared")],
+            env=script_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"inductor{i}")),
+            capture_output=True, text=True, timeout=900,
+        )  # fmt: skip
+        assert p.returncode == 0, p.stderr
+        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert (first["loaded"], first["published"]) == (False, True)
+    assert first["inductor"].get("fxgraph_cache_miss", 0) >= 1
+    assert (second["loaded"], second["published"]) == (True, False)
+    assert second["inductor"].get("fxgraph_cache_hit", 0) >= 1
+    assert second["inductor"].get("fxgraph_cache_miss", 0) == 0
+    assert second["aot_autograd"].get("autograd_cache_hit", 0) >= 1
+    np.testing.assert_allclose(second["embedding"], first["embedding"], rtol=1e-5, atol=1e-6)
+
+
+def test_compile_artifacts_wait_for_the_claimer_then_compile_themselves(tmp_path):
+    from hf_pipeline.encoder.model import CompileArtifacts
+
+    with pytest.raises(ValueError, match="wait_s must be >= 0, got -1"):
+        CompileArtifacts(tmp_path, "k", wait_s=-1)
+    first = CompileArtifacts(tmp_path, "k", wait_s=0)
+    assert first.load() is False and first.claimed  # nothing there: it compiles
+    # A second process (another host's claim: never judged dead by this host) waits
+    # its bound, then compiles too.
+    (tmp_path / "k.claim").write_text("another-host 1\n")
+    other = CompileArtifacts(tmp_path, "k", wait_s=0.3, poll_s=0.05)
+    t0 = time.monotonic()
+    assert other.load() is False and not other.claimed
+    assert time.monotonic() - t0 >= 0.3
+    (tmp_path / "k.bin").write_bytes(b"not torch's")  # a foreign blob: absent, not a crash
+    assert CompileArtifacts(tmp_path, "k", wait_s=0).load() is False
+
+
+def test_a_causal_decoder_runs_without_the_padding_mask_and_embeds_as_each_row_alone(tmp_path):
+    """Issue 28 (MFU): a causal decoder (gemma-3 shape; sliding window shorter than the
+    rows) runs its micro-batches without the padding mask (SDPA's causal kernel); each
+    row still embeds as its own unpadded forward does (within float noise). BERT keeps
+    its path."""
+    import pyarrow as pa
+    import torch
+    from transformers import AutoModel, AutoTokenizer, BertConfig, Gemma3TextConfig
+
+    from hf_pipeline.encoder.model import resolve_encoder_path
+
+    torch.manual_seed(0)
+    folder = tmp_path / "gemma"
+    AutoModel.from_config(
+        Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
+                         head_dim=16, max_position_embeddings=512, sliding_window=8)
+    ).save_pretrained(folder)  # fmt: skip
+    AutoTokenizer.from_pretrained(resolve_encoder_path("minilm")).save_pretrained(folder)
+    enc = TextEncoder(EncoderConfig(model=str(folder), device="cpu", max_length=40))
+    assert enc.causal
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(5, 290, size=int(n)).tolist() for n in rng.integers(1, 40, size=50)]
+    got = enc.encode_ids(pa.array(rows, type=pa.list_(pa.int32())))
+    with torch.no_grad():
+        alone = np.stack([
+            enc.model(input_ids=torch.tensor([r])).last_hidden_state[0].float().mean(0).numpy()
+            for r in rows
+        ])  # fmt: skip
+    np.testing.assert_allclose(got, alone, rtol=1e-4, atol=2e-5)
+    bert = AutoModel.from_config(
+        BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    )  # fmt: skip
+    from hf_pipeline.encoder.model import _causal_decoder
+
+    assert not _causal_decoder(bert)

@@ -132,3 +132,48 @@ def test_a_forward_that_cannot_be_captured_runs_eager_with_one_warning(caplog):
     ok = CapturedGraphs(lambda t: t * 2, torch.cuda.graph_pool_handle())
     torch.testing.assert_close(ok(x).clone(), x * 2)
     assert len(ok) == 1
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_a_rank_given_gpu_1_never_opens_a_context_on_gpu_0_not_even_at_exit(bert_dir):
+    """Issue 28: ranks 1-3 of `compile: graphs` builds opened a ~520 MiB context on GPU 0
+    while exiting (CUDA graphs released from the main thread, whose device was 0). The
+    process given GPU 1 is watched (NVML) while it runs and while it shuts down."""
+    import subprocess
+    import sys
+    import time
+
+    import pynvml
+
+    from tests.conftest import REPO, script_env
+
+    pynvml.nvmlInit()
+    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in (0, 1)]
+
+    def gpus_of(pid: int) -> set[int]:
+        held = set()
+        for i, h in enumerate(handles):
+            if any(p.pid == pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)):
+                held.add(i)
+        return held
+
+    p = subprocess.Popen(
+        [sys.executable, str(REPO / "tests/procs/gpu_owner.py"), "1", str(bert_dir)],
+        env=script_env(),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        running = gpus_of(p.pid)
+        if 1 not in running:
+            pytest.skip("NVML does not list this host's processes (a container?)")
+        seen = set(running)
+        p.stdin.write("\n")
+        p.stdin.flush()
+        while p.poll() is None:  # the shut-down: where GPU 0 was touched
+            seen |= gpus_of(p.pid)
+            time.sleep(0.005)
+    finally:
+        p.kill()
+        p.wait(timeout=60)
+    assert seen == {1}, f"the process held contexts on GPUs {sorted(seen)}"

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import glob
 import hashlib
 import json
 import logging
@@ -252,33 +253,40 @@ def _save_captions(cfg: Config, inputs: Inputs, path: Path):
 
 class _EncoderLoading:
     """This process's caption tokenizer and encoder, loading on a thread of their own
-    from the start of the build: the tokenizer first (the join's workers need it,
-    exported, before the model), then the model (``.encoder``, a future), which is
-    ready when the first embedding starts.
+    from the start of the build: the tokenizer first, then the model (``.encoder``, a
+    future), which is ready when the first embedding starts.
 
     Measured on a 4xH100 host (1M rows): starting the model only after the caption
     table made the join's first shard later (4.6-7.5 s against 4.0 s), as its loading
     (imports, ``torch.compile``, the warm-up) then met the pool's start; the stages hand
     the GIL over within 1 ms instead (:func:`hf_pipeline.workers.pool.quick_gil_handoff`).
 
-    ``transformers.PreTrainedTokenizerBase`` is resolved here first: ``datasets`` reads
-    that attribute (when ``transformers`` is in ``sys.modules``) while it fingerprints,
-    and transformers' lazy module must never resolve it while the loading thread is
-    importing. Only that (0.5 s): the model classes (seconds on a GPU host, where torch
-    loads its CUDA libraries) are imported by the loading thread, off the critical path.
+    What the loading thread imports is imported on the calling (main) thread first
+    (:func:`_import_before_threads`): ``datasets`` reads ``transformers`` and ``torch``
+    from ``sys.modules`` while it fingerprints, and ``dist`` reads ``torch.distributed``
+    there; a module another thread is still importing is a partial one.
 
     A context manager: leaving it waits for the loading thread.
     """
 
-    def __init__(self, cfg: Config, process):
-        from transformers import PreTrainedTokenizerBase  # noqa: F401
+    def __init__(self, cfg: Config, process, *, timeline=None, encoder_ident=None):
+        from hf_pipeline.build.startup import StartupTimeline
 
+        _import_before_threads(timeline)
+        started = time.monotonic()
+        self.timeline = timeline if timeline is not None else StartupTimeline()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hf_pipeline-encoder-load")
+        self.tokenizer = self._pool.submit(self._load_tokenizer, cfg)
+        self.encoder = self._pool.submit(
+            _encoder, cfg, process, self.tokenizer, started, self.timeline, encoder_ident
+        )
+
+    def _load_tokenizer(self, cfg: Config):
         from hf_pipeline.encoder.model import CaptionTokenizer
 
-        started = time.monotonic()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hf_pipeline-encoder-load")
-        self.tokenizer = self._pool.submit(CaptionTokenizer, cfg.encoder)
-        self.encoder = self._pool.submit(_encoder, cfg, process, self.tokenizer, started)
+        tokenizer = CaptionTokenizer(cfg.encoder)
+        self.timeline.mark("tokenizer")
+        return tokenizer
 
     def __enter__(self) -> _EncoderLoading:
         return self
@@ -287,7 +295,26 @@ class _EncoderLoading:
         self._pool.shutdown(wait=True)
 
 
-def _encoder(cfg: Config, process, tokenizer, started: float):
+def _import_before_threads(timeline=None) -> None:
+    """Import on this (the main) thread what the build's threads import: torch (and
+    ``torch.distributed``, which transformers imports) and transformers' tokenizer base
+    class. Another thread's import in progress leaves a partial module in
+    ``sys.modules``, where ``datasets``' pickler (``transformers.PreTrainedTokenizerBase``)
+    and the doorbell (``torch.distributed.is_available``) look: seen on a 4xH200 host,
+    ``no torch.distributed doorbell, polling only: partially initialized module
+    'torch.distributed' has no attribute 'is_available'`` (issue 28). The main thread
+    needs torch before the join anyway (the first shard's header, the device); the
+    fork server imports its own meanwhile."""
+    import torch
+    import torch.distributed  # noqa: F401
+    from transformers import PreTrainedTokenizerBase  # noqa: F401
+
+    del torch
+    if timeline is not None:
+        timeline.mark("imports")
+
+
+def _encoder(cfg: Config, process, tokenizer, started: float, timeline=None, encoder_ident=None):
     """The encoder of this process: with ``build.parallel: ranks`` and ``device: auto``,
     each rank of a node on its own GPU (``cuda:<local rank>``). Its ``load_seconds``
     also count the ``tokenizer`` loaded before it and the loading's whole span since
@@ -295,22 +322,45 @@ def _encoder(cfg: Config, process, tokenizer, started: float):
     tokenizer_seconds = time.monotonic() - started  # the tokenizer loaded first
     from hf_pipeline.encoder.model import TextEncoder, describe_device
 
-    enc_cfg = cfg.encoder
-    if cfg.build.parallel == "ranks" and enc_cfg.device == "auto" and process is not None:
-        import torch
-
-        if torch.cuda.is_available():
-            device = f"cuda:{process.local_rank % torch.cuda.device_count()}"
-            enc_cfg = dataclasses.replace(enc_cfg, device=device)
+    enc_cfg = dataclasses.replace(cfg.encoder, device=_encoder_device(cfg, process))
     encoder = TextEncoder(enc_cfg, tokenizer=tokenizer.result())
-    encoder.warm_up()  # while the join runs: the first batches then run at full speed
+    # While the join runs: the first batches then run at full speed. A compiled encoder
+    # is compiled once per job and software stack: the first process shares its
+    # artifacts through the cache root, the others load them (CompileArtifacts).
+    shared = None
+    if encoder_ident is not None:
+        from hf_pipeline.encoder.model import (
+            COMPILE_ARTIFACTS_DIR,
+            CompileArtifacts,
+            compile_artifacts_key,
+        )
+
+        key = compile_artifacts_key(enc_cfg, encoder_ident, encoder.device)
+        shared = CompileArtifacts(cfg.cache_root / COMPILE_ARTIFACTS_DIR, key)
+    encoder.warm_up_shared(shared)
     encoder.load_seconds = {
         "tokenizer": round(tokenizer_seconds, 3),
         **encoder.load_seconds,
         "ready": round(time.monotonic() - started, 3),
     }
-    log.info("encoder %s (dim %d) on %s", enc_cfg.model, encoder.dim, describe_device())
+    if timeline is not None:
+        timeline.mark("encoder")
+    log.info(
+        "encoder %s (dim %d) on %s", enc_cfg.model, encoder.dim, describe_device(encoder.device)
+    )
     return encoder
+
+
+def _encoder_device(cfg: Config, process) -> str:
+    """``encoder.device``, or with ``build.parallel: ranks`` and ``device: auto`` on a
+    CUDA host, this rank's own GPU (``cuda:<local rank>``)."""
+    device = cfg.encoder.device
+    if cfg.build.parallel == "ranks" and device == "auto" and process is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            device = f"cuda:{process.local_rank % torch.cuda.device_count()}"
+    return device
 
 
 class _Builder:
@@ -331,6 +381,8 @@ class _Builder:
         process=None,
         parts: BuiltParts | None = None,
         timing: Mapping[str, Any] | None = None,
+        loading: _EncoderLoading | None = None,
+        startup=None,
     ):
         self.cfg = cfg
         self.inputs = inputs
@@ -339,6 +391,8 @@ class _Builder:
         self.process = process
         self.parts = parts
         self.timing = dict(timing or {})
+        self.loading = loading  # started by prepare_cache (None: by _ensure_parts)
+        self.startup = startup  # prepare_cache's StartupTimeline (None: not reported)
 
     def converted(self, ctx) -> dict[str, Any]:
         """Stage 1: the parts (built by the ranks, or here: only those the store does not
@@ -352,12 +406,16 @@ class _Builder:
         if built is None:  # one builder: every part is ours
             built = _ensure_parts(
                 self.cfg, self.inputs, self.fingerprint, self.process, self.progress,
-                self.timing, count=1, me=0, on_phase=ctx.set_phase,
+                self.timing, count=1, me=0, on_phase=ctx.set_phase, loading=self.loading,
+                startup=self.startup,
             )  # fmt: skip
         ctx.check_ownership()
         table = CaptionTable.open(str(built.captions_path))
         info = assemble(tmp, built.parts, table=table, probe=ctx.probe)
-        return {**info, "seconds_captions": built.captions_seconds, "reuse": built.reuse}
+        startup = {} if self.startup is None else {"startup": self.startup.as_dict()}
+        return {
+            **info, "seconds_captions": built.captions_seconds, "reuse": built.reuse, **startup,
+        }  # fmt: skip
 
     def filtered(self, ctx) -> dict[str, Any]:
         """Stage 2: the kept-row indices and the build report."""
@@ -481,6 +539,14 @@ def job_identity(cfg: Config, process, *, progress: bool = False) -> tuple[Input
     Raises:
         dist.agreement.RankDisagreementError: the ranks differ (on every rank).
     """
+    inputs, fingerprint, _ = _job_identity(cfg, process, progress=progress)
+    return inputs, fingerprint
+
+
+def _job_identity(
+    cfg: Config, process, *, progress: bool = False
+) -> tuple[Inputs, str, dict[str, Any]]:
+    """:func:`job_identity`, and the encoder's identity."""
     store = _agreement_store(cfg, process)
     if store is not None:
         _agree(cfg, process, store)
@@ -491,7 +557,7 @@ def job_identity(cfg: Config, process, *, progress: bool = False) -> tuple[Input
     fingerprint = _earlier_release_fingerprint(cfg, inputs, encoder, fingerprint)
     if store is not None:
         _agree(cfg, process, store, fingerprint=fingerprint)
-    return inputs, fingerprint
+    return inputs, fingerprint, dict(encoder)
 
 
 def _earlier_release_fingerprint(
@@ -704,9 +770,25 @@ def _stored_join(part, table):
     return part
 
 
+def _planned_parts(cfg: Config, inputs: Inputs) -> tuple[list[Any], bool]:
+    """The parts of the build (:func:`hf_pipeline.build.part_store.stored_parts`), and
+    whether some embedding is not stored under this caption table yet (else no model
+    is needed)."""
+    from dist.coordinator import complete_markers as unit_markers
+    from hf_pipeline.build.part_store import stored_parts
+    from hf_pipeline.encoder.model import encoder_identity
+
+    planned = stored_parts(
+        cfg, shards=inputs.shards, metadata=inputs.metadata.identity(),
+        encoder=encoder_identity(cfg.encoder),
+    )  # fmt: skip
+    return planned, any(unit_markers(p.embed_dir, p.embed_id, ["embed"]) is None for p in planned)
+
+
 def _ensure_parts(
-    cfg, inputs, fingerprint, process, progress, timing, *, count: int, me: int, on_phase=None
-) -> BuiltParts:
+    cfg, inputs, fingerprint, process, progress, timing, *, count: int, me: int, on_phase=None,
+    loading: _EncoderLoading | None = None, startup=None,
+) -> BuiltParts:  # fmt: skip
     """Find or build every part of the build in the part store
     (:mod:`hf_pipeline.build.part_store`): the caption table, then per part its join
     and its embedding, each a cache unit of its own built through
@@ -717,14 +799,16 @@ def _ensure_parts(
 
     The embedding of part k runs on a thread while part k+1 joins (the accelerator
     and the ``num_proc`` workers at once). The model loads only when some embedding is
-    missing, the join workers' fork server starts only when some join is.
+    missing, the join workers' fork server starts only when some join is. ``loading``:
+    the encoder :func:`prepare_cache` started loading early (it ends it), used when
+    some embedding is missing; ``startup``: its timeline, where the first join marks
+    ``join_map`` and ``first_shard``.
     """
     from concurrent.futures import Future
 
-    from dist.coordinator import complete_markers as unit_markers
     from dist.coordinator import ensure_built
     from hf_pipeline.build.captions import CaptionTable
-    from hf_pipeline.build.part_store import caption_digest, captions_id, store_dir, stored_parts
+    from hf_pipeline.build.part_store import caption_digest, captions_id, store_dir
     from hf_pipeline.build.parts import (
         StoppableProbe,
         embed_part,
@@ -732,31 +816,36 @@ def _ensure_parts(
         join_part,
         part_files,
     )
-    from hf_pipeline.encoder.model import encoder_identity
 
     store = store_dir(cfg.cache_root)
     store.mkdir(parents=True, exist_ok=True)
     shards = inputs.shards
-    planned = stored_parts(
-        cfg, shards=shards, metadata=inputs.metadata.identity(),
-        encoder=encoder_identity(cfg.encoder),
-    )  # fmt: skip
-    # Every embedding already stored under this caption table: no model to load.
-    need_embed = any(unit_markers(p.embed_dir, p.embed_id, ["embed"]) is None for p in planned)
+    planned, need_embed = _planned_parts(cfg, inputs)
     with contextlib.ExitStack() as stack:
         # The fork server of the joins' workers imports its libraries, and the model
         # loads, while the caption table is written (or waited for).
         stack.enter_context(clean_workers())
-        loading = [stack.enter_context(_EncoderLoading(cfg, process)) if need_embed else None]
+        # The encoder: the one prepare_cache started loading early (it ends it), else
+        # loading from the start when an embedding is missing at once, else from the
+        # first one found missing later (a unit stored when planned, then found invalid).
+        early = loading
+        box: list[_EncoderLoading | None] = [None]
+        if need_embed:
+            box[0] = (
+                early if early is not None else stack.enter_context(_EncoderLoading(cfg, process))
+            )
         loading_lock = threading.Lock()
 
         def encoder():
-            """The encoder (a future): loading from the start when an embedding was
-            missing at once, else from the first one found missing later."""
+            """The encoder (a future) of the loading in ``box``, started on first need."""
             with loading_lock:
-                if loading[0] is None:
-                    loading[0] = stack.enter_context(_EncoderLoading(cfg, process))
-                return loading[0].encoder
+                if box[0] is None:
+                    box[0] = (
+                        early
+                        if early is not None
+                        else stack.enter_context(_EncoderLoading(cfg, process))
+                    )
+                return box[0].encoder
 
         def captions(ctx):
             t0 = time.monotonic()
@@ -774,12 +863,19 @@ def _ensure_parts(
 
         def join_builder(part):
             def build(ctx):
+                t_join = time.time()
+                if startup is not None:
+                    startup.mark("join_map", at=t_join)
                 joined = join_part(
                     cfg=cfg, probe=ctx.probe, source=inputs.source,
                     shards=shards[part.plan.start : part.plan.stop],
                     captions_path=str(captions_path), out_dir=Path(ctx.tmp_dir),
                     fingerprint=_short(part.join_id), progress=progress,
                 )  # fmt: skip
+                first = joined.joined.timeline.get("seconds_to_first_shard")
+                if startup is not None and first is not None:
+                    # The first worker's first shard, on the join's clock.
+                    startup.mark("first_shard", at=t_join + float(first))
                 keys = joined.joined.rows.data.column("key").to_numpy()
                 return {
                     **join_info(joined), "builder": _me(), "built_for": fingerprint,
@@ -860,6 +956,47 @@ def _ensure_parts(
     )
 
 
+def _published_of_name(cfg: Config) -> bool:
+    """Whether a cache of ``cfg.name`` under the cache root has a ``filtered`` marker
+    (any fingerprint; a listing only, nothing trusted from it)."""
+    from dist.layout import marker_name
+
+    try:
+        return any(cfg.cache_root.glob(f"{glob.escape(cfg.name)}-*/{marker_name(STAGES[-1])}"))
+    except OSError:
+        return False
+
+
+def _start_early(stack: contextlib.ExitStack, cfg: Config, process, startup, encoder_ident):
+    """Start, in ``stack`` (which :func:`prepare_cache` began with the workers' fork
+    server), what the join's first shard and the first embedding need beside the
+    workers: the main thread's imports and the encoder's loading thread, with the
+    GIL handed over quickly (:func:`hf_pipeline.workers.pool.quick_gil_handoff`).
+    Returns the :class:`_EncoderLoading` (:func:`_ensure_parts` embeds with it).
+
+    With ``build.parallel: ranks`` and ``device: auto`` on a CUDA host, this thread's
+    current device becomes the rank's own (``cuda:<local rank>``) first: what torch
+    releases on it at the end (the encoder's CUDA graphs, its page-locked buffers) then
+    goes to that GPU, not GPU 0 (issue 28: ranks 1-3 opened a context on GPU 0 while
+    exiting).
+    """
+    stack.enter_context(quick_gil_handoff())
+    loading = stack.enter_context(
+        _EncoderLoading(cfg, process, timeline=startup, encoder_ident=encoder_ident)
+    )
+    _own_device(_encoder_device(cfg, process))
+    return loading
+
+
+def _own_device(device: str) -> None:
+    """Make ``device`` (``cuda:<n>``) this thread's current CUDA device; nothing for a
+    device without an index or off CUDA."""
+    if device.startswith("cuda:"):
+        import torch
+
+        torch.cuda.set_device(device)
+
+
 def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildResult:
     """Find or build the cache for ``cfg``; every rank of a job calls this.
 
@@ -883,11 +1020,34 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
     """
     from dist.coordinator import complete_markers, default_builder, ensure_built
     from dist.env import detect
+    from hf_pipeline.build.startup import StartupTimeline
 
     check_not_bootstrapping()
     t0 = time.monotonic()
+    startup = StartupTimeline()
     process = process or detect()
-    inputs, fingerprint = job_identity(cfg, process, progress=progress)
+    ranks = cfg.build.parallel == "ranks" and not cfg.build.pull_from  # a pull downloads
+    # What the join's first shard needs starts first (issue 28: it waited seconds): in
+    # a process that may join shards, the fork server of the join's workers (its own
+    # process imports their libraries) while the inputs are listed; stopped at once
+    # if the cache turns out to be there (else with this call). Not where a cache of
+    # this config's name is published already: most likely the one wanted, found
+    # without the server's start (a second of CPU).
+    early = contextlib.ExitStack()
+    if (
+        not cfg.build.pull_from
+        and cfg.build.effective_num_proc > 1
+        and (ranks or default_builder(process, cfg.coord.scope))
+        and not _published_of_name(cfg)
+    ):
+        early.enter_context(clean_workers())
+        startup.mark("workers_starting")
+    try:
+        inputs, fingerprint, encoder_ident = _job_identity(cfg, process, progress=progress)
+    except BaseException:
+        early.close()
+        raise
+    startup.mark("identity")
     layout = CacheLayout.for_config(cfg, fingerprint)
     if not cfg.data.staging_dir:
         # One staging folder per identity: two builds of the same source on one host
@@ -914,21 +1074,31 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
     if not progress:
         ds_utils.disable_progress_bars()
     try:
+        # Whether this process joins shards: then the encoder starts loading now, and
+        # the workers' fork server goes on (see _start_early); else it stops.
+        joins = (
+            not cfg.build.pull_from
+            and complete_markers(layout.root, fingerprint, STAGES[:1]) is None
+            and (ranks or default_builder(process, coord.scope))
+        )
+        if not joins:
+            early.close()
+        # The model loads early only when some embedding is missing from the part store.
+        embeds = joins and _planned_parts(cfg, inputs)[1]
+        loading = _start_early(early, cfg, process, startup, encoder_ident) if embeds else None
         parts = None
-        if (
-            cfg.build.parallel == "ranks"
-            and not cfg.build.pull_from  # a pull downloads; a missing one: one builder
-            and complete_markers(layout.root, fingerprint, STAGES) is None
-        ):
+        if ranks and complete_markers(layout.root, fingerprint, STAGES) is None:
             local = cfg.coord.scope == "node"
             parts = _ensure_parts(
                 cfg, inputs, fingerprint, process, progress, timing,
                 count=process.local_world_size if local else process.world_size,
                 me=process.local_rank if local else process.rank,
+                loading=loading, startup=startup if loading is not None else None,
             )  # fmt: skip
         builder = _Builder(
-            cfg, inputs, fingerprint, progress, process=process, parts=parts, timing=timing
-        )
+            cfg, inputs, fingerprint, progress, process=process, parts=parts, timing=timing,
+            loading=loading, startup=startup if loading is not None else None,
+        )  # fmt: skip
         stages = [
             # converted assembles parts (their joins start their own pools); the filter
             # is in-process.
@@ -954,6 +1124,7 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
             errno.ENOSPC, f"{exc.strerror or exc} (building the cache in)", str(layout.root)
         ) from exc
     finally:
+        early.close()
         if bars_were_on and not progress:
             ds_utils.enable_progress_bars()
     from hf_pipeline.publish.pull import was_pulled

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import time
@@ -29,11 +30,14 @@ from hf_pipeline.errors import ConfigError, SourceError
 __all__ = [
     "CaptionTokenizer",
     "CapturedGraphs",
+    "COMPILE_ARTIFACTS_DIR",
+    "CompileArtifacts",
     "EncodeJob",
     "MicroBatch",
     "TextEncoder",
     "TokenizerSpec",
     "WorkerTokenizer",
+    "compile_artifacts_key",
     "encoder_identity",
     "full_rows",
     "micro_batches",
@@ -351,6 +355,172 @@ class _Laps:
         self._last = now
 
 
+#: Under the cache root: compiled encoders' torch compile artifacts, one file per
+#: :func:`compile_artifacts_key` (a dot-folder: never listed or cleaned as a cache).
+COMPILE_ARTIFACTS_DIR = ".compiled"
+
+
+def compile_artifacts_key(cfg: EncoderConfig, identity: dict[str, Any], device: str) -> str:
+    """What a compiled encoder's artifacts depend on: the software stack (Python, torch
+    with its CUDA and Triton, transformers), the device's kind (its name and compute
+    capability; the CPU's architecture), the encoder's identity (model and revision)
+    and every config field that shapes the compiled graphs."""
+    import platform
+    import sys
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    stack: dict[str, Any] = {"python": list(sys.version_info[:2]), "torch": torch.__version__}
+    stack["cuda"] = torch.version.cuda
+    for name in ("triton", "transformers"):
+        try:
+            stack[name] = version(name)
+        except PackageNotFoundError:
+            stack[name] = None
+    if device.startswith("cuda"):
+        d = torch.device(device)
+        kind = [torch.cuda.get_device_name(d), list(torch.cuda.get_device_capability(d))]
+    else:
+        kind = [platform.machine(), device]
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "device"}
+    text = json.dumps(
+        {"stack": stack, "device": kind, "identity": identity, "config": fields},
+        sort_keys=True, default=str,
+    )  # fmt: skip
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+class CompileArtifacts:
+    """A compiled encoder's torch compile artifacts, shared through a folder on the
+    cache root: the first process of a job (and of every later job on the same
+    software stack) compiles and saves them (``torch.compiler.save_cache_artifacts``:
+    inductor's graphs, AOTAutograd's, the Triton kernels, the autotuning results, in
+    one blob); every other loads them first (``load_cache_artifacts``), so its compile
+    finds every graph in torch's caches (97 s cold for gemma-3-270m on an H200, each
+    rank of a job again: issue 28).
+
+    Chosen over pointing ``TORCHINDUCTOR_CACHE_DIR`` at the shared root: that changes
+    the whole process's torch (the caller's own compiles too), writes thousands of
+    small files concurrently on NFS, and says nothing of whether it was used; one
+    blob published by a link (never overwritten) is read whole or not at all, and the
+    load is reported.
+
+    Who compiles: the first process to create ``<key>.claim`` (``O_EXCL``); the others
+    wait for ``<key>.bin`` up to ``wait_s`` of their own clock (stopping early when the
+    claimer is a dead process of this host), then compile themselves. Process-safe.
+
+    Args:
+        folder: the shared folder (``<cache root>/.compiled``).
+        key: :func:`compile_artifacts_key`.
+        wait_s: how long a process that did not claim waits for the claimer's blob.
+        poll_s: between looks.
+    """
+
+    def __init__(self, folder: str | os.PathLike, key: str, *, wait_s: float = 300.0,
+                 poll_s: float = 0.5):  # fmt: skip
+        if not wait_s >= 0:
+            raise ValueError(f"wait_s must be >= 0, got {wait_s}")
+        if not poll_s > 0:
+            raise ValueError(f"poll_s must be > 0, got {poll_s}")
+        self.folder = Path(folder)
+        self.key = key
+        self.wait_s = wait_s
+        self.poll_s = poll_s
+        self.blob = self.folder / f"{key}.bin"
+        self._claim = self.folder / f"{key}.claim"
+        self.claimed = False
+
+    def _claimer_dead(self) -> bool:
+        import socket
+
+        try:
+            host, pid = self._claim.read_text().split()
+            if host != socket.gethostname():
+                return False  # another host's process: its clock, not ours, says
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except (OSError, ValueError):
+            return False
+        return False
+
+    def load(self) -> bool:
+        """Load the shared artifacts into this process's torch caches, waiting for the
+        claimer's if another process claimed the compile; True if loaded. False: this
+        process compiles (it claimed, the wait ran out, or the blob did not load); then
+        :meth:`save` after the compile."""
+        import socket
+
+        import torch
+
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            try:
+                data = self.blob.read_bytes()
+            except FileNotFoundError:
+                data = None
+            except OSError as exc:
+                log.info("compile artifacts %s not read: %s", self.blob, exc)
+                return False
+            if data is not None:
+                try:
+                    info = torch.compiler.load_cache_artifacts(data)
+                except Exception as exc:  # torch's own types; a foreign blob is just absent
+                    log.warning("compile artifacts %s not loaded: %s", self.blob, exc)
+                    return False
+                if info is None:  # torch logged why (a checksum that does not match)
+                    log.warning("compile artifacts %s not loaded", self.blob)
+                    return False
+                log.info("compile artifacts loaded from %s (%s)", self.blob, info)
+                return True
+            if not self.claimed:
+                try:
+                    self.folder.mkdir(parents=True, exist_ok=True)
+                    fd = os.open(self._claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                except FileExistsError:
+                    pass
+                except OSError as exc:  # a read-only root: compile, share nothing
+                    log.info("compile artifacts not shared under %s: %s", self.folder, exc)
+                    return False
+                else:
+                    with os.fdopen(fd, "w") as f:
+                        f.write(f"{socket.gethostname()} {os.getpid()}\n")
+                    self.claimed = True
+                    return False
+            if time.monotonic() >= deadline or self._claimer_dead():
+                return False
+            time.sleep(self.poll_s)
+
+    def save(self) -> bool:
+        """Publish this process's compile artifacts (create-if-absent: a blob already
+        there stays); True if this call published them. Best effort: an unwritable
+        root only logs."""
+        import torch
+
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is None or self.blob.exists():
+            return False
+        data, _info = saved
+        tmp = self.folder / f".tmp-{os.getpid()}-{self.key}"
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(tmp, self.blob)
+            return True
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            log.info("compile artifacts not shared under %s: %s", self.folder, exc)
+            return False
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
 class TextEncoder:
     """Batched caption embeddings: masked mean pooling of the last hidden state.
 
@@ -448,19 +618,22 @@ class TextEncoder:
         # BERT: micro-batches without padding run without an attention mask (see
         # _pool_unmasked); other models: every micro-batch through the model's forward.
         unmasked = _unmasked_bert(self.model)
+        #: A causal decoder (gemma-3) runs without the padding mask (_pool_causal).
+        self.causal = _causal_decoder(self.model)
+        forward = self._pool_causal if self.causal else self._pool
         if self.compile_mode == "eager":
-            self._forward = self._pool
+            self._forward = forward
             self._forward_unmasked = self._pool_unmasked if unmasked else None
         elif self.compile_mode == "graphs":
             pool = torch.cuda.graph_pool_handle()  # one memory pool for all the shapes
-            self._forward = CapturedGraphs(self._pool, pool)
+            self._forward = CapturedGraphs(forward, pool)
             self._forward_unmasked = CapturedGraphs(self._pool_unmasked, pool) if unmasked else None
         else:
             # dynamic=None: the first shape compiles static, the second recompiles with
             # symbolic sizes and serves every later shape (a compile per shape would hit
             # dynamo's recompile limit, 8, and silently run eager beyond it).
             mode = None if self.compile_mode == "default" else self.compile_mode
-            self._forward = torch.compile(self._pool, mode=mode, dynamic=None)
+            self._forward = torch.compile(forward, mode=mode, dynamic=None)
             self._forward_unmasked = (
                 torch.compile(self._pool_unmasked, mode=mode, dynamic=None) if unmasked else None
             )
@@ -619,6 +792,21 @@ class TextEncoder:
             return
         self._on_graph_thread(self._warm_up)
 
+    def warm_up_shared(self, shared: CompileArtifacts | None) -> None:
+        """:meth:`warm_up`, a compiled encoder's from ``shared`` artifacts when another
+        process compiled it (:class:`CompileArtifacts`): loaded before, or published
+        after. ``load_seconds`` then say ``compile_artifacts`` (``loaded``,
+        ``published`` or ``compiled``) and ``compile_artifacts_wait`` (seconds)."""
+        if not self._compiled or shared is None or self.device == "cpu":
+            self.warm_up()
+            return
+        t0 = time.monotonic()
+        loaded = shared.load()
+        self.load_seconds["compile_artifacts_wait"] = round(time.monotonic() - t0, 3)
+        self.warm_up()
+        how = "loaded" if loaded else ("published" if shared.save() else "compiled")
+        self.load_seconds["compile_artifacts"] = how  # type: ignore[assignment]
+
     def _warm_up(self) -> None:
         t0 = time.monotonic()
         for ids in warm_up_ids(
@@ -675,6 +863,17 @@ class TextEncoder:
 
     def _pool(self, input_ids, mask):
         hidden = self.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
+        m = mask.unsqueeze(-1).to(hidden.dtype)
+        return self._finish((hidden * m).sum(1) / m.sum(1).clamp(min=1))
+
+    def _pool_causal(self, input_ids, mask):
+        """:meth:`_pool` of a causal decoder (see :func:`_causal_decoder`), its forward
+        without the padding mask. A micro-batch's rows are padded on the right, so a real
+        token attends only to real tokens before it with or without that mask, and only
+        real tokens are pooled: the same embeddings (within float noise), while the model
+        builds no 4-D mask and SDPA runs its causal kernel (flash attention on CUDA)
+        instead of a masked one."""
+        hidden = self.model(input_ids=input_ids).last_hidden_state
         m = mask.unsqueeze(-1).to(hidden.dtype)
         return self._finish((hidden * m).sum(1) / m.sum(1).clamp(min=1))
 
@@ -791,6 +990,16 @@ def _unmasked_bert(model) -> bool:
         and not getattr(cfg, "is_decoder", False)
         and not getattr(cfg, "add_cross_attention", False)
     )
+
+
+def _causal_decoder(model) -> bool:
+    """Whether every attention layer of ``model`` is causal (a decoder-only model such as
+    gemma-3, not one configured bidirectional): transformers marks each with
+    ``is_causal``; BERT's say False."""
+    flags = [
+        m.is_causal for m in model.modules() if isinstance(getattr(m, "is_causal", None), bool)
+    ]
+    return bool(flags) and all(flags)
 
 
 class _DeviceSequences:
@@ -1005,10 +1214,14 @@ def micro_batches(
     return out
 
 
-def describe_device() -> str:
-    """One line naming where the encoder will run (for logs)."""
+def describe_device(device: str | None = None) -> str:
+    """One line naming ``device`` (default: where ``encoder.device: auto`` runs), for logs.
+
+    Asks about that device only: never GPU 0 for a rank given another (issue 28)."""
     import torch
 
-    if torch.cuda.is_available():
-        return f"cuda ({torch.cuda.get_device_name(0)})"
-    return f"cpu ({torch.get_num_threads()} threads)"
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
+    return f"{device} ({torch.get_num_threads()} threads)"

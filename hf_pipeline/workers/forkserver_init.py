@@ -8,15 +8,25 @@ linger, holding shards, staging slots and memory. On Linux, the server gets
 that lives as long as the builder: see :func:`hf_pipeline.workers.pool.clean_workers`), and
 each process it forks gets it towards the server. Elsewhere this does nothing.
 
+When the builder stops it, the server leaves at once (``os._exit`` from its last exit
+handler): its interpreter's shut-down tore down the torch and ``datasets`` it preloaded
+for a second or more after the build's end, while it still held the builder's standard
+output open (a caller reading that output to its end waited for it; issue 28).
+
 Importing this module anywhere else would tie that process to its parent: it is meant
 for the fork server only.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 
 from hf_pipeline.workers.pool import die_with_parent
 
 die_with_parent()  # the server: with the builder
 os.register_at_fork(after_in_child=die_with_parent)  # its children: with the server
+# Registered before the preloaded libraries import (and register theirs): run after
+# their exit handlers. Nothing of the server's is left to write; its workers leave with
+# os._exit themselves.
+atexit.register(os._exit, 0)

@@ -1,0 +1,131 @@
+#!/usr/bin/env python
+"""A compiled encoder's warm-up in a fresh process, cold and with the job's shared
+compile artifacts (issue 28: each rank compiled the same graphs again, 97 s cold for the
+gemma-3-270m shape on an H200).
+
+Two fresh processes, one after the other, each with empty inductor and Triton caches of
+its own (as two nodes have): the first compiles the encoder cold
+(``TextEncoder.warm_up_shared``: it claims the compile and publishes its
+``torch.compiler`` artifacts under ``--work-dir/cache/.compiled``); the second finds
+them, loads them and warms up. Reported: each process's ``load_seconds`` (``warm_up``,
+``compile_artifacts``: ``published`` / ``loaded``, the wait), the whole encoder start
+(construction + warm-up), and ``warm_up_ratio`` = cold / shared.
+
+The encoder is a random-weight ``--random-gemma`` (default) or ``--random-minilm`` model
+with the tokenizer in ``TOKENIZER_DIR``, ``encoder.compile: default``, ``--dtype``
+(bfloat16), on ``cuda:0`` (``--device cpu`` is a smoke run: nothing compiles in a CPU
+warm-up). Target: the shared warm-up <= 10 s.
+
+Usage::
+
+    python benchmarks/bench_compile_share.py --random-gemma .tok [--dtype bfloat16]
+        [--work-dir DIR] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._results import write_result  # noqa: E402
+from benchmarks.random_models import (  # noqa: E402
+    add_random_model_options,
+    random_model,
+    random_model_option,
+)
+
+
+def _child(spec: dict) -> None:
+    """One process: the encoder's start with the shared artifacts folder."""
+    t0 = time.monotonic()
+    from hf_pipeline.config import EncoderConfig
+    from hf_pipeline.encoder.model import (
+        CompileArtifacts,
+        TextEncoder,
+        compile_artifacts_key,
+        encoder_identity,
+    )
+
+    cfg = EncoderConfig(
+        model=spec["model"], dtype=spec["dtype"], device=spec["device"], compile="default",
+        max_length=spec["max_length"],
+    )  # fmt: skip
+    enc = TextEncoder(cfg)
+    key = compile_artifacts_key(cfg, encoder_identity(cfg), enc.device)
+    shared = CompileArtifacts(spec["shared"], key, wait_s=0)
+    t1 = time.monotonic()
+    enc.warm_up_shared(shared)
+    out = {
+        "load_seconds": enc.load_seconds,
+        "warm_up_shared_s": round(time.monotonic() - t1, 3),
+        "encoder_start_s": round(time.monotonic() - t0, 3),
+    }
+    Path(spec["result"]).write_text(json.dumps(out))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_random_model_options(ap)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--max-length", type=int, default=0, help="0: 256 gemma, 64 MiniLM")
+    ap.add_argument("--work-dir", default="")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--_child", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args._child:
+        _child(json.loads(args._child))
+        return 0
+    kind, tokenizer = random_model_option(ap, args)
+    if not tokenizer:
+        ap.error("give --random-gemma or --random-minilm TOKENIZER_DIR")
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="hfp_compile_share_"))
+    model = random_model(kind, work / kind, tokenizer)
+    shared = work / "cache" / ".compiled"
+    max_length = args.max_length or (256 if kind == "gemma" else 64)
+    runs = {}
+    for name in ("cold", "shared"):
+        env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_FORCE_DISABLE_CACHES"}
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(work / f"inductor-{name}")
+        env["TRITON_CACHE_DIR"] = str(work / f"triton-{name}")
+        spec = {
+            "model": model, "dtype": args.dtype, "device": args.device,
+            "max_length": max_length, "shared": str(shared),
+            "result": str(work / f"{name}.json"),
+        }  # fmt: skip
+        t0 = time.perf_counter()
+        subprocess.run(
+            [sys.executable, __file__, "--_child", json.dumps(spec)], env=env, check=True,
+            timeout=900,
+        )  # fmt: skip
+        runs[name] = {
+            "process_wall_s": round(time.perf_counter() - t0, 3),
+            **json.loads(Path(spec["result"]).read_text()),
+        }
+    cold = runs["cold"]["load_seconds"].get("warm_up")
+    warm = runs["shared"]["load_seconds"].get("warm_up")
+    out = {
+        "model": kind,
+        "dtype": args.dtype,
+        "device": args.device,
+        "max_length": max_length,
+        **runs,
+        "warm_up_ratio": round(cold / warm, 2) if cold and warm else None,
+        "targets": {"shared warm-up <= 10 s": warm is not None and warm <= 10},
+    }
+    print(json.dumps(out, indent=1))
+    if args.json:
+        write_result(args.json, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

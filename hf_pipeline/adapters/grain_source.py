@@ -1,8 +1,12 @@
-"""A Grain random-access data source over the memory-mapped cache.
+"""A Grain random-access data source over the memory-mapped cache, or a published one.
 
 :class:`GrainSource` serves one training sample per record (``__len__`` /
 ``__getitem__``, Grain's ``RandomAccessDataSource`` protocol) as NumPy arrays, gathered
-by :class:`~hf_pipeline.read.mapped.SampleSource` from the Arrow files of a built cache. Grain
+by :class:`~hf_pipeline.read.mapped.SampleSource` from the Arrow files of a built cache,
+or (:meth:`GrainSource.from_stream`) by a :class:`~hf_pipeline.read.stream.StreamSource`
+from a published cache read in place: ranged reads of the blocks holding the records,
+each verified against its published checksum, held in a cache of at most
+``StreamOptions.cache_bytes`` (least recently used blocks dropped first). Grain
 owns the order (``MapDataset.shuffle``, ``IndexSampler``), the sharding, the batching
 and the checkpoint; this module only turns a record index into a sample.
 
@@ -17,7 +21,9 @@ exact.
 Worker processes: Grain pickles the source into each worker (spawned processes). A
 pickled GrainSource is its cache folder, stage folders, fingerprint and options — a few
 hundred bytes, never the arrays — and each process maps the files itself on first read
-(the page cache is shared, so N workers do not hold N copies).
+(the page cache is shared, so N workers do not hold N copies). A streaming one pickles
+as its URL, stream options, retry policy and fingerprint: each worker reads the
+manifest once and holds its own block cache (N workers: up to N x ``cache_bytes``).
 
 Speed: in grain 0.2.x both ``MapDataset.batch`` and ``DataLoader`` fetch records one by
 one (``_getitems``, the batched read that :meth:`GrainSource._getitems` implements, is
@@ -35,7 +41,7 @@ import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -44,11 +50,16 @@ from hf_pipeline.read.mapped import SampleSource
 from hf_pipeline.read.records import SampleRecords, record_index
 from hf_pipeline.read.sampler import CropMode
 
+if TYPE_CHECKING:  # pragma: no cover
+    from hf_pipeline.read.stream import StreamOptions, StreamSource
+    from hf_pipeline.stores.retry import RetryPolicy
+
 __all__ = ["GrainSource"]
 
 
 class GrainSource:
-    """Samples of a built cache as a Grain random-access data source.
+    """Samples of a built cache as a Grain random-access data source (of a published
+    cache read in place: :meth:`from_stream`).
 
     Args:
         cache_dir: a built cache folder (``BuildResult.cache_dir``:
@@ -76,7 +87,7 @@ class GrainSource:
     ):
         root = Path(cache_dir)
         stage_dirs, fp = published_stage_dirs(root, fingerprint)
-        self._init(root, stage_dirs, fp, crop, seed)
+        self._init(root, stage_dirs, None, fp, crop, seed)
 
     @classmethod
     def from_layout(
@@ -94,7 +105,7 @@ class GrainSource:
         """
         self = cls.__new__(cls)
         stage_dirs = {stage: layout.stage_dir(stage).name for stage in STAGES}
-        self._init(Path(layout.root), stage_dirs, str(fingerprint), crop, seed)
+        self._init(Path(layout.root), stage_dirs, None, str(fingerprint), crop, seed)
         return self
 
     @classmethod
@@ -102,25 +113,95 @@ class GrainSource:
         """A source over the cache of a :class:`hf_pipeline.build.prepare.BuildResult`."""
         return cls.from_layout(built.layout, built.fingerprint, crop=crop, seed=seed)
 
-    def _init(self, root: Path, stage_dirs, fingerprint: str, crop, seed: int) -> None:
+    @classmethod
+    def from_stream(
+        cls,
+        url: str,
+        options: StreamOptions | None = None,
+        *,
+        policy: RetryPolicy | None = None,
+        crop: CropMode | int = "random",
+        seed: int = 0,
+        fingerprint: str | None = None,
+    ) -> GrainSource:
+        """A source over the published cache at ``url`` (``gs://...`` or
+        ``hf://datasets/...``, the folder ``--publish`` wrote), read in place by a
+        :class:`~hf_pipeline.read.stream.StreamSource`: no local copy, no shared
+        filesystem; the same records as the local cache's source, bit for bit.
+
+        Args:
+            url: the published cache folder (``gs://bucket/caches/demo-<fingerprint>``).
+            options: the stream's options; ``cache_bytes`` bounds the verified blocks
+                each process keeps for later records (least recently used dropped
+                first; 0: every read fetches its blocks).
+            policy: retries and per-read timeout (default: the data config's defaults).
+            crop, seed: as the constructor's.
+            fingerprint: the identity expected (None: the one the folder name states).
+
+        Raises:
+            SourceError, StoreUnreachableError, CacheFormatError: as
+                :class:`~hf_pipeline.read.stream.StreamSource` (the manifest is read
+                here, so a bad URL or cache fails at construction).
+            ValueError: invalid ``crop`` or ``seed``.
+        """
+        from hf_pipeline.read.stream import StreamSource
+
+        source = StreamSource(url, options, policy=policy, fingerprint=fingerprint)
+        return cls._over_stream(source, crop, seed)
+
+    @classmethod
+    def from_stream_config(cls, loader_config, data_config=None) -> GrainSource:
+        """:meth:`from_stream` of ``loader.stream_from`` with the ``loader.stream_*``
+        options, ``loader.crop`` and ``loader.seed``, and the ``data`` section's retries
+        and per-read timeout (their defaults without ``data_config``), as
+        :func:`~hf_pipeline.read.stream.open_stream` reads them.
+
+        Raises:
+            ConfigError: ``loader.stream_from`` is empty.
+            SourceError, StoreUnreachableError, CacheFormatError: as :meth:`from_stream`.
+        """
+        from hf_pipeline.read.stream import open_stream
+
+        order = loader_config.sampler_options()  # crop as the loader reads it ("1" -> 1)
+        source = open_stream(loader_config, data_config)
+        return cls._over_stream(source, order.crop, order.seed)
+
+    @classmethod
+    def _over_stream(cls, source: StreamSource, crop, seed: int) -> GrainSource:
+        """A source over ``source`` (opened: owned from here); workers reopen its URL
+        with its options, retry policy and fingerprint."""
+        self = cls.__new__(cls)
+        try:
+            stream = (source.url, source.options, source.policy)
+            self._init(None, {}, stream, source.fingerprint, crop, seed, opened=source)
+        except BaseException:
+            source.close()
+            raise
+        return self
+
+    def _init(
+        self, root: Path | None, stage_dirs, stream, fingerprint, crop, seed: int, opened=None
+    ) -> None:
         self._root = root
         self._stage_dirs = dict(stage_dirs)
+        # (url, StreamOptions, RetryPolicy) or None (local): what a worker reopens, the
+        # identity and retries pinned by the first open.
+        self._stream = stream
         self._fingerprint = fingerprint
         self._crop, self._seed = crop, seed
         self._lock = threading.Lock()
         self._records: SampleRecords | None = None
-        self._open()  # here, so that a bad cache or crop fails at construction
+        self._open(opened)  # here, so that a bad cache or crop fails at construction
 
     # ------------------------------------------------------------------ opening
 
-    def _open(self) -> SampleRecords:
+    def _open(self, opened: SampleSource | StreamSource | None = None) -> SampleRecords:
         records = self._records
         if records is not None:
             return records
         with self._lock:  # Grain reads on several threads; map the files once
             if self._records is None:
-                layout = CacheLayout(self._root, self._stage_dirs)
-                source = open_sample_source(layout, self._fingerprint)
+                source = opened if opened is not None else self._open_source()
                 try:
                     self._records = SampleRecords(source, crop=self._crop, seed=self._seed)
                 except BaseException:
@@ -128,19 +209,31 @@ class GrainSource:
                     raise
             return self._records
 
+    def _open_source(self) -> SampleSource | StreamSource:
+        if self._stream is None:
+            assert self._root is not None  # a local source always has its folder
+            return open_sample_source(CacheLayout(self._root, self._stage_dirs), self._fingerprint)
+        from hf_pipeline.read.stream import StreamSource
+
+        url, options, policy = self._stream
+        return StreamSource(url, options, policy=policy, fingerprint=self._fingerprint)
+
     def __getstate__(self) -> dict[str, Any]:
-        # Paths and options only: each process maps the files itself on first read.
+        # Paths (or the stream's URL) and options only: each process maps the files, or
+        # reads the manifest and fetches its blocks, itself on first read.
         return {
-            "root": str(self._root),
+            "root": None if self._root is None else str(self._root),
             "stage_dirs": dict(self._stage_dirs),
+            "stream": self._stream,
             "fingerprint": self._fingerprint,
             "crop": self._crop,
             "seed": self._seed,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self._root = Path(state["root"])
+        self._root = None if state["root"] is None else Path(state["root"])
         self._stage_dirs = dict(state["stage_dirs"])
+        self._stream = state.get("stream")
         self._fingerprint = state["fingerprint"]
         self._crop, self._seed = state["crop"], state["seed"]
         self._lock = threading.Lock()
@@ -149,9 +242,14 @@ class GrainSource:
     # ------------------------------------------------------------------ properties
 
     @property
-    def cache_dir(self) -> Path:
-        """The cache folder."""
+    def cache_dir(self) -> Path | None:
+        """The local cache folder (None when streaming: :attr:`stream_from`)."""
         return self._root
+
+    @property
+    def stream_from(self) -> str:
+        """The published cache folder read in place ("" for a local cache)."""
+        return "" if self._stream is None else self._stream[0]
 
     @property
     def fingerprint(self) -> str:
@@ -169,8 +267,11 @@ class GrainSource:
         return self._seed
 
     @property
-    def sample_source(self) -> SampleSource:
-        """The memory-mapped :class:`SampleSource` of this process (opened on demand)."""
+    def sample_source(self) -> SampleSource | StreamSource:
+        """This process's source (opened on demand): the memory-mapped
+        :class:`SampleSource`, or the :class:`~hf_pipeline.read.stream.StreamSource`
+        when streaming (its ``stats()`` and ``cache_state()`` say what it fetched and
+        holds)."""
         return self._open().source
 
     # ------------------------------------------------------------------ reading
@@ -219,7 +320,8 @@ class GrainSource:
         ]
 
     def close(self) -> None:
-        """Unmap the files of this process (idempotent); a later read maps them again."""
+        """Unmap the files of this process, or drop the stream's blocks and threads
+        (idempotent); a later read opens them again."""
         with self._lock:
             if self._records is not None:
                 self._records.source.close()

@@ -13,8 +13,9 @@ function of seed and epoch); a planner thread fetches the blocks of the next
 merged (``coalesce_bytes``), ``concurrency`` reads at a time. A gather takes its blocks
 from there and fetches whatever is missing itself (so ``cache_bytes=0`` streams
 everything on demand). Once the batch that planned a block is assembled, the block
-stays only while the limit allows; the planner evicts kept blocks (least recently
-used) before it waits.
+stays only while the limit allows: kept blocks are dropped, least recently used first,
+for the planner's next reservations and for blocks fetched on demand (so random access
+without a plan, Grain's records, keeps the blocks it used last).
 
 Trust: a range shorter than asked is retried; a block whose digest differs is fetched
 once more, then refused (:class:`~hf_pipeline.errors.CacheFormatError` naming the file
@@ -163,7 +164,9 @@ class StreamSource:
         self._closed = False
         self._counts: collections.Counter[str] = collections.Counter()
         self._blocks: dict[int, np.ndarray] = {}
+        # Held blocks no plan needs now, least recently used first; their bytes.
         self._kept: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._kept_bytes = 0
         self._pins: dict[int, int] = {}
         self._reserved: set[int] = set()
         self._inflight: dict[int, Future] = {}
@@ -584,12 +587,13 @@ class StreamSource:
                     continue
                 n = int(self._block_bytes[b])
                 # Reserved bytes were counted when the planner reserved them; anything
-                # else is kept only while it fits.
-                if reserved or self._held + self._reserved_bytes + n <= self.options.cache_bytes:
+                # else is kept while it fits, in place of kept blocks used longer ago
+                # (random access, Grain's records: the recent blocks are the likely ones).
+                if reserved or self._drop_kept(n, run):
                     self._blocks[b] = blocks[b]
                     self._held += n
                     if not self._pins.get(b, 0):
-                        self._kept[b] = None
+                        self._keep(b)
             self._max_held = max(self._max_held, self._held + self._reserved_bytes)
             self._room.notify_all()
 
@@ -605,7 +609,7 @@ class StreamSource:
         with self._lock:
             for b in self._pins:
                 if b in self._blocks:
-                    self._kept[b] = None  # no plan needs it now: kept while the limit allows
+                    self._keep(b)  # no plan needs it now: kept while the limit allows
             self._pins.clear()
         if batches is not None and not self._closed:
             self._planner = _Planner(self, batches)
@@ -626,35 +630,63 @@ class StreamSource:
             return
         self._pins.pop(b, None)
         if b in self._blocks:
-            self._kept[b] = None  # kept while the limit allows (the planner evicts)
+            self._keep(b)  # kept while the limit allows (dropped for newer blocks)
+
+    def _keep(self, b: int) -> None:
+        """Held block ``b`` is kept for reuse, as the most recently used (caller holds
+        the lock)."""
+        if b not in self._kept:
+            self._kept_bytes += int(self._block_bytes[b])
+        self._kept[b] = None
+        self._kept.move_to_end(b)
+
+    def _unkeep(self, b: int) -> None:
+        """``b`` is no longer kept: pinned by a plan, or dropped (caller holds the lock)."""
+        if b in self._kept:
+            del self._kept[b]
+            self._kept_bytes -= int(self._block_bytes[b])
+
+    def _drop_kept(self, need: int, spare) -> bool:
+        """Make room for ``need`` more bytes under the limit by dropping kept blocks,
+        least recently used first, none of ``spare`` (caller holds the lock). False,
+        and nothing dropped, when even that would not make room."""
+        limit = self.options.cache_bytes
+        if self._held + self._reserved_bytes + need <= limit:
+            return True
+        spare = {b for b in spare if b in self._kept}
+        evictable = self._kept_bytes - sum(int(self._block_bytes[b]) for b in spare)
+        if self._held - evictable + self._reserved_bytes + need > limit:
+            return False
+        skipped = []
+        while self._held + self._reserved_bytes + need > limit:
+            b, _ = self._kept.popitem(last=False)
+            if b in spare:
+                skipped.append(b)
+                continue
+            n = int(self._block_bytes[b])
+            self._kept_bytes -= n
+            self._held -= n
+            del self._blocks[b]
+        for b in reversed(skipped):  # back where they were: least recently used first
+            self._kept[b] = None
+            self._kept.move_to_end(b, last=False)
+        return True
 
     def _reserve(self, ids: np.ndarray) -> list[int] | Literal[False] | None:
         """Pin ``ids`` for a planned batch and reserve room for the missing ones (caller
         holds the lock). Returns the blocks to read (the caller starts them, together
         with those of the next planned batches: neighbours across batches merge into
         one read); False: no room now; None: can never fit."""
-        limit = self.options.cache_bytes
         want = ids.tolist()
-        keep = set(want)
         new = [b for b in want if b not in self._blocks and b not in self._reserved]
         need = int(self._block_bytes[new].sum()) if new else 0
-        if need > limit:
+        if need > self.options.cache_bytes:
             return None
-        if self._held + self._reserved_bytes + need > limit:
-            evictable = sum(int(self._block_bytes[b]) for b in self._kept if b not in keep)
-            if self._held - evictable + self._reserved_bytes + need > limit:
-                return False
-            for b in list(self._kept):
-                if self._held + self._reserved_bytes + need <= limit:
-                    break
-                if b in keep:
-                    continue
-                del self._kept[b]
-                self._held -= int(self._block_bytes[b])
-                del self._blocks[b]
+        if not self._drop_kept(need, want):
+            return False
         for b in want:
             self._pins[b] = self._pins.get(b, 0) + 1
-            self._kept.pop(b, None)
+            self._unkeep(b)
         for b in new:
             self._reserved.add(b)
         self._reserved_bytes += need
@@ -713,7 +745,7 @@ class StreamSource:
         with self._lock:
             self._blocks.clear()
             self._kept.clear()
-            self._held = 0
+            self._held = self._kept_bytes = 0
 
     def __enter__(self) -> StreamSource:
         return self

@@ -15,12 +15,16 @@ Thread-safety: immutable; reads are safe from several threads (the source's gath
 from __future__ import annotations
 
 import operator
+import typing
 from collections.abc import Sequence
 
 import numpy as np
 
 from hf_pipeline.read.mapped import SampleSource
 from hf_pipeline.read.sampler import CropMode, GlobalSampler, SamplerOptions
+
+if typing.TYPE_CHECKING:  # the stream imports the stores: only for the annotation
+    from hf_pipeline.read.stream import StreamSource
 
 __all__ = ["SampleRecords", "record_index"]
 
@@ -55,7 +59,9 @@ class SampleRecords:
         ValueError: invalid ``crop`` or ``seed``, or a crop index ``>= num_crops``.
     """
 
-    def __init__(self, source: SampleSource, *, crop: CropMode | int = "random", seed: int = 0):
+    def __init__(
+        self, source: SampleSource | StreamSource, *, crop: CropMode | int = "random", seed: int = 0
+    ):
         # SamplerOptions checks crop and seed with the loader's messages; the global
         # batch size plays no part in the record -> (row, crop) mapping.
         options = SamplerOptions(global_batch_size=1, seed=seed, crop=crop)

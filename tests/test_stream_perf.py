@@ -48,7 +48,7 @@ def test_an_epoch_takes_few_reads(order, gcs_cache):
     _, url = gcs_cache
     batch, ahead = 16, 8
     kw = {"global_batch_size": batch, "seed": 3, "num_threads": 2, "crop": 0, **order}
-    options = StreamOptions(cache_bytes=256 << 20, ahead=ahead, coalesce_bytes=16 << 10)
+    options = StreamOptions(cache_bytes=256 << 20, ahead=ahead, coalesce_bytes=1 << 20)
     with StreamSource(url, options, policy=_FAST) as stream:
         loader = Loader(stream, process_index=0, process_count=1, **kw)
         planned = [rows for _, rows in loader._planned(0, 0, 1)]

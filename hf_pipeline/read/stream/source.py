@@ -60,6 +60,10 @@ logger = logging.getLogger("hf_pipeline")
 _MANIFEST = "manifest.json"
 _CACHE_NAME = re.compile(r"-([0-9a-f]{16})\Z")
 _STOP_CHECK_S = 0.1
+#: A gap between two blocks is read (one request, not two) only while it is at most
+#: 1/_GAP_SHARE of the blocks' bytes in the read: bytes fetched stay within ~1.1x those
+#: needed however the rows fall (``coalesce_bytes`` caps each gap besides).
+_GAP_SHARE = 8
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -487,13 +491,17 @@ class StreamSource:
 
     def _runs(self, ids: list[int]) -> list[list[int]]:
         """``ids`` in file order, cut into reads: neighbours of a file at most
-        ``coalesce_bytes`` apart merge while the read stays within ``max_read_bytes``."""
+        ``coalesce_bytes`` apart merge while the read stays within ``max_read_bytes``,
+        and while the gap is at most 1/:data:`_GAP_SHARE` of the blocks read so far
+        (a gap is bytes fetched for nothing: filtered-out rows, the input_ids between
+        embedding buffers; this keeps them to a small share of a long run's bytes)."""
         out: list[list[int]] = []
         if not ids:
             return out
         ids = sorted(ids, key=lambda b: (self._block_file[b], self._block_start[b]))
         opts = self.options
         run = [ids[0]]
+        used = int(self._block_bytes[ids[0]])
         for b in ids[1:]:
             last = run[-1]
             start, end = (
@@ -503,12 +511,15 @@ class StreamSource:
             if (
                 self._block_file[b] == self._block_file[last]
                 and 0 <= self._block_start[b] - end <= opts.coalesce_bytes
+                and (self._block_start[b] - end) * _GAP_SHARE <= used + self._block_bytes[b]
                 and self._block_start[b] + self._block_bytes[b] - start <= opts.max_read_bytes
             ):
                 run.append(b)
+                used += int(self._block_bytes[b])
             else:
                 out.append(run)
                 run = [b]
+                used = int(self._block_bytes[b])
         out.append(run)
         return out
 

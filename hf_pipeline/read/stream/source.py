@@ -60,10 +60,13 @@ logger = logging.getLogger("hf_pipeline")
 _MANIFEST = "manifest.json"
 _CACHE_NAME = re.compile(r"-([0-9a-f]{16})\Z")
 _STOP_CHECK_S = 0.1
-#: A gap between two blocks is read (one request, not two) only while it is at most
-#: 1/_GAP_SHARE of the blocks' bytes in the read: bytes fetched stay within ~1.1x those
+#: Gaps between blocks are read (one request, not two) only while together they are at
+#: most 1/_GAP_SHARE of the blocks' bytes in the read: bytes fetched stay within ~1.1x those
 #: needed however the rows fall (``coalesce_bytes`` caps each gap besides).
 _GAP_SHARE = 8
+#: How long a gather that needs blocks the planner has reserved but not started waits
+#: for it to finish reserving its refill before starting them itself.
+_REFILL_WAIT_S = 0.2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -457,6 +460,16 @@ class StreamSource:
         planner = self._planner
         if planner is None or not any(b in self._reserved for b in missing):
             return missing
+        # The planner is reserving its refill (at the start, or after a burst of
+        # releases): give it a moment to finish, so that the refill starts as one set
+        # of merged reads, not cut at whatever it had reserved when this gather came.
+        deadline = time.monotonic() + _REFILL_WAIT_S
+        while (
+            not planner.idle
+            and any(b in self._reserved and b not in self._inflight for b in missing)
+            and time.monotonic() < deadline
+        ):
+            self._room.wait(_REFILL_WAIT_S / 10)
         planner.flush()
         rest = []
         for b in missing:
@@ -492,7 +505,7 @@ class StreamSource:
     def _runs(self, ids: list[int]) -> list[list[int]]:
         """``ids`` in file order, cut into reads: neighbours of a file at most
         ``coalesce_bytes`` apart merge while the read stays within ``max_read_bytes``,
-        and while the gap is at most 1/:data:`_GAP_SHARE` of the blocks read so far
+        and while its gaps together are at most 1/:data:`_GAP_SHARE` of its blocks
         (a gap is bytes fetched for nothing: filtered-out rows, the input_ids between
         embedding buffers; this keeps them to a small share of a long run's bytes)."""
         out: list[list[int]] = []
@@ -501,7 +514,7 @@ class StreamSource:
         ids = sorted(ids, key=lambda b: (self._block_file[b], self._block_start[b]))
         opts = self.options
         run = [ids[0]]
-        used = int(self._block_bytes[ids[0]])
+        used, gaps = int(self._block_bytes[ids[0]]), 0
         for b in ids[1:]:
             last = run[-1]
             start, end = (
@@ -511,15 +524,16 @@ class StreamSource:
             if (
                 self._block_file[b] == self._block_file[last]
                 and 0 <= self._block_start[b] - end <= opts.coalesce_bytes
-                and (self._block_start[b] - end) * _GAP_SHARE <= used + self._block_bytes[b]
+                and (gaps + self._block_start[b] - end) * _GAP_SHARE <= used + self._block_bytes[b]
                 and self._block_start[b] + self._block_bytes[b] - start <= opts.max_read_bytes
             ):
                 run.append(b)
                 used += int(self._block_bytes[b])
+                gaps += int(self._block_start[b] - end)
             else:
                 out.append(run)
                 run = [b]
-                used = int(self._block_bytes[b])
+                used, gaps = int(self._block_bytes[b]), 0
         out.append(run)
         return out
 
@@ -777,6 +791,7 @@ class _Planner:
         # that neighbouring blocks of several batches merge into one read.
         self._pending: list[int] = []
         self._pending_from: int | None = None  # index of the oldest batch in _pending
+        self.idle = False  # waiting for room or for the consumer, or ended (source's lock)
         self._thread = threading.Thread(
             target=self._run, name="hf_pipeline-stream-plan", daemon=True
         )
@@ -800,6 +815,7 @@ class _Planner:
         source's lock): a gather needs one of them now, or the lookahead ran low."""
         pending, self._pending, self._pending_from = self._pending, [], None
         self._source._start_planned(pending)
+        self._source._room.notify_all()
 
     def _due(self) -> bool:
         """Whether the pending reads must start now (the planner is about to wait): the
@@ -836,13 +852,17 @@ class _Planner:
                             self.flush()
                         elif self._due():
                             self.flush()
+                        self.idle = True
+                        src._room.notify_all()  # a gather may wait for the refill's end
                         src._room.wait(_STOP_CHECK_S)
+                        self.idle = False
             with src._lock:
                 self.flush()
         except BaseException as exc:  # noqa: BLE001 - gathers fetch on demand and raise it
             logger.warning("stream planner stopped: %s", exc)
         finally:
             with src._lock:  # stopped: what was reserved and never read frees its room
+                self.idle = True
                 pending, self._pending = self._pending, []
                 for b in pending:
                     if b in src._reserved and b not in src._inflight:

@@ -555,8 +555,10 @@ class LoaderConfig:
         "`--publish` writes it) to read in place by verified ranged reads instead of a "
         'local cache ("": read the local cache); docs/guides/streaming.md',
     )
+    # The defaults are StreamOptions' (not imported here: the stream package imports
+    # the stores, which import this module); test_stream_options_and_config checks.
     stream_ahead: int = _bounded(
-        8, 1, 1 << 20, help="batches (steps) of this process fetched ahead when streaming"
+        32, 1, 1 << 20, help="batches (steps) of this process fetched ahead when streaming"
     )
     stream_cache_bytes: int = _bounded(
         1 << 30,
@@ -566,7 +568,7 @@ class LoaderConfig:
         help="most bytes a streaming loader holds between batches (prefetched or kept)",
     )
     stream_concurrency: int = _bounded(
-        16, 1, 1024, help="ranged reads in flight at once when streaming"
+        64, 1, 1024, help="ranged reads in flight at once when streaming"
     )
 
     def __post_init__(self):

@@ -19,19 +19,24 @@ class StreamOptions:
 
     Attributes:
         ahead: batches (steps) of this process planned and fetched ahead of the one
-            being assembled.
+            being assembled. Reads start in refills of ``ahead / 2`` batches, merged:
+            a block shuffle's window is few reads when a refill covers it (32: a
+            default window, 4 x 4096 rows, is 16 batches of 1024).
         cache_bytes: most bytes of blocks held between batches (prefetched or kept for
             reuse); 0 streams every batch on demand.
-        concurrency: ranged reads in flight at once.
+        concurrency: ranged reads in flight at once (64: 50 ms x 64 = ~1,300 reads/s,
+            about what one process's HTTP client does on a core: see
+            docs/guides/streaming.md).
         coalesce_bytes: neighbouring blocks of a file at most this many bytes apart
-            are fetched in one read (the gap is read and dropped).
+            are fetched in one read (the gap is read and dropped), while the gap is
+            at most 1/8 of the blocks in the read (fetched stays within ~1.1x needed).
         max_read_bytes: the largest single read (a long sequential run is cut there).
     """
 
-    ahead: int = 8
+    ahead: int = 32
     cache_bytes: int = 1 << 30
-    concurrency: int = 16
-    coalesce_bytes: int = 64 << 10
+    concurrency: int = 64
+    coalesce_bytes: int = 1 << 20
     max_read_bytes: int = 16 << 20
 
     def __post_init__(self):

@@ -61,6 +61,13 @@ logger = logging.getLogger("hf_pipeline")
 _MANIFEST = "manifest.json"
 _CACHE_NAME = re.compile(r"-([0-9a-f]{16})\Z")
 _STOP_CHECK_S = 0.1
+#: Gaps between blocks are read (one request, not two) only while together they are at
+#: most 1/_GAP_SHARE of the blocks' bytes in the read: bytes fetched stay within ~1.1x those
+#: needed however the rows fall (``coalesce_bytes`` caps each gap besides).
+_GAP_SHARE = 8
+#: How long a gather that needs blocks the planner has reserved but not started waits
+#: for it to finish reserving its refill before starting them itself.
+_REFILL_WAIT_S = 0.2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -441,12 +448,39 @@ class StreamSource:
                     waits.setdefault(self._inflight[b], []).append(b)
                 else:
                     missing.append(b)
+            missing = self._flush_planned(missing, waits)
             self._counts["demand_blocks"] += len(missing)
             for future, blocks in self._submit(missing):
                 waits[future] = blocks
         for future in waits:
             got.update(self._result(future))
         return got
+
+    def _flush_planned(self, missing: list[int], waits: dict[Future, list[int]]) -> list[int]:
+        """``missing`` less the blocks the planner has reserved but not started: those
+        start now, with all its other pending reads (merged with them, not cut into
+        this batch's share), and go into ``waits`` (caller holds the lock)."""
+        planner = self._planner
+        if planner is None or not any(b in self._reserved for b in missing):
+            return missing
+        # The planner is reserving its refill (at the start, or after a burst of
+        # releases): give it a moment to finish, so that the refill starts as one set
+        # of merged reads, not cut at whatever it had reserved when this gather came.
+        deadline = time.monotonic() + _REFILL_WAIT_S
+        while (
+            not planner.idle
+            and any(b in self._reserved and b not in self._inflight for b in missing)
+            and time.monotonic() < deadline
+        ):
+            self._room.wait(_REFILL_WAIT_S / 10)
+        planner.flush()
+        rest = []
+        for b in missing:
+            if b in self._inflight:
+                waits.setdefault(self._inflight[b], []).append(b)
+            else:
+                rest.append(b)
+        return rest
 
     def _result(self, future: Future) -> dict[int, np.ndarray]:
         """A read's blocks, waiting at most as long as its retries can take."""
@@ -469,12 +503,21 @@ class StreamSource:
 
     def _submit(self, ids: list[int]) -> list[tuple[Future, list[int]]]:
         """Start reads of ``ids`` (caller holds the lock), neighbours merged."""
-        out: list[tuple[Future, list[int]]] = []
+        return [self._start_read(run) for run in self._runs(ids)]
+
+    def _runs(self, ids: list[int]) -> list[list[int]]:
+        """``ids`` in file order, cut into reads: neighbours of a file at most
+        ``coalesce_bytes`` apart merge while the read stays within ``max_read_bytes``,
+        and while its gaps together are at most 1/:data:`_GAP_SHARE` of its blocks
+        (a gap is bytes fetched for nothing: filtered-out rows, the input_ids between
+        embedding buffers; this keeps them to a small share of a long run's bytes)."""
+        out: list[list[int]] = []
         if not ids:
             return out
         ids = sorted(ids, key=lambda b: (self._block_file[b], self._block_start[b]))
         opts = self.options
         run = [ids[0]]
+        used, gaps = int(self._block_bytes[ids[0]]), 0
         for b in ids[1:]:
             last = run[-1]
             start, end = (
@@ -484,13 +527,17 @@ class StreamSource:
             if (
                 self._block_file[b] == self._block_file[last]
                 and 0 <= self._block_start[b] - end <= opts.coalesce_bytes
+                and (gaps + self._block_start[b] - end) * _GAP_SHARE <= used + self._block_bytes[b]
                 and self._block_start[b] + self._block_bytes[b] - start <= opts.max_read_bytes
             ):
                 run.append(b)
+                used += int(self._block_bytes[b])
+                gaps += int(self._block_start[b] - end)
             else:
-                out.append(self._start_read(run))
+                out.append(run)
                 run = [b]
-        out.append(self._start_read(run))
+                used, gaps = int(self._block_bytes[b]), 0
+        out.append(run)
         return out
 
     def _start_read(self, run: list[int]) -> tuple[Future, list[int]]:
@@ -772,6 +819,11 @@ class _Planner:
         self._planned: dict[Any, np.ndarray] = {}
         self._released: set[Any] = set()
         self._consumed = 0
+        # Reserved, not read yet (guarded by the source's lock): started together, so
+        # that neighbouring blocks of several batches merge into one read.
+        self._pending: list[int] = []
+        self._pending_from: int | None = None  # index of the oldest batch in _pending
+        self.idle = False  # waiting for room or for the consumer, or ended (source's lock)
         self._thread = threading.Thread(
             target=self._run, name="hf_pipeline-stream-plan", daemon=True
         )
@@ -790,9 +842,24 @@ class _Planner:
                     src._unpin(b)
             src._room.notify_all()
 
+    def flush(self) -> None:
+        """Start the reads of every reserved block not started yet (caller holds the
+        source's lock): a gather needs one of them now, or the lookahead ran low."""
+        pending, self._pending, self._pending_from = self._pending, [], None
+        self._source._start_planned(pending)
+        self._source._room.notify_all()
+
+    def _due(self) -> bool:
+        """Whether the pending reads must start now (the planner is about to wait): the
+        oldest pending batch is within half the lookahead of the consumer. Until then
+        reservations accumulate (a refill of about ``ahead / 2`` batches per start): a
+        block-shuffle window's batches each need a scattered part of the same rows, and
+        only their union is a few long runs; sequential batches merge across batches."""
+        low = max(1, self._source.options.ahead // 2)
+        return self._pending_from is not None and self._pending_from <= self._consumed + low
+
     def _run(self) -> None:
         src = self._source
-        pending: list[int] = []  # reserved, not read yet: read with the next batches'
         try:
             for index, (position, rows) in enumerate(self._batches):
                 ids = src.block_ids(rows)
@@ -809,23 +876,26 @@ class _Planner:
                                 break
                             if got is not False:
                                 self._planned[position] = ids
-                                pending.extend(got)
-                                if index <= self._consumed:  # wanted now: no waiting
-                                    src._start_planned(pending)
-                                    pending = []
+                                if self._pending_from is None:
+                                    self._pending_from = index
+                                self._pending.extend(got)
                                 break
-                        # Nothing more fits or is due: read what is reserved, then wait.
-                        if pending:
-                            src._start_planned(pending)
-                            pending = []
+                            # Nothing more fits: what is reserved is all there will be.
+                            self.flush()
+                        elif self._due():
+                            self.flush()
+                        self.idle = True
+                        src._room.notify_all()  # a gather may wait for the refill's end
                         src._room.wait(_STOP_CHECK_S)
+                        self.idle = False
             with src._lock:
-                src._start_planned(pending)
-                pending = []
+                self.flush()
         except BaseException as exc:  # noqa: BLE001 - gathers fetch on demand and raise it
             logger.warning("stream planner stopped: %s", exc)
         finally:
             with src._lock:  # stopped: what was reserved and never read frees its room
+                self.idle = True
+                pending, self._pending = self._pending, []
                 for b in pending:
                     if b in src._reserved and b not in src._inflight:
                         src._reserved.discard(b)

@@ -55,6 +55,34 @@ def built_cache(small_config):
     return prepare_cache(small_config, progress=False)
 
 
+# A session-scoped fixture is built once only where it is defined: conftest. Imported into
+# a test module it becomes that module's own fixture, built again in each such module.
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory) -> Path:
+    """The small demo's files in a folder of their own, generated once. Every "host" of
+    a publish/pull/stream test reads these same files, so every host computes the same
+    fingerprint (a copy elsewhere is another cache)."""
+    from hf_pipeline.demo.generate import generate_demo
+
+    out = tmp_path_factory.mktemp("publish-demo") / "data"
+    generate_demo(out, num_shards=4, samples_per_shard=100)
+    return out
+
+
+@pytest.fixture(scope="session")
+def source_cache(demo_data, tmp_path_factory):
+    """The cache built once from :func:`demo_data`: the one the publish, pull and stream
+    tests publish (tests.helpers.publishing.SourceCache)."""
+    from hf_pipeline.build.prepare import prepare_cache
+    from tests.helpers.publishing import SourceCache, config
+
+    root = tmp_path_factory.mktemp("publish-source")
+    result = prepare_cache(config(demo_data, root), progress=False)
+    return SourceCache(data=demo_data, result=result)
+
+
 def script_env(**extra: str) -> dict[str, str]:
     """Environment for running scripts/ in a subprocess (repo importable, offline)."""
     env = {

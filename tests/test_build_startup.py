@@ -9,6 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import PYTHON, REPO, SMALL_DEMO, script_env
 
 
@@ -40,6 +42,8 @@ def _report(cache_root: Path, name: str) -> dict:
     return json.loads(report.read_text())
 
 
+# slow: two fresh-process builds and a reference interpreter (about 45 CPU-s).
+@pytest.mark.slow
 def test_fresh_process_starts_workers_and_encoder_first(tmp_path):
     """Two fresh-process builds (scripts/prebuild_cache.py): in both, the workers' fork
     server starts before the inputs are listed, the main thread has imported what the

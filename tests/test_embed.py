@@ -851,6 +851,9 @@ def test_a_decoder_encodes_without_its_kv_cache(tmp_path):
     np.testing.assert_allclose(got, expected, atol=1e-5)
 
 
+# slow: two fresh interpreters each run torch.compile (inductor builds C++ on the CPU);
+# CompileArtifacts' claim and wait keep a fast test below.
+@pytest.mark.slow
 def test_a_compiled_encoder_is_compiled_once_and_loaded_by_the_next_process(tmp_path):
     """Issue 28: each rank compiled the same graphs again. The first process publishes
     its compile artifacts under the shared folder; the second, with local torch caches

@@ -153,6 +153,9 @@ def test_one_changed_byte_is_a_new_fingerprint(built, tmp_path):
     assert _fingerprint(_cfg(root, copy)) != first.fingerprint
 
 
+# slow: a build by the old release in a fresh interpreter, then three builds here (about a
+# third of this module's CPU time); the content index and fingerprints keep fast tests.
+@pytest.mark.slow
 def test_a_cache_of_the_mtime_release_is_used_not_rebuilt(tmp_path):
     """A cache built by the release before content identity (its fingerprint over
     mtimes) is found and used by an upgrade while the mtimes are unchanged; a touch

@@ -34,10 +34,8 @@ from tests.conftest import PYTHON, REPO, script_env
 from tests.helpers.publishing import (  # noqa: F401
     HUB_REPO,
     config,
-    demo_data,
     gcs_store,
     hub_store,
-    source_cache,
 )
 from tests.servers import gcs_fs
 

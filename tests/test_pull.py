@@ -38,11 +38,9 @@ from tests.helpers.dist_job import two_rank_nodes
 from tests.helpers.publishing import (  # noqa: F401
     HUB_REPO,
     config,
-    demo_data,
     gcs_store,
     hub_store,
     overrides,
-    source_cache,
     tree,
 )
 from tests.helpers.remote_build import start_remote_build

@@ -24,10 +24,8 @@ from hf_pipeline.read.stream import StreamOptions, StreamSource, open_stream
 from hf_pipeline.stores.retry import RetryPolicy
 from tests.helpers.publishing import (  # noqa: F401
     config,
-    demo_data,
     gcs_store,
     hub_store,
-    source_cache,
 )
 from tests.servers import gcs_fs
 from tests.servers.proxy import Fault, FaultProxy

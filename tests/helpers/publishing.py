@@ -1,10 +1,11 @@
 # ruff: noqa: F811 - pytest fixtures imported from tests.servers are parameters here
 """Fixtures of tests/test_publish.py and tests/test_pull.py (import the ones you use).
 
-* :func:`demo_data`: the small demo's files, generated once. Every "host" of a test
-  reads these same files, so every host computes the same fingerprint (a local file's
-  identity includes its mtime: a copy elsewhere would be another cache).
-* :func:`source_cache`: the cache built once from them (the one that gets published).
+* ``demo_data`` and ``source_cache`` (:class:`SourceCache`), session fixtures of
+  tests/conftest.py: the small demo's files generated once, and the cache built once
+  from them (the one that gets published). They live in conftest, not here: a
+  session-scoped fixture imported into a test module is a fixture of that module, built
+  again for each module that imports it.
 * :func:`gcs_store`: a fresh bucket on the real fake-gcs-server; ``gs://<bucket>/caches``.
 * :func:`hub_store`: a FakeHub with an empty dataset repo, online in this process;
   ``hf://datasets/<repo>/caches``.
@@ -67,24 +68,6 @@ class SourceCache:
     @property
     def cfg(self):
         return config(self.data, Path(self.result.cache_dir).parent)
-
-
-@pytest.fixture(scope="session")
-def demo_data(tmp_path_factory) -> Path:
-    from hf_pipeline.demo.generate import generate_demo
-
-    out = tmp_path_factory.mktemp("publish-demo") / "data"
-    generate_demo(out, num_shards=4, samples_per_shard=100)
-    return out
-
-
-@pytest.fixture(scope="session")
-def source_cache(demo_data, tmp_path_factory) -> SourceCache:
-    from hf_pipeline.build.prepare import prepare_cache
-
-    root = tmp_path_factory.mktemp("publish-source")
-    result = prepare_cache(config(demo_data, root), progress=False)
-    return SourceCache(data=demo_data, result=result)
 
 
 @pytest.fixture

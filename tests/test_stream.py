@@ -124,6 +124,11 @@ def test_pure_streaming_and_the_cache_limit(gcs_cache, local_source):
                 got.append({k: np.asarray(v) for k, v in batch.items()})
                 state = s.cache_state()
                 assert state["bytes"] + state["reserved_bytes"] <= limit, state
+                # The planner remembers at most its lookahead's steps (it once kept
+                # every consumed step of an on-demand stream: growth without bound).
+                planner = s._planner
+                if planner is not None:
+                    assert len(planner._released) + len(planner._planned) <= 4 + 1
             _same(want, got)
             stats = s.stats()
             assert stats.max_held_bytes <= limit

@@ -118,6 +118,7 @@ def gcs_server():
     saved = os.environ.get("STORAGE_EMULATOR_HOST")
     server = FakeGCSServer()
     server.start()
+    drain_stderr(server)  # else it stops answering after a few hundred requests
     try:
         if saved is None:
             os.environ.pop("STORAGE_EMULATOR_HOST", None)

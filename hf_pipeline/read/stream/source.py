@@ -809,6 +809,10 @@ def _reopen(url, options, policy, fingerprint):
     return StreamSource(url, options, policy=policy, fingerprint=fingerprint)
 
 
+#: The blocks planned for a batch that is read on demand (none).
+_NO_BLOCKS = np.empty(0, dtype=np.int64)
+
+
 class _Planner:
     """A named daemon thread walking the planned batches ``ahead`` of the consumer."""
 
@@ -873,6 +877,9 @@ class _Planner:
                         if index < self._consumed + src.options.ahead:
                             got = src._reserve(ids)
                             if got is None:  # larger than the whole cache: on demand
+                                # Nothing pinned; recorded so that its release finds it
+                                # (else every consumed step stayed in _released).
+                                self._planned[position] = _NO_BLOCKS
                                 break
                             if got is not False:
                                 self._planned[position] = ids

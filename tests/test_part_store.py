@@ -499,3 +499,92 @@ def test_sigkill_during_a_re_embedding_then_a_build_equals_a_clean_one(inputs, c
     assert reuse["embeddings_built"] == reuse["parts"]
     assert len(list(victim.glob("embed.*/"))) == 1, "one published copy of the embeddings"
     _assert_same_cache(res, clean16)
+
+
+# ------------------------------------------------------------------ another caption column
+
+#: The caption column of the re-join scenarios (the demo metadata has it beside the
+#: default ``caption_llava``).
+_SHORT = "data.caption_column=caption_llava_short"
+
+
+@pytest.fixture(scope="module")
+def clean_short(inputs):
+    """A from-scratch build of the final input with the short caption column."""
+    return _build(inputs["base"] / "short-clean", inputs["final"], inputs["meta"], _SHORT)
+
+
+def _latent_inodes(res) -> dict[str, int]:
+    """The inode of each of a cache's latents files (``parts/*/rows/*.arrow``)."""
+    conv = res.layout.converted
+    return {
+        f.relative_to(conv).as_posix(): f.stat().st_ino for f in conv.glob("parts/*/rows/*.arrow")
+    }
+
+
+def _assert_same_samples(got, want):
+    """The memory-mapped loader reads the same kept rows from both caches."""
+    from hf_pipeline.cache.layout import open_sample_source
+
+    with open_sample_source(got.layout, got.fingerprint) as a:
+        with open_sample_source(want.layout, want.fingerprint) as b:
+            assert a.num_rows == b.num_rows > 0
+            rows = np.arange(a.num_rows)
+            x, y = a.gather(rows, 0), b.gather(rows, 0)
+    assert x["keys"].tolist() == y["keys"].tolist()
+    assert x["latents"].tobytes() == y["latents"].tobytes()
+    np.testing.assert_allclose(x["embeddings"], y["embeddings"], atol=1e-5)
+
+
+def test_another_caption_column_rejoins_only_captions_and_writes_no_latent_bytes(
+    inputs, clean_short
+):
+    """A new caption column over the same shards: no shard read, 0 latent bytes written,
+    only the parts' captions re-joined (from the stored keys) and re-embedded; both
+    caches link the very same latents files (same inodes, once on disk), and the new
+    cache equals a from-scratch build with that column, fingerprint included, through
+    ``open_dataset`` and through the memory-mapped loader."""
+    root = inputs["base"] / "captions"
+    first = _build(root, inputs["final"], inputs["meta"])
+    res = _build(root, inputs["final"], inputs["meta"], _SHORT)
+    assert res.fingerprint != first.fingerprint
+    reuse = res.report["reuse"]
+    assert reuse["joins_built"] == 0 and reuse["joins_reused"] == reuse["parts"], reuse
+    assert reuse["shards_read"] == 0 and reuse["latent_bytes_written"] == 0, reuse
+    assert reuse["texts_built"] == reuse["parts"] == reuse["embeddings_built"], reuse
+    old, new = _latent_inodes(first), _latent_inodes(res)
+    assert old and old == new, "the latents once on disk"
+    _assert_same_cache(res, clean_short)
+    _assert_same_samples(res, clean_short)
+    assert _content(res)["caption"].tolist() != _content(first)["caption"].tolist()
+    # Back to the first column: every stored unit is found, nothing is built.
+    again = _build(root, inputs["final"], inputs["meta"])
+    assert again.fingerprint == first.fingerprint and not again.built
+
+
+def test_sigkill_during_a_caption_rejoin_leaves_the_first_cache_intact(inputs, clean_short):
+    """The build with a new caption column is SIGKILLed while it re-joins a part's
+    captions: the first cache still verifies whole and reads the same rows, and the next
+    build takes the dead lease over, writes no latent bytes and gives the from-scratch
+    cache of that column."""
+    from dist.inventory import verify
+    from hf_pipeline.cache.layout import STAGES
+
+    root = inputs["base"] / "kill-text"
+    first = _build(root, inputs["final"], inputs["meta"])
+    want = _content(first)
+    victim = _start_and_kill(root, inputs, "text", _SHORT)
+    texts = [d for d in (root / ".parts").glob("text-*") if (d / "text.json").exists()]
+    parts = first.report["reuse"]["parts"]
+    assert len(texts) < 2 * parts, "killed before the re-join was done"
+    assert verify(first.cache_dir, STAGES) == []
+    got = _content(first)
+    assert got["key"].tolist() == want["key"].tolist()
+    assert got["caption"].tolist() == want["caption"].tolist()
+    assert got["latents"].tobytes() == want["latents"].tobytes()
+    res = _build(root, inputs["final"], inputs["meta"], _SHORT, "coord.lease_timeout=4")
+    reuse = res.report["reuse"]
+    assert reuse["joins_built"] == 0 and reuse["latent_bytes_written"] == 0, reuse
+    assert len(list(victim.glob("text.*/"))) == 1, "one published copy of the captions"
+    _assert_same_cache(res, clean_short)
+    assert _latent_inodes(res) == _latent_inodes(first)

@@ -183,9 +183,10 @@ def test_appended_shards_build_only_the_new_parts_and_equal_a_clean_build(inputs
 
 def test_metadata_rows_appended_with_the_shards_reuse_the_old_parts(inputs):
     """New shards come with new metadata rows (a new metadata file): the old parts'
-    keys match the very same captions, so their joins are reused (checked against what
-    each stored part matched); the result is the from-scratch cache of the final input.
-    A caption changed for one old key re-joins exactly the part holding that key."""
+    keys match the very same captions, so their joins and captions are reused (checked
+    against what each stored part matched); the result is the from-scratch cache of the
+    final input. A caption changed for one old key re-joins exactly the captions of the
+    part holding that key (not its latents)."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
     import torch
@@ -222,8 +223,11 @@ def test_metadata_rows_appended_with_the_shards_reuse_the_old_parts(inputs):
     edited = inputs["base"] / "meta-edit" / inputs["meta"].name
     pq.write_table(full.set_column(1, "caption_llava", pa_array(caps)), edited)
     again = _build(root, inputs["final"], edited)
-    assert again.report["reuse"]["joins_built"] == 1, again.report["reuse"]
-    (changed,) = [p for p in again.report["parts"] if not p["reused"]["join"]]
+    reuse = again.report["reuse"]
+    # Only that part's captions are re-joined (and re-embedded): no latent byte written.
+    assert reuse["joins_built"] == 0 and reuse["latent_bytes_written"] == 0, reuse
+    assert reuse["texts_built"] == 1 == reuse["embeddings_built"], reuse
+    (changed,) = [p for p in again.report["parts"] if not p["reused"]["text"]]
     assert changed["shards"] == 1
     got = _content(again)
     assert got["caption"][got["key"].tolist().index(key)] == "a new caption"
@@ -588,3 +592,70 @@ def test_sigkill_during_a_caption_rejoin_leaves_the_first_cache_intact(inputs, c
     assert len(list(victim.glob("text.*/"))) == 1, "one published copy of the captions"
     _assert_same_cache(res, clean_short)
     assert _latent_inodes(res) == _latent_inodes(first)
+
+
+#: The last commit whose caches keep the caption in ``rows/`` (schema 1): what "a cache
+#: built by the previous layout" is built with.
+ROWS_CAPTION_RELEASE = "b1abb405b9aec62e881cf39c4c45be4a2b749fa1"
+
+
+def test_a_cache_of_the_previous_layout_is_found_and_read(inputs, tmp_path):
+    """A cache built by the release whose rows hold the captions (schema 1, built by
+    that release's own code in a subprocess) is found by this one (not rebuilt) and
+    read by the loader and by ``open_dataset`` as it was; another caption column then
+    builds a cache of the current layout beside it, equal to a scratch build."""
+    import json
+    import shutil
+    import sys
+
+    from hf_pipeline.cache.layout import open_dataset, open_sample_source
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    old = tmp_path / "old-release"
+    old.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", ROWS_CAPTION_RELEASE, "hf_pipeline", "dist"],
+        capture_output=True,
+    )
+    if archive.returncode != 0:  # a shallow clone without that commit
+        pytest.skip(f"commit {ROWS_CAPTION_RELEASE} not in this clone")
+    subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
+    root = tmp_path / "cache"
+    args = [*SMALL_DEMO, f"data.shards={inputs['final']}", f"data.metadata={inputs['meta']}",
+            f"build.cache_dir={root}", "build.part_shards=1"]  # fmt: skip
+    code = (
+        "import json, sys\n"
+        "from hf_pipeline.config import load_config\n"
+        "from hf_pipeline.build.prepare import prepare_cache\n"
+        "res = prepare_cache(load_config(None, json.loads(sys.argv[1]), environ={}), progress=False)\n"
+        "import hf_pipeline\n"
+        "print(json.dumps([res.fingerprint, str(res.cache_dir), res.built, hf_pipeline.__file__]))\n"
+    )
+    env = {k: v for k, v in script_env().items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(old)
+    out = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(args)], env=env, capture_output=True, text=True,
+        timeout=600, cwd=old,  # "-c" puts the working folder first on sys.path
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    old_fp, old_dir, old_built, imported = json.loads(out.stdout.strip().splitlines()[-1])
+    assert old_built and imported.startswith(str(old))
+    assert not list(Path(old_dir).glob("converted.*/parts/*/captions")), "the old layout"
+
+    res = _build(root, inputs["final"], inputs["meta"])
+    assert not res.built and res.fingerprint == old_fp and str(res.cache_dir) == old_dir
+    clean = inputs["clean"]
+    # The same rows as this release's scratch build, through both readers.
+    a, b = _content(res), _content(clean)
+    assert a["key"].tolist() == b["key"].tolist()
+    assert a["caption"].tolist() == b["caption"].tolist()
+    assert a["latents"].tobytes() == b["latents"].tobytes()
+    _assert_same_samples(res, clean)
+    with open_sample_source(res.layout) as src:
+        assert src.fingerprint == old_fp
+    assert len(open_dataset(res.layout)) == res.report["rows_out"]
+
+    short = _build(root, inputs["final"], inputs["meta"], _SHORT)
+    assert short.built and short.fingerprint not in (old_fp, clean.fingerprint)
+    assert list(short.layout.converted.glob("parts/*/captions/*.arrow"))

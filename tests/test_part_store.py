@@ -17,6 +17,7 @@ import pytest
 
 from hf_pipeline.build.part_store import part_bounds, plan_content_parts
 from tests.conftest import PYTHON, REPO, SMALL_DEMO, script_env
+from tests.helpers.publishing import gcs_store  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.slow
 
@@ -659,3 +660,50 @@ def test_a_cache_of_the_previous_layout_is_found_and_read(inputs, tmp_path):
     short = _build(root, inputs["final"], inputs["meta"], _SHORT)
     assert short.built and short.fingerprint not in (old_fp, clean.fingerprint)
     assert list(short.layout.converted.glob("parts/*/captions/*.arrow"))
+
+
+def test_pulling_a_cache_of_another_caption_column_fetches_no_latents(
+    inputs,
+    gcs_store,  # noqa: F811 - the fixture
+    tmp_path,
+):
+    """Content-addressed: the cache of another caption column, published, then pulled
+    into a root that holds a copy of the first column's cache (same parts): every
+    latents file is hard-linked from that copy, not one fetched; the captions files
+    are fetched; the pulled cache reads as the published one."""
+    import shutil
+
+    from dist.layout import marker_name
+    from dist.markers import read_json
+    from hf_pipeline.build.prepare import prepare_cache
+    from hf_pipeline.publish.pull import PULLED_FROM
+    from hf_pipeline.publish.upload import publish_cache
+
+    _, url = gcs_store
+    src = tmp_path / "src"
+    first = _build(src, inputs["final"], inputs["meta"])
+    short = _build(src, inputs["final"], inputs["meta"], _SHORT)
+    publish_cache(
+        short.cache_dir, short.fingerprint, url,
+        data_config=_config(src, inputs["final"], inputs["meta"], _SHORT).data,
+    )  # fmt: skip
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    mine = dest / first.cache_dir.name  # another complete cache: a copy, its own inodes
+    shutil.copytree(first.cache_dir, mine)
+    cfg = _config(dest, inputs["final"], inputs["meta"], _SHORT, f"build.pull_from={url}")
+    res = prepare_cache(cfg, progress=False)
+    assert res.pulled and not res.built and res.fingerprint == short.fingerprint
+    conv = res.layout.converted
+    have = {
+        f.stat().st_ino: f for f in (mine / first.layout.converted.name).rglob("*.arrow")
+    }  # fmt: skip
+    rows = list(conv.glob("parts/*/rows/*.arrow"))
+    captions = list(conv.glob("parts/*/captions/*.arrow"))
+    assert rows and captions
+    assert all(f.stat().st_ino in have for f in rows), "every latents file linked"
+    assert not any(f.stat().st_ino in have for f in captions), "the captions fetched"
+    info = read_json(res.cache_dir / marker_name("converted"))["info"][PULLED_FROM]
+    assert info["linked_bytes"] >= sum(f.stat().st_size for f in rows)
+    assert info["fetched_bytes"] < sum(f.stat().st_size for f in rows)
+    _assert_same_cache(res, short)

@@ -9,12 +9,16 @@ fingerprint and runs the two stages through :func:`dist.coordinator.ensure_built
    :mod:`hf_pipeline.build.part_store`); only the parts not stored yet are built:
    a. *join* (:mod:`hf_pipeline.build.convert`) — ``Dataset.map(num_proc=build.num_proc)``
       over a part's shards: read and validate each shard, convert the latents to the
-      storage dtype, join captions by key, mark ``nonfinite_latents``.
+      storage dtype, mark ``nonfinite_latents``. Stored per part: every caption column
+      and encoder reuses it.
+   a'. *captions* (:func:`hf_pipeline.build.parts.text_part`) — the part's stored keys
+      looked up in the caption table (no latent byte read). Stored per (part, caption
+      table): a new caption column re-joins only these.
    b. *duplicates* (:mod:`hf_pipeline.build.accounting`) — one NumPy pass over the key
       column marks all but the first occurrence of each key (among finite rows).
    c. *embed* (:mod:`hf_pipeline.build.embed_stage`) — tokenize, then ``Dataset.map`` in
       this process with the encoder on the accelerator; only rows that will be kept are
-      encoded. Stored per (part, encoder): a new encoder reuses the joins.
+      encoded. Stored per (part's captions, encoder): a new encoder reuses the rest.
    d. *assembly* (:func:`hf_pipeline.build.parts.assemble`) — hard-links every part's
       files into the stage and marks duplicates across parts.
 2. ``filtered`` — the ids of the rows with ``drop_reason == ""``, written as

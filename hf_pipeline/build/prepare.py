@@ -726,7 +726,7 @@ class BuiltParts:
         markers: the parts' markers (joins, texts and embeddings).
     """
 
-    parts: list[tuple[tuple[Path, Path], dict[str, Any]]]
+    parts: list[tuple[tuple[Path, ...], dict[str, Any]]]
     captions_path: Path
     captions_seconds: float | None
     reuse: dict[str, Any]

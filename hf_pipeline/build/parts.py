@@ -182,15 +182,13 @@ def text_part(
         table: the :class:`hf_pipeline.build.captions.CaptionTable`.
 
     Returns:
-        The unit's info: ``rows_in``, ``pre_duplicate_reasons``, ``captions_digest``
-        (:func:`hf_pipeline.build.part_store.caption_digest`), ``seconds_text``.
+        The unit's info: ``rows_in``, ``pre_duplicate_reasons``, ``seconds_text``.
     """
     import pyarrow.compute as pc
     from datasets import Features, Value
     from datasets.arrow_writer import ArrowWriter
 
     from hf_pipeline.build.captions import BAD_CAPTION_ENCODING, classify, reason_names
-    from hf_pipeline.build.part_store import caption_digest
 
     t0 = time.monotonic()
     keys = read_keys(rows_files)
@@ -223,7 +221,6 @@ def text_part(
     return {
         "rows_in": int(len(keys)),
         "pre_duplicate_reasons": ReasonCodes(reasons).counts(),
-        "captions_digest": caption_digest(table, keys),
         "seconds_text": round(time.monotonic() - t0, 3),
     }
 

@@ -825,13 +825,14 @@ def _ensure_parts(
 
     from dist.coordinator import ensure_built
     from hf_pipeline.build.captions import CaptionTable
-    from hf_pipeline.build.part_store import captions_id, store_dir
+    from hf_pipeline.build.part_store import caption_digest, captions_id, store_dir
     from hf_pipeline.build.parts import (
         StoppableProbe,
         embed_part,
         join_info,
         join_part,
         part_files,
+        read_keys,
         text_part,
     )
 
@@ -899,12 +900,15 @@ def _ensure_parts(
 
         def text_builder(part, join_folder: Path):
             def build(ctx):
+                rows = part_files(join_folder, "rows")
                 info = text_part(
-                    part_files(join_folder, "rows"), table=table, probe=ctx.probe,
-                    out_dir=Path(ctx.tmp_dir), batch_rows=cfg.build.writer_batch_size,
+                    rows, table=table, probe=ctx.probe, out_dir=Path(ctx.tmp_dir),
+                    batch_rows=cfg.build.writer_batch_size,
                 )  # fmt: skip
                 return {
                     **info, "builder": _me(), "built_for": fingerprint,
+                    # What a later build with other metadata compares (_stored_text).
+                    "captions_digest": caption_digest(table, read_keys(rows)),
                     # What --clean keeps while this text is in use (dist.inventory).
                     "uses": [part.join_dir.name, f"captions-{cid}"],
                 }  # fmt: skip

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """A cache that evolves (issue 26): append 10% shards, touch every shard, re-embed with
-another encoder setting, each against a from-scratch build of the same input (same run).
+another encoder setting, another caption column, each against a from-scratch build of
+the same input (same run).
 
 Generates the demo scaled to ``--rows`` once, then makes two input folders of hard
 links: *base* (the first 90% of the shards) and *full* (all shards: a new crawl appended
@@ -14,13 +15,15 @@ falls into: scattered over every part, they rebuild every part.) Every build is 
 3. ``append``: *full* built into R (only the new parts should be built);
 4. ``touch``: every shard of *full* touched, built into R again (found: hashing only);
 5. ``hit``: the same again (the content index hits: nothing hashed);
-6. ``reembed``: *full* with ``encoder.max_length`` changed, into R (embeddings only).
+6. ``reembed``: *full* with ``encoder.max_length`` changed, into R (embeddings only);
+7. ``recaption``: *full* with ``data.caption_column: caption_llava_short``, into R
+   (captions and embeddings only: no shard read, no latent byte written).
 
 Reports each wall, the report's ``reuse`` block (parts built/reused, latent bytes
 written), the hashing stats, and the ratios the issue states: append / scratch (goal
 <= 0.2), touch / scratch (<= 0.05), hit wall (<= 1 s), reembed / the scratch build's
-embed stage (<= 1.2, latent bytes written 0), and the disk use of R before and after
-the re-embedding.
+embed stage (<= 1.2, latent bytes written 0), recaption / scratch, and the disk use of
+R before and after the re-embedding and the re-captioning.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ print(json.dumps({
     "inner_s": round(time.perf_counter() - t0, 3), "built": res.built,
     "fingerprint": res.fingerprint, "rows_out": r["rows_out"], "reuse": r.get("reuse"),
     "seconds_embed": r.get("seconds_embed"), "seconds_convert": r.get("seconds_convert"),
+    "seconds_text": r.get("seconds_text"),
     "hashing": getattr(res, "hashing", None),
 }))
 """
@@ -151,6 +155,8 @@ def main() -> int:
     max_length = load_config(None, common).encoder.max_length
     runs["reembed"] = _build(cfg(full, root, f"encoder.max_length={max(8, max_length // 2)}"))
     du_after = _du(root)
+    runs["recaption"] = _build(cfg(full, root, "data.caption_column=caption_llava_short"))
+    du_recaption = _du(root)
 
     scratch = runs["scratch"]
     out = {
@@ -170,6 +176,8 @@ def main() -> int:
         == scratch["fingerprint"],
         "disk_bytes_before_reembed": du_before,
         "disk_bytes_after_reembed": du_after,
+        "recaption_over_scratch": round(runs["recaption"]["wall_s"] / scratch["wall_s"], 3),
+        "disk_bytes_after_recaption": du_recaption,
         "overrides": common,
     }
     print(json.dumps(out, indent=1))

@@ -17,6 +17,7 @@ import pytest
 
 from hf_pipeline.build.part_store import part_bounds, plan_content_parts
 from tests.conftest import PYTHON, REPO, SMALL_DEMO, script_env
+from tests.helpers.publishing import gcs_store  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.slow
 
@@ -183,9 +184,10 @@ def test_appended_shards_build_only_the_new_parts_and_equal_a_clean_build(inputs
 
 def test_metadata_rows_appended_with_the_shards_reuse_the_old_parts(inputs):
     """New shards come with new metadata rows (a new metadata file): the old parts'
-    keys match the very same captions, so their joins are reused (checked against what
-    each stored part matched); the result is the from-scratch cache of the final input.
-    A caption changed for one old key re-joins exactly the part holding that key."""
+    keys match the very same captions, so their joins and captions are reused (checked
+    against what each stored part matched); the result is the from-scratch cache of the
+    final input. A caption changed for one old key re-joins exactly the captions of the
+    part holding that key (not its latents)."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
     import torch
@@ -222,8 +224,11 @@ def test_metadata_rows_appended_with_the_shards_reuse_the_old_parts(inputs):
     edited = inputs["base"] / "meta-edit" / inputs["meta"].name
     pq.write_table(full.set_column(1, "caption_llava", pa_array(caps)), edited)
     again = _build(root, inputs["final"], edited)
-    assert again.report["reuse"]["joins_built"] == 1, again.report["reuse"]
-    (changed,) = [p for p in again.report["parts"] if not p["reused"]["join"]]
+    reuse = again.report["reuse"]
+    # Only that part's captions are re-joined (and re-embedded): no latent byte written.
+    assert reuse["joins_built"] == 0 and reuse["latent_bytes_written"] == 0, reuse
+    assert reuse["texts_built"] == 1 == reuse["embeddings_built"], reuse
+    (changed,) = [p for p in again.report["parts"] if not p["reused"]["text"]]
     assert changed["shards"] == 1
     got = _content(again)
     assert got["caption"][got["key"].tolist().index(key)] == "a new caption"
@@ -499,3 +504,206 @@ def test_sigkill_during_a_re_embedding_then_a_build_equals_a_clean_one(inputs, c
     assert reuse["embeddings_built"] == reuse["parts"]
     assert len(list(victim.glob("embed.*/"))) == 1, "one published copy of the embeddings"
     _assert_same_cache(res, clean16)
+
+
+# ------------------------------------------------------------------ another caption column
+
+#: The caption column of the re-join scenarios (the demo metadata has it beside the
+#: default ``caption_llava``).
+_SHORT = "data.caption_column=caption_llava_short"
+
+
+@pytest.fixture(scope="module")
+def clean_short(inputs):
+    """A from-scratch build of the final input with the short caption column."""
+    return _build(inputs["base"] / "short-clean", inputs["final"], inputs["meta"], _SHORT)
+
+
+def _latent_inodes(res) -> dict[str, int]:
+    """The inode of each of a cache's latents files (``parts/*/rows/*.arrow``)."""
+    conv = res.layout.converted
+    return {
+        f.relative_to(conv).as_posix(): f.stat().st_ino for f in conv.glob("parts/*/rows/*.arrow")
+    }
+
+
+def _assert_same_samples(got, want):
+    """The memory-mapped loader reads the same kept rows from both caches."""
+    from hf_pipeline.cache.layout import open_sample_source
+
+    with open_sample_source(got.layout, got.fingerprint) as a:
+        with open_sample_source(want.layout, want.fingerprint) as b:
+            assert a.num_rows == b.num_rows > 0
+            rows = np.arange(a.num_rows)
+            x, y = a.gather(rows, 0), b.gather(rows, 0)
+    assert x["keys"].tolist() == y["keys"].tolist()
+    assert x["latents"].tobytes() == y["latents"].tobytes()
+    np.testing.assert_allclose(x["embeddings"], y["embeddings"], atol=1e-5)
+
+
+def test_another_caption_column_rejoins_only_captions_and_writes_no_latent_bytes(
+    inputs, clean_short
+):
+    """A new caption column over the same shards: no shard read, 0 latent bytes written,
+    only the parts' captions re-joined (from the stored keys) and re-embedded; both
+    caches link the very same latents files (same inodes, once on disk), and the new
+    cache equals a from-scratch build with that column, fingerprint included, through
+    ``open_dataset`` and through the memory-mapped loader."""
+    root = inputs["base"] / "captions"
+    first = _build(root, inputs["final"], inputs["meta"])
+    res = _build(root, inputs["final"], inputs["meta"], _SHORT)
+    assert res.fingerprint != first.fingerprint
+    reuse = res.report["reuse"]
+    assert reuse["joins_built"] == 0 and reuse["joins_reused"] == reuse["parts"], reuse
+    assert reuse["shards_read"] == 0 and reuse["latent_bytes_written"] == 0, reuse
+    assert reuse["texts_built"] == reuse["parts"] == reuse["embeddings_built"], reuse
+    old, new = _latent_inodes(first), _latent_inodes(res)
+    assert old and old == new, "the latents once on disk"
+    _assert_same_cache(res, clean_short)
+    _assert_same_samples(res, clean_short)
+    assert _content(res)["caption"].tolist() != _content(first)["caption"].tolist()
+    # Back to the first column: every stored unit is found, nothing is built.
+    again = _build(root, inputs["final"], inputs["meta"])
+    assert again.fingerprint == first.fingerprint and not again.built
+
+
+def test_sigkill_during_a_caption_rejoin_leaves_the_first_cache_intact(inputs, clean_short):
+    """The build with a new caption column is SIGKILLed while it re-joins a part's
+    captions: the first cache still verifies whole and reads the same rows, and the next
+    build takes the dead lease over, writes no latent bytes and gives the from-scratch
+    cache of that column."""
+    from dist.inventory import verify
+    from hf_pipeline.cache.layout import STAGES
+
+    root = inputs["base"] / "kill-text"
+    first = _build(root, inputs["final"], inputs["meta"])
+    want = _content(first)
+    victim = _start_and_kill(root, inputs, "text", _SHORT)
+    texts = [d for d in (root / ".parts").glob("text-*") if (d / "text.json").exists()]
+    parts = first.report["reuse"]["parts"]
+    assert len(texts) < 2 * parts, "killed before the re-join was done"
+    assert verify(first.cache_dir, STAGES) == []
+    got = _content(first)
+    assert got["key"].tolist() == want["key"].tolist()
+    assert got["caption"].tolist() == want["caption"].tolist()
+    assert got["latents"].tobytes() == want["latents"].tobytes()
+    res = _build(root, inputs["final"], inputs["meta"], _SHORT, "coord.lease_timeout=4")
+    reuse = res.report["reuse"]
+    assert reuse["joins_built"] == 0 and reuse["latent_bytes_written"] == 0, reuse
+    assert len(list(victim.glob("text.*/"))) == 1, "one published copy of the captions"
+    _assert_same_cache(res, clean_short)
+    assert _latent_inodes(res) == _latent_inodes(first)
+
+
+#: The last commit whose caches keep the caption in ``rows/`` (schema 1): what "a cache
+#: built by the previous layout" is built with.
+ROWS_CAPTION_RELEASE = "b1abb405b9aec62e881cf39c4c45be4a2b749fa1"
+
+
+def test_a_cache_of_the_previous_layout_is_found_and_read(inputs, tmp_path):
+    """A cache built by the release whose rows hold the captions (schema 1, built by
+    that release's own code in a subprocess) is found by this one (not rebuilt) and
+    read by the loader and by ``open_dataset`` as it was; another caption column then
+    builds a cache of the current layout beside it, equal to a scratch build."""
+    import json
+    import shutil
+    import sys
+
+    from hf_pipeline.cache.layout import open_dataset, open_sample_source
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    old = tmp_path / "old-release"
+    old.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", ROWS_CAPTION_RELEASE, "hf_pipeline", "dist"],
+        capture_output=True,
+    )
+    if archive.returncode != 0:  # a shallow clone without that commit
+        pytest.skip(f"commit {ROWS_CAPTION_RELEASE} not in this clone")
+    subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
+    root = tmp_path / "cache"
+    args = [*SMALL_DEMO, f"data.shards={inputs['final']}", f"data.metadata={inputs['meta']}",
+            f"build.cache_dir={root}", "build.part_shards=1"]  # fmt: skip
+    code = (
+        "import json, sys\n"
+        "from hf_pipeline.config import load_config\n"
+        "from hf_pipeline.build.prepare import prepare_cache\n"
+        "res = prepare_cache(load_config(None, json.loads(sys.argv[1]), environ={}), progress=False)\n"
+        "import hf_pipeline\n"
+        "print(json.dumps([res.fingerprint, str(res.cache_dir), res.built, hf_pipeline.__file__]))\n"
+    )
+    env = {k: v for k, v in script_env().items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(old)
+    out = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(args)], env=env, capture_output=True, text=True,
+        timeout=600, cwd=old,  # "-c" puts the working folder first on sys.path
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    old_fp, old_dir, old_built, imported = json.loads(out.stdout.strip().splitlines()[-1])
+    assert old_built and imported.startswith(str(old))
+    assert not list(Path(old_dir).glob("converted.*/parts/*/captions")), "the old layout"
+
+    res = _build(root, inputs["final"], inputs["meta"])
+    assert not res.built and res.fingerprint == old_fp and str(res.cache_dir) == old_dir
+    clean = inputs["clean"]
+    # The same rows as this release's scratch build, through both readers.
+    a, b = _content(res), _content(clean)
+    assert a["key"].tolist() == b["key"].tolist()
+    assert a["caption"].tolist() == b["caption"].tolist()
+    assert a["latents"].tobytes() == b["latents"].tobytes()
+    _assert_same_samples(res, clean)
+    with open_sample_source(res.layout) as src:
+        assert src.fingerprint == old_fp
+    assert len(open_dataset(res.layout)) == res.report["rows_out"]
+
+    short = _build(root, inputs["final"], inputs["meta"], _SHORT)
+    assert short.built and short.fingerprint not in (old_fp, clean.fingerprint)
+    assert list(short.layout.converted.glob("parts/*/captions/*.arrow"))
+
+
+def test_pulling_a_cache_of_another_caption_column_fetches_no_latents(
+    inputs,
+    gcs_store,  # noqa: F811 - the fixture
+    tmp_path,
+):
+    """Content-addressed: the cache of another caption column, published, then pulled
+    into a root that holds a copy of the first column's cache (same parts): every
+    latents file is hard-linked from that copy, not one fetched; the captions files
+    are fetched; the pulled cache reads as the published one."""
+    import shutil
+
+    from dist.layout import marker_name
+    from dist.markers import read_json
+    from hf_pipeline.build.prepare import prepare_cache
+    from hf_pipeline.publish.pull import PULLED_FROM
+    from hf_pipeline.publish.upload import publish_cache
+
+    _, url = gcs_store
+    src = tmp_path / "src"
+    first = _build(src, inputs["final"], inputs["meta"])
+    short = _build(src, inputs["final"], inputs["meta"], _SHORT)
+    publish_cache(
+        short.cache_dir, short.fingerprint, url,
+        data_config=_config(src, inputs["final"], inputs["meta"], _SHORT).data,
+    )  # fmt: skip
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    mine = dest / first.cache_dir.name  # another complete cache: a copy, its own inodes
+    shutil.copytree(first.cache_dir, mine)
+    cfg = _config(dest, inputs["final"], inputs["meta"], _SHORT, f"build.pull_from={url}")
+    res = prepare_cache(cfg, progress=False)
+    assert res.pulled and not res.built and res.fingerprint == short.fingerprint
+    conv = res.layout.converted
+    have = {
+        f.stat().st_ino: f for f in (mine / first.layout.converted.name).rglob("*.arrow")
+    }  # fmt: skip
+    rows = list(conv.glob("parts/*/rows/*.arrow"))
+    captions = list(conv.glob("parts/*/captions/*.arrow"))
+    assert rows and captions
+    assert all(f.stat().st_ino in have for f in rows), "every latents file linked"
+    assert not any(f.stat().st_ino in have for f in captions), "the captions fetched"
+    info = read_json(res.cache_dir / marker_name("converted"))["info"][PULLED_FROM]
+    assert info["linked_bytes"] >= sum(f.stat().st_size for f in rows)
+    assert info["fetched_bytes"] < sum(f.stat().st_size for f in rows)
+    _assert_same_cache(res, short)

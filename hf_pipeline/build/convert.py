@@ -1,17 +1,18 @@
-"""Stage 1a, the join: latent shards + caption table -> ``key, latents, caption,
-drop_reason`` rows, through ``Dataset.map(num_proc=build.num_proc)``.
+"""Stage 1a, the join: latent shards -> ``key, latents, drop_reason`` rows, through
+``Dataset.map(num_proc=build.num_proc)``.
 
 Each ``num_proc`` worker (forked by a clean fork server: :mod:`hf_pipeline.workers.pool`)
 takes one shard at a time from the :class:`~hf_pipeline.stores.fetch.StagingClient` (downloads
 run ahead in the builder), reads it with ``torch.load(weights_only=True)`` and validates it
-(:func:`hf_pipeline.build.shards.read_shard`), converts the latents to the storage dtype,
-looks the keys up in the memory-mapped caption table (``searchsorted``, no per-row dict)
-and marks rows with NaN/inf latents ``nonfinite_latents`` (or fails, ``data.on_bad_rows: fail``),
-rows whose caption is not UTF-8 ``bad_caption_encoding``. A shard without rows adds none.
+(:func:`hf_pipeline.build.shards.read_shard`), converts the latents to the storage dtype
+and marks rows with NaN/inf latents ``nonfinite_latents`` (or fails,
+``data.on_bad_rows: fail``). A shard without rows adds none.
 
-The join holds no token ids: they belong to the encoder, and a part's join is shared by
-every encoder (:mod:`hf_pipeline.build.part_store`); the embedding tokenizes
-(:mod:`hf_pipeline.build.embed_stage`).
+The join holds no captions and no token ids: the captions belong to the metadata and
+its caption column (a part's ``text`` unit, :func:`hf_pipeline.build.parts.text_part`,
+looks its keys up in the caption table), the token ids to the encoder; a part's
+latents are shared by every caption column and every encoder
+(:mod:`hf_pipeline.build.part_store`).
 """
 
 from __future__ import annotations
@@ -144,19 +145,6 @@ def choose_storage(wanted: str, shards: Sequence[Any], client, timeout: float) -
     return Storage(empty_dtype or "float32")
 
 
-_CAPTIONS: dict[str, Any] = {}
-
-
-def _captions(path: str):
-    # One memory-mapped caption table per worker process (opened lazily, by path).
-    table = _CAPTIONS.get(path)
-    if table is None:
-        from hf_pipeline.build.captions import CaptionTable
-
-        table = _CAPTIONS[path] = CaptionTable.open(path)
-    return table
-
-
 #: A RemoteFile's fields: the shard table's columns.
 _FILE_FIELDS = tuple(f.name for f in dataclasses.fields(RemoteFile))
 
@@ -181,13 +169,12 @@ def convert_shards(
     *,
     probe,
     client,
-    captions_path: str,
     storage: Storage,
     precision_dir: str,
     fetch_timeout: float,
     on_bad_rows: str,
 ) -> dict[str, Any]:
-    """``datasets.map`` function: shard files -> joined latent rows.
+    """``datasets.map`` function: shard files -> latent rows (key, latents, drop_reason).
 
     Runs in the ``num_proc`` workers. A batch is rows of the shard table
     (:func:`shard_table`: one :class:`~hf_pipeline.stores.remote_file.RemoteFile` a row), so a
@@ -197,13 +184,12 @@ def convert_shards(
     next shard; ``precision_dir`` gets one small JSON per shard (what the storage cast
     changed), which :func:`summarize_precision` adds up.
     """
-    from hf_pipeline.build.captions import caption_texts, classify, reason_names
+    from hf_pipeline.build.accounting import KEEP
     from hf_pipeline.build.shards import LATENT_SHAPE, read_shard
     from hf_pipeline.cache.precision import arrow_dtype, to_arrow
     from hf_pipeline.errors import CorruptShardError
 
-    table = _captions(captions_path)
-    keys, latents, captions, reasons = [], [], [], []
+    keys, latents, reasons = [], [], []
     for j, index in enumerate(indices):
         probe.check()
         t_start = time.time()  # wall clock: the timeline compares processes
@@ -242,28 +228,22 @@ def convert_shards(
                 int(bad.sum()),
                 first,
             )
-        caps, found = table.lookup(k)
-        codes = classify(caps, found)
-        # object dtype: a fixed-width str array would truncate the longer reason names.
-        why = reason_names(codes).astype(object)
+        # object dtype: a fixed-width str array would truncate the longer reason name.
+        why = np.full(len(k), KEEP, dtype=object)
         why[bad] = NONFINITE
-        texts = caption_texts(caps, codes)  # "" for a caption that is not UTF-8
         _write_precision(precision_dir, index, shard, t_start)
         reasons.append(why)
-        captions.append(texts)
         keys.append(k)
         latents.append(lat)
     if not keys:
         return {
             "key": np.zeros(0, np.int64),
             "latents": np.zeros((0, *LATENT_SHAPE), arrow_dtype(storage.dtype)),
-            "caption": [],
             "drop_reason": [],
         }
     return {
         "key": np.concatenate(keys),
         "latents": np.concatenate(latents),
-        "caption": [c for part in captions for c in part],
         "drop_reason": [str(r) for part in reasons for r in part],
     }
 
@@ -324,7 +304,6 @@ def join_shards(
     cfg,
     source,
     shards: Sequence[Any],
-    captions_path: str,
     probe,
     out_file: Path,
     work_dir: Path,
@@ -337,7 +316,6 @@ def join_shards(
         cfg: the :class:`hf_pipeline.config.Config`.
         source: the :class:`hf_pipeline.stores.Source` the shards come from.
         shards: the shard files (``RemoteFile``), in build order.
-        captions_path: the saved, key-sorted caption table.
         probe: a :class:`dist.lease.LeaseProbe` (workers stop when the lease is lost).
         out_file: where ``datasets`` writes the rows.
         work_dir: scratch folder (per-shard precision files).
@@ -367,7 +345,6 @@ def join_shards(
                 "key": Value("int64"),
                 # Arrow has no bfloat16: its bits are stored as uint16 (see precision).
                 "latents": Array4D(LATENT_SHAPE, arrow_dtype(storage.dtype)),
-                "caption": Value("string"),
                 "drop_reason": Value("string"),
             }
         )
@@ -384,7 +361,6 @@ def join_shards(
             fn_kwargs={
                 "probe": probe,
                 "client": fetcher.client(),
-                "captions_path": captions_path,
                 "storage": storage,
                 "precision_dir": str(precision_dir),
                 "fetch_timeout": fetch_timeout,
@@ -393,7 +369,7 @@ def join_shards(
             cache_file_name=str(out_file),
             new_fingerprint=f"{fingerprint}-rows",
             keep_in_memory=False,
-            desc="Join captions",
+            desc="Join shards",
         )
         t_done = time.time()
         fetch_stats = fetcher.stats()

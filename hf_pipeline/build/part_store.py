@@ -1,15 +1,25 @@
 """Built parts stored by their own identity, found by every later cache of one cache root.
 
 A cache is assembled from *parts* (contiguous shard ranges, :mod:`hf_pipeline.build.parts`).
-Each part's join and each part's embeddings are stored once, under the cache root, by
-what shapes their bytes, not by the cache that first needed them::
+Each part's latents, its captions and its embeddings are stored once, under the cache
+root, by what shapes their bytes, not by the cache that first needed them::
 
     <cache_root>/.parts/
-      captions-<id>/          the key-sorted caption table of one metadata file
-      join-<part>-<meta>/     a part's join: rows/data.arrow (key, latents, caption,
-                              drop_reason); no token ids, so no encoder in its identity
+      captions-<meta>/        the key-sorted caption table of one metadata file and
+                              caption column
+      join-<part>/            a part's latents: rows/data*.arrow (key, latents,
+                              drop_reason: the latent-side reason, ``nonfinite_latents``
+                              or kept); no caption, so no metadata in its identity
+      text-<part>-<meta>/     its captions from one caption table: captions/data.arrow
+                              (caption, drop_reason: the pre-duplicate reason)
       embed-<part>-<meta>-<enc>/  its embeddings under one encoder:
                               embeddings/data.arrow (embedding, input_ids, drop_reason)
+
+Latents and captions are apart so that a new caption column (or a metadata file whose
+captions differ) re-joins captions only: a ``text`` unit is computed from its part's
+stored keys (the key column of the latents files, memory-mapped: not one latent byte
+read) and the caption table, and writes no latent byte. Two caption columns, like two
+encoders, cost the latents once on disk.
 
 Every one of them is a cache unit of :mod:`dist.coordinator`: built in its lease's own
 folder, published by a marker created last (never overwritten), taken over when its
@@ -17,17 +27,19 @@ builder dies, fenced against a builder that lost its lease. A part is never half
 visible, and a SIGKILLed build leaves only an unpublished folder that the next builder
 of that unit collects. A cache's ``converted`` stage hard-links the published files
 (:func:`hf_pipeline.build.parts.assemble`): latent bytes are written once per part,
-whatever the number of caches (encoders, appended inputs) that use it.
+whatever the number of caches (encoders, caption columns, appended inputs) that use it.
+Each unit's marker names the units it reads in ``uses`` (an embedding its ``text``, a
+``text`` its ``join`` and caption table), which ``--clean`` keeps while it is in use.
 
-Identity (:func:`join_id`): the join's config fields (key and caption columns,
-``on_missing``, ``on_bad_rows``, ``latent_dtype``) and the part's shards'
-``(name, size, etag)``, under :data:`PART_SCHEMA` (``<part>``); a join is stored under
-that and the caption table it was built with (``<meta>``, :func:`captions_id`). The
-join depends on the metadata only through the caption rows its keys match, so a join
-stored under another metadata file is reused when those rows are the same: its
-marker records :func:`caption_digest` of them, and a build compares it with the digest
-of the same keys in its own caption table (the keys read from the stored rows). New
-metadata rows for new shards then cost only the new parts.
+Identity (:func:`join_id`): the fields that shape the latents (``on_missing``,
+``on_bad_rows``, ``latent_dtype``) and the part's shards' ``(name, size, etag)``, under
+:data:`PART_SCHEMA` (``<part>``). Not ``data.key_column``: it names the *metadata's*
+key column, so it shapes the captions (:func:`captions_id`, ``<meta>``), as the caption
+column does. A ``text`` unit depends on the metadata only through the caption rows its
+keys match, so one stored under another caption table is reused when those rows are
+the same: its marker records :func:`caption_digest` of them, and a build compares it
+with the digest of the same keys in its own caption table. New metadata rows for new
+shards then cost only the new parts' captions (and their embeddings).
 
 Boundaries (:func:`plan_content_parts`): content-defined, so that inserting a shard
 moves no boundary but its own part's: a part ends after shard ``i`` when a hash of
@@ -66,17 +78,16 @@ __all__ = [
 #: The folder of the stored parts under the cache root (a dot-folder: never listed or
 #: cleaned as a cache; ``dist.inventory`` cleans it by its own rule).
 PARTS_DIR = ".parts"
-#: Bump when a stored part's files or the meaning of a column change.
-PART_SCHEMA = 1
+#: Bump when a stored part's files or the meaning of a column change. 2: the captions
+#: left the ``join`` units (latents only) for ``text`` units of their own.
+PART_SCHEMA = 2
 #: The average part size in shards when ``build.part_shards`` is 0 (a constant: a size
 #: that followed the input's length would move every boundary when shards are added).
 DEFAULT_PART_SHARDS = 16
 
-#: The config fields that shape a part's join (the caption column included: it is
-#: in the rows). Not the encoder: the join holds no token ids.
+#: The config fields that shape a part's latents (its ``join`` unit). Not the key or
+#: caption column (the metadata's: :func:`captions_id`), not the encoder.
 _JOIN_FIELDS = (
-    ("data", "key_column"),
-    ("data", "caption_column"),
     ("data", "on_missing"),
     ("data", "on_bad_rows"),
     ("build", "latent_dtype"),
@@ -111,8 +122,7 @@ def captions_id(cfg, metadata: Sequence[Any]) -> str:
 
 
 def join_id(cfg, shards: Sequence[Sequence[Any]]) -> str:
-    """A part's identity without its captions: what shapes its join's bytes besides the
-    caption rows its keys match (the module docstring).
+    """A part's identity, that of its latents (its ``join`` unit): the module docstring.
 
     Args:
         cfg: the :class:`hf_pipeline.config.Config`.
@@ -124,8 +134,8 @@ def join_id(cfg, shards: Sequence[Sequence[Any]]) -> str:
 
 def caption_digest(table, keys) -> str:
     """A digest of what the caption table gives ``keys`` (in order): for each key,
-    whether it has a metadata row and its caption's bytes (or null). The join's
-    output is a function of the shards and exactly this.
+    whether it has a metadata row and its caption's bytes (or null). A ``text`` unit's
+    output is a function of its part's latents unit and exactly this.
 
     Args:
         table: a :class:`hf_pipeline.build.captions.CaptionTable`.
@@ -197,10 +207,10 @@ class StoredPart:
 
     Attributes:
         plan: the part's shard range in this build.
-        part: its identity without captions (:func:`join_id`).
-        captions: the caption table its join is stored under (16 hex digits of
-            :func:`captions_id`): this build's, or the one of a stored join reused
-            because its captions are the same.
+        part: its identity, that of its latents (:func:`join_id`).
+        captions: the caption table its captions are stored under (16 hex digits of
+            :func:`captions_id`): this build's, or the one of a stored ``text`` unit
+            reused because its captions are the same.
         encoder: the encoder's key (:func:`encoder_key`).
         store: the store folder (:func:`store_dir`).
     """
@@ -213,15 +223,24 @@ class StoredPart:
 
     @property
     def join_id(self) -> str:
+        """The latents unit's id (no captions in it)."""
+        return self.part
+
+    @property
+    def text_id(self) -> str:
         return f"{self.part}-{self.captions}"
 
     @property
     def embed_id(self) -> str:
-        return f"{self.join_id}-{self.encoder}"
+        return f"{self.text_id}-{self.encoder}"
 
     @property
     def join_dir(self) -> Path:
         return self.store / f"join-{self.join_id}"
+
+    @property
+    def text_dir(self) -> Path:
+        return self.store / f"text-{self.text_id}"
 
     @property
     def embed_dir(self) -> Path:

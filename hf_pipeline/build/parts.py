@@ -3,10 +3,14 @@
 A *part* is a contiguous range of the shard list (content-defined boundaries, and its
 own identity: :mod:`hf_pipeline.build.part_store`, which stores built parts for every
 later cache). :func:`join_part` runs its join (:mod:`hf_pipeline.build.convert`,
-``num_proc`` workers) and :func:`embed_part` its embedding
-(:mod:`hf_pipeline.build.embed_stage`, the accelerator), each into a folder of its own::
+``num_proc`` workers), :func:`text_part` looks its keys' captions up (in this process,
+from the key column only: no latent byte read) and :func:`embed_part` runs its
+embedding (:mod:`hf_pipeline.build.embed_stage`, the accelerator), each into a folder of
+its own::
 
-    <join>/rows/data*.arrow              key, latents, caption, drop_reason
+    <join>/rows/data*.arrow              key, latents, drop_reason (nonfinite_latents)
+    <text>/captions/data.arrow           caption, drop_reason (every reason before
+                                         duplicates: the latents', then the caption's)
     <embed>/embeddings/data*.arrow       embedding, input_ids, drop_reason (duplicates
                                          within the part)
 
@@ -14,7 +18,8 @@ and :func:`assemble` turns the parts, in shard order, into the ``converted`` sta
 the duplicate pass across parts (the first finite occurrence in global shard order
 wins, as with one part), the final drop reason of every row (``reasons.arrow``) and
 the stage's report info. The latents are never copied: the assembly hard-links the
-parts' published files into ``converted/parts/part-NNNNN/``.
+parts' published files into ``converted/parts/part-NNNNN/`` (``rows/``, ``captions/``,
+``embeddings/``, row-aligned).
 
 Every way of cutting the input gives the same cache: same kept keys in the same
 order, byte-identical latents and captions; the embeddings differ only by float noise
@@ -59,7 +64,9 @@ __all__ = [
     "join_part",
     "latent_bytes",
     "part_files",
+    "read_column",
     "read_keys",
+    "text_part",
     "write_kept_indices",
 ]
 
@@ -71,7 +78,7 @@ _PARTS = "parts"
 #: What the build report lists of each part (``join``, the encoder wait and its
 #: loading: where the part's time went; absent from parts published before them).
 _PART_REPORT = (
-    "shards", "rows_in", "builder", "seconds_convert", "seconds_embed",
+    "shards", "rows_in", "builder", "seconds_convert", "seconds_text", "seconds_embed",
     "seconds_encoder_wait", "encoder_load", "join", "embed", "wall", "id", "reused",
 )  # fmt: skip
 
@@ -106,7 +113,6 @@ def join_part(
     cfg,
     source,
     shards: Sequence[Any],
-    captions_path: str,
     probe,
     out_dir: Path,
     fingerprint: str,
@@ -120,7 +126,6 @@ def join_part(
         cfg=cfg,
         source=source,
         shards=shards,
-        captions_path=captions_path,
         probe=probe,
         out_file=out_dir / "rows" / "data.arrow",
         work_dir=out_dir / "_work",
@@ -148,7 +153,6 @@ def join_info(part: JoinedPart) -> dict[str, Any]:
     return {
         "shards": part.shards,
         "rows_in": int(len(keys)),
-        "pre_duplicate_reasons": pre.counts(),
         "bad_rows": bad_rows_summary(keys, pre.mask(NONFINITE)),
         "fetch": joined.fetch,
         "precision": joined.precision,
@@ -162,12 +166,72 @@ def join_info(part: JoinedPart) -> dict[str, Any]:
     }
 
 
+def text_part(
+    rows_files: Sequence[Path], *, table, probe, out_dir: Path, batch_rows: int
+) -> dict[str, Any]:
+    """A part's captions (its ``text`` unit) into ``out_dir/captions/data.arrow``,
+    row-aligned with its latents unit's ``rows_files``: ``caption`` (``""`` where there
+    is none, or it is not UTF-8) and ``drop_reason`` (``nonfinite_latents`` from the
+    rows, else the caption's reason, else kept; duplicates come later, with the
+    embedding). Only the rows files' key and reason columns are read (memory-mapped):
+    not one latent byte. Written in ``datasets``' format (``Dataset.from_file`` reads
+    it), in record batches of ``batch_rows`` rows; ``probe`` is checked before each.
+
+    Args:
+        rows_files: the part's published latents files, in row order.
+        table: the :class:`hf_pipeline.build.captions.CaptionTable`.
+
+    Returns:
+        The unit's info: ``rows_in``, ``pre_duplicate_reasons``, ``seconds_text``.
+    """
+    import pyarrow.compute as pc
+    from datasets import Features, Value
+    from datasets.arrow_writer import ArrowWriter
+
+    from hf_pipeline.build.captions import BAD_CAPTION_ENCODING, classify, reason_names
+
+    t0 = time.monotonic()
+    keys = read_keys(rows_files)
+    latent_reasons = (
+        _column(rows_files, "drop_reason") if rows_files else pa.chunked_array([], pa.string())
+    )
+    nonfinite = ReasonCodes(latent_reasons).mask(NONFINITE)
+    caps, found = table.lookup(np.ascontiguousarray(keys, dtype=np.int64))
+    codes = classify(caps, found)
+    why = reason_names(codes).astype(object)
+    why[nonfinite] = NONFINITE
+    # "" where null or not UTF-8 (decoding one would raise): Arrow, no Python string per row.
+    bad = pa.array(reason_names(codes) == BAD_CAPTION_ENCODING)
+    caps = caps.cast(pa.large_binary()) if len(caps) else pa.array([], pa.large_binary())
+    text = pc.if_else(bad, pa.scalar(None, caps.type), caps).fill_null(b"")
+    text = text.cast(pa.large_string()).cast(pa.string())
+    reasons = pa.array(why.tolist() if len(why) else [], pa.string())
+    features = Features({"caption": Value("string"), "drop_reason": Value("string")})
+    out = out_dir / "captions" / "data.arrow"
+    probe.check()  # never re-create a lost lease's folder
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with ArrowWriter(features=features, path=str(out)) as writer:
+        for start in range(0, len(keys), max(1, batch_rows)):
+            probe.check()
+            stop = start + batch_rows
+            writer.write_table(
+                pa.table({"caption": text[start:stop], "drop_reason": reasons[start:stop]})
+            )
+        writer.finalize()
+    return {
+        "rows_in": int(len(keys)),
+        "pre_duplicate_reasons": ReasonCodes(reasons).counts(),
+        "seconds_text": round(time.monotonic() - t0, 3),
+    }
+
+
 def embed_part(
-    rows_files: Sequence[Path], *, cfg, probe, encoder, out_dir: Path, fingerprint: str,
-    on_phase=None,
+    rows_files: Sequence[Path], caption_files: Sequence[Path], *, cfg, probe, encoder,
+    out_dir: Path, fingerprint: str, on_phase=None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Tokenize and embed a joined part (its published ``rows_files``) into
-    ``out_dir/embeddings/`` (the accelerator); the embedding's info (JSON-able).
+    """Tokenize and embed a part's captions (its ``text`` unit's published
+    ``caption_files``; the keys from its latents unit's ``rows_files``, key column only)
+    into ``out_dir/embeddings/`` (the accelerator); the embedding's info (JSON-able).
     ``on_phase``: see :func:`hf_pipeline.build.embed_stage.embed_joined_rows`.
 
     Args:
@@ -179,9 +243,14 @@ def embed_part(
     from hf_pipeline.build.embed_stage import embed_joined_rows
 
     wall0 = time.time()
-    parts = [Dataset.from_file(str(f)) for f in rows_files]
+    parts = [Dataset.from_file(str(f)) for f in caption_files]
     rows = concatenate_datasets(parts) if len(parts) != 1 else parts[0]
-    keys = rows.data.column("key").to_numpy()
+    keys = read_keys(rows_files)
+    if len(keys) != len(rows):
+        raise ValueError(
+            f"{caption_files[0] if caption_files else rows_files}: {len(rows)} caption rows "
+            f"for {len(keys)} latent rows; they must be row-aligned"
+        )
     pre = ReasonCodes(rows.data.column("drop_reason"))
     nonfinite = pre.mask(NONFINITE)
     t_wait = time.monotonic()
@@ -235,7 +304,8 @@ class BuildStopped(RuntimeError):
 
 
 def part_files(part_dir: Path, kind: str) -> list[Path]:
-    """The Arrow files of ``kind`` (``"rows"`` or ``"embeddings"``) of one part, in order."""
+    """The Arrow files of ``kind`` (``"rows"``, ``"captions"`` or ``"embeddings"``) of
+    one part, in order."""
     return sorted((part_dir / kind).glob("*.arrow"))
 
 
@@ -243,6 +313,12 @@ def read_keys(rows_files: Sequence[Path]) -> np.ndarray:
     """The key column of a part's rows files, in row order (memory-mapped: the latents
     are not read)."""
     return _column(rows_files, "key").to_numpy() if rows_files else np.zeros(0, np.int64)
+
+
+def read_column(files: Sequence[Path], name: str) -> pa.ChunkedArray:
+    """Column ``name`` of Arrow stream ``files``, in row order, memory-mapped: only that
+    column's buffers are touched (the latents beside it are not read)."""
+    return _column(files, name)
 
 
 def _column(files: Sequence[Path], name: str) -> pa.ChunkedArray:
@@ -267,9 +343,10 @@ def assemble(
     Args:
         stage_dir: the stage folder being built; the parts end up in
             ``stage_dir/parts/part-NNNNN/``.
-        parts: each part's published folders (its join's, holding ``rows/``, and its
-            embedding's, holding ``embeddings/``), whose files are hard-linked in
-            (never a copy of the latents), and its info (:func:`join_info` and
+        parts: each part's published folders (its join's, holding ``rows/``, its
+            text's, holding ``captions/``, and its embedding's, holding
+            ``embeddings/``), whose files are hard-linked in (never a copy of the
+            latents), and its info (:func:`join_info`, :func:`text_part` and
             :func:`embed_part`'s together).
         table: the caption table (for ``no_latents``).
         probe: checked before anything is written (a lost lease writes nothing).
@@ -287,9 +364,11 @@ def assemble(
             _link_tree(folder, target)
         placed.append(target)
     rows_files = [f for d in placed for f in part_files(d, "rows")]
+    caption_files = [f for d in placed for f in part_files(d, "captions")]
     emb_files = [f for d in placed for f in part_files(d, "embeddings")]
-    keys = _column(rows_files, "key").to_numpy() if rows_files else np.zeros(0, np.int64)
-    pre = ReasonCodes(_column(rows_files, "drop_reason")) if rows_files else None
+    keys = read_keys(rows_files)
+    # Every reason before duplicates (the latents', then the caption's): the captions'.
+    pre = ReasonCodes(_column(caption_files, "drop_reason")) if caption_files else None
     final = ReasonCodes(_column(emb_files, "drop_reason")) if emb_files else None
     if pre is not None and final is not None:
         # Across parts: the first finite occurrence of a key in global shard order wins.
@@ -318,6 +397,7 @@ def assemble(
         "parts": [{k: i.get(k) for k in _PART_REPORT if k in i} for i in infos],
         "fetch": _merge_fetch([i.get("fetch", {}) for i in infos]),
         "seconds_convert": round(sum(float(i["seconds_convert"]) for i in infos), 3),
+        "seconds_text": round(sum(float(i.get("seconds_text", 0)) for i in infos), 3),
         "seconds_embed": round(sum(float(i["seconds_embed"]) for i in infos), 3),
         "num_proc": int(max((i["num_proc"] for i in infos), default=1)),
         "latent_dtype": infos[0]["latent_dtype"] if infos else "float32",

@@ -9,12 +9,16 @@ fingerprint and runs the two stages through :func:`dist.coordinator.ensure_built
    :mod:`hf_pipeline.build.part_store`); only the parts not stored yet are built:
    a. *join* (:mod:`hf_pipeline.build.convert`) — ``Dataset.map(num_proc=build.num_proc)``
       over a part's shards: read and validate each shard, convert the latents to the
-      storage dtype, join captions by key, mark ``nonfinite_latents``.
+      storage dtype, mark ``nonfinite_latents``. Stored per part: every caption column
+      and encoder reuses it.
+   a'. *captions* (:func:`hf_pipeline.build.parts.text_part`) — the part's stored keys
+      looked up in the caption table (no latent byte read). Stored per (part, caption
+      table): a new caption column re-joins only these.
    b. *duplicates* (:mod:`hf_pipeline.build.accounting`) — one NumPy pass over the key
       column marks all but the first occurrence of each key (among finite rows).
    c. *embed* (:mod:`hf_pipeline.build.embed_stage`) — tokenize, then ``Dataset.map`` in
       this process with the encoder on the accelerator; only rows that will be kept are
-      encoded. Stored per (part, encoder): a new encoder reuses the joins.
+      encoded. Stored per (part's captions, encoder): a new encoder reuses the rest.
    d. *assembly* (:func:`hf_pipeline.build.parts.assemble`) — hard-links every part's
       files into the stage and marks duplicates across parts.
 2. ``filtered`` — the ids of the rows with ``drop_reason == ""``, written as
@@ -640,10 +644,13 @@ def _earlier_release_fingerprint(
     only that one names a complete cache under the cache root.
 
     Releases before content identity fingerprinted local files by their mtime and GCS
-    objects by their generation (:meth:`RemoteFile.legacy_identity`). Such a cache holds
-    these very inputs as long as those tokens did not change, so an upgrade reuses it
-    rather than rebuilding; once a token changes (a touch, a re-upload), the cache is
-    built once under the content fingerprint, which then stays.
+    objects by their generation (:meth:`RemoteFile.legacy_identity`); releases before
+    the captions had files of their own fingerprinted under schema 1
+    (:data:`hf_pipeline.cache.layout.SCHEMA_VERSION`). Such a cache holds these very
+    inputs (as long as those tokens did not change, a touch, a re-upload) and every
+    reader reads its layout, so an upgrade reuses it rather than rebuilding; a new
+    identity (a touch, another caption column) is then built once under the current
+    fingerprint, which then stays.
     """
     from dist.coordinator import complete_markers
     from dist.layout import marker_name
@@ -653,20 +660,23 @@ def _earlier_release_fingerprint(
     here = CacheLayout.for_config(cfg, fingerprint).root
     if all((here / marker_name(s)).exists() for s in STAGES):
         return fingerprint
-    legacy = compute_fingerprint(
-        cfg, [f.legacy_identity() for f in inputs.shards], inputs.metadata.legacy_identity(),
-        encoder,
-    )  # fmt: skip
-    if legacy == fingerprint:  # Hub inputs: their identity was their content already
-        return fingerprint
-    if not complete_markers(CacheLayout.for_config(cfg, legacy).root, legacy, STAGES):
-        return fingerprint
-    log.info(
-        "using the cache %s built by an earlier release (fingerprint over mtimes/generations; "
-        "the content fingerprint is %s)",
-        CacheLayout.for_config(cfg, legacy).root, fingerprint,
-    )  # fmt: skip
-    return legacy
+    shards, meta = [f.identity() for f in inputs.shards], inputs.metadata.identity()
+    legacy = [f.legacy_identity() for f in inputs.shards], inputs.metadata.legacy_identity()
+    candidates = [
+        compute_fingerprint(cfg, *ids, encoder, schema=1) for ids in ((shards, meta), legacy)
+    ]
+    for earlier in dict.fromkeys(candidates):  # Hub inputs: their identity was their content
+        if earlier == fingerprint:
+            continue
+        if complete_markers(CacheLayout.for_config(cfg, earlier).root, earlier, STAGES):
+            log.info(
+                "using the cache %s built by an earlier release (fingerprint of schema 1%s; "
+                "the current fingerprint is %s)",
+                CacheLayout.for_config(cfg, earlier).root,
+                ", over mtimes/generations" if earlier != candidates[0] else "", fingerprint,
+            )  # fmt: skip
+            return earlier
+    return fingerprint
 
 
 def resolve_job_inputs(
@@ -781,31 +791,35 @@ class BuiltParts:
     """Every part of a build, found in the store or built (:func:`_ensure_parts`).
 
     Attributes:
-        parts: each part's published folders (join, embedding) and info, in shard order
-            (what :func:`hf_pipeline.build.parts.assemble` takes).
-        captions_path: the caption table the joins used.
+        parts: each part's published folders (join, text, embedding) and info, in shard
+            order (what :func:`hf_pipeline.build.parts.assemble` takes).
+        captions_path: the caption table the parts' captions came from.
         captions_seconds: the seconds its builder took to write it.
         reuse: the report's ``reuse`` block (:func:`_reuse`).
-        markers: the parts' markers (joins and embeddings).
+        markers: the parts' markers (joins, texts and embeddings).
     """
 
-    parts: list[tuple[tuple[Path, Path], dict[str, Any]]]
+    parts: list[tuple[tuple[Path, ...], dict[str, Any]]]
     captions_path: Path
     captions_seconds: float | None
     reuse: dict[str, Any]
     markers: list[Any]
 
 
-def _reuse(fingerprint: str, joins: list, embeds: list) -> dict[str, Any]:
+def _reuse(fingerprint: str, joins: list, texts: list, embeds: list) -> dict[str, Any]:
     """What the build reused from the part store and what it wrote: a stored unit is
     *built* for this cache when its marker says it was built for ``fingerprint`` (by
     this build, or by an earlier attempt of it that died), else *reused*. The joins
-    built are the only ones that read latent shards and write latent bytes."""
+    built are the only ones that read latent shards and write latent bytes; a text
+    built re-joined a part's captions (from its stored keys)."""
     built_joins = [m for m in joins if m.info.get("built_for") == fingerprint]
+    built_texts = sum(m.info.get("built_for") == fingerprint for m in texts)
     return {
         "parts": len(joins),
         "joins_built": len(built_joins),
         "joins_reused": len(joins) - len(built_joins),
+        "texts_built": built_texts,
+        "texts_reused": len(texts) - built_texts,
         "embeddings_built": sum(m.info.get("built_for") == fingerprint for m in embeds),
         "embeddings_reused": sum(m.info.get("built_for") != fingerprint for m in embeds),
         "shards_read": sum(int(m.info.get("shards", 0)) for m in built_joins),
@@ -819,26 +833,28 @@ def _short(unit_id: str) -> str:
     return hashlib.sha256(unit_id.encode()).hexdigest()[:32]
 
 
-def _stored_join(part, table):
-    """``part`` with the join to use: the one stored under this build's caption table,
-    else one stored under another whose marker's ``captions_digest`` equals the digest
-    of its own keys in ``table`` (the same captions: the same rows), else (none) this
+def _stored_text(part, table, rows_files):
+    """``part`` with the captions to use: the ``text`` unit stored under this build's
+    caption table, else one stored under another whose marker's ``captions_digest``
+    equals the digest of the part's keys (``rows_files``, its published latents: the key
+    column only) in ``table`` (the same captions: the same rows), else (none) this
     build's, to be built."""
     from dist.coordinator import complete_markers as unit_markers
     from hf_pipeline.build.part_store import caption_digest
-    from hf_pipeline.build.parts import part_files, read_keys
+    from hf_pipeline.build.parts import read_keys
 
-    if unit_markers(part.join_dir, part.join_id, ["join"]) is not None:
+    if unit_markers(part.text_dir, part.text_id, ["text"]) is not None:
         return part
-    for folder in sorted(part.store.glob(f"join-{part.part}-*")):
-        captions = folder.name[len(f"join-{part.part}-") :]
+    digest = None
+    for folder in sorted(part.store.glob(f"text-{part.part}-*")):
+        captions = folder.name[len(f"text-{part.part}-") :]
         other = dataclasses.replace(part, captions=captions)
-        markers = unit_markers(folder, other.join_id, ["join"]) if folder.is_dir() else None
+        markers = unit_markers(folder, other.text_id, ["text"]) if folder.is_dir() else None
         if markers is None:
             continue
-        digest = markers["join"].info.get("captions_digest")
-        keys = read_keys(part_files(folder / markers["join"].directory, "rows"))
-        if isinstance(digest, str) and digest == caption_digest(table, keys):
+        if digest is None:
+            digest = caption_digest(table, read_keys(rows_files))
+        if markers["text"].info.get("captions_digest") == digest:
             return other
     return part
 
@@ -864,7 +880,8 @@ def _ensure_parts(
 ) -> BuiltParts:  # fmt: skip
     """Find or build every part of the build in the part store
     (:mod:`hf_pipeline.build.part_store`): the caption table, then per part its join
-    and its embedding, each a cache unit of its own built through
+    (latents), its text (captions, from the join's keys) and its embedding, each a
+    cache unit of its own built through
     :func:`dist.coordinator.ensure_built`. ``count`` builders share the work (``me`` is
     this one; 1 and 0 for one builder): each claims its own parts at once
     (``index % count == me``), then waits for the others and takes over a unit whose
@@ -888,6 +905,8 @@ def _ensure_parts(
         join_info,
         join_part,
         part_files,
+        read_keys,
+        text_part,
     )
 
     store = store_dir(cfg.cache_root)
@@ -932,7 +951,6 @@ def _ensure_parts(
         )["captions"]  # fmt: skip
         captions_path = store / f"captions-{cid}" / cap.directory / "captions.arrow"
         table = CaptionTable.open(str(captions_path))
-        planned = [_stored_join(p, table) for p in planned]
 
         def join_builder(part):
             def build(ctx):
@@ -942,45 +960,57 @@ def _ensure_parts(
                 joined = join_part(
                     cfg=cfg, probe=ctx.probe, source=inputs.source,
                     shards=shards[part.plan.start : part.plan.stop],
-                    captions_path=str(captions_path), out_dir=Path(ctx.tmp_dir),
-                    fingerprint=_short(part.join_id), progress=progress,
+                    out_dir=Path(ctx.tmp_dir), fingerprint=_short(part.join_id),
+                    progress=progress,
                 )  # fmt: skip
                 first = joined.joined.timeline.get("first_shard_at")
                 if startup is not None and first is not None:
                     # The first worker's first shard (wall clock, as the timeline).
                     startup.mark("first_shard", at=float(first))
-                keys = joined.joined.rows.data.column("key").to_numpy()
+                return {**join_info(joined), "builder": _me(), "built_for": fingerprint}
+
+            return build
+
+        def text_builder(part, join_folder: Path):
+            def build(ctx):
+                rows = part_files(join_folder, "rows")
+                info = text_part(
+                    rows, table=table, probe=ctx.probe, out_dir=Path(ctx.tmp_dir),
+                    batch_rows=cfg.build.writer_batch_size,
+                )  # fmt: skip
                 return {
-                    **join_info(joined), "builder": _me(), "built_for": fingerprint,
-                    # What a later build with other metadata compares (part_store).
-                    "captions_digest": caption_digest(table, keys),
-                    # What --clean keeps while this join is in use (dist.inventory).
-                    "uses": [f"captions-{cid}"],
+                    **info, "builder": _me(), "built_for": fingerprint,
+                    # What a later build with other metadata compares (_stored_text).
+                    "captions_digest": caption_digest(table, read_keys(rows)),
+                    # What --clean keeps while this text is in use (dist.inventory).
+                    "uses": [part.join_dir.name, f"captions-{cid}"],
                 }  # fmt: skip
 
             return build
 
         stop_embedding: list[StoppableProbe] = []
 
-        def embed_builder(part, join_folder: Path):
+        def embed_builder(part, join_folder: Path, text_folder: Path):
             def build(ctx):
                 probe = StoppableProbe(ctx.probe)
                 stop_embedding.append(probe)
                 info = embed_part(
-                    part_files(join_folder, "rows"), cfg=cfg, probe=probe,
-                    encoder=encoder(), out_dir=Path(ctx.tmp_dir),
+                    part_files(join_folder, "rows"), part_files(text_folder, "captions"),
+                    cfg=cfg, probe=probe, encoder=encoder(), out_dir=Path(ctx.tmp_dir),
                     fingerprint=_short(part.embed_id),
                     on_phase=on_phase or ctx.set_phase,
                 )  # fmt: skip
                 return {
                     **info, "builder": _me(), "built_for": fingerprint,
-                    "uses": [part.join_dir.name],
+                    "uses": [part.text_dir.name],
                 }  # fmt: skip
 
             return build
 
         mine = [p for p in planned if p.plan.index % count == me]
         joins: dict[int, Any] = {}
+        texts: dict[int, Any] = {}
+        used: dict[int, Any] = {}  # each part with the text it uses (_stored_text)
         embeds: dict[int, Future] = {}
         embedder = ThreadPoolExecutor(1, thread_name_prefix="hf_pipeline-embed-parts")
         try:
@@ -992,9 +1022,19 @@ def _ensure_parts(
                     part.join_dir, part.join_id, [_stage("join", join_builder(part), pools=False)],
                     builder=ours, **timing,
                 )["join"]  # fmt: skip
+                join_folder = part.join_dir / jm.directory
+                # The captions: in this process, from the stored keys (no latent byte read).
+                part = used[part.plan.index] = _stored_text(
+                    part, table, part_files(join_folder, "rows")
+                )
+                tm = texts[part.plan.index] = ensure_built(
+                    part.text_dir, part.text_id,
+                    [_stage("text", text_builder(part, join_folder), pools=False)],
+                    builder=ours, **timing,
+                )["text"]  # fmt: skip
                 embeds[part.plan.index] = embedder.submit(
                     ensure_built, part.embed_dir, part.embed_id,
-                    [_stage("embed", embed_builder(part, part.join_dir / jm.directory),
+                    [_stage("embed", embed_builder(part, join_folder, part.text_dir / tm.directory),
                             pools=False)],
                     builder=ours, **timing,
                 )  # fmt: skip
@@ -1008,24 +1048,28 @@ def _ensure_parts(
             for f in embeds.values():
                 f.cancel()
             embedder.shutdown(wait=True)
-    parts = []
-    for p in planned:
-        j, e = joins[p.plan.index], emb[p.plan.index]
-        info = {**j.info, **e.info, "id": p.join_id}
+    parts: list[tuple[tuple[Path, ...], dict[str, Any]]] = []
+    for p in (used[p.plan.index] for p in planned):
+        j, t, e = joins[p.plan.index], texts[p.plan.index], emb[p.plan.index]
+        info = {**j.info, **t.info, **e.info, "id": p.join_id}
         info["wall"] = {"join": j.info.get("wall_join"), "embed": e.info.get("wall_embed")}
         info["reused"] = {
-            "join": j.info.get("built_for") != fingerprint,
-            "embed": e.info.get("built_for") != fingerprint,
+            unit: m.info.get("built_for") != fingerprint
+            for unit, m in (("join", j), ("text", t), ("embed", e))
         }
-        parts.append(((p.join_dir / j.directory, p.embed_dir / e.directory), info))
+        folders: tuple[Path, ...] = (
+            p.join_dir / j.directory, p.text_dir / t.directory, p.embed_dir / e.directory,
+        )  # fmt: skip
+        parts.append((folders, info))
     joins_list = [joins[p.plan.index] for p in planned]
+    texts_list = [texts[p.plan.index] for p in planned]
     embeds_list = [emb[p.plan.index] for p in planned]
     return BuiltParts(
         parts=parts,
         captions_path=captions_path,
         captions_seconds=cap.info.get("seconds"),
-        reuse=_reuse(fingerprint, joins_list, embeds_list),
-        markers=[cap, *joins_list, *embeds_list],
+        reuse=_reuse(fingerprint, joins_list, texts_list, embeds_list),
+        markers=[cap, *joins_list, *texts_list, *embeds_list],
     )
 
 

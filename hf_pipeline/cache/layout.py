@@ -4,7 +4,9 @@ One cache is one folder ``<cache_root>/<name>-<fingerprint>/``:
 
 ```
 converted/parts/part-NNNNN/rows/data*.arrow        key, latents (Array4D 3x4x32x32),
-                                                   caption, drop_reason
+                                                   drop_reason (the latents' own)
+converted/parts/part-NNNNN/captions/data.arrow     caption, drop_reason (before
+                                                   duplicates)
 converted/parts/part-NNNNN/embeddings/data*.arrow  embedding (fixed-size list, D),
                                                    input_ids, drop_reason (within the part)
 converted/reasons.arrow           the final drop reason of every row (across parts)
@@ -14,12 +16,16 @@ filtered/report.json              the build report
 filtered.json                     marker
 ```
 
-All ``.arrow`` files are written by ``datasets`` (``Dataset.map``) or in its format
-(the filter's indices), so a user can also open them with ``datasets``
-(:func:`open_dataset`). A published cache
+The three groups of a part are row-aligned. All ``.arrow`` files are written by
+``datasets`` (``Dataset.map``) or in its format (the captions, the filter's indices), so
+a user can also open them with ``datasets`` (:func:`open_dataset`). A published cache
 is never modified; a changed fingerprint means a new folder. The parts' files are hard
 links to the part store (``<cache_root>/.parts/``, :mod:`hf_pipeline.build.part_store`),
-shared with every other cache built from the same parts.
+shared with every other cache built from the same parts: the latents (``rows/``) with
+every cache of the same shards, whatever its caption column or encoder.
+
+Caches of :data:`SCHEMA_VERSION` 1 keep the caption in ``rows/`` (no ``captions/``);
+every reader here reads both.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from typing import Any, Literal
 from hf_pipeline.config import Config
 
 __all__ = [
+    "READABLE_SCHEMA_VERSIONS",
     "SCHEMA_VERSION",
     "STAGES",
     "DEMO_DATA_DIR",
@@ -59,8 +66,13 @@ STAGING_DIR = ".staging"
 DEMO_DATA_DIR = ".demo-data"
 HUB_LISTINGS_DIR = ".hub_listings"
 
-#: Bump whenever the layout or the meaning of a column changes.
-SCHEMA_VERSION = 1
+#: Bump whenever the layout or the meaning of a column changes. 2: the captions left
+#: ``rows/`` for a ``captions/`` group of their own (a release that reads 1 only would
+#: find no caption in a cache of 2 under the same fingerprint). A cache of 1 is still
+#: found (:data:`READABLE_SCHEMA_VERSIONS`) and read.
+SCHEMA_VERSION = 2
+#: The schema versions whose caches this release finds by fingerprint and reads.
+READABLE_SCHEMA_VERSIONS = (1, 2)
 #: Build stages, in order; each is published as a folder plus a marker.
 STAGES = ("converted", "filtered")
 #: The build report: ``<REPORT_STAGE>.<lease>/<REPORT_NAME>``.
@@ -72,6 +84,8 @@ def compute_fingerprint(
     inputs: Sequence[Sequence[Any]],
     metadata: Sequence[Any],
     encoder: Mapping[str, Any],
+    *,
+    schema: int = SCHEMA_VERSION,
 ) -> str:
     """The cache identity: 16 hex digits of a SHA-256 over everything that shapes the output.
 
@@ -81,12 +95,16 @@ def compute_fingerprint(
         inputs: ``(name, size, etag)`` per shard file, in build order.
         metadata: ``(name, size, etag)`` of the caption parquet.
         encoder: :func:`hf_pipeline.encoder.model.encoder_identity` of the encoder.
+        schema: the layout version (another than :data:`SCHEMA_VERSION`: the identity
+            an earlier release gave these inputs, one of :data:`READABLE_SCHEMA_VERSIONS`).
 
     Returns:
         The fingerprint string.
     """
+    if schema not in READABLE_SCHEMA_VERSIONS:
+        raise ValueError(f"schema must be one of {READABLE_SCHEMA_VERSIONS}, got {schema}")
     payload = {
-        "schema": SCHEMA_VERSION,
+        "schema": schema,
         "inputs": [list(map(_plain, x)) for x in inputs],
         "metadata": list(map(_plain, metadata)),
         "key_column": cfg.data.key_column,
@@ -196,6 +214,11 @@ class CacheLayout:
     def embedding_files(self, converted: Path | None = None) -> list[Path]:
         """The embedding files, row-aligned with :meth:`rows_files`."""
         return self._part_files(converted or self.converted, "embeddings")
+
+    def caption_files(self, converted: Path | None = None) -> list[Path]:
+        """The caption files, row-aligned with :meth:`rows_files` ([] in a cache of
+        schema 1: its captions are in the rows files)."""
+        return self._part_files(converted or self.converted, "captions")
 
     def _part_files(self, converted: Path, kind: str) -> list[Path]:
         # parts/part-NNNNN/<kind>/*.arrow (hf_pipeline 0.1: <kind>/*.arrow, one part)
@@ -436,7 +459,9 @@ def open_dataset(
 ):
     """The built cache as a plain ``datasets.Dataset`` (memory-mapped, filtered rows).
 
-    Columns: key, latents, caption, input_ids (the caption's token ids), embedding.
+    Columns: key, latents, caption, input_ids (the caption's token ids), embedding
+    (the caption from the ``captions/`` files, or from the rows files of a cache of
+    schema 1).
     For inspection and for users who want ``datasets`` formatting; the training loader
     uses :func:`open_sample_source`. The rows are the files the markers list, nothing
     else in the folders. The layout is checked as :func:`open_sample_source` checks it.
@@ -505,13 +530,22 @@ def open_dataset(
             part = concatenate_datasets([part.select_columns(others), lat], axis=1)
         rows_parts.append(part)
     rows = concatenate_datasets(rows_parts)
+    columns = [rows]
+    if "caption" not in rows.column_names:  # schema 2: the captions' own files
+        cap_files = _present(
+            layout.caption_files(), layout.converted, "caption files (captions/*.arrow)"
+        )
+        caps = concatenate_datasets(
+            [Dataset.from_file(p) for p in _linked(view, layout.root, cap_files)]
+        )
+        columns.append(caps.select_columns(["caption"]))
     emb = concatenate_datasets(
         [Dataset.from_file(p) for p in _linked(view, layout.root, emb_files)]
     )
     # The token ids: in the embedding files (they belong to the encoder); in the rows
     # files of caches built before parts had their own identity.
     drop = ["drop_reason"] + (["input_ids"] if "input_ids" in rows.column_names else [])
-    full = concatenate_datasets([rows, emb.remove_columns(drop)], axis=1)
+    full = concatenate_datasets([*columns, emb.remove_columns(drop)], axis=1)
     full = full.select_columns(["key", "latents", "caption", "input_ids", "embedding"])
     idx_tables = [
         pa.ipc.open_stream(pa.memory_map(str(p))).read_all() for p in layout.indices_files()

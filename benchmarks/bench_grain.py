@@ -1,7 +1,8 @@
 """Grain over our cache vs our own Loader: same cache, same batch shape, same machine.
 
-Builds (or reuses) the cache of ``benchmarks/bench_loader.py`` (``datasets`` map/filter,
-latents ``(3, 4, 32, 32)``, ``--embed-dim`` float32 embeddings), warms the page cache,
+Builds (or reuses, ``--cache-dir``) a real cache of the demo data with ``prepare_cache``
+(latents ``(3, 4, 32, 32)``, the configured encoder's embeddings: MiniLM on the CPU
+here, a few minutes the first time), warms the page cache,
 then times shuffled batches of ``--batch`` samples, consumer side, best of ``--repeats``:
 
 - ``loader``: :class:`hf_pipeline.read.loader.Loader` (prefetch threads, gather + device_put
@@ -73,12 +74,13 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=20_000)
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--embed-dim", type=int, default=384)
     p.add_argument("--steps", type=int, default=200, help="batches per measurement")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--workers", default="0,2", help="grain DataLoader worker_count values")
     p.add_argument("--num-proc", type=int, default=2)
-    p.add_argument("--cache-dir", default="", help="reuse/keep the cache here")
+    p.add_argument("--cache-dir", default="", help="reuse/keep the demo data and cache here")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more config override of the build (repeatable)")  # fmt: skip
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     load_at_start = os.getloadavg()[0]
@@ -95,18 +97,28 @@ def main(argv=None) -> dict:
     import jax
 
     from hf_pipeline.adapters.grain_source import GrainSource
-    from hf_pipeline.cache.layout import CacheLayout
+    from hf_pipeline.build.prepare import prepare_cache
+    from hf_pipeline.config import load_config
+    from hf_pipeline.demo.generate import generate_demo
     from hf_pipeline.read.loader import Loader
     from hf_pipeline.read.sampler import GlobalSampler
 
-    root = args.cache_dir or os.path.join(
-        tempfile.gettempdir(), f"bench_loader_datasets_{args.rows}_float16_{args.embed_dim}"
-    )
-    files = bench_loader.build(root, args.rows, args.embed_dim, "float16", args.num_proc, 1000)
-    bench_loader.warm([f for group in files for f in group])
-    # bench_loader lays the files out as hf_pipeline <= 0.1 did (fixed stage folders).
-    layout = CacheLayout(Path(root), {"converted": "converted", "filtered": "filtered"})
-    src = GrainSource.from_layout(layout, "bench", crop="random", seed=0)
+    # A real cache (markers, fingerprint): the Grain DataLoader's worker processes reopen
+    # it from its root, as a user's would.
+    work = Path(args.cache_dir or os.path.join(tempfile.gettempdir(), f"bench_grain_{args.rows}"))
+    data = work / "data"
+    if not (data / "DONE").exists():
+        shards = max(1, args.rows // 1000)
+        generate_demo(data, num_shards=shards, samples_per_shard=args.rows // shards)
+        (data / "DONE").touch()
+    cfg = load_config(
+        None,
+        [f"data.shards={data}", f"build.cache_dir={work / 'cache'}",
+         f"build.num_proc={args.num_proc}", "encoder.device=cpu", *args.set],
+    )  # fmt: skip
+    built = prepare_cache(cfg, progress=False)
+    bench_loader.warm(sorted(str(f) for f in Path(built.cache_dir).rglob("*.arrow")))
+    src = GrainSource.from_build(built, crop="random", seed=0)
     n, B, steps = len(src), args.batch, args.steps
     sample_bytes = src.sample_source.sample_bytes
     results: dict[str, dict] = {}

@@ -21,9 +21,7 @@ from hf_pipeline.read.stream import StreamOptions  # noqa: E402
 from hf_pipeline.stores.retry import RetryPolicy  # noqa: E402
 from tests.helpers.publishing import (  # noqa: E402, F401
     config,
-    demo_data,
     gcs_store,
-    source_cache,
 )
 
 pytestmark = pytest.mark.remote

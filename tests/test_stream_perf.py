@@ -14,10 +14,8 @@ from hf_pipeline.read.loader import Loader
 from hf_pipeline.read.stream import StreamOptions, StreamSource
 from tests.test_stream import (  # noqa: F401
     _FAST,
-    demo_data,
     gcs_cache,
     gcs_store,
-    source_cache,
 )
 
 pytestmark = pytest.mark.remote

@@ -570,6 +570,14 @@ class LoaderConfig:
     stream_concurrency: int = _bounded(
         64, 1, 1024, help="ranged reads in flight at once when streaming"
     )
+    stream_read_timeout: float = _bounded(
+        30.0,
+        0.0,
+        86400.0,
+        lo_open=True,
+        help="seconds one ranged read of a stream may take, stalls included, before it "
+        "is retried (at most `data.file_timeout`; retries: `data.max_retries`)",
+    )
 
     def __post_init__(self):
         _check_fields(self, "loader.")
@@ -616,6 +624,7 @@ class LoaderConfig:
             ahead=self.stream_ahead,
             cache_bytes=self.stream_cache_bytes,
             concurrency=self.stream_concurrency,
+            read_timeout=self.stream_read_timeout,
         )
 
 

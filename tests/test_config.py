@@ -458,7 +458,10 @@ def test_loader_config_builds_the_loader_options():
     option_fields = {f.name for f in dataclasses.fields(SamplerOptions)} | {
         f.name for f in dataclasses.fields(LoaderOptions)
     } - {"order"}
-    stream_fields = {"stream_from", "stream_ahead", "stream_cache_bytes", "stream_concurrency"}
+    stream_fields = {
+        "stream_from", "stream_ahead", "stream_cache_bytes", "stream_concurrency",
+        "stream_read_timeout",
+    }  # fmt: skip
     assert {f.name for f in dataclasses.fields(LoaderConfig)} == option_fields | stream_fields
     cfg = load_config(
         None,

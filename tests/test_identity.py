@@ -10,8 +10,6 @@ import logging
 import multiprocessing
 import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from hf_pipeline.stores.identity import (
 )
 from hf_pipeline.stores.local import LocalSource
 from tests.conftest import SMALL_DEMO
+from tests.helpers.releases import build_with_release
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: The last commit before content identity (fingerprints over mtimes): what "a cache
@@ -160,38 +159,10 @@ def test_a_cache_of_the_mtime_release_is_used_not_rebuilt(tmp_path):
     """A cache built by the release before content identity (its fingerprint over
     mtimes) is found and used by an upgrade while the mtimes are unchanged; a touch
     then builds once under the content fingerprint."""
-    if shutil.which("git") is None:
-        pytest.skip("git is not installed")
-    old = tmp_path / "old-release"
-    old.mkdir()
-    archive = subprocess.run(
-        ["git", "-C", str(REPO_ROOT), "archive", MTIME_RELEASE, "hf_pipeline", "dist"],
-        capture_output=True,
-    )
-    if archive.returncode != 0:  # a shallow clone without that commit
-        pytest.skip(f"commit {MTIME_RELEASE} not in this clone")
-    subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
     data, root = _data(tmp_path), tmp_path / "cache"
     args = [*SMALL_DEMO, f"build.cache_dir={root}", f"data.shards={data}",
             f"data.metadata={data / 'coyo11m-meta.parquet'}"]  # fmt: skip
-    code = (
-        "import json, sys\n"
-        "from hf_pipeline.config import load_config\n"
-        "from hf_pipeline.build.prepare import prepare_cache\n"
-        "res = prepare_cache(load_config(None, json.loads(sys.argv[1]), environ={}), progress=False)\n"
-        "import hf_pipeline\n"
-        "print(json.dumps([res.fingerprint, str(res.cache_dir), res.built, hf_pipeline.__file__]))\n"
-    )
-    env = {**os.environ, "PYTHONPATH": str(old)}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        env.pop(k, None)
-    out = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(args)], env=env, capture_output=True, text=True,
-        timeout=600, cwd=old,  # "-c" puts the working folder first on sys.path
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    old_fp, old_dir, old_built, imported = json.loads(out.stdout.strip().splitlines()[-1])
-    assert old_built and imported.startswith(str(old))
+    old_fp, old_dir = build_with_release(MTIME_RELEASE, args, tmp_path)
     cfg = _cfg(root, data)
     res = prepare_cache(cfg, progress=False)
     assert not res.built and res.fingerprint == old_fp and str(res.cache_dir) == old_dir

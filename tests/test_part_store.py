@@ -18,6 +18,7 @@ import pytest
 from hf_pipeline.build.part_store import part_bounds, plan_content_parts
 from tests.conftest import PYTHON, REPO, SMALL_DEMO, script_env
 from tests.helpers.publishing import gcs_store  # noqa: F401 - a fixture
+from tests.helpers.releases import build_with_release
 
 pytestmark = pytest.mark.slow
 
@@ -605,43 +606,13 @@ def test_a_cache_of_the_previous_layout_is_found_and_read(inputs, tmp_path):
     that release's own code in a subprocess) is found by this one (not rebuilt) and
     read by the loader and by ``open_dataset`` as it was; another caption column then
     builds a cache of the current layout beside it, equal to a scratch build."""
-    import json
-    import shutil
-    import sys
 
     from hf_pipeline.cache.layout import open_dataset, open_sample_source
 
-    if shutil.which("git") is None:
-        pytest.skip("git is not installed")
-    old = tmp_path / "old-release"
-    old.mkdir()
-    archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", ROWS_CAPTION_RELEASE, "hf_pipeline", "dist"],
-        capture_output=True,
-    )
-    if archive.returncode != 0:  # a shallow clone without that commit
-        pytest.skip(f"commit {ROWS_CAPTION_RELEASE} not in this clone")
-    subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
     root = tmp_path / "cache"
     args = [*SMALL_DEMO, f"data.shards={inputs['final']}", f"data.metadata={inputs['meta']}",
             f"build.cache_dir={root}", "build.part_shards=1"]  # fmt: skip
-    code = (
-        "import json, sys\n"
-        "from hf_pipeline.config import load_config\n"
-        "from hf_pipeline.build.prepare import prepare_cache\n"
-        "res = prepare_cache(load_config(None, json.loads(sys.argv[1]), environ={}), progress=False)\n"
-        "import hf_pipeline\n"
-        "print(json.dumps([res.fingerprint, str(res.cache_dir), res.built, hf_pipeline.__file__]))\n"
-    )
-    env = {k: v for k, v in script_env().items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(old)
-    out = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(args)], env=env, capture_output=True, text=True,
-        timeout=600, cwd=old,  # "-c" puts the working folder first on sys.path
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    old_fp, old_dir, old_built, imported = json.loads(out.stdout.strip().splitlines()[-1])
-    assert old_built and imported.startswith(str(old))
+    old_fp, old_dir = build_with_release(ROWS_CAPTION_RELEASE, args, tmp_path)
     assert not list(Path(old_dir).glob("converted.*/parts/*/captions")), "the old layout"
 
     res = _build(root, inputs["final"], inputs["meta"])

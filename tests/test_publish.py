@@ -137,7 +137,7 @@ def test_digests_use_the_stores_encodings(tmp_path):
 # ------------------------------------------------------------------- GCS
 
 
-def test_publish_gcs_data_first_markers_last_idempotent_resumable(source_cache, gcs_store):
+def test_publish_gcs_data_first_markers_last_idempotent_resumable(source_cache, gcs_store, caplog):
     server, url = gcs_store
     result = source_cache.result
     cfg = source_cache.cfg
@@ -205,6 +205,18 @@ def test_publish_gcs_data_first_markers_last_idempotent_resumable(source_cache, 
         result.report["rows_out"],
     )
     assert status.size_bytes == sum((Path(result.cache_dir) / r).stat().st_size for r in listed)
+    # A published file changed in the store: publishing the same build again repairs
+    # it, and says so (naming the file), rather than looking like a plain resume.
+    victim = f"{prefix}/{listed[-1]}"
+    body = bytearray(fs.cat_file(victim))
+    body[len(body) // 2] ^= 0xFF
+    fs.pipe_file(victim, bytes(body))
+    with caplog.at_level("WARNING", logger="hf_pipeline"):
+        repaired = publish_cache(result.cache_dir, result.fingerprint, url, data_config=cfg.data)
+    assert repaired.uploaded_files == 1
+    assert fs.cat_file(victim) == (Path(result.cache_dir) / listed[-1]).read_bytes()
+    [said] = [r.getMessage() for r in caplog.records if "differ from this cache" in r.getMessage()]
+    assert listed[-1] in said and "changed or damaged in the store" in said
     fs.pipe_file(f"{url[5:]}/notes/readme.txt", b"not a cache")  # other folders: not listed
     assert [s.name for s in list_published(store, STAGES)] == [name]
 

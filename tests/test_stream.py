@@ -242,6 +242,30 @@ def test_a_hopeless_store_is_one_line(fault, gcs_cache, monkeypatch):
     assert ".arrow" in err.value.path and len(str(err.value).splitlines()) == 1
 
 
+def test_a_stalled_store_is_given_up_per_read_not_per_file(gcs_cache, monkeypatch, caplog):
+    """A store that stops answering is retried after ``read_timeout`` per ranged read,
+    not after the data config's whole-file timeout (600 s by default: a stalled stream
+    was silent for minutes); each retry is logged, and the final error says which
+    setting bounds a read."""
+    server, url = gcs_cache
+    policy = RetryPolicy(max_retries=2, file_timeout=600.0, backoff_base=0.01, backoff_max=0.05)
+    with FaultProxy(server) as proxy:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        opts = StreamOptions(cache_bytes=0, read_timeout=1.0)
+        with StreamSource(url, opts, policy=policy) as s:
+            proxy.add(Fault(match=".arrow", action="stall", seconds=120.0, times=-1))
+            t0 = time.monotonic()
+            with caplog.at_level("WARNING", logger="hf_pipeline"):
+                with pytest.raises(StoreUnreachableError) as err:
+                    s.gather(np.arange(0, 4), 0)
+            assert time.monotonic() - t0 < 30
+    message = str(err.value)
+    assert ".arrow" in err.value.path and len(message.splitlines()) == 1
+    assert "each read may take 1 s: loader.stream_read_timeout" in message
+    retries = [r for r in caplog.records if "retrying" in r.getMessage()]
+    assert len(retries) >= 2 and all(".arrow" in r.getMessage() for r in retries)
+
+
 def test_bad_urls_and_forged_manifests(gcs_cache, gcs_store):
     from hf_pipeline.errors import SourceError
 

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Literal
 
 from dist.layout import marker_name
 from dist.markers import Marker, check_marker, derived_from_problem, read_json
+from dist.safepath import shown
 from hf_pipeline.cache.layout import STAGES
 from hf_pipeline.errors import CacheFormatError
 from hf_pipeline.publish.find import find_published
@@ -200,6 +201,17 @@ def publish_cache(
         todo_data = [i for i in data if not same_content(existing.get(i.rel), i.entry, i.local)]
         todo_tail = [i for i in tail if not same_content(existing.get(i.rel), i.entry, i.local)]
         todo = [*todo_data, *todo_tail]
+        # Published files of this build whose bytes differ from the local ones: changed
+        # or damaged in the store. Uploading them again repairs the copy; said, because
+        # someone changed the store.
+        replaced = [i.rel for i in todo_data if existing.get(i.rel) is not None]
+        if replaced:
+            logger.warning(
+                "%s: %d published file(s) differ from this cache's and are uploaded again "
+                "(changed or damaged in the store): %s%s",
+                cache_url, len(replaced), ", ".join(shown(r) for r in replaced[:5]),
+                " ..." if len(replaced) > 5 else "",
+            )  # fmt: skip
         logger.info(
             "publishing %s: %d of %d files to upload (%.1f MB)",
             cache_url,

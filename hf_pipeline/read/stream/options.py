@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hf_pipeline.read.sampler import check_at_least
+from hf_pipeline.read.sampler import OptionError, check_at_least
 
 __all__ = ["StreamOptions"]
 
@@ -31,6 +31,10 @@ class StreamOptions:
             are fetched in one read (the gap is read and dropped), while the gap is
             at most 1/8 of the blocks in the read (fetched stays within ~1.1x needed).
         max_read_bytes: the largest single read (a long sequential run is cut there).
+        read_timeout: seconds one read may take, stalls included, before it is retried
+            (the retry policy's per-file timeout caps it): a store that stops answering
+            is given up after ``(retries + 1) x read_timeout`` plus backoff, with a
+            warning per retry, not after a whole file's download time.
     """
 
     ahead: int = 32
@@ -38,6 +42,7 @@ class StreamOptions:
     concurrency: int = 64
     coalesce_bytes: int = 1 << 20
     max_read_bytes: int = 16 << 20
+    read_timeout: float = 30.0
 
     def __post_init__(self):
         check_at_least(self.ahead, 1, "stream_ahead")
@@ -45,3 +50,5 @@ class StreamOptions:
         check_at_least(self.concurrency, 1, "stream_concurrency")
         check_at_least(self.coalesce_bytes, 0, "coalesce_bytes")
         check_at_least(self.max_read_bytes, 1, "max_read_bytes")
+        if not self.read_timeout > 0:  # NaN too
+            raise OptionError("stream_read_timeout", f"must be > 0, got {self.read_timeout!r}")

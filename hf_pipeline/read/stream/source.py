@@ -49,10 +49,16 @@ from typing import Any, Literal
 import numpy as np
 
 from dist.checksums import BLOCK_ALGORITHM, block_digest
-from hf_pipeline.errors import CacheFormatError, SourceError
+from hf_pipeline.errors import CacheFormatError, SourceError, StoreUnreachableError
 from hf_pipeline.read.stream.index import StreamIndex
 from hf_pipeline.read.stream.options import StreamOptions
-from hf_pipeline.stores.retry import Cancelled, RetryPolicy, TransientError, with_retries
+from hf_pipeline.stores.retry import (
+    Cancelled,
+    RetryPolicy,
+    TransientError,
+    describe_error,
+    with_retries,
+)
 
 __all__ = ["StreamOptions", "StreamSource", "StreamStats", "open_stream"]
 
@@ -158,7 +164,12 @@ class StreamSource:
 
         self.url, name = _split_url(url)
         self.options = options or StreamOptions()
-        self.policy = policy or RetryPolicy.from_config(DataConfig())
+        policy = policy or RetryPolicy.from_config(DataConfig())
+        # One ranged read is small (at most max_read_bytes): it gets read_timeout, not
+        # a whole file's download time (a stalled store was silent for minutes).
+        self.policy = dataclasses.replace(
+            policy, file_timeout=min(policy.file_timeout, self.options.read_timeout)
+        )
         self._store = make_source(self.url, data_config=DataConfig(), policy=self.policy)
         # Reentrant: a read that is already done runs its callback (_landed) at once, in
         # the thread that submits it, which holds the lock.
@@ -601,11 +612,23 @@ class StreamSource:
         def retried(exc: BaseException) -> None:
             with self._lock:
                 self._counts["retries"] += 1
+                n = self._counts["retries"]
+            # Each retry is said (a stalled store is not silent until the last attempt).
+            logger.warning(
+                "%s: bytes %d-%d: %s (a read may take %.0f s); retrying (%d retries so far)",
+                url, start, end, describe_error(exc), self.policy.file_timeout, n,
+            )  # fmt: skip
 
         try:
             data = with_retries(url, attempt, self.policy, on_retry=retried, stop=self._stop)
         except Cancelled:
             raise RuntimeError(f"the stream source of {self.url} is closed") from None
+        except StoreUnreachableError as err:
+            raise StoreUnreachableError(
+                url,
+                f"{err.reason} (each read may take {self.policy.file_timeout:.0f} s: "
+                "loader.stream_read_timeout; retries: data.max_retries)",
+            ) from err
         except SourceError as err:
             if isinstance(err.__cause__, FileNotFoundError):
                 raise SourceError(url, "does not exist in the store") from err.__cause__

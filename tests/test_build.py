@@ -272,6 +272,7 @@ def test_report_is_json_and_complete(built_cache):
         assert field in r
     s = built_cache.summary()
     assert set(s) >= {"fingerprint", "cache_dir", "rows_in", "rows_out", "dropped", "seconds"}
+    assert s["reuse"] == r["reuse"] and s["reuse"]["parts"] >= 1  # --json shows it too
     # Where each part's time went, the encoder's loading included (CPU: no warm-up).
     (part,) = r["parts"]
     load = part["encoder_load"]

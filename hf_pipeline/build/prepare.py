@@ -163,6 +163,8 @@ class BuildResult:
             "built": self.built,
             "pulled": self.pulled,
             "hashing": dict(self.hashing),
+            # What the build that made the cache reused and built (the report's block).
+            "reuse": dict(r.get("reuse") or {}),
         }
 
 

@@ -172,11 +172,14 @@ def test_sigkilled_builder_takes_its_join_workers_with_it(small_config, tmp_path
             proc.wait()
 
 
-def _wait_for_phase(cache, pid: int, phase: str, timeout: float, procs) -> Path:
-    """The heartbeat file of process ``pid`` once it says ``phase`` (what ``--status``
-    shows), waiting with a deadline; fails early when a process of ``procs`` died."""
+def _wait_for_phase(cache, phase: str, timeout: float, procs) -> tuple[Path, int]:
+    """The heartbeat file of whichever process of ``procs`` first says ``phase`` (what
+    ``--status`` shows), and its index in ``procs``; waiting with a deadline, failing
+    early when a process ended. Whichever: the ranks race for the lease (under load the
+    first to start wins, not always rank 0)."""
     import time
 
+    pids = [p.pid for p in procs]
     deadline = time.monotonic() + timeout
     while True:
         for hb in cache.glob("*/heartbeat-*.json"):
@@ -184,11 +187,11 @@ def _wait_for_phase(cache, pid: int, phase: str, timeout: float, procs) -> Path:
                 d = json.loads(hb.read_text())
             except (OSError, ValueError):  # replaced under us
                 continue
-            if d.get("pid") == pid and d.get("phase") == phase:
-                return hb
+            if d.get("pid") in pids and d.get("phase") == phase:
+                return hb, pids.index(d["pid"])
         for p in procs:
             assert p.poll() is None, f"process {p.pid} ended (rc {p.returncode}) before {phase}"
-        assert time.monotonic() < deadline, f"process {pid} reached no {phase!r} in {timeout}s"
+        assert time.monotonic() < deadline, f"no process reached {phase!r} in {timeout}s"
         time.sleep(0.01)
 
 
@@ -216,10 +219,10 @@ def test_builder_paused_in_the_embedding_leaves_no_folder_behind(small_config, t
                          LOCAL_WORLD_SIZE="2"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for r in range(2)
     ]  # fmt: skip
-    victim, successor = procs
     try:
         # The heartbeat says "embedding" once the first batch waits for the encoder.
-        hb = _wait_for_phase(cache, victim.pid, "embedding", timeout=300, procs=procs)
+        hb, builder = _wait_for_phase(cache, "embedding", timeout=300, procs=procs)
+        victim, successor = procs[builder], procs[1 - builder]
         os.kill(victim.pid, signal.SIGSTOP)
         try:
             root = hb.parent

@@ -39,7 +39,10 @@ preferred builder never came), and they take over a lease that made no heartbeat
 
 *Liveness.* A waiter reads ``(lease id, heartbeat counter)``; when that pair has not
 changed for ``lease_timeout`` seconds on the waiter's own ``time.monotonic()`` the lease
-is dead. No clock of another host is ever involved.
+is dead. No clock of another host is ever involved. A waiter on the holder's own machine
+(same boot, same pid namespace) does not wait: when the holder's process has exited
+(SIGKILL, the OOM killer) the lease is dead at once (:func:`dist.lease.holder_exited`);
+a merely stopped holder still counts as running and is judged by its heartbeat.
 
 *Takeover, and why it is race-free.* To take over dead lease X a waiter
 
@@ -153,6 +156,7 @@ from dist.lease import (
     LeaseView,
     heartbeat_counter,
     heartbeat_path,
+    holder_exited,
     move_lease,
     read_lease,
     try_claim,
@@ -523,7 +527,10 @@ class _Coordinator:
                 key = (view.key, heartbeat_counter(self.cache_dir, view.key))
                 if key != last_key:
                     last_key, last_view, last_change = key, view, now
-                elif now - last_change >= self.timing.lease_timeout:
+                # A holder on this machine that provably exited (SIGKILL, OOM kill) is
+                # dead now; any other is dead once its heartbeat stalled lease_timeout.
+                exited = holder_exited(view)
+                if exited or now - last_change >= self.timing.lease_timeout:
                     stuck = now - last_change
                     if reported_dead != key:
                         reported_dead = key
@@ -533,8 +540,9 @@ class _Coordinator:
                             stuck_s=stuck,
                             host=view.host,
                             pid=view.pid,
+                            exited=exited,
                         )
-                    result = self._takeover(view, key, stuck)
+                    result = self._takeover(view, key, stuck, exited=exited)
                     if result is not None:
                         return result
             elapsed = time.monotonic() - start
@@ -575,7 +583,7 @@ class _Coordinator:
         )
 
     def _takeover(
-        self, view: LeaseView, key: tuple[str, int | None], stuck: float
+        self, view: LeaseView, key: tuple[str, int | None], stuck: float, *, exited: bool = False
     ) -> dict[str, Marker] | None:
         lease_timeout = self.timing.lease_timeout
         generation = int(max(0.0, stuck - lease_timeout) // lease_timeout)
@@ -584,21 +592,22 @@ class _Coordinator:
             os.close(os.open(ticket, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
         except FileExistsError:
             return None  # someone else is taking over this generation
-        # The builder may have woken up since we judged it: look once more.
+        # The builder may have woken up since we judged it: look once more (an exited
+        # one cannot: a heartbeat file still settling from its last beat does not matter).
         now_key = (view.key, heartbeat_counter(self.cache_dir, view.key))
-        if now_key != key or not move_lease(self.cache_dir, view.key, "dead"):
+        if (now_key != key and not exited) or not move_lease(self.cache_dir, view.key, "dead"):
             # Not dead after all, or already replaced: free the ticket so that a real
             # death of this same lease later is not delayed by a generation.
             _unlink(ticket)
             return None
-        self.emit("takeover", lease_id=view.key, stuck_s=stuck)
+        self.emit("takeover", lease_id=view.key, stuck_s=stuck, exited=exited)
         logger.warning(
-            "%s: builder lease %s (host %s, pid %s) made no progress for %.1fs; taking over",
+            "%s: builder lease %s (host %s, pid %s) %s; taking over",
             self.cache_dir,
             view.key,
             view.host,
             view.pid,
-            stuck,
+            "belongs to a process that exited" if exited else f"made no progress for {stuck:.1f}s",
         )
         return self._claim_and_build(takeover_of=view.key)
 

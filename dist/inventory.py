@@ -52,7 +52,7 @@ from dist.layout import (
     parse_trash_name,
     trash_name,
 )
-from dist.lease import LEASE_FILE, heartbeat_counter, heartbeat_path, read_lease
+from dist.lease import LEASE_FILE, heartbeat_counter, heartbeat_path, holder_exited, read_lease
 from dist.markers import Marker, check_marker, derived_from_problem, read_json
 from dist.safepath import shown
 
@@ -398,13 +398,22 @@ def list_caches(
 
 def _observed(folders: Sequence[Path], observe_s: float) -> dict[Path, bool | None]:
     """Whether each folder's lease heartbeat moved during ``observe_s`` (None: no lease,
-    or not observed)."""
+    or not observed). A lease whose holder provably exited (on this machine:
+    :func:`dist.lease.holder_exited`) is not live without waiting."""
     live: dict[Path, bool | None] = {c: None for c in folders}
-    if observe_s > 0:
-        before = {c: _lease_key(c) for c in folders}
+    for c in folders:
+        try:
+            view = read_lease(c / LEASE_FILE)
+        except OSError:
+            continue
+        if view is not None and holder_exited(view):
+            live[c] = False
+    watch = [c for c in folders if live[c] is None]
+    if observe_s > 0 and watch:
+        before = {c: _lease_key(c) for c in watch}
         if any(k is not None for k in before.values()):
             time.sleep(observe_s)
-            for c in folders:
+            for c in watch:
                 if before[c] is not None:
                     live[c] = _lease_key(c) != before[c]
     return live

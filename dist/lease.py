@@ -2,7 +2,8 @@
 
 Files in a cache folder (see :mod:`dist.layout`)::
 
-    lease                      JSON {lease_id, host, pid}; created O_EXCL, never rewritten
+    lease                      JSON {lease_id, host, pid, proc}; created O_EXCL, never
+                               rewritten
     heartbeat-<lease id>.json  the holder's heartbeat: a counter that moves while it lives
 
 The heartbeat lives in its own per-lease file rather than in ``lease``: if heartbeats
@@ -13,6 +14,16 @@ by the *reader's* clock seeing the counter move (never by comparing mtimes).
 
 Removing a lease is a ``rename`` of ``lease`` to a unique name (one winner among
 concurrent removers), then a check of what was moved (:func:`move_lease`).
+
+*A holder that provably exited.* ``proc`` names the holder's process beyond its pid: the
+kernel's boot id, its pid namespace and its start time (Linux). A reader that shares the
+boot id and the pid namespace can look the holder up in ``/proc``: when no such process
+runs (gone, a zombie, or the pid reused by a process that started at another time) the
+lease is dead now, without waiting ``lease_timeout`` for its heartbeat to stall
+(:func:`holder_exited`). Everyone else (another host, another container, another OS, a
+lease written by an earlier release) judges by the heartbeat alone, as before. A
+stopped holder (SIGSTOP) still runs, so it is judged by its heartbeat: fencing, not this
+check, protects what it may still write.
 """
 
 from __future__ import annotations
@@ -39,7 +50,9 @@ __all__ = [
     "LeaseView",
     "heartbeat_counter",
     "heartbeat_path",
+    "holder_exited",
     "move_lease",
+    "process_identity",
     "read_lease",
     "try_claim",
 ]
@@ -56,20 +69,86 @@ class LeaseView:
     Attributes:
         key: the lease id, or a digest of unparsable content (a claimer died mid-write).
         lease_id, host, pid: the holder, when the file parsed.
+        proc: the holder's process identity (:func:`process_identity`), when the lease
+            carried a well-formed one.
     """
 
     key: str
     lease_id: str | None
     host: str | None
     pid: int | None
+    proc: tuple[str, str, int] | None = None
 
 
 def _parse_lease(raw: bytes) -> LeaseView:
     try:
         d = parse_json(raw, path=LEASE_FILE)  # bounded depth: a lease file others wrote
-        return LeaseView(str(d["lease_id"]), str(d["lease_id"]), d.get("host"), d.get("pid"))
+        lease_id = str(d["lease_id"])
     except (ValueError, KeyError, TypeError):
         return LeaseView("raw-" + xxhash.xxh64(raw).hexdigest(), None, None, None)
+    pid = d.get("pid")
+    pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else None
+    return LeaseView(lease_id, lease_id, d.get("host"), pid, _parse_proc(d.get("proc")))
+
+
+def _parse_proc(value: object) -> tuple[str, str, int] | None:
+    """A lease's ``proc`` field, checked: anything else (absent, foreign) is None."""
+    if not isinstance(value, dict):
+        return None
+    boot, ns, start = value.get("boot"), value.get("pidns"), value.get("start")
+    if not (isinstance(boot, str) and isinstance(ns, str) and 0 < len(boot) <= 64):
+        return None
+    if len(ns) > 64 or not isinstance(start, int) or isinstance(start, bool) or start < 0:
+        return None
+    return boot, ns, start
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks after boot) of ``pid`` from ``/proc``; None if
+    no such process (or no ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read(4096)
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # "pid (comm) state ppid ... starttime": comm may hold spaces and parentheses.
+    fields = raw[raw.rfind(b")") + 2 :].split()
+    return fields[0].decode("ascii", "replace"), int(fields[19])
+
+
+def process_identity(pid: int | None = None) -> dict[str, object] | None:
+    """This machine's boot id, this process's pid namespace and ``pid``'s start time
+    (default: this process); None where ``/proc`` does not tell (not Linux)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read(64).strip()
+        ns = os.readlink("/proc/self/ns/pid")
+        stat = _proc_stat(os.getpid() if pid is None else pid)
+    except (OSError, ValueError, IndexError):
+        return None
+    if not boot or stat is None:
+        return None
+    return {"boot": boot, "pidns": ns, "start": stat[1]}
+
+
+def holder_exited(view: LeaseView) -> bool:
+    """True only when ``view``'s holder provably no longer runs: it shares this machine's
+    boot and this process's pid namespace, and ``/proc`` has no process of its pid and
+    start time that is not a zombie. False when that cannot be told (see the module
+    docstring): the caller then judges by the heartbeat."""
+    if view.proc is None or view.pid is None or view.pid <= 0:
+        return False
+    here = process_identity()
+    if here is None or (here["boot"], here["pidns"]) != view.proc[:2]:
+        return False
+    try:
+        stat = _proc_stat(view.pid)
+    except (OSError, ValueError, IndexError):
+        return False  # unreadable: unknown, not dead
+    if stat is None:
+        return True
+    state, start = stat
+    return start != view.proc[2] or state in ("Z", "X", "x")
 
 
 def read_lease(path: Path) -> LeaseView | None:
@@ -108,7 +187,11 @@ def try_claim(cache_dir: Path, lease_id: str, host: str, pid: int) -> bool:
         except FileExistsError:
             return False
     try:
-        os.write(fd, json.dumps({"lease_id": lease_id, "host": host, "pid": pid}).encode())
+        record: dict[str, object] = {"lease_id": lease_id, "host": host, "pid": pid}
+        proc = process_identity(pid) if pid == os.getpid() else None
+        if proc is not None:
+            record["proc"] = proc
+        os.write(fd, json.dumps(record).encode())
         os.fsync(fd)
     finally:
         os.close(fd)

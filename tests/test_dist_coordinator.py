@@ -12,6 +12,8 @@ import os
 import pickle
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -30,6 +32,7 @@ from dist import (
 from dist.coordinator import LEASE_FILE, LeaseLostError
 from dist.env import ProcessInfo
 from dist.layout import IDENTITY_FILE
+from dist.lease import LeaseView, holder_exited, process_identity, read_lease
 from dist.markers import Marker, read_json
 from tests.conftest import run_mount as _mount
 from tests.helpers.dist_job import Job
@@ -369,6 +372,122 @@ def test_sigkill_builder_at_each_phase(job, tmp_path, phase):
     # The victim's unpublished folder was collected once the taker published the stage.
     markers = {k: Marker.from_dict(v) for k, v in results[0]["markers"].items()}
     assert sorted(os.listdir(cache)) == _published(markers)
+
+
+def _exited_process() -> tuple[int, dict]:
+    """The pid and process identity of a child that ran and was reaped."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    identity = process_identity(child.pid)
+    child.kill()
+    child.wait(timeout=10)
+    assert identity is not None
+    return child.pid, identity
+
+
+def _lease_naming(cache: Path, pid: int, proc: dict | None) -> None:
+    cache.mkdir()
+    record = {"lease_id": "gone0001", "host": socket.gethostname(), "pid": pid}
+    if proc is not None:
+        record["proc"] = proc
+    (cache / LEASE_FILE).write_text(json.dumps(record))
+
+
+@pytest.mark.skipif(process_identity() is None, reason="needs Linux /proc")
+def test_lease_of_a_process_that_exited_on_this_machine_is_taken_over_at_once(tmp_path):
+    """A builder SIGKILLed (or OOM-killed) on this machine is dead now: no waiting
+    lease_timeout for its heartbeat to stall (it used to cost a lease_timeout per unit)."""
+    pid, proc = _exited_process()
+    _lease_naming(tmp_path / "c", pid, proc)
+    events, on_event = _recorder()
+    timing = {**QUICK, "lease_timeout": 30.0}
+    t0 = time.monotonic()
+    markers = ensure_built(tmp_path / "c", "fp", STAGES, builder=True, on_event=on_event, **timing)
+    assert time.monotonic() - t0 < 10
+    assert [e for e, _ in events][:3] == ["lease_dead", "takeover", "claimed"]
+    assert events[1][1]["exited"] is True
+    assert sorted(os.listdir(tmp_path / "c")) == _published(markers)
+
+
+@pytest.mark.skipif(process_identity() is None, reason="needs Linux /proc")
+@pytest.mark.parametrize("case", ["running", "pid reused", "other pid namespace", "other boot"])
+def test_holder_exited_only_when_provable(tmp_path, case):
+    """Only a process of this boot and pid namespace that no longer runs (or whose pid
+    now belongs to a process started at another time) is judged exited; a running one,
+    or one the reader cannot look up, is judged by its heartbeat."""
+    me = process_identity()
+    assert me is not None
+    pid, proc = os.getpid(), dict(me)
+    if case == "pid reused":
+        proc["start"] = me["start"] + 1  # our pid, but another process's start time
+    elif case == "other pid namespace":
+        pid, proc = _exited_process()
+        proc["pidns"] = "pid:[1]"
+    elif case == "other boot":
+        pid, proc = _exited_process()
+        proc["boot"] = "00000000-0000-0000-0000-000000000000"
+    _lease_naming(tmp_path / "c", pid, proc)
+    view = read_lease(tmp_path / "c" / LEASE_FILE)
+    assert view is not None
+    assert holder_exited(view) is (case == "pid reused")
+
+
+@pytest.mark.skipif(process_identity() is None, reason="needs Linux /proc")
+def test_holder_exited_is_false_for_a_stopped_process_and_true_for_a_zombie():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        proc = process_identity(child.pid)
+        view = LeaseView("x", "x", socket.gethostname(), child.pid, tuple(proc.values()))
+        os.kill(child.pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        assert holder_exited(view) is False  # paused: judged by its heartbeat (fencing)
+        os.kill(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not holder_exited(view):  # a zombie until reaped: exited all the same
+            assert time.monotonic() < deadline, "a SIGKILLed child never looked exited"
+            time.sleep(0.05)
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+    assert holder_exited(view) is True
+
+
+def test_sigkilled_builder_is_taken_over_at_once_by_a_rank_on_its_machine(job, tmp_path):
+    """Ranks on the builder's machine replace a SIGKILLed builder without waiting for a
+    long lease_timeout; a SIGSTOPped one is still judged by its heartbeat (above)."""
+    reference = _clean_hash(job, tmp_path)
+    cache = tmp_path / "shared"
+    slow = ["--poll", "0.05", "--lease-timeout", "60", "--heartbeat", "0.2"]
+    procs = [job.start(cache, r, *slow, "--hold", "build-converted:60") for r in range(3)]
+    victim = job.wait_for_signal("build-converted")
+    assert victim == procs[0].pid
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.time()
+    procs[0].wait(timeout=10)
+    results = job.wait(procs[1:])
+    _assert_same_cache(results, reference)
+    takers = [r for r in results if _events(r, "takeover")]
+    assert len(takers) == 1, "exactly one waiter takes over"
+    _, at, fields = _events(takers[0], "takeover")[0]
+    assert fields["exited"] == "True"
+    assert at - killed_at < 10, f"took {at - killed_at:.1f}s with lease_timeout 60"
+
+
+def test_status_knows_a_builder_on_this_machine_exited_without_watching_it(job, tmp_path):
+    """`--status`/`--clean` watch a lease's heartbeat for observe_s to tell a live builder
+    from a dead one; a builder on this machine that exited needs no watching."""
+    from dist.inventory import list_caches
+
+    root = tmp_path / "root"
+    dead = job.start(
+        root / "c-dead", 0, "--fingerprint", "dead", *FAST, "--hold", "build-converted:60"
+    )
+    job.wait_for_signal("build-converted")
+    os.kill(dead.pid, signal.SIGKILL)
+    dead.wait(timeout=10)
+    t0 = time.monotonic()
+    (status,) = list_caches(root, observe_s=30)
+    assert time.monotonic() - t0 < 10
+    assert status.state == "stale" and status.live is False and status.builder_pid == dead.pid
 
 
 @pytest.mark.slow

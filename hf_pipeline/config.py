@@ -1044,6 +1044,23 @@ def _load_yaml_text(text: str) -> Any:
             finally:
                 self._depth -= 1
 
+        def construct_mapping(self, node, deep=False):
+            # YAML keeps the last of two equal keys: a second `loader:` block would drop
+            # the first one's settings without a word.
+            first: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                if isinstance(key, str) and key in first:
+                    raise _YamlRefused(
+                        f"key {key!r} written twice in one mapping "
+                        f"(line {first[key]} and line {line})",
+                        key_node.start_mark,
+                    )
+                if isinstance(key, str):
+                    first[key] = line
+            return super().construct_mapping(node, deep=deep)
+
     return yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 (a SafeLoader subclass)
 
 

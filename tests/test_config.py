@@ -329,6 +329,23 @@ def test_oversized_or_deeply_nested_yaml_is_one_line(tmp_path):
     assert "nested deeper than" in err
 
 
+def test_a_key_written_twice_is_refused_with_both_lines(tmp_path):
+    """YAML keeps the last of two equal keys: a second `loader:` block silently dropped
+    the first one's settings. Refused, naming the key and both lines."""
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("name: demo\nloader:\n  seed: 8\ntrain:\n  seed: 1\nloader:\n  seed: 3\n")
+    err = _yaml_refusal(twice)
+    assert "'loader'" in err and "line 6" in err and "line 2" in err, err
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("loader:\n  seed: 8\n  seed: 16\n")
+    err = _yaml_refusal(nested)
+    assert "'seed'" in err and "line 3" in err and "line 2" in err, err
+    # Equal keys in different mappings are fine.
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("loader:\n  seed: 3\ntrain:\n  seed: 3\n")
+    assert load_config(ok, environ={}).train.seed == 3
+
+
 def _yaml_refusal(path) -> str:
     with pytest.raises(ConfigError) as ei:
         load_config(path, environ={})

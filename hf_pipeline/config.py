@@ -20,6 +20,7 @@ import math
 import os
 import re
 import reprlib
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -438,6 +439,15 @@ class BuildConfig:
     def __post_init__(self):
         _check_fields(self, "build.")
         _check_choice(self.parallel, PARALLEL_MODES, "build.parallel")
+        if self.overlap_parts:
+            # Still loads (configs written for earlier releases), but not in silence.
+            warnings.warn(
+                f"build.overlap_parts={self.overlap_parts} has no effect since parts have "
+                "their own identity (the embedding of each part overlaps the join of the "
+                "next; `build.part_shards` sizes the parts): remove it from the config",
+                FutureWarning,
+                stacklevel=2,
+            )
         _check(
             self.latent_dtype in LATENT_DTYPES,
             "build.latent_dtype",

@@ -329,6 +329,11 @@ def test_oversized_or_deeply_nested_yaml_is_one_line(tmp_path):
     assert "nested deeper than" in err
 
 
+def test_a_setting_without_effect_warns_naming_it():
+    with pytest.warns(FutureWarning, match=r"build.overlap_parts=2 has no effect"):
+        load_config(None, ["build.overlap_parts=2"], environ={})
+
+
 def test_a_key_written_twice_is_refused_with_both_lines(tmp_path):
     """YAML keeps the last of two equal keys: a second `loader:` block silently dropped
     the first one's settings. Refused, naming the key and both lines."""

@@ -54,6 +54,15 @@ def _child(spec: dict) -> None:
         encoder_identity,
     )
 
+    if spec.get("dynamic"):
+        # An experiment, not a setting: compile with every size symbolic from the first
+        # call (one compile), where the encoder's dynamic=None compiles the first shape
+        # static and recompiles at the second (two). See --dynamic.
+        import functools
+
+        import torch
+
+        torch.compile = functools.partial(torch.compile, dynamic=True)
     cfg = EncoderConfig(
         model=spec["model"], dtype=spec["dtype"], device=spec["device"], compile="default",
         max_length=spec["max_length"],
@@ -63,8 +72,14 @@ def _child(spec: dict) -> None:
     shared = CompileArtifacts(spec["shared"], key, wait_s=0)
     t1 = time.monotonic()
     enc.warm_up_shared(shared)
+    shapes = enc.warm_up_shapes
+    slowest = sorted(shapes, key=lambda s: -s[2])[:6]
     out = {
         "load_seconds": enc.load_seconds,
+        # Which warm-up calls cost the time: the compiles (or captures) stand out.
+        "warm_up_calls": len(shapes),
+        "warm_up_slowest": [{"rows": r, "tokens": w, "s": s} for r, w, s in slowest],
+        "warm_up_rest_s": round(sum(s[2] for s in shapes) - sum(s[2] for s in slowest), 3),
         "warm_up_shared_s": round(time.monotonic() - t1, 3),
         "encoder_start_s": round(time.monotonic() - t0, 3),
     }
@@ -81,6 +96,12 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--max-length", type=int, default=0, help="0: 256 gemma, 64 MiniLM")
+    ap.add_argument(
+        "--dynamic",
+        action="store_true",
+        help="experiment: torch.compile(dynamic=True) from the first call (one compile "
+        "instead of a static one and a symbolic recompile); use its own --work-dir",
+    )
     ap.add_argument("--work-dir", default="")
     ap.add_argument("--json", default="")
     ap.add_argument("--_child", default="", help=argparse.SUPPRESS)
@@ -102,7 +123,7 @@ def main() -> int:
         env["TRITON_CACHE_DIR"] = str(work / f"triton-{name}")
         spec = {
             "model": model, "dtype": args.dtype, "device": args.device,
-            "max_length": max_length, "shared": str(shared),
+            "max_length": max_length, "shared": str(shared), "dynamic": args.dynamic,
         }  # fmt: skip
         t0 = time.perf_counter()
         proc = subprocess.run(
@@ -121,6 +142,7 @@ def main() -> int:
         "dtype": args.dtype,
         "device": args.device,
         "max_length": max_length,
+        "dynamic": "true (experiment)" if args.dynamic else "the encoder's (None)",
         **runs,
         "warm_up_ratio": round(cold / warm, 2) if cold and warm else None,
         "targets": {"shared warm-up <= 10 s": warm is not None and warm <= 10},

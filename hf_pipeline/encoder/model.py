@@ -542,6 +542,7 @@ class TextEncoder:
         #: given), ``model`` (from disk), ``to_device`` (the device's start included) and,
         #: after :meth:`warm_up`, ``warm_up``. The build report shows them per part.
         self.load_seconds: dict[str, float] = {}
+        self.warm_up_shapes: list[tuple[int, int, float]] = []
         lap = _Laps(self.load_seconds, t0)
         lap("imports")
         self.cfg = cfg
@@ -809,13 +810,20 @@ class TextEncoder:
 
     def _warm_up(self) -> None:
         t0 = time.monotonic()
+        shapes = []
         for ids in warm_up_ids(
             self.cfg, self.tokenizer.pad_token_id, min_rows=self._min_rows,
             full_batches=self._forward_unmasked is not None,
             every_bucket=self._compiled,
         ):  # fmt: skip
+            t = time.monotonic()
             self._submit_ids(ids).result()
+            width = len(ids[0]) if len(ids) else 0
+            shapes.append((len(ids), width, round(time.monotonic() - t, 3)))
         self.load_seconds["warm_up"] = round(time.monotonic() - t0, 3)
+        #: (rows, tokens per row, seconds) of each warm-up call, in order: which shapes
+        #: compiled (or captured) and what running the rest cost (benchmarks read it).
+        self.warm_up_shapes = shapes
 
     def _micro_batch(self, mb: MicroBatch, seqs: _DeviceSequences):
         """Pooled embeddings (on the device) of the length-sorted rows ``mb.start:mb.stop``:

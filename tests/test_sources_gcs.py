@@ -117,12 +117,15 @@ def test_fetch_is_byte_identical_and_resumes_without_refetch(proxy, gcs_bucket, 
     assert stats["mean_mb_s"] > 0
     before = proxy.count(".pt")
     assert before == 4
+    # The proxy counts the body bytes it sent: exactly the files' bytes, once.
+    assert proxy.body_bytes(".pt") == stats["bytes"]
     # Second run (e.g. after a crash before conversion): everything is staged and
     # verified by its sidecar, nothing goes over the wire.
     src = open_source(location, data_config=cfg, policy=FAST)
     got2, stats2 = _fetch_all(src, cfg, num_workers=2, release=True)
     assert got2 == got
     assert proxy.count(".pt") == before
+    assert proxy.body_bytes(".pt") == stats["bytes"]
     assert stats2["bytes"] == 0 and stats2["staging_hits"] >= 4
     # Released: the staging area is empty again.
     assert not list((tmp_path / "staging").glob("*.pt"))

@@ -3,7 +3,8 @@
 Put it between a client and a real server (fake-gcs-server, the fake Hub) and it
 forwards every request, except that requests matching a :class:`Fault` get a 5xx/429,
 a connection reset, a truncated body, a stall, or a throttled body. It counts every
-request so tests can assert what was (not) fetched again.
+request so tests can assert what was (not) fetched again, and the body bytes it sent
+(:meth:`FaultProxy.body_bytes`: what a client fetched, counted the same for any client).
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ class FaultProxy(LoopbackServer):
         self._faults: list[Fault] = []
         self._lock = threading.Lock()
         self.log: list[_Logged] = []
+        # (path, body bytes sent) of every GET answered with a body.
+        self._sent: list[tuple[str, int]] = []
         self._stop = threading.Event()
         super().__init__(self._handler_class())
 
@@ -114,6 +117,7 @@ class FaultProxy(LoopbackServer):
         with self._lock:
             self._faults.clear()
             self.log.clear()
+            self._sent.clear()
 
     def count(self, match: str, method: str = "GET", *, media_only: bool = True) -> int:
         """Requests whose path contains ``match`` (by default only body downloads)."""
@@ -125,6 +129,15 @@ class FaultProxy(LoopbackServer):
                 and (not method or r.method == method)
                 and (not media_only or "alt=media" in r.path or "/resolve/" in r.path)
             )
+
+    def body_bytes(self, match: str = "") -> int:
+        """Body bytes sent in answer to GET requests whose path contains ``match``."""
+        with self._lock:
+            return sum(n for path, n in self._sent if match in path)
+
+    def _body_sent(self, path: str, n: int) -> None:
+        with self._lock:
+            self._sent.append((path, n))
 
     def _take(self, method: str, path: str) -> Fault | None:
         with self._lock:
@@ -211,10 +224,12 @@ class FaultProxy(LoopbackServer):
                     return
                 if fault is not None and fault.action == "truncate":
                     self.wfile.write(data[: len(data) // 2])
+                    proxy._body_sent(path, len(data) // 2)
                     self.wfile.flush()
                     self.close_connection = True
                     return
                 if fault is not None and fault.action == "throttle" and fault.rate > 0:
+                    proxy._body_sent(path, len(data))
                     step = max(1, fault.rate // 20)
                     for i in range(0, len(data), step):
                         if proxy._stop.is_set():
@@ -224,6 +239,9 @@ class FaultProxy(LoopbackServer):
                         time.sleep(step / fault.rate)
                     return
                 self.wfile.write(data)
+                # Counted once written: a body the client reset mid-way is not counted.
+                if self.command == "GET":
+                    proxy._body_sent(path, len(data))
 
             do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _forward
 

@@ -72,6 +72,33 @@ def _child(spec: dict) -> None:
     shared = CompileArtifacts(spec["shared"], key, wait_s=0)
     t1 = time.monotonic()
     enc.warm_up_shared(shared)
+    warm_up_shared_s = round(time.monotonic() - t1, 3)
+    encoder_start_s = round(time.monotonic() - t0, 3)
+    timed = {}
+    if spec.get("timed_rows"):
+        # The compiled forward's speed after the warm-up (same ids in every variant: a
+        # fixed seed), so that a variant that compiles faster is not slower to run.
+        import numpy as np
+        import pyarrow as pa
+
+        rng = np.random.default_rng(0)
+        lengths = rng.integers(8, spec["max_length"] + 1, spec["timed_rows"])
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        tokens = rng.integers(1000, 30000, int(offsets[-1])).astype(np.int32)
+        ids = pa.ListArray.from_arrays(offsets, pa.array(tokens))
+        t2 = time.monotonic()
+        enc.encode_ids(ids)  # first pass: a shape the warm-up missed would compile here
+        first_pass_s = round(time.monotonic() - t2, 3)
+        t2 = time.monotonic()
+        enc.encode_ids(ids)
+        seconds = time.monotonic() - t2
+        timed = {
+            "timed_rows": len(ids),
+            "timed_tokens": int(offsets[-1]),
+            "first_pass_s": first_pass_s,
+            "timed_pass_s": round(seconds, 3),
+            "rows_per_s": round(len(ids) / seconds, 1),
+        }
     shapes = enc.warm_up_shapes
     slowest = sorted(shapes, key=lambda s: -s[2])[:6]
     out = {
@@ -80,8 +107,9 @@ def _child(spec: dict) -> None:
         "warm_up_calls": len(shapes),
         "warm_up_slowest": [{"rows": r, "tokens": w, "s": s} for r, w, s in slowest],
         "warm_up_rest_s": round(sum(s[2] for s in shapes) - sum(s[2] for s in slowest), 3),
-        "warm_up_shared_s": round(time.monotonic() - t1, 3),
-        "encoder_start_s": round(time.monotonic() - t0, 3),
+        "warm_up_shared_s": warm_up_shared_s,
+        **timed,
+        "encoder_start_s": encoder_start_s,
     }
     print(_CHILD_RESULT + json.dumps(out), flush=True)  # the parent reads this line
 
@@ -101,6 +129,9 @@ def main() -> int:
         action="store_true",
         help="experiment: torch.compile(dynamic=True) from the first call (one compile "
         "instead of a static one and a symbolic recompile); use its own --work-dir",
+    )
+    ap.add_argument(
+        "--timed-rows", type=int, default=0, help="then time one pass over this many rows"
     )
     ap.add_argument("--work-dir", default="")
     ap.add_argument("--json", default="")
@@ -124,6 +155,7 @@ def main() -> int:
         spec = {
             "model": model, "dtype": args.dtype, "device": args.device,
             "max_length": max_length, "shared": str(shared), "dynamic": args.dynamic,
+            "timed_rows": args.timed_rows,
         }  # fmt: skip
         t0 = time.perf_counter()
         proc = subprocess.run(

@@ -14,10 +14,10 @@ merged (``coalesce_bytes``), ``concurrency`` reads at a time. A gather takes its
 from there; one that reaches a batch not planned yet (the thread late, or more gathering
 threads than ``ahead``) plans it and the refill after it itself, in merged reads
 (:meth:`_Planner.catch_up`), and fetches on its own only what no plan holds (so
-``cache_bytes=0`` streams everything on demand). Once the batch that planned a block is assembled, the block
-stays only while the limit allows: kept blocks are dropped, least recently used first,
-for the planner's next reservations and for blocks fetched on demand (so random access
-without a plan, Grain's records, keeps the blocks it used last).
+``cache_bytes=0`` streams everything on demand). Once the batch that planned a block is
+assembled, the block stays only while the limit allows: kept blocks are dropped, least
+recently used first, for the planner's next reservations and for blocks fetched on
+demand (so random access without a plan, Grain's records, keeps the blocks it used last).
 
 Trust: a range shorter than asked is retried; a block whose digest differs is fetched
 once more, then refused (:class:`~hf_pipeline.errors.CacheFormatError` naming the file
@@ -973,6 +973,8 @@ class _Planner:
                 b in src._reserved and b not in src._inflight for b in ids.tolist()
             ):
                 return  # planned, its reads started (or done)
+            if ids is None and self._ended:
+                return  # not in the plan (the plan ended): fetched on demand
             self._waiters += 1
         # The walker holds _walk only while it pulls and reserves one batch.
         deadline = time.monotonic() + _WALK_WAIT_S

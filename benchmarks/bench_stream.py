@@ -12,7 +12,10 @@ request that long before forwarding it):
   the published folder (``--ahead``, ``--cache-mb``, ``--concurrency``): samples/s,
   time to first batch (open + first batch: one manifest read, then the first batch's
   blocks), bytes fetched / bytes the process's rows need (whole rows of every column),
-  requests;
+  reads (requests), and of them the reads the planner started (``planned_reads``: its
+  merged refills) and those gathers started for their own blocks (``demand_reads``),
+  with the blocks of each: a run whose demand reads are many was one where the
+  gathers got ahead of the planner;
 * ``pull``: ``prepare_cache`` with ``build.pull_from`` (the whole cache downloaded and
   verified), then the local loader's first batch: the time to first batch streaming saves.
 
@@ -23,7 +26,7 @@ Usage::
 
     python benchmarks/bench_stream.py [--shards 8] [--samples 500] [--batch 256]
         [--latency-ms 0 50] [--ahead 16] [--cache-mb 512] [--concurrency 32]
-        [--threads 4] [--json benchmarks/results/stream_2cpu.json]
+        [--threads 4] [--repeats 1] [--json benchmarks/results/stream_2cpu.json]
 """
 
 from __future__ import annotations
@@ -128,6 +131,9 @@ def main() -> None:
     ap.add_argument("--coalesce-kb", type=float, default=StreamOptions.coalesce_bytes / 1024)
     ap.add_argument("--max-read-mb", type=float, default=StreamOptions.max_read_bytes / (1 << 20))
     ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="streamed epochs per (latency, shuffle), each from a fresh source: "
+                         "the spread between runs in one file")  # fmt: skip
     ap.add_argument("--block-size", type=int, default=256, help="shuffle: block")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="one more config override (repeatable), e.g. encoder.model=DIR")  # fmt: skip
@@ -200,38 +206,49 @@ def main() -> None:
                         "process_count": 1,
                     }
                     _, local_s, n = _epoch(Loader(local, **kw))
-                    t0 = time.perf_counter()
-                    with StreamSource(cache_url, options, policy=policy) as stream:
-                        open_s = time.perf_counter() - t0
-                        first_s, stream_s, n2 = _epoch(Loader(stream, **kw))
-                        stats = stream.stats()
-                    assert n == n2
-                    run = {
-                        "latency_ms": latency,
-                        "shuffle": shuffle,
-                        "samples": n,
-                        "local_samples_per_s": n / local_s,
-                        "stream_samples_per_s": n / stream_s,
-                        "stream_first_batch_s": open_s + first_s,
-                        "pull_first_batch_s": pull_first_s,
-                        "pull_over_stream_first_batch": pull_first_s / (open_s + first_s),
-                        "bytes_fetched": stats.bytes_fetched,
-                        "bytes_needed": stats.bytes_needed,
-                        "fetched_over_needed": stats.bytes_fetched / max(stats.bytes_needed, 1),
-                        "requests": stats.requests,
-                        "retries": stats.retries,
-                        "max_held_mb": stats.max_held_bytes / 2**20,
-                    }
-                    runs.append(run)
-                    print(
-                        f"latency {latency:4.0f} ms  {shuffle:6s}  local "
-                        f"{run['local_samples_per_s']:9.0f} samples/s  stream "
-                        f"{run['stream_samples_per_s']:9.0f} samples/s  first batch "
-                        f"{run['stream_first_batch_s']:.2f} s (pull+first "
-                        f"{pull_first_s:.2f} s)  fetched/needed "
-                        f"{run['fetched_over_needed']:.2f}  requests {stats.requests}",
-                        flush=True,
-                    )
+                    for repeat in range(args.repeats):
+                        t0 = time.perf_counter()
+                        with StreamSource(cache_url, options, policy=policy) as stream:
+                            open_s = time.perf_counter() - t0
+                            first_s, stream_s, n2 = _epoch(Loader(stream, **kw))
+                            stats = stream.stats()
+                        assert n == n2
+                        run = {
+                            "latency_ms": latency,
+                            "shuffle": shuffle,
+                            "repeat": repeat,
+                            "samples": n,
+                            "local_samples_per_s": n / local_s,
+                            "stream_samples_per_s": n / stream_s,
+                            "stream_first_batch_s": open_s + first_s,
+                            "pull_first_batch_s": pull_first_s,
+                            "pull_over_stream_first_batch": pull_first_s / (open_s + first_s),
+                            "bytes_fetched": stats.bytes_fetched,
+                            "bytes_needed": stats.bytes_needed,
+                            "fetched_over_needed": stats.bytes_fetched / max(stats.bytes_needed, 1),
+                            "requests": stats.requests,
+                            # Which regime the run was in: reads the planner started in
+                            # merged refills vs reads gathers started for their own blocks.
+                            "planned_reads": stats.planned_reads,
+                            "demand_reads": stats.demand_reads,
+                            "planned_blocks": stats.planned_blocks,
+                            "demand_blocks": stats.demand_blocks,
+                            "retries": stats.retries,
+                            "max_held_mb": stats.max_held_bytes / 2**20,
+                        }
+                        runs.append(run)
+                        print(
+                            f"latency {latency:4.0f} ms  {shuffle:6s} #{repeat}  local "
+                            f"{run['local_samples_per_s']:9.0f} samples/s  stream "
+                            f"{run['stream_samples_per_s']:9.0f} samples/s  first batch "
+                            f"{run['stream_first_batch_s']:.2f} s (pull+first "
+                            f"{pull_first_s:.2f} s)  fetched/needed "
+                            f"{run['fetched_over_needed']:.2f} ({stats.bytes_fetched / 1e6:.1f} MB)  "
+                            f"reads {stats.requests} (planned {stats.planned_reads}, demand "
+                            f"{stats.demand_reads}; blocks {stats.planned_blocks} / "
+                            f"{stats.demand_blocks})",
+                            flush=True,
+                        )
             finally:
                 os.environ["STORAGE_EMULATOR_HOST"] = server.url
                 if proxy is not None:
@@ -251,6 +268,7 @@ def main() -> None:
                 "coalesce_kb": args.coalesce_kb,
                 "max_read_mb": args.max_read_mb,
                 "threads": args.threads,
+                "repeats": args.repeats,
                 "batch": args.batch,
                 "block_size": args.block_size,
             },

@@ -408,3 +408,44 @@ def test_train_script_streams_without_a_local_cache(gcs_cache, tmp_path):
     assert f"streaming {url}" in proc.stdout
     assert "done: 3 steps" in proc.stdout
     assert not root.exists() or not any(root.iterdir()), sorted(root.rglob("*"))[:10]
+
+
+def test_streaming_writes_nothing_to_local_disk(gcs_cache, local_source, tmp_path):
+    """The bounded local cache is memory only: a real process streaming a whole epoch
+    with the default ``stream_cache_bytes`` (1 GiB, so every block is kept) writes no
+    file at all. Its working folder, HOME, TMPDIR and the cache folders it could use
+    (XDG, Hugging Face, the pipeline's cache root) are fresh folders that stay empty,
+    so nothing on local disk can ever pass the limit. Its batches are the local ones."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, script_env
+
+    server, url = gcs_cache
+    dirs = {
+        name: tmp_path / name
+        for name in ("work", "HOME", "TMPDIR", "XDG_CACHE_HOME", "HF_HOME", "HF_PIPELINE_CACHE")
+    }
+    for d in dirs.values():
+        d.mkdir()
+    env = script_env(
+        RANK="0",
+        WORLD_SIZE="1",
+        HF_PIPELINE_STREAM_FROM=url,
+        STORAGE_EMULATOR_HOST=server,
+        GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",
+        JAX_PLATFORMS="cpu",
+        **{name: str(d) for name, d in dirs.items() if name != "work"},
+    )
+    sets = ["loader.global_batch_size=16", "loader.seed=6", "loader.shuffle=global"]
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "procs" / "stream_rank.py"), *sets],
+        env=env, capture_output=True, text=True, timeout=400, cwd=dirs["work"],
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    kw = {"global_batch_size": 16, "seed": 6, "shuffle": "global"}
+    want = _epoch(Loader(local_source, process_index=0, process_count=1, **kw))
+    assert got["batches"] == [_digest(b) for b in want]
+    for name, d in dirs.items():
+        assert not any(d.rglob("*")), (name, sorted(d.rglob("*"))[:10])

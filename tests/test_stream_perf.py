@@ -5,6 +5,8 @@ reads as its rows' byte runs allow, not one read per scattered checksum block.""
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
 
 import numpy as np
@@ -12,10 +14,14 @@ import pytest
 
 from hf_pipeline.read.loader import Loader
 from hf_pipeline.read.stream import StreamOptions, StreamSource
+from tests.servers.proxy import Fault, FaultProxy
 from tests.test_stream import (  # noqa: F401
     _FAST,
+    _epoch,
+    _same,
     gcs_cache,
     gcs_store,
+    local_source,
 )
 
 pytestmark = pytest.mark.remote
@@ -80,3 +86,73 @@ def test_an_epoch_takes_few_reads(order, gcs_cache):
     assert fewest < scattered  # the data makes the difference visible
     assert stats.requests <= 1.25 * fewest + 2, (stats, fewest, scattered)
     assert stats.bytes_fetched <= 1.1 * stats.bytes_needed, stats
+
+
+def _lagging(loader: Loader, lag: float) -> None:
+    """Make the planner thread ``lag`` seconds late for every batch it plans: what a
+    thread starved of the GIL by the gathering threads does on a busy host (the plan
+    is pulled by whichever thread walks it: a gather that plans is not slowed)."""
+    planned = loader._planned
+
+    def slow(*args):
+        for item in planned(*args):
+            if threading.current_thread().name == "hf_pipeline-stream-plan":
+                time.sleep(lag)
+            yield item
+
+    loader._planned = slow
+
+
+@pytest.mark.parametrize(
+    ("threads", "ahead", "lag"),
+    [(8, 16, 0.5), (16, 8, 0.0)],
+    ids=["planner-thread-late", "more-gathers-than-ahead"],
+)
+def test_gathers_ahead_of_the_planner_do_not_scatter_reads(
+    threads, ahead, lag, gcs_cache, local_source, monkeypatch
+):
+    """Every read 50 ms late (a latency proxy), and the gathers reach batches the
+    planner has not planned yet: its thread is late (as on the H200 host, where 8
+    gathering threads starved it), or there are more gathering threads than batches
+    planned ahead. Each such gather fetched its own batch's scattered share of a
+    block-shuffle window itself, and the planner then fetched the window's leftovers
+    in as many small reads (on the H200 host 2-4k reads an epoch instead of ~100, a
+    second, slow regime). Now a gather ahead of the planner plans its batch and the
+    refill after it at once, in merged reads: no block is fetched by a gather on its
+    own, and the epoch takes at most 2x the reads of the same epoch fully planned (2
+    threads, the thread on time, ``ahead`` 16: one window of 128 rows, 8 batches, a
+    refill). Before: 3-3.5x, every block (or 2/3 of them) fetched by the gathers. ``coalesce_bytes=0``: with this test's few-MB files
+    a 1 MiB gap allowance merges a batch's scattered blocks anyway, which at scale
+    (28 MB block-shuffle runs) it does not. The batches are still the local loader's."""
+    server, url = gcs_cache
+    kw = {
+        "global_batch_size": 16,
+        "seed": 3,
+        "crop": 0,
+        "shuffle": "block",
+        "block_size": 64,
+        "window_blocks": 2,
+        "process_index": 0,
+        "process_count": 1,
+    }
+    want = _epoch(Loader(local_source, num_threads=1, **kw))
+    options = StreamOptions(cache_bytes=256 << 20, ahead=ahead, coalesce_bytes=0)
+    with FaultProxy(server) as proxy:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        proxy.add(Fault(match=".arrow", action="stall", seconds=0.05, times=-1))
+        with StreamSource(url, dataclasses.replace(options, ahead=16), policy=_FAST) as stream:
+            loader = Loader(stream, num_threads=2, **kw)
+            scattered = _fewest_reads(stream, [rows for _, rows in loader._planned(0, 0, 1)])
+            stream.reset_stats()
+            _same(want, _epoch(loader))
+            planned = stream.stats()
+        assert planned.demand_blocks == 0, planned
+        with StreamSource(url, options, policy=_FAST) as stream:
+            loader = Loader(stream, num_threads=threads, **kw)
+            _lagging(loader, lag)
+            stream.reset_stats()
+            _same(want, _epoch(loader))
+            stats = stream.stats()
+    assert 2 * planned.requests < scattered  # the data makes the difference visible
+    assert stats.requests <= 2 * planned.requests, (stats, planned, scattered)
+    assert stats.demand_blocks == 0, stats

@@ -11,11 +11,13 @@ the positions and rows of this process's upcoming batches (the sample order is a
 function of seed and epoch); a planner thread fetches the blocks of the next
 ``ahead`` batches while they fit in ``cache_bytes``, in reads of neighbouring blocks
 merged (``coalesce_bytes``), ``concurrency`` reads at a time. A gather takes its blocks
-from there and fetches whatever is missing itself (so ``cache_bytes=0`` streams
-everything on demand). Once the batch that planned a block is assembled, the block
-stays only while the limit allows: kept blocks are dropped, least recently used first,
-for the planner's next reservations and for blocks fetched on demand (so random access
-without a plan, Grain's records, keeps the blocks it used last).
+from there; one that reaches a batch not planned yet (the thread late, or more gathering
+threads than ``ahead``) plans it and the refill after it itself, in merged reads
+(:meth:`_Planner.catch_up`), and fetches on its own only what no plan holds (so
+``cache_bytes=0`` streams everything on demand). Once the batch that planned a block is
+assembled, the block stays only while the limit allows: kept blocks are dropped, least
+recently used first, for the planner's next reservations and for blocks fetched on
+demand (so random access without a plan, Grain's records, keeps the blocks it used last).
 
 Trust: a range shorter than asked is retried; a block whose digest differs is fetched
 once more, then refused (:class:`~hf_pipeline.errors.CacheFormatError` naming the file
@@ -71,9 +73,12 @@ _STOP_CHECK_S = 0.1
 #: most 1/_GAP_SHARE of the blocks' bytes in the read: bytes fetched stay within ~1.1x those
 #: needed however the rows fall (``coalesce_bytes`` caps each gap besides).
 _GAP_SHARE = 8
-#: How long a gather that needs blocks the planner has reserved but not started waits
-#: for it to finish reserving its refill before starting them itself.
-_REFILL_WAIT_S = 0.2
+#: How long a gather whose batch is not planned yet waits for the planner's walker (it
+#: holds it while it pulls and reserves one batch) before fetching the batch itself.
+_WALK_WAIT_S = 10.0
+#: Batches a gather may be ahead of those released, beyond ``ahead``: how far a gather
+#: looks for its batch in the plan (more gathering threads than this never occur).
+_MAX_GATHER_LEAD = 256
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -88,6 +93,11 @@ class StreamStats:
         refetched: ranges fetched again after a checksum mismatch.
         planned_blocks: blocks fetched ahead by the planner.
         demand_blocks: blocks a gather had to fetch itself.
+        planned_reads: reads the planner started (neighbouring blocks of its refills
+            merged: few and long when it stays ahead).
+        demand_reads: reads a gather started for blocks no plan held (each batch's own
+            scattered blocks; the manifest's indices at start; every read with
+            ``cache_bytes=0`` or without a plan, Grain's records).
         held_bytes: bytes of blocks held now.
         max_held_bytes: the most held plus reserved at any moment.
         limit_bytes: ``cache_bytes``.
@@ -100,6 +110,8 @@ class StreamStats:
     refetched: int
     planned_blocks: int
     demand_blocks: int
+    planned_reads: int
+    demand_reads: int
     held_bytes: int
     max_held_bytes: int
     limit_bytes: int
@@ -381,7 +393,12 @@ class StreamSource:
             StoreUnreachableError, SourceError: the store failed after every retry.
         """
         phys = self.physical(rows)
+        planner = self._planner
         try:
+            if position is not None and planner is not None:
+                # Ahead of the planner: plan this batch and the refill after it now,
+                # in merged reads, rather than fetch its scattered blocks alone.
+                planner.catch_up(position)
             located = {
                 n: self._locate(self._columns[n], phys) for n in ("latents", "embedding", "key")
             }
@@ -461,7 +478,9 @@ class StreamSource:
                     missing.append(b)
             missing = self._flush_planned(missing, waits)
             self._counts["demand_blocks"] += len(missing)
-            for future, blocks in self._submit(missing):
+            reads = self._submit(missing)
+            self._counts["demand_reads"] += len(reads)
+            for future, blocks in reads:
                 waits[future] = blocks
         for future in waits:
             got.update(self._result(future))
@@ -474,16 +493,6 @@ class StreamSource:
         planner = self._planner
         if planner is None or not any(b in self._reserved for b in missing):
             return missing
-        # The planner is reserving its refill (at the start, or after a burst of
-        # releases): give it a moment to finish, so that the refill starts as one set
-        # of merged reads, not cut at whatever it had reserved when this gather came.
-        deadline = time.monotonic() + _REFILL_WAIT_S
-        while (
-            not planner.idle
-            and any(b in self._reserved and b not in self._inflight for b in missing)
-            and time.monotonic() < deadline
-        ):
-            self._room.wait(_REFILL_WAIT_S / 10)
         planner.flush()
         rest = []
         for b in missing:
@@ -690,7 +699,7 @@ class StreamSource:
             b for b in dict.fromkeys(blocks) if b not in self._inflight and b in self._reserved
         ]
         self._counts["planned_blocks"] += len(blocks)
-        self._submit(blocks)
+        self._counts["planned_reads"] += len(self._submit(blocks))
 
     def _unpin(self, b: int) -> None:
         """One plan fewer needs ``b`` (caller holds the lock)."""
@@ -777,6 +786,8 @@ class StreamSource:
                 refetched=c["refetched"],
                 planned_blocks=c["planned_blocks"],
                 demand_blocks=c["demand_blocks"],
+                planned_reads=c["planned_reads"],
+                demand_reads=c["demand_reads"],
                 held_bytes=self._held,
                 max_held_bytes=self._max_held,
                 limit_bytes=self.options.cache_bytes,
@@ -837,20 +848,39 @@ _NO_BLOCKS = np.empty(0, dtype=np.int64)
 
 
 class _Planner:
-    """A named daemon thread walking the planned batches ``ahead`` of the consumer."""
+    """Walks the planned batches ``ahead`` of the gathers: a named daemon thread, and
+    any gather that finds its batch not planned yet (:meth:`catch_up`).
+
+    One walker at a time (``_walk``): the batches come from one iterator. The thread
+    holds it only while it pulls and reserves one batch, never while it waits, and
+    gives way while a gather waits for it; a gather that holds it plans up to its own
+    batch and the refill after it, and starts those reads at once, merged. So a gather
+    never fetches by itself a block that a plan will fetch in a merged read: when the
+    thread falls behind (starved of the GIL by the gathering threads, or more gathers
+    than batches planned ahead), the gathers plan in its place, in refills, and do not
+    scatter a block-shuffle window into one small read per block.
+    """
 
     def __init__(self, source: StreamSource, batches: Iterator[tuple[Any, np.ndarray]]):
         self._source = source
-        self._batches = batches
+        self._batches = iter(batches)
         self._stop = threading.Event()
+        self._walk = threading.Lock()
+        # Guarded by _walk: the batch pulled but not planned yet (no room), the index
+        # of the next batch to plan, and whether the batches ended.
+        self._next: tuple[Any, np.ndarray] | None = None
+        self._index = 0
+        self._ended = False
+        # Guarded by the source's lock:
         self._planned: dict[Any, np.ndarray] = {}
         self._released: set[Any] = set()
         self._consumed = 0
-        # Reserved, not read yet (guarded by the source's lock): started together, so
-        # that neighbouring blocks of several batches merge into one read.
+        self._waiters = 0  # gathers waiting to walk: the thread gives way
+        # Reserved, not read yet: started together, so that neighbouring blocks of
+        # several batches merge into one read.
         self._pending: list[int] = []
         self._pending_from: int | None = None  # index of the oldest batch in _pending
-        self.idle = False  # waiting for room or for the consumer, or ended (source's lock)
+        self.idle = False  # waiting for room or for the consumer, or ended
         self._thread = threading.Thread(
             target=self._run, name="hf_pipeline-stream-plan", daemon=True
         )
@@ -885,41 +915,136 @@ class _Planner:
         low = max(1, self._source.options.ahead // 2)
         return self._pending_from is not None and self._pending_from <= self._consumed + low
 
+    def _plan_one(self, limit: int | None) -> tuple[str, Any]:
+        """Plan the next batch (caller holds ``_walk``): pin its blocks and reserve room
+        for the missing ones, unless its index is ``limit`` or more (None: the
+        consumer's count plus ``ahead``). Returns ``(what, position)``: "planned" (or
+        skipped: its gather already ran), "later" (at the limit), "full" (no room now),
+        "ended" or "stopped"."""
+        src = self._source
+        if self._next is None:
+            if self._stop.is_set():
+                return "stopped", None
+            item = next(self._batches, None)  # the sampler's work: outside the lock
+            if item is None:
+                self._ended = True
+                return "ended", None
+            position, rows = item
+            self._next = (position, src.block_ids(rows))
+        position, ids = self._next
+        with src._lock:
+            # Checked with the reservation in one hold of the lock: once plan() has
+            # stopped this planner and cleared the pins, nothing more is pinned.
+            if self._stop.is_set():
+                return "stopped", None
+            if position in self._released:
+                self._released.discard(position)
+            else:
+                if limit is None:
+                    limit = self._consumed + src.options.ahead
+                if self._index >= limit:
+                    return "later", position
+                got = src._reserve(ids)
+                if got is False:
+                    return "full", position  # what is reserved is all there will be now
+                if got is None:  # larger than the whole cache: on demand
+                    # Nothing pinned; recorded so that its release finds it (else every
+                    # consumed step stayed in _released).
+                    self._planned[position] = _NO_BLOCKS
+                else:
+                    self._planned[position] = ids
+                    if self._pending_from is None:
+                        self._pending_from = self._index
+                    self._pending.extend(got)
+            self._next = None
+            self._index += 1
+            return "planned", position
+
+    def catch_up(self, position: Any) -> None:
+        """Called by the gather of ``position`` before it fetches: if the batch is not
+        planned yet (the gathers are ahead of the thread), plan every batch up to it
+        and the refill after it (``ahead / 2`` batches more, within the room), and start
+        their reads together, merged; if it is planned but its reads have not started,
+        start every pending read. Whatever still misses (no room) the gather fetches."""
+        src = self._source
+        with src._lock:
+            ids = self._planned.get(position)
+            if ids is not None and not any(
+                b in src._reserved and b not in src._inflight for b in ids.tolist()
+            ):
+                return  # planned, its reads started (or done)
+            if ids is None and self._ended:
+                return  # not in the plan (the plan ended): fetched on demand
+            self._waiters += 1
+        # The walker holds _walk only while it pulls and reserves one batch.
+        deadline = time.monotonic() + _WALK_WAIT_S
+        try:
+            while not self._walk.acquire(timeout=_STOP_CHECK_S):
+                if self._stop.is_set() or time.monotonic() > deadline:
+                    return
+        finally:
+            with src._lock:
+                self._waiters -= 1
+        try:
+            # Bounded: the batch being gathered is at most the gathering threads ahead
+            # of those released; a position that is not in the plan ends the search.
+            for _ in range(2 * src.options.ahead + _MAX_GATHER_LEAD):
+                with src._lock:
+                    if position in self._planned or position in self._released:
+                        break
+                what, at = self._plan_one(limit=self._index + 1)
+                if what != "planned":
+                    break
+                if at == position:
+                    break
+            with src._lock:
+                found = position in self._planned
+                limit = max(
+                    self._consumed + src.options.ahead,
+                    self._index + max(1, src.options.ahead // 2),
+                )
+            # The refill after it: the other batches of its block-shuffle window need
+            # the same row runs, and only fetched together are they a few long reads.
+            while found:
+                what, _ = self._plan_one(limit=limit)
+                if what != "planned":
+                    break
+            with src._lock:
+                self.flush()
+        finally:
+            self._walk.release()
+            with src._lock:
+                src._room.notify_all()  # the thread may walk again
+
     def _run(self) -> None:
         src = self._source
         try:
-            for index, (position, rows) in enumerate(self._batches):
-                ids = src.block_ids(rows)
+            while True:
                 with src._lock:
-                    while True:
-                        if self._stop.is_set():
-                            return
-                        if position in self._released:
-                            self._released.discard(position)
-                            break
-                        if index < self._consumed + src.options.ahead:
-                            got = src._reserve(ids)
-                            if got is None:  # larger than the whole cache: on demand
-                                # Nothing pinned; recorded so that its release finds it
-                                # (else every consumed step stayed in _released).
-                                self._planned[position] = _NO_BLOCKS
-                                break
-                            if got is not False:
-                                self._planned[position] = ids
-                                if self._pending_from is None:
-                                    self._pending_from = index
-                                self._pending.extend(got)
-                                break
-                            # Nothing more fits: what is reserved is all there will be.
-                            self.flush()
-                        elif self._due():
-                            self.flush()
-                        self.idle = True
-                        src._room.notify_all()  # a gather may wait for the refill's end
+                    # A gather waits to walk: it plans what it needs itself, at once.
+                    while self._waiters and not self._stop.is_set():
                         src._room.wait(_STOP_CHECK_S)
-                        self.idle = False
-            with src._lock:
-                self.flush()
+                if self._stop.is_set():
+                    return
+                if not self._walk.acquire(timeout=_STOP_CHECK_S):
+                    continue
+                try:
+                    what, _ = self._plan_one(limit=None)
+                finally:
+                    self._walk.release()
+                if what == "planned":
+                    continue
+                with src._lock:
+                    if what in ("ended", "stopped"):
+                        if what == "ended":
+                            self.flush()
+                        return
+                    if what == "full" or self._due():
+                        self.flush()
+                    self.idle = True
+                    src._room.notify_all()
+                    src._room.wait(_STOP_CHECK_S)
+                    self.idle = False
         except BaseException as exc:  # noqa: BLE001 - gathers fetch on demand and raise it
             logger.warning("stream planner stopped: %s", exc)
         finally:

@@ -26,8 +26,10 @@ caches and the part store removed (the generated demo and the compile artifacts
 stay, as on a node that built before), ``scripts/prebuild_cache.py`` runs as a fresh
 subprocess with the same overrides; each wall is its start to its exit
 (``fresh_process_walls_s``), with each build's start-up timeline from its report
-(``startup``: when the first shard started after ``prepare_cache`` was entered, issue 28)
-and the seconds between its last line of output and its exit.
+(``startup``: when the first shard started after ``prepare_cache`` was entered, issue 28),
+the seconds between its last line of output and its exit, and its milestones in seconds
+after the process was started (``after_process_start_s``: ``prepare_cache`` entered,
+first shard, encoder ready, last marker, exit).
 """
 
 from __future__ import annotations
@@ -62,6 +64,28 @@ def _remove_caches(cache_root: Path) -> None:
             shutil.rmtree(old)
 
 
+def _after_start(startup: dict | None, started: float, last_marker: float, wall: float):
+    """One fresh-process run's milestones in seconds after the process was started
+    (``started``, wall clock): ``prepare_cache`` entered, the join's first shard, the
+    encoder ready (from the report's ``startup``), the ``filtered`` marker written
+    (``last_marker``, its ``finished_at``) and the exit (``wall``)."""
+    s = startup or {}
+    entered = s.get("entered")
+    seconds = s.get("seconds", {})
+
+    def at(event: str) -> float | None:
+        t = seconds.get(event)
+        return None if entered is None or t is None else round(entered + t - started, 3)
+
+    return {
+        "entered": None if entered is None else round(entered - started, 3),
+        "first_shard": at("first_shard"),
+        "encoder": at("encoder"),
+        "last_marker": round(last_marker - started, 3),
+        "exit": round(wall, 3),
+    }
+
+
 def _fresh_process_runs(args, work: Path, overrides: list[str], generate_s: float) -> dict:
     """``args.fresh_process_runs`` builds, each by ``scripts/prebuild_cache.py`` in a
     fresh process (caches removed first): their walls (start to exit) and start-ups."""
@@ -72,11 +96,12 @@ def _fresh_process_runs(args, work: Path, overrides: list[str], generate_s: floa
     repo = Path(__file__).resolve().parent.parent
     script = repo / "scripts" / "prebuild_cache.py"
     sets = [a for o in overrides for a in ("--set", o)]
-    walls, gaps, startups, summary = [], [], [], {}
+    walls, gaps, startups, timelines, summary = [], [], [], [], {}
     for _ in range(args.fresh_process_runs):
         _remove_caches(work / "cache")
         os.sync()
         summary_path = work / "summary.json"
+        started = time.time()  # wall clock: the report's start-up timeline counts in it
         t0 = time.perf_counter()
         p = subprocess.Popen(
             [sys.executable, str(script), "-q", "--json", str(summary_path), *sets],
@@ -94,8 +119,11 @@ def _fresh_process_runs(args, work: Path, overrides: list[str], generate_s: floa
         walls.append(round(end - t0, 3))
         gaps.append(round(end - last, 3))
         summary = json.loads(summary_path.read_text())
-        (report,) = Path(summary["cache_dir"]).glob("filtered.*/report.json")
+        cache_dir = Path(summary["cache_dir"])
+        (report,) = cache_dir.glob("filtered.*/report.json")
         startups.append(json.loads(report.read_text()).get("startup"))
+        last_marker = json.loads((cache_dir / "filtered.json").read_text())["finished_at"]
+        timelines.append(_after_start(startups[-1], started, float(last_marker), end - t0))
     first_shard = [(s or {}).get("seconds", {}).get("first_shard") for s in startups]
     return {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -106,6 +134,7 @@ def _fresh_process_runs(args, work: Path, overrides: list[str], generate_s: floa
         "fresh_process_walls_s": walls,
         "first_shard_after_entry_s": first_shard,
         "exit_after_last_output_s": gaps,
+        "after_process_start_s": timelines,
         "startup": startups,
         "overrides": args.set,
         "targets": {

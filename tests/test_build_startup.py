@@ -124,3 +124,52 @@ def test_encoder_loading_left_before_the_join_loads_nothing(tmp_path):
     assert "encoder_loading" not in t and "tokenizer" not in t, t
     with pytest.raises(CancelledError):
         loading.tokenizer.result(timeout=60)
+
+
+_IMPORT_AUDIT = """
+import json, sys, threading
+
+first = {}  # module -> the thread that imported it first (find_spec: not yet imported)
+
+
+class _FirstImports:
+    def find_spec(self, name, path=None, target=None):
+        first.setdefault(name, threading.current_thread().name)
+        return None  # the usual finders import it
+
+
+sys.meta_path.insert(0, _FirstImports())
+
+if __name__ == "__main__":
+    from hf_pipeline.build.prepare import prepare_cache
+    from hf_pipeline.config import load_config
+
+    prepare_cache(load_config(None, sys.argv[1:]), progress=False)
+    print(json.dumps(first))
+"""
+
+
+# slow: one fresh-process build (about 20 CPU-s).
+@pytest.mark.slow
+def test_shared_libraries_are_first_imported_on_the_main_thread(tmp_path):
+    """In a fresh process, torch, ``torch.distributed`` and ``datasets`` (what the main
+    thread and the build's threads both use) are first imported by the main thread,
+    never by the encoder's loading thread or another of the build's threads: a
+    thread's import in progress leaves a partial module where another thread looks
+    (issue 28: ``partially initialized module 'torch.distributed' has no attribute
+    'is_available'`` on a 4xH200 host). A guard, not seen failing: with
+    ``_import_before_threads``' imports left out it still passed, because the main
+    thread imports ``datasets`` (its progress-bar switch) and torch (the encoder's
+    identity) before any of the build's threads starts; it fails once one of the
+    build's threads imports one of them first."""
+    script = tmp_path / "audit.py"
+    script.write_text(_IMPORT_AUDIT)
+    r = subprocess.run(
+        [PYTHON, str(script), *SMALL_DEMO, f"build.cache_dir={tmp_path / 'c'}"],
+        capture_output=True, text=True, env=script_env(), cwd=REPO, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    first = json.loads(r.stdout.strip().splitlines()[-1])
+    shared = {m: first.get(m) for m in ("torch", "torch.distributed", "datasets")}
+    assert shared == dict.fromkeys(shared, "MainThread"), shared
+    assert "transformers" in first, "the build loaded no encoder: the audit saw nothing"

@@ -13,6 +13,11 @@ handler): its interpreter's shut-down tore down the torch and ``datasets`` it pr
 for a second or more after the build's end, while it still held the builder's standard
 output open (a caller reading that output to its end waited for it; issue 28).
 
+Each process it forks also runs :data:`~hf_pipeline.workers.pool.WORKER_NICENESS`
+steps nicer than the builder (:func:`hf_pipeline.workers.pool.run_below_builder`): the
+builder's own threads (the encoder's loading, the join's driver, the embedding) come
+first on a CPU they share with a worker.
+
 Importing this module anywhere else would tie that process to its parent: it is meant
 for the fork server only.
 """
@@ -22,10 +27,13 @@ from __future__ import annotations
 import atexit
 import os
 
-from hf_pipeline.workers.pool import die_with_parent
+from hf_pipeline.workers.pool import die_with_parent, run_below_builder
 
 die_with_parent()  # the server: with the builder
 os.register_at_fork(after_in_child=die_with_parent)  # its children: with the server
+# Its children, not the server (whose imports the first shard waits for), yield the
+# CPU to the builder's own threads.
+os.register_at_fork(after_in_child=run_below_builder)
 # Registered before the preloaded libraries import (and register theirs): run after
 # their exit handlers. Nothing of the server's is left to write; its workers leave with
 # os._exit themselves.

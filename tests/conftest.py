@@ -1,5 +1,6 @@
 """Shared fixtures: an isolated HF_HOME per test session, a small demo config, and one
-demo cache built once per session (through the real build: datasets, MiniLM)."""
+demo cache built once per session (through the real build: datasets, MiniLM); under
+pytest-xdist once per worker (see below)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,14 @@ def built_cache(small_config):
 
 # A session-scoped fixture is built once only where it is defined: conftest. Imported into
 # a test module it becomes that module's own fixture, built again in each such module.
+#
+# Under pytest-xdist (the developer loop: `-n 2 --dist loadfile`) "session" means one
+# worker: each worker process builds its own copy of these fixtures, in its own base temp
+# folder (tmp_path_factory gives each worker popen-gwN/), so two workers never build into,
+# read, verify or clean one folder. Sharing one build across workers behind a lock would
+# save a build per worker but let one worker's test (a `clean`, a second build in the
+# root) run while the other's reads the same cache, which sequential runs never do.
+# `--dist loadfile` keeps each module on one worker, so a module-scoped build is made once.
 
 
 @pytest.fixture(scope="session")

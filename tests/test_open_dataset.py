@@ -13,7 +13,7 @@ import pytest
 
 from hf_pipeline.adapters.grain_source import GrainSource
 from hf_pipeline.cache.layout import CacheLayout, open_dataset, open_sample_source
-from tests.conftest import SMALL_DEMO
+from tests.conftest import ANY_CACHE_SAMPLES_PER_SHARD, SMALL_DEMO
 
 
 @pytest.fixture(autouse=True)
@@ -24,13 +24,18 @@ def _views_in_tmp(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def bf16_cache(session_cache_root):
-    """The small demo with bfloat16 latents, built through the real build."""
+    """A demo with bfloat16 latents (any size will do), built through the real build."""
     from hf_pipeline.build.prepare import prepare_cache
     from hf_pipeline.config import load_config
 
     cfg = load_config(
         None,
-        [*SMALL_DEMO, "data.demo.latent_dtype=bfloat16", f"build.cache_dir={session_cache_root}"],
+        [
+            *SMALL_DEMO,
+            "data.demo.latent_dtype=bfloat16",
+            f"data.demo.samples_per_shard={ANY_CACHE_SAMPLES_PER_SHARD}",
+            f"build.cache_dir={session_cache_root}",
+        ],
         environ={},
     )
     built = prepare_cache(cfg, progress=False)

@@ -355,6 +355,7 @@ def _digest(batch: dict) -> dict:
     return {"keys": batch["keys"].tolist(), "sha": h.hexdigest()}
 
 
+@pytest.mark.slow
 def test_two_real_processes_stream_their_shares(gcs_cache, local_source):
     """Two OS processes (RANK/WORLD_SIZE), only ``HF_PIPELINE_STREAM_FROM`` set: each
     streams its own share of every global batch, bit for bit the local loader's."""
@@ -380,6 +381,7 @@ def test_two_real_processes_stream_their_shares(gcs_cache, local_source):
         assert got["batches"] == [_digest(b) for b in want]
 
 
+@pytest.mark.slow
 def test_train_script_streams_without_a_local_cache(gcs_cache, tmp_path):
     """The card's command, ``scripts/train.py``, with only ``HF_PIPELINE_STREAM_FROM``
     set: it trains on the published cache read in place, and builds or downloads no

@@ -88,6 +88,7 @@ def test_streamed_records_equal_local(crop, published, source_cache):
         assert 0 < state["bytes"] <= limit and stream.sample_source.stats().max_held_bytes <= limit
 
 
+@pytest.mark.slow
 def test_dataloader_workers_stream_their_records(published, source_cache):
     """Grain's DataLoader with 2 spawned worker processes (each unpickles the source and
     streams on its own: the pickle is the URL and options, not the data), shuffled and

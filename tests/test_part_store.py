@@ -307,6 +307,87 @@ def test_another_encoder_reuses_the_joins_and_writes_no_latent_bytes(inputs, two
     _assert_same_cache(res, clean16)
     # The token ids belong to the encoder: max_length 16 truncates them.
     assert max(len(x) for x in _content(res)["input_ids"]) <= 16
+    # Another max_length: the token ids again, nothing of the captions or the latents.
+    assert reuse["texts_built"] == 0 and reuse["texts_reused"] == reuse["parts"], reuse
+    assert reuse["tokens_built"] == reuse["parts"] and reuse["tokens_reused"] == 0, reuse
+    _assert_same_bytes(res, clean16)
+
+
+def _store_units(root: Path, kind: str) -> dict[str, Path]:
+    """The published units of ``kind`` (``tokens``, ``embed`` ...) in ``root``'s store."""
+    return {d.name: d for d in (root / ".parts").glob(f"{kind}-*") if (d / f"{kind}.json").exists()}
+
+
+def _assert_same_bytes(got, want):
+    """Both caches' ``converted`` stages hold the same files, byte for byte (latents,
+    captions, token ids, embeddings, reasons)."""
+    a, b = got.layout.converted, want.layout.converted
+    files = sorted(f.relative_to(a) for f in a.rglob("*.arrow"))
+    assert files == sorted(f.relative_to(b) for f in b.rglob("*.arrow"))
+    assert any(f.parts[-2] == "embeddings" for f in files), files
+    for rel in files:
+        assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
+
+
+def test_token_ids_are_a_unit_of_their_own_built_by_the_workers(inputs):
+    """Each part's token ids are a store unit ``tokens-<part>-<captions>-<tokenizer>``
+    (its text unit's id and the tokenizer's key), built by the ``num_proc`` worker
+    processes (not the builder) before the embedding, which tokenizes nothing; each
+    embedding's marker names the tokens it read."""
+    from dist.markers import read_json
+    from hf_pipeline.build.part_store import tokenizer_key
+    from hf_pipeline.encoder.model import CaptionTokenizer
+
+    res = inputs["clean"]
+    root = res.cache_dir.parent
+    cfg = _config(root, inputs["final"], inputs["meta"])
+    key = tokenizer_key(CaptionTokenizer(cfg.encoder))
+    embeds = _store_units(root, "embed")
+    texts = {n.removeprefix("embed-").rsplit("-", 1)[0] for n in embeds}
+    tokens = _store_units(root, "tokens")
+    assert set(tokens) == {f"tokens-{t}-{key}" for t in texts}, (tokens, texts)
+    for name, folder in embeds.items():
+        uses = read_json(folder / "embed.json")["info"]["uses"]
+        text = name.removeprefix("embed-").rsplit("-", 1)[0]
+        assert f"tokens-{text}-{key}" in uses, uses
+    reuse = res.report["reuse"]
+    assert reuse["tokens_built"] == reuse["parts"] and reuse["tokens_reused"] == 0, reuse
+    for part in res.report["parts"]:
+        assert "seconds_tokenize" not in part["embed"], part["embed"]
+        made = part["tokens"]
+        assert made["num_proc"] == cfg.build.effective_num_proc == 2, made
+        assert len(made["worker_pids"]) == 2 and os.getpid() not in made["worker_pids"], made
+        assert made["rows"] == part["rows_in"] and made["seconds_tokenize"] >= 0, made
+
+
+@pytest.fixture(scope="module")
+def clean_f16(inputs):
+    """A from-scratch build of the final input whose embeddings are stored as float16
+    (another encoder identity, the same tokenizer and max_length)."""
+    return _build(inputs["base"] / "f16-clean", inputs["final"], inputs["meta"], _F16)
+
+
+#: Another encoder with the same tokenizer and max_length.
+_F16 = "encoder.output_dtype=float16"
+
+
+def test_another_encoder_of_the_same_tokenizer_reuses_the_token_ids(inputs, clean_f16):
+    """An encoder of another identity with the same tokenizer and max_length builds
+    only embeddings: the joins, the captions and the token ids are reused (no
+    tokenization), no latent byte written; the cache is byte for byte the scratch one."""
+    root = inputs["base"] / "tok"
+    first = _build(root, inputs["final"], inputs["meta"])
+    before = set(_store_units(root, "tokens"))
+    res = _build(root, inputs["final"], inputs["meta"], _F16)
+    assert res.fingerprint != first.fingerprint and res.fingerprint == clean_f16.fingerprint
+    reuse = res.report["reuse"]
+    assert reuse["joins_built"] == 0 and reuse["latent_bytes_written"] == 0, reuse
+    assert reuse["texts_built"] == 0 and reuse["tokens_built"] == 0, reuse
+    assert reuse["tokens_reused"] == reuse["parts"] == reuse["embeddings_built"], reuse
+    assert set(_store_units(root, "tokens")) == before
+    assert all(p["reused"]["tokens"] for p in res.report["parts"])
+    _assert_same_cache(res, clean_f16)
+    _assert_same_bytes(res, clean_f16)
 
 
 def _start_and_kill(root: Path, inputs, unit: str, *extra: str) -> Path:

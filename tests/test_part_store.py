@@ -588,6 +588,52 @@ def test_sigkill_during_a_re_embedding_then_a_build_equals_a_clean_one(inputs, c
     _assert_same_cache(res, clean16)
 
 
+def test_sigkill_during_a_tokenization_then_a_build_equals_a_clean_one(inputs, clean16):
+    """Another max_length over stored joins and captions, SIGKILLed while its workers
+    tokenize a part: the next build takes the dead lease over, recomputes only token ids
+    and embeddings (no latent byte, no caption) and gives the from-scratch cache, byte
+    for byte; the store holds that part's token ids once."""
+    root = inputs["base"] / "kill-tokens"
+    _build(root, inputs["final"], inputs["meta"])
+    victim = _start_and_kill(root, inputs, "tokens", "encoder.max_length=16")
+    assert not (victim / "tokens.json").exists(), "killed before it published"
+    res = _build(root, inputs["final"], inputs["meta"], "encoder.max_length=16",
+                 "coord.lease_timeout=4")  # fmt: skip
+    reuse = res.report["reuse"]
+    assert reuse["joins_built"] == 0 and reuse["latent_bytes_written"] == 0, reuse
+    assert reuse["texts_built"] == 0 and reuse["tokens_built"] == reuse["parts"], reuse
+    assert len(list(victim.glob("tokens.*/"))) == 1, "one published copy of the token ids"
+    _assert_same_cache(res, clean16)
+    _assert_same_bytes(res, clean16)
+
+
+#: The last commit whose part store has no ``tokens`` units (the embedding tokenized:
+#: part schema 2): what "a store of the previous release" is built with.
+TEXT_UNITS_RELEASE = "9010ed968c2212b1042f7980cb0ef2b46dd8a9b8"
+
+
+def test_a_store_of_the_release_before_tokens_units_is_found_and_reused(inputs, clean16, tmp_path):
+    """A cache built by the release whose embedding tokenized (no ``tokens`` units; its
+    own code in a subprocess) is found as it is (not rebuilt, no unit built); another
+    max_length then reuses its joins and captions, builds the token ids and the
+    embeddings only, and equals a scratch build byte for byte."""
+    root = tmp_path / "cache"
+    args = [*SMALL_DEMO, f"data.shards={inputs['final']}", f"data.metadata={inputs['meta']}",
+            f"build.cache_dir={root}", "build.part_shards=1"]  # fmt: skip
+    old_fp, old_dir = build_with_release(TEXT_UNITS_RELEASE, args, tmp_path)
+    assert not list((root / ".parts").glob("tokens-*")), "the release before tokens units"
+
+    res = _build(root, inputs["final"], inputs["meta"])
+    assert not res.built and res.fingerprint == old_fp and str(res.cache_dir) == old_dir
+    _assert_same_bytes(res, inputs["clean"])
+
+    res16 = _build(root, inputs["final"], inputs["meta"], "encoder.max_length=16")
+    reuse = res16.report["reuse"]
+    assert reuse["joins_built"] == 0 and reuse["latent_bytes_written"] == 0, reuse
+    assert reuse["texts_built"] == 0 and reuse["tokens_built"] == reuse["parts"], reuse
+    _assert_same_bytes(res16, clean16)
+
+
 # ------------------------------------------------------------------ another caption column
 
 #: The caption column of the re-join scenarios (the demo metadata has it beside the
@@ -639,6 +685,7 @@ def test_another_caption_column_rejoins_only_captions_and_writes_no_latent_bytes
     assert reuse["joins_built"] == 0 and reuse["joins_reused"] == reuse["parts"], reuse
     assert reuse["shards_read"] == 0 and reuse["latent_bytes_written"] == 0, reuse
     assert reuse["texts_built"] == reuse["parts"] == reuse["embeddings_built"], reuse
+    assert reuse["tokens_built"] == reuse["parts"], reuse  # new captions: new token ids
     old, new = _latent_inodes(first), _latent_inodes(res)
     assert old and old == new, "the latents once on disk"
     _assert_same_cache(res, clean_short)

@@ -1,5 +1,5 @@
-"""Stage 1c, the embedding: captions of the joined rows -> token ids -> one embedding
-per kept row.
+"""Stage 1c, the embedding: token ids of the joined rows' captions -> one embedding per
+kept row.
 
 ``Dataset.map(batch_size=build.batch_size)`` in the building process, with the encoder
 (:class:`hf_pipeline.encoder.model.TextEncoder`) on the accelerator: one model, big batches,

@@ -16,9 +16,14 @@ fingerprint and runs the two stages through :func:`dist.coordinator.ensure_built
       table): a new caption column re-joins only these.
    b. *duplicates* (:mod:`hf_pipeline.build.accounting`) — one NumPy pass over the key
       column marks all but the first occurrence of each key (among finite rows).
-   c. *embed* (:mod:`hf_pipeline.build.embed_stage`) — tokenize, then ``Dataset.map`` in
-      this process with the encoder on the accelerator; only rows that will be kept are
-      encoded. Stored per (part's captions, encoder): a new encoder reuses the rest.
+   b'. *tokens* (:mod:`hf_pipeline.build.tokens`) — the captions' token ids, by the
+      ``num_proc`` workers, only where the part's embedding is missing. Stored per
+      (part's captions, tokenizer and ``max_length``): an encoder with the same
+      tokenizer reuses them.
+   c. *embed* (:mod:`hf_pipeline.build.embed_stage`) — ``Dataset.map`` in this process
+      with the encoder on the accelerator over the stored token ids; only rows that will
+      be kept are encoded. Stored per (part's captions, encoder): a new encoder reuses
+      the rest.
    d. *assembly* (:func:`hf_pipeline.build.parts.assemble`) — hard-links every part's
       files into the stage and marks duplicates across parts.
 2. ``filtered`` — the ids of the rows with ``drop_reason == ""``, written as
@@ -888,7 +893,8 @@ def _ensure_parts(
 ) -> BuiltParts:  # fmt: skip
     """Find or build every part of the build in the part store
     (:mod:`hf_pipeline.build.part_store`): the caption table, then per part its join
-    (latents), its text (captions, from the join's keys) and its embedding, each a
+    (latents), its text (captions, from the join's keys), its token ids (where its
+    embedding is missing: the tokenizer then loads first) and its embedding, each a
     cache unit of its own built through
     :func:`dist.coordinator.ensure_built`. ``count`` builders share the work (``me`` is
     this one; 1 and 0 for one builder): each claims its own parts at once

@@ -36,6 +36,8 @@ import pyarrow as pa
 
 from dist.atomic import write_json_atomic
 from hf_pipeline.build.accounting import keep_mask
+from hf_pipeline.build.embed_stage import tokenize_kept
+from hf_pipeline.encoder.model import TokenizerSpec, WorkerTokenizer
 
 __all__ = ["TOKENS_FILE", "only_rows", "read_token_ids", "tokenize_part", "tokenize_rows"]
 
@@ -49,8 +51,6 @@ _LOADED: dict[Any, Any] = {}
 def _tokenizer(tokenizer):
     """A callable tokenizer: ``tokenizer`` itself, or (a spec) this process's
     :class:`~hf_pipeline.encoder.model.WorkerTokenizer` of it."""
-    from hf_pipeline.encoder.model import TokenizerSpec, WorkerTokenizer
-
     if not isinstance(tokenizer, TokenizerSpec):
         return tokenizer
     if tokenizer not in _LOADED:
@@ -65,8 +65,6 @@ def tokenize_rows(
     of the batch's kept rows (``reasons`` empty), an empty list for the others. Writes
     one small timing file (pid, wall-clock start and end, rows) per batch into
     ``timing_dir``; ``probe`` stops a builder that lost its lease at the next batch."""
-    from hf_pipeline.build.embed_stage import tokenize_kept
-
     probe.check()
     t0 = time.time()  # wall clock: the timeline compares processes
     if isinstance(reasons, pa.ChunkedArray):
@@ -113,7 +111,6 @@ def tokenize_part(
     from datasets import Dataset, Features, List, Value, concatenate_datasets
 
     from hf_pipeline.build.convert import check_workers_can_start
-    from hf_pipeline.encoder.model import TokenizerSpec
 
     t0 = time.monotonic()
     parts = [Dataset.from_file(str(f)) for f in caption_files]

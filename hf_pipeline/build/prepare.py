@@ -1139,7 +1139,9 @@ def _ensure_parts(
         j, t, e = joins[p.plan.index], texts[p.plan.index], emb[p.plan.index]
         k = tokens.get(p.plan.index)
         info = {**j.info, **t.info, **e.info, "id": p.join_id}
-        info["tokens"] = k.info.get("tokens") if k is not None else None
+        # Its tokenizing's timeline where this build made its token ids (else null).
+        made = k is not None and k.info.get("built_for") == fingerprint
+        info["tokens"] = k.info.get("tokens") if made else None
         info["wall"] = {"join": j.info.get("wall_join"), "embed": e.info.get("wall_embed")}
         info["reused"] = {
             unit: m.info.get("built_for") != fingerprint if m is not None else None

@@ -4,7 +4,8 @@ embed stage against the bare forward on the same token ids (same run).
 
 Generates the demo scaled to ``--rows`` (fp16 latents, ``--samples-per-shard`` a
 shard), builds it with ``DATASET_NUM_PROC`` workers and the encoder on the GPU, and
-reports: wall time of ``prepare_cache``, the join (``seconds_convert``) and embed
+reports: wall time of ``prepare_cache``, the join (``seconds_convert``), tokenize
+(``seconds_tokenize``: the parts' tokens units, by the workers) and embed
 (``seconds_embed``, the encoder's load overlapped with the join) stages, then times
 ``TextEncoder.encode_ids`` alone on the cache's kept token ids (warm) and reports the
 embed stage's rows/s as a ratio to it.
@@ -240,6 +241,16 @@ def main() -> int:
         "build_wall_s": round(wall, 2),
         "join_s": r["seconds_convert"],
         "embed_stage_s": r["seconds_embed"],
+        # The parts' token ids (their tokens units, by the num_proc workers between
+        # joins; None from a release before them), and the embed stage's own
+        # tokenizing (0 when every part's ids came from its tokens unit).
+        "tokenize_s": r.get("seconds_tokenize"),
+        "tokenize_worker_busy_s": round(
+            sum(float((p.get("tokens") or {}).get("worker_busy_seconds", 0)) for p in r["parts"]), 3
+        ),
+        "embed_stage_tokenize_s": round(
+            sum(float((p.get("embed") or {}).get("seconds_tokenize", 0)) for p in r["parts"]), 3
+        ),
         "bare_forward_s": round(bare, 3),
         "bare_forward_rows_per_s": round(len(ids) / bare),
         "bare_forward_laps": {k: round(v, 3) for k, v in bare_laps.items()},

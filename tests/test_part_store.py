@@ -307,6 +307,87 @@ def test_another_encoder_reuses_the_joins_and_writes_no_latent_bytes(inputs, two
     _assert_same_cache(res, clean16)
     # The token ids belong to the encoder: max_length 16 truncates them.
     assert max(len(x) for x in _content(res)["input_ids"]) <= 16
+    # Another max_length: the token ids again, nothing of the captions or the latents.
+    assert reuse["texts_built"] == 0 and reuse["texts_reused"] == reuse["parts"], reuse
+    assert reuse["tokens_built"] == reuse["parts"] and reuse["tokens_reused"] == 0, reuse
+    _assert_same_bytes(res, clean16)
+
+
+def _store_units(root: Path, kind: str) -> dict[str, Path]:
+    """The published units of ``kind`` (``tokens``, ``embed`` ...) in ``root``'s store."""
+    return {d.name: d for d in (root / ".parts").glob(f"{kind}-*") if (d / f"{kind}.json").exists()}
+
+
+def _assert_same_bytes(got, want):
+    """Both caches' ``converted`` stages hold the same files, byte for byte (latents,
+    captions, token ids, embeddings, reasons)."""
+    a, b = got.layout.converted, want.layout.converted
+    files = sorted(f.relative_to(a) for f in a.rglob("*.arrow"))
+    assert files == sorted(f.relative_to(b) for f in b.rglob("*.arrow"))
+    assert any(f.parts[-2] == "embeddings" for f in files), files
+    for rel in files:
+        assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
+
+
+def test_token_ids_are_a_unit_of_their_own_built_by_the_workers(inputs):
+    """Each part's token ids are a store unit ``tokens-<part>-<captions>-<tokenizer>``
+    (its text unit's id and the tokenizer's key), built by the ``num_proc`` worker
+    processes (not the builder) before the embedding, which tokenizes nothing; each
+    embedding's marker names the tokens it read."""
+    from dist.markers import read_json
+    from hf_pipeline.build.part_store import tokenizer_key
+    from hf_pipeline.encoder.model import CaptionTokenizer
+
+    res = inputs["clean"]
+    root = res.cache_dir.parent
+    cfg = _config(root, inputs["final"], inputs["meta"])
+    key = tokenizer_key(CaptionTokenizer(cfg.encoder))
+    embeds = _store_units(root, "embed")
+    texts = {n.removeprefix("embed-").rsplit("-", 1)[0] for n in embeds}
+    tokens = _store_units(root, "tokens")
+    assert set(tokens) == {f"tokens-{t}-{key}" for t in texts}, (tokens, texts)
+    for name, folder in embeds.items():
+        uses = read_json(folder / "embed.json")["info"]["uses"]
+        text = name.removeprefix("embed-").rsplit("-", 1)[0]
+        assert f"tokens-{text}-{key}" in uses, uses
+    reuse = res.report["reuse"]
+    assert reuse["tokens_built"] == reuse["parts"] and reuse["tokens_reused"] == 0, reuse
+    for part in res.report["parts"]:
+        assert "seconds_tokenize" not in part["embed"], part["embed"]
+        made = part["tokens"]
+        assert made["num_proc"] == cfg.build.effective_num_proc == 2, made
+        assert len(made["worker_pids"]) == 2 and os.getpid() not in made["worker_pids"], made
+        assert made["rows"] == part["rows_in"] and made["seconds_tokenize"] >= 0, made
+
+
+@pytest.fixture(scope="module")
+def clean_f16(inputs):
+    """A from-scratch build of the final input whose embeddings are stored as float16
+    (another encoder identity, the same tokenizer and max_length)."""
+    return _build(inputs["base"] / "f16-clean", inputs["final"], inputs["meta"], _F16)
+
+
+#: Another encoder with the same tokenizer and max_length.
+_F16 = "encoder.output_dtype=float16"
+
+
+def test_another_encoder_of_the_same_tokenizer_reuses_the_token_ids(inputs, clean_f16):
+    """An encoder of another identity with the same tokenizer and max_length builds
+    only embeddings: the joins, the captions and the token ids are reused (no
+    tokenization), no latent byte written; the cache is byte for byte the scratch one."""
+    root = inputs["base"] / "tok"
+    first = _build(root, inputs["final"], inputs["meta"])
+    before = set(_store_units(root, "tokens"))
+    res = _build(root, inputs["final"], inputs["meta"], _F16)
+    assert res.fingerprint != first.fingerprint and res.fingerprint == clean_f16.fingerprint
+    reuse = res.report["reuse"]
+    assert reuse["joins_built"] == 0 and reuse["latent_bytes_written"] == 0, reuse
+    assert reuse["texts_built"] == 0 and reuse["tokens_built"] == 0, reuse
+    assert reuse["tokens_reused"] == reuse["parts"] == reuse["embeddings_built"], reuse
+    assert set(_store_units(root, "tokens")) == before
+    assert all(p["reused"]["tokens"] for p in res.report["parts"])
+    _assert_same_cache(res, clean_f16)
+    _assert_same_bytes(res, clean_f16)
 
 
 def _start_and_kill(root: Path, inputs, unit: str, *extra: str) -> Path:
@@ -507,6 +588,52 @@ def test_sigkill_during_a_re_embedding_then_a_build_equals_a_clean_one(inputs, c
     _assert_same_cache(res, clean16)
 
 
+def test_sigkill_during_a_tokenization_then_a_build_equals_a_clean_one(inputs, clean16):
+    """Another max_length over stored joins and captions, SIGKILLed while its workers
+    tokenize a part: the next build takes the dead lease over, recomputes only token ids
+    and embeddings (no latent byte, no caption) and gives the from-scratch cache, byte
+    for byte; the store holds that part's token ids once."""
+    root = inputs["base"] / "kill-tokens"
+    _build(root, inputs["final"], inputs["meta"])
+    victim = _start_and_kill(root, inputs, "tokens", "encoder.max_length=16")
+    assert not (victim / "tokens.json").exists(), "killed before it published"
+    res = _build(root, inputs["final"], inputs["meta"], "encoder.max_length=16",
+                 "coord.lease_timeout=4")  # fmt: skip
+    reuse = res.report["reuse"]
+    assert reuse["joins_built"] == 0 and reuse["latent_bytes_written"] == 0, reuse
+    assert reuse["texts_built"] == 0 and reuse["tokens_built"] == reuse["parts"], reuse
+    assert len(list(victim.glob("tokens.*/"))) == 1, "one published copy of the token ids"
+    _assert_same_cache(res, clean16)
+    _assert_same_bytes(res, clean16)
+
+
+#: The last commit whose part store has no ``tokens`` units (the embedding tokenized:
+#: part schema 2): what "a store of the previous release" is built with.
+TEXT_UNITS_RELEASE = "9010ed968c2212b1042f7980cb0ef2b46dd8a9b8"
+
+
+def test_a_store_of_the_release_before_tokens_units_is_found_and_reused(inputs, clean16, tmp_path):
+    """A cache built by the release whose embedding tokenized (no ``tokens`` units; its
+    own code in a subprocess) is found as it is (not rebuilt, no unit built); another
+    max_length then reuses its joins and captions, builds the token ids and the
+    embeddings only, and equals a scratch build byte for byte."""
+    root = tmp_path / "cache"
+    args = [*SMALL_DEMO, f"data.shards={inputs['final']}", f"data.metadata={inputs['meta']}",
+            f"build.cache_dir={root}", "build.part_shards=1"]  # fmt: skip
+    old_fp, old_dir = build_with_release(TEXT_UNITS_RELEASE, args, tmp_path)
+    assert not list((root / ".parts").glob("tokens-*")), "the release before tokens units"
+
+    res = _build(root, inputs["final"], inputs["meta"])
+    assert not res.built and res.fingerprint == old_fp and str(res.cache_dir) == old_dir
+    _assert_same_bytes(res, inputs["clean"])
+
+    res16 = _build(root, inputs["final"], inputs["meta"], "encoder.max_length=16")
+    reuse = res16.report["reuse"]
+    assert reuse["joins_built"] == 0 and reuse["latent_bytes_written"] == 0, reuse
+    assert reuse["texts_built"] == 0 and reuse["tokens_built"] == reuse["parts"], reuse
+    _assert_same_bytes(res16, clean16)
+
+
 # ------------------------------------------------------------------ another caption column
 
 #: The caption column of the re-join scenarios (the demo metadata has it beside the
@@ -558,6 +685,7 @@ def test_another_caption_column_rejoins_only_captions_and_writes_no_latent_bytes
     assert reuse["joins_built"] == 0 and reuse["joins_reused"] == reuse["parts"], reuse
     assert reuse["shards_read"] == 0 and reuse["latent_bytes_written"] == 0, reuse
     assert reuse["texts_built"] == reuse["parts"] == reuse["embeddings_built"], reuse
+    assert reuse["tokens_built"] == reuse["parts"], reuse  # new captions: new token ids
     old, new = _latent_inodes(first), _latent_inodes(res)
     assert old and old == new, "the latents once on disk"
     _assert_same_cache(res, clean_short)

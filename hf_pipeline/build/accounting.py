@@ -184,6 +184,8 @@ def build_report(
         "seconds_assemble": converted.get("seconds_assemble"),
         "seconds_convert": converted["seconds_convert"],
         "seconds_embed": converted["seconds_embed"],
+        # The parts' tokens units built (by the workers); absent before them.
+        "seconds_tokenize": converted.get("seconds_tokenize"),
         # The builder's start-up timeline (hf_pipeline.build.startup); absent when the
         # converted stage only assembled, or was published by a release before it.
         "startup": converted.get("startup"),

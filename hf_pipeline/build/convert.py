@@ -35,6 +35,7 @@ from hf_pipeline.stores.remote_file import RemoteFile
 __all__ = [
     "JoinResult",
     "Storage",
+    "check_workers_can_start",
     "choose_storage",
     "convert_shards",
     "join_shards",
@@ -282,8 +283,8 @@ class JoinResult:
     timeline: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def _check_workers_can_start(num_proc: int) -> None:
-    """Refuse a join whose workers could not import the main program (they import it
+def check_workers_can_start(num_proc: int) -> None:
+    """Refuse a join (or a tokenization, :mod:`hf_pipeline.build.tokens`) whose workers could not import the main program (they import it
     first; one read from standard input is no file), before anything starts: without
     this, each worker printed a FileNotFoundError and the build died on an EOFError."""
     from hf_pipeline.errors import ConfigError
@@ -331,7 +332,7 @@ def join_shards(
     build = cfg.build
     num_proc = max(1, min(build.effective_num_proc, len(shards)))
     if num_proc > 1:
-        _check_workers_can_start(num_proc)
+        check_workers_can_start(num_proc)
     precision_dir = work_dir / "precision"
     precision_dir.mkdir(parents=True, exist_ok=True)
     fetch_timeout = cfg.data.file_timeout * (cfg.data.max_retries + 1)

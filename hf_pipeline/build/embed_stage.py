@@ -1,5 +1,5 @@
-"""Stage 1c, the embedding: captions of the joined rows -> token ids -> one embedding
-per kept row.
+"""Stage 1c, the embedding: token ids of the joined rows' captions -> one embedding per
+kept row.
 
 ``Dataset.map(batch_size=build.batch_size)`` in the building process, with the encoder
 (:class:`hf_pipeline.encoder.model.TextEncoder`) on the accelerator: one model, big batches,
@@ -8,9 +8,10 @@ Only rows that will be kept are encoded; a row that is a duplicate of an earlier
 gets its ``duplicate_key`` reason here. Writes ``embedding, input_ids, drop_reason``
 Arrow files row-aligned with the joined rows (the 24 KB latents are never rewritten).
 
-The captions are tokenized here (:func:`tokenize_kept`), not in the join: the token ids
-belong to the encoder (its tokenizer, its ``max_length``), and the join of a part is
-shared by every encoder (:mod:`hf_pipeline.build.part_store`).
+The token ids come from the part's ``tokens`` unit (:mod:`hf_pipeline.build.tokens`: the
+``num_proc`` workers tokenize, keyed by the captions and the tokenizer, so an encoder with
+the same tokenizer reuses them); called without them (``input_ids=None``), the captions
+are tokenized here, on threads of this process (:func:`tokenize_kept`).
 """
 
 from __future__ import annotations
@@ -266,6 +267,7 @@ def embed_joined_rows(
     fingerprint: str,
     reasons: ReasonCodes | None = None,
     on_phase: Callable[[str], None] | None = None,
+    input_ids: pa.Array | None = None,
 ) -> EmbedResult:
     """Embed the kept rows of ``rows`` (the join's output) into ``out_file``.
 
@@ -281,6 +283,9 @@ def embed_joined_rows(
         reasons: the join's ``drop_reason`` column as codes, when the caller has them.
         on_phase: told ``"embedding"`` as the first batch starts (the builder's
             heartbeat phase: :meth:`dist.coordinator.StageContext.set_phase`).
+        input_ids: the rows' token ids, row-aligned (the part's ``tokens`` unit: at
+            least every kept row's); None: tokenized here (the timeline then says how
+            long, ``seconds_tokenize``).
     """
     from datasets import Dataset, Features, List, Value
 
@@ -307,9 +312,22 @@ def embed_joined_rows(
     if reasons is None:
         reasons = ReasonCodes(rows.data.column("drop_reason"))
     keep = reasons.mask(KEEP) & ~duplicate
-    t_tok = time.monotonic()
-    input_ids = tokenize_kept(rows.data.column("caption"), keep, encoder.tokenizer)
-    seconds_tokenize = round(time.monotonic() - t_tok, 3)
+    tokenized: dict[str, float] = {}
+    if input_ids is None:
+        t_tok = time.monotonic()
+        input_ids = tokenize_kept(rows.data.column("caption"), keep, encoder.tokenizer)
+        tokenized["seconds_tokenize"] = round(time.monotonic() - t_tok, 3)
+    else:
+        from hf_pipeline.build.tokens import only_rows
+
+        if len(input_ids) != len(rows):
+            raise ValueError(
+                f"{out_file}: {len(input_ids)} token id rows for {len(rows)} caption rows; "
+                "they must be row-aligned"
+            )
+        # The ids of the rows encoded, empty elsewhere (duplicates within the part
+        # included): the column a tokenization here writes.
+        input_ids = only_rows(input_ids, keep)
     probe.check()
     ahead = EncodeAhead(encoder, input_ids, keep, batch_size=batch_size, probe=probe)
     try:
@@ -340,5 +358,5 @@ def embed_joined_rows(
         embedded=embedded,
         reasons=ReasonCodes(embedded.data.column("drop_reason")),
         dim=encoder.dim,
-        timeline={**ahead.timeline(), "seconds_tokenize": seconds_tokenize},
+        timeline={**ahead.timeline(), **tokenized},
     )

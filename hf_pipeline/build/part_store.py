@@ -12,6 +12,9 @@ root, by what shapes their bytes, not by the cache that first needed them::
                               or kept); no caption, so no metadata in its identity
       text-<part>-<meta>/     its captions from one caption table: captions/data.arrow
                               (caption, drop_reason: the pre-duplicate reason)
+      tokens-<part>-<meta>-<tok>/  its captions' token ids under one tokenizer and
+                              max_length: tokens/data*.arrow (input_ids), written by the
+                              ``num_proc`` workers (:mod:`hf_pipeline.build.tokens`)
       embed-<part>-<meta>-<enc>/  its embeddings under one encoder:
                               embeddings/data.arrow (embedding, input_ids, drop_reason)
 
@@ -28,8 +31,20 @@ visible, and a SIGKILLed build leaves only an unpublished folder that the next b
 of that unit collects. A cache's ``converted`` stage hard-links the published files
 (:func:`hf_pipeline.build.parts.assemble`): latent bytes are written once per part,
 whatever the number of caches (encoders, caption columns, appended inputs) that use it.
-Each unit's marker names the units it reads in ``uses`` (an embedding its ``text``, a
-``text`` its ``join`` and caption table), which ``--clean`` keeps while it is in use.
+Each unit's marker names the units it reads in ``uses`` (an embedding its ``text`` and
+its ``tokens``, a ``tokens`` its ``text``, a ``text`` its ``join`` and caption table),
+which ``--clean`` keeps while it is in use.
+
+The token ids (:func:`tokenizer_key`, ``<tok>``) depend on the captions and on the
+tokenizer alone: the serialized tokenizer (its Rust backend's JSON, the vocabulary and
+normalizer and post-processor included), ``max_length``, the truncation side and
+``split_special_tokens``; not the model's weights, dtype, pooling or output dtype. An
+encoder with the same tokenizer (a fine-tuned or another-sized checkpoint of one
+family, a new ``output_dtype``) reuses them; another tokenizer or ``max_length``
+recomputes them alone. Their key is the tokenizer's content, so two model folders
+that ship the same tokenizer share one unit. The ``embed`` unit keeps its id (the
+encoder's key covers the tokenizer too): embeddings stored by a release without
+``tokens`` units are still found, and only a missing embedding needs its tokens.
 
 Identity (:func:`join_id`): the fields that shape the latents (``on_missing``,
 ``on_bad_rows``, ``latent_dtype``) and the part's shards' ``(name, size, etag)``, under
@@ -73,6 +88,7 @@ __all__ = [
     "plan_content_parts",
     "store_dir",
     "stored_parts",
+    "tokenizer_key",
 ]
 
 #: The folder of the stored parts under the cache root (a dot-folder: never listed or
@@ -164,6 +180,46 @@ def encoder_key(encoder: Mapping[str, Any]) -> str:
     return _digest({k: encoder[k] for k in sorted(encoder)}, 16)
 
 
+#: Bump when a ``tokens`` unit's file or the meaning of its ids change.
+_TOKENS_SCHEMA = 1
+
+
+def tokenizer_key(tokenizer) -> str:
+    """16 hex digits of a tokenizer's identity (the module docstring): what shapes the
+    token ids of a :class:`hf_pipeline.encoder.model.CaptionTokenizer`.
+
+    With a Rust backend (every fast tokenizer), the backend as the workers load it
+    (:meth:`~hf_pipeline.encoder.model.CaptionTokenizer.export`'s JSON) and the call's
+    settings; without one, the tokenizer's class, vocabulary and init settings.
+    """
+    hf = tokenizer.tokenizer
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is not None:
+        # Without the truncation and padding the last call left in the backend (the
+        # workers set their own: WorkerTokenizer): a key must not depend on that call.
+        state = {k: v for k, v in json.loads(backend.to_str()).items()
+                 if k not in ("truncation", "padding")}  # fmt: skip
+        blob = json.dumps(state, sort_keys=True, separators=(",", ":")).encode()
+        content: dict[str, Any] = {"backend": hashlib.sha256(blob).hexdigest()}
+    else:
+        vocab = json.dumps(sorted(hf.get_vocab().items()), separators=(",", ":")).encode()
+        content = {
+            "class": type(hf).__name__,
+            "vocab": hashlib.sha256(vocab).hexdigest(),
+            "init": {k: v for k, v in hf.init_kwargs.items() if k != "name_or_path"},
+        }
+    return _digest(
+        {
+            "schema": _TOKENS_SCHEMA,
+            **content,
+            "max_length": int(tokenizer.max_length),
+            "truncation_side": getattr(hf, "truncation_side", "right"),
+            "split_special_tokens": bool(getattr(hf, "split_special_tokens", False)),
+        },
+        16,
+    )
+
+
 def part_bounds(average: int) -> tuple[int, int]:
     """``(min, max)`` shards of a part whose average is ``average`` (>= 1): a quarter
     and four times it, so that a run of unlucky hashes neither makes a part per
@@ -213,6 +269,8 @@ class StoredPart:
             reused because its captions are the same.
         encoder: the encoder's key (:func:`encoder_key`).
         store: the store folder (:func:`store_dir`).
+        tokenizer: the tokenizer's key (:func:`tokenizer_key`), once it is loaded
+            (``""`` before: :attr:`tokens_id` is then unknown).
     """
 
     plan: PartPlan
@@ -220,6 +278,7 @@ class StoredPart:
     captions: str
     encoder: str
     store: Path
+    tokenizer: str = ""
 
     @property
     def join_id(self) -> str:
@@ -229,6 +288,12 @@ class StoredPart:
     @property
     def text_id(self) -> str:
         return f"{self.part}-{self.captions}"
+
+    @property
+    def tokens_id(self) -> str:
+        if not self.tokenizer:
+            raise ValueError(f"part {self.part}: the tokenizer's key is not known yet")
+        return f"{self.text_id}-{self.tokenizer}"
 
     @property
     def embed_id(self) -> str:
@@ -241,6 +306,10 @@ class StoredPart:
     @property
     def text_dir(self) -> Path:
         return self.store / f"text-{self.text_id}"
+
+    @property
+    def tokens_dir(self) -> Path:
+        return self.store / f"tokens-{self.tokens_id}"
 
     @property
     def embed_dir(self) -> Path:

@@ -11,6 +11,8 @@ its own::
     <join>/rows/data*.arrow              key, latents, drop_reason (nonfinite_latents)
     <text>/captions/data.arrow           caption, drop_reason (every reason before
                                          duplicates: the latents', then the caption's)
+    <tokens>/tokens/data*.arrow          input_ids of the kept captions (the ``num_proc``
+                                         workers: :mod:`hf_pipeline.build.tokens`)
     <embed>/embeddings/data*.arrow       embedding, input_ids, drop_reason (duplicates
                                          within the part)
 
@@ -79,7 +81,7 @@ _PARTS = "parts"
 #: loading: where the part's time went; absent from parts published before them).
 _PART_REPORT = (
     "shards", "rows_in", "builder", "seconds_convert", "seconds_text", "seconds_embed",
-    "seconds_encoder_wait", "encoder_load", "join", "embed", "wall", "id", "reused",
+    "seconds_encoder_wait", "encoder_load", "join", "tokens", "embed", "wall", "id", "reused",
 )  # fmt: skip
 
 
@@ -227,16 +229,18 @@ def text_part(
 
 def embed_part(
     rows_files: Sequence[Path], caption_files: Sequence[Path], *, cfg, probe, encoder,
-    out_dir: Path, fingerprint: str, on_phase=None,
+    out_dir: Path, fingerprint: str, on_phase=None, token_files: Sequence[Path] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Tokenize and embed a part's captions (its ``text`` unit's published
-    ``caption_files``; the keys from its latents unit's ``rows_files``, key column only)
-    into ``out_dir/embeddings/`` (the accelerator); the embedding's info (JSON-able).
+    """Embed a part's captions (its ``text`` unit's published ``caption_files``; the keys
+    from its latents unit's ``rows_files``, key column only) into
+    ``out_dir/embeddings/`` (the accelerator); the embedding's info (JSON-able).
     ``on_phase``: see :func:`hf_pipeline.build.embed_stage.embed_joined_rows`.
 
     Args:
         encoder: the :class:`hf_pipeline.encoder.model.TextEncoder`, or a future of it
             (waited for here; a load error is raised).
+        token_files: the part's ``tokens`` unit's published files
+            (:mod:`hf_pipeline.build.tokens`); None: the captions are tokenized here.
     """
     from datasets import Dataset, concatenate_datasets
 
@@ -253,6 +257,11 @@ def embed_part(
         )
     pre = ReasonCodes(rows.data.column("drop_reason"))
     nonfinite = pre.mask(NONFINITE)
+    input_ids = None
+    if token_files is not None:
+        from hf_pipeline.build.tokens import read_token_ids
+
+        input_ids = read_token_ids(token_files)
     t_wait = time.monotonic()
     if hasattr(encoder, "result"):  # a Future: waits here, re-raises a load error
         encoder = encoder.result()
@@ -267,11 +276,13 @@ def embed_part(
         fingerprint=fingerprint,
         reasons=pre,
         on_phase=on_phase,
+        input_ids=input_ids,
     )
     return {
         "embed_dim": int(encoder.dim),
         "seconds_embed": round(time.monotonic() - t1, 3),
-        # Where the embedding went: tokenizing, encoding, the map's writes, waits.
+        # Where the embedding went: encoding, the map's writes, waits (and tokenizing,
+        # without token_files).
         "embed": embedded.timeline,
         "seconds_encoder_wait": round(t1 - t_wait, 3),
         # Where the encoder's loading went (TextEncoder.load_seconds), this process's.
@@ -398,6 +409,10 @@ def assemble(
         "fetch": _merge_fetch([i.get("fetch", {}) for i in infos]),
         "seconds_convert": round(sum(float(i["seconds_convert"]) for i in infos), 3),
         "seconds_text": round(sum(float(i.get("seconds_text", 0)) for i in infos), 3),
+        # The parts' token ids (their tokens units, by the workers; 0 where reused).
+        "seconds_tokenize": round(
+            sum(float((i.get("tokens") or {}).get("seconds_tokenize", 0)) for i in infos), 3
+        ),
         "seconds_embed": round(sum(float(i["seconds_embed"]) for i in infos), 3),
         "num_proc": int(max((i["num_proc"] for i in infos), default=1)),
         "latent_dtype": infos[0]["latent_dtype"] if infos else "float32",

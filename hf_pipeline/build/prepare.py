@@ -16,9 +16,14 @@ fingerprint and runs the two stages through :func:`dist.coordinator.ensure_built
       table): a new caption column re-joins only these.
    b. *duplicates* (:mod:`hf_pipeline.build.accounting`) — one NumPy pass over the key
       column marks all but the first occurrence of each key (among finite rows).
-   c. *embed* (:mod:`hf_pipeline.build.embed_stage`) — tokenize, then ``Dataset.map`` in
-      this process with the encoder on the accelerator; only rows that will be kept are
-      encoded. Stored per (part's captions, encoder): a new encoder reuses the rest.
+   b'. *tokens* (:mod:`hf_pipeline.build.tokens`) — the captions' token ids, by the
+      ``num_proc`` workers, only where the part's embedding is missing. Stored per
+      (part's captions, tokenizer and ``max_length``): an encoder with the same
+      tokenizer reuses them.
+   c. *embed* (:mod:`hf_pipeline.build.embed_stage`) — ``Dataset.map`` in this process
+      with the encoder on the accelerator over the stored token ids; only rows that will
+      be kept are encoded. Stored per (part's captions, encoder): a new encoder reuses
+      the rest.
    d. *assembly* (:func:`hf_pipeline.build.parts.assemble`) — hard-links every part's
       files into the stage and marks duplicates across parts.
 2. ``filtered`` — the ids of the rows with ``drop_reason == ""``, written as
@@ -808,20 +813,26 @@ class BuiltParts:
     markers: list[Any]
 
 
-def _reuse(fingerprint: str, joins: list, texts: list, embeds: list) -> dict[str, Any]:
+def _reuse(
+    fingerprint: str, joins: list, texts: list, embeds: list, tokens: list | None = None
+) -> dict[str, Any]:
     """What the build reused from the part store and what it wrote: a stored unit is
     *built* for this cache when its marker says it was built for ``fingerprint`` (by
     this build, or by an earlier attempt of it that died), else *reused*. The joins
     built are the only ones that read latent shards and write latent bytes; a text
-    built re-joined a part's captions (from its stored keys)."""
+    built re-joined a part's captions (from its stored keys). ``tokens``: the token
+    ids units of the parts whose embedding was missing (the others need none)."""
     built_joins = [m for m in joins if m.info.get("built_for") == fingerprint]
     built_texts = sum(m.info.get("built_for") == fingerprint for m in texts)
+    built_tokens = sum(m.info.get("built_for") == fingerprint for m in tokens or [])
     return {
         "parts": len(joins),
         "joins_built": len(built_joins),
         "joins_reused": len(joins) - len(built_joins),
         "texts_built": built_texts,
         "texts_reused": len(texts) - built_texts,
+        "tokens_built": built_tokens,
+        "tokens_reused": len(tokens or []) - built_tokens,
         "embeddings_built": sum(m.info.get("built_for") == fingerprint for m in embeds),
         "embeddings_reused": sum(m.info.get("built_for") != fingerprint for m in embeds),
         "shards_read": sum(int(m.info.get("shards", 0)) for m in built_joins),
@@ -882,7 +893,8 @@ def _ensure_parts(
 ) -> BuiltParts:  # fmt: skip
     """Find or build every part of the build in the part store
     (:mod:`hf_pipeline.build.part_store`): the caption table, then per part its join
-    (latents), its text (captions, from the join's keys) and its embedding, each a
+    (latents), its text (captions, from the join's keys), its token ids (where its
+    embedding is missing: the tokenizer then loads first) and its embedding, each a
     cache unit of its own built through
     :func:`dist.coordinator.ensure_built`. ``count`` builders share the work (``me`` is
     this one; 1 and 0 for one builder): each claims its own parts at once
@@ -898,9 +910,15 @@ def _ensure_parts(
     """
     from concurrent.futures import Future
 
+    from dist.coordinator import complete_markers as unit_markers
     from dist.coordinator import ensure_built
     from hf_pipeline.build.captions import CaptionTable
-    from hf_pipeline.build.part_store import caption_digest, captions_id, store_dir
+    from hf_pipeline.build.part_store import (
+        caption_digest,
+        captions_id,
+        store_dir,
+        tokenizer_key,
+    )
     from hf_pipeline.build.parts import (
         StoppableProbe,
         embed_part,
@@ -910,6 +928,7 @@ def _ensure_parts(
         read_keys,
         text_part,
     )
+    from hf_pipeline.build.tokens import tokenize_part
 
     store = store_dir(cfg.cache_root)
     store.mkdir(parents=True, exist_ok=True)
@@ -940,6 +959,25 @@ def _ensure_parts(
                         else stack.enter_context(_EncoderLoading(cfg, process))
                     )
                 return box[0].encoder
+
+        tokenizing: dict[str, Any] = {}  # the tokenizer's key and what the workers load
+
+        def tokenizer() -> tuple[str, Any]:
+            """The tokenizer's key and what :func:`tokenize_part` takes (a spec the
+            workers load, exported once; the tokenizer itself without a Rust backend),
+            waiting for the loading's tokenizer (loaded before the model)."""
+            if not tokenizing:
+                import tempfile
+
+                encoder()  # starts the loading if it still waits (the tokenizer first)
+                assert box[0] is not None
+                tok = box[0].tokenizer.result(timeout=cfg.coord.max_wait)
+                folder = stack.enter_context(
+                    tempfile.TemporaryDirectory(prefix="hf_pipeline-tokenizer-")
+                )
+                spec = tok.export(folder)
+                tokenizing.update(key=tokenizer_key(tok), spec=spec if spec is not None else tok)
+            return tokenizing["key"], tokenizing["spec"]
 
         def captions(ctx):
             t0 = time.monotonic()
@@ -990,9 +1028,25 @@ def _ensure_parts(
 
             return build
 
+        def tokens_builder(part, text_folder: Path):
+            def build(ctx):
+                info = tokenize_part(
+                    part_files(text_folder, "captions"), tokenizer=tokenizer()[1],
+                    num_proc=cfg.build.effective_num_proc, probe=ctx.probe,
+                    out_dir=Path(ctx.tmp_dir), fingerprint=_short(part.tokens_id),
+                    batch_rows=cfg.build.writer_batch_size,
+                    writer_batch_size=cfg.build.writer_batch_size,
+                )  # fmt: skip
+                return {
+                    "tokens": info, "builder": _me(), "built_for": fingerprint,
+                    "uses": [part.text_dir.name],
+                }  # fmt: skip
+
+            return build
+
         stop_embedding: list[StoppableProbe] = []
 
-        def embed_builder(part, join_folder: Path, text_folder: Path):
+        def embed_builder(part, join_folder: Path, text_folder: Path, tokens_folder: Path | None):
             def build(ctx):
                 probe = StoppableProbe(ctx.probe)
                 stop_embedding.append(probe)
@@ -1001,17 +1055,21 @@ def _ensure_parts(
                     cfg=cfg, probe=probe, encoder=encoder(), out_dir=Path(ctx.tmp_dir),
                     fingerprint=_short(part.embed_id),
                     on_phase=on_phase or ctx.set_phase,
+                    token_files=(
+                        part_files(tokens_folder, "tokens") if tokens_folder is not None else None
+                    ),
                 )  # fmt: skip
-                return {
-                    **info, "builder": _me(), "built_for": fingerprint,
-                    "uses": [part.text_dir.name],
-                }  # fmt: skip
+                uses = [part.text_dir.name]
+                if tokens_folder is not None:  # what --clean keeps while this is in use
+                    uses.append(part.tokens_dir.name)
+                return {**info, "builder": _me(), "built_for": fingerprint, "uses": uses}
 
             return build
 
         mine = [p for p in planned if p.plan.index % count == me]
         joins: dict[int, Any] = {}
         texts: dict[int, Any] = {}
+        tokens: dict[int, Any] = {}  # the parts whose embedding was missing
         used: dict[int, Any] = {}  # each part with the text it uses (_stored_text)
         embeds: dict[int, Future] = {}
         embedder = ThreadPoolExecutor(1, thread_name_prefix="hf_pipeline-embed-parts")
@@ -1034,10 +1092,36 @@ def _ensure_parts(
                     [_stage("text", text_builder(part, join_folder), pools=False)],
                     builder=ours, **timing,
                 )["text"]  # fmt: skip
+                text_folder = part.text_dir / tm.directory
+                if unit_markers(part.embed_dir, part.embed_id, ["embed"]) is not None:
+                    # Stored (and found again by ensure_built): its tokens are not needed.
+                    # Should ensure_built find it invalid after all, the embedding
+                    # tokenizes its captions itself (the same ids).
+                    build_embed = _stage(
+                        "embed", embed_builder(part, join_folder, text_folder, None), pools=False
+                    )
+                else:
+                    # The token ids, by the num_proc workers, here (between two joins:
+                    # the embedding thread gets them ready to encode).
+                    part = used[part.plan.index] = dataclasses.replace(
+                        part, tokenizer=tokenizer()[0]
+                    )
+                    km = tokens[part.plan.index] = ensure_built(
+                        part.tokens_dir,
+                        part.tokens_id,
+                        [_stage("tokens", tokens_builder(part, text_folder), pools=False)],
+                        builder=ours,
+                        **timing,
+                    )["tokens"]
+                    build_embed = _stage(
+                        "embed",
+                        embed_builder(
+                            part, join_folder, text_folder, part.tokens_dir / km.directory
+                        ),
+                        pools=False,
+                    )
                 embeds[part.plan.index] = embedder.submit(
-                    ensure_built, part.embed_dir, part.embed_id,
-                    [_stage("embed", embed_builder(part, join_folder, part.text_dir / tm.directory),
-                            pools=False)],
+                    ensure_built, part.embed_dir, part.embed_id, [build_embed],
                     builder=ours, **timing,
                 )  # fmt: skip
             emb = {i: f.result()["embed"] for i, f in embeds.items()}
@@ -1053,11 +1137,15 @@ def _ensure_parts(
     parts: list[tuple[tuple[Path, ...], dict[str, Any]]] = []
     for p in (used[p.plan.index] for p in planned):
         j, t, e = joins[p.plan.index], texts[p.plan.index], emb[p.plan.index]
+        k = tokens.get(p.plan.index)
         info = {**j.info, **t.info, **e.info, "id": p.join_id}
+        # Its tokenizing's timeline where this build made its token ids (else null).
+        made = k is not None and k.info.get("built_for") == fingerprint
+        info["tokens"] = k.info.get("tokens") if k is not None and made else None
         info["wall"] = {"join": j.info.get("wall_join"), "embed": e.info.get("wall_embed")}
         info["reused"] = {
-            unit: m.info.get("built_for") != fingerprint
-            for unit, m in (("join", j), ("text", t), ("embed", e))
+            unit: m.info.get("built_for") != fingerprint if m is not None else None
+            for unit, m in (("join", j), ("text", t), ("tokens", k), ("embed", e))
         }
         folders: tuple[Path, ...] = (
             p.join_dir / j.directory, p.text_dir / t.directory, p.embed_dir / e.directory,
@@ -1066,12 +1154,13 @@ def _ensure_parts(
     joins_list = [joins[p.plan.index] for p in planned]
     texts_list = [texts[p.plan.index] for p in planned]
     embeds_list = [emb[p.plan.index] for p in planned]
+    tokens_list = [tokens[p.plan.index] for p in planned if p.plan.index in tokens]
     return BuiltParts(
         parts=parts,
         captions_path=captions_path,
         captions_seconds=cap.info.get("seconds"),
-        reuse=_reuse(fingerprint, joins_list, texts_list, embeds_list),
-        markers=[cap, *joins_list, *texts_list, *embeds_list],
+        reuse=_reuse(fingerprint, joins_list, texts_list, embeds_list, tokens_list),
+        markers=[cap, *joins_list, *texts_list, *tokens_list, *embeds_list],
     )
 
 

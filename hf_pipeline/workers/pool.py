@@ -86,8 +86,10 @@ __all__ = [
 _CLEAN = ("spawn", "forkserver")
 
 #: What the fork server imports once for all workers: what a join worker runs
-#: (``datasets``' map loop, torch for ``torch.load``, our join); no more, since the first
-#: shard waits for it (the join no longer tokenizes: no ``tokenizers``).
+#: (``datasets``' map loop, torch for ``torch.load``, our join) and a tokens worker
+#: (``tokenizers`` and :mod:`hf_pipeline.build.tokens`: about 0.5 s of imports that every
+#: worker of every part's tokenization paid otherwise, its pool being new each part);
+#: no more, since the first shard waits for it.
 PRELOAD = (
     "hf_pipeline.workers.forkserver_init",  # first: the server and its children die with the builder
     "torch",
@@ -97,6 +99,8 @@ PRELOAD = (
     "hf_pipeline.build.shards",
     "hf_pipeline.cache.precision",
     "hf_pipeline.stores.fetch",
+    "tokenizers",
+    "hf_pipeline.build.tokens",
 )
 
 #: How much nicer than the builder each worker runs (see :func:`run_below_builder`):

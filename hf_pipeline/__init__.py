@@ -32,6 +32,7 @@ _LAZY: dict[str, str] = {
     # the cache on disk, opened read-only
     "CacheLayout": "hf_pipeline.cache.layout",
     "open_dataset": "hf_pipeline.cache.layout",
+    "dataset_view_dir": "hf_pipeline.cache.layout",
     "open_sample_source": "hf_pipeline.cache.layout",
     "SampleSource": "hf_pipeline.read.mapped",
     # batches: the global order and the JAX loader
@@ -54,8 +55,10 @@ _LAZY: dict[str, str] = {
     "PublishReport": "hf_pipeline.publish.upload",
     # the demo data and the demo trainer
     "generate_demo": "hf_pipeline.demo.generate",
+    "DemoData": "hf_pipeline.demo.generate",
     "train": "hf_pipeline.trainer.loop",
     "shutdown_jax_distributed": "hf_pipeline.trainer.loop",
+    "jax_distributed": "hf_pipeline.trainer.loop",
     # coordination errors every rank may see
     "BuildFailedError": "dist.errors",
     "CacheWaitTimeout": "dist.errors",
@@ -71,6 +74,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "CorruptShardError",
+    "DemoData",
     "GlobalSampler",
     "GrainSource",
     "LatentDataModule",
@@ -88,7 +92,9 @@ __all__ = [
     "TorchBatches",
     "TorchSamples",
     "UserError",
+    "dataset_view_dir",
     "generate_demo",
+    "jax_distributed",
     "load_config",
     "open_dataset",
     "open_sample_source",
@@ -125,11 +131,16 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
         torch_loader,
     )
     from hf_pipeline.build.prepare import BuildResult, prepare_cache
-    from hf_pipeline.cache.layout import CacheLayout, open_dataset, open_sample_source
-    from hf_pipeline.demo.generate import generate_demo
+    from hf_pipeline.cache.layout import (
+        CacheLayout,
+        dataset_view_dir,
+        open_dataset,
+        open_sample_source,
+    )
+    from hf_pipeline.demo.generate import DemoData, generate_demo
     from hf_pipeline.publish.upload import PublishReport, publish_cache
     from hf_pipeline.read.loader import Loader, LoaderOptions
     from hf_pipeline.read.mapped import SampleSource
     from hf_pipeline.read.sampler import GlobalSampler, SamplerOptions
     from hf_pipeline.read.stream import StreamOptions, StreamSource, open_stream
-    from hf_pipeline.trainer.loop import shutdown_jax_distributed, train
+    from hf_pipeline.trainer.loop import jax_distributed, shutdown_jax_distributed, train

@@ -1116,12 +1116,24 @@ def _read_yaml(path: Path) -> dict:
 
 
 def resolve_config_path(path: str | os.PathLike | None) -> Path:
-    """``None`` -> ``configs/demo.yaml``; a bare name -> ``configs/<name>.yaml``."""
+    """``None`` -> ``configs/demo.yaml``; a bare name -> ``configs/<name>.yaml``.
+
+    Raises:
+        ConfigError: a name without suffix that is neither a file nor in ``configs/``.
+    """
     if path is None or path == "":
         return CONFIG_DIR / "demo.yaml"
     p = Path(path).expanduser()
-    if not p.exists() and p.suffix == "" and (CONFIG_DIR / f"{p.name}.yaml").exists():
-        return CONFIG_DIR / f"{p.name}.yaml"
+    if not p.exists() and p.suffix == "":
+        named = CONFIG_DIR / f"{p.name}.yaml"
+        if named.exists():
+            return named
+        # Say both places looked in: the name may have been meant as either.
+        raise ConfigError(
+            f"config file {path} does not exist, nor does {named} (a bare name means "
+            "configs/<name>.yaml)",
+            field="--config",
+        )
     return p
 
 

@@ -138,6 +138,16 @@ def test_each_subcommand_help_has_the_scripts_flags_and_environment(name, capsys
         assert flag in out, out
     if name == "train":
         assert "JAX_COORDINATOR_ADDRESS" in out
+    # The script's operation flags are not the subcommands' (`clean --dry-run`, not --clean).
+    for script_flag in ("--clean", "--verify", "--status", "--publish"):
+        assert script_flag not in out, out
+
+
+def test_a_missing_config_names_the_paths_tried(tmp_path):
+    p = _hf("status", "--config", "nonexist", "--cache-dir", tmp_path / "c")
+    assert p.returncode == 2, p.stderr
+    (line,) = p.stderr.strip().splitlines()
+    assert "nonexist" in line and str(Path("configs") / "nonexist.yaml") in line, line
 
 
 def test_status_of_an_empty_root_prints_what_the_script_prints(tmp_path):

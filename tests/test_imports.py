@@ -7,6 +7,7 @@ functions count too: a cycle hidden there is still a cycle in the design.
 from __future__ import annotations
 
 import ast
+import re
 
 from tests.conftest import REPO
 
@@ -165,3 +166,45 @@ def test_public_api_names_resolve():
     assert set(hf_pipeline.__all__) == eager | set(hf_pipeline._LAZY)
     for name in hf_pipeline.__all__:
         assert getattr(hf_pipeline, name) is not None, name
+
+
+#: Pages for contributors, which name modules on purpose: the code's map
+#: (architecture.md) and the history of changes (changelog.md, which names what was
+#: changed where). Every other page, and README, is for users.
+_CONTRIBUTOR_PAGES = {"architecture.md", "changelog.md"}
+
+
+_DOTTED = re.compile(r"\bhf_pipeline(?:\.[A-Za-z_]\w*){2,}")
+
+
+def _doc_dotted_references() -> list[tuple[str, str]]:
+    """(page, reference) of every ``hf_pipeline.<a>.<b>...`` in the users' pages, prose
+    and code alike (``hf_pipeline.cache.layout.open_dataset``, ``hf_pipeline.Loader.from_config``)."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    found = []
+    for page in pages:
+        if page.name in _CONTRIBUTOR_PAGES:
+            continue
+        for ref in _DOTTED.findall(page.read_text()):
+            found.append((str(page.relative_to(REPO)), ref))
+    return found
+
+
+def test_docs_dotted_references_name_the_public_api():
+    """A dotted ``hf_pipeline.<module>.<name>`` in a user's page sends users to a module
+    path that may move: the first part after ``hf_pipeline.`` must be a public name
+    (``hf_pipeline.Loader.from_config``), never a module (``hf_pipeline.read.loader``)."""
+    import hf_pipeline
+
+    # The scan sees references in prose and code, and only dotted ones.
+    sample = "`hf_pipeline.read.loader.loader_options`, hf_pipeline.Loader.from_config(x), hf_pipeline.Loader"
+    assert _DOTTED.findall(sample) == [
+        "hf_pipeline.read.loader.loader_options",
+        "hf_pipeline.Loader.from_config",
+    ]
+    bad = [
+        (page, ref)
+        for page, ref in _doc_dotted_references()
+        if ref.split(".")[1] not in hf_pipeline.__all__
+    ]
+    assert not bad, bad

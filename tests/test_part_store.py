@@ -356,7 +356,9 @@ def test_token_ids_are_a_unit_of_their_own_built_by_the_workers(inputs):
         assert "seconds_tokenize" not in part["embed"], part["embed"]
         made = part["tokens"]
         assert made["num_proc"] == cfg.build.effective_num_proc == 2, made
-        assert len(made["worker_pids"]) == 2 and os.getpid() not in made["worker_pids"], made
+        # Worker processes, not the builder (how many of the 2 took a batch is up to the
+        # pool: one may take both halves of a small part before the other starts).
+        assert made["worker_pids"] and os.getpid() not in made["worker_pids"], made
         assert made["rows"] == part["rows_in"] and made["seconds_tokenize"] >= 0, made
 
 

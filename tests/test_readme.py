@@ -56,6 +56,9 @@ def test_readme_and_docs_python_examples_run(small_config, built_cache, monkeypa
     monkeypatch.setenv("DEMO_CACHE", str(built_cache.cache_dir))
     namespace: dict = {}
     for page in PAGES:
+        # The Grain guide's example is a script under a main guard (Grain's workers
+        # re-import it): run as the main module, as a user runs it.
+        namespace["__name__"] = "__main__" if page.endswith("grain.md") else "docs_example"
         for block in _python_blocks(page):
             exec(compile(block, page, "exec"), namespace)  # noqa: S102
         if page.endswith("lightning.md"):
@@ -76,3 +79,36 @@ def test_readme_and_docs_python_examples_run(small_config, built_cache, monkeypa
     # Plain datasets: float latents in every format.
     assert namespace["values"].shape[0] == 4
     assert str(namespace["torch_ds"][0]["latents"].dtype).startswith("torch.float")
+
+
+@pytest.mark.slow
+def test_grain_dataloader_example_runs_as_a_script_and_exits_quietly(
+    small_config, built_cache, tmp_path
+):
+    """The Grain guide's first example, run as the user runs it (``python example.py``:
+    2 worker processes that re-import the file) exits 0 without a traceback: its
+    iterators and the workers' shared-memory batches end before the interpreter does."""
+    import subprocess
+
+    from tests.conftest import PYTHON, script_env
+
+    block = _python_blocks("docs/guides/grain.md")[0]
+    assert 'if __name__ == "__main__":' in block  # the guard is in the example itself
+    # Same code on the small demo and the session's cache root (as the test above).
+    overrides = [*SMALL_DEMO, f"build.cache_dir={small_config.cache_root}"]
+    assert block.count('load_config("demo")') == 1
+    block = block.replace('load_config("demo")', f'load_config("demo", {overrides!r})')
+    block += '\n    print("sixth", sixth["keys"].shape, first["latents"].shape)\n'
+    script = tmp_path / "grain_example.py"
+    script.write_text(block)
+    p = subprocess.run(
+        [PYTHON, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=script_env(),
+        cwd=tmp_path,
+    )
+    assert p.returncode == 0, p.stderr
+    assert "sixth (16,) (16, 4, 32, 32)" in p.stdout, p.stdout
+    assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr

@@ -105,6 +105,20 @@ def test_jax_distributed_is_a_no_op_for_one_process():
     shutdown_jax_distributed()  # nothing joined: returns without waiting
 
 
+def test_jax_distributed_detects_the_process_when_given_none():
+    """``hf_pipeline.jax_distributed()`` (public, for users' scripts) reads the rank from
+    the launcher's environment, as ``prepare_cache`` does."""
+    from dist.env import EnvironmentConflictError
+    from hf_pipeline import jax_distributed
+
+    with jax_distributed(environ={}) as joined:
+        assert joined is False
+    torchrun = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    with pytest.raises(EnvironmentConflictError, match="2 processes"):
+        with jax_distributed(environ=torchrun):
+            pass
+
+
 def _steps(ckpt):
     """The complete checkpoints in ``ckpt`` (Orbax's step folders), oldest first."""
     return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())

@@ -83,6 +83,24 @@ def test_verify_finds_64_flipped_bytes_in_the_middle_of_a_rows_file(root):
     dry = _run("prebuild_cache.py", "--cache-dir", str(root), "--clean", "--dry-run")
     assert f"would remove {cache}" in dry.stdout, dry.stdout
 
+    # Building "ahead of the job" refuses it as every reader would (not "found", rc 0),
+    # with the readers' one line and exit code, naming both ways to clean; removes nothing.
+    for build in (
+        [PYTHON, str(REPO / "scripts" / "prebuild_cache.py")],
+        [PYTHON, "-m", "hf_pipeline", "build"],
+    ):
+        b = subprocess.run(
+            [*build, "--cache-dir", str(root), *_sets(), "--json", str(root / "b.json")],
+            capture_output=True, text=True, timeout=600, env=script_env(),
+        )  # fmt: skip
+        assert b.returncode == 2, b.stdout + b.stderr
+        errors = [ln for ln in b.stderr.splitlines() if ln.startswith("error:")]
+        assert len(errors) == 1 and "this cache is corrupt" in errors[0], b.stderr
+        assert rows["path"] in errors[0] and "corrupt.json" in errors[0]
+        assert "hf-pipeline clean" in errors[0] and "prebuild_cache.py --clean" in errors[0]
+        assert "found" not in b.stdout and not (root / "b.json").exists()
+    assert (cache / rows["path"]).exists()
+
     # And no trainer opens it any more (the open reads --verify's record, not the data).
     from hf_pipeline.cache.layout import CacheLayout, open_sample_source
     from hf_pipeline.errors import CacheFormatError

@@ -37,6 +37,7 @@ __all__ = [
     "EncodeAhead",
     "embed_joined_rows",
     "embed_rows",
+    "only_rows",
     "tokenize_kept",
 ]
 
@@ -318,8 +319,6 @@ def embed_joined_rows(
         input_ids = tokenize_kept(rows.data.column("caption"), keep, encoder.tokenizer)
         tokenized["seconds_tokenize"] = round(time.monotonic() - t_tok, 3)
     else:
-        from hf_pipeline.build.tokens import only_rows
-
         if len(input_ids) != len(rows):
             raise ValueError(
                 f"{out_file}: {len(input_ids)} token id rows for {len(rows)} caption rows; "
@@ -360,3 +359,15 @@ def embed_joined_rows(
         dim=encoder.dim,
         timeline={**ahead.timeline(), **tokenized},
     )
+
+
+def only_rows(ids: pa.Array, keep: np.ndarray) -> pa.Array:
+    """``ids`` with an empty list in every row where ``keep`` is False."""
+    import pyarrow.compute as pc
+
+    lengths = pc.list_value_length(ids).fill_null(0).to_numpy(zero_copy_only=False).copy()
+    lengths[~keep] = 0
+    offsets = np.zeros(len(ids) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    values = ids.filter(pa.array(keep)).flatten()
+    return pa.ListArray.from_arrays(pa.array(offsets), values)

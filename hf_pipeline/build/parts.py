@@ -67,6 +67,7 @@ __all__ = [
     "latent_bytes",
     "part_files",
     "read_column",
+    "read_token_ids",
     "read_keys",
     "text_part",
     "write_kept_indices",
@@ -259,8 +260,6 @@ def embed_part(
     nonfinite = pre.mask(NONFINITE)
     input_ids = None
     if token_files is not None:
-        from hf_pipeline.build.tokens import read_token_ids
-
         input_ids = read_token_ids(token_files)
     t_wait = time.monotonic()
     if hasattr(encoder, "result"):  # a Future: waits here, re-raises a load error
@@ -501,3 +500,12 @@ def _link_tree(src: Path, dst: Path) -> None:
         (dst / rel).mkdir(parents=True, exist_ok=True)
         for name in filenames:
             os.link(Path(dirpath) / name, dst / rel / name)
+
+
+def read_token_ids(files: Sequence[Path]) -> pa.Array:
+    """The ``input_ids`` of a tokens unit's ``files``, in row order, as one array
+    (memory-mapped values, one copy of the offsets when there are several files)."""
+    if not files:
+        return pa.array([], pa.list_(pa.int32()))
+    ids = read_column(files, "input_ids")
+    return ids.combine_chunks() if ids.num_chunks != 1 else ids.chunk(0)

@@ -72,6 +72,7 @@ from hf_pipeline.cache.layout import (
     STAGING_DIR,
     CacheLayout,
     compute_fingerprint,
+    refuse_recorded_corrupt,
 )
 from hf_pipeline.config import Config
 from hf_pipeline.stores.remote_file import RemoteFile
@@ -1248,6 +1249,7 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
         CacheWaitTimeout: the cache was not ready within ``coord.max_wait``.
         BuildFailedError: the builder failed (its error, shared with every rank).
         ReadOnlyCacheError: a read-only cache root without the markers.
+        CacheFormatError: the cache found is one ``--verify`` recorded corrupt.
     """
     from dist.coordinator import complete_markers, default_builder, ensure_built
     from dist.env import detect
@@ -1367,6 +1369,8 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
             ds_utils.enable_progress_bars()
     from hf_pipeline.publish.pull import was_pulled
 
+    # Found, but recorded corrupt by --verify: refused here as every reader would.
+    refuse_recorded_corrupt(layout.root, markers)
     stage_dirs = {name: m.directory for name, m in markers.items()}
     layout = CacheLayout(layout.root, stage_dirs)
     # A lease of ours published a stage (or a part); a builder taken over did not.

@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 
 from dist.atomic import write_json_atomic
@@ -39,7 +38,7 @@ from hf_pipeline.build.accounting import keep_mask
 from hf_pipeline.build.embed_stage import tokenize_kept
 from hf_pipeline.encoder.model import TokenizerSpec, WorkerTokenizer
 
-__all__ = ["TOKENS_FILE", "only_rows", "read_token_ids", "tokenize_part", "tokenize_rows"]
+__all__ = ["TOKENS_FILE", "tokenize_part", "tokenize_rows"]
 
 #: The unit's file, under its folder (``tokens/data*.arrow`` with ``num_proc`` workers).
 TOKENS_FILE = Path("tokens") / "data.arrow"
@@ -157,26 +156,3 @@ def tokenize_part(
         "worker_busy_seconds": round(sum(t["end"] - t["start"] for t in times), 3),
         "seconds_tokenize": round(time.monotonic() - t0, 3),
     }
-
-
-def read_token_ids(files: Sequence[Path]) -> pa.Array:
-    """The ``input_ids`` of a tokens unit's ``files``, in row order, as one array
-    (memory-mapped values, one copy of the offsets when there are several files)."""
-    from hf_pipeline.build.parts import read_column
-
-    if not files:
-        return pa.array([], pa.list_(pa.int32()))
-    ids = read_column(files, "input_ids")
-    return ids.combine_chunks() if ids.num_chunks != 1 else ids.chunk(0)
-
-
-def only_rows(ids: pa.Array, keep: np.ndarray) -> pa.Array:
-    """``ids`` with an empty list in every row where ``keep`` is False."""
-    import pyarrow.compute as pc
-
-    lengths = pc.list_value_length(ids).fill_null(0).to_numpy(zero_copy_only=False).copy()
-    lengths[~keep] = 0
-    offsets = np.zeros(len(ids) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    values = ids.filter(pa.array(keep)).flatten()
-    return pa.ListArray.from_arrays(pa.array(offsets), values)

@@ -320,17 +320,29 @@ def published_stage_dirs(
             raise CacheFormatError(str(path), f"not a trusted {stage} marker: {why}{hint}")
         done[stage] = marker
     if verify:
-        from dist.inventory import VERIFY_RECORD, verify_findings
-
-        found = verify_findings(root, done)
-        if found:
-            more = f" (+{len(found) - 1} more)" if len(found) > 1 else ""
-            raise CacheFormatError(
-                str(root / VERIFY_RECORD),
-                f"{found[0]}{more}: this cache is corrupt (run prebuild_cache.py --clean, "
-                "then build again)",
-            )
+        refuse_recorded_corrupt(root, done)
     return {stage: m.directory for stage, m in done.items()}, fingerprint
+
+
+def refuse_recorded_corrupt(root: Path, done: Mapping[str, Any]) -> None:
+    """Refuse the cache at ``root`` when ``--verify`` recorded its published stages
+    (``done``: stage -> valid marker) corrupt (:func:`dist.inventory.verify_findings`).
+    Readers and the build (which would otherwise report it "found") both ask here.
+
+    Raises:
+        CacheFormatError: naming the record, the first finding and how to clean.
+    """
+    from dist.inventory import VERIFY_RECORD, verify_findings
+    from hf_pipeline.errors import CacheFormatError
+
+    found = verify_findings(root, done)
+    if found:
+        more = f" (+{len(found) - 1} more)" if len(found) > 1 else ""
+        raise CacheFormatError(
+            str(root / VERIFY_RECORD),
+            f"{found[0]}{more}: this cache is corrupt (run hf-pipeline clean or "
+            "scripts/prebuild_cache.py --clean, then build again)",
+        )
 
 
 def _checked(layout: CacheLayout, fingerprint: str | None) -> CacheLayout:
@@ -480,7 +492,7 @@ def open_dataset(
             size, and reused by later calls). ``"float32"``: float32 for any cache
             (same copy for float16 caches). ``"stored"``: the column as stored,
             no copy: uint16 bits in a bfloat16 cache
-            (``hf_pipeline.cache.precision.from_arrow(bits, "bfloat16")`` views them).
+            (``bits.astype(np.uint16).view(ml_dtypes.bfloat16)`` views them).
         derived_dir: folder for the views (default ``<HF_DATASETS_CACHE>/hf_pipeline-views``);
             it must lie outside the cache.
 

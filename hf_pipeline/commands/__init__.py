@@ -93,7 +93,7 @@ def parser() -> argparse.ArgumentParser:
 
     p = _add(subs, "clean", "remove stale, failed or corrupt caches (never a live one)")
     prebuild.add_json_arg(p, "write the report as JSON to PATH ('-' = stdout)")
-    prebuild.add_dry_run_arg(p)
+    prebuild.add_dry_run_arg(p, "only say what would be removed; remove nothing")
     p.set_defaults(**{**_NO_OPERATION, "clean": True}, run=prebuild.main)
 
     p = _add(subs, "publish", "build the cache if needed, then upload it to URL (resumable)")

@@ -35,11 +35,12 @@ def add_json_arg(p: argparse.ArgumentParser, help: str = JSON_HELP) -> None:
     p.add_argument("--json", metavar="PATH", help=help)
 
 
-def add_dry_run_arg(p: argparse.ArgumentParser) -> None:
-    """``--dry-run`` of the clean operation."""
-    p.add_argument(
-        "--dry-run", action="store_true", help="with --clean: only say what would be removed"
-    )
+def add_dry_run_arg(
+    p: argparse.ArgumentParser, help: str = "with --clean: only say what would be removed"
+) -> None:
+    """``--dry-run`` of the clean operation (``help``: the script's; the subcommand
+    ``clean`` passes its own, without the script's ``--clean``)."""
+    p.add_argument("--dry-run", action="store_true", help=help)
 
 
 def parser(prog: str = "prebuild_cache.py") -> argparse.ArgumentParser:

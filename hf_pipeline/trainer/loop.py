@@ -132,7 +132,9 @@ def shutdown_jax_distributed(*, barrier_timeout: float = 300.0) -> None:
 
 
 @contextlib.contextmanager
-def jax_distributed(process, environ=None, *, barrier_timeout: float = 300.0) -> Iterator[bool]:
+def jax_distributed(
+    process=None, environ=None, *, barrier_timeout: float = 300.0
+) -> Iterator[bool]:
     """Join ``jax.distributed`` for the block (:func:`init_jax_distributed`), then leave it.
 
     Yields True when JAX spans several processes. When the block ends normally every
@@ -140,7 +142,17 @@ def jax_distributed(process, environ=None, *, barrier_timeout: float = 300.0) ->
     not be used after it. When it raises, nothing is waited for: a failed rank must not
     sit at a barrier that its peers, perhaps stuck waiting for it, never reach (JAX's
     own exit handler still shuts the client down).
+
+    Args:
+        process: this process's place in the job; None: detected from the launcher's
+            environment (torchrun, SLURM, Open MPI), as ``prepare_cache`` does.
+        environ: the environment to read (default ``os.environ``).
+        barrier_timeout: most seconds to wait for the other ranks at the end.
     """
+    if process is None:
+        from dist.env import detect
+
+        process = detect(environ=environ)
     joined = init_jax_distributed(process, environ)
     yield joined
     if joined:

@@ -839,7 +839,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
         name="HF_DATASETS_CACHE, HF_HOME",
         field="",
         meaning="default cache root: `$HF_DATASETS_CACHE/hf_pipeline`, else "
-        "`$HF_HOME/datasets/hf_pipeline` (`default_cache_root`)",
+        "`$HF_HOME/datasets/hf_pipeline` (`cfg.cache_root` says which)",
         default="`~/.cache/huggingface`",
     ),
     EnvVar(

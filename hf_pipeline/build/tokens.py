@@ -13,8 +13,10 @@ tokenizer's Rust backend (:class:`~hf_pipeline.encoder.model.WorkerTokenizer`, f
 :class:`~hf_pipeline.encoder.model.TokenizerSpec` the builder exported). Why workers
 and not threads of the builder: the builder's process runs the encoder's thread and the
 next part's join on every CPU at once; 16 tokenizing threads there made a 1M-row
-embed stage 0.17x its bare forward on a 16-CPU H200 host (docs/performance.md), where
-the workers take a part's captions in a fraction of a second between two joins.
+embed stage 0.17x its bare forward on a 16-CPU H200 host (docs/performance.md). The
+embedding's thread calls it just before a part's embedding, while the main loop joins the
+next part (called between two joins, on the main loop, it kept a 1M-row build's joins
+waiting 26 s).
 
 The file, row-aligned with the captions: ``input_ids`` (``list<int32>``), the ids of
 every row whose pre-duplicate reason is kept, an empty list elsewhere. The embedding

@@ -335,6 +335,21 @@ def test_eight_processes_exactly_one_build_per_round(job, tmp_path):
 
 
 @pytest.mark.slow
+def _sigkill_the_builder(job, cache, timing, phase, *, ranks):
+    """Start ``ranks`` ranks holding at ``phase``, SIGKILL the builder (rank 0) there:
+    the other ranks' results, the one that took over, and when the kill was sent."""
+    procs = [job.start(cache, r, *timing, "--hold", f"{phase}:60") for r in range(ranks)]
+    victim = job.wait_for_signal(phase)
+    assert victim == procs[0].pid  # rank 0 is the builder
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.time()
+    procs[0].wait(timeout=10)
+    results = job.wait(procs[1:])
+    takers = [r for r in results if _events(r, "takeover")]
+    assert len(takers) == 1, "exactly one waiter takes over"
+    return results, takers[0], killed_at
+
+
 @pytest.mark.parametrize(
     "phase",
     [
@@ -348,18 +363,11 @@ def test_eight_processes_exactly_one_build_per_round(job, tmp_path):
 def test_sigkill_builder_at_each_phase(job, tmp_path, phase):
     reference = _clean_hash(job, tmp_path)
     cache = tmp_path / "shared"
-    procs = [job.start(cache, rank, *FAST, "--hold", f"{phase}:60") for rank in range(4)]
-    victim = job.wait_for_signal(phase)
-    assert victim == procs[0].pid  # rank 0 is the builder
-    os.kill(victim, signal.SIGKILL)
-    killed_at = time.time()
-    procs[0].wait(timeout=10)
-    results = job.wait(procs[1:])
+    results, taker, killed_at = _sigkill_the_builder(job, cache, FAST, phase, ranks=4)
     _assert_same_cache(results, reference)
-    takers = [r for r in results if _events(r, "takeover")]
-    assert len(takers) == 1, "exactly one waiter takes over"
-    detected = _events(takers[0], "takeover")[0][1] - killed_at
-    # Judged dead after lease_timeout without progress (+ a poll and a heartbeat of slack).
+    detected = _events(taker, "takeover")[0][1] - killed_at
+    # At once (it exited on this machine), at the latest after lease_timeout without
+    # progress (+ a poll and a heartbeat of slack).
     assert detected < LEASE_TIMEOUT + 1.5, f"took {detected:.2f}s to notice"
     expected_builds = {
         "build-converted": ["converted", "converted", "filtered"],
@@ -455,19 +463,12 @@ def test_sigkilled_builder_is_taken_over_at_once_by_a_rank_on_its_machine(job, t
     """Ranks on the builder's machine replace a SIGKILLed builder without waiting for a
     long lease_timeout; a SIGSTOPped one is still judged by its heartbeat (above)."""
     reference = _clean_hash(job, tmp_path)
-    cache = tmp_path / "shared"
     slow = ["--poll", "0.05", "--lease-timeout", "60", "--heartbeat", "0.2"]
-    procs = [job.start(cache, r, *slow, "--hold", "build-converted:60") for r in range(3)]
-    victim = job.wait_for_signal("build-converted")
-    assert victim == procs[0].pid
-    os.kill(victim, signal.SIGKILL)
-    killed_at = time.time()
-    procs[0].wait(timeout=10)
-    results = job.wait(procs[1:])
+    results, taker, killed_at = _sigkill_the_builder(
+        job, tmp_path / "shared", slow, "build-converted", ranks=3
+    )
     _assert_same_cache(results, reference)
-    takers = [r for r in results if _events(r, "takeover")]
-    assert len(takers) == 1, "exactly one waiter takes over"
-    _, at, fields = _events(takers[0], "takeover")[0]
+    _, at, fields = _events(taker, "takeover")[0]
     assert fields["exited"] == "True"
     assert at - killed_at < 10, f"took {at - killed_at:.1f}s with lease_timeout 60"
 

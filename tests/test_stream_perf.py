@@ -209,3 +209,16 @@ def test_the_first_batch_is_not_held_behind_the_epoch(gcs_cache, local_source, m
     assert first <= 0.35 * epoch, (first, epoch, stats)
     assert stats.first_batch_s is not None and stats.first_batch_s <= 0.35 * stats.read_s, stats
     assert stats.max_inflight_bytes <= max(4 * batch_bytes, options.max_read_bytes), stats
+
+
+def test_ranged_reads_are_buffered_in_large_chunks(gcs_cache):
+    """A streamed read is one long ranged GET through gcsfs on fsspec's one event loop.
+    aiohttp's default read buffer (256 KiB) pauses and resumes the socket every 256 KiB
+    of the body: 8 MiB ranges from fake-gcs-server came at 495-540 MB/s through gcsfs
+    against ~1,200 MB/s by plain GETs on the 2-CPU host (850-870 with 4 MiB buffers).
+    The session that served a stream's read buffers at least 1 MiB."""
+    _, url = gcs_cache
+    with StreamSource(url, StreamOptions(cache_bytes=0), policy=_FAST) as stream:
+        assert stream.stats().requests > 0  # the manifest and the indices were read
+        session = stream._store._fs().session
+        assert session._read_bufsize >= 1 << 20, session._read_bufsize

@@ -667,20 +667,24 @@ class StreamSource:
         rel = self._files[int(self._block_file[run[0]])]
         start = int(self._block_start[run[0]])
         end = int(self._block_start[run[-1]] + self._block_bytes[run[-1]])
+        # Per-block numbers as Python ints, once per read: a long read is hundreds of
+        # blocks (the sum of the run's sizes once recomputed per block took seconds of
+        # GIL per epoch on the H200 host: quadratic in the blocks of a read).
+        offsets = (self._block_start[run] - start).tolist()
+        sizes = self._block_bytes[run].tolist()
+        digests = self._block_digest[run].tolist()
+        # A copy only when the read spanned gaps: the gaps' bytes must not stay alive
+        # behind a view (they are not counted as held).
+        views = len(run) == 1 or end - start == sum(sizes)
         for attempt in (1, 2):
             data = np.frombuffer(self._read(rel, start, end), dtype=np.uint8)
             out, bad = {}, None
-            for b in run:
-                s = int(self._block_start[b]) - start
-                block = data[s : s + int(self._block_bytes[b])]
-                if block_digest(block) != int(self._block_digest[b]):
+            for b, s, n, digest in zip(run, offsets, sizes, digests, strict=True):
+                block = data[s : s + n]
+                if block_digest(block) != digest:
                     bad = b
                     break
-                # A copy only when the read spanned gaps: the gaps' bytes must not stay
-                # alive behind a view (they are not counted as held).
-                out[b] = (
-                    block if len(run) == 1 or end - start == self._run_bytes(run) else block.copy()
-                )
+                out[b] = block if views else block.copy()
             if bad is None:
                 return out
             if attempt == 1:
@@ -697,9 +701,6 @@ class StreamSource:
             f"bytes {a}-{b} do not match their {BLOCK_ALGORITHM} checksum in {_MANIFEST} "
             "(fetched twice): the published file was changed or the store serves other bytes",
         )
-
-    def _run_bytes(self, run: list[int]) -> int:
-        return int(sum(int(self._block_bytes[b]) for b in run))
 
     def _read(self, rel: str, start: int, end: int, *, exact: bool = True) -> bytes:
         """Bytes ``[start, end)`` of ``rel`` with retries; a short body is retried."""

@@ -18,8 +18,8 @@ request that long before forwarding it):
   gathers got ahead of the planner;
 * ``pull``: ``prepare_cache`` with ``build.pull_from`` (the whole cache downloaded and
   verified), then the local loader's first batch: the time to first batch streaming saves;
-* ``ceiling``: the byte ranges one streamed epoch reads (its rows' blocks, merged as the
-  source merges them), fetched by ``--concurrency`` threads doing plain ranged GETs
+* ``ceiling``: after each streamed epoch, the byte ranges it read (recorded, merged as
+  the source merged them; their number varies from run to run), fetched again by ``--concurrency`` threads doing plain ranged GETs
   (``http.client``, one keep-alive connection each) through the same proxy, and again
   through our store client (``read_span``: gcsfs on fsspec's one event loop), with no
   planning, verification or assembly: MB/s of each. Streaming's MB/s (bytes fetched /
@@ -283,22 +283,6 @@ def main() -> None:
                         "process_count": 1,
                     }
                     _, local_s, n = _epoch(Loader(local, **kw))
-                    ceiling = {}
-                    if not args.no_ceiling:
-                        # The reads one streamed epoch makes (merged as it merges them),
-                        # replayed with nothing but the fetch.
-                        with StreamSource(cache_url, options, policy=policy) as stream:
-                            spans = record_spans(stream)
-                            _epoch(Loader(stream, **kw))
-                            ceiling = store_ceiling(stream, spans, args.concurrency)
-                        print(
-                            f"latency {latency:4.0f} ms  {shuffle:6s} ceiling: "
-                            f"{ceiling['ceiling_reads']} reads of "
-                            f"{ceiling['ceiling_mb']:.1f} MB: plain GETs "
-                            f"{ceiling['plain_get_mb_per_s']:.0f} MB/s, store client "
-                            f"{ceiling['store_client_mb_per_s']:.0f} MB/s",
-                            flush=True,
-                        )
                     for repeat in range(args.repeats):
                         t0 = time.perf_counter()
                         with StreamSource(cache_url, options, policy=policy) as stream:
@@ -306,8 +290,16 @@ def main() -> None:
                             # The epoch's reads only (not the manifest's and indices'):
                             # read_s is the epoch's, the ceiling replays the same reads.
                             stream.reset_stats()
+                            spans = record_spans(stream)
                             first_s, stream_s, n2 = _epoch(Loader(stream, **kw))
                             stats = stream.stats()
+                            # This epoch's own reads (their number varies from run to
+                            # run with the refills), replayed with nothing but the fetch.
+                            ceiling = (
+                                {}
+                                if args.no_ceiling
+                                else store_ceiling(stream, spans, args.concurrency)
+                            )
                         assert n == n2
                         stream_mb_s = stats.bytes_fetched / 1e6 / stream_s
                         plain = ceiling.get("plain_get_mb_per_s")
@@ -354,7 +346,9 @@ def main() -> None:
                             + (
                                 ""
                                 if plain is None
-                                else f" = {stream_mb_s / plain:.0%} of plain GETs"
+                                else f" = {stream_mb_s / plain:.0%} of plain GETs "
+                                f"({plain:.0f} MB/s; store client "
+                                f"{ceiling['store_client_mb_per_s']:.0f} MB/s)"
                             )
                             + f"  (reads landed for batch 0 at "
                             f"{stats.first_batch_s or float('nan'):.2f} s, all in "

@@ -17,7 +17,20 @@ request that long before forwarding it):
   with the blocks of each: a run whose demand reads are many was one where the
   gathers got ahead of the planner;
 * ``pull``: ``prepare_cache`` with ``build.pull_from`` (the whole cache downloaded and
-  verified), then the local loader's first batch: the time to first batch streaming saves.
+  verified), then the local loader's first batch: the time to first batch streaming saves;
+* ``ceiling``: after each streamed epoch, the byte ranges it read (recorded, merged as
+  the source merged them; their number varies from run to run), fetched again by ``--concurrency`` threads doing plain ranged GETs
+  (``http.client``, one keep-alive connection each) through the same proxy, and again
+  through our store client (``read_span``: gcsfs on fsspec's one event loop), with no
+  planning, verification or assembly: MB/s of each. Streaming's MB/s (bytes fetched /
+  epoch seconds) is reported as a share of the plain GETs' (``stream_share``): what the
+  store and the proxy allow, against what the read path and the loader take of it. The
+  proxy is a Python process (``tests/servers/proxy.py``): when the ceiling is low the
+  bench, not the stream, is the bound.
+
+Time to first batch is also taken from the source's own timeline (``first_batch_s``:
+from the plan's start until the first batch's reads landed), with the seconds the reads
+took together (``read_s``) and the most bytes in flight at once.
 
 The Loader hands batches to JAX (CPU here) as in training; no training step runs, so
 samples/s is the data path's ceiling. Both loaders use the same ``--threads``.
@@ -107,6 +120,68 @@ def publish_demo(tmp: Path, url: str, *, shards: int, samples: int):
     return data, cfg, built, f"{url}/{Path(built.cache_dir).name}", publish_s
 
 
+def record_spans(stream) -> list[tuple[str, int, int]]:
+    """The ``(file, start, end)`` of every ranged read ``stream`` makes from now on."""
+    spans: list[tuple[str, int, int]] = []
+    read_span = stream._store.read_span
+
+    def recorded(rel, start, end, deadline):
+        spans.append((rel, start, end))
+        return read_span(rel, start, end, deadline)
+
+    stream._store.read_span = recorded
+    return spans
+
+
+def store_ceiling(stream, spans, concurrency: int) -> dict[str, float]:
+    """MB/s of ``spans`` (the ranged reads of a streamed epoch, :func:`record_spans`),
+    fetched by ``concurrency`` threads: by plain ranged GETs (``http.client``, a
+    keep-alive connection per thread) to ``STORAGE_EMULATOR_HOST`` (the proxy, when there
+    is one), and through ``stream``'s store client (``read_span``). Nothing is verified
+    or kept: no planning, no checksums, no assembly."""
+    import http.client
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from urllib.parse import quote, urlsplit
+
+    vars(stream._store).pop("read_span", None)  # no longer recorded
+    spans = list(spans)
+    total = sum(end - start for _, start, end in spans)
+    bucket, _, prefix = stream.url[len("gs://") :].partition("/")
+    endpoint = urlsplit(os.environ["STORAGE_EMULATOR_HOST"])
+    local = threading.local()
+
+    def plain(span) -> int:
+        rel, start, end = span
+        conn = getattr(local, "conn", None)
+        if conn is None:
+            conn = local.conn = http.client.HTTPConnection(
+                endpoint.hostname, endpoint.port, timeout=60
+            )
+        obj = quote(f"{prefix}/{rel}", safe="")
+        conn.request(
+            "GET",
+            f"/download/storage/v1/b/{bucket}/o/{obj}?alt=media",
+            headers={"Range": f"bytes={start}-{end - 1}"},
+        )
+        resp = conn.getresponse()
+        n = len(resp.read())
+        assert resp.status in (200, 206) and n == end - start, (resp.status, n, span)
+        return n
+
+    def client(span) -> int:
+        rel, start, end = span
+        return len(stream._store.read_span(rel, start, end, time.monotonic() + 60))
+
+    out = {"ceiling_reads": len(spans), "ceiling_mb": total / 1e6}
+    for name, fetch in (("plain_get", plain), ("store_client", client)):
+        with ThreadPoolExecutor(concurrency) as pool:
+            t0 = time.perf_counter()
+            assert sum(pool.map(fetch, spans)) == total
+            out[f"{name}_mb_per_s"] = total / 1e6 / (time.perf_counter() - t0)
+    return out
+
+
 def _epoch(loader) -> tuple[float, float, int]:
     """(seconds to the first batch, seconds for the epoch, samples) of one epoch."""
     t0 = time.perf_counter()
@@ -137,6 +212,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=256, help="shuffle: block")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="one more config override (repeatable), e.g. encoder.model=DIR")  # fmt: skip
+    ap.add_argument("--no-ceiling", action="store_true",
+                    help="skip the store ceiling (plain GETs of the same ranges)")  # fmt: skip
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     _SETS.extend(args.set)
@@ -210,9 +287,22 @@ def main() -> None:
                         t0 = time.perf_counter()
                         with StreamSource(cache_url, options, policy=policy) as stream:
                             open_s = time.perf_counter() - t0
+                            # The epoch's reads only (not the manifest's and indices'):
+                            # read_s is the epoch's, the ceiling replays the same reads.
+                            stream.reset_stats()
+                            spans = record_spans(stream)
                             first_s, stream_s, n2 = _epoch(Loader(stream, **kw))
                             stats = stream.stats()
+                            # This epoch's own reads (their number varies from run to
+                            # run with the refills), replayed with nothing but the fetch.
+                            ceiling = (
+                                {}
+                                if args.no_ceiling
+                                else store_ceiling(stream, spans, args.concurrency)
+                            )
                         assert n == n2
+                        stream_mb_s = stats.bytes_fetched / 1e6 / stream_s
+                        plain = ceiling.get("plain_get_mb_per_s")
                         run = {
                             "latency_ms": latency,
                             "shuffle": shuffle,
@@ -235,6 +325,12 @@ def main() -> None:
                             "demand_blocks": stats.demand_blocks,
                             "retries": stats.retries,
                             "max_held_mb": stats.max_held_bytes / 2**20,
+                            "max_inflight_mb": stats.max_inflight_bytes / 2**20,
+                            "source_first_batch_s": stats.first_batch_s,
+                            "read_s": stats.read_s,
+                            "stream_mb_per_s": stream_mb_s,
+                            **ceiling,
+                            "stream_share": None if plain is None else stream_mb_s / plain,
                         }
                         runs.append(run)
                         print(
@@ -246,7 +342,18 @@ def main() -> None:
                             f"{run['fetched_over_needed']:.2f} ({stats.bytes_fetched / 1e6:.1f} MB)  "
                             f"reads {stats.requests} (planned {stats.planned_reads}, demand "
                             f"{stats.demand_reads}; blocks {stats.planned_blocks} / "
-                            f"{stats.demand_blocks})",
+                            f"{stats.demand_blocks})  {stream_mb_s:.0f} MB/s"
+                            + (
+                                ""
+                                if plain is None
+                                else f" = {stream_mb_s / plain:.0%} of plain GETs "
+                                f"({plain:.0f} MB/s; store client "
+                                f"{ceiling['store_client_mb_per_s']:.0f} MB/s)"
+                            )
+                            + f"  (reads landed for batch 0 at "
+                            f"{stats.first_batch_s or float('nan'):.2f} s, all in "
+                            f"{stats.read_s:.2f} s, in flight <= "
+                            f"{stats.max_inflight_bytes / 1e6:.0f} MB)",
                             flush=True,
                         )
             finally:

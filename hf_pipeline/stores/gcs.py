@@ -61,6 +61,12 @@ def _gcsfs_class():
     return _SingleShotGCSFileSystem
 
 
+#: Bytes aiohttp buffers per connection before it stops reading the socket (its
+#: default: 256 KiB). Measured on the 2-CPU host, 8 MiB ranges from fake-gcs-server
+#: through gcsfs: 495-540 MB/s at 256 KiB, 750-760 at 1 MiB, 850-870 at 4 MiB.
+READ_BUFSIZE = 4 << 20
+
+
 class GCSSource(Source, scheme="gs://"):
     """``gs://bucket/prefix``: objects directly under the prefix, through gcsfs.
 
@@ -104,6 +110,10 @@ class GCSSource(Source, scheme="gs://"):
                 "requests_timeout": aiohttp.ClientTimeout(
                     total=None, sock_connect=min(timeout_s, 30), sock_read=min(timeout_s, 60)
                 ),
+                # aiohttp's default read buffer (256 KiB) pauses and resumes the socket
+                # every 256 KiB of a body: on fsspec's one event loop that capped a
+                # streamed cache's 8 MiB ranged reads at ~60% of plain GETs' MB/s.
+                "session_kwargs": {"read_bufsize": READ_BUFSIZE},
             }
             if emulator:
                 kw.update(

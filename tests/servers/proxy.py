@@ -2,7 +2,7 @@
 
 Put it between a client and a real server (fake-gcs-server, the fake Hub) and it
 forwards every request, except that requests matching a :class:`Fault` get a 5xx/429,
-a connection reset, a truncated body, a stall, or a throttled body. It counts every
+a connection reset, a truncated body, a stall, a throttled body, or a body sent through one link shared by all such requests. It counts every
 request so tests can assert what was (not) fetched again, and the body bytes it sent
 (:meth:`FaultProxy.body_bytes`: what a client fetched, counted the same for any client).
 """
@@ -44,11 +44,14 @@ class Fault:
         match: substring of the unquoted request path (a file name, say).
         action: "status" (reply ``status``), "reset" (RST the connection), "truncate"
             (send full headers, half the body, close), "stall" (sleep ``seconds``
-            before forwarding) or "throttle" (send the body at ``rate`` bytes/s).
+            before forwarding), "throttle" (send the body at ``rate`` bytes/s) or "link"
+            (send the body through one link of ``rate`` bytes/s shared by every request
+            this fault applies to, as a store's bandwidth is: two bodies at once each
+            get half; each is held ``seconds`` first, a request's latency).
         times: how many matching requests it applies to (-1: all).
         status: for "status".
         seconds: for "stall".
-        rate: for "throttle".
+        rate: for "throttle" and "link".
         method: only requests with this method ("" any).
         skip: let this many matching requests through untouched first.
     """
@@ -101,6 +104,8 @@ class FaultProxy(LoopbackServer):
         # (path, body bytes sent) of every GET answered with a body.
         self._sent: list[tuple[str, int]] = []
         self._stop = threading.Event()
+        # "link": when the shared link is free next (time.monotonic()), under _lock.
+        self._link_free = 0.0
         super().__init__(self._handler_class())
 
     thread_name = "fault-proxy"
@@ -138,6 +143,13 @@ class FaultProxy(LoopbackServer):
     def _body_sent(self, path: str, n: int) -> None:
         with self._lock:
             self._sent.append((path, n))
+
+    def _link_slot(self, nbytes: int, rate: int) -> float:
+        """Reserve the shared link for ``nbytes`` at ``rate``: when they are sent."""
+        with self._lock:
+            start = max(time.monotonic(), self._link_free)
+            self._link_free = start + nbytes / rate
+            return self._link_free
 
     def _take(self, method: str, path: str) -> Fault | None:
         with self._lock:
@@ -193,7 +205,7 @@ class FaultProxy(LoopbackServer):
                     if self.command != "HEAD":
                         self.wfile.write(payload)
                     return
-                if fault is not None and fault.action == "stall":
+                if fault is not None and fault.action in ("stall", "link"):
                     if proxy._stop.wait(fault.seconds):
                         return
                 conn = http.client.HTTPConnection(
@@ -237,6 +249,18 @@ class FaultProxy(LoopbackServer):
                         self.wfile.write(data[i : i + step])
                         self.wfile.flush()
                         time.sleep(step / fault.rate)
+                    return
+                if fault is not None and fault.action == "link" and fault.rate > 0:
+                    # Chunks interleave with the other bodies on the link, in turn.
+                    step = 64 << 10
+                    for i in range(0, len(data), step):
+                        chunk = data[i : i + step]
+                        done = proxy._link_slot(len(chunk), fault.rate)
+                        if proxy._stop.wait(max(0.0, done - time.monotonic())):
+                            return
+                        self.wfile.write(chunk)
+                    self.wfile.flush()
+                    proxy._body_sent(path, len(data))
                     return
                 self.wfile.write(data)
                 # Counted once written: a body the client reset mid-way is not counted.

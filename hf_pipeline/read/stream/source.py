@@ -39,6 +39,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import heapq
+import itertools
 import logging
 import re
 import threading
@@ -76,6 +78,14 @@ _GAP_SHARE = 8
 #: How long a gather whose batch is not planned yet waits for the planner's walker (it
 #: holds it while it pulls and reserves one batch) before fetching the batch itself.
 _WALK_WAIT_S = 10.0
+#: Bytes in flight (reads started, not landed) are bounded by this many planned batches'
+#: bytes (the largest batch's blocks seen so far): batch k's reads do not share the
+#: store's bandwidth with those of batch k + 30, so the first batch (and each next one)
+#: lands first. At least ``max_read_bytes``, so one read always fits.
+_INFLIGHT_BATCHES = 4
+#: The priority of a read a gather waits for (no plan holds its blocks): before any
+#: planned read, which are ordered by the index of the first batch that needs them.
+_DEMAND = -1
 #: Batches a gather may be ahead of those released, beyond ``ahead``: how far a gather
 #: looks for its batch in the plan (more gathering threads than this never occur).
 _MAX_GATHER_LEAD = 256
@@ -101,6 +111,12 @@ class StreamStats:
         held_bytes: bytes of blocks held now.
         max_held_bytes: the most held plus reserved at any moment.
         limit_bytes: ``cache_bytes``.
+        max_inflight_bytes: the most bytes of reads started and not landed at any moment
+            (bounded by :meth:`StreamSource.inflight_limit`).
+        first_batch_s: seconds from the plan's start until the reads of its first batch
+            had all landed (None: no plan, or not landed yet).
+        read_s: seconds the reads took together, from the first started to the last
+            landed (the wall time the store was busy for this source).
     """
 
     requests: int
@@ -115,6 +131,9 @@ class StreamStats:
     held_bytes: int
     max_held_bytes: int
     limit_bytes: int
+    max_inflight_bytes: int = 0
+    first_batch_s: float | None = None
+    read_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +220,17 @@ class StreamSource:
         self._reserved: set[int] = set()
         self._inflight: dict[int, Future] = {}
         self._held = self._reserved_bytes = self._max_held = 0
+        # Reads not started yet, best first: (priority, sequence, run, bytes, future).
+        self._queue: list[tuple[int, int, list[int], int, Future]] = []
+        self._sequence = itertools.count()
+        self._running = self._inflight_bytes = self._max_inflight = 0
+        self._batch_bytes = 0  # the largest planned batch's blocks
+        # Timeline: when the reads started/ended, and when the plan's first batch landed.
+        self._first_read: float | None = None
+        self._last_read: float | None = None
+        self._plan_t0: float | None = None
+        self._first_batch: set[int] | None = None  # blocks of it not landed yet
+        self._first_batch_s: float | None = None
         self._planner: _Planner | None = None
         try:
             self._open(name, fingerprint)
@@ -521,9 +551,18 @@ class StreamSource:
         if self._closed:
             raise RuntimeError(f"the stream source of {self.url} is closed")
 
-    def _submit(self, ids: list[int]) -> list[tuple[Future, list[int]]]:
-        """Start reads of ``ids`` (caller holds the lock), neighbours merged."""
-        return [self._start_read(run) for run in self._runs(ids)]
+    def _submit(
+        self, ids: list[int], first_use: dict[int, int] | None = None
+    ) -> list[tuple[Future, list[int]]]:
+        """Queue reads of ``ids`` (caller holds the lock), neighbours merged; each read
+        ranks by the first batch that needs one of its blocks (``first_use``: block ->
+        plan index; None: a gather waits for them, before any planned read)."""
+        return [
+            self._start_read(
+                run, _DEMAND if first_use is None else min(first_use.get(b, 0) for b in run)
+            )
+            for run in self._runs(ids)
+        ]
 
     def _runs(self, ids: list[int]) -> list[list[int]]:
         """``ids`` in file order, cut into reads: neighbours of a file at most
@@ -560,32 +599,91 @@ class StreamSource:
         out.append(run)
         return out
 
-    def _start_read(self, run: list[int]) -> tuple[Future, list[int]]:
-        future = self._pool.submit(self._read_blocks, run)
+    def _start_read(self, run: list[int], priority: int) -> tuple[Future, list[int]]:
+        """Queue one read (caller holds the lock); it starts in order of ``priority``
+        (then of queueing) once the bytes in flight allow (:meth:`_dispatch`)."""
+        future: Future = Future()
         for b in run:
             self._inflight[b] = future
         future.add_done_callback(functools.partial(self._landed, run))
+        nbytes = int(self._block_start[run[-1]] + self._block_bytes[run[-1]]) - int(
+            self._block_start[run[0]]
+        )
+        heapq.heappush(self._queue, (priority, next(self._sequence), run, nbytes, future))
+        self._dispatch()
         return future, run
+
+    def inflight_limit(self) -> int:
+        """Most bytes of reads in flight at once: :data:`_INFLIGHT_BATCHES` times the
+        largest planned batch's blocks, at least ``max_read_bytes`` (thread-safe)."""
+        with self._lock:
+            return max(_INFLIGHT_BATCHES * self._batch_bytes, self.options.max_read_bytes)
+
+    def _dispatch(self) -> None:
+        """Start queued reads, best first, while fewer than ``concurrency`` run and their
+        bytes fit :meth:`inflight_limit` (one always may: caller holds the lock). Reads
+        started all at once share the store's bandwidth: the first batch's landed
+        with the last one's, seconds late."""
+        limit = self.inflight_limit()
+        while self._queue and not self._closed and self._running < self.options.concurrency:
+            _, _, run, nbytes, future = self._queue[0]
+            if self._running and self._inflight_bytes + nbytes > limit:
+                return
+            heapq.heappop(self._queue)
+            if not future.set_running_or_notify_cancel():
+                continue
+            self._running += 1
+            self._inflight_bytes += nbytes
+            self._max_inflight = max(self._max_inflight, self._inflight_bytes)
+            if self._first_read is None:
+                self._first_read = time.monotonic()
+            try:
+                self._pool.submit(self._run_read, run, nbytes, future)
+            except RuntimeError as exc:  # the pool shut down: the source is closing
+                self._running -= 1
+                self._inflight_bytes -= nbytes
+                future.set_exception(exc)
+
+    def _run_read(self, run: list[int], nbytes: int, future: Future) -> None:
+        """One queued read, in a pool thread: its result (or error) goes to ``future``."""
+        error: BaseException | None = None
+        try:
+            blocks = self._read_blocks(run)
+        except BaseException as exc:  # noqa: BLE001 - the waiter raises it
+            error, blocks = exc, None
+        with self._lock:
+            self._running -= 1
+            self._inflight_bytes -= nbytes
+            self._last_read = time.monotonic()
+            self._dispatch()  # the next one starts before this one's waiters wake
+        if error is None:
+            future.set_result(blocks)
+        else:
+            future.set_exception(error)
 
     def _read_blocks(self, run: list[int]) -> dict[int, np.ndarray]:
         """Fetch one run of neighbouring blocks and verify each; once more on a mismatch."""
         rel = self._files[int(self._block_file[run[0]])]
         start = int(self._block_start[run[0]])
         end = int(self._block_start[run[-1]] + self._block_bytes[run[-1]])
+        # Per-block numbers as Python ints, once per read: a long read is hundreds of
+        # blocks (the sum of the run's sizes once recomputed per block took seconds of
+        # GIL per epoch on the H200 host: quadratic in the blocks of a read).
+        offsets = (self._block_start[run] - start).tolist()
+        sizes = self._block_bytes[run].tolist()
+        digests = self._block_digest[run].tolist()
+        # A copy only when the read spanned gaps: the gaps' bytes must not stay alive
+        # behind a view (they are not counted as held).
+        views = len(run) == 1 or end - start == sum(sizes)
         for attempt in (1, 2):
             data = np.frombuffer(self._read(rel, start, end), dtype=np.uint8)
             out, bad = {}, None
-            for b in run:
-                s = int(self._block_start[b]) - start
-                block = data[s : s + int(self._block_bytes[b])]
-                if block_digest(block) != int(self._block_digest[b]):
+            for b, s, n, digest in zip(run, offsets, sizes, digests, strict=True):
+                block = data[s : s + n]
+                if block_digest(block) != digest:
                     bad = b
                     break
-                # A copy only when the read spanned gaps: the gaps' bytes must not stay
-                # alive behind a view (they are not counted as held).
-                out[b] = (
-                    block if len(run) == 1 or end - start == self._run_bytes(run) else block.copy()
-                )
+                out[b] = block if views else block.copy()
             if bad is None:
                 return out
             if attempt == 1:
@@ -602,9 +700,6 @@ class StreamSource:
             f"bytes {a}-{b} do not match their {BLOCK_ALGORITHM} checksum in {_MANIFEST} "
             "(fetched twice): the published file was changed or the store serves other bytes",
         )
-
-    def _run_bytes(self, run: list[int]) -> int:
-        return int(sum(int(self._block_bytes[b]) for b in run))
 
     def _read(self, rel: str, start: int, end: int, *, exact: bool = True) -> bytes:
         """Bytes ``[start, end)`` of ``rel`` with retries; a short body is retried."""
@@ -657,6 +752,10 @@ class StreamSource:
                 blocks = None if future.cancelled() or future.exception() else future.result()
             except BaseException:  # noqa: BLE001 - the waiter gets the read's error itself
                 blocks = None
+            if blocks is not None and self._first_batch:
+                self._first_batch.difference_update(run)
+                if not self._first_batch and self._plan_t0 is not None:
+                    self._first_batch_s = time.monotonic() - self._plan_t0
             for b in run:
                 reserved = b in self._reserved
                 if reserved:
@@ -691,15 +790,26 @@ class StreamSource:
                     self._keep(b)  # no plan needs it now: kept while the limit allows
             self._pins.clear()
         if batches is not None and not self._closed:
+            with self._lock:
+                self._plan_t0, self._first_batch, self._first_batch_s = time.monotonic(), None, None
             self._planner = _Planner(self, batches)
 
-    def _start_planned(self, blocks: list[int]) -> None:
-        """Start the reads of blocks reserved by the planner (caller holds the lock)."""
-        blocks = [
-            b for b in dict.fromkeys(blocks) if b not in self._inflight and b in self._reserved
-        ]
-        self._counts["planned_blocks"] += len(blocks)
-        self._counts["planned_reads"] += len(self._submit(blocks))
+    def _planned_batch(self, index: int, ids: np.ndarray) -> None:
+        """The planner pinned batch ``index`` of its plan, blocks ``ids`` (caller holds
+        the lock): the in-flight bound follows the largest batch, and the first batch's
+        blocks not held yet are watched until they land (:attr:`StreamStats.first_batch_s`)."""
+        self._batch_bytes = max(self._batch_bytes, int(self._block_bytes[ids].sum()))
+        if index == 0 and self._first_batch is None:
+            self._first_batch = {b for b in ids.tolist() if b not in self._blocks}
+            if not self._first_batch and self._plan_t0 is not None:
+                self._first_batch_s = time.monotonic() - self._plan_t0
+
+    def _start_planned(self, blocks: dict[int, int]) -> None:
+        """Queue the reads of blocks reserved by the planner (caller holds the lock),
+        ``blocks``: block -> index of the first planned batch that needs it."""
+        todo = [b for b in blocks if b not in self._inflight and b in self._reserved]
+        self._counts["planned_blocks"] += len(todo)
+        self._counts["planned_reads"] += len(self._submit(todo, blocks))
 
     def _unpin(self, b: int) -> None:
         """One plan fewer needs ``b`` (caller holds the lock)."""
@@ -791,6 +901,13 @@ class StreamSource:
                 held_bytes=self._held,
                 max_held_bytes=self._max_held,
                 limit_bytes=self.options.cache_bytes,
+                max_inflight_bytes=self._max_inflight,
+                first_batch_s=self._first_batch_s,
+                read_s=(
+                    self._last_read - self._first_read
+                    if self._first_read is not None and self._last_read is not None
+                    else 0.0
+                ),
             )
 
     def cache_state(self) -> dict[str, int]:
@@ -808,6 +925,8 @@ class StreamSource:
         with self._lock:
             self._counts.clear()
             self._max_held = self._held + self._reserved_bytes
+            self._max_inflight = self._inflight_bytes
+            self._first_read = self._last_read = None
 
     def __reduce__(self):
         # A DataLoader worker opens its own: one manifest read, its own cache.
@@ -824,6 +943,9 @@ class StreamSource:
             planner.stop()
         self._pool.shutdown(wait=True, cancel_futures=True)
         with self._lock:
+            queued, self._queue = self._queue, []
+            for *_, future in queued:
+                future.cancel()  # a waiter sees the source closed
             self._blocks.clear()
             self._kept.clear()
             self._held = self._kept_bytes = 0
@@ -878,7 +1000,7 @@ class _Planner:
         self._waiters = 0  # gathers waiting to walk: the thread gives way
         # Reserved, not read yet: started together, so that neighbouring blocks of
         # several batches merge into one read.
-        self._pending: list[int] = []
+        self._pending: dict[int, int] = {}  # block -> index of the first batch needing it
         self._pending_from: int | None = None  # index of the oldest batch in _pending
         self.idle = False  # waiting for room or for the consumer, or ended
         self._thread = threading.Thread(
@@ -902,7 +1024,7 @@ class _Planner:
     def flush(self) -> None:
         """Start the reads of every reserved block not started yet (caller holds the
         source's lock): a gather needs one of them now, or the lookahead ran low."""
-        pending, self._pending, self._pending_from = self._pending, [], None
+        pending, self._pending, self._pending_from = self._pending, {}, None
         self._source._start_planned(pending)
         self._source._room.notify_all()
 
@@ -953,9 +1075,11 @@ class _Planner:
                     self._planned[position] = _NO_BLOCKS
                 else:
                     self._planned[position] = ids
+                    src._planned_batch(self._index, ids)
                     if self._pending_from is None:
                         self._pending_from = self._index
-                    self._pending.extend(got)
+                    for b in got:
+                        self._pending.setdefault(b, self._index)
             self._next = None
             self._index += 1
             return "planned", position
@@ -1050,7 +1174,7 @@ class _Planner:
         finally:
             with src._lock:  # stopped: what was reserved and never read frees its room
                 self.idle = True
-                pending, self._pending = self._pending, []
+                pending, self._pending = self._pending, {}
                 for b in pending:
                     if b in src._reserved and b not in src._inflight:
                         src._reserved.discard(b)

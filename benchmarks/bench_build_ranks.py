@@ -429,11 +429,15 @@ def _marker_times(cache_dir: Path, launched: float) -> dict:
         }
 
     timeline = {s: span(cache_dir / f"{s}.json") for s in ("converted", "filtered")}
-    parts = cache_dir / "parts"
-    if parts.is_dir():
-        timeline["captions"] = span(parts / "captions" / "captions.json")
-        timeline["parts"] = [
-            {"part": d.name, **(span(d / "part.json") or {})} for d in sorted(parts.glob("part-*"))
+    # The store units the parts are made of (<cache root>/.parts/<kind>-<id...>/<kind>.json,
+    # hf_pipeline.build.part_store), each with who built it and when; a unit another
+    # cache built earlier has its old times.
+    store = cache_dir.parent / ".parts"
+    if store.is_dir():
+        timeline["units"] = [
+            {"unit": d.name, **(span(d / f"{d.name.split('-', 1)[0]}.json") or {})}
+            for d in sorted(store.iterdir())
+            if d.is_dir()
         ]
     return timeline
 
@@ -615,7 +619,9 @@ def main(argv=None) -> int:
         ranks = res["ranks"]
         tl = ranks["timeline"]
         assembly = tl["filtered"]["end_s"] - tl["converted"]["start_s"]
-        last_part = max(p["end_s"] for p in tl["parts"])
+        # The parts are done when their last embedding unit is (this build's own units:
+        # every cache of this bench starts from an empty root).
+        last_part = max(u["end_s"] for u in tl["units"] if u["unit"].startswith("embed-"))
         first_one = res[f"one-{ones[0]}"]
         checks = {**_same_cache(first_one, ranks), **_ranks_checks(ranks)}
         for n in ones[1:]:

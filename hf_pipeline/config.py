@@ -425,7 +425,7 @@ class BuildConfig:
         0,
         0,
         1024,
-        note=" (0: automatic, 1: no overlap)",
+        note=" (no effect)",
         help="no longer used (kept so that configs setting it still load): the embedding "
         "of each part overlaps the join of the next, and `part_shards` sizes the parts",
     )
@@ -446,7 +446,7 @@ class BuildConfig:
                 "their own identity (the embedding of each part overlaps the join of the "
                 "next; `build.part_shards` sizes the parts): remove it from the config",
                 FutureWarning,
-                stacklevel=2,
+                stacklevel=3,  # the config's construction, not dataclass's generated __init__
             )
         _check(
             self.latent_dtype in LATENT_DTYPES,

@@ -313,6 +313,35 @@ def test_another_encoder_reuses_the_joins_and_writes_no_latent_bytes(inputs, two
     _assert_same_bytes(res, clean16)
 
 
+def test_a_damaged_stored_part_is_refused_not_linked_into_a_new_cache(inputs):
+    """A stored join whose latents file was changed on disk (a flipped byte) is refused
+    when a later build would reuse it, naming the unit and the file; the new cache is not
+    published (a reused part used to be linked as it was, and the new cache's marker
+    then certified the damaged bytes: `verify` said ok; outside tester)."""
+    from hf_pipeline.errors import CacheFormatError
+
+    root = inputs["base"] / "damaged"
+    first = _build(root, inputs["final"], inputs["meta"])
+    join = sorted(_store_units(root, "join").values())[0]
+    (rows,) = sorted(join.glob("join.*/rows/data*.arrow"))[:1]
+    data = bytearray(rows.read_bytes())
+    # Within the first MiB: what the check at reuse reads (the first and last MiB of each
+    # file, its size); a flip deep inside a larger file is left to `hf-pipeline verify`.
+    data[min(len(data) // 2, 300_000)] ^= 0xFF
+    # A new inode with the damage, as a disk fault would leave it (the first cache
+    # links the old one; what matters is what the store's unit holds now).
+    rows.unlink()
+    rows.write_bytes(bytes(data))
+    with pytest.raises(CacheFormatError) as ei:
+        _build(root, inputs["final"], inputs["meta"], "encoder.max_length=16")
+    message = str(ei.value)
+    assert join.name in message and rows.name in message and "hf-pipeline verify" in message
+    others = [p for p in root.iterdir() if not p.name.startswith(".") and p != first.cache_dir]
+    assert others and not any((p / "converted.json").exists() for p in others), (
+        "the new cache was published"
+    )
+
+
 def _store_units(root: Path, kind: str) -> dict[str, Path]:
     """The published units of ``kind`` (``tokens``, ``embed`` ...) in ``root``'s store."""
     return {d.name: d for d in (root / ".parts").glob(f"{kind}-*") if (d / f"{kind}.json").exists()}

@@ -75,6 +75,7 @@ from hf_pipeline.cache.layout import (
     refuse_recorded_corrupt,
 )
 from hf_pipeline.config import Config
+from hf_pipeline.errors import CacheFormatError
 from hf_pipeline.stores.remote_file import RemoteFile
 from hf_pipeline.workers.pool import check_not_bootstrapping, clean_workers, quick_gil_handoff
 
@@ -888,6 +889,33 @@ def _planned_parts(cfg: Config, inputs: Inputs) -> tuple[list[Any], bool]:
     return planned, any(unit_markers(p.embed_dir, p.embed_id, ["embed"]) is None for p in planned)
 
 
+def _check_reused(unit_dir: Path, unit_id: str, kind: str, marker, fingerprint: str) -> None:
+    """A stored unit this build did not make is checked before it goes into a new cache:
+    each listed file's size and its first and last MiB against the unit's marker
+    (``dist.markers.file_checksum``; a flip deep inside a larger file is left to
+    ``hf-pipeline verify`` of the caches that link it). A unit damaged on disk since it
+    was published would otherwise be linked as it is, and the new cache's marker would
+    certify the damaged bytes.
+
+    Raises:
+        CacheFormatError: the unit's files differ from its marker.
+    """
+    from dist.layout import marker_name
+    from dist.markers import check_marker
+
+    if marker.info.get("built_for") == fingerprint:
+        return  # made by this build: described as it was published
+    path = unit_dir / marker_name(kind)
+    _, why = check_marker(path, fingerprint=unit_id, base_dir=unit_dir, stage=kind, verify=True)
+    if why is not None:
+        raise CacheFormatError(
+            f"{path}: the stored part {unit_dir.name} is damaged ({why}); every cache "
+            "that links it is too: run `hf-pipeline verify` (it marks them), then "
+            "`hf-pipeline clean`, then build again",
+            str(path),
+        )
+
+
 def _ensure_parts(
     cfg, inputs, fingerprint, process, progress, timing, *, count: int, me: int, on_phase=None,
     loading: _EncoderLoading | None = None, startup=None,
@@ -1075,6 +1103,7 @@ def _ensure_parts(
                 [_stage("tokens", tokens_builder(part, text_folder), pools=False)],
                 builder=ours, **timing,
             )["tokens"]  # fmt: skip
+            _check_reused(part.tokens_dir, part.tokens_id, "tokens", km, fingerprint)
             build_embed = _stage(
                 "embed",
                 embed_builder(part, join_folder, text_folder, part.tokens_dir / km.directory),
@@ -1100,6 +1129,7 @@ def _ensure_parts(
                     part.join_dir, part.join_id, [_stage("join", join_builder(part), pools=False)],
                     builder=ours, **timing,
                 )["join"]  # fmt: skip
+                _check_reused(part.join_dir, part.join_id, "join", jm, fingerprint)
                 join_folder = part.join_dir / jm.directory
                 # The captions: in this process, from the stored keys (no latent byte read).
                 part = used[part.plan.index] = _stored_text(
@@ -1110,6 +1140,7 @@ def _ensure_parts(
                     [_stage("text", text_builder(part, join_folder), pools=False)],
                     builder=ours, **timing,
                 )["text"]  # fmt: skip
+                _check_reused(part.text_dir, part.text_id, "text", tm, fingerprint)
                 text_folder = part.text_dir / tm.directory
                 if unit_markers(part.embed_dir, part.embed_id, ["embed"]) is not None:
                     # Stored (and found again by ensure_built): its tokens are not needed.
@@ -1132,6 +1163,8 @@ def _ensure_parts(
                     )
 
             emb = {i: f.result()["embed"] for i, f in embeds.items()}
+            for p in (used[q.plan.index] for q in planned):  # with the text it uses
+                _check_reused(p.embed_dir, p.embed_id, "embed", emb[p.plan.index], fingerprint)
         except BaseException:
             # Ctrl-C or a failed join: the embedding in flight stops at its next batch.
             for probe in stop_embedding:

@@ -68,7 +68,7 @@ def test_frozen_and_effective_num_proc():
         (
             ["build.overlap_parts=-2"],
             "build.overlap_parts",
-            "must be in [0, 1024] (0: automatic, 1: no overlap), got -2",
+            "must be in [0, 1024] (no effect), got -2",
         ),
         (["build.batch_size=abc"], "build.batch_size", "must be int, got 'abc'"),
         (["loader.crop=7"], "loader.crop", "crop index 0-2, got '7'"),

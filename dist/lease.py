@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import secrets
+import socket
 import threading
 import time
 from pathlib import Path
@@ -132,12 +133,14 @@ def process_identity(pid: int | None = None) -> dict[str, object] | None:
 
 
 def holder_exited(view: LeaseView) -> bool:
-    """True only when ``view``'s holder provably no longer runs: it shares this machine's
-    boot and this process's pid namespace, and ``/proc`` has no process of its pid and
+    """True only when ``view``'s holder provably no longer runs: it shares this host's
+    name, this machine's boot and this process's pid namespace, and ``/proc`` has no process of its pid and
     start time that is not a zombie. False when that cannot be told (see the module
     docstring): the caller then judges by the heartbeat."""
     if view.proc is None or view.pid is None or view.pid <= 0:
         return False
+    if view.host != socket.gethostname():
+        return False  # another host's name (or a UTS namespace of its own): its heartbeat
     here = process_identity()
     if here is None or (here["boot"], here["pidns"]) != view.proc[:2]:
         return False

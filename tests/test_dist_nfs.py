@@ -44,7 +44,13 @@ def job(host_views, tmp_path):  # host_views first: its mounts outlive the proce
 
 
 def _start(job: Job, views, host: int, rank: int, *extra: str, lease: float = LEASE):
-    return job.start(views.view(host) / "c", rank, *TIMING, "--lease-timeout", str(lease), *extra)
+    # Each view's ranks carry a host name of their own: a waiter on "host B" must judge
+    # host A's builder by its heartbeat, as on two machines (the same-machine check of an
+    # exited builder, dist.lease.holder_exited, would see through the simulation).
+    return job.start(
+        views.view(host) / "c", rank, *TIMING, "--lease-timeout", str(lease), *extra,
+        hostname=f"hf-pipeline-test-host-{host}",
+    )  # fmt: skip
 
 
 def _clean_hash(job: Job, tmp_path, *extra: str) -> str:

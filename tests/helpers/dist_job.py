@@ -28,9 +28,24 @@ class Job:
         self.signal_dir = root / "signals"
         self.signal_dir.mkdir(parents=True, exist_ok=True)
 
-    def start(self, cache_dir: Path, rank: int, *extra: str, env: dict | None = None, **kw):
+    def start(
+        self,
+        cache_dir: Path,
+        rank: int,
+        *extra: str,
+        env: dict | None = None,
+        hostname: str | None = None,
+        **kw,
+    ):
+        """Start a rank; ``hostname``: in a UTS namespace of its own with that host name
+        (a process of another host, as far as its name goes; needs root)."""
         result = self.root / f"result-{cache_dir.name}-{rank}-{len(self.procs)}.json"
+        prefix = []
+        if hostname is not None:
+            # unshare and sh exec: the rank keeps the pid Popen reports (tests signal it).
+            prefix = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', hostname]
         cmd = [
+            *prefix,
             sys.executable,
             str(RANK_SCRIPT),
             "--cache-dir",

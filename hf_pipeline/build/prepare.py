@@ -1059,6 +1059,7 @@ def _ensure_parts(
 
         def tokens_builder(part, text_folder: Path):
             def build(ctx):
+                wall0 = time.time()  # wall clock: the timeline compares processes
                 info = tokenize_part(
                     part_files(text_folder, "captions"), tokenizer=tokenizer()[1],
                     num_proc=cfg.build.effective_num_proc, probe=ctx.probe,
@@ -1068,7 +1069,7 @@ def _ensure_parts(
                 )  # fmt: skip
                 return {
                     "tokens": info, "builder": _me(), "built_for": fingerprint,
-                    "uses": [part.text_dir.name],
+                    "uses": [part.text_dir.name], "wall_tokens": [wall0, time.time()],
                 }  # fmt: skip
 
             return build
@@ -1182,7 +1183,11 @@ def _ensure_parts(
         # Its tokenizing's timeline where this build made its token ids (else null).
         made = k is not None and k.info.get("built_for") == fingerprint
         info["tokens"] = k.info.get("tokens") if k is not None and made else None
-        info["wall"] = {"join": j.info.get("wall_join"), "embed": e.info.get("wall_embed")}
+        info["wall"] = {
+            "join": j.info.get("wall_join"),
+            "tokens": k.info.get("wall_tokens") if k is not None and made else None,
+            "embed": e.info.get("wall_embed"),
+        }
         info["reused"] = {
             unit: m.info.get("built_for") != fingerprint if m is not None else None
             for unit, m in (("join", j), ("text", t), ("tokens", k), ("embed", e))

@@ -400,7 +400,6 @@ def _lease_naming(cache: Path, pid: int, proc: dict | None) -> None:
     (cache / LEASE_FILE).write_text(json.dumps(record))
 
 
-@pytest.mark.skipif(process_identity() is None, reason="needs Linux /proc")
 def test_lease_of_a_process_that_exited_on_this_machine_is_taken_over_at_once(tmp_path):
     """A builder SIGKILLed (or OOM-killed) on this machine is dead now: no waiting
     lease_timeout for its heartbeat to stall (it used to cost a lease_timeout per unit)."""
@@ -416,7 +415,6 @@ def test_lease_of_a_process_that_exited_on_this_machine_is_taken_over_at_once(tm
     assert sorted(os.listdir(tmp_path / "c")) == _published(markers)
 
 
-@pytest.mark.skipif(process_identity() is None, reason="needs Linux /proc")
 @pytest.mark.parametrize("case", ["running", "pid reused", "other pid namespace", "other boot"])
 def test_holder_exited_only_when_provable(tmp_path, case):
     """Only a process of this boot and pid namespace that no longer runs (or whose pid
@@ -439,7 +437,6 @@ def test_holder_exited_only_when_provable(tmp_path, case):
     assert holder_exited(view) is (case == "pid reused")
 
 
-@pytest.mark.skipif(process_identity() is None, reason="needs Linux /proc")
 def test_holder_exited_is_false_for_a_stopped_process_and_true_for_a_zombie():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:

@@ -1096,15 +1096,21 @@ def _ensure_parts(
 
             return build
 
+        def unit(kind: str, unit_dir: Path, unit_id: str, build, ours: bool):
+            """A store unit's marker, built here or found (:func:`_check_reused` first
+            when an earlier build made it)."""
+            marker = ensure_built(
+                unit_dir, unit_id, [_stage(kind, build, pools=False)], builder=ours, **timing
+            )[kind]
+            _check_reused(unit_dir, unit_id, kind, marker, fingerprint)
+            return marker
+
         def tokens_then_embed(part, join_folder: Path, text_folder: Path, ours: bool):
             """On the embedding's thread: the part's token ids, then its embedding."""
             part = used[part.plan.index] = dataclasses.replace(part, tokenizer=tokenizer()[0])
-            km = tokens[part.plan.index] = ensure_built(
-                part.tokens_dir, part.tokens_id,
-                [_stage("tokens", tokens_builder(part, text_folder), pools=False)],
-                builder=ours, **timing,
-            )["tokens"]  # fmt: skip
-            _check_reused(part.tokens_dir, part.tokens_id, "tokens", km, fingerprint)
+            km = tokens[part.plan.index] = unit(
+                "tokens", part.tokens_dir, part.tokens_id, tokens_builder(part, text_folder), ours
+            )
             build_embed = _stage(
                 "embed",
                 embed_builder(part, join_folder, text_folder, part.tokens_dir / km.directory),
@@ -1126,22 +1132,17 @@ def _ensure_parts(
                 for done in [f for f in embeds.values() if f.done()]:
                     done.result()  # an embedding failed: stop joining
                 ours = part in mine
-                jm = joins[part.plan.index] = ensure_built(
-                    part.join_dir, part.join_id, [_stage("join", join_builder(part), pools=False)],
-                    builder=ours, **timing,
-                )["join"]  # fmt: skip
-                _check_reused(part.join_dir, part.join_id, "join", jm, fingerprint)
+                jm = joins[part.plan.index] = unit(
+                    "join", part.join_dir, part.join_id, join_builder(part), ours
+                )
                 join_folder = part.join_dir / jm.directory
                 # The captions: in this process, from the stored keys (no latent byte read).
                 part = used[part.plan.index] = _stored_text(
                     part, table, part_files(join_folder, "rows")
                 )
-                tm = texts[part.plan.index] = ensure_built(
-                    part.text_dir, part.text_id,
-                    [_stage("text", text_builder(part, join_folder), pools=False)],
-                    builder=ours, **timing,
-                )["text"]  # fmt: skip
-                _check_reused(part.text_dir, part.text_id, "text", tm, fingerprint)
+                tm = texts[part.plan.index] = unit(
+                    "text", part.text_dir, part.text_id, text_builder(part, join_folder), ours
+                )
                 text_folder = part.text_dir / tm.directory
                 if unit_markers(part.embed_dir, part.embed_id, ["embed"]) is not None:
                     # Stored (and found again by ensure_built): its tokens are not needed.

@@ -201,6 +201,7 @@ _caption = st.one_of(
     caps=st.data(),
     extra=st.lists(st.integers(-(2**40), 2**40), max_size=20),
 )
+@pytest.mark.slow
 def test_lookup_and_classify_match_pandas(tmp_path, keys, caps, extra):
     # Small key pool so duplicates and hits are common.
     pool = keys[:10] if keys else [0]

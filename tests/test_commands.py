@@ -162,6 +162,7 @@ def test_status_of_an_empty_root_prints_what_the_script_prints(tmp_path):
     assert (tmp_path / "a.json").read_text() == (tmp_path / "b.json").read_text()
 
 
+@pytest.mark.slow
 def test_build_finds_the_session_cache_and_reports_what_the_script_reports(
     tmp_path, session_cache_root, built_cache
 ):

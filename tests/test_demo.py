@@ -118,7 +118,7 @@ def _content_digest(demo) -> str:
 _GOLDEN_DEMO = "9ec8ddbdc0b389efbad38584b528638df79b0db925ca69a768413c1848295a23"
 
 
-@pytest.mark.parametrize("num_proc", [1, 2])
+@pytest.mark.parametrize("num_proc", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_golden_content(tmp_path, num_proc):
     demo = generate_demo(
         tmp_path / "g", num_shards=3, samples_per_shard=20, seed=5, latent_dtype="bfloat16",

@@ -308,6 +308,7 @@ print("warnings", warnings)
 """
 
 
+@pytest.mark.slow
 def test_a_module_another_thread_is_importing_is_absent_not_half_read():
     """Issue 28: while a thread imported torch, the doorbell's store lookup on the main
     thread read a partial torch.distributed (``has no attribute 'is_available'``) and

@@ -333,6 +333,7 @@ def test_script_publish_status_and_bad_url(source_cache, gcs_store):
     )
 
 
+@pytest.mark.slow
 def test_a_bucket_that_does_not_exist_is_named_before_any_build(source_cache, gcs_store, tmp_path):
     """`--status` said "no published caches" (exit 0), and `--publish` built the whole
     cache, then failed on gcsfs's "FileNotFoundError: b/<bucket>/o"; a pull said the same."""
@@ -407,6 +408,7 @@ def _script(source_cache, *args: str, env: dict[str, str]) -> subprocess.Complet
     return subprocess.run(cmd, env=script_env(**env), capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_status_lists_every_cache_when_one_holds_deeply_nested_json(
     source_cache, gcs_store, tmp_path
 ):

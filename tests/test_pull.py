@@ -273,6 +273,7 @@ def test_pull_refuses_a_tampered_gcs_file_exit_2(source_cache, gcs_store, tmp_pa
     _nothing_published(root)
 
 
+@pytest.mark.slow
 def test_pull_refuses_a_tampered_hub_file(source_cache, hub_store, tmp_path):
     """A small published file (a git blob: no sha256 to compare before the download)
     changed in a later commit: refused after the download by its crc32c, naming it."""
@@ -432,7 +433,7 @@ def _status_of(source_cache, url: str, env: dict[str, str]) -> str:
     return res.stdout
 
 
-@pytest.mark.parametrize("kind", ["gcs", "hub"])
+@pytest.mark.parametrize("kind", ["gcs", pytest.param("hub", marks=pytest.mark.slow)])
 def test_pull_refuses_a_path_that_leaves_the_cache_folder(kind, source_cache, request, tmp_path):
     """Issue 23, item 1: a published marker and manifest listing
     ``converted.<id>//<absolute path>`` (consistent sizes and checksums; the store keeps
@@ -528,7 +529,14 @@ def _tamper_json(fs, obj: str, change) -> None:
     fs.pipe_file(obj, change(json.loads(fs.cat_file(obj))).encode())
 
 
-@pytest.mark.parametrize("when", ["1e300", "-1e20", "NaN", "1" + "0" * 400])
+@pytest.mark.parametrize(
+    "when",
+    [
+        *(pytest.param(w, marks=pytest.mark.slow) for w in ("1e300", "-1e20")),
+        "NaN",
+        pytest.param("1" + "0" * 400, marks=pytest.mark.slow),
+    ],
+)
 def test_status_shows_a_manifest_with_an_absurd_date_damaged_and_lists_the_rest(
     when, source_cache, gcs_store, tmp_path
 ):
@@ -606,6 +614,7 @@ def test_manifest_from_dict_refuses_bad_file_entries(entry):
         Manifest.from_dict(d)
 
 
+@pytest.mark.slow
 def test_a_console_folder_object_is_not_a_file_of_the_cache(
     source_cache, gcs_exact_store, tmp_path
 ):
@@ -695,12 +704,15 @@ def _republish_file(fs, base: str, stage: str, rel: str, payload: bytes, tmp_pat
 @pytest.mark.parametrize(
     "change",
     [
-        {"duplicate_meta_rows": "x\nFORGED"},
-        {"rows_in": 10**200},
+        pytest.param({"duplicate_meta_rows": "x\nFORGED"}, marks=pytest.mark.slow),
+        pytest.param({"rows_in": 10**200}, marks=pytest.mark.slow),
         {"dropped": {"no_caption\n\x1b[31mFORGED": 1}},
         {"rows_out": 1},  # the rows no longer add up
-        {"bad_rows": {"nonfinite_latents": {"count": 1, "first_keys": ["a\nFORGED"]}}},
-        {"fetch": {"files": 1, "bytes": "lots"}},
+        pytest.param(
+            {"bad_rows": {"nonfinite_latents": {"count": 1, "first_keys": ["a\nFORGED"]}}},
+            marks=pytest.mark.slow,
+        ),
+        pytest.param({"fetch": {"files": 1, "bytes": "lots"}}, marks=pytest.mark.slow),
     ],
     ids=["dup-str", "rows-in-huge", "dropped-escape", "accounting", "bad-rows-key", "fetch"],
 )

@@ -138,14 +138,16 @@ def _closed_port_url() -> str:
 @pytest.mark.parametrize(
     "env, fragment",
     [
-        (
+        pytest.param(
             {"RANK": "3", "WORLD_SIZE": "3"},
             "RANK=3 and WORLD_SIZE=3 (torchrun) do not make a process",
+            marks=pytest.mark.slow,
         ),
         ({"RANK": "abc", "WORLD_SIZE": "2"}, "RANK='abc' is not an integer"),
-        (
+        pytest.param(
             {"RANK": "1", "WORLD_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"},
             "contradictory rank",
+            marks=pytest.mark.slow,
         ),
     ],
 )
@@ -176,10 +178,11 @@ def test_a_launcher_environment_that_makes_no_process_is_one_line_exit_2(tmp_pat
             "gs://my-coyo-bucket",
         ),
         # The Hub is down while the encoder's revision is resolved.
-        (
+        pytest.param(
             [*_sets(SMALL_DEMO), "--set", "encoder.model=test-org/tiny-encoder"],
             {"HF_ENDPOINT": "closed", "HF_HUB_OFFLINE": "0"},
             "test-org/tiny-encoder@main",
+            marks=pytest.mark.slow,
         ),
     ],
 )

@@ -37,7 +37,7 @@ def _expected(ds: TorchBatches, step: int, epoch: int | None = None):
     return ds.source.gather(pb.rows, pb.crops)
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_workers_disjoint_in_order(source, num_workers):
     ds = TorchBatches(
         source, global_batch_size=16, seed=3, process_index=1, process_count=2, epoch=1

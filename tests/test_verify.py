@@ -60,6 +60,7 @@ def _flip(path, offset, n):
         fh.write(bytes(b ^ 0xFF for b in data))
 
 
+@pytest.mark.slow
 def test_verify_finds_64_flipped_bytes_in_the_middle_of_a_rows_file(root):
     cache = _cache(root)
     rows = _rows_file(cache)

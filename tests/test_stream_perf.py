@@ -6,6 +6,7 @@ reads as its rows' byte runs allow, not one read per scattered checksum block.""
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import threading
 import time
 
@@ -261,3 +262,57 @@ def test_verifying_a_long_read_is_linear_in_its_blocks(gcs_cache):
             verify = min(verify, time.thread_time() - t0)
     assert len(run) >= 500 and len(blocks) == len(set(run)), len(run)
     assert verify - fetch <= 0.005 + 0.00002 * len(run), (verify, fetch, len(run))
+
+
+def test_the_latency_proxy_streams_bodies():
+    """The benches' latency model (``tests/servers/proxy.py``, a "stall" on every data
+    request) is a per-request latency: the request is held, then the body is forwarded
+    as upstream sends it. The proxy read each whole body before sending a byte of it, so
+    a long read's first bytes came only once its last had left the store (a stream's
+    verification and assembly could not overlap the transfer, and the bench measured
+    the proxy's buffering). Here upstream sends half a body and then waits: the client
+    gets that half through the proxy, after the injected latency and before the rest."""
+    from http.server import BaseHTTPRequestHandler
+
+    from tests.servers.loopback import LoopbackServer
+
+    half = 1 << 20
+    rest = threading.Event()
+
+    class Slow(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(2 * half))
+            self.end_headers()
+            self.wfile.write(b"a" * half)
+            self.wfile.flush()
+            rest.wait(10.0)  # bounded: a proxy that never forwards ends the test
+            self.wfile.write(b"b" * half)
+
+    with LoopbackServer(Slow) as upstream, FaultProxy(upstream.url) as proxy:
+        proxy.add(Fault(match=".arrow", action="stall", seconds=0.05, times=-1))
+        conn = http.client.HTTPConnection(proxy.url.split("//")[1], timeout=5.0)
+        try:
+            t0 = time.monotonic()
+            conn.request("GET", "/o/part-0.arrow?alt=media")
+            try:
+                resp = conn.getresponse()
+                first = resp.read(half)
+            except TimeoutError:  # the proxy held the headers and body back
+                first = b""
+            waited = time.monotonic() - t0
+            rest.set()
+            assert first == b"a" * half, (
+                f"the first half did not come before the rest ({len(first)} B)"
+            )
+            assert waited >= 0.05, waited  # the injected latency still holds the request
+            assert resp.read() == b"b" * half
+        finally:
+            rest.set()
+            conn.close()
+    assert proxy.body_bytes(".arrow") == 2 * half

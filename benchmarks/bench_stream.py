@@ -11,6 +11,8 @@ chunks: a per-request latency, time to the first byte):
   (``open_sample_source``), one epoch, samples/s as the consumer sees them;
 * ``stream``: the same Loader over a :class:`~hf_pipeline.read.stream.StreamSource` of
   the published folder (``--ahead``, ``--cache-mb``, ``--concurrency``): samples/s,
+  this process's CPU-seconds per 1,000 samples (``stream_cpu_s_per_1k``: every thread,
+  not the proxy's or the server's),
   time to first batch (open + first batch: one manifest read, then the first batch's
   blocks), bytes fetched / bytes the process's rows need (whole rows of every column),
   reads (requests), and of them the reads the planner started (``planned_reads``: its
@@ -248,6 +250,14 @@ def store_ceiling(stream, spans, concurrency: int) -> dict[str, float]:
     return out
 
 
+def _cpu_s() -> float:
+    """CPU seconds this process has used (user + system, all threads)."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def _epoch(loader) -> tuple[float, float, int]:
     """(seconds to the first batch, seconds for the epoch, samples) of one epoch."""
     t0 = time.perf_counter()
@@ -357,7 +367,9 @@ def main() -> None:
                             # read_s is the epoch's, the ceiling replays the same reads.
                             stream.reset_stats()
                             spans = record_spans(stream)
+                            cpu0 = _cpu_s()
                             first_s, stream_s, n2 = _epoch(Loader(stream, **kw))
+                            cpu_s = _cpu_s() - cpu0
                             stats = stream.stats()
                             # This epoch's own reads (their number varies from run to
                             # run with the refills), replayed with nothing but the fetch.
@@ -376,6 +388,9 @@ def main() -> None:
                             "samples": n,
                             "local_samples_per_s": n / local_s,
                             "stream_samples_per_s": n / stream_s,
+                            # This process's CPU (every thread: gathers, reads, the
+                            # HTTP client's loop; not the proxy's, not the server's).
+                            "stream_cpu_s_per_1k": cpu_s / n * 1000,
                             "stream_first_batch_s": open_s + first_s,
                             "pull_first_batch_s": pull_first_s,
                             "pull_over_stream_first_batch": pull_first_s / (open_s + first_s),
@@ -402,7 +417,8 @@ def main() -> None:
                         print(
                             f"latency {latency:4.0f} ms  {shuffle:6s} #{repeat}  local "
                             f"{run['local_samples_per_s']:9.0f} samples/s  stream "
-                            f"{run['stream_samples_per_s']:9.0f} samples/s  first batch "
+                            f"{run['stream_samples_per_s']:9.0f} samples/s "
+                            f"({run['stream_cpu_s_per_1k']:.3f} CPU-s/1k)  first batch "
                             f"{run['stream_first_batch_s']:.2f} s (pull+first "
                             f"{pull_first_s:.2f} s)  fetched/needed "
                             f"{run['fetched_over_needed']:.2f} ({stats.bytes_fetched / 1e6:.1f} MB)  "

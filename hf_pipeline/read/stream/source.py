@@ -28,7 +28,10 @@ deadline).
 
 Bounded memory: the blocks held between batches (prefetched, or kept after use) plus
 those the planner has reserved never exceed ``cache_bytes`` (:meth:`cache_state`). The
-batch being assembled is the only other memory: its own blocks, dropped after it.
+batch being assembled is the only other memory: its own blocks, dropped after it. The
+blocks of one read share its buffer (so a batch is copied out of a read in one go): a
+dropped block's bytes are returned with the last block of its read (as they were for
+a read without gaps before; a read with gaps keeps only its blocks' bytes).
 
 Thread-safety: ``gather`` may be called from several threads at once (the Loader's
 ``num_threads``); one ``plan`` at a time; ``close`` is idempotent.

@@ -3,13 +3,16 @@
 Same data, same run. Starts the real fake-gcs-server on loopback, generates the demo
 data, builds the cache and publishes it to ``gs://bench/caches``, then for each shuffle
 mode (``global``, ``block``) and each per-request latency (0 ms: straight to the
-server; else through ``tests/servers/proxy.py``'s fault proxy, which holds every data
-request that long before forwarding it):
+server; else through ``tests/servers/proxy.py``'s fault proxy, in a process of its own,
+which holds every data request that long and then forwards the body as it comes, in
+chunks: a per-request latency, time to the first byte):
 
 * ``local``: a :class:`~hf_pipeline.read.loader.Loader` over the local cache
   (``open_sample_source``), one epoch, samples/s as the consumer sees them;
 * ``stream``: the same Loader over a :class:`~hf_pipeline.read.stream.StreamSource` of
   the published folder (``--ahead``, ``--cache-mb``, ``--concurrency``): samples/s,
+  this process's CPU-seconds per 1,000 samples (``stream_cpu_s_per_1k``: every thread,
+  not the proxy's or the server's),
   time to first batch (open + first batch: one manifest read, then the first batch's
   blocks), bytes fetched / bytes the process's rows need (whole rows of every column),
   reads (requests), and of them the reads the planner started (``planned_reads``: its
@@ -25,8 +28,8 @@ request that long before forwarding it):
   planning, verification or assembly: MB/s of each. Streaming's MB/s (bytes fetched /
   epoch seconds) is reported as a share of the plain GETs' (``stream_share``): what the
   store and the proxy allow, against what the read path and the loader take of it. The
-  proxy is a Python process (``tests/servers/proxy.py``): when the ceiling is low the
-  bench, not the stream, is the bound.
+  proxy is a Python process (``tests/servers/proxy.py``, one thread per connection):
+  when the ceiling is low the bench, not the stream, is the bound.
 
 Time to first batch is also taken from the source's own timeline (``first_batch_s``:
 from the plan's start until the first batch's reads landed), with the seconds the reads
@@ -45,6 +48,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
 import shutil
 import sys
@@ -61,6 +65,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks._results import write_result  # noqa: E402
 from hf_pipeline.read.stream.options import StreamOptions  # noqa: E402
+
+#: Seconds to wait for the proxy process to start or answer; an hour of silence from
+#: the parent ends it (a bench killed hard leaves no proxy behind for long).
+PROXY_START_S = 60.0
+PROXY_IDLE_S = 3600.0
 
 #: ``--set KEY=VALUE`` overrides, appended to every config (e.g. a random encoder on a
 #: GPU host that reaches no model hub: ``--set encoder.model=DIR --set encoder.device=cuda``).
@@ -118,6 +127,65 @@ def publish_demo(tmp: Path, url: str, *, shards: int, samples: int):
     publish_cache(built.cache_dir, built.fingerprint, url, data_config=cfg.data)
     publish_s = time.perf_counter() - t0
     return data, cfg, built, f"{url}/{Path(built.cache_dir).name}", publish_s
+
+
+def _serve_proxy(conn, upstream: str, seconds: float, suffixes: tuple[str, ...]) -> None:
+    """Child process: a FaultProxy to ``upstream`` holding each request for a file
+    ending in one of ``suffixes`` ``seconds``; answers ``("bytes", match)`` / ``("requests", match)`` until "stop"."""
+    from tests.servers.proxy import Fault, FaultProxy
+
+    proxy = FaultProxy(upstream).start()
+    try:
+        if seconds > 0:
+            for suffix in suffixes:
+                proxy.add(Fault(match=suffix, action="stall", seconds=seconds, times=-1))
+        conn.send(proxy.url)
+        while conn.poll(PROXY_IDLE_S):
+            what = conn.recv()
+            if what == "stop":
+                break
+            kind, match = what
+            conn.send(proxy.body_bytes(match) if kind == "bytes" else proxy.count(match))
+    finally:
+        proxy.stop()
+
+
+class ProxyProcess:
+    """The latency proxy in a process of its own: its threads do not compete for this
+    process's GIL with the loader being measured (ours runs in this process)."""
+
+    def __init__(self, upstream: str, seconds: float, suffixes: tuple[str, ...] = (".arrow",)):
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=_serve_proxy, args=(child, upstream, seconds, suffixes), daemon=True
+        )
+        self._proc.start()
+        child.close()
+        if not self._conn.poll(PROXY_START_S):
+            self.stop()
+            raise TimeoutError(f"the proxy process did not start in {PROXY_START_S:.0f} s")
+        self.url: str = self._conn.recv()
+
+    def _ask(self, what):
+        self._conn.send(what)
+        if not self._conn.poll(PROXY_START_S):
+            raise TimeoutError(f"the proxy process did not answer in {PROXY_START_S:.0f} s")
+        return self._conn.recv()
+
+    def traffic(self, match: str) -> tuple[int, int]:
+        """(GET requests for bodies, body bytes sent) for paths containing ``match``."""
+        return self._ask(("requests", match)), self._ask(("bytes", match))
+
+    def stop(self) -> None:
+        try:
+            self._conn.send("stop")
+        except OSError:
+            pass
+        self._proc.join(PROXY_START_S)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(PROXY_START_S)
 
 
 def record_spans(stream) -> list[tuple[str, int, int]]:
@@ -182,6 +250,14 @@ def store_ceiling(stream, spans, concurrency: int) -> dict[str, float]:
     return out
 
 
+def _cpu_s() -> float:
+    """CPU seconds this process has used (user + system, all threads)."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def _epoch(loader) -> tuple[float, float, int]:
     """(seconds to the first batch, seconds for the epoch, samples) of one epoch."""
     t0 = time.perf_counter()
@@ -224,7 +300,6 @@ def main() -> None:
     from hf_pipeline.read.loader import Loader
     from hf_pipeline.read.stream import StreamSource
     from hf_pipeline.stores.retry import RetryPolicy
-    from tests.servers.proxy import Fault, FaultProxy
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-stream-"))
     server = start_bucket("bench")
@@ -255,8 +330,9 @@ def main() -> None:
         for latency in args.latency_ms:
             proxy = None
             if latency > 0:
-                proxy = FaultProxy(server.url).start()
-                proxy.add(Fault(match=".arrow", action="stall", seconds=latency / 1e3, times=-1))
+                # Its own process: its threads do not take this process's GIL from the
+                # loader being measured.
+                proxy = ProxyProcess(server.url, latency / 1e3)
                 os.environ["STORAGE_EMULATOR_HOST"] = proxy.url
             try:
                 # The pull pays the latency too: every file it downloads is a request.
@@ -291,7 +367,9 @@ def main() -> None:
                             # read_s is the epoch's, the ceiling replays the same reads.
                             stream.reset_stats()
                             spans = record_spans(stream)
+                            cpu0 = _cpu_s()
                             first_s, stream_s, n2 = _epoch(Loader(stream, **kw))
+                            cpu_s = _cpu_s() - cpu0
                             stats = stream.stats()
                             # This epoch's own reads (their number varies from run to
                             # run with the refills), replayed with nothing but the fetch.
@@ -310,6 +388,9 @@ def main() -> None:
                             "samples": n,
                             "local_samples_per_s": n / local_s,
                             "stream_samples_per_s": n / stream_s,
+                            # This process's CPU (every thread: gathers, reads, the
+                            # HTTP client's loop; not the proxy's, not the server's).
+                            "stream_cpu_s_per_1k": cpu_s / n * 1000,
                             "stream_first_batch_s": open_s + first_s,
                             "pull_first_batch_s": pull_first_s,
                             "pull_over_stream_first_batch": pull_first_s / (open_s + first_s),
@@ -336,7 +417,8 @@ def main() -> None:
                         print(
                             f"latency {latency:4.0f} ms  {shuffle:6s} #{repeat}  local "
                             f"{run['local_samples_per_s']:9.0f} samples/s  stream "
-                            f"{run['stream_samples_per_s']:9.0f} samples/s  first batch "
+                            f"{run['stream_samples_per_s']:9.0f} samples/s "
+                            f"({run['stream_cpu_s_per_1k']:.3f} CPU-s/1k)  first batch "
                             f"{run['stream_first_batch_s']:.2f} s (pull+first "
                             f"{pull_first_s:.2f} s)  fetched/needed "
                             f"{run['fetched_over_needed']:.2f} ({stats.bytes_fetched / 1e6:.1f} MB)  "

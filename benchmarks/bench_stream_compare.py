@@ -87,12 +87,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks import bench_stream  # noqa: E402  (sets the environment defaults)
 from benchmarks._results import write_result  # noqa: E402
+from benchmarks.bench_stream import PROXY_START_S, ProxyProcess  # noqa: E402
 from hf_pipeline.read.stream.options import StreamOptions  # noqa: E402
 
-#: Seconds to wait for the proxy process to start or answer; an hour of silence from
-#: the parent ends it (a bench killed hard leaves no proxy behind for long).
-PROXY_START_S = 60.0
-PROXY_IDLE_S = 3600.0
 #: Seconds between polls of Mosaic's local folder for its peak size.
 POLL_S = 0.02
 #: The data files each latency holds: ours (Arrow) and Mosaic's (MDS shards).
@@ -122,63 +119,6 @@ def _skip_streaming_init() -> str:
 
 
 IMPORT_NOTE = _skip_streaming_init()
-
-
-def _serve_proxy(conn, upstream: str, seconds: float) -> None:
-    """Child process: a FaultProxy to ``upstream`` holding each data file request
-    ``seconds``; answers ``("bytes", match)`` / ``("requests", match)`` until "stop"."""
-    from tests.servers.proxy import Fault, FaultProxy
-
-    proxy = FaultProxy(upstream).start()
-    try:
-        if seconds > 0:
-            for suffix in DATA_SUFFIXES:
-                proxy.add(Fault(match=suffix, action="stall", seconds=seconds, times=-1))
-        conn.send(proxy.url)
-        while conn.poll(PROXY_IDLE_S):
-            what = conn.recv()
-            if what == "stop":
-                break
-            kind, match = what
-            conn.send(proxy.body_bytes(match) if kind == "bytes" else proxy.count(match))
-    finally:
-        proxy.stop()
-
-
-class ProxyProcess:
-    """The latency proxy in a process of its own: its threads do not compete for this
-    process's GIL with the loader being measured (ours runs in this process)."""
-
-    def __init__(self, upstream: str, seconds: float):
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve_proxy, args=(child, upstream, seconds), daemon=True)
-        self._proc.start()
-        child.close()
-        if not self._conn.poll(PROXY_START_S):
-            self.stop()
-            raise TimeoutError(f"the proxy process did not start in {PROXY_START_S:.0f} s")
-        self.url: str = self._conn.recv()
-
-    def _ask(self, what):
-        self._conn.send(what)
-        if not self._conn.poll(PROXY_START_S):
-            raise TimeoutError(f"the proxy process did not answer in {PROXY_START_S:.0f} s")
-        return self._conn.recv()
-
-    def traffic(self, match: str) -> tuple[int, int]:
-        """(GET requests for bodies, body bytes sent) for paths containing ``match``."""
-        return self._ask(("requests", match)), self._ask(("bytes", match))
-
-    def stop(self) -> None:
-        try:
-            self._conn.send("stop")
-        except OSError:
-            pass
-        self._proc.join(PROXY_START_S)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(PROXY_START_S)
 
 
 def _tree_bytes(folder: Path) -> int:
@@ -379,7 +319,7 @@ def main() -> None:
         next(iter(Loader(local, process_index=0, process_count=1, global_batch_size=args.batch)))
         runs = []
         for latency in args.latency_ms:
-            proxy = ProxyProcess(server.url, latency / 1e3)
+            proxy = ProxyProcess(server.url, latency / 1e3, DATA_SUFFIXES)
             os.environ["STORAGE_EMULATOR_HOST"] = proxy.url
             try:
                 for shuffle in args.shuffle:

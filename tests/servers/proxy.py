@@ -2,7 +2,10 @@
 
 Put it between a client and a real server (fake-gcs-server, the fake Hub) and it
 forwards every request, except that requests matching a :class:`Fault` get a 5xx/429,
-a connection reset, a truncated body, a stall, a throttled body, or a body sent through one link shared by all such requests. It counts every
+a connection reset, a truncated body, a stall, a throttled body, or a body sent through one link shared by all such requests.
+A body with no fault, or after a stall, is forwarded as it arrives (chunks of 256 KiB
+as upstream sends them), never held whole: a stall is a per-request latency (time to
+the first byte), and the body then streams at the speed of upstream and the client. It counts every
 request so tests can assert what was (not) fetched again, and the body bytes it sent
 (:meth:`FaultProxy.body_bytes`: what a client fetched, counted the same for any client).
 """
@@ -23,6 +26,9 @@ from urllib.parse import unquote, urlsplit
 from tests.servers.loopback import LoopbackServer
 
 __all__ = ["Fault", "FaultProxy"]
+
+#: Bytes forwarded at a time when a body is streamed (no fault, or a stall).
+_STREAM_CHUNK = 256 << 10
 
 _HOP = {
     "connection",
@@ -215,12 +221,23 @@ class FaultProxy(LoopbackServer):
                     headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
                     conn.request(self.command, self.path, body=body, headers=headers)
                     resp = conn.getresponse()
-                    data = resp.read()
                     out_headers = [
                         (k, v)
                         for k, v in resp.getheaders()
                         if k.lower() not in _HOP | {"content-length"}
                     ]
+                    length = resp.getheader("Content-Length")
+                    if (
+                        self.command == "GET"
+                        and (fault is None or fault.action == "stall")
+                        and length is not None
+                        and length.isdigit()
+                    ):
+                        # Forwarded as it arrives, as a store sends a body: the client
+                        # reads the first bytes while the last are still upstream.
+                        self._stream(path, resp, out_headers, int(length))
+                        return
+                    data = resp.read()
                 finally:
                     conn.close()
                 self.send_response(resp.status)
@@ -266,6 +283,28 @@ class FaultProxy(LoopbackServer):
                 # Counted once written: a body the client reset mid-way is not counted.
                 if self.command == "GET":
                     proxy._body_sent(path, len(data))
+
+            def _stream(self, path, resp, out_headers, length: int) -> None:
+                """Send ``resp``'s body on in chunks as they come from upstream."""
+                self.send_response(resp.status)
+                for k, v in out_headers:
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(length))
+                self.end_headers()
+                sent = 0
+                while sent < length:
+                    if proxy._stop.is_set():
+                        self.close_connection = True
+                        return
+                    chunk = resp.read1(_STREAM_CHUNK)
+                    if not chunk:  # upstream ended early: the client sees a short body
+                        self.close_connection = True
+                        break
+                    self.wfile.write(chunk)
+                    sent += len(chunk)
+                self.wfile.flush()
+                # Counted once written: a body the client reset mid-way is not counted.
+                proxy._body_sent(path, sent)
 
             do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _forward
 

@@ -28,7 +28,10 @@ deadline).
 
 Bounded memory: the blocks held between batches (prefetched, or kept after use) plus
 those the planner has reserved never exceed ``cache_bytes`` (:meth:`cache_state`). The
-batch being assembled is the only other memory: its own blocks, dropped after it.
+batch being assembled is the only other memory: its own blocks, dropped after it. The
+blocks of one read share its buffer (so a batch is copied out of a read in one go): a
+dropped block's bytes are returned with the last block of its read (as they were for
+a read without gaps before; a read with gaps keeps only its blocks' bytes).
 
 Thread-safety: ``gather`` may be called from several threads at once (the Loader's
 ``num_threads``); one ``plan`` at a time; ``close`` is idempotent.
@@ -89,6 +92,12 @@ _DEMAND = -1
 #: Batches a gather may be ahead of those released, beyond ``ahead``: how far a gather
 #: looks for its batch in the plan (more gathering threads than this never occur).
 _MAX_GATHER_LEAD = 256
+
+
+#: A verified block: ``(its read's buffer, the block's byte offset in it)`` (its size is
+#: ``_block_bytes``). A read's blocks share its buffer: a batch is copied out of them in
+#: one fancy-index per read (:meth:`StreamSource._assemble`).
+_Held = tuple[np.ndarray, int]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -212,7 +221,8 @@ class StreamSource:
         )
         self._closed = False
         self._counts: collections.Counter[str] = collections.Counter()
-        self._blocks: dict[int, np.ndarray] = {}
+        # Held blocks: block id -> (its read's buffer, byte offset of the block there).
+        self._blocks: dict[int, _Held] = {}
         # Held blocks no plan needs now, least recently used first; their bytes.
         self._kept: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._kept_bytes = 0
@@ -461,24 +471,46 @@ class StreamSource:
         return result
 
     def _assemble(self, col, blocks, ids, within, sub) -> np.ndarray:
-        """The rows (or one crop of each) out of their blocks: one fancy-index copy."""
-        uniq, inverse = np.unique(ids, return_inverse=True)
-        parts = [blocks[int(b)] for b in uniq]
-        sizes = np.array([p.size for p in parts], dtype=np.int64)
-        base = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-        buf = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        offsets = base[inverse] + within
+        """The rows (or one crop of each) out of their blocks: one fancy-index copy per
+        read buffer the blocks lie in (:meth:`_read_blocks`), of the rows' bytes only.
+        The blocks were once joined into one array first: a copy of every byte of every
+        block the batch touched, under the GIL (a globally shuffled batch needs one row
+        of each 64 KiB block: several times its own bytes)."""
         shape = col.row_shape
         item = col.row_bytes
         if sub is not None:
             item = col.row_bytes // shape[0]
-            offsets = offsets + sub * item
+            within = within + sub * item
             shape = shape[1:]
-        # Every offset is a multiple of `item` (blocks hold whole rows, rows whole crops).
-        view = np.lib.stride_tricks.as_strided(
-            buf, shape=(buf.size // item, item), strides=(item, 1), writeable=False
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        held = [blocks[b] for b in uniq.tolist()]
+        # The read buffers (one per read), and each block's buffer and offset there.
+        _, first, group = np.unique(
+            np.array([id(buf) for buf, _ in held], dtype=np.int64),
+            return_index=True,
+            return_inverse=True,
         )
-        got = view[offsets // item]
+        buffers = [held[k][0] for k in first.tolist()]
+        start = np.array([offset for _, offset in held], dtype=np.int64)
+        offsets = start[inverse] + within
+
+        def rows_of(buf: np.ndarray) -> np.ndarray:
+            # A row may start at any byte of a read (a read may hold blocks of several
+            # columns): rows of ``item`` bytes at a stride of one byte, read-only.
+            return np.lib.stride_tricks.as_strided(
+                buf, shape=(buf.size - item + 1, item), strides=(1, 1), writeable=False
+            )
+
+        if len(buffers) == 1:
+            got = rows_of(buffers[0])[offsets]
+        else:
+            got = np.empty((ids.size, item), dtype=np.uint8)
+            of_row = group[inverse]
+            order = np.argsort(of_row, kind="stable")
+            bounds = np.searchsorted(of_row[order], np.arange(len(buffers) + 1))
+            for k, buf in enumerate(buffers):
+                rows = order[bounds[k] : bounds[k + 1]]
+                got[rows] = rows_of(buf)[offsets[rows]]
         return got.view(col.dtype).reshape((ids.size, *shape))
 
     def _read_column(self, col: _Column, phys: np.ndarray) -> np.ndarray:
@@ -488,10 +520,10 @@ class StreamSource:
 
     # ------------------------------------------------------------------ blocks
 
-    def _obtain(self, ids: np.ndarray) -> dict[int, np.ndarray]:
+    def _obtain(self, ids: np.ndarray) -> dict[int, _Held]:
         """The verified bytes of blocks ``ids``: held ones, in flight ones, the rest
         fetched now (kept afterwards while the limit allows)."""
-        got: dict[int, np.ndarray] = {}
+        got: dict[int, _Held] = {}
         waits: dict[Future, list[int]] = {}
         missing = []
         with self._lock:
@@ -532,7 +564,7 @@ class StreamSource:
                 rest.append(b)
         return rest
 
-    def _result(self, future: Future) -> dict[int, np.ndarray]:
+    def _result(self, future: Future) -> dict[int, _Held]:
         """A read's blocks, waiting at most as long as its retries can take."""
         p = self.policy
         limit = (p.max_retries + 1) * (p.file_timeout + p.backoff_max) * 2 + 10
@@ -661,7 +693,7 @@ class StreamSource:
         else:
             future.set_exception(error)
 
-    def _read_blocks(self, run: list[int]) -> dict[int, np.ndarray]:
+    def _read_blocks(self, run: list[int]) -> dict[int, _Held]:
         """Fetch one run of neighbouring blocks and verify each; once more on a mismatch."""
         rel = self._files[int(self._block_file[run[0]])]
         start = int(self._block_start[run[0]])
@@ -672,20 +704,25 @@ class StreamSource:
         offsets = (self._block_start[run] - start).tolist()
         sizes = self._block_bytes[run].tolist()
         digests = self._block_digest[run].tolist()
-        # A copy only when the read spanned gaps: the gaps' bytes must not stay alive
-        # behind a view (they are not counted as held).
-        views = len(run) == 1 or end - start == sum(sizes)
+        # A block is ``(buffer, offset)``: the read's one buffer (so a batch is copied
+        # out of a read's blocks in one go, :meth:`_assemble`), the read's own bytes
+        # when it has no gaps, else the blocks joined without the gaps (the gaps' bytes
+        # must not stay alive behind a block: they are not counted as held).
+        gaps = len(run) > 1 and end - start != sum(sizes)
         for attempt in (1, 2):
             data = np.frombuffer(self._read(rel, start, end), dtype=np.uint8)
-            out, bad = {}, None
+            bad = None
             for b, s, n, digest in zip(run, offsets, sizes, digests, strict=True):
-                block = data[s : s + n]
-                if block_digest(block) != digest:
+                if block_digest(data[s : s + n]) != digest:
                     bad = b
                     break
-                out[b] = block if views else block.copy()
             if bad is None:
-                return out
+                if gaps:
+                    data = np.concatenate(
+                        [data[s : s + n] for s, n in zip(offsets, sizes, strict=True)]
+                    )
+                    offsets = np.concatenate([[0], np.cumsum(sizes[:-1])]).tolist()
+                return dict(zip(run, ((data, s) for s in offsets), strict=True))
             if attempt == 1:
                 with self._lock:
                     self._counts["refetched"] += 1
@@ -916,7 +953,7 @@ class StreamSource:
         with self._lock:
             return {
                 "blocks": len(self._blocks),
-                "bytes": int(sum(a.nbytes for a in self._blocks.values())),
+                "bytes": int(self._block_bytes[list(self._blocks)].sum()) if self._blocks else 0,
                 "reserved_bytes": self._reserved_bytes,
                 "limit_bytes": self.options.cache_bytes,
             }

@@ -63,7 +63,14 @@ def _same(a: list[dict], b: list[dict]) -> None:
             assert x_k.tobytes() == y_k.tobytes(), f"record/batch {i} {k} differs"
 
 
-@pytest.mark.parametrize("crop", ["random", 1, "all"])
+@pytest.mark.parametrize(
+    "crop",
+    [
+        pytest.param("random", marks=pytest.mark.slow),
+        1,
+        pytest.param("all", marks=pytest.mark.slow),
+    ],
+)
 def test_streamed_records_equal_local(crop, published, source_cache):
     """Every record, batched reads and Grain's MapDataset shuffle + batch: bit for bit
     the local GrainSource's, with a cache smaller than the data (never passed)."""

@@ -170,9 +170,9 @@ def test_the_first_batch_is_not_held_behind_the_epoch(gcs_cache, local_source, m
     every later batch's and landed with the last of them: the first batch came after
     ~95% of the epoch's read time (on the H200 host 3-4 s, slower than pulling the
     whole cache first). Now reads start in batch order and the bytes in flight are
-    bounded by a few batches' bytes: the first batch lands within 35% of the time the
-    epoch's reads take (about 4 batches of the epoch's ~20 here), measured by the
-    consumer and by the source's own timeline. The batches are still the local ones."""
+    bounded by a few batches' bytes: when the first batch lands, at most a few of the
+    epoch's ~20 reads have started (the source's count at that moment). The batches are
+    still the local ones."""
     server, url = gcs_cache
     kw = {
         "global_batch_size": 16,
@@ -210,8 +210,14 @@ def test_the_first_batch_is_not_held_behind_the_epoch(gcs_cache, local_source, m
             stats = stream.stats()
     _same(want, got)
     assert len(want) >= 12 and stats.planned_reads >= 12, (len(want), stats)
-    assert first <= 0.35 * epoch, (first, epoch, stats)
-    assert stats.first_batch_s is not None and stats.first_batch_s <= 0.35 * stats.read_s, stats
+    # When the first batch had landed, under half of the epoch's reads had been sent (11
+    # of 28 here at every load tried; without the in-flight bound all 28: batch 0
+    # shared the link with every later read and landed at 2.42 s of a 2.53 s epoch).
+    # A count, not a time: the time ratio (first <= 0.35 x epoch) failed in the full
+    # suite at load 9-15 (1.20 s of 3.15 s); the times are the bench's (first_batch_s).
+    assert stats.first_batch_reads is not None, stats
+    assert stats.first_batch_reads <= stats.requests // 2, stats
+    assert first < epoch, (first, epoch, stats)
     assert stats.max_inflight_bytes <= max(4 * batch_bytes, options.max_read_bytes), stats
 
 
@@ -234,10 +240,11 @@ def test_verifying_a_long_read_is_linear_in_its_blocks(gcs_cache):
     Each block recomputed the sum of the whole run's sizes in Python: quadratic, seconds
     of GIL per epoch that the gathering threads waited for. Now the CPU time verifying a
     read of all of a file's latent blocks takes beyond fetching the same bytes is at
-    most 5 ms plus 20 us a block (xxh3 and a copy of a block are microseconds). The
-    test cache's files are 25 blocks each: the run is a file's blocks 20 times over (500
-    blocks verified: 3 ms; before, 49 ms, quadratic: ~170 blocks a read on the H200
-    host, ~100 reads an epoch)."""
+    most 5 ms plus 30 us a block (xxh3 and a copy of a block are microseconds). The
+    test cache's files are 25 blocks each: the run is a file's blocks 40 times over
+    (1,000 blocks; 500 took 5-10 ms with the compact read buffers, 3 ms before them, and
+    49 ms when it was quadratic, which grows 4x to 1,000: ~170 blocks a read on the H200
+    host, ~100 reads an epoch). 20 us a block failed once at load ~9."""
     _, url = gcs_cache
     with StreamSource(url, StreamOptions(cache_bytes=0), policy=_FAST) as stream:
         lat = stream._columns["latents"]
@@ -254,7 +261,7 @@ def test_verifying_a_long_read_is_linear_in_its_blocks(gcs_cache):
         rel = stream._files[int(file)]
         start = int(stream._block_start[run[0]])
         end = int(stream._block_start[run[-1]] + stream._block_bytes[run[-1]])
-        run = run * -(-500 // len(run))
+        run = run * -(-1000 // len(run))
         fetch = verify = float("inf")
         for _ in range(3):  # the least of three: this thread's CPU, not another's
             t0 = time.thread_time()
@@ -263,8 +270,8 @@ def test_verifying_a_long_read_is_linear_in_its_blocks(gcs_cache):
             t0 = time.thread_time()
             blocks = stream._read_blocks(run)
             verify = min(verify, time.thread_time() - t0)
-    assert len(run) >= 500 and len(blocks) == len(set(run)), len(run)
-    assert verify - fetch <= 0.005 + 0.00002 * len(run), (verify, fetch, len(run))
+    assert len(run) >= 1000 and len(blocks) == len(set(run)), len(run)
+    assert verify - fetch <= 0.005 + 0.00003 * len(run), (verify, fetch, len(run))
 
 
 def test_the_latency_proxy_streams_bodies():

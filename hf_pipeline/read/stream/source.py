@@ -124,6 +124,10 @@ class StreamStats:
             (bounded by :meth:`StreamSource.inflight_limit`).
         first_batch_s: seconds from the plan's start until the reads of its first batch
             had all landed (None: no plan, or not landed yet).
+        first_batch_reads: reads this source had sent to the store (planned and on
+            demand; queued ones not counted) when the first batch's reads had all landed:
+            how far the epoch's reads ran ahead of the first batch (None as for
+            ``first_batch_s``).
         read_s: seconds the reads took together, from the first started to the last
             landed (the wall time the store was busy for this source).
     """
@@ -142,6 +146,7 @@ class StreamStats:
     limit_bytes: int
     max_inflight_bytes: int = 0
     first_batch_s: float | None = None
+    first_batch_reads: int | None = None
     read_s: float = 0.0
 
 
@@ -241,6 +246,7 @@ class StreamSource:
         self._plan_t0: float | None = None
         self._first_batch: set[int] | None = None  # blocks of it not landed yet
         self._first_batch_s: float | None = None
+        self._first_batch_reads: int | None = None
         self._planner: _Planner | None = None
         try:
             self._open(name, fingerprint)
@@ -665,6 +671,7 @@ class StreamSource:
             if not future.set_running_or_notify_cancel():
                 continue
             self._running += 1
+            self._counts["dispatched_reads"] += 1
             self._inflight_bytes += nbytes
             self._max_inflight = max(self._max_inflight, self._inflight_bytes)
             if self._first_read is None:
@@ -792,7 +799,7 @@ class StreamSource:
             if blocks is not None and self._first_batch:
                 self._first_batch.difference_update(run)
                 if not self._first_batch and self._plan_t0 is not None:
-                    self._first_batch_s = time.monotonic() - self._plan_t0
+                    self._first_batch_landed()
             for b in run:
                 reserved = b in self._reserved
                 if reserved:
@@ -829,6 +836,7 @@ class StreamSource:
         if batches is not None and not self._closed:
             with self._lock:
                 self._plan_t0, self._first_batch, self._first_batch_s = time.monotonic(), None, None
+                self._first_batch_reads = None
             self._planner = _Planner(self, batches)
 
     def _planned_batch(self, index: int, ids: np.ndarray) -> None:
@@ -839,7 +847,14 @@ class StreamSource:
         if index == 0 and self._first_batch is None:
             self._first_batch = {b for b in ids.tolist() if b not in self._blocks}
             if not self._first_batch and self._plan_t0 is not None:
-                self._first_batch_s = time.monotonic() - self._plan_t0
+                self._first_batch_landed()
+
+    def _first_batch_landed(self) -> None:
+        """The plan's first batch is held (caller holds the lock, ``_plan_t0`` is set)."""
+        if self._plan_t0 is None:
+            return
+        self._first_batch_s = time.monotonic() - self._plan_t0
+        self._first_batch_reads = self._counts["dispatched_reads"]
 
     def _start_planned(self, blocks: dict[int, int]) -> None:
         """Queue the reads of blocks reserved by the planner (caller holds the lock),
@@ -940,6 +955,7 @@ class StreamSource:
                 limit_bytes=self.options.cache_bytes,
                 max_inflight_bytes=self._max_inflight,
                 first_batch_s=self._first_batch_s,
+                first_batch_reads=self._first_batch_reads,
                 read_s=(
                     self._last_read - self._first_read
                     if self._first_read is not None and self._last_read is not None

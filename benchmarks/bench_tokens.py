@@ -210,7 +210,10 @@ def main() -> None:
             for mode in args.modes.split(","):
                 cmd = [sys.executable, __file__, "--child", mode, "--dir", tmp]
                 cmd += ["--num-proc", str(args.num_proc), "--max-length", str(args.max_length)]
-                out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode:
+                    sys.exit(f"{mode} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+                out = done.stdout
                 res = json.loads(out.strip().splitlines()[-1])
                 results.setdefault(mode, []).append(res)
                 print(run, json.dumps(res), flush=True)

@@ -120,16 +120,20 @@ class PersistentPool:
             # The block's fork server forks the workers; the block ends with close().
             stack.enter_context(clean_workers())
             ctx = multiprocess.get_context()
-            for k in range(self.num_proc):
-                ours, theirs = ctx.Pipe()
-                proc = ctx.Process(
-                    target=_serve, args=(theirs, self._setup, self._arg, self._work),
-                    name=f"{self._name}-{k}", daemon=True,
-                )  # fmt: skip
-                proc.start()
-                theirs.close()
-                self._procs.append(proc)
-                self._conns.append(ours)
+            try:
+                for k in range(self.num_proc):
+                    ours, theirs = ctx.Pipe()
+                    proc = ctx.Process(
+                        target=_serve, args=(theirs, self._setup, self._arg, self._work),
+                        name=f"{self._name}-{k}", daemon=True,
+                    )  # fmt: skip
+                    proc.start()
+                    theirs.close()
+                    self._procs.append(proc)
+                    self._conns.append(ours)
+            except BaseException:
+                self._stop(graceful=False)  # the ones started; the block ends after
+                raise
             self._stack = stack.pop_all()
         self.starts += 1
 

@@ -381,6 +381,11 @@ def test_token_ids_are_a_unit_of_their_own_built_by_the_workers(inputs):
         assert f"tokens-{text}-{key}" in uses, uses
     reuse = res.report["reuse"]
     assert reuse["tokens_built"] == reuse["parts"] and reuse["tokens_reused"] == 0, reuse
+    # One pool for the build: the same workers tokenized every part (their tokenizer
+    # loaded once each), and none outlived the build.
+    pids = {pid for part in res.report["parts"] for pid in part["tokens"]["worker_pids"]}
+    assert 1 <= len(pids) <= 2, [p["tokens"]["worker_pids"] for p in res.report["parts"]]
+    assert not [p for p in pids if Path(f"/proc/{p}").exists()], pids
     for part in res.report["parts"]:
         assert "seconds_tokenize" not in part["embed"], part["embed"]
         made = part["tokens"]

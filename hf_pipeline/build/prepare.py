@@ -957,7 +957,7 @@ def _ensure_parts(
         read_keys,
         text_part,
     )
-    from hf_pipeline.build.tokens import tokenize_part
+    from hf_pipeline.build.tokens import TokenizerPool, tokenize_part
 
     store = store_dir(cfg.cache_root)
     store.mkdir(parents=True, exist_ok=True)
@@ -1007,6 +1007,22 @@ def _ensure_parts(
                 spec = tok.export(folder)
                 tokenizing.update(key=tokenizer_key(tok), spec=spec if spec is not None else tok)
             return tokenizing["key"], tokenizing["spec"]
+
+        def token_pool() -> TokenizerPool | None:
+            """The build's tokenizing workers, started for the first part whose token
+            ids are missing and reused by every later one (their tokenizer loaded once
+            each); stopped when this function ends. None with ``num_proc`` 1 or a
+            tokenizer no worker can load (it runs on the embedding's thread)."""
+            if "pool" not in tokenizing:
+                from hf_pipeline.build.convert import check_workers_can_start
+                from hf_pipeline.encoder.model import TokenizerSpec
+
+                spec, procs = tokenizer()[1], cfg.build.effective_num_proc
+                tokenizing["pool"] = None
+                if isinstance(spec, TokenizerSpec) and procs > 1:
+                    check_workers_can_start(procs)
+                    tokenizing["pool"] = stack.enter_context(TokenizerPool(spec, num_proc=procs))
+            return tokenizing["pool"]
 
         def captions(ctx):
             t0 = time.monotonic()
@@ -1062,10 +1078,10 @@ def _ensure_parts(
                 wall0 = time.time()  # wall clock: the timeline compares processes
                 info = tokenize_part(
                     part_files(text_folder, "captions"), tokenizer=tokenizer()[1],
-                    num_proc=cfg.build.effective_num_proc, probe=ctx.probe,
-                    out_dir=Path(ctx.tmp_dir), fingerprint=_short(part.tokens_id),
+                    pool=token_pool(), probe=ctx.probe, out_dir=Path(ctx.tmp_dir),
                     batch_rows=cfg.build.writer_batch_size,
                     writer_batch_size=cfg.build.writer_batch_size,
+                    timeout=cfg.coord.max_wait,
                 )  # fmt: skip
                 return {
                     "tokens": info, "builder": _me(), "built_for": fingerprint,

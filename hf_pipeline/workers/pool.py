@@ -87,8 +87,8 @@ _CLEAN = ("spawn", "forkserver")
 
 #: What the fork server imports once for all workers: what a join worker runs
 #: (``datasets``' map loop, torch for ``torch.load``, our join) and a tokens worker
-#: (``tokenizers`` and :mod:`hf_pipeline.build.tokens`: about 0.5 s of imports that every
-#: worker of every part's tokenization paid otherwise, its pool being new each part);
+#: (``tokenizers`` and :mod:`hf_pipeline.build.tokens`: about 0.5 s of imports that each
+#: worker of the build's tokenizing pool paid otherwise);
 #: no more, since the first shard waits for it.
 PRELOAD = (
     "hf_pipeline.workers.forkserver_init",  # first: the server and its children die with the builder

@@ -1,0 +1,240 @@
+"""A part's token ids (:mod:`hf_pipeline.build.tokens`) and the build's tokenizing pool
+(:mod:`hf_pipeline.workers.persistent`): real worker processes from the build's clean
+fork server, a real lease taken over, a real SIGKILL of the builder."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from hf_pipeline.build.parts import read_column
+from hf_pipeline.build.tokens import TOKENS_FILE, TokenizerPool, tokenize_part
+from hf_pipeline.config import load_config
+
+CAPTIONS = [f"caption number {i} of a cat on a mat, {'very ' * (i % 9)}long" for i in range(40)]
+#: Every 7th row is not kept: its ids are an empty list.
+REASONS = ["missing_caption" if i % 7 == 3 else "" for i in range(len(CAPTIONS))]
+
+
+def _caption_file(folder: Path, captions=CAPTIONS, reasons=REASONS) -> Path:
+    """A ``text`` unit's captions file (the schema :func:`text_part` writes)."""
+    from datasets import Features, Value
+    from datasets.arrow_writer import ArrowWriter
+
+    path = folder / "captions" / "data.arrow"
+    path.parent.mkdir(parents=True)
+    features = Features({"caption": Value("string"), "drop_reason": Value("string")})
+    with ArrowWriter(features=features, path=str(path)) as writer:
+        writer.write_table(pa.table({"caption": captions, "drop_reason": reasons}))
+        writer.finalize()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """The MiniLM tokenizer (transformers) and the spec the workers load."""
+    from hf_pipeline.encoder.model import CaptionTokenizer
+
+    tok = CaptionTokenizer(load_config(None, ["encoder.max_length=16"]).encoder)
+    return tok, tok.export(tmp_path_factory.mktemp("spec"))
+
+
+class _Lease:
+    """A real lease (``dist.lease``) and its probe; ``take_over_at`` checks in, another
+    builder takes the lease over (before the check reads it)."""
+
+    def __init__(self, folder: Path, take_over_at: int | None = None):
+        from dist.lease import LeaseProbe, try_claim
+
+        folder.mkdir(parents=True, exist_ok=True)
+        assert try_claim(folder, "ours", "host", os.getpid())
+        self.folder, self.probe = folder, LeaseProbe(folder, "ours")
+        self.take_over_at, self.checks = take_over_at, 0
+
+    def check(self) -> None:
+        from dist.lease import move_lease, try_claim
+
+        self.checks += 1
+        if self.checks == self.take_over_at:
+            assert move_lease(self.folder, "ours", "takeover")
+            assert try_claim(self.folder, "theirs", "host", os.getpid())
+        self.probe.check()
+
+
+def _ids(out_dir: Path) -> list[list[int]]:
+    return read_column([out_dir / TOKENS_FILE], "input_ids").to_pylist()
+
+
+def _gone(pids, timeout: float = 30.0) -> bool:
+    """Every process of ``pids`` has exited (or is a zombie) within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state != "Z":
+                alive.append(pid)
+        if not alive:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_token_ids_are_the_tokenizers_and_one_pool_tokenizes_every_part(tmp_path, tokenizer):
+    """The ids are the transformers tokenizer's own (an empty list where a row is not
+    kept), by the same worker processes for every part (started once, the tokenizer
+    loaded once each), which exit when the pool closes; ``num_proc`` 1 (no pool)
+    writes the same file."""
+    tok, spec = tokenizer
+    first, second = (
+        _caption_file(tmp_path / "a"),
+        _caption_file(tmp_path / "b", CAPTIONS[::-1], REASONS[::-1]),
+    )
+    lease = _Lease(tmp_path / "lease")
+    infos = []
+    with TokenizerPool(spec, num_proc=2) as pool:
+        for k, part in enumerate([first, second, first]):
+            infos.append(
+                tokenize_part(
+                    [part],
+                    tokenizer=spec,
+                    pool=pool,
+                    probe=lease,
+                    out_dir=tmp_path / f"o{k}",
+                    batch_rows=8,
+                    writer_batch_size=8,
+                    timeout=120,
+                )  # fmt: skip
+            )
+        pids = pool.pids
+        assert pool.starts == 1 and len(pids) == 2 and os.getpid() not in pids
+    want = [ids if r == "" else [] for ids, r in zip(tok(CAPTIONS), REASONS, strict=True)]
+    assert _ids(tmp_path / "o0") == want == _ids(tmp_path / "o2")
+    assert _ids(tmp_path / "o1") == want[::-1]
+    for info in infos:
+        # Every worker took a slice of every part: two slices each at least.
+        assert info["worker_pids"] == sorted(pids), (info, pids)
+        assert info["rows"] == len(CAPTIONS) and info["num_proc"] == 2, info
+    assert _gone(pids), f"the pool's workers {pids} outlived it"
+    alone = tokenize_part(
+        [first], tokenizer=spec, pool=None, probe=lease, out_dir=tmp_path / "alone",
+        batch_rows=8, writer_batch_size=8, timeout=120,
+    )  # fmt: skip
+    assert alone["worker_pids"] == [] and alone["num_proc"] == 1, alone
+    assert (tmp_path / "alone" / TOKENS_FILE).read_bytes() == (
+        tmp_path / "o0" / TOKENS_FILE
+    ).read_bytes()
+
+
+def test_a_part_of_no_rows_has_an_empty_file(tmp_path, tokenizer):
+    _, spec = tokenizer
+    empty = _caption_file(tmp_path / "e", [], [])
+    with TokenizerPool(spec, num_proc=2) as pool:
+        info = tokenize_part(
+            [empty], tokenizer=spec, pool=pool, probe=_Lease(tmp_path / "lease"),
+            out_dir=tmp_path / "o", batch_rows=8, writer_batch_size=8, timeout=60,
+        )  # fmt: skip
+        assert pool.starts == 0, "workers started for no rows"
+    assert info["rows"] == 0 and _ids(tmp_path / "o") == []
+
+
+def test_a_lost_lease_stops_the_part_and_its_workers(tmp_path, tokenizer):
+    """A lease taken over while the workers tokenize: the part stops (LeaseLostError),
+    writes no file, its workers are stopped (their slices were in flight); the next
+    part starts new ones and is right."""
+    from dist.lease import LeaseLostError
+
+    tok, spec = tokenizer
+    part = _caption_file(tmp_path / "a")
+    with TokenizerPool(spec, num_proc=2) as pool:
+        lease = _Lease(tmp_path / "lost", take_over_at=4)  # after 2 slices are handed out
+        with pytest.raises(LeaseLostError):
+            tokenize_part(
+                [part], tokenizer=spec, pool=pool, probe=lease, out_dir=tmp_path / "o",
+                batch_rows=4, writer_batch_size=8, timeout=120,
+            )  # fmt: skip
+        assert not (tmp_path / "o" / TOKENS_FILE).exists()
+        assert pool.pids == [] and pool.starts == 1
+        tokenize_part(
+            [part], tokenizer=spec, pool=pool, probe=_Lease(tmp_path / "ok"),
+            out_dir=tmp_path / "o2", batch_rows=4, writer_batch_size=8, timeout=120,
+        )  # fmt: skip
+        assert pool.starts == 2
+    want = [ids if r == "" else [] for ids, r in zip(tok(CAPTIONS), REASONS, strict=True)]
+    assert _ids(tmp_path / "o2") == want
+
+
+def test_a_worker_killed_between_parts_is_replaced(tmp_path, tokenizer):
+    _, spec = tokenizer
+    part = _caption_file(tmp_path / "a")
+    lease = _Lease(tmp_path / "lease")
+    kw = dict(tokenizer=spec, probe=lease, batch_rows=8, writer_batch_size=8, timeout=120)
+    with TokenizerPool(spec, num_proc=2) as pool:
+        tokenize_part([part], pool=pool, out_dir=tmp_path / "o1", **kw)
+        victim = pool.pids[0]
+        os.kill(victim, signal.SIGKILL)
+        assert _gone([victim])
+        info = tokenize_part([part], pool=pool, out_dir=tmp_path / "o2", **kw)
+        assert pool.starts == 2 and victim not in info["worker_pids"], info
+    assert _ids(tmp_path / "o1") == _ids(tmp_path / "o2")
+
+
+_BUILDER = """
+import json, sys, time
+from pathlib import Path
+from hf_pipeline.build.tokens import TokenizerPool, tokenize_part
+from hf_pipeline.encoder.model import TokenizerSpec
+
+class Probe:
+    def check(self):
+        pass
+
+if __name__ == "__main__":
+    spec = TokenizerSpec(**json.loads(sys.argv[1]))
+    pool = TokenizerPool(spec, num_proc=2)
+    tokenize_part(
+        [Path(sys.argv[2])], tokenizer=spec, pool=pool, probe=Probe(),
+        out_dir=Path(sys.argv[3]), batch_rows=8, writer_batch_size=8, timeout=120,
+    )
+    print(json.dumps(pool.pids), flush=True)
+    time.sleep(600)  # SIGKILLed here, the pool open
+"""
+
+
+def test_the_workers_die_with_a_sigkilled_builder(tmp_path, tokenizer):
+    """A builder SIGKILLed with its pool open (workers idle, tokenizer loaded) leaves no
+    worker running: they die with the fork server, which dies with the builder."""
+    import dataclasses
+
+    _, spec = tokenizer
+    part = _caption_file(tmp_path / "a")
+    script = tmp_path / "builder.py"
+    script.write_text(_BUILDER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), json.dumps(dataclasses.asdict(spec)), str(part),
+         str(tmp_path / "o")],
+        stdout=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 180)
+        assert ready, "the builder did not start its pool within 180 s"
+        line = proc.stdout.readline()
+        pids = json.loads(line)
+        assert len(pids) == 2 and all(Path(f"/proc/{p}").exists() for p in pids)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert _gone(pids), f"workers {pids} outlived their SIGKILLed builder"

@@ -837,3 +837,29 @@ def test_pulling_a_cache_of_another_caption_column_fetches_no_latents(
     assert info["linked_bytes"] >= sum(f.stat().st_size for f in rows)
     assert info["fetched_bytes"] < sum(f.stat().st_size for f in rows)
     _assert_same_cache(res, short)
+
+
+def test_reuse_counts_what_this_run_did_after_its_cache_was_removed(inputs):
+    """A cache removed (``hf-pipeline clean``) and built again from the parts its first
+    build stored: those parts were built for this very fingerprint, but by the earlier
+    run, so this run reused them all and read no shard. A cache only found reports a
+    ``reuse`` of zeros in its summary (nothing was read or written by that run); the
+    cache's own report keeps what its build did."""
+    import shutil
+
+    root = inputs["base"] / "rebuilt"
+    first = _build(root, inputs["initial"], inputs["meta"])
+    assert first.report["reuse"]["joins_built"] == first.report["reuse"]["parts"] > 0
+    shutil.rmtree(first.cache_dir)
+    res = _build(root, inputs["initial"], inputs["meta"])
+    assert res.built and res.fingerprint == first.fingerprint
+    reuse = res.report["reuse"]
+    assert reuse["joins_built"] == 0 and reuse["joins_reused"] == reuse["parts"], reuse
+    assert reuse["shards_read"] == 0 and reuse["latent_bytes_written"] == 0, reuse
+    assert reuse["embeddings_built"] == 0 == reuse["texts_built"] == reuse["tokens_built"], reuse
+    assert all(p["reused"]["join"] and p["reused"]["embed"] for p in res.report["parts"])
+    assert res.summary()["reuse"] == reuse
+    found = _build(root, inputs["initial"], inputs["meta"])
+    assert not found.built
+    assert set(found.summary()["reuse"].values()) == {0}, found.summary()["reuse"]
+    assert found.report["reuse"] == reuse  # the cache's report: what its build did

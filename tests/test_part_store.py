@@ -336,6 +336,10 @@ def test_a_damaged_stored_part_is_refused_not_linked_into_a_new_cache(inputs):
         _build(root, inputs["final"], inputs["meta"], "encoder.max_length=16")
     message = str(ei.value)
     assert join.name in message and rows.name in message and "hf-pipeline verify" in message
+    # The marker's path once, first (it used to end the line again), and as the error's path.
+    marker = str(join / "join.json")
+    assert message.startswith(f"{marker}: ") and message.count(marker) == 1, message
+    assert ei.value.path == marker
     others = [p for p in root.iterdir() if not p.name.startswith(".") and p != first.cache_dir]
     assert others and not any((p / "converted.json").exists() for p in others), (
         "the new cache was published"

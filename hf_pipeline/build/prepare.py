@@ -933,10 +933,10 @@ def _check_reused(
     _, why = check_marker(path, fingerprint=unit_id, base_dir=unit_dir, stage=kind, verify=True)
     if why is not None:
         raise CacheFormatError(
-            f"{path}: the stored part {unit_dir.name} is damaged ({why}); every cache "
+            str(path),
+            f"the stored part {unit_dir.name} is damaged ({why}); every cache "
             "that links it is too: run `hf-pipeline verify` (it marks them), then "
             "`hf-pipeline clean`, then build again",
-            str(path),
         )
 
 

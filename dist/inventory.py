@@ -53,8 +53,15 @@ from dist.layout import (
     trash_name,
 )
 from dist.lease import LEASE_FILE, heartbeat_counter, heartbeat_path, holder_exited, read_lease
-from dist.markers import Marker, check_marker, derived_from_problem, read_json
-from dist.safepath import shown
+from dist.markers import (
+    Marker,
+    check_marker,
+    derived_from_problem,
+    file_problems,
+    parse_marker,
+    read_json,
+)
+from dist.safepath import UnsafePathError, join_under, shown
 
 __all__ = [
     "DEFAULT_STAGES",
@@ -629,9 +636,8 @@ def verify_cache(
     """
     cache = Path(cache_dir)
     stages = list(stages)
-    done, problems = _valid_markers(
-        cache, stages, cache_mark(cache) or "", verify=True, missing=True
-    )
+    fingerprint = cache_mark(cache) or ""
+    done, problems = _valid_markers(cache, stages, fingerprint, verify=True, missing=True)
     # Files that something else wrote into a published stage (a `datasets` call).
     problems += [f"{rel}: not listed by any marker" for rel in _unlisted(cache, done)]
     old = [s for s, m in done.items() if m.schema_version < 2]
@@ -647,6 +653,24 @@ def verify_cache(
         if marker.schema_version >= 2
         for entry in marker.files
     ]
+    # A stage whose marker reads but whose files differ: each file that differs is
+    # named, and every file it lists is still read whole (its marker's first problem
+    # alone used to hide the others, and no file of the stage was hashed).
+    named: dict[str, str] = {}  # per stage, its lines naming files (not named twice)
+    for stage in stages:
+        marker, _ = parse_marker(cache / marker_name(stage), fingerprint=fingerprint, stage=stage)
+        if stage in done or marker is None:
+            continue
+        found = [f"{stage}: {p}" for p in file_problems(marker, cache, verify=True)]
+        if found:
+            at = next(
+                (i for i, p in enumerate(problems) if p.split(": ", 1)[0] == stage),
+                len(problems),  # (changed since it was checked: appended)
+            )
+            problems[at : at + 1] = found  # its one line ("... (+1 more)") spelled out
+            named[stage] = "\n".join(found)
+        if marker.schema_version >= 2:
+            jobs += [(stage, e) for e in marker.files if _inside(cache, e.path)]
     total = sum(entry.size for _, entry in jobs)
     bar = None
     if progress and jobs:
@@ -662,13 +686,16 @@ def verify_cache(
             if bar is not None:  # advance is passed only with a bar
                 bar.update(n)
 
-    read = 0
+    read = files = 0
     t0 = time.monotonic()
     try:
         paths = [cache / entry.path for _, entry in jobs]
         hashed = hash_files(paths, workers=workers, on_bytes=advance if bar else None)
         for (stage, entry), (_, size, digest) in zip(jobs, hashed, strict=True):
             read += size
+            files += not isinstance(digest, OSError)
+            if repr(entry.path) in named.get(stage, ""):
+                continue  # named by its size or first/last MiB already
             if isinstance(digest, OSError):
                 why = f"unreadable ({digest.strerror or digest})"
             elif size != entry.size:
@@ -687,10 +714,20 @@ def verify_cache(
     return VerifyReport(
         problems=tuple(problems),
         notes=tuple(notes),
-        files=len(jobs),
+        files=files,
         bytes=read,
         seconds=seconds,
     )
+
+
+def _inside(cache: Path, relpath: str) -> bool:
+    """Whether a path listed by a marker that failed its checks is safe to read: under
+    ``cache``, no symlink on the way (:func:`dist.safepath.join_under`)."""
+    try:
+        join_under(cache, relpath)
+    except (UnsafePathError, OSError):
+        return False
+    return True
 
 
 def _record_verify(cache: Path, problems: Sequence[str]) -> None:

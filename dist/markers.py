@@ -48,8 +48,10 @@ __all__ = [
     "derived_from_problem",
     "describe_files",
     "file_checksum",
+    "file_problems",
     "load_json",
     "parse_json",
+    "parse_marker",
     "publish_marker",
     "read_json",
     "read_marker",
@@ -386,6 +388,21 @@ def check_marker(
     verify: bool = False,
 ) -> tuple[Marker | None, str | None]:
     """Like :func:`read_marker` but silent: returns ``(marker, None)`` or ``(None, why)``."""
+    marker, why = parse_marker(path, fingerprint=fingerprint, stage=stage)
+    if marker is None:
+        return None, why
+    problems = file_problems(marker, Path(base_dir), verify=verify)
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        return None, problems[0] + more
+    return marker, None
+
+
+def parse_marker(
+    path: str | os.PathLike[str], *, fingerprint: str, stage: str | None = None
+) -> tuple[Marker | None, str | None]:
+    """The marker at ``path`` if it parses and is of ``fingerprint`` (and ``stage``), its
+    files not checked (:func:`file_problems`): ``(marker, None)`` or ``(None, why)``."""
     try:
         parsed = load_json(path)
     except FileNotFoundError:
@@ -404,10 +421,6 @@ def check_marker(
         return None, f"fingerprint {marker.fingerprint!r}, expected {fingerprint!r}"
     if stage is not None and marker.stage != stage:
         return None, f"stage {marker.stage!r}, expected {stage!r}"
-    problems = _file_problems(marker, Path(base_dir), verify=verify)
-    if problems:
-        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-        return None, problems[0] + more
     return marker, None
 
 
@@ -424,7 +437,10 @@ def derived_from_problem(marker: Marker, earlier: Mapping[str, Marker]) -> str |
     return f"derived from {dict(marker.inputs)}, but the published earlier stages are {expected}"
 
 
-def _file_problems(marker: Marker, base: Path, *, verify: bool) -> list[str]:
+def file_problems(marker: Marker, base: Path, *, verify: bool) -> list[str]:
+    """Every problem of ``marker``'s files under ``base``, one line per file: its stage
+    folder or a file missing, a path that leaves ``base``, a size, and with ``verify``
+    the first and last MiB (:func:`file_checksum`) that differ from the marker."""
     problems = []
     directory = base / marker.directory
     if not directory.is_dir():

@@ -336,6 +336,10 @@ def test_a_damaged_stored_part_is_refused_not_linked_into_a_new_cache(inputs):
         _build(root, inputs["final"], inputs["meta"], "encoder.max_length=16")
     message = str(ei.value)
     assert join.name in message and rows.name in message and "hf-pipeline verify" in message
+    # The marker's path once, first (it used to end the line again), and as the error's path.
+    marker = str(join / "join.json")
+    assert message.startswith(f"{marker}: ") and message.count(marker) == 1, message
+    assert ei.value.path == marker
     others = [p for p in root.iterdir() if not p.name.startswith(".") and p != first.cache_dir]
     assert others and not any((p / "converted.json").exists() for p in others), (
         "the new cache was published"
@@ -842,3 +846,29 @@ def test_pulling_a_cache_of_another_caption_column_fetches_no_latents(
     assert info["linked_bytes"] >= sum(f.stat().st_size for f in rows)
     assert info["fetched_bytes"] < sum(f.stat().st_size for f in rows)
     _assert_same_cache(res, short)
+
+
+def test_reuse_counts_what_this_run_did_after_its_cache_was_removed(inputs):
+    """A cache removed (``hf-pipeline clean``) and built again from the parts its first
+    build stored: those parts were built for this very fingerprint, but by the earlier
+    run, so this run reused them all and read no shard. A cache only found reports a
+    ``reuse`` of zeros in its summary (nothing was read or written by that run); the
+    cache's own report keeps what its build did."""
+    import shutil
+
+    root = inputs["base"] / "rebuilt"
+    first = _build(root, inputs["initial"], inputs["meta"])
+    assert first.report["reuse"]["joins_built"] == first.report["reuse"]["parts"] > 0
+    shutil.rmtree(first.cache_dir)
+    res = _build(root, inputs["initial"], inputs["meta"])
+    assert res.built and res.fingerprint == first.fingerprint
+    reuse = res.report["reuse"]
+    assert reuse["joins_built"] == 0 and reuse["joins_reused"] == reuse["parts"], reuse
+    assert reuse["shards_read"] == 0 and reuse["latent_bytes_written"] == 0, reuse
+    assert reuse["embeddings_built"] == 0 == reuse["texts_built"] == reuse["tokens_built"], reuse
+    assert all(p["reused"]["join"] and p["reused"]["embed"] for p in res.report["parts"])
+    assert res.summary()["reuse"] == reuse
+    found = _build(root, inputs["initial"], inputs["meta"])
+    assert not found.built
+    assert set(found.summary()["reuse"].values()) == {0}, found.summary()["reuse"]
+    assert found.report["reuse"] == reuse  # the cache's report: what its build did

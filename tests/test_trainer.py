@@ -243,3 +243,14 @@ def test_sigkilled_run_resumes_to_the_uninterrupted_result(
     # The losses it logged are the uninterrupted run's, step for step.
     tail = [ln.split()[:6] for ln in runs["resumed"]]  # step N epoch E loss L
     assert tail == [ln.split()[:6] for ln in runs["straight"]][-len(tail) :]
+
+
+def test_the_summary_line_says_whether_the_loss_fell_or_rose():
+    """A resumed run's loss can rise: its summary said "(-2% lower)" (outside tester)."""
+    from hf_pipeline.commands.train import loss_change
+
+    assert loss_change(0.5, 0.4) == "20% lower"
+    assert loss_change(0.43, 0.44) == "2% higher"
+    assert loss_change(0.44, 0.44) == "unchanged"
+    assert loss_change(0.0, 0.1) == "from 0"
+    assert loss_change(float("nan"), float("nan")) == "not a number"

@@ -214,3 +214,22 @@ def test_a_verify_record_about_folders_no_longer_published_is_ignored(tmp_path):
     )
     (status,) = list_caches(tmp_path)
     assert status.state == "complete"
+
+
+def test_verify_names_every_damaged_file_of_a_stage_and_counts_what_it_read(tmp_path):
+    """Two files of one stage damaged, one in its first MiB (the edge checksum) and one
+    in the middle (the whole-file checksum): verify names both, and still reads every
+    listed file whole (it used to stop at the first: the stage's marker failed its edge
+    check, and its files were then not hashed at all; outside tester)."""
+    from dist.inventory import verify_cache
+
+    cache = _small_cache(tmp_path)
+    folder = "converted.0123456789abcdef"
+    _flip(cache / folder / "b.bin", 3, 1)  # in the first MiB
+    _flip(cache / folder / "a.bin", (3 << 20) // 2, 1)  # deep inside: only hashing sees it
+    found = verify_cache(cache, workers=2, record=True)
+    assert found.problems == (
+        f"converted: listed file '{folder}/b.bin' checksum mismatch",
+        f"converted: listed file '{folder}/a.bin' whole-file checksum mismatch (xxh3_128)",
+    ), found.problems
+    assert found.files == 3 and found.bytes == (3 << 20) + 15

@@ -170,8 +170,14 @@ class BuildResult:
             "built": self.built,
             "pulled": self.pulled,
             "hashing": dict(self.hashing),
-            # What the build that made the cache reused and built (the report's block).
-            "reuse": dict(r.get("reuse") or {}),
+            # What this run reused and built: the report's block when it built the
+            # cache, zeros when it found or pulled it (it read and wrote nothing; the
+            # cache's report.json keeps what its own build did).
+            "reuse": (
+                dict(r.get("reuse") or {})
+                if self.built and not self.pulled
+                else dict.fromkeys(r.get("reuse") or {}, 0)
+            ),
         }
 
 
@@ -815,28 +821,44 @@ class BuiltParts:
     markers: list[Any]
 
 
+def _built(marker, fingerprint: str, since: float) -> bool:
+    """Whether this run built a stored unit: its marker says it was built for
+    ``fingerprint`` and published since ``since`` (the wall clock when this run began
+    looking at the store). A unit built for the same fingerprint by an earlier run (a
+    cache removed by ``hf-pipeline clean`` and built again, or an attempt that died)
+    was reused by this one: it read no shard and wrote no byte of it."""
+    return marker.info.get("built_for") == fingerprint and marker.finished_at >= since
+
+
 def _reuse(
-    fingerprint: str, joins: list, texts: list, embeds: list, tokens: list | None = None
+    fingerprint: str,
+    since: float,
+    joins: list,
+    texts: list,
+    embeds: list,
+    tokens: list | None = None,
 ) -> dict[str, Any]:
-    """What the build reused from the part store and what it wrote: a stored unit is
-    *built* for this cache when its marker says it was built for ``fingerprint`` (by
-    this build, or by an earlier attempt of it that died), else *reused*. The joins
-    built are the only ones that read latent shards and write latent bytes; a text
-    built re-joined a part's captions (from its stored keys). ``tokens``: the token
-    ids units of the parts whose embedding was missing (the others need none)."""
-    built_joins = [m for m in joins if m.info.get("built_for") == fingerprint]
-    built_texts = sum(m.info.get("built_for") == fingerprint for m in texts)
-    built_tokens = sum(m.info.get("built_for") == fingerprint for m in tokens or [])
+    """What this run reused from the part store and what it wrote: a stored unit is
+    *built* when this run made it (:func:`_built`; by this process or by another rank
+    of the build), else *reused*. The joins built are the only ones that read latent
+    shards and write latent bytes; a text built re-joined a part's captions (from its
+    stored keys). ``tokens``: the token ids units of the parts whose embedding was
+    missing (the others need none)."""
+
+    def count(markers) -> int:
+        return sum(_built(m, fingerprint, since) for m in markers)
+
+    built_joins = [m for m in joins if _built(m, fingerprint, since)]
     return {
         "parts": len(joins),
         "joins_built": len(built_joins),
         "joins_reused": len(joins) - len(built_joins),
-        "texts_built": built_texts,
-        "texts_reused": len(texts) - built_texts,
-        "tokens_built": built_tokens,
-        "tokens_reused": len(tokens or []) - built_tokens,
-        "embeddings_built": sum(m.info.get("built_for") == fingerprint for m in embeds),
-        "embeddings_reused": sum(m.info.get("built_for") != fingerprint for m in embeds),
+        "texts_built": count(texts),
+        "texts_reused": len(texts) - count(texts),
+        "tokens_built": count(tokens or []),
+        "tokens_reused": len(tokens or []) - count(tokens or []),
+        "embeddings_built": count(embeds),
+        "embeddings_reused": len(embeds) - count(embeds),
         "shards_read": sum(int(m.info.get("shards", 0)) for m in built_joins),
         "latent_bytes_written": sum(int(m.info.get("latent_bytes", 0)) for m in built_joins),
     }
@@ -889,7 +911,9 @@ def _planned_parts(cfg: Config, inputs: Inputs) -> tuple[list[Any], bool]:
     return planned, any(unit_markers(p.embed_dir, p.embed_id, ["embed"]) is None for p in planned)
 
 
-def _check_reused(unit_dir: Path, unit_id: str, kind: str, marker, fingerprint: str) -> None:
+def _check_reused(
+    unit_dir: Path, unit_id: str, kind: str, marker, fingerprint: str, since: float
+) -> None:
     """A stored unit this build did not make is checked before it goes into a new cache:
     each listed file's size and its first and last MiB against the unit's marker
     (``dist.markers.file_checksum``; a flip deep inside a larger file is left to
@@ -903,16 +927,16 @@ def _check_reused(unit_dir: Path, unit_id: str, kind: str, marker, fingerprint: 
     from dist.layout import marker_name
     from dist.markers import check_marker
 
-    if marker.info.get("built_for") == fingerprint:
-        return  # made by this build: described as it was published
+    if _built(marker, fingerprint, since):
+        return  # made by this run: described as it was published
     path = unit_dir / marker_name(kind)
     _, why = check_marker(path, fingerprint=unit_id, base_dir=unit_dir, stage=kind, verify=True)
     if why is not None:
         raise CacheFormatError(
-            f"{path}: the stored part {unit_dir.name} is damaged ({why}); every cache "
+            str(path),
+            f"the stored part {unit_dir.name} is damaged ({why}); every cache "
             "that links it is too: run `hf-pipeline verify` (it marks them), then "
             "`hf-pipeline clean`, then build again",
-            str(path),
         )
 
 
@@ -959,6 +983,8 @@ def _ensure_parts(
     )
     from hf_pipeline.build.tokens import TokenizerPool, tokenize_part
 
+    # Units published from now on for this fingerprint were built by this run (_built).
+    since = time.time()
     store = store_dir(cfg.cache_root)
     store.mkdir(parents=True, exist_ok=True)
     shards = inputs.shards
@@ -1118,7 +1144,7 @@ def _ensure_parts(
             marker = ensure_built(
                 unit_dir, unit_id, [_stage(kind, build, pools=False)], builder=ours, **timing
             )[kind]
-            _check_reused(unit_dir, unit_id, kind, marker, fingerprint)
+            _check_reused(unit_dir, unit_id, kind, marker, fingerprint, since)
             return marker
 
         def tokens_then_embed(part, join_folder: Path, text_folder: Path, ours: bool):
@@ -1182,7 +1208,9 @@ def _ensure_parts(
 
             emb = {i: f.result()["embed"] for i, f in embeds.items()}
             for p in (used[q.plan.index] for q in planned):  # with the text it uses
-                _check_reused(p.embed_dir, p.embed_id, "embed", emb[p.plan.index], fingerprint)
+                _check_reused(
+                    p.embed_dir, p.embed_id, "embed", emb[p.plan.index], fingerprint, since
+                )
         except BaseException:
             # Ctrl-C or a failed join: the embedding in flight stops at its next batch.
             for probe in stop_embedding:
@@ -1198,7 +1226,7 @@ def _ensure_parts(
         k = tokens.get(p.plan.index)
         info = {**j.info, **t.info, **e.info, "id": p.join_id}
         # Its tokenizing's timeline where this build made its token ids (else null).
-        made = k is not None and k.info.get("built_for") == fingerprint
+        made = k is not None and _built(k, fingerprint, since)
         info["tokens"] = k.info.get("tokens") if k is not None and made else None
         info["wall"] = {
             "join": j.info.get("wall_join"),
@@ -1206,7 +1234,7 @@ def _ensure_parts(
             "embed": e.info.get("wall_embed"),
         }
         info["reused"] = {
-            unit: m.info.get("built_for") != fingerprint if m is not None else None
+            unit: not _built(m, fingerprint, since) if m is not None else None
             for unit, m in (("join", j), ("text", t), ("tokens", k), ("embed", e))
         }
         folders: tuple[Path, ...] = (
@@ -1221,7 +1249,7 @@ def _ensure_parts(
         parts=parts,
         captions_path=captions_path,
         captions_seconds=cap.info.get("seconds"),
-        reuse=_reuse(fingerprint, joins_list, texts_list, embeds_list, tokens_list),
+        reuse=_reuse(fingerprint, since, joins_list, texts_list, embeds_list, tokens_list),
         markers=[cap, *joins_list, *texts_list, *tokens_list, *embeds_list],
     )
 

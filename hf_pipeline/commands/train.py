@@ -10,10 +10,11 @@ samples/s and the share of step time spent waiting for data. Exit codes through
 from __future__ import annotations
 
 import argparse
+import math
 
 from hf_pipeline import cli
 
-__all__ = ["EPILOG", "add_train_args", "main", "parser"]
+__all__ = ["EPILOG", "add_train_args", "loss_change", "main", "parser"]
 
 #: The environment table of ``--help`` (``JAX_COORDINATOR_ADDRESS`` is one of its rows).
 EPILOG = cli.ENV_HELP
@@ -123,11 +124,26 @@ def main(args: argparse.Namespace) -> int:
     if lead and out.steps == 0:  # a finished checkpointed run, run again
         print(f"already at step {out.step} of {cfg.train.steps}: nothing to train", flush=True)
     elif lead:
-        drop = 100 * (1 - out.last_loss / out.first_loss) if out.first_loss else 0.0
         print(
             f"done: {out.steps} steps, loss {out.first_loss:.4f} -> {out.last_loss:.4f} "
-            f"({drop:.0f}% lower), {out.samples_per_s:.0f} samples/s, "
+            f"({loss_change(out.first_loss, out.last_loss)}), "
+            f"{out.samples_per_s:.0f} samples/s, "
             f"data wait {100 * out.data_wait_share:.1f}% of step time",
             flush=True,
         )
     return 0
+
+
+def loss_change(first: float, last: float) -> str:
+    """The summary line's words for the loss going from ``first`` to ``last``:
+    ``"20% lower"``, ``"2% higher"`` (a resumed run's loss can rise), ``"unchanged"``
+    (under half a percent either way), ``"from 0"`` (no relative change of a zero loss),
+    ``"not a number"`` (a NaN loss)."""
+    if math.isnan(first) or math.isnan(last):
+        return "not a number"
+    if first == 0:
+        return "unchanged" if last == 0 else "from 0"
+    pct = round(100 * (last - first) / abs(first))
+    if pct == 0:
+        return "unchanged"
+    return f"{abs(pct)}% {'higher' if pct > 0 else 'lower'}"

@@ -588,7 +588,11 @@ def _expected_loss(src32: np.ndarray, stored32: np.ndarray, mantissa_bits: int) 
 
 @pytest.mark.parametrize(
     "source, storage, bits",
-    [("bfloat16", "float16", 10), ("float32", "bfloat16", 7), ("float32", "float16", 10)],
+    [
+        ("bfloat16", "float16", 10),
+        pytest.param("float32", "bfloat16", 7, marks=pytest.mark.slow),
+        pytest.param("float32", "float16", 10, marks=pytest.mark.slow),
+    ],
 )
 def test_explicit_lossy_storage_is_counted(tmp_path, caplog, source, storage, bits):
     paths = _write_clean_inputs(tmp_path / "d", [source, source])

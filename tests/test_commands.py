@@ -197,11 +197,14 @@ def test_verify_and_clean_print_what_the_script_prints(session_cache_root, built
     [
         # A URL no store opens: the positional of `status` is the script's --status URL.
         (["status", "file:///nowhere"], ["prebuild_cache.py", "--status", "file:///nowhere"]),
-        (
+        pytest.param(
             ["build", "--set", "build.num_proc=-2"],
             ["prebuild_cache.py", "--set", "build.num_proc=-2"],
+            marks=pytest.mark.slow,
         ),
-        (["train", "--steps", "0"], ["train.py", "--steps", "0"]),
+        pytest.param(
+            ["train", "--steps", "0"], ["train.py", "--steps", "0"], marks=pytest.mark.slow
+        ),
     ],
 )
 def test_bad_input_is_the_scripts_one_line_and_exit_2(tmp_path, command, script):

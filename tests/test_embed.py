@@ -957,6 +957,7 @@ def test_a_causal_decoder_runs_without_the_padding_mask_and_embeds_as_each_row_a
     assert not _causal_decoder(bert)
 
 
+@pytest.mark.slow
 def test_tokenize_kept_in_threads_gives_the_tokenizers_own_ids():
     """The embed stage tokenizes a part's kept captions in batches on several threads
     through the Rust backend: the same ids, row for row, as the encoder's tokenizer called

@@ -90,7 +90,7 @@ def _write_arrow(ds: datasets.Dataset, path: Path) -> None:
         w.write_table(table)
 
 
-@pytest.mark.parametrize("mode", ["writable", "read-only"])
+@pytest.mark.parametrize("mode", [pytest.param("writable", marks=pytest.mark.slow), "read-only"])
 def test_datasets_operations_write_nothing_into_the_cache(built_cache, tmp_path, mode, request):
     """`.filter/.map/.sort/.shuffle/.select/.train_test_split` with default arguments put
     their files in the per-user view folder, never in the cache (a read-only one too)."""

@@ -178,14 +178,14 @@ def test_a_launcher_environment_that_makes_no_process_is_one_line_exit_2(tmp_pat
             "gs://my-coyo-bucket",
         ),
         # The Hub is down while the encoder's revision is resolved.
-        pytest.param(
+        (
             [*_sets(SMALL_DEMO), "--set", "encoder.model=test-org/tiny-encoder"],
             {"HF_ENDPOINT": "closed", "HF_HUB_OFFLINE": "0"},
             "test-org/tiny-encoder@main",
-            marks=pytest.mark.slow,
         ),
     ],
 )
+@pytest.mark.slow
 def test_unreachable_store_is_one_line_exit_1(tmp_path, args, env, fragment):
     # Before: exit 2, which README reserves for bad input; the store failed, not the user.
     env = {k: _closed_port_url() if v == "closed" else v for k, v in env.items()}

@@ -150,6 +150,7 @@ def test_a_part_of_no_rows_has_an_empty_file(tmp_path, tokenizer):
     assert info["rows"] == 0 and _ids(tmp_path / "o") == []
 
 
+@pytest.mark.slow
 def test_a_lost_lease_stops_the_part_and_its_workers(tmp_path, tokenizer):
     """A lease taken over while the workers tokenize: the part stops (LeaseLostError),
     writes no file, its workers are stopped (their slices were in flight); the next
@@ -176,6 +177,7 @@ def test_a_lost_lease_stops_the_part_and_its_workers(tmp_path, tokenizer):
     assert _ids(tmp_path / "o2") == want
 
 
+@pytest.mark.slow
 def test_a_worker_killed_between_parts_is_replaced(tmp_path, tokenizer):
     _, spec = tokenizer
     part = _caption_file(tmp_path / "a")
@@ -213,6 +215,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_the_workers_die_with_a_sigkilled_builder(tmp_path, tokenizer):
     """A builder SIGKILLed with its pool open (workers idle, tokenizer loaded) leaves no
     worker running: they die with the fork server, which dies with the builder."""

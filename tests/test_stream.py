@@ -115,6 +115,13 @@ def test_streamed_batches_equal_local_hub(source_cache, hub_store, local_source)
             )
 
 
+def _live_buffer_bytes(source: StreamSource) -> int:
+    """Bytes of the distinct buffers the source's held blocks keep alive."""
+    with source._lock:
+        buffers = {id(buf): buf for buf, _ in source._blocks.values()}
+    return sum(buf.nbytes for buf in buffers.values())
+
+
 def test_pure_streaming_and_the_cache_limit(gcs_cache, local_source):
     """cache_bytes=0 streams on demand and holds nothing; a small limit is never
     passed, counted from the blocks the cache holds after every batch."""
@@ -128,6 +135,10 @@ def test_pure_streaming_and_the_cache_limit(gcs_cache, local_source):
                 got.append({k: np.asarray(v) for k, v in batch.items()})
                 state = s.cache_state()
                 assert state["bytes"] + state["reserved_bytes"] <= limit, state
+                # The memory the held blocks keep alive, not only their count: blocks
+                # share their read's buffer, and a block dropped from a shared buffer
+                # kept all of it alive (1.81 MB behind a 1.5 MB limit).
+                assert _live_buffer_bytes(s) <= limit, (_live_buffer_bytes(s), state)
                 # The planner remembers at most its lookahead's steps (it once kept
                 # every consumed step of an on-demand stream: growth without bound).
                 planner = s._planner

@@ -556,6 +556,7 @@ def test_open_dataset_when_nothing_was_dropped(clean_builds):
     assert len(ds[3:5]["embedding"]) == 2
 
 
+@pytest.mark.slow
 def test_float16_embeddings_are_the_float32_ones_rounded(clean_builds, tmp_path):
     """``encoder.output_dtype: float16`` stores each embedding as the float32 build's,
     rounded to float16, row for row."""
@@ -630,6 +631,7 @@ def test_explicit_lossy_storage_is_counted(tmp_path, caplog, source, storage, bi
         np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
+@pytest.mark.slow
 def test_source_storage_refuses_mixed_shard_dtypes(tmp_path):
     paths = _write_clean_inputs(tmp_path / "d", ["bfloat16", "bfloat16", "float32"])
     cfg = _tiny_config(tmp_path / "d", tmp_path / "c", "name=bad")

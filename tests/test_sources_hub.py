@@ -67,6 +67,7 @@ def _run(args, env) -> dict:
     return json.loads(res.stdout)
 
 
+@pytest.mark.slow
 def test_list_and_fetch_online_then_offline(hub, shard_dir, tmp_path):
     env = dict(
         os.environ, PYTHONPATH=str(REPO_ROOT), HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "home")

@@ -239,7 +239,7 @@ def test_faults_are_survived(gcs_cache, local_source, monkeypatch):
     _same(want, got)
 
 
-@pytest.mark.parametrize("fault", ["status", "stall"])
+@pytest.mark.parametrize("fault", ["status", pytest.param("stall", marks=pytest.mark.slow)])
 def test_a_hopeless_store_is_one_line(fault, gcs_cache, monkeypatch):
     """Every read fails (503 forever, or a stall forever): one StoreUnreachableError
     naming the file, within the retries' bounded time, never a hang."""
@@ -258,6 +258,7 @@ def test_a_hopeless_store_is_one_line(fault, gcs_cache, monkeypatch):
     assert ".arrow" in err.value.path and len(str(err.value).splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_a_stalled_store_is_given_up_per_read_not_per_file(gcs_cache, monkeypatch, caplog):
     """A store that stops answering is retried after ``read_timeout`` per ranged read,
     not after the data config's whole-file timeout (600 s by default: a stalled stream

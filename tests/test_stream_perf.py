@@ -24,7 +24,9 @@ from tests.test_stream import (  # noqa: F401
     local_source,
 )
 
-pytestmark = pytest.mark.remote
+# Whole module slow: each test times or counts an epoch's reads through a proxy (the
+# loop keeps streaming's equality, limit and fault tests in tests/test_stream.py).
+pytestmark = [pytest.mark.remote, pytest.mark.slow]
 
 
 def _fewest_reads(stream: StreamSource, groups: list[np.ndarray]) -> int:

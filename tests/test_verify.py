@@ -233,3 +233,34 @@ def test_verify_names_every_damaged_file_of_a_stage_and_counts_what_it_read(tmp_
         f"converted: listed file '{folder}/a.bin' whole-file checksum mismatch (xxh3_128)",
     ), found.problems
     assert found.files == 3 and found.bytes == (3 << 20) + 15
+
+
+def test_verify_shows_ten_damaged_files_on_a_caches_line_and_counts_the_rest(tmp_path):
+    """A cache whose every file differs (a hostile or wrecked one: thousands of files)
+    is one readable line naming the first ten and how many more; ``--json`` has all."""
+    from dist.markers import Marker, describe_files, write_marker
+
+    cache = tmp_path / "root" / "c-0123456789abcdef"
+    folder = cache / "converted.0123456789abcdef"
+    folder.mkdir(parents=True)
+    for i in range(15):
+        (folder / f"f{i:02d}.bin").write_bytes(bytes(range(256)) * 4)
+    marker = Marker(
+        fingerprint="0123456789abcdef", stage="converted", directory=folder.name, host="h",
+        pid=1, lease_id="0123456789abcdef", started_at=1.0, finished_at=2.0,
+        files=describe_files(folder, relative_to=cache), inputs={},
+    )  # fmt: skip
+    write_marker(cache / "converted.json", marker)
+    for i in range(15):
+        _flip(folder / f"f{i:02d}.bin", 3, 1)
+    report = tmp_path / "verify.json"
+    p = _run(
+        "prebuild_cache.py", "--cache-dir", str(cache.parent), "--verify", "--json", str(report)
+    )
+    assert p.returncode == 1, p.stdout + p.stderr
+    (line,) = [x for x in p.stdout.splitlines() if x.startswith(cache.name)]
+    assert all(f"f{i:02d}.bin" in line for i in range(10)), line
+    # 15 files and the missing filtered stage: 16 problems, 10 on the line.
+    assert "f10.bin" not in line and "... and 6 more (all of them: --json)" in line, line
+    (entry,) = json.loads(report.read_text())["caches"]
+    assert len(entry["problems"]) == 16 and entry["problems"][-1] == "filtered: missing"

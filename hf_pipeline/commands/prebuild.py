@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from dist.safepath import shown
@@ -83,6 +84,18 @@ def parser(prog: str = "prebuild_cache.py") -> argparse.ArgumentParser:
     )
     add_dry_run_arg(p)
     return p
+
+
+#: Problems of one cache printed on its line by ``--verify`` (all of them in ``--json``):
+#: a cache whose every file differs is one readable line, not thousands of names.
+VERIFY_SHOWN = 10
+
+
+def _some(problems: Sequence[str]) -> str:
+    """The first :data:`VERIFY_SHOWN` problems joined, and how many more there are."""
+    head = "; ".join(problems[:VERIFY_SHOWN])
+    more = len(problems) - VERIFY_SHOWN
+    return head + (f"; ... and {more} more (all of them: --json)" if more > 0 else "")
 
 
 def _human_bytes(n: float) -> str:
@@ -233,7 +246,7 @@ def _admin(args, cfg) -> int:
                 if found.files
                 else ""
             )
-            verdict = "ok" if not found.problems else _safe("; ".join(found.problems))
+            verdict = "ok" if not found.problems else _safe(_some(found.problems))
             print(f"{_safe(st.path.name)}: {verdict}{read}", file=out)
             for note in found.notes:
                 print(f"    {_safe(note)}", file=out)

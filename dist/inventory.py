@@ -656,19 +656,20 @@ def verify_cache(
     # A stage whose marker reads but whose files differ: each file that differs is
     # named, and every file it lists is still read whole (its marker's first problem
     # alone used to hide the others, and no file of the stage was hashed).
-    named: dict[str, str] = {}  # per stage, its lines naming files (not named twice)
+    named: dict[str, set[str | None]] = {}  # per stage, the files named (not twice)
     for stage in stages:
         marker, _ = parse_marker(cache / marker_name(stage), fingerprint=fingerprint, stage=stage)
         if stage in done or marker is None:
             continue
-        found = [f"{stage}: {p}" for p in file_problems(marker, cache, verify=True)]
+        found = file_problems(marker, cache, verify=True)
         if found:
             at = next(
                 (i for i, p in enumerate(problems) if p.split(": ", 1)[0] == stage),
                 len(problems),  # (changed since it was checked: appended)
             )
-            problems[at : at + 1] = found  # its one line ("... (+1 more)") spelled out
-            named[stage] = "\n".join(found)
+            # its one line ("... (+1 more)") spelled out
+            problems[at : at + 1] = [f"{stage}: {line}" for line in found.values()]
+            named[stage] = set(found)
         if marker.schema_version >= 2:
             jobs += [(stage, e) for e in marker.files if _inside(cache, e.path)]
     total = sum(entry.size for _, entry in jobs)
@@ -694,7 +695,7 @@ def verify_cache(
         for (stage, entry), (_, size, digest) in zip(jobs, hashed, strict=True):
             read += size
             files += not isinstance(digest, OSError)
-            if repr(entry.path) in named.get(stage, ""):
+            if entry.path in named.get(stage, ()):
                 continue  # named by its size or first/last MiB already
             if isinstance(digest, OSError):
                 why = f"unreadable ({digest.strerror or digest})"

@@ -391,7 +391,7 @@ def check_marker(
     marker, why = parse_marker(path, fingerprint=fingerprint, stage=stage)
     if marker is None:
         return None, why
-    problems = file_problems(marker, Path(base_dir), verify=verify)
+    problems = list(file_problems(marker, Path(base_dir), verify=verify).values())
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
         return None, problems[0] + more
@@ -437,37 +437,38 @@ def derived_from_problem(marker: Marker, earlier: Mapping[str, Marker]) -> str |
     return f"derived from {dict(marker.inputs)}, but the published earlier stages are {expected}"
 
 
-def file_problems(marker: Marker, base: Path, *, verify: bool) -> list[str]:
-    """Every problem of ``marker``'s files under ``base``, one line per file: its stage
-    folder or a file missing, a path that leaves ``base``, a size, and with ``verify``
-    the first and last MiB (:func:`file_checksum`) that differ from the marker."""
-    problems = []
+def file_problems(marker: Marker, base: Path, *, verify: bool) -> dict[str | None, str]:
+    """Every problem of ``marker``'s files under ``base``, one line per file, by the
+    file's listed path (``None``: the stage folder is missing): a file missing, a path
+    that leaves ``base``, a size, and with ``verify`` the first and last MiB
+    (:func:`file_checksum`) that differ from the marker."""
     directory = base / marker.directory
     if not directory.is_dir():
-        problems.append(f"stage folder {marker.directory!r} missing")
-        return problems
+        return {None: f"stage folder {marker.directory!r} missing"}
+    problems: dict[str | None, str] = {}
     seen: set[Path] = set()
     for entry in marker.files:
+        name = f"listed file {entry.path!r}"
         try:
             p = join_under(base, entry.path, checked_dirs=seen)
             size = p.stat().st_size
         except UnsafePathError as e:
-            problems.append(f"listed file {entry.path!r}: {e.reason}")
+            problems[entry.path] = f"{name}: {e.reason}"
             continue
         except OSError:
-            problems.append(f"listed file {entry.path!r} missing")
+            problems[entry.path] = f"{name} missing"
             continue
         if size != entry.size:
-            problems.append(f"listed file {entry.path!r} has {size} bytes, expected {entry.size}")
+            problems[entry.path] = f"{name} has {size} bytes, expected {entry.size}"
             continue
         if verify:
             try:
                 checksum = file_checksum(p, size)
             except OSError as e:
-                problems.append(f"listed file {entry.path!r} unreadable ({e})")
+                problems[entry.path] = f"{name} unreadable ({e})"
                 continue
             if checksum != entry.checksum:
-                problems.append(f"listed file {entry.path!r} checksum mismatch")
+                problems[entry.path] = f"{name} checksum mismatch"
     return problems
 
 

@@ -845,20 +845,16 @@ def _reuse(
     stored keys). ``tokens``: the token ids units of the parts whose embedding was
     missing (the others need none)."""
 
-    def count(markers) -> int:
-        return sum(_built(m, fingerprint, since) for m in markers)
-
     built_joins = [m for m in joins if _built(m, fingerprint, since)]
+    counts: dict[str, int] = {}
+    for kind, markers in (("texts", texts), ("tokens", tokens or []), ("embeddings", embeds)):
+        built = sum(_built(m, fingerprint, since) for m in markers)
+        counts |= {f"{kind}_built": built, f"{kind}_reused": len(markers) - built}
     return {
         "parts": len(joins),
         "joins_built": len(built_joins),
         "joins_reused": len(joins) - len(built_joins),
-        "texts_built": count(texts),
-        "texts_reused": len(texts) - count(texts),
-        "tokens_built": count(tokens or []),
-        "tokens_reused": len(tokens or []) - count(tokens or []),
-        "embeddings_built": count(embeds),
-        "embeddings_reused": len(embeds) - count(embeds),
+        **counts,
         "shards_read": sum(int(m.info.get("shards", 0)) for m in built_joins),
         "latent_bytes_written": sum(int(m.info.get("latent_bytes", 0)) for m in built_joins),
     }

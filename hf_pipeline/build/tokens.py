@@ -38,6 +38,7 @@ caller (a store unit: atomically, or not at all).
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Sequence
@@ -78,6 +79,13 @@ def _tokenize_slice(state: dict[str, Any], task: tuple[tuple[str, ...], int, int
     captions, reasons = (c.slice(start, stop - start).combine_chunks() for c in state["columns"])
     ids = tokenize_kept(captions, keep_mask(reasons), state["tokenizer"], threads=1)
     return {"ids": ids, "pid": os.getpid(), "start": t0, "end": time.time()}
+
+
+@functools.lru_cache(maxsize=2)
+def _in_process(spec: TokenizerSpec) -> WorkerTokenizer:
+    """The tokenizer of ``spec`` in this process (``num_proc`` 1), loaded once for every
+    part of a build, as a pool worker loads it once."""
+    return WorkerTokenizer(spec)
 
 
 class TokenizerPool(PersistentPool):
@@ -148,7 +156,8 @@ def tokenize_part(
     out = out_dir / TOKENS_FILE
     out.parent.mkdir(parents=True, exist_ok=True)
     paths = [Path(f) for f in files]
-    rows = len(read_column(paths, "drop_reason"))  # memory-mapped: no caption read
+    reasons = read_column(paths, "drop_reason")  # memory-mapped: no caption read
+    rows = len(reasons)
     # Every worker gets work (two slices each, so a slow one delays the part less),
     # at most batch_rows per tokenizer call.
     procs = pool.num_proc if pool is not None else 1
@@ -163,9 +172,9 @@ def tokenize_part(
         times = [{k: d[k] for k in ("pid", "start", "end")} for d in done]
     elif rows:  # num_proc 1 (no worker process), or a tokenizer no worker can load
         if isinstance(tokenizer, TokenizerSpec):
-            tokenizer = WorkerTokenizer(tokenizer)
-        reasons = read_column(paths, "drop_reason").combine_chunks()
-        ids = tokenize_kept(read_column(paths, "caption"), keep_mask(reasons), tokenizer, threads=1)
+            tokenizer = _in_process(tokenizer)
+        keep = keep_mask(reasons.combine_chunks())
+        ids = tokenize_kept(read_column(paths, "caption"), keep, tokenizer, threads=1)
     else:
         ids = pa.array([], pa.list_(pa.int32()))
     probe.check()  # nothing written for a lost lease

@@ -806,7 +806,7 @@ class StreamSource:
                 blocks = None
             if blocks is not None and self._first_batch:
                 self._first_batch.difference_update(run)
-                if not self._first_batch and self._plan_t0 is not None:
+                if not self._first_batch:
                     self._first_batch_landed()
             for b in run:
                 reserved = b in self._reserved
@@ -856,12 +856,12 @@ class StreamSource:
         self._batch_bytes = max(self._batch_bytes, int(self._block_bytes[ids].sum()))
         if index == 0 and self._first_batch is None:
             self._first_batch = {b for b in ids.tolist() if b not in self._blocks}
-            if not self._first_batch and self._plan_t0 is not None:
+            if not self._first_batch:
                 self._first_batch_landed()
 
     def _first_batch_landed(self) -> None:
-        """The plan's first batch is held (caller holds the lock, ``_plan_t0`` is set)."""
-        if self._plan_t0 is None:
+        """The plan's first batch is held (caller holds the lock)."""
+        if self._plan_t0 is None:  # no plan: no first batch to time
             return
         self._first_batch_s = time.monotonic() - self._plan_t0
         self._first_batch_reads = self._counts["dispatched_reads"]

@@ -264,16 +264,25 @@ def test_verifying_a_long_read_is_linear_in_its_blocks(gcs_cache):
         start = int(stream._block_start[run[0]])
         end = int(stream._block_start[run[-1]] + stream._block_bytes[run[-1]])
         run = run * -(-1000 // len(run))
-        fetch = verify = float("inf")
+        offsets = (stream._block_start[run] - start).tolist()
+        sizes = stream._block_bytes[run].tolist()
+        fetch = verify = copy = float("inf")
         for _ in range(3):  # the least of three: this thread's CPU, not another's
             t0 = time.thread_time()
-            stream._read(rel, start, end)
+            data = np.frombuffer(stream._read(rel, start, end), dtype=np.uint8)
             fetch = min(fetch, time.thread_time() - t0)
+            # The repeated run has gaps, so the read's blocks are joined into one buffer
+            # (a copy of 1,000 blocks' bytes, memory-bound: 59 ms once with two test
+            # processes on two CPUs): measured here, the same copy, as the reference.
+            t0 = time.thread_time()
+            np.concatenate([data[s : s + n] for s, n in zip(offsets, sizes, strict=True)])
+            copy = min(copy, time.thread_time() - t0)
             t0 = time.thread_time()
             blocks = stream._read_blocks(run)
             verify = min(verify, time.thread_time() - t0)
     assert len(run) >= 1000 and len(blocks) == len(set(run)), len(run)
-    assert verify - fetch <= 0.005 + 0.00003 * len(run), (verify, fetch, len(run))
+    beyond = verify - fetch - 2 * copy  # the copy, with room for its own spread
+    assert beyond <= 0.005 + 0.00003 * len(run), (verify, fetch, copy, len(run))
 
 
 def test_the_latency_proxy_streams_bodies():

@@ -193,6 +193,7 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--json", default="", help="write the runs and the summary here (stamped)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -219,13 +220,33 @@ def main() -> None:
                 print(run, json.dumps(res), flush=True)
         server = [r["children_cpu_s"] for r in results.get("server", [])]
         base = min(server) if server else 0.0
+        summary: dict[str, dict] = {}
         for mode, rs in results.items():
             walls = [r["wall_s"] for r in rs]
             workers = [round(r["children_cpu_s"] - base, 2) for r in rs]
+            summary[mode] = {
+                "wall_s": walls,
+                "workers_cpu_s_minus_server": workers,
+                "builder_cpu_s": [r["self_cpu_s"] for r in rs],
+            }
             print(
                 f"{mode:9s} wall {walls} s (per part {[round(w / args.parts, 3) for w in walls]}); "
                 f"workers' CPU minus the server's imports {workers} s; "
                 f"builder CPU {[r['self_cpu_s'] for r in rs]} s"
+            )
+        if args.json:
+            from benchmarks._results import write_result
+
+            write_result(
+                args.json,
+                {
+                    "rows": args.rows,
+                    "parts": args.parts,
+                    "num_proc": args.num_proc,
+                    "max_length": args.max_length,
+                    "runs": results,
+                    "summary": summary,
+                },
             )
 
 

@@ -54,13 +54,31 @@ t0 = time.perf_counter()
 from hf_pipeline.build.prepare import prepare_cache
 from hf_pipeline.config import load_config
 cfg = load_config(None, json.loads(sys.argv[1]))
+t_imports = time.perf_counter() - t0
+wall_call = time.time()
 res = prepare_cache(cfg, progress=False)
+wall_return = time.time()
 r = res.report
+# Where this run's time went, in seconds after prepare_cache was entered (wall clock, as
+# the report's timeline): each kind of part unit's first start and last end (this run's
+# units only: a reused unit's walls are its own build's, earlier), then what followed.
+spans = {}
+for part in r.get("parts") or []:
+    for kind, (a, b) in (part.get("wall") or {}).items():
+        if a >= wall_call - 1:
+            lo, hi = spans.get(kind, (a, b))
+            spans[kind] = (min(lo, a), max(hi, b))
+timeline = {k: [round(a - wall_call, 3), round(b - wall_call, 3)] for k, (a, b) in spans.items()}
+timeline["return"] = round(wall_return - wall_call, 3)
 print(json.dumps({
-    "inner_s": round(time.perf_counter() - t0, 3), "built": res.built,
-    "fingerprint": res.fingerprint, "rows_out": r["rows_out"], "reuse": r.get("reuse"),
+    "inner_s": round(time.perf_counter() - t0, 3), "imports_s": round(t_imports, 3),
+    "built": res.built, "fingerprint": res.fingerprint, "rows_out": r["rows_out"],
+    "reuse": r.get("reuse") if res.built else None,
     "seconds_embed": r.get("seconds_embed"), "seconds_convert": r.get("seconds_convert"),
-    "seconds_text": r.get("seconds_text"),
+    "seconds_text": r.get("seconds_text"), "seconds_tokenize": r.get("seconds_tokenize"),
+    "seconds_assemble": r.get("seconds_assemble"), "seconds_captions": r.get("seconds_captions"),
+    "startup": (r.get("startup") or {}).get("seconds") if res.built else None,
+    "timeline": timeline,
     "hashing": getattr(res, "hashing", None),
 }))
 """

@@ -313,6 +313,31 @@ def test_another_encoder_reuses_the_joins_and_writes_no_latent_bytes(inputs, two
     _assert_same_bytes(res, clean16)
 
 
+def test_a_re_embedding_tokenizes_later_parts_while_earlier_ones_embed(two_encoders):
+    """A re-embedding reads no shard: tokenizing part k+1 waits for no join, so it runs
+    while part k embeds (the wall is about the larger of the two sums, not their sum),
+    at most TOKENS_LOOKAHEAD parts ahead of the embedding; each part's embedding still
+    starts after its own token ids are published. Read from the report's timeline."""
+    from hf_pipeline.build.prepare import TOKENS_LOOKAHEAD
+
+    _, res = two_encoders
+    walls = [p["wall"] for p in res.report["parts"]]
+    assert all(w["tokens"] and w["embed"] for w in walls), walls
+    for w in walls:  # the embedding reads the published token ids
+        assert w["tokens"][1] <= w["embed"][0], w
+    overlaps = [
+        (k, j)
+        for k, a in enumerate(walls)
+        for j, b in enumerate(walls)
+        if j > k and b["tokens"][0] < a["embed"][1] and b["tokens"][1] > a["embed"][0]
+    ]
+    assert overlaps, f"no part tokenized while an earlier one embedded: {walls}"
+    # Bounded: part j's tokens wait for part j-LOOKAHEAD's embedding to start, so they
+    # begin after the one before that ended.
+    for j in range(TOKENS_LOOKAHEAD + 1, len(walls)):
+        assert walls[j]["tokens"][0] >= walls[j - TOKENS_LOOKAHEAD - 1]["embed"][1], (j, walls)
+
+
 def test_a_damaged_stored_part_is_refused_not_linked_into_a_new_cache(inputs):
     """A stored join whose latents file was changed on disk (a flipped byte) is refused
     when a later build would reuse it, naming the unit and the file; the new cache is not

@@ -371,6 +371,32 @@ def test_a_damaged_stored_part_is_refused_not_linked_into_a_new_cache(inputs):
     )
 
 
+def test_damaged_stored_token_ids_stop_the_build_with_their_error(inputs):
+    """Another encoder of the same tokenizer reuses the stored token ids; those of a later
+    part were changed on disk: the tokens' thread refuses them while earlier parts
+    embed, and the build fails with that error (naming the unit), leaving neither of its
+    threads running and publishing no cache."""
+    import threading
+
+    from hf_pipeline.errors import CacheFormatError
+
+    root = inputs["base"] / "damaged-tokens"
+    first = _build(root, inputs["final"], inputs["meta"])
+    unit = sorted(_store_units(root, "tokens").values())[4]
+    (ids,) = unit.glob("tokens.*/tokens/data.arrow")
+    data = bytearray(ids.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    ids.unlink()  # a new inode with the damage, as a disk fault would leave it
+    ids.write_bytes(bytes(data))
+    with pytest.raises(CacheFormatError) as ei:
+        _build(root, inputs["final"], inputs["meta"], _F16)
+    assert unit.name in str(ei.value) and ei.value.path == str(unit / "tokens.json"), ei.value
+    threads = ("hf_pipeline-embed", "hf_pipeline-tokens")
+    assert not [t.name for t in threading.enumerate() if t.name.startswith(threads)]
+    others = [p for p in root.iterdir() if not p.name.startswith(".") and p != first.cache_dir]
+    assert others and not any((p / "converted.json").exists() for p in others)
+
+
 def _store_units(root: Path, kind: str) -> dict[str, Path]:
     """The published units of ``kind`` (``tokens``, ``embed`` ...) in ``root``'s store."""
     return {d.name: d for d in (root / ".parts").glob(f"{kind}-*") if (d / f"{kind}.json").exists()}

@@ -1198,7 +1198,7 @@ def _ensure_parts(
                 lambda t: not wait_futures([tokens_done], timeout=t).not_done, "embedding"
             )
             part, km = tokens_done.result()
-            ahead.release()  # the next part's token ids may start
+            ahead.release()  # those TOKENS_LOOKAHEAD parts on may start
             build_embed = _stage(
                 "embed",
                 embed_builder(part, join_folder, text_folder, part.tokens_dir / km.directory),

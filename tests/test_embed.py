@@ -58,6 +58,22 @@ _CAPTIONS = [
     "tabs\tand\nnewlines  and   runs of spaces",
     "word " * 400,  # truncated at max_length
     "x" * 3000,  # one long word, split into many sub-words
+    # Special-token-looking text: lower case, glued, half-written, of other models.
+    "[cls]a[sep]b [SEP][SEP]x[MASK]y [UNK] [unused1] [CLS ] <s> </s> <pad> <|endoftext|>",
+    "##ing ## #hashtag @user http://example.com/a?b=c&d=e#f",
+    "ACCENTED Café naïve résumé ÉCOLE, ﬁ ligature, ½ ² Ⅻ, full-width ＡＢＣ１２３",
+    "zero\u200bwidth, soft\u00adhyphen, combining e\u0301, nbsp\u00a0here, \x00 nul",
+    "Ελληνικά, русский, العربية, עברית, हिन्दी, ไทย, 한국어, 中文的句子没有空格",
+    "numbers 3.14159 1,000,000 -42 1e-9 0x1F 2026-12-02 07:45",
+    "  leading and trailing spaces  ",
+    "punctuation!!! ??? ... --- ''' \"\"\" ``` (((nested))) {braces} <tags>",
+    "a" * 40 + " " + "b " * 60,  # a long word, then many short ones past max_length
+    *[
+        f"a photo of {n} {c} cats on a {m} mat"
+        for n in range(3)
+        for c in ("red", "blue")
+        for m in ("big", "small")
+    ],
 ]
 
 
@@ -74,9 +90,19 @@ def test_worker_tokenizer_gives_the_ids_of_transformers(tmp_path, side, max_leng
     spec = tok.export(tmp_path)
     assert spec.direction == side and spec.max_length == max_length
     worker = WorkerTokenizer(spec)
+    # The backend's fast batch (no offsets) where this tokenizers has it (>= 0.20).
+    fast = getattr(worker.tokenizer, "encode_batch_fast", None)
+    assert worker.encode_batch == (fast or worker.tokenizer.encode_batch)
     expected = tok(_CAPTIONS)
     assert worker(_CAPTIONS) == expected
+    # The ids of the plain encode_batch (the fallback) too, and batch by batch.
+    plain = worker.tokenizer.encode_batch(_CAPTIONS, add_special_tokens=True)
+    assert [e.ids for e in plain] == expected
+    assert [i for k in range(0, len(_CAPTIONS), 5) for i in worker(_CAPTIONS[k : k + 5])] == (
+        expected
+    )
     assert max(len(ids) for ids in expected) == max_length  # truncation was exercised
+    assert any(tok.tokenizer.unk_token_id in ids for ids in expected)  # [UNK] text too
     assert worker([]) == []
 
 

@@ -313,6 +313,31 @@ def test_another_encoder_reuses_the_joins_and_writes_no_latent_bytes(inputs, two
     _assert_same_bytes(res, clean16)
 
 
+def test_a_re_embedding_tokenizes_later_parts_while_earlier_ones_embed(two_encoders):
+    """A re-embedding reads no shard: tokenizing part k+1 waits for no join, so it runs
+    while part k embeds (the wall is about the larger of the two sums, not their sum),
+    at most TOKENS_LOOKAHEAD parts ahead of the embedding; each part's embedding still
+    starts after its own token ids are published. Read from the report's timeline."""
+    from hf_pipeline.build.prepare import TOKENS_LOOKAHEAD
+
+    _, res = two_encoders
+    walls = [p["wall"] for p in res.report["parts"]]
+    assert all(w["tokens"] and w["embed"] for w in walls), walls
+    for w in walls:  # the embedding reads the published token ids
+        assert w["tokens"][1] <= w["embed"][0], w
+    overlaps = [
+        (k, j)
+        for k, a in enumerate(walls)
+        for j, b in enumerate(walls)
+        if j > k and b["tokens"][0] < a["embed"][1] and b["tokens"][1] > a["embed"][0]
+    ]
+    assert overlaps, f"no part tokenized while an earlier one embedded: {walls}"
+    # Bounded: part j's tokens wait for part j-LOOKAHEAD's embedding to start, so they
+    # begin after the one before that ended.
+    for j in range(TOKENS_LOOKAHEAD + 1, len(walls)):
+        assert walls[j]["tokens"][0] >= walls[j - TOKENS_LOOKAHEAD - 1]["embed"][1], (j, walls)
+
+
 def test_a_damaged_stored_part_is_refused_not_linked_into_a_new_cache(inputs):
     """A stored join whose latents file was changed on disk (a flipped byte) is refused
     when a later build would reuse it, naming the unit and the file; the new cache is not
@@ -344,6 +369,32 @@ def test_a_damaged_stored_part_is_refused_not_linked_into_a_new_cache(inputs):
     assert others and not any((p / "converted.json").exists() for p in others), (
         "the new cache was published"
     )
+
+
+def test_damaged_stored_token_ids_stop_the_build_with_their_error(inputs):
+    """Another encoder of the same tokenizer reuses the stored token ids; those of a later
+    part were changed on disk: the tokens' thread refuses them while earlier parts
+    embed, and the build fails with that error (naming the unit), leaving neither of its
+    threads running and publishing no cache."""
+    import threading
+
+    from hf_pipeline.errors import CacheFormatError
+
+    root = inputs["base"] / "damaged-tokens"
+    first = _build(root, inputs["final"], inputs["meta"])
+    unit = sorted(_store_units(root, "tokens").values())[4]
+    (ids,) = unit.glob("tokens.*/tokens/data.arrow")
+    data = bytearray(ids.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    ids.unlink()  # a new inode with the damage, as a disk fault would leave it
+    ids.write_bytes(bytes(data))
+    with pytest.raises(CacheFormatError) as ei:
+        _build(root, inputs["final"], inputs["meta"], _F16)
+    assert unit.name in str(ei.value) and ei.value.path == str(unit / "tokens.json"), ei.value
+    threads = ("hf_pipeline-embed", "hf_pipeline-tokens")
+    assert not [t.name for t in threading.enumerate() if t.name.startswith(threads)]
+    others = [p for p in root.iterdir() if not p.name.startswith(".") and p != first.cache_dir]
+    assert others and not any((p / "converted.json").exists() for p in others)
 
 
 def _store_units(root: Path, kind: str) -> dict[str, Path]:

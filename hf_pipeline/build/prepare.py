@@ -1260,12 +1260,11 @@ def _ensure_parts(
                     )
 
             # The first failure of either thread, as it happens (not in part order).
-            pending = [*tokenized.values(), *embeds.values()]
+            pending: set[Future] = {*tokenized.values(), *embeds.values()}
             while pending:
                 finished, pending = wait_futures(pending, timeout=1.0, return_when=FIRST_EXCEPTION)
                 for f in finished:
                     f.result()
-                pending = list(pending)
             emb = {i: f.result()["embed"] for i, f in embeds.items()}
             for p in (used[q.plan.index] for q in planned):  # with the text it uses
                 _check_reused(

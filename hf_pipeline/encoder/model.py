@@ -17,7 +17,7 @@ import os
 import time
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, cast
@@ -278,9 +278,10 @@ class WorkerTokenizer:
             spec.max_length, stride=0, strategy="longest_first", direction=spec.direction
         )
         self.tokenizer.encode_special_tokens = spec.split_special_tokens
-        self.encode_batch = getattr(self.tokenizer, "encode_batch_fast", None)
-        if self.encode_batch is None:  # tokenizers < 0.20
-            self.encode_batch = self.tokenizer.encode_batch
+        # The same ids without the offsets (tokenizers >= 0.20); before it, encode_batch.
+        self.encode_batch: Callable[..., Any] = getattr(
+            self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch
+        )
 
     def __call__(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of ``texts`` (special tokens added, truncated, not padded)."""

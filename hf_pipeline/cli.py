@@ -18,9 +18,9 @@ from dist.env import EnvironmentConflictError
 from dist.errors import BuildFailedError, CacheWaitTimeout, ReadOnlyCacheError
 from hf_pipeline.config import Config, load_config
 from hf_pipeline.config_docs import env_help
-from hf_pipeline.errors import StoreUnreachableError, UserError
+from hf_pipeline.errors import ConfigError, StoreUnreachableError, UserError
 
-__all__ = ["add_common_args", "config_from_args", "run"]
+__all__ = ["add_common_args", "check_cache_root", "config_from_args", "run"]
 
 #: The scripts' ``--help`` epilog: ``hf_pipeline.config.ENV_VARS``, rendered.
 ENV_HELP = env_help()
@@ -57,6 +57,41 @@ def config_from_args(args: argparse.Namespace, extra: Sequence[str] = ()) -> Con
         overrides.append(f"build.num_proc={args.num_proc}")
     overrides.extend(extra)
     return load_config(args.config, overrides)
+
+
+def check_cache_root(cfg: Config, args: argparse.Namespace, *, must_exist: bool) -> None:
+    """Refuse a cache root (``cfg.cache_root``) that is no folder, in one line naming it.
+
+    ``must_exist``: status, verify and clean only look at a root, so a missing one is a
+    mistyped path (it printed "0 caches", exit 0); a build creates it, but not below a
+    file (it printed the OS's "[Errno 20] Not a directory", exit 1).
+
+    Raises:
+        ConfigError: ``build.cache_dir`` and where it came from (``--cache-dir``,
+            ``--set``, ``$HF_PIPELINE_CACHE``, the config file or the default).
+    """
+    root = cfg.cache_root
+    if root.is_dir():
+        return
+    if getattr(args, "cache_dir", None):
+        source = " (from --cache-dir)"
+    elif any(o.split("=", 1)[0].strip() == "build.cache_dir" for o in args.overrides):
+        source = " (from --set)"
+    elif os.environ.get("HF_PIPELINE_CACHE", "").strip():
+        source = " (from $HF_PIPELINE_CACHE)"
+    else:
+        source = ""
+    # The nearest existing path at or above the root says what is wrong with it.
+    there = next((p for p in (root, *root.parents) if os.path.lexists(p)), None)
+    if there == root:
+        why = "not a folder; the cache root must be a folder"
+    elif there is not None and not there.is_dir():
+        why = f"{there} is a file, not a folder; the cache root must be a folder"
+    elif must_exist:
+        why = "no such folder (a build creates it; status, verify and clean do not)"
+    else:
+        return
+    raise ConfigError(f"build.cache_dir {root}{source}: {why}", field="build.cache_dir")
 
 
 def _setup_logging(args: argparse.Namespace) -> None:

@@ -1167,8 +1167,16 @@ def load_config(
         tree = _read_yaml(cfg_path)
     for var, dotted in _ENV_FIELDS.items():
         raw = env.get(var)
-        if raw is not None and raw.strip() != "":
-            _set_dotted(tree, dotted, raw.strip())
+        if raw is None:
+            continue
+        if raw.strip() == "":
+            # Set but blank is a slip (an empty launcher template, a stray space), not a
+            # way to unset: taken as unset, it silently ran with another value.
+            raise ConfigError(
+                f"${var} is set but blank ({raw!r}): give it a value for {dotted} or unset it",
+                field=dotted,
+            )
+        _set_dotted(tree, dotted, raw.strip())
     items = overrides.items() if isinstance(overrides, Mapping) else []
     if not isinstance(overrides, Mapping):
         parsed = []

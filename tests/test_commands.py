@@ -24,6 +24,7 @@ import pytest
 from hf_pipeline import cli
 from hf_pipeline.commands import main as hf_pipeline_main
 from tests.conftest import PYTHON, REPO, SMALL_DEMO, script_env
+from tests.helpers.publishing import gcs_store  # noqa: F401 - a fixture
 
 SUBCOMMANDS = ("build", "status", "verify", "clean", "publish", "train")
 
@@ -103,9 +104,10 @@ def test_pip_install_puts_hf_pipeline_on_path(pip_installed, tmp_path):
     assert p.returncode == 0, p.stderr
     assert all(f"    {name} " in p.stdout for name in SUBCOMMANDS), p.stdout
     assert "DATASET_NUM_PROC" in p.stdout
-    p = subprocess.run([str(exe), "status", "--cache-dir", str(tmp_path / "none")], env=env,
+    (tmp_path / "empty").mkdir()
+    p = subprocess.run([str(exe), "status", "--cache-dir", str(tmp_path / "empty")], env=env,
                        cwd=tmp_path, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert (p.returncode, p.stdout) == (0, f"no caches under {tmp_path / 'none'}\n"), p.stderr
+    assert (p.returncode, p.stdout) == (0, f"no caches under {tmp_path / 'empty'}\n"), p.stderr
 
 
 def test_venv_entry_point_when_installed():
@@ -152,6 +154,7 @@ def test_a_missing_config_names_the_paths_tried(tmp_path):
 
 def test_status_of_an_empty_root_prints_what_the_script_prints(tmp_path):
     root = tmp_path / "empty"
+    root.mkdir()
     script = _script("prebuild_cache.py", "--cache-dir", root, "--status")
     command = _hf("status", "--cache-dir", root)
     assert script.returncode == command.returncode == 0, script.stderr + command.stderr
@@ -247,3 +250,114 @@ def test_scripts_are_wrappers_of_the_commands_code():
             for alias in n.names
         ]
         assert module in imported, f"scripts/{name} does not call hf_pipeline.commands.{module}"
+
+
+# ------------------------------------------------ the outside tester's findings (clifix)
+
+
+def _only_json(p: subprocess.CompletedProcess) -> dict:
+    """``p``'s stdout parsed as one JSON document: what ``--json - 2>/dev/null | jq``
+    sees (a human line before it would make this raise)."""
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout)
+
+
+@pytest.mark.slow
+def test_build_json_to_stdout_is_the_json_alone_when_found(session_cache_root, built_cache):
+    p = _hf("build", "-q", "--cache-dir", session_cache_root, *_sets(SMALL_DEMO), "--json", "-")
+    summary = _only_json(p)
+    assert summary["built"] is False and summary["fingerprint"] == built_cache.fingerprint
+    # The human summary is still there, on stderr.
+    assert f"fingerprint {built_cache.fingerprint}" in p.stderr and "[found" in p.stderr
+
+
+@pytest.mark.slow
+def test_build_json_to_stdout_is_the_json_alone_when_built(tmp_path):
+    root = tmp_path / "c"
+    small = [*SMALL_DEMO, "data.demo.num_shards=2", "data.demo.samples_per_shard=25"]
+    p = _hf("build", "-q", "--cache-dir", root, *_sets(small), "--json", "-")
+    summary = _only_json(p)
+    assert summary["built"] is True and summary["rows_in"] == 50
+    assert "[built in" in p.stderr and "rows        50 latent rows in" in p.stderr
+
+
+@pytest.mark.slow
+def test_publish_json_to_stdout_is_the_json_alone(
+    source_cache,
+    gcs_store,  # noqa: F811 - the fixture
+):
+    server, url = gcs_store
+    result = source_cache.result
+    env = script_env(STORAGE_EMULATOR_HOST=server, GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false")
+    p = _hf(
+        "publish", url, "-q", "--set", f"data.shards={source_cache.data}",
+        "--cache-dir", Path(result.cache_dir).parent, *_sets(SMALL_DEMO), "--json", "-",
+        env=env,
+    )  # fmt: skip
+    summary = _only_json(p)
+    assert summary["fingerprint"] == result.fingerprint and not summary["built"]
+    assert summary["publish"]["state"] == "published"
+    assert f"published   {url}/{Path(result.cache_dir).name}" in p.stderr
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_a_cache_dir_that_is_a_file_is_one_line_exit_2(tmp_path, how):
+    afile = tmp_path / "small.yaml"
+    afile.write_text("build: {}\n")
+    for where in (afile, afile / "below"):
+        if how == "flag":
+            p = _hf("build", "--cache-dir", where)
+            names = "--cache-dir"
+        else:
+            p = _hf("build", env=script_env(HF_PIPELINE_CACHE=str(where)))
+            names = "HF_PIPELINE_CACHE"
+        assert p.returncode == 2, p.stderr[-2000:]
+        (line,) = p.stderr.strip().splitlines()
+        assert line.startswith("error: ") and "build.cache_dir" in line and names in line, line
+        assert str(where) in line and "folder" in line and "Errno" not in line, line
+    assert afile.read_text() == "build: {}\n"
+
+
+@pytest.mark.parametrize("sub", ["status", "verify", "clean"])
+def test_a_cache_root_that_does_not_exist_is_one_line_exit_2(tmp_path, sub):
+    root = tmp_path / "nonexist"
+    for extra in ([], ["--json", "-"]):
+        p = _hf(sub, "--cache-dir", root, *extra)
+        assert p.returncode == 2 and p.stdout == "", p.stdout + p.stderr
+        (line,) = p.stderr.strip().splitlines()
+        assert "no such folder" in line and str(root) in line and "--cache-dir" in line, line
+    assert not root.exists()  # not created by a look at it
+
+
+def test_clean_exit_0_for_what_it_keeps_on_purpose(tmp_path):
+    """A `left` line for what clean never touches (a symlink, a folder without the mark)
+    is not a failure: exit 0."""
+    root = tmp_path / "root"
+    (root / "demo-0123456789abcdef").mkdir(parents=True)
+    (root / "link").symlink_to(tmp_path)
+    p = _hf("clean", "--cache-dir", root)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"left {root / 'link'}: a symbolic link" in p.stdout
+    assert f"left {root / 'demo-0123456789abcdef'}: named like a cache but without" in p.stdout
+    assert (root / "demo-0123456789abcdef").is_dir() and (root / "link").is_symlink()
+
+
+def test_clean_exit_1_when_a_removal_fails(tmp_path, mounts):
+    """Something clean set out to remove (an earlier run's trash) but could not (a
+    read-only mount): named on a `left` line, exit 1."""
+    from tests.conftest import run_mount
+
+    src, root = tmp_path / "src", tmp_path / "root"
+    src.mkdir()
+    root.mkdir()
+    trash = src / ".demo-0123456789abcdef.trash-0badf00d"
+    trash.symlink_to(tmp_path / "gone")
+    mounts("--bind", str(src), str(root))
+    run_mount("-o", "remount,bind,ro", str(root))
+    p = _hf("clean", "--cache-dir", root, "--json", "-")
+    assert p.returncode == 1, p.stdout + p.stderr
+    report = json.loads(p.stdout)
+    assert [x["path"] for x in report["left"]] == [str(root / trash.name)]
+    assert report["left"][0]["why"].startswith("could not remove")
+    assert f"left {root / trash.name}: could not remove" in p.stderr
+    assert trash.is_symlink()

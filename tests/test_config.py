@@ -10,6 +10,7 @@ import pytest
 
 from hf_pipeline.config import (
     CONFIG_DIR,
+    ENV_VARS,
     Config,
     default_cache_root,
     load_config,
@@ -502,3 +503,28 @@ def test_loader_config_builds_the_loader_options():
     err = _refusal(["loader.partition=diagonal"])
     assert err.field == "loader.partition" and "\n" not in str(err)
     assert str(err).startswith("loader.partition must be one of ('contiguous', 'strided')")
+
+
+# ------------------------------------------ a variable set but blank (clifix, item 5)
+
+
+@pytest.mark.parametrize("blank", [" ", "", "\t"])
+@pytest.mark.parametrize("var", [v.name for v in ENV_VARS if v.field])
+def test_a_blank_env_var_is_refused_naming_it(tmp_path, var, blank):
+    """Set but blank is a mistake (a launcher's empty template, a stray space), not
+    "unset": the docs' table says a variable is either unset or holds a value."""
+    from tests.conftest import PYTHON, REPO, script_env
+
+    root = tmp_path / "c"
+    root.mkdir()
+    p = subprocess.run(
+        [PYTHON, "-m", "hf_pipeline", "status", "--cache-dir", str(root)],
+        env=script_env(**{var: blank}),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert p.returncode == 2, p.stdout + p.stderr
+    (line,) = p.stderr.strip().splitlines()
+    assert line.startswith("error: ") and f"${var}" in line and "blank" in line, line

@@ -318,10 +318,10 @@ def test_script_publish_status_and_bad_url(source_cache, gcs_store):
         timeout=300,
     )
     assert pub.returncode == 0, pub.stderr[-3000:]
-    summary = json.loads(pub.stdout[pub.stdout.index("{") :])
+    summary = json.loads(pub.stdout)  # `--json -`: the JSON alone, the human lines on stderr
     assert summary["fingerprint"] == result.fingerprint and not summary["built"]
     assert summary["publish"]["state"] == "published"
-    assert f"published   {url}/{Path(result.cache_dir).name}" in pub.stdout
+    assert f"published   {url}/{Path(result.cache_dir).name}" in pub.stderr
 
     status = subprocess.run(
         [*base, "--status", url], env=env, capture_output=True, text=True, timeout=300

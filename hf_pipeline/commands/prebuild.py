@@ -114,7 +114,7 @@ def _safe(text: object) -> str:
     return s if s.isprintable() else shown(s)
 
 
-def _print_summary(result) -> None:
+def _print_summary(result, out) -> None:
     s = result.summary()
     if result.built:
         how = f"built in {s['seconds']:.1f} s"
@@ -122,25 +122,27 @@ def _print_summary(result) -> None:
         how = f"pulled in {s['seconds']:.1f} s"
     else:
         how = f"found ({s['seconds']:.1f} s)"
-    print(f"cache       {s['cache_dir']}  [{how}]")
-    print(f"fingerprint {s['fingerprint']}")
-    print(f"rows        {s['rows_in']} latent rows in -> {s['rows_out']} kept")
+    print(f"cache       {s['cache_dir']}  [{how}]", file=out)
+    print(f"fingerprint {s['fingerprint']}", file=out)
+    print(f"rows        {s['rows_in']} latent rows in -> {s['rows_out']} kept", file=out)
     dropped = ", ".join(f"{k} {v}" for k, v in sorted(s["dropped"].items())) or "none"
-    print(f"dropped     {dropped}")
+    print(f"dropped     {dropped}", file=out)
     for reason, bad in sorted((result.report.get("bad_rows") or {}).items()):
         if bad.get("count"):
             keys = ", ".join(map(str, bad.get("first_keys", [])))
-            print(f"bad rows    {reason} {bad['count']} (first keys: {keys})")
+            print(f"bad rows    {reason} {bad['count']} (first keys: {keys})", file=out)
     dup, null = s["duplicate_meta_rows"], s["null_key_meta_rows"]
     print(
         f"metadata    {dup} rows repeating an earlier key ignored (first wins), "
-        f"{null} with a null key dropped"
+        f"{null} with a null key dropped",
+        file=out,
     )
     fetch = result.report.get("fetch") or {}
     if fetch.get("files"):
         print(
             f"fetched     {fetch.get('files')} files, {_human_bytes(fetch.get('bytes', 0))}, "
-            f"{fetch.get('mean_mb_s', 0):.1f} MB/s, {fetch.get('retries', 0)} retries"
+            f"{fetch.get('mean_mb_s', 0):.1f} MB/s, {fetch.get('retries', 0)} retries",
+            file=out,
         )
 
 
@@ -308,17 +310,18 @@ def _published_status(url: str, cfg) -> int:
     return 0
 
 
-def _print_publish(report) -> None:
+def _print_publish(report, out) -> None:
     verb = {
         "published": "published",
         "unchanged": "already there, unchanged",
         "already_published": "already published by another build; left as it is",
     }[report.state]
-    print(f"published   {report.url}  [{verb}]")
+    print(f"published   {report.url}  [{verb}]", file=out)
     print(
         f"uploaded    {report.uploaded_files} of {report.files} files, "
         f"{_human_bytes(report.uploaded_bytes)} in {report.seconds:.1f} s "
-        f"({report.skipped_files} already there)"
+        f"({report.skipped_files} already there)",
+        file=out,
     )
 
 
@@ -351,8 +354,13 @@ def main(args: argparse.Namespace) -> int:
     cfg = cli.config_from_args(args)
     if isinstance(args.status, str):
         return _published_status(args.status, cfg)
-    if args.status or args.verify or args.clean:
+    admin = bool(args.status or args.verify or args.clean)
+    cli.check_cache_root(cfg, args, must_exist=admin)
+    if admin:
         return _admin(args, cfg)
+    # `--json -`: stdout carries the JSON document alone (`| jq` works); the human
+    # summary goes to stderr then, as _admin's lines do.
+    out = sys.stderr if args.json == "-" else sys.stdout
     from hf_pipeline.build.prepare import prepare_cache
 
     if args.publish:
@@ -361,7 +369,7 @@ def main(args: argparse.Namespace) -> int:
         # A bad URL or a missing bucket fails before the build, not after it.
         open_store(args.publish, data_config=cfg.data).check_location()
     result = prepare_cache(cfg, progress=not args.quiet)
-    _print_summary(result)
+    _print_summary(result, out)
     summary = result.summary()
     if args.publish:
         from hf_pipeline.publish.upload import publish_cache
@@ -369,12 +377,8 @@ def main(args: argparse.Namespace) -> int:
         report = publish_cache(
             result.cache_dir, result.fingerprint, args.publish, data_config=cfg.data
         )
-        _print_publish(report)
+        _print_publish(report, out)
         summary["publish"] = report.as_dict()
     if args.json:
-        text = json.dumps(summary, indent=2, sort_keys=True)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text + "\n")
+        _write_json(args.json, summary)
     return 0

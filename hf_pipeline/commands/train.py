@@ -68,6 +68,8 @@ def main(args: argparse.Namespace) -> int:
     if args.checkpoint_every is not None:
         extra.append(f"train.checkpoint_every={args.checkpoint_every}")
     cfg = cli.config_from_args(args, extra)
+    if not cfg.loader.stream_from:  # streaming reads no local cache
+        cli.check_cache_root(cfg, args, must_exist=False)
 
     from dist.env import detect
     from hf_pipeline.build.prepare import prepare_cache

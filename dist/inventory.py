@@ -8,8 +8,11 @@ heartbeat counter moves during an observation window on *this* machine's clock.
 The root may hold other people's things (a shared ``HF_PIPELINE_CACHE``), so what
 :func:`clean` deletes is bounded by proof, not by names:
 
-- only folders that carry the project's mark (:func:`dist.layout.cache_mark`); anything
-  else, and every symlink, is left as it is (and :func:`ignored_entries` reports it);
+- only folders that carry the project's mark (:func:`dist.layout.cache_mark`; an identity
+  file of another fingerprint than the folder's name is none); anything else, and every
+  symlink, is left as it is (and :func:`ignored_entries` reports it);
+- of a cache it removes, only the entries the project writes, known by their names
+  (:func:`_ours`); a cache holding anything else stays, with a ``left`` line naming it;
 - nothing is ever reached through a symlink: entries are judged with ``lstat``, walks
   do not descend links, a link inside a cache is at most unlinked itself (trash links
   of an earlier run), never followed;

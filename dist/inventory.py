@@ -8,8 +8,11 @@ heartbeat counter moves during an observation window on *this* machine's clock.
 The root may hold other people's things (a shared ``HF_PIPELINE_CACHE``), so what
 :func:`clean` deletes is bounded by proof, not by names:
 
-- only folders that carry the project's mark (:func:`dist.layout.cache_mark`); anything
-  else, and every symlink, is left as it is (and :func:`ignored_entries` reports it);
+- only folders that carry the project's mark (:func:`dist.layout.cache_mark`; an identity
+  file of another fingerprint than the folder's name is none); anything else, and every
+  symlink, is left as it is (and :func:`ignored_entries` reports it);
+- of a cache it removes, only the entries the project writes, known by their names
+  (:func:`_ours`); a cache holding anything else stays, with a ``left`` line naming it;
 - nothing is ever reached through a symlink: entries are judged with ``lstat``, walks
   do not descend links, a link inside a cache is at most unlinked itself (trash links
   of an earlier run), never followed;
@@ -30,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
+import re
 import shutil
 import socket
 import stat
@@ -187,6 +191,86 @@ def _is_link(path: Path) -> bool:
     return st is not None and stat.S_ISLNK(st.st_mode)
 
 
+#: What :mod:`dist.atomic` writes beside a file before renaming it into place.
+_ATOMIC_TMP = re.compile(r"^\.(?P<inner>.+)\.[0-9]+\.[0-9a-f]{12}\.tmp$")
+
+
+def _identity_mismatch(path: Path, name: str | None = None) -> str | None:
+    """Why the identity file in ``path`` proves nothing (None: there is none, or it
+    names the folder's own fingerprint). A folder holding one written for another name
+    (copied or renamed) is no cache of ours, whatever else it holds: the legacy rules
+    of :func:`dist.layout.cache_mark` are for folders written before it existed."""
+    name = path.name if name is None else name
+    if not os.path.lexists(path / IDENTITY_FILE):
+        return None
+    d = None if _is_link(path / IDENTITY_FILE) else read_json(path / IDENTITY_FILE)
+    fp = d.get("fingerprint") if isinstance(d, dict) else None
+    if isinstance(fp, str) and fp and name.endswith(f"-{fp}"):
+        return None
+    if isinstance(fp, str):
+        return (
+            f"its {IDENTITY_FILE} names fingerprint {shown(fp)}, not the folder name's: "
+            "proves nothing, left as it is"
+        )
+    return f"its {IDENTITY_FILE} is not hf_pipeline's: proves nothing, left as it is"
+
+
+def _mark(path: Path, *, name: str | None = None) -> str | None:
+    """:func:`dist.layout.cache_mark`, except that an identity file of another
+    fingerprint than the folder's name makes it no cache (:func:`_identity_mismatch`)."""
+    fingerprint = cache_mark(path, name=name)
+    if fingerprint is None or _identity_mismatch(path, name) is not None:
+        return None
+    return fingerprint
+
+
+def _ours(folder: Path, name: str, stages: Sequence[str]) -> bool:
+    """Whether entry ``name`` of cache ``folder`` is one the project writes, by the names
+    it uses (dist.layout): markers (also retired), stage folders, lease and heartbeat,
+    failure records, the identity file, --verify's record, temporary files and trash of
+    these. A symlink only as trash (the coordinator's rename of a link in a stage
+    folder's place; only ever unlinked, never followed)."""
+    if _is_link(folder / name):
+        inner = parse_trash_name(name)
+        return inner is not None and _our_name(inner, stages)
+    return _our_name(name, stages)
+
+
+def _our_name(name: str, stages: Sequence[str]) -> bool:
+    """:func:`_ours` by the name alone."""
+    inner = parse_trash_name(name)
+    if inner is not None:
+        return _our_name(inner, stages)
+    tmp = _ATOMIC_TMP.match(name)
+    if tmp is not None:
+        return _our_name(tmp["inner"], stages)
+    parsed = parse_stage_dir(name)
+    return (
+        name in (IDENTITY_FILE, VERIFY_RECORD)
+        or name in {marker_name(s) for s in stages}
+        or name in stages
+        or is_bookkeeping(name)
+        or (is_retired_marker(name) and name.split(".json.", 1)[0] in stages)
+        or (parsed is not None and parsed.stage in stages)
+    )
+
+
+def _foreign(folder: Path, stages: Sequence[str]) -> list[str]:
+    """The entries of cache ``folder`` that the project did not write (:func:`_ours`)."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    return [n for n in names if not _ours(folder, n, stages)]
+
+
+def _shown_foreign(folder: Path, names: Sequence[str]) -> str:
+    """``names`` for a left line: the first few, links said so."""
+    shown_names = [shown(n) + (" (a symbolic link)" if _is_link(folder / n) else "") for n in names]
+    more = f" (+{len(names) - 5} more)" if len(names) > 5 else ""
+    return ", ".join(shown_names[:5]) + more
+
+
 def _lease_key(cache: Path) -> tuple[str, int | None] | None:
     view = read_lease(cache / LEASE_FILE)
     if view is None:
@@ -298,7 +382,7 @@ def unlisted_files(
     """Files inside the published stage folders of ``cache_dir`` that no valid marker
     lists (paths relative to ``cache_dir``): not part of the cache. Reads only."""
     cache = Path(cache_dir)
-    fingerprint = cache_mark(cache) or ""
+    fingerprint = _mark(cache) or ""
     return _unlisted(cache, _valid_markers(cache, list(stages), fingerprint)[0])
 
 
@@ -396,7 +480,7 @@ def list_caches(
     root = Path(root)
     if not root.is_dir():
         return []
-    marks = {p: cache_mark(p) for p in sorted(root.iterdir())}
+    marks = {p: _mark(p) for p in sorted(root.iterdir())}
     caches = [p for p, fingerprint in marks.items() if fingerprint is not None]
     live = _observed(caches, observe_s)
     statuses = [_status(c, marks[c] or "", list(stages), live[c]) for c in caches]
@@ -512,7 +596,7 @@ def list_store(
     store = Path(store)
     if not store.is_dir():
         return []
-    marks = {p: cache_mark(p) for p in sorted(store.iterdir())}
+    marks = {p: _mark(p) for p in sorted(store.iterdir())}
     units = [p for p, fp in marks.items() if fp is not None and "-" in p.name]
     live = _observed(units, observe_s)
     found: dict[str, tuple[CacheStatus, int, list[str]]] = {}
@@ -549,7 +633,9 @@ def _looks_like_cache(path: Path) -> bool:
 def ignored_entries(root: str | os.PathLike[str]) -> list[tuple[Path, str]]:
     """Entries of ``root`` that status and clean pass over and a person may want to know
     of: symlinks (never followed), folders named like a cache without the project's mark,
-    trash of an interrupted removal. Plain user folders are not listed. Reads only."""
+    folders holding an identity file of another fingerprint, trash of an interrupted
+    removal (and folders only named like it). Plain user folders are not listed. Reads
+    only."""
     root = Path(root)
     out: list[tuple[Path, str]] = []
     try:
@@ -560,13 +646,20 @@ def ignored_entries(root: str | os.PathLike[str]) -> list[tuple[Path, str]]:
         st = _lstat(p)
         if st is None:
             continue
-        if parse_trash_name(p.name) is not None and p.name.startswith("."):
-            out.append((p, "trash of an interrupted removal"))
+        inner = parse_trash_name(p.name)
+        if inner is not None and p.name.startswith("."):
+            # Trash only on proof (clean removes it): a link, or a cache's mark in it.
+            if stat.S_ISLNK(st.st_mode) or _mark(p, name=inner):
+                out.append((p, "trash of an interrupted removal"))
+            else:
+                out.append((p, "named like trash but carries no hf_pipeline mark: left as it is"))
         elif p.name.startswith("."):
             continue
         elif stat.S_ISLNK(st.st_mode):
             out.append((p, "a symbolic link: never followed, left as it is"))
-        elif stat.S_ISDIR(st.st_mode) and _looks_like_cache(p) and cache_mark(p) is None:
+        elif stat.S_ISDIR(st.st_mode) and (why := _identity_mismatch(p)) is not None:
+            out.append((p, why))
+        elif stat.S_ISDIR(st.st_mode) and _looks_like_cache(p) and _mark(p) is None:
             out.append((p, "named like a cache but without the hf_pipeline mark: left as it is"))
     return out
 
@@ -636,7 +729,7 @@ def verify_cache(
     """
     cache = Path(cache_dir)
     stages = list(stages)
-    fingerprint = cache_mark(cache) or ""
+    fingerprint = _mark(cache) or ""
     done, problems = _valid_markers(cache, stages, fingerprint, verify=True, missing=True)
     # Files that something else wrote into a published stage (a `datasets` call).
     problems += [f"{rel}: not listed by any marker" for rel in _unlisted(cache, done)]
@@ -778,11 +871,19 @@ def verify_findings(cache: str | os.PathLike[str], done: Mapping[str, Marker]) -
     ]
 
 
-def _rmtree_errors(folder: Path) -> list[str]:
+def _rmtree_errors(folder: Path, stages: Sequence[str] | None = None) -> list[str]:
     """Delete ``folder`` (rmtree never follows a symlink: it unlinks the link); the
     identity file and markers last, so an interrupted removal is still known as a cache
-    (and the next ``clean`` finishes it). Returns what could not be removed."""
+    (and the next ``clean`` finishes it). With ``stages`` (``folder`` is a cache) only
+    the entries the project wrote (:func:`_ours`): the rest, and so ``folder``, stay.
+    Returns what could not be removed."""
     errors: list[str] = []
+    foreign = [] if stages is None else _foreign(folder, stages)
+    if foreign:
+        errors.append(
+            f"{folder}: kept, it holds what hf_pipeline did not write: "
+            f"{_shown_foreign(folder, foreign)}"
+        )
 
     def note_exc(_func: Any, path: str, exc: BaseException) -> None:
         if not isinstance(exc, FileNotFoundError):
@@ -802,7 +903,7 @@ def _rmtree_errors(folder: Path) -> list[str]:
     for name in names:
         p = folder / name
         st = _lstat(p)
-        if st is None:
+        if st is None or name in foreign:
             continue
         if stat.S_ISDIR(st.st_mode):
             shutil.rmtree(p, **hook)
@@ -813,6 +914,8 @@ def _rmtree_errors(folder: Path) -> list[str]:
                 pass
             except OSError as e:
                 errors.append(f"{p}: {e}")
+    if foreign:
+        return errors
     try:
         os.rmdir(folder)
     except OSError as e:
@@ -820,11 +923,13 @@ def _rmtree_errors(folder: Path) -> list[str]:
     return errors
 
 
-def _remove(path: Path) -> list[str]:
+def _remove(path: Path, stages: Sequence[str] | None = None) -> list[str]:
     """Remove ``path``; what could not be removed, one line each ([] when all went).
 
     A folder is renamed first so nobody ever sees (or resumes from) a half-deleted one;
-    a symlink is only ever unlinked itself.
+    a symlink is only ever unlinked itself. With ``stages`` (``path`` is a cache whose
+    every entry the project wrote when it was looked at) only the project's entries
+    are deleted (:func:`_rmtree_errors`).
     """
     st = _lstat(path)
     if st is None:
@@ -844,7 +949,7 @@ def _remove(path: Path) -> list[str]:
         return []
     except OSError as e:
         return [f"{path}: {e}"]
-    return _rmtree_errors(trash)
+    return _rmtree_errors(trash, stages)
 
 
 def _complete_targets(
@@ -858,6 +963,8 @@ def _complete_targets(
         path = cache / name
         if _is_link(path) and parse_trash_name(name) is None:
             left.append((path, "a symbolic link: never followed, left as it is"))
+        elif not _ours(cache, name, stages):
+            left.append((path, "named like a leftover but not hf_pipeline's: left as it is"))
         else:
             targets.append(path)
     if status.state is CacheState.COMPLETE:
@@ -908,16 +1015,34 @@ def clean(
     # uses of the stored units: counted here, discounted in list_store.
     going: dict[tuple[int, int], int] = {}
 
-    def drop(target: Path) -> None:
+    def drop(target: Path, stages_of: Sequence[str] | None = None) -> None:
         if dry_run:
             for st in _regular_files(target):
                 going[(st.st_dev, st.st_ino)] = going.get((st.st_dev, st.st_ino), 0) + 1
-        errors = [] if dry_run else _remove(target)
+        errors = [] if dry_run else _remove(target, stages_of)
         if errors:
             more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
             left.append((target, f"could not remove all of it: {errors[0]}{more}"))
         else:
             removed.append(target)
+
+    def drop_cache(folder: Path, stages_of: Sequence[str]) -> None:
+        """Remove a cache (or its trash): whole when every entry is one the project
+        wrote (:func:`_ours`); else only those, its markers first (nobody resumes from
+        a half-removed stage) and not its identity file (it stays a cache of ours:
+        the next clean reports it again), and the folder stays with what it holds."""
+        foreign = _foreign(folder, stages_of)
+        if not foreign:
+            drop(folder, stages_of)
+            return
+        markers = {marker_name(s) for s in stages_of}
+        ours = [n for n in sorted(os.listdir(folder)) if n not in foreign and n != IDENTITY_FILE]
+        for name in sorted(ours, key=lambda n: n not in markers):
+            drop(folder / name)
+        left.append((
+            folder, f"kept: it holds what hf_pipeline did not write: "
+            f"{_shown_foreign(folder, foreign)} (the rest of it removed)",
+        ))  # fmt: skip
 
     for status in list_caches(root, stages=stages, observe_s=observe_s):
         if status.state is CacheState.BUILDING:
@@ -928,7 +1053,7 @@ def clean(
         ):
             continue  # somebody claimed or beat since we looked
         if status.state in _REMOVABLE:
-            drop(cache)
+            drop_cache(cache, stages)
             continue
         # Complete or resumable: keep, but drop what dead builders (and others) left.
         targets, links = _complete_targets(cache, status, stages)
@@ -937,8 +1062,10 @@ def clean(
             drop(target)
     for path, why in ignored_entries(root):
         inner = parse_trash_name(path.name)
-        if inner is not None and (_is_link(path) or cache_mark(path, name=inner)):
-            drop(path)  # an earlier run's trash: a link (unlinked, never followed) or a cache
+        if inner is not None and _is_link(path):
+            drop(path)  # an earlier run's trash link: unlinked, never followed
+        elif inner is not None and _mark(path, name=inner):
+            drop_cache(path, stages)  # an earlier run's trash of a cache
         else:
             left.append((path, why))
     for name in stores:
@@ -955,7 +1082,8 @@ def clean(
             ):
                 continue  # somebody claimed or beat since we looked
             if st.state in _REMOVABLE or (st.state is CacheState.COMPLETE and not unit.in_use):
-                drop(st.path)  # no cache links its files: nothing reads them any more
+                # no cache links its files: nothing reads them any more
+                drop_cache(st.path, [st.path.name.split("-", 1)[0]])
             else:  # kept: only what dead builders left in it
                 targets, links = _complete_targets(st.path, st, [st.path.name.split("-", 1)[0]])
                 left += links
@@ -963,6 +1091,8 @@ def clean(
                     drop(target)
         for path in sorted(store.iterdir()) if store.is_dir() else []:
             inner = parse_trash_name(path.name)
-            if inner is not None and (_is_link(path) or cache_mark(path, name=inner)):
-                drop(path)  # an interrupted removal of a unit
+            if inner is not None and _is_link(path):
+                drop(path)  # an interrupted removal of a unit: a link
+            elif inner is not None and _mark(path, name=inner):
+                drop_cache(path, [inner.split("-", 1)[0]])  # an interrupted removal of a unit
     return CleanReport(removed=tuple(removed), left=tuple(left))

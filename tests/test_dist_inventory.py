@@ -138,14 +138,18 @@ def test_clean_removes_only_caches_the_project_marked_and_follows_no_symlink(job
 
     p = _cli(root, "--clean", "--dry-run")
     assert p.returncode == 0, p.stdout + p.stderr
-    assert f"would remove {killed}" in p.stdout and f"would remove {failed}" in p.stdout
+    assert f"would remove {killed}" in p.stdout and f"would remove {failed}/" in p.stdout
+    assert f"would remove {failed}\n" not in p.stdout  # it holds a link of the user's
     for name in ("docs", "proj", fake.name, "demo-00000000000000e0", "demo-00000000000000e1"):
         assert f"would remove {root / name}\n" not in p.stdout, p.stdout
     assert killed.exists() and failed.exists()
 
     p = _cli(root, "--clean")
     assert p.returncode == 0, p.stdout + p.stderr
-    assert not killed.exists() and not failed.exists()  # real dead caches: gone
+    assert not killed.exists()  # a real dead cache: gone
+    # A failed one, but for the link the user put in it: only what the project wrote.
+    assert sorted(os.listdir(failed)) == [".hf_pipeline-cache.json", "notes.txt"]
+    assert f"left {failed}: kept" in p.stdout and "notes.txt' (a symbolic link)" in p.stdout
     assert {n: _tree(root / n) for n in user} == user  # user data: untouched
     assert _tree(outside) == before_outside  # nothing behind a link touched
     assert (root / "demo-00000000000000e0").is_symlink()  # links left as they are...
@@ -327,3 +331,70 @@ def test_status_escapes_a_forged_failure_record(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     assert "\x1b" not in res.stdout and "\r" not in res.stdout
     assert not any(x.startswith("demo-ffffffffffffffff") for x in res.stdout.splitlines())
+
+
+def test_clean_removes_from_a_failed_cache_only_what_the_project_wrote(job, tmp_path):
+    """T1: a failed cache holding the user's own file and a symlink was removed whole
+    (the file lost). Now only the project's entries go; the folder stays, said why."""
+    root, outside = tmp_path / "root", tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "target.txt").write_text("target")
+    failed = root / "demo-00000000000000f3"
+    _failed(job, failed, "00000000000000f3")
+    ours = sorted(os.listdir(failed))
+    assert any(n.startswith("failed-") for n in ours), ours
+    (failed / "mine.txt").write_text("my notes")
+    os.symlink(outside / "target.txt", failed / "link")
+
+    p = _cli(root, "--clean", "--dry-run")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"would remove {failed}\n" not in p.stdout, p.stdout
+    p = _cli(root, "--clean")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert (failed / "mine.txt").read_text() == "my notes"
+    assert os.readlink(failed / "link") == str(outside / "target.txt")
+    assert (outside / "target.txt").read_text() == "target"
+    assert f"removed {failed}\n" not in p.stdout, p.stdout
+    left = [ln for ln in p.stdout.splitlines() if ln.startswith(f"left {failed}:")]
+    assert len(left) == 1 and "mine.txt" in left[0] and "link" in left[0], p.stdout
+    # Everything the failed build wrote is gone but its mark (still a cache of ours).
+    remaining = sorted(os.listdir(failed))
+    assert remaining == [".hf_pipeline-cache.json", "link", "mine.txt"], remaining
+    assert _trash(root) == []
+
+
+def test_clean_keeps_a_folder_whose_mark_names_another_fingerprint(job, tmp_path):
+    """T1: a mark copied into a folder of another name (its fingerprint not the
+    folder's) proves nothing; a failure record beside it did make the folder removable."""
+    root = tmp_path / "root"
+    folder = root / "small-aaaaaaaaaaaaaaaa"
+    _failed(job, folder, "aaaaaaaaaaaaaaaa")
+    mark = folder / ".hf_pipeline-cache.json"
+    d = json.loads(mark.read_text())
+    d["fingerprint"] = "16a1c317b11d8220"
+    mark.write_text(json.dumps(d))
+    before = _tree(folder)
+    p = _cli(root, "--clean")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert _tree(folder) == before
+    left = [ln for ln in p.stdout.splitlines() if ln.startswith(f"left {folder}:")]
+    assert len(left) == 1 and "16a1c317b11d8220" in left[0], p.stdout
+    p = _cli(root, "--status")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "16a1c317b11d8220" in p.stdout, p.stdout
+
+
+def test_unmarked_folders_named_like_trash_are_not_called_trash(tmp_path):
+    """T3: the user's folders named like trash were reported as "trash of an
+    interrupted removal" (kept, rightly): the report claimed what it cannot prove."""
+    root = tmp_path / "root"
+    for name in (".y-0123456789abcdef.trash-abcdef12", ".z.trash-aaaaaaaa"):
+        (root / name).mkdir(parents=True)
+        (root / name / "mine.txt").write_text(name)
+    before = _tree(root)
+    for op in ("--status", "--clean"):
+        p = _cli(root, op)
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert "trash of an interrupted removal" not in p.stdout, p.stdout
+        assert p.stdout.count("carries no hf_pipeline mark") == 2, p.stdout
+    assert _tree(root) == before

@@ -264,3 +264,40 @@ def test_verify_shows_ten_damaged_files_on_a_caches_line_and_counts_the_rest(tmp
     assert "f10.bin" not in line and "... and 6 more (all of them: --json)" in line, line
     (entry,) = json.loads(report.read_text())["caches"]
     assert len(entry["problems"]) == 16 and entry["problems"][-1] == "filtered: missing"
+
+
+def test_a_file_truncated_after_verify_is_refused_not_rebuilt(root):
+    """T2: a listed file cut short after its publication failed the build's size check
+    first: the stage was rebuilt (markers retired, corrupt.json left stale) instead of
+    refused as --verify recorded it. Every opener refuses it now, removing nothing."""
+    cache = _cache(root)
+    marker = json.loads((cache / "converted.json").read_text())
+    victim = max(
+        (f for f in marker["files"] if "embed" in f["path"]), key=lambda f: f["size"],
+        default=_rows_file(cache),
+    )  # fmt: skip
+    with open(cache / victim["path"], "r+b") as fh:
+        fh.truncate(victim["size"] - 100)
+    v = _run("prebuild_cache.py", "--cache-dir", str(root), "--verify")
+    assert v.returncode == 1, v.stdout + v.stderr
+    assert (cache / "corrupt.json").exists()
+    before = sorted(p.name for p in cache.iterdir())
+    for build in (
+        [PYTHON, "-m", "hf_pipeline", "build"],
+        [PYTHON, "-m", "hf_pipeline", "train", "--steps", "2"],
+    ):
+        b = subprocess.run(
+            [*build, "--cache-dir", str(root), *_sets()],
+            capture_output=True, text=True, timeout=600, env=script_env(),
+        )  # fmt: skip
+        assert b.returncode == 2, b.stdout + b.stderr
+        errors = [ln for ln in b.stderr.splitlines() if ln.startswith("error:")]
+        assert len(errors) == 1 and "this cache is corrupt" in errors[0], b.stderr
+        assert victim["path"] in errors[0] and "corrupt.json" in errors[0]
+        assert sorted(p.name for p in cache.iterdir()) == before  # nothing renamed/removed
+    from hf_pipeline import CacheLayout, open_dataset
+    from hf_pipeline.errors import CacheFormatError
+
+    with pytest.raises(CacheFormatError, match="this cache is corrupt") as e:
+        open_dataset(CacheLayout(cache))  # not "has N bytes": the record, first
+    assert victim["path"] in str(e.value)

@@ -73,6 +73,7 @@ from hf_pipeline.cache.layout import (
     CacheLayout,
     compute_fingerprint,
     refuse_recorded_corrupt,
+    refuse_recorded_corrupt_first,
 )
 from hf_pipeline.config import Config
 from hf_pipeline.errors import CacheFormatError
@@ -1472,6 +1473,13 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
         raise
     startup.mark("identity")
     layout = CacheLayout.for_config(cfg, fingerprint)
+    try:
+        # Before anything may build: a stage --verify recorded corrupt is refused, not
+        # rebuilt (a file cut short fails the build's size check, which retires it).
+        refuse_recorded_corrupt_first(layout.root, fingerprint)
+    except BaseException:
+        early.close()
+        raise
     if not cfg.data.staging_dir:
         # One staging folder per identity: two builds of the same source on one host
         # (different configs) must not delete each other's staged shards.

@@ -302,6 +302,9 @@ def published_stage_dirs(
                 str(first), "missing or malformed: not a built cache (build it first)"
             )
         fingerprint = stated["fingerprint"]
+    if verify:
+        # Before the files' checks: a file cut short would be named by its size alone.
+        refuse_recorded_corrupt_first(root, fingerprint)
     done: dict = {}
     for stage in STAGES:
         path = root / marker_name(stage)
@@ -319,8 +322,6 @@ def published_stage_dirs(
             )
             raise CacheFormatError(str(path), f"not a trusted {stage} marker: {why}{hint}")
         done[stage] = marker
-    if verify:
-        refuse_recorded_corrupt(root, done)
     return {stage: m.directory for stage, m in done.items()}, fingerprint
 
 
@@ -343,6 +344,31 @@ def refuse_recorded_corrupt(root: Path, done: Mapping[str, Any]) -> None:
             f"{found[0]}{more}: this cache is corrupt (run hf-pipeline clean or "
             "scripts/prebuild_cache.py --clean, then build again)",
         )
+
+
+def refuse_recorded_corrupt_first(root: Path, fingerprint: str) -> None:
+    """:func:`refuse_recorded_corrupt` before any file of the cache is checked: with
+    the markers of ``fingerprint`` that parse, not only those whose files check out. A
+    file ``--verify`` found cut short fails a marker's size check too, after which a
+    build retired and rebuilt the stage (a reader named the size): the record is the
+    answer, whoever opens the cache (docs/integrity.md). Reads the markers only while
+    a record is there.
+
+    Raises:
+        CacheFormatError: as :func:`refuse_recorded_corrupt`.
+    """
+    from dist.inventory import VERIFY_RECORD
+    from dist.layout import marker_name
+    from dist.markers import parse_marker
+
+    if not os.path.lexists(root / VERIFY_RECORD):
+        return
+    parsed = {}
+    for stage in STAGES:
+        marker, _ = parse_marker(root / marker_name(stage), fingerprint=fingerprint, stage=stage)
+        if marker is not None:
+            parsed[stage] = marker
+    refuse_recorded_corrupt(root, parsed)
 
 
 def _checked(layout: CacheLayout, fingerprint: str | None) -> CacheLayout:

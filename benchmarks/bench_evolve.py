@@ -64,7 +64,10 @@ r = res.report
 # units only: a reused unit's walls are its own build's, earlier), then what followed.
 spans = {}
 for part in r.get("parts") or []:
-    for kind, (a, b) in (part.get("wall") or {}).items():
+    for kind, span in (part.get("wall") or {}).items():
+        if not span:  # a unit this run did not make (reused): no interval
+            continue
+        a, b = span
         if a >= wall_call - 1:
             lo, hi = spans.get(kind, (a, b))
             spans[kind] = (min(lo, a), max(hi, b))

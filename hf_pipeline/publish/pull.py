@@ -17,7 +17,8 @@ Downloads are :func:`~hf_pipeline.stores.staging.stage_file` calls, as for the s
 ``data.max_retries`` times, verified against the store's checksum, and staged in
 ``<cache root>/.staging/pull-<fingerprint>/`` under the file's published path: a
 SIGKILLed pull resumes there (verified files are kept, a partial one continues by
-range) whatever lease runs next. Then each file is checked against what was published —
+range) whatever lease runs next; a pull refused for what it fetched (below) removes
+it, keeping it only for transient failures (a store that did not answer, a kill). Then each file is checked against what was published —
 its whole-file crc32c against the manifest (before the download when the store's own
 checksum can be compared), its size and edge checksum against its marker, and its
 whole-file xxh3_128 against the marker's ``whole_checksum`` (markers of schema 2) — and
@@ -60,13 +61,14 @@ import shutil
 import stat
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dist.checksums import ALGORITHM, whole_checksum
 from dist.coordinator import Stage, StageContext
+from dist.errors import LeaseLostError
 from dist.markers import FileEntry, Marker, file_checksum
 from dist.safepath import UnsafePathError, check_name, check_relpath, join_under
 from hf_pipeline.cache.layout import (
@@ -92,6 +94,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["PULLED_FROM", "local_relpath", "pulled_stages", "was_pulled"]
 
 logger = logging.getLogger("hf_pipeline")
+_T = TypeVar("_T")
 
 #: Key of a pulled stage's marker ``info``: ``{"url", "files", "bytes", "fetched_bytes",
 #: "resumed_bytes", "linked_files", "linked_bytes", "seconds"}`` of the pull (the rest of
@@ -209,7 +212,7 @@ class _Puller:
 
     def stage_build(self, stage: Stage):
         def build(ctx: StageContext) -> Mapping[str, Any] | None:
-            remote = self._lookup()
+            remote = self._refusing(self._lookup, ctx)
             if remote is None:
                 return stage.build(ctx)
             for name, local in ctx.markers.items():
@@ -222,13 +225,29 @@ class _Puller:
                         stage.name,
                     )
                     return stage.build(ctx)
-            info = self._pull_stage(remote, stage.name, ctx)
+            info = self._refusing(lambda: self._pull_stage(remote, stage.name, ctx), ctx)
             if stage.name == self.stage_names[-1]:
                 ctx.check_ownership()  # never delete what a successor may be resuming from
                 shutil.rmtree(self.staging, ignore_errors=True)
             return info
 
         return build
+
+    def _refusing(self, step: Callable[[], _T], ctx: StageContext) -> _T:
+        """``step()``; when it refuses the published cache (CacheFormatError), this pull's
+        staging folder is removed first.
+
+        What was staged is this pull's own writes (the lease is still ours: checked), of
+        no use to a later pull, which must fetch a fixed store afresh. A transient failure
+        (a store that did not answer, a kill) keeps it: the next pull resumes there.
+        """
+        try:
+            return step()
+        except CacheFormatError:
+            with contextlib.suppress(LeaseLostError):  # a successor's now: left to it
+                ctx.check_ownership()
+                shutil.rmtree(self.staging, ignore_errors=True)
+            raise
 
     def _lookup(self) -> PublishedCache | None:
         with self._lock:

@@ -21,7 +21,8 @@ range) whatever lease runs next; a pull refused for what it fetched (below) remo
 it, kept only for transient failures (a store that did not answer, a kill). Then each
 file is checked against what was published — its whole-file crc32c against the
 manifest (before the download when the store's own checksum can be compared), its
-size and edge checksum against its marker, and its whole-file xxh3_128 against the marker's ``whole_checksum`` (markers of schema 2) — and
+size and edge checksum against its marker, and its whole-file xxh3_128 against the
+marker's ``whole_checksum`` (markers of schema 2) — and
 hard-linked (copied where links fail) into the stage folder. The build report is
 checked (:func:`hf_pipeline.cache.layout.read_report_file`: its keys' types and bounds,
 its rows adding up) before its stage is published. A file that does not match

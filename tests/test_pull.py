@@ -866,7 +866,8 @@ def test_a_refused_pull_removes_its_staged_files(source_cache, gcs_store, tmp_pa
 
     _tamper_json(fs, f"{base}/manifest.json", new_crc)
     root = tmp_path / "cache"
-    with pytest.raises(CacheFormatError, match=re.escape(big["path"]) + ".*converted.json"):
+    said = re.escape(big["path"]) + ".*converted.json.*published from a damaged cache"
+    with pytest.raises(CacheFormatError, match=said):
         prepare_cache(config(source_cache.data, root, f"build.pull_from={url}"), progress=False)
     assert (root / ".staging").is_dir()  # the pull did stage there
     assert not (root / ".staging" / f"pull-{src.fingerprint}").exists()

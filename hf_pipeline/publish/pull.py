@@ -390,7 +390,15 @@ class _Puller:
             # the published marker's whole-file checksum is the builder's own word.
             _, whole = whole_checksum(path)
             if whole != job.entry.whole_checksum:
-                problem = f"{ALGORITHM} {whole}, but {stage}.json lists {job.entry.whole_checksum}"
+                # The bytes are the manifest's: the publisher's marker disagrees with the
+                # data it uploaded (a damaged cache published by a release that did not
+                # compare them), or both were rewritten in the store.
+                problem = (
+                    f"{ALGORITHM} {whole}, but {stage}.json lists {job.entry.whole_checksum} "
+                    f"(its crc32c is {MANIFEST_NAME}'s: published from a damaged cache, or "
+                    "changed in the store; publish it again from a cache that `hf-pipeline "
+                    "verify` passes)"
+                )
         if problem:
             folder.remove(job.file)  # a fixed store is fetched afresh, never trusted from here
             raise CacheFormatError(job.file.url, f"does not match what was published: {problem}")

@@ -839,3 +839,36 @@ def test_pull_links_the_files_a_local_cache_already_has(source_cache, gcs_store,
     }  # fmt: skip
     warned = [r.getMessage() for r in caplog.records if "local copy" in r.getMessage()]
     assert len(warned) == 1 and big["path"] in warned[0] and "xxh3_128" in warned[0], warned
+
+
+def test_a_refused_pull_removes_its_staged_files(source_cache, gcs_store, tmp_path):
+    """A pull refused for a published file that is not what was published (a byte flipped
+    deep in a big file, the manifest's crc32c updated: downloaded, then refused by the
+    marker's whole-file checksum) left ``.staging/pull-<fp>/`` behind (620 KiB of the
+    other files and the metadata), which neither ``status`` nor ``clean`` showed. The
+    refusal removes them; a transient failure keeps them (the resume tests)."""
+    from hf_pipeline.publish.manifest import bytes_digests
+
+    server, url = gcs_store
+    src = source_cache.result
+    publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
+    conv = read_json(Path(src.cache_dir) / marker_name("converted"))
+    big = max(conv["files"], key=lambda f: f["size"])
+    fs = gcs_fs(server)
+    base = f"{url[5:]}/{Path(src.cache_dir).name}"
+    data = bytearray(fs.cat_file(f"{base}/{big['path']}"))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe_file(f"{base}/{big['path']}", bytes(data))
+
+    def new_crc(m):
+        m["files"][big["path"]]["crc32c"] = bytes_digests(bytes(data)).crc32c
+        return json.dumps(m)
+
+    _tamper_json(fs, f"{base}/manifest.json", new_crc)
+    root = tmp_path / "cache"
+    said = re.escape(big["path"]) + ".*converted.json.*published from a damaged cache"
+    with pytest.raises(CacheFormatError, match=said):
+        prepare_cache(config(source_cache.data, root, f"build.pull_from={url}"), progress=False)
+    assert (root / ".staging").is_dir()  # the pull did stage there
+    assert not (root / ".staging" / f"pull-{src.fingerprint}").exists()
+    _nothing_published(root)

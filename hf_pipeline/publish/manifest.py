@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from dist.markers import Marker
 from dist.safepath import check_name, check_relpath, shown
 from hf_pipeline.stores.remote_file import RemoteFile
@@ -36,6 +38,7 @@ __all__ = [
     "ManifestEntry",
     "bytes_digests",
     "file_digests",
+    "file_digests_and_whole",
     "new_manifest",
     "same_content",
 ]
@@ -225,30 +228,52 @@ def _check_int(field: str, value: object, limit: int) -> int:
     return value
 
 
-def _digest(chunks, *, sha256: bool) -> tuple[int, str, str]:
+def _digest(chunks, *, sha256: bool, whole: bool = False) -> tuple[int, str, str, str]:
+    """``(size, crc32c, sha256 or "", xxh3_128 or "")`` of the bytes ``chunks`` yield."""
     import google_crc32c
 
     crc = google_crc32c.Checksum()
     sha = hashlib.sha256() if sha256 else None
+    # The markers' whole_checksum (dist.checksums.whole_checksum, ALGORITHM): computed
+    # from the same bytes as the manifest's, so what is published is what was compared.
+    xxh = xxhash.xxh3_128() if whole else None
     size = 0
     for block in chunks:
         size += len(block)
         crc.update(block)
         if sha is not None:
             sha.update(block)
-    return size, base64.b64encode(crc.digest()).decode(), sha.hexdigest() if sha else ""
+        if xxh is not None:
+            xxh.update(block)
+    return (
+        size,
+        base64.b64encode(crc.digest()).decode(),
+        sha.hexdigest() if sha else "",
+        xxh.hexdigest() if xxh else "",
+    )
 
 
 def file_digests(path: str | os.PathLike, *, sha256: bool = False) -> ManifestEntry:
     """Size, crc32c (and sha256) of a file, in one read. Thread-safe."""
+    return file_digests_and_whole(path, sha256=sha256, whole=False)[0]
+
+
+def file_digests_and_whole(
+    path: str | os.PathLike, *, sha256: bool = False, whole: bool = True
+) -> tuple[ManifestEntry, str]:
+    """:func:`file_digests` and, from the same read, the file's whole-file checksum
+    (:data:`dist.checksums.ALGORITHM`, as :func:`dist.checksums.whole_checksum` computes
+    it; "" when ``whole`` is False). Thread-safe."""
     with open(path, "rb") as fh:
-        size, crc, sha = _digest(iter(lambda: fh.read(READ_CHUNK), b""), sha256=sha256)
-    return ManifestEntry(size=size, crc32c=crc, sha256=sha)
+        size, crc, sha, xxh = _digest(
+            iter(lambda: fh.read(READ_CHUNK), b""), sha256=sha256, whole=whole
+        )
+    return ManifestEntry(size=size, crc32c=crc, sha256=sha), xxh
 
 
 def bytes_digests(data: bytes, *, sha256: bool = False) -> ManifestEntry:
     """:func:`file_digests` of bytes held in memory."""
-    size, crc, sha = _digest([data], sha256=sha256)
+    size, crc, sha, _ = _digest([data], sha256=sha256)
     return ManifestEntry(size=size, crc32c=crc, sha256=sha)
 
 

@@ -17,10 +17,12 @@ Downloads are :func:`~hf_pipeline.stores.staging.stage_file` calls, as for the s
 ``data.max_retries`` times, verified against the store's checksum, and staged in
 ``<cache root>/.staging/pull-<fingerprint>/`` under the file's published path: a
 SIGKILLed pull resumes there (verified files are kept, a partial one continues by
-range) whatever lease runs next. Then each file is checked against what was published —
-its whole-file crc32c against the manifest (before the download when the store's own
-checksum can be compared), its size and edge checksum against its marker, and its
-whole-file xxh3_128 against the marker's ``whole_checksum`` (markers of schema 2) — and
+range) whatever lease runs next; a pull refused for what it fetched (below) removes
+it, kept only for transient failures (a store that did not answer, a kill). Then each
+file is checked against what was published — its whole-file crc32c against the
+manifest (before the download when the store's own checksum can be compared), its
+size and edge checksum against its marker, and its whole-file xxh3_128 against the
+marker's ``whole_checksum`` (markers of schema 2) — and
 hard-linked (copied where links fail) into the stage folder. The build report is
 checked (:func:`hf_pipeline.cache.layout.read_report_file`: its keys' types and bounds,
 its rows adding up) before its stage is published. A file that does not match
@@ -60,13 +62,14 @@ import shutil
 import stat
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from dist.checksums import ALGORITHM, whole_checksum
 from dist.coordinator import Stage, StageContext
+from dist.errors import LeaseLostError
 from dist.markers import FileEntry, Marker, file_checksum
 from dist.safepath import UnsafePathError, check_name, check_relpath, join_under
 from hf_pipeline.cache.layout import (
@@ -92,6 +95,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["PULLED_FROM", "local_relpath", "pulled_stages", "was_pulled"]
 
 logger = logging.getLogger("hf_pipeline")
+_T = TypeVar("_T")
 
 #: Key of a pulled stage's marker ``info``: ``{"url", "files", "bytes", "fetched_bytes",
 #: "resumed_bytes", "linked_files", "linked_bytes", "seconds"}`` of the pull (the rest of
@@ -209,7 +213,7 @@ class _Puller:
 
     def stage_build(self, stage: Stage):
         def build(ctx: StageContext) -> Mapping[str, Any] | None:
-            remote = self._lookup()
+            remote = self._refusing(self._lookup, ctx)
             if remote is None:
                 return stage.build(ctx)
             for name, local in ctx.markers.items():
@@ -222,13 +226,29 @@ class _Puller:
                         stage.name,
                     )
                     return stage.build(ctx)
-            info = self._pull_stage(remote, stage.name, ctx)
+            info = self._refusing(lambda: self._pull_stage(remote, stage.name, ctx), ctx)
             if stage.name == self.stage_names[-1]:
                 ctx.check_ownership()  # never delete what a successor may be resuming from
                 shutil.rmtree(self.staging, ignore_errors=True)
             return info
 
         return build
+
+    def _refusing(self, step: Callable[[], _T], ctx: StageContext) -> _T:
+        """``step()``; when it refuses the published cache (CacheFormatError), this pull's
+        staging folder is removed first.
+
+        What was staged is this pull's own writes (the lease is still ours: checked), of
+        no use to a later pull, which must fetch a fixed store afresh. A transient failure
+        (a store that did not answer, a kill) keeps it: the next pull resumes there.
+        """
+        try:
+            return step()
+        except CacheFormatError:
+            with contextlib.suppress(LeaseLostError):  # a successor's now: left to it
+                ctx.check_ownership()
+                shutil.rmtree(self.staging, ignore_errors=True)
+            raise
 
     def _lookup(self) -> PublishedCache | None:
         with self._lock:
@@ -370,7 +390,15 @@ class _Puller:
             # the published marker's whole-file checksum is the builder's own word.
             _, whole = whole_checksum(path)
             if whole != job.entry.whole_checksum:
-                problem = f"{ALGORITHM} {whole}, but {stage}.json lists {job.entry.whole_checksum}"
+                # The bytes are the manifest's: the publisher's marker disagrees with the
+                # data it uploaded (a damaged cache published by a release that did not
+                # compare them), or both were rewritten in the store.
+                problem = (
+                    f"{ALGORITHM} {whole}, but {stage}.json lists {job.entry.whole_checksum} "
+                    f"(its crc32c is {MANIFEST_NAME}'s: published from a damaged cache, or "
+                    "changed in the store; publish it again from a cache that `hf-pipeline "
+                    "verify` passes)"
+                )
         if problem:
             folder.remove(job.file)  # a fixed store is fetched afresh, never trusted from here
             raise CacheFormatError(job.file.url, f"does not match what was published: {problem}")

@@ -32,8 +32,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from dist.checksums import ALGORITHM
 from dist.layout import marker_name
-from dist.markers import Marker, check_marker, derived_from_problem, read_json
+from dist.markers import FileEntry, Marker, check_marker, derived_from_problem, read_json
 from dist.safepath import shown
 from hf_pipeline.cache.layout import STAGES
 from hf_pipeline.errors import CacheFormatError
@@ -41,8 +42,9 @@ from hf_pipeline.publish.find import find_published
 from hf_pipeline.publish.manifest import (
     MANIFEST_NAME,
     Manifest,
+    ManifestEntry,
     bytes_digests,
-    file_digests,
+    file_digests_and_whole,
     new_manifest,
     same_content,
 )
@@ -56,7 +58,7 @@ from hf_pipeline.stores.staging import StagingFolder, stage_file
 if TYPE_CHECKING:  # pragma: no cover
     from hf_pipeline.config import DataConfig
 
-__all__ = ["PublishReport", "PublishState", "publish_cache"]
+__all__ = ["DamagedCacheError", "PublishReport", "PublishState", "publish_cache"]
 
 logger = logging.getLogger("hf_pipeline")
 
@@ -93,6 +95,15 @@ class PublishReport:
         return dataclasses.asdict(self)
 
 
+class DamagedCacheError(CacheFormatError):
+    """A file of the local cache is not what its marker lists: publication refused.
+
+    Attributes:
+        path: the local file.
+        reason: what differs, and what to run.
+    """
+
+
 def _local_markers(cache_dir: Path, fingerprint: str, stages: Sequence[str]) -> dict[str, Marker]:
     """The cache's markers, every listed file re-checksummed (a damaged local cache is
     never published)."""
@@ -108,6 +119,64 @@ def _local_markers(cache_dir: Path, fingerprint: str, stages: Sequence[str]) -> 
             raise CacheFormatError(str(path), f"not a complete cache to publish: {why}")
         markers[stage] = marker
     return markers
+
+
+def _listed_entries(markers: dict[str, Marker]) -> dict[str, tuple[str, FileEntry]]:
+    """Every file the markers list: ``{path: (stage, entry)}`` (the first stage that lists
+    it; one whose entry has a whole-file checksum wins)."""
+    out: dict[str, tuple[str, FileEntry]] = {}
+    for stage, marker in markers.items():
+        for entry in marker.files:
+            if entry.path not in out or (
+                entry.whole_checksum and not out[entry.path][1].whole_checksum
+            ):
+                out[entry.path] = (stage, entry)
+    return out
+
+
+def _verified_digests(
+    cache_dir: Path, stage: str, entry: FileEntry, *, sha256: bool
+) -> ManifestEntry:
+    """The manifest's digests of a listed file, from one read that also computes its
+    whole-file checksum and compares it with the marker's (schema 1: nothing to compare).
+
+    Raises:
+        DamagedCacheError: the bytes are not those the marker lists.
+    """
+    path = cache_dir / entry.path
+    digests, whole = file_digests_and_whole(path, sha256=sha256, whole=bool(entry.whole_checksum))
+    if digests.size != entry.size:
+        problem = f"{digests.size} bytes read, but {marker_name(stage)} lists {entry.size}"
+    elif whole != entry.whole_checksum:
+        problem = f"{ALGORITHM} {whole}, but {marker_name(stage)} lists {entry.whole_checksum}"
+    else:
+        return digests
+    raise DamagedCacheError(
+        str(path),
+        f"{problem}: the local cache is damaged, nothing was uploaded; run `hf-pipeline "
+        f"verify` (it marks the cache corrupt), then `hf-pipeline clean` and build it again",
+    )
+
+
+def _identity(path: Path) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def _check_unchanged(cache_dir: Path, stream: dict, before: dict[str, tuple[int, int, int]]):
+    """Raise DamagedCacheError if a file the stream index covers is not one verified, or
+    changed since it was (the index's block digests would not be the verified bytes')."""
+    indexed = {r for column in stream.get("columns", {}).values() for r in column.get("files", ())}
+    for rel in sorted(indexed | set(before)):
+        path = cache_dir / rel
+        if rel not in before:
+            raise DamagedCacheError(str(path), "in the stream index, but no marker lists it")
+        if _identity(path) != before[rel]:
+            raise DamagedCacheError(
+                str(path),
+                "changed while it was being published (its size, mtime or inode); nothing "
+                "was uploaded: publish again once nothing writes to the cache",
+            )
 
 
 def publish_cache(
@@ -137,6 +206,9 @@ def publish_cache(
         What was done.
 
     Raises:
+        DamagedCacheError: a listed file's bytes are not those its marker lists (the
+            whole-file checksum, read once with the manifest's digests) or changed while
+            being published; raised before anything is uploaded.
         CacheFormatError: the local cache is incomplete or damaged, or the location
             holds a damaged cache of this fingerprint (names the file; remove it).
         SourceError: a malformed URL, or the store refused (not found, forbidden).
@@ -146,6 +218,14 @@ def publish_cache(
     cache_dir = Path(cache_dir)
     name = cache_dir.name
     markers = _local_markers(cache_dir, fingerprint, stages)
+    unverifiable = [s for s, m in markers.items() if any(not e.whole_checksum for e in m.files)]
+    if unverifiable:
+        # Schema 1: only the edge checksums (checked above) to compare the bytes with.
+        logger.warning(
+            "%s: no whole-file checksums (schema 1 markers: %s): its files are published "
+            "as read, not compared whole; rebuild or pull it to get them",
+            cache_dir, ", ".join(unverifiable),
+        )  # fmt: skip
     store = open_store(url, data_config=data_config, policy=policy)
     cache_url = store.location.cache_url(name)
     existing = store.list_files(name)
@@ -179,18 +259,24 @@ def publish_cache(
             )
             return _report(cache_url, "already_published", other.manifest, 0, 0, len(existing), t0)
 
-        rels = sorted({e.path for m in markers.values() for e in m.files})
+        listed = _listed_entries(markers)
+        rels = sorted(listed)
+        before = {r: _identity(cache_dir / r) for r in rels}
         with ThreadPoolExecutor(
             max(1, min(workers, len(rels) or 1)), thread_name_prefix="hf_pipeline-digest"
         ) as pool:
             digests = dict(
                 zip(
                     rels,
-                    pool.map(lambda r: file_digests(cache_dir / r, sha256=hub), rels),
+                    pool.map(lambda r: _verified_digests(cache_dir, *listed[r], sha256=hub), rels),
                     strict=True,
                 )
             )
+        # Built from the files just verified (a second read of their rows, from the page
+        # cache): a file changed since its verification (its size, mtime or inode moved)
+        # is refused rather than indexed with other bytes than the manifest's.
         stream = _stream_index(cache_dir, markers, stream_block_bytes)
+        _check_unchanged(cache_dir, stream, before)
         manifest = _manifest(store, existing, name, fingerprint, markers, digests, meta, stream)
         manifest_bytes = manifest.to_bytes()
         manifest_item = Upload(

@@ -5,6 +5,7 @@ pytest-xdist once per run, each worker reading its own copy (see below)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -106,27 +107,49 @@ def _is_empty(folder: Path) -> bool:
     return not folder.exists() or not any(folder.iterdir())
 
 
+def build_once_per_run(
+    tmp_path_factory, name: str, config_for: Callable[[Path], object], root: Path
+):
+    """``prepare_cache(config_for(root))``, the cache built once for the whole run.
+
+    Without xdist (or when ``root`` already holds something) it builds in ``root``. Under
+    xdist the first worker builds in the run's shared folder (:func:`once_per_run`), and
+    every worker copies that root into its own ``root`` and opens its copy there (found
+    there, not built again). The result is the build's, relocated: what the build did
+    (``built``, ``pulled``, ``seconds``, ``hashing``; the copy's report.json is the
+    build's) with this worker's ``cache_dir``, as if this worker had built it there.
+    """
+    from hf_pipeline.build.prepare import prepare_cache
+
+    if XDIST_WORKER is None or not _is_empty(root):
+        return prepare_cache(config_for(root), progress=False)
+
+    def make(folder: Path) -> None:
+        res = prepare_cache(config_for(folder / "root"), progress=False)
+        done = {"built": res.built, "seconds": res.seconds, "pulled": res.pulled}
+        (folder / "result.json").write_text(json.dumps({**done, "hashing": dict(res.hashing)}))
+
+    shared = once_per_run(tmp_path_factory, name, make)
+    copy_shared_root(shared / "root", root)
+    found = prepare_cache(config_for(root), progress=False)
+    return dataclasses.replace(found, **json.loads((shared / "result.json").read_text()))
+
+
 @pytest.fixture(scope="session")
 def built_cache(small_config, tmp_path_factory):
     """The small demo, built once for the whole session (under xdist once for the whole
-    run: each worker finds its copy of it in its own ``session_cache_root``)."""
-    from hf_pipeline.build.prepare import prepare_cache
+    run: each worker gets it copied into its own ``session_cache_root``)."""
     from hf_pipeline.config import load_config
 
-    root = small_config.cache_root
-    if XDIST_WORKER is not None and _is_empty(root):
-        # Not when a module built into the root first (then this worker builds here).
-        shared = once_per_run(
-            tmp_path_factory,
-            "built-cache",
-            lambda folder: prepare_cache(
-                load_config(None, [*SMALL_DEMO, f"build.cache_dir={folder}"], environ={}),
-                progress=False,
-            ),
-        )
-        copy_shared_root(shared, root)
-    # Finds the copy (content identity: the same fingerprint in another root).
-    return prepare_cache(small_config, progress=False)
+    # A module that builds into the session's root before this fixture runs leaves the
+    # root non-empty: then this worker builds its own here (test_open_dataset asks for
+    # built_cache first).
+    return build_once_per_run(
+        tmp_path_factory,
+        "built-cache",
+        lambda root: load_config(None, [*SMALL_DEMO, f"build.cache_dir={root}"], environ={}),
+        small_config.cache_root,
+    )
 
 
 # A session-scoped fixture is built once only where it is defined: conftest. Imported into
@@ -161,20 +184,14 @@ def demo_data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def source_cache(demo_data, tmp_path_factory):
     """The cache built once from :func:`demo_data`: the one the publish, pull and stream
-    tests publish (tests.helpers.publishing.SourceCache). Under xdist it is built once per
-    run and each worker opens its own copy of the root."""
-    from hf_pipeline.build.prepare import prepare_cache
+    tests publish (tests.helpers.publishing.SourceCache); under xdist once per run, each
+    worker with its own copy of the root (:func:`build_once_per_run`)."""
     from tests.helpers.publishing import SourceCache, config
 
     root = tmp_path_factory.mktemp("publish-source")
-    if XDIST_WORKER is not None:
-        shared = once_per_run(
-            tmp_path_factory,
-            "publish-source",
-            lambda folder: prepare_cache(config(demo_data, folder), progress=False),
-        )
-        copy_shared_root(shared, root)
-    result = prepare_cache(config(demo_data, root), progress=False)
+    result = build_once_per_run(
+        tmp_path_factory, "publish-source", lambda r: config(demo_data, r), root
+    )
     return SourceCache(data=demo_data, result=result)
 
 

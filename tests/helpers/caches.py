@@ -48,8 +48,7 @@ def build_cache(
     values of each crop set to bfloat16 subnormals and values below float16's range.
 
     ``datasets`` forks its ``num_proc`` workers; once JAX (multithreaded) is imported
-    in this process that may deadlock, so then the build runs in a fresh interpreter
-    (3-5 CPU-s to start). With ``num_proc=1`` nothing forks: it runs here.
+    in this process that may deadlock, so then the build runs in a fresh interpreter.
 
     Returns:
         ``(rows_files, embedding_files, indices_files or None)``.
@@ -65,7 +64,7 @@ def build_cache(
         drop_every=drop_every,
         latent_shape=list(latent_shape),
     )
-    if num_proc > 1 and "jax" in sys.modules:
+    if "jax" in sys.modules:
         code = (
             "import json, sys; from tests.helpers.caches import build_cache; "
             "print(json.dumps(build_cache(sys.argv[1], **json.loads(sys.argv[2]))))"

@@ -1,15 +1,17 @@
 """Shared fixtures: an isolated HF_HOME per test session, a small demo config, and one
 demo cache built once per session (through the real build: datasets, MiniLM); under
-pytest-xdist once per worker (see below)."""
+pytest-xdist once per run, each worker reading its own copy (see below)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -54,47 +56,145 @@ def small_config(session_cache_root):
     return load_config(None, [*SMALL_DEMO, f"build.cache_dir={session_cache_root}"], environ={})
 
 
-@pytest.fixture(scope="session")
-def built_cache(small_config):
-    """The small demo, built once for the whole session."""
+#: The xdist worker this process is ("gw0", ...), or None in a run without workers.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+
+#: How long a worker waits for another worker's build of a shared session cache (a
+#: build takes 15-40 s on 2 loaded cores).
+SHARED_BUILD_TIMEOUT_S = 900
+
+
+def once_per_run(tmp_path_factory, name: str, make: Callable[[Path], object]) -> Path:
+    """A folder that ``make(folder)`` filled once for the whole test run.
+
+    Without xdist that is this session's own ``mktemp(name)``. Under xdist the first
+    worker to ask fills ``<run's base temp>/shared/<name>`` while it holds a file lock;
+    the others wait for it and reuse the folder: READ-ONLY (inputs, or a cache to copy).
+    A worker that failed half-way leaves no ``.done`` file: the next one starts over.
+    """
+    if XDIST_WORKER is None:
+        folder = tmp_path_factory.mktemp(name)
+        make(folder)
+        return folder
+    from filelock import FileLock
+
+    # getbasetemp() is <run's base temp>/popen-gwN: its parent is this run's alone.
+    base = tmp_path_factory.getbasetemp().parent / "shared"
+    base.mkdir(exist_ok=True)
+    folder, done = base / name, base / f"{name}.done"
+    with FileLock(base / f"{name}.lock", timeout=SHARED_BUILD_TIMEOUT_S):
+        if not done.exists():
+            if folder.exists():
+                shutil.rmtree(folder)
+            folder.mkdir()
+            make(folder)
+            done.touch()
+    return folder
+
+
+def copy_shared_root(shared: Path, root: Path) -> None:
+    """Copy a cache root built by :func:`once_per_run` into this worker's ``root``.
+
+    ``cp -a``: mtimes, symlinks and the hard links between the root's files are kept as
+    the build made them; every file is this worker's own (no link to the shared one), so
+    a test that cleans, tampers with or builds into its root never touches another
+    worker's."""
+    root.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["cp", "-a", f"{shared}/.", str(root)], check=True)
+
+
+def _is_empty(folder: Path) -> bool:
+    return not folder.exists() or not any(folder.iterdir())
+
+
+def build_once_per_run(
+    tmp_path_factory, name: str, config_for: Callable[[Path], object], root: Path
+):
+    """``prepare_cache(config_for(root))``, the cache built once for the whole run.
+
+    Without xdist (or when ``root`` already holds something) it builds in ``root``. Under
+    xdist the first worker builds in the run's shared folder (:func:`once_per_run`), and
+    every worker copies that root into its own ``root`` and opens its copy there (found
+    there, not built again). The result is the build's, relocated: what the build did
+    (``built``, ``pulled``, ``seconds``, ``hashing``; the copy's report.json is the
+    build's) with this worker's ``cache_dir``, as if this worker had built it there.
+    """
     from hf_pipeline.build.prepare import prepare_cache
 
-    return prepare_cache(small_config, progress=False)
+    if XDIST_WORKER is None or not _is_empty(root):
+        return prepare_cache(config_for(root), progress=False)
+
+    def make(folder: Path) -> None:
+        res = prepare_cache(config_for(folder / "root"), progress=False)
+        done = {"built": res.built, "seconds": res.seconds, "pulled": res.pulled}
+        (folder / "result.json").write_text(json.dumps({**done, "hashing": dict(res.hashing)}))
+
+    shared = once_per_run(tmp_path_factory, name, make)
+    copy_shared_root(shared / "root", root)
+    found = prepare_cache(config_for(root), progress=False)
+    # Paths in the build's result (its content index) name the shared root: name the copy.
+    text = (shared / "result.json").read_text()
+    text = text.replace(json.dumps(str(shared / "root"))[1:-1], json.dumps(str(root))[1:-1])
+    return dataclasses.replace(found, **json.loads(text))
+
+
+@pytest.fixture(scope="session")
+def built_cache(small_config, tmp_path_factory):
+    """The small demo, built once for the whole session (under xdist once for the whole
+    run: each worker gets it copied into its own ``session_cache_root``)."""
+    from hf_pipeline.config import load_config
+
+    # A module that builds into the session's root before this fixture runs leaves the
+    # root non-empty: then this worker builds its own here (test_open_dataset asks for
+    # built_cache first).
+    return build_once_per_run(
+        tmp_path_factory,
+        "built-cache",
+        lambda root: load_config(None, [*SMALL_DEMO, f"build.cache_dir={root}"], environ={}),
+        small_config.cache_root,
+    )
 
 
 # A session-scoped fixture is built once only where it is defined: conftest. Imported into
 # a test module it becomes that module's own fixture, built again in each such module.
 #
 # Under pytest-xdist (the developer loop: `-n 2 --dist loadfile`) "session" means one
-# worker: each worker process builds its own copy of these fixtures, in its own base temp
-# folder (tmp_path_factory gives each worker popen-gwN/), so two workers never build into,
-# read, verify or clean one folder. Sharing one build across workers behind a lock would
-# save a build per worker but let one worker's test (a `clean`, a second build in the
-# root) run while the other's reads the same cache, which sequential runs never do.
+# worker: each worker process has its own session fixtures, in its own base temp folder
+# (tmp_path_factory gives each worker popen-gwN/), so two workers never build into, read,
+# verify or clean one cache folder. The two caches every worker needs (built_cache and
+# source_cache) are still built only once per run: the first worker builds into a folder
+# shared by the run (once_per_run), under a file lock, and every worker copies that
+# finished root into its own folder and opens its copy there (a copy elsewhere is found,
+# not rebuilt). The shared folders are read-only after their build: only copied from
+# (built roots) or read (the demo's data files).
 # `--dist loadfile` keeps each module on one worker, so a module-scoped build is made once.
 
 
 @pytest.fixture(scope="session")
 def demo_data(tmp_path_factory) -> Path:
-    """The small demo's files in a folder of their own, generated once. Every "host" of
-    a publish/pull/stream test reads these same files, so every host computes the same
-    fingerprint (a copy elsewhere is another cache)."""
+    """The small demo's files in a folder of their own, generated once (under xdist once
+    per run, shared by the workers: read-only). Every "host" of a publish/pull/stream test
+    reads these same files, so every host computes the same fingerprint (a copy elsewhere
+    is another cache)."""
     from hf_pipeline.demo.generate import generate_demo
 
-    out = tmp_path_factory.mktemp("publish-demo") / "data"
-    generate_demo(out, num_shards=4, samples_per_shard=100)
-    return out
+    def make(folder: Path) -> None:
+        generate_demo(folder / "data", num_shards=4, samples_per_shard=100)
+
+    return once_per_run(tmp_path_factory, "publish-demo", make) / "data"
 
 
 @pytest.fixture(scope="session")
 def source_cache(demo_data, tmp_path_factory):
     """The cache built once from :func:`demo_data`: the one the publish, pull and stream
-    tests publish (tests.helpers.publishing.SourceCache)."""
-    from hf_pipeline.build.prepare import prepare_cache
+    tests publish (tests.helpers.publishing.SourceCache); under xdist once per run, each
+    worker with its own copy of the root (:func:`build_once_per_run`)."""
     from tests.helpers.publishing import SourceCache, config
 
     root = tmp_path_factory.mktemp("publish-source")
-    result = prepare_cache(config(demo_data, root), progress=False)
+    result = build_once_per_run(
+        tmp_path_factory, "publish-source", lambda r: config(demo_data, r), root
+    )
     return SourceCache(data=demo_data, result=result)
 
 

@@ -9,28 +9,47 @@ import sys
 import pytest
 import torch
 
-L = pytest.importorskip("lightning")
+from hf_pipeline.adapters.torch_data import TorchBatches, torch_loader
 
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+# Lightning is imported by the fixtures below, not at module level: importing it takes
+# seconds (5.6 s after torch on the development VM), and every pytest-xdist worker
+# collects every module, so a module-level import is paid by each worker, even when
+# these tests are deselected (`-m "not slow"`) or run on another worker.
+# hf_pipeline's LatentDataModule is made on first use for the same reason.
 
-from hf_pipeline.adapters.torch_data import LatentDataModule, TorchBatches, torch_loader  # noqa: E402
+
+@pytest.fixture(scope="module")
+def L():  # noqa: N802 - the name Lightning's docs give the package
+    """The ``lightning`` package (the test is skipped without it)."""
+    return pytest.importorskip("lightning")
 
 
-class KeyRecorder(L.LightningModule):
+@pytest.fixture(scope="module")
+def LatentDataModule(L):  # noqa: N802 - the class it returns
+    from hf_pipeline.adapters.torch_data import LatentDataModule
+
+    return LatentDataModule
+
+
+@pytest.fixture(scope="module")
+def KeyRecorder(L):  # noqa: N802 - the class it returns
     """A tiny regression from caption embedding to mean latent; records every batch."""
 
-    def __init__(self, embed_dim: int):
-        super().__init__()
-        self.lin = torch.nn.Linear(embed_dim, 1)
-        self.seen: list[tuple[int, int, list[int]]] = []
+    class KeyRecorder(L.LightningModule):
+        def __init__(self, embed_dim: int):
+            super().__init__()
+            self.lin = torch.nn.Linear(embed_dim, 1)
+            self.seen: list[tuple[int, int, list[int]]] = []
 
-    def training_step(self, batch, batch_idx):
-        self.seen.append((self.current_epoch, batch_idx, batch["keys"].tolist()))
-        target = batch["latents"].float().mean(dim=(1, 2, 3))
-        return torch.nn.functional.mse_loss(self.lin(batch["embeddings"]).squeeze(-1), target)
+        def training_step(self, batch, batch_idx):
+            self.seen.append((self.current_epoch, batch_idx, batch["keys"].tolist()))
+            target = batch["latents"].float().mean(dim=(1, 2, 3))
+            return torch.nn.functional.mse_loss(self.lin(batch["embeddings"]).squeeze(-1), target)
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return KeyRecorder
 
 
 def _ctx() -> str | None:
@@ -38,7 +57,7 @@ def _ctx() -> str | None:
     return "forkserver" if "jax" in sys.modules else None
 
 
-def _trainer(root, max_steps: int, callbacks=()) -> L.Trainer:
+def _trainer(L, root, max_steps: int, callbacks=()):
     return L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -52,7 +71,7 @@ def _trainer(root, max_steps: int, callbacks=()) -> L.Trainer:
     )
 
 
-def _datamodule(cfg, num_workers: int) -> LatentDataModule:
+def _datamodule(LatentDataModule, cfg, num_workers: int):
     kw = {"multiprocessing_context": _ctx(), "timeout": 120} if num_workers else {}
     return LatentDataModule(cfg, num_workers=num_workers, **kw)
 
@@ -69,7 +88,7 @@ def _epoch_keys(source, cfg, epoch: int) -> list[list[int]]:
     return [b["keys"].tolist() for b in ref]
 
 
-def test_is_a_real_lightning_datamodule(small_config):
+def test_is_a_real_lightning_datamodule(L, LatentDataModule, small_config):
     dm = LatentDataModule(small_config, num_workers=0)
     assert isinstance(dm, L.LightningDataModule)
     assert callable(dm.on_exception)  # the AttributeError of issue 11
@@ -85,8 +104,10 @@ def test_is_a_real_lightning_datamodule(small_config):
     "num_workers", [0, pytest.param(2, marks=pytest.mark.slow)], ids=["inline", "workers"]
 )
 def test_fit_orders_each_epoch_and_resumes_at_the_next_batch(
-    small_config, built_cache, tmp_path, num_workers
+    L, LatentDataModule, KeyRecorder, small_config, built_cache, tmp_path, num_workers
 ):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
     from hf_pipeline.cache.layout import open_sample_source
 
     with open_sample_source(built_cache.layout, built_cache.fingerprint) as source:
@@ -101,7 +122,8 @@ def test_fit_orders_each_epoch_and_resumes_at_the_next_batch(
     saver = ModelCheckpoint(
         dirpath=ckpt_dir, every_n_train_steps=every, save_top_k=-1, filename="{step}"
     )
-    _trainer(tmp_path, total, [saver]).fit(model, datamodule=_datamodule(small_config, num_workers))
+    dm = _datamodule(LatentDataModule, small_config, num_workers)
+    _trainer(L, tmp_path, total, [saver]).fit(model, datamodule=dm)
     full = model.seen
     assert len(full) == total
     # Lightning reached set_epoch: each epoch is that epoch's order, batch for batch.
@@ -117,13 +139,17 @@ def test_fit_orders_each_epoch_and_resumes_at_the_next_batch(
         assert (state["epoch"], state["step"]) == divmod(step, spe)
         assert state["fingerprint"] == built_cache.fingerprint
         resumed = KeyRecorder(dim)
-        _trainer(tmp_path / f"resume{step}", total).fit(
-            resumed, datamodule=_datamodule(small_config, num_workers), ckpt_path=ckpt
+        _trainer(L, tmp_path / f"resume{step}", total).fit(
+            resumed,
+            datamodule=_datamodule(LatentDataModule, small_config, num_workers),
+            ckpt_path=ckpt,
         )
         assert resumed.seen == full[step:], f"resumed from step {step}"
 
 
-def test_plain_dataloader_under_trainer_gets_each_epoch(built_cache, small_config, tmp_path):
+def test_plain_dataloader_under_trainer_gets_each_epoch(
+    L, KeyRecorder, built_cache, small_config, tmp_path
+):
     """torch_loader's DataLoader too: Lightning's set_epoch reaches TorchBatches."""
     from hf_pipeline.cache.layout import open_sample_source
 
@@ -131,7 +157,7 @@ def test_plain_dataloader_under_trainer_gets_each_epoch(built_cache, small_confi
         ds = TorchBatches(source, global_batch_size=16, seed=0, process_index=0, process_count=1)
         spe = len(ds)
         model = KeyRecorder(source.embed_dim)
-        _trainer(tmp_path, 2 * spe).fit(model, train_dataloaders=torch_loader(ds, num_workers=0))
+        _trainer(L, tmp_path, 2 * spe).fit(model, train_dataloaders=torch_loader(ds, num_workers=0))
         for e in range(2):
             assert [k for epoch, _, k in model.seen if epoch == e] == _epoch_keys(
                 source, small_config, e
@@ -140,7 +166,7 @@ def test_plain_dataloader_under_trainer_gets_each_epoch(built_cache, small_confi
 
 @pytest.mark.slow
 @pytest.mark.parametrize("when", ["pre", "fit"], ids=["setup_before_fit", "setup_in_fit"])
-def test_ddp_ranks_split_every_global_batch(small_config, built_cache, tmp_path, when):
+def test_ddp_ranks_split_every_global_batch(L, small_config, built_cache, tmp_path, when):
     """Real Lightning DDP, 2 CPU ranks (gloo). With README's `dm.setup("fit")` before
     `Trainer.fit` both ranks got the whole global batch (the share was frozen as rank 0
     of 1 then); now every sample of every global batch is seen exactly once across the

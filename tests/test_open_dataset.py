@@ -23,8 +23,11 @@ def _views_in_tmp(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def bf16_cache(session_cache_root):
-    """A demo with bfloat16 latents (any size will do), built through the real build."""
+def bf16_cache(session_cache_root, built_cache):
+    """A demo with bfloat16 latents (any size will do), built through the real build.
+
+    Into the session's root after ``built_cache``: under xdist a worker takes its copy of
+    the run's shared ``built_cache`` only into an empty root (else it builds its own)."""
     from hf_pipeline.build.prepare import prepare_cache
     from hf_pipeline.config import load_config
 

@@ -641,12 +641,10 @@ def test_a_console_folder_object_is_not_a_file_of_the_cache(
     assert " damaged " in line, line
 
 
-@pytest.mark.slow
-def test_pull_compares_the_published_whole_file_checksum(source_cache, gcs_store, tmp_path):
-    """D4: a byte changed in the middle of a big published file with only the
-    manifest's crc32c updated (the published marker left as is) was pulled, exit 0:
-    the marker's ``whole_checksum`` was never compared with the pulled bytes. Now it
-    is: refused naming the file, exit 2, nothing published locally."""
+def _publish_with_a_flip_in_the_middle(source_cache, gcs_store) -> dict:
+    """Publish the source cache, then flip a byte in the middle of its largest file in the
+    store (outside the edge checksum's first and last MiB) and update the manifest's
+    crc32c to match, the published marker left as is: the file's marker entry."""
     from hf_pipeline.publish.manifest import bytes_digests
 
     server, url = gcs_store
@@ -654,7 +652,6 @@ def test_pull_compares_the_published_whole_file_checksum(source_cache, gcs_store
     publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
     conv = read_json(Path(src.cache_dir) / marker_name("converted"))
     big = max(conv["files"], key=lambda f: f["size"])
-    assert big["size"] > 3 << 20 and big["whole_checksum"]  # the middle is outside the edges
     fs = gcs_fs(server)
     base = f"{url[5:]}/{Path(src.cache_dir).name}"
     data = bytearray(fs.cat_file(f"{base}/{big['path']}"))
@@ -666,6 +663,18 @@ def test_pull_compares_the_published_whole_file_checksum(source_cache, gcs_store
         return json.dumps(m)
 
     _tamper_json(fs, f"{base}/manifest.json", new_crc)
+    return big
+
+
+@pytest.mark.slow
+def test_pull_compares_the_published_whole_file_checksum(source_cache, gcs_store, tmp_path):
+    """D4: a byte changed in the middle of a big published file with only the
+    manifest's crc32c updated (the published marker left as is) was pulled, exit 0:
+    the marker's ``whole_checksum`` was never compared with the pulled bytes. Now it
+    is: refused naming the file, exit 2, nothing published locally."""
+    server, url = gcs_store
+    big = _publish_with_a_flip_in_the_middle(source_cache, gcs_store)
+    assert big["size"] > 3 << 20 and big["whole_checksum"]  # the middle is outside the edges
     env = {"STORAGE_EMULATOR_HOST": server, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
     root = tmp_path / "cache"
     res = _pull_with_the_script(source_cache, root, url, env)
@@ -847,24 +856,9 @@ def test_a_refused_pull_removes_its_staged_files(source_cache, gcs_store, tmp_pa
     marker's whole-file checksum) left ``.staging/pull-<fp>/`` behind (620 KiB of the
     other files and the metadata), which neither ``status`` nor ``clean`` showed. The
     refusal removes them; a transient failure keeps them (the resume tests)."""
-    from hf_pipeline.publish.manifest import bytes_digests
-
-    server, url = gcs_store
+    _, url = gcs_store
     src = source_cache.result
-    publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
-    conv = read_json(Path(src.cache_dir) / marker_name("converted"))
-    big = max(conv["files"], key=lambda f: f["size"])
-    fs = gcs_fs(server)
-    base = f"{url[5:]}/{Path(src.cache_dir).name}"
-    data = bytearray(fs.cat_file(f"{base}/{big['path']}"))
-    data[len(data) // 2] ^= 0xFF
-    fs.pipe_file(f"{base}/{big['path']}", bytes(data))
-
-    def new_crc(m):
-        m["files"][big["path"]]["crc32c"] = bytes_digests(bytes(data)).crc32c
-        return json.dumps(m)
-
-    _tamper_json(fs, f"{base}/manifest.json", new_crc)
+    big = _publish_with_a_flip_in_the_middle(source_cache, gcs_store)
     root = tmp_path / "cache"
     said = re.escape(big["path"]) + ".*converted.json.*published from a damaged cache"
     with pytest.raises(CacheFormatError, match=said):

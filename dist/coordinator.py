@@ -144,8 +144,10 @@ from dist.errors import BuildFailedError, CacheWaitTimeout, LeaseLostError, Read
 from dist.layout import (
     IDENTITY_FILE,
     identity_bytes,
+    is_project_entry,
     marker_name,
     parse_stage_dir,
+    parse_trash_name,
     retired_marker_name,
     stage_dir_name,
 )
@@ -672,11 +674,15 @@ class _Coordinator:
     def _clean_leftovers(self, lease: Lease) -> None:
         """Remove bookkeeping that dead leases left behind. Never a stage folder another
         lease could still publish (see :meth:`_collect_stage_garbage`)."""
+        stages = [s.name for s in self.stages]
         for name in os.listdir(self.cache_dir):
             path = self.cache_dir / name
-            if ".trash-" in name:
-                _delete(path)
-            elif ".tmp-" in name and not name.startswith("."):
+            legacy = parse_stage_dir(name) if ".tmp-" in name else None
+            if parse_trash_name(name) is not None:
+                # Only trash of what the project writes (a user's "x.trash-..." stays).
+                if is_project_entry(name, stages):
+                    _delete(path)
+            elif legacy is not None and legacy.stage in stages:
                 # A <stage>.tmp-<id>/ folder of hf_pipeline <= 0.1: never published by
                 # this protocol (nothing is renamed into place any more).
                 _delete(path)
@@ -691,7 +697,11 @@ class _Coordinator:
                 and name != heartbeat_path(self.cache_dir, lease.lease_id).name
             ):
                 _unlink(path)
-            elif name.startswith(".") and name.endswith(".tmp") and lease.lease_id not in name:
+            elif (
+                name.endswith(".tmp")
+                and lease.lease_id not in name
+                and is_project_entry(name, stages)
+            ):
                 _unlink(path)  # a marker write interrupted before its link/replace
 
     def _write_identity(self) -> None:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
-import re
 import shutil
 import socket
 import stat
@@ -48,8 +47,10 @@ from dist.atomic import write_json_atomic
 from dist.checksums import ALGORITHM, hash_files
 from dist.layout import (
     IDENTITY_FILE,
+    VERIFY_RECORD,
     cache_mark,
     is_bookkeeping,
+    is_project_entry,
     is_retired_marker,
     marker_name,
     parse_stage_dir,
@@ -88,9 +89,9 @@ __all__ = [
 DEFAULT_STAGES: tuple[str, ...] = ("converted", "filtered")
 #: Unlisted files named one by one in a status's problems (all of them in ``unlisted``).
 _SHOW_UNLISTED = 20
-#: What ``verify_cache(record=True)`` leaves in a cache whose files it found corrupt:
-#: ``--status`` then says "corrupt" (and ``--clean`` removes the cache) without re-reading.
-VERIFY_RECORD = "corrupt.json"
+#: :data:`dist.layout.VERIFY_RECORD` is what ``verify_cache(record=True)`` leaves in a
+#: cache whose files it found corrupt: ``--status`` then says "corrupt" (and ``--clean``
+#: removes the cache) without re-reading.
 
 
 class CacheState(str, enum.Enum):
@@ -192,7 +193,6 @@ def _is_link(path: Path) -> bool:
 
 
 #: What :mod:`dist.atomic` writes beside a file before renaming it into place.
-_ATOMIC_TMP = re.compile(r"^\.(?P<inner>.+)\.[0-9]+\.[0-9a-f]{12}\.tmp$")
 
 
 def _identity_mismatch(path: Path, name: str | None = None) -> str | None:
@@ -232,27 +232,8 @@ def _ours(folder: Path, name: str, stages: Sequence[str]) -> bool:
     folder's place; only ever unlinked, never followed)."""
     if _is_link(folder / name):
         inner = parse_trash_name(name)
-        return inner is not None and _our_name(inner, stages)
-    return _our_name(name, stages)
-
-
-def _our_name(name: str, stages: Sequence[str]) -> bool:
-    """:func:`_ours` by the name alone."""
-    inner = parse_trash_name(name)
-    if inner is not None:
-        return _our_name(inner, stages)
-    tmp = _ATOMIC_TMP.match(name)
-    if tmp is not None:
-        return _our_name(tmp["inner"], stages)
-    parsed = parse_stage_dir(name)
-    return (
-        name in (IDENTITY_FILE, VERIFY_RECORD)
-        or name in {marker_name(s) for s in stages}
-        or name in stages
-        or is_bookkeeping(name)
-        or (is_retired_marker(name) and name.split(".json.", 1)[0] in stages)
-        or (parsed is not None and parsed.stage in stages)
-    )
+        return inner is not None and is_project_entry(inner, stages)
+    return is_project_entry(name, stages)
 
 
 def _foreign(folder: Path, stages: Sequence[str]) -> list[str]:

@@ -39,6 +39,7 @@ import re
 import secrets
 import stat
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from dist.lease import LEASE_FILE
@@ -49,8 +50,10 @@ __all__ = [
     "StageDir",
     "cache_mark",
     "identity_bytes",
+    "VERIFY_RECORD",
     "is_bookkeeping",
     "is_cache_folder",
+    "is_project_entry",
     "is_retired_marker",
     "marker_name",
     "parse_stage_dir",
@@ -80,6 +83,11 @@ _LEASE_MOVED = re.compile(rf"^{LEASE_FILE}\.(dead|takeover|released)-")
 #: ``<name>-<16 hex>``: how hf_pipeline names a cache (``CacheLayout.for_config``).
 _PROJECT_NAME = re.compile(r"^[^.].*-[0-9a-f]{16}$")
 _TRASH = re.compile(r"^\.?(?P<inner>.+)\.trash-[0-9a-f]{8}$")
+#: How :mod:`dist.atomic` names a file while writing it: ``.<name>.<pid>.<12 hex>.tmp``.
+_ATOMIC_TMP = re.compile(r"^\.(?P<inner>.+)\.[0-9]+\.[0-9a-f]{12}\.tmp$")
+#: The record ``verify`` leaves in a cache whose published files it found damaged
+#: (:mod:`dist.inventory`).
+VERIFY_RECORD = "corrupt.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +128,30 @@ def is_bookkeeping(name: str) -> bool:
         name == LEASE_FILE or _HEARTBEAT.match(name) or _FAILED.match(name)
         or _LEASE_MOVED.match(name)
     )  # fmt: skip
+
+
+def is_project_entry(name: str, stages: Sequence[str]) -> bool:
+    """Whether ``name``, an entry of a cache folder of ``stages``, is one the project
+    writes, by the names it gives them: markers (also retired), stage folders (and
+    ``<stage>``/``<stage>.tmp-<id>`` of hf_pipeline <= 0.1), lease and heartbeat, failure
+    records, the identity file, ``verify``'s record, and files being written
+    (:mod:`dist.atomic`) and trash of any of these. What else is there is not ours to
+    remove."""
+    inner = parse_trash_name(name)
+    if inner is not None:
+        return is_project_entry(inner, stages)
+    tmp = _ATOMIC_TMP.match(name)
+    if tmp is not None:
+        return is_project_entry(tmp["inner"], stages)
+    parsed = parse_stage_dir(name)
+    return (
+        name in (IDENTITY_FILE, VERIFY_RECORD)
+        or name in {marker_name(s) for s in stages}
+        or name in stages
+        or is_bookkeeping(name)
+        or (is_retired_marker(name) and name.split(".json.", 1)[0] in stages)
+        or (parsed is not None and parsed.stage in stages)
+    )
 
 
 def trash_name(name: str) -> str:

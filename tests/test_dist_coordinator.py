@@ -155,6 +155,38 @@ def test_resume_skips_valid_stage_and_removes_leftovers(tmp_path):
     assert sorted(os.listdir(cache)) == _published(markers)
 
 
+def test_a_build_removes_only_leftovers_the_project_wrote(tmp_path):
+    """A build clears a dead builder's bookkeeping from the cache folder by name. It
+    removed every name containing ``.trash-`` or ``.tmp-`` and every hidden ``*.tmp``,
+    whoever wrote it; now only the names the project gives its trash, legacy stage
+    folders and interrupted writes (of its stages, markers and bookkeeping)."""
+    cache = tmp_path / "c"
+    ensure_built(cache, "fp", STAGES[:1], builder=True, **QUICK)
+    ours = {
+        "filtered.0123456789abcdef.trash-0a1b2c3d": "dir",  # the coordinator's trash
+        ".converted.0123456789abcdef.trash-0a1b2c3d": "dir",  # the inventory's
+        "filtered.tmp-deadbeef": "dir",  # a stage folder of hf_pipeline <= 0.1
+        ".filtered.json.123.0123456789ab.tmp": "file",  # an interrupted marker write
+    }
+    theirs = {
+        "notes.trash-0a1b2c3d": "file",
+        "photos.trash-12345678": "dir",
+        "plan.tmp-1": "file",
+        ".editor-swap.tmp": "file",
+    }
+    for name, kind in {**ours, **theirs}.items():
+        if kind == "dir":
+            (cache / name).mkdir()
+            (cache / name / "inside").write_bytes(b"x")
+        else:
+            (cache / name).write_bytes(b"x")
+    ensure_built(cache, "fp", STAGES, builder=True, **QUICK)
+    left = set(os.listdir(cache))
+    assert not left & set(ours), sorted(left & set(ours))
+    assert set(theirs) <= left, sorted(set(theirs) - left)
+    assert (cache / "photos.trash-12345678" / "inside").read_bytes() == b"x"
+
+
 @pytest.mark.parametrize(
     "damage",
     ["fingerprint", "missing_file", "truncated_file", "malformed_json", "schema_version"],

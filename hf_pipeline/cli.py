@@ -51,6 +51,17 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace, extra: Sequence[str] = ()) -> Config:
     """Load the config named by ``args`` and apply flag overrides (flags win)."""
     overrides = list(args.overrides)
+    # A blank root ("--cache-dir $DIR" with DIR unset) would be the default root, in
+    # silence: a build there fills the home folder. The default is the flag left out.
+    blank = args.cache_dir is not None and not args.cache_dir.strip()
+    sets = [o.split("=", 1) for o in overrides if "=" in o]
+    if blank or any(k.strip() == "build.cache_dir" and not v.strip() for k, v in sets):
+        source = "--cache-dir" if blank else "--set"
+        raise ConfigError(
+            f"build.cache_dir (from {source}) is blank: give the cache root folder, or leave "
+            f"{source} out for the default root",
+            field="build.cache_dir",
+        )
     if args.cache_dir:
         overrides.append(f"build.cache_dir={args.cache_dir}")
     if args.num_proc is not None:

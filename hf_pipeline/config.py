@@ -439,6 +439,11 @@ class BuildConfig:
     def __post_init__(self):
         _check_fields(self, "build.")
         _check_choice(self.parallel, PARALLEL_MODES, "build.parallel")
+        _check(
+            self.cache_dir == "" or bool(self.cache_dir.strip()),
+            "build.cache_dir",
+            f"must be a folder, or '' for the default root, got {shown(self.cache_dir)}",
+        )
         if self.overlap_parts:
             # Still loads (configs written for earlier releases), but not in silence.
             warnings.warn(

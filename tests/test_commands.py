@@ -329,6 +329,25 @@ def test_a_cache_root_that_does_not_exist_is_one_line_exit_2(tmp_path, sub):
     assert not root.exists()  # not created by a look at it
 
 
+@pytest.mark.parametrize(
+    "args",
+    [["--cache-dir", ""], ["--cache-dir", " "], ["--set", "build.cache_dir="],
+     ["--set", "build.cache_dir= "]],
+    ids=["flag-empty", "flag-blank", "set-empty", "set-blank"],
+)  # fmt: skip
+def test_a_blank_cache_root_is_one_line_exit_2(tmp_path, args):
+    """``--cache-dir "$DIR"`` with DIR unset (or a blank ``--set``) ran with the default
+    root: a build wrote a whole cache into the home folder. Now one line, exit 2, and
+    the default root is not touched (HF_HOME points at an empty folder here)."""
+    home = tmp_path / "hf_home"
+    env = {**script_env(), "HF_HOME": str(home), "HF_DATASETS_CACHE": str(home / "datasets")}
+    p = _hf("status", *args, env=env)
+    assert p.returncode == 2, p.stdout + p.stderr
+    (line,) = p.stderr.strip().splitlines()
+    assert "build.cache_dir" in line and "is blank" in line, line
+    assert not home.exists()
+
+
 def test_clean_exit_0_for_what_it_keeps_on_purpose(tmp_path):
     """A `left` line for what clean never touches (a symlink, a folder without the mark)
     is not a failure: exit 0."""

@@ -253,6 +253,7 @@ def _refusal(override, environ=None) -> ConfigError:
         (["encoder.max_length=10000000"], "encoder.max_length", "in [1, 131072]"),
         (["encoder.device=cudaX"], "encoder.device", "'cuda[:N]'"),
         (["build.part_shards=-1"], "build.part_shards", "(0: 16), got -1"),
+        ({"build.cache_dir": "   "}, "build.cache_dir", "or '' for the default root"),
         (["data.demo.num_shards=100000000"], "data.demo.num_shards", "in [1, 100000]"),
         # A number too long to print (Python refuses str() of ints over 4300 digits).
         (["build.batch_size=" + "9" * 5000], "build.batch_size", "build.batch_size must be "),

@@ -311,9 +311,13 @@ def _valid_markers(
     return done, problems
 
 
-def _leftovers(cache: Path, done: dict[str, Marker], live_lease: str | None = None) -> list[str]:
+def _leftovers(
+    cache: Path, done: dict[str, Marker], stages: Sequence[str], live_lease: str | None = None
+) -> list[str]:
     """Entries no valid marker vouches for: unpublished or retired stage folders, retired
-    markers, interrupted deletions. Not the folders of ``live_lease`` (it builds there)."""
+    markers, interrupted deletions, by the names the project gives them (a user's
+    ``notes.trash-...`` is none of these). Not the folders of ``live_lease`` (it builds
+    there)."""
     published = {m.directory for m in done.values()}
     out = []
     for n in sorted(os.listdir(cache)):
@@ -323,7 +327,8 @@ def _leftovers(cache: Path, done: dict[str, Marker], live_lease: str | None = No
         if parsed is not None and live_lease is not None and parsed.lease_id == live_lease:
             continue
         if ".tmp-" in n or parse_trash_name(n) is not None or is_retired_marker(n):
-            out.append(n)
+            if is_project_entry(n, stages):
+                out.append(n)
         elif parsed is not None and (_is_link(cache / n) or (cache / n).is_dir()):
             out.append(n)
     return out
@@ -376,7 +381,7 @@ def _status(cache: Path, fingerprint: str, stages: Sequence[str], live: bool | N
     names = sorted(os.listdir(cache))
     view = read_lease(cache / LEASE_FILE)
     building = view is not None and live is not False
-    leftovers = _leftovers(cache, done, view.key if view is not None and building else None)
+    leftovers = _leftovers(cache, done, stages, view.key if view is not None and building else None)
     unlisted = _unlisted(cache, done)
     unmarked = [s for s in stages if (cache / s).is_dir() and s not in done]
     failures = [n for n in names if n.startswith("failed-") and n.endswith(".json")]
@@ -938,7 +943,9 @@ def _complete_targets(
 ) -> tuple[list[Path], list[tuple[Path, str]]]:
     """What ``clean`` drops from a cache it keeps, and the links it leaves (reported)."""
     done = _valid_markers(cache, list(stages), status.fingerprint or "")[0]
-    names = _leftovers(cache, done) + [n for n in sorted(os.listdir(cache)) if is_bookkeeping(n)]
+    names = _leftovers(cache, done, stages) + [
+        n for n in sorted(os.listdir(cache)) if is_bookkeeping(n)
+    ]
     targets, left = [], []
     for name in names:
         path = cache / name

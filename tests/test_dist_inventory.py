@@ -305,6 +305,29 @@ def test_the_builder_leaves_no_trash_link_for_a_link_named_like_a_stage_folder(t
     assert (outside / "keep.txt").read_text() == "keep"
 
 
+def test_status_does_not_call_a_users_files_in_a_cache_leftovers(tmp_path):
+    """The user's own ``notes.trash-...``/``plan.tmp-1`` in a complete cache: ``clean``
+    keeps them ("not hf_pipeline's") but ``status`` listed them as leftovers of the
+    project, and the cache as not ok. Now status names only the project's leftovers."""
+    from dist import Stage, ensure_built
+    from dist.inventory import list_caches
+
+    def write(ctx):
+        (ctx.tmp_dir / "part-0.bin").write_bytes(b"x" * 100)
+        return {}
+
+    cache = tmp_path / "root" / "demo-00000000000000a5"
+    stages = [Stage(name="converted", build=write), Stage(name="filtered", build=write)]
+    ensure_built(cache, "00000000000000a5", stages, builder=True, poll_interval=0.05,
+                 lease_timeout=1.0, heartbeat_interval=0.2, max_wait=30.0)  # fmt: skip
+    (cache / "notes.trash-0a1b2c3d").write_text("mine")
+    (cache / "plan.tmp-1").write_text("mine")
+    (cache / "filtered.json.retired-0123456789abcdef").write_text("{}")  # the project's
+    [st] = list_caches(tmp_path / "root")
+    shown = [p for p in st.problems if p.startswith("leftover")]
+    assert shown == ["leftover filtered.json.retired-0123456789abcdef"], st.problems
+
+
 def test_status_escapes_a_forged_failure_record(tmp_path):
     """D3: a failure record's message and host reached the terminal raw: a newline and
     an ANSI escape forged a table row. Now every foreign string of a status problem is

@@ -192,9 +192,6 @@ def _is_link(path: Path) -> bool:
     return st is not None and stat.S_ISLNK(st.st_mode)
 
 
-#: What :mod:`dist.atomic` writes beside a file before renaming it into place.
-
-
 def _identity_mismatch(path: Path, name: str | None = None) -> str | None:
     """Why the identity file in ``path`` proves nothing (None: there is none, or it
     names the folder's own fingerprint). A folder holding one written for another name

@@ -54,8 +54,8 @@ def config_from_args(args: argparse.Namespace, extra: Sequence[str] = ()) -> Con
     # A blank root ("--cache-dir $DIR" with DIR unset) would be the default root, in
     # silence: a build there fills the home folder. The default is the flag left out.
     blank = args.cache_dir is not None and not args.cache_dir.strip()
-    sets = [o.split("=", 1) for o in overrides if "=" in o]
-    if blank or any(k.strip() == "build.cache_dir" and not v.strip() for k, v in sets):
+    set_root = _set_value(overrides, "build.cache_dir")
+    if blank or (set_root is not None and not set_root.strip()):
         source = "--cache-dir" if blank else "--set"
         raise ConfigError(
             f"build.cache_dir (from {source}) is blank: give the cache root folder, or leave "
@@ -68,6 +68,13 @@ def config_from_args(args: argparse.Namespace, extra: Sequence[str] = ()) -> Con
         overrides.append(f"build.num_proc={args.num_proc}")
     overrides.extend(extra)
     return load_config(args.config, overrides)
+
+
+def _set_value(overrides: Sequence[str], key: str) -> str | None:
+    """The value the last ``--set key=VALUE`` gives ``key`` (None: no ``--set`` of it)."""
+    pairs = (o.partition("=") for o in overrides if "=" in o)
+    values = [v for k, _, v in pairs if k.strip() == key]
+    return values[-1] if values else None
 
 
 def check_cache_root(cfg: Config, args: argparse.Namespace, *, must_exist: bool) -> None:
@@ -86,7 +93,7 @@ def check_cache_root(cfg: Config, args: argparse.Namespace, *, must_exist: bool)
         return
     if getattr(args, "cache_dir", None):
         source = " (from --cache-dir)"
-    elif any(o.split("=", 1)[0].strip() == "build.cache_dir" for o in args.overrides):
+    elif _set_value(args.overrides, "build.cache_dir") is not None:
         source = " (from --set)"
     elif os.environ.get("HF_PIPELINE_CACHE", "").strip():
         source = " (from $HF_PIPELINE_CACHE)"

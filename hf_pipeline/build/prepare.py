@@ -1468,18 +1468,14 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
         startup.mark("workers_starting")
     try:
         inputs, fingerprint, encoder_ident = _job_identity(cfg, process, progress=progress)
-    except BaseException:
-        early.close()
-        raise
-    startup.mark("identity")
-    layout = CacheLayout.for_config(cfg, fingerprint)
-    try:
+        layout = CacheLayout.for_config(cfg, fingerprint)
         # Before anything may build: a stage --verify recorded corrupt is refused, not
         # rebuilt (a file cut short fails the build's size check, which retires it).
         refuse_recorded_corrupt_first(layout.root, fingerprint)
     except BaseException:
         early.close()
         raise
+    startup.mark("identity")
     if not cfg.data.staging_dir:
         # One staging folder per identity: two builds of the same source on one host
         # (different configs) must not delete each other's staged shards.

@@ -30,6 +30,17 @@ def _sets():
     return [a for s in SMALL_DEMO for a in ("--set", s)]
 
 
+def _refused_as_corrupt(argv: list[str], path: str) -> tuple[subprocess.CompletedProcess, str]:
+    """Run ``argv``: exit 2 with one error line, the verify record's refusal naming
+    ``path`` and the record. Returns the run and that line."""
+    b = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=script_env())
+    assert b.returncode == 2, b.stdout + b.stderr
+    errors = [ln for ln in b.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "this cache is corrupt" in errors[0], b.stderr
+    assert path in errors[0] and "corrupt.json" in errors[0]
+    return b, errors[0]
+
+
 @pytest.fixture
 def root(tmp_path, session_cache_root, built_cache):
     """A private copy of the session's demo cache (and its demo inputs): corrupted here."""
@@ -90,15 +101,11 @@ def test_verify_finds_64_flipped_bytes_in_the_middle_of_a_rows_file(root):
         [PYTHON, str(REPO / "scripts" / "prebuild_cache.py")],
         [PYTHON, "-m", "hf_pipeline", "build"],
     ):
-        b = subprocess.run(
+        b, line = _refused_as_corrupt(
             [*build, "--cache-dir", str(root), *_sets(), "--json", str(root / "b.json")],
-            capture_output=True, text=True, timeout=600, env=script_env(),
-        )  # fmt: skip
-        assert b.returncode == 2, b.stdout + b.stderr
-        errors = [ln for ln in b.stderr.splitlines() if ln.startswith("error:")]
-        assert len(errors) == 1 and "this cache is corrupt" in errors[0], b.stderr
-        assert rows["path"] in errors[0] and "corrupt.json" in errors[0]
-        assert "hf-pipeline clean" in errors[0] and "prebuild_cache.py --clean" in errors[0]
+            rows["path"],
+        )
+        assert "hf-pipeline clean" in line and "prebuild_cache.py --clean" in line
         assert "found" not in b.stdout and not (root / "b.json").exists()
     assert (cache / rows["path"]).exists()
 
@@ -286,14 +293,7 @@ def test_a_file_truncated_after_verify_is_refused_not_rebuilt(root):
         [PYTHON, "-m", "hf_pipeline", "build"],
         [PYTHON, "-m", "hf_pipeline", "train", "--steps", "2"],
     ):
-        b = subprocess.run(
-            [*build, "--cache-dir", str(root), *_sets()],
-            capture_output=True, text=True, timeout=600, env=script_env(),
-        )  # fmt: skip
-        assert b.returncode == 2, b.stdout + b.stderr
-        errors = [ln for ln in b.stderr.splitlines() if ln.startswith("error:")]
-        assert len(errors) == 1 and "this cache is corrupt" in errors[0], b.stderr
-        assert victim["path"] in errors[0] and "corrupt.json" in errors[0]
+        _refused_as_corrupt([*build, "--cache-dir", str(root), *_sets()], victim["path"])
         assert sorted(p.name for p in cache.iterdir()) == before  # nothing renamed/removed
     from hf_pipeline import CacheLayout, open_dataset
     from hf_pipeline.errors import CacheFormatError

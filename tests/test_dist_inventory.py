@@ -421,3 +421,42 @@ def test_unmarked_folders_named_like_trash_are_not_called_trash(tmp_path):
         assert "trash of an interrupted removal" not in p.stdout, p.stdout
         assert p.stdout.count("carries no hf_pipeline mark") == 2, p.stdout
     assert _tree(root) == before
+
+
+def _work_folder(root: Path, name: str, cache: str, fingerprint: str) -> Path:
+    from dist.layout import WORK_MARK, work_mark_bytes
+
+    folder = root / ".staging" / name
+    (folder / "files" / "a").mkdir(parents=True)
+    (folder / "files" / "a" / "x.bin").write_bytes(b"x" * 1000)
+    (folder / WORK_MARK).write_bytes(
+        work_mark_bytes(
+            cache=cache, fingerprint=fingerprint, entries=["files", "meta"],
+            lease_id="0123456789abcdef", host="elsewhere", pid=1,
+        )
+    )  # fmt: skip
+    return folder
+
+
+def test_work_folders_only_with_a_mark_of_their_own_name_and_never_through_a_link(tmp_path):
+    """An abandoned work folder (its cache gone) is listed and removed; one whose mark
+    names another fingerprint than its own name, a copy of a mark in a user's folder
+    named otherwise, and a symlink to a marked folder are not the project's: left."""
+    from dist.inventory import clean, list_work
+
+    root = tmp_path / "root"
+    fp, other = "1" * 16, "2" * 16
+    ours = _work_folder(root, f"pull-{fp}", f"c-{fp}", fp)
+    forged = _work_folder(root, f"pull-{other}", f"c-{fp}", fp)  # mark of another name
+    target = _work_folder(tmp_path / "elsewhere", f"pull-{'3' * 16}", f"c-{'3' * 16}", "3" * 16)
+    (root / ".staging" / f"pull-{'3' * 16}").symlink_to(target)
+    rows = list_work(root, ".staging")
+    assert [(w.path, w.state) for w in rows] == [(ours, "abandoned")]
+    assert rows[0].size_bytes > 1000  # the staged file and the mark
+    assert clean(root, dry_run=True, observe_s=0.1, work=(".staging",)).removed == (ours,)
+    assert ours.exists()
+    report = clean(root, dry_run=False, observe_s=0.1, work=(".staging",))
+    assert report.removed == (ours,) and not ours.exists()
+    assert (forged / "files" / "a" / "x.bin").exists()
+    assert (target / "files" / "a" / "x.bin").exists()
+    assert not [p for p in (root / ".staging").iterdir() if ".trash-" in p.name]

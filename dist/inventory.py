@@ -27,7 +27,10 @@ the bytes another cache still links. A *work folder* (``work`` of :func:`clean`,
 :func:`list_work`: a pull's staging, ``.staging/pull-<fingerprint>``) is the project's
 only with its mark (:func:`dist.layout.work_mark`), and abandoned once the cache it names
 has no live lease (judged as the cache's own state is); :func:`clean` then removes the
-entries its mark declares, and the folder when nothing else is in it. A complete unit is *in use* while one of its files
+entries its mark declares, and the folder when nothing else is in it. A *job folder*
+(``jobs`` of :func:`clean`, :func:`list_jobs`: ``.jobs/<launch id>/``, the ranks'
+agreement through a file store) is removed once it is provably finished or abandoned
+(:func:`dist.agreement.job_folder_state`), and only when it holds nothing else. A complete unit is *in use* while one of its files
 has a link besides its own, or while a unit in use names it in its marker's ``uses``;
 :func:`clean` removes units that are not (and stale, failed or corrupt ones).
 """
@@ -47,6 +50,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dist.agreement import job_folder_state
 from dist.atomic import write_json_atomic
 from dist.checksums import ALGORITHM, hash_files
 from dist.layout import (
@@ -81,11 +85,13 @@ __all__ = [
     "CacheStatus",
     "CleanReport",
     "StoredUnit",
+    "JobFolder",
     "VerifyReport",
     "WorkFolder",
     "clean",
     "ignored_entries",
     "list_caches",
+    "list_jobs",
     "list_store",
     "list_work",
     "unlisted_files",
@@ -715,6 +721,62 @@ def list_work(
     return out
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JobFolder:
+    """One job folder (the module docstring; :class:`dist.agreement.JobFolderState`).
+
+    Attributes:
+        path: the folder.
+        state: ``"finished"``, ``"abandoned"`` or ``"live"``.
+        rounds: agreement rounds posted there.
+        members: ``"host/pid"`` of every rank that posted.
+        foreign: entries that are not the agreement's (never removed; the folder stays).
+        size_bytes: bytes under it.
+    """
+
+    path: Path
+    state: str
+    rounds: int
+    members: tuple[str, ...]
+    foreign: tuple[str, ...]
+    size_bytes: int
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.update(path=str(self.path), members=list(self.members), foreign=list(self.foreign))
+        return d
+
+
+def _job_folder(path: Path) -> JobFolder | None:
+    st = _lstat(path)
+    if st is None or not stat.S_ISDIR(st.st_mode):
+        return None  # never through a link
+    found = job_folder_state(path)
+    if found is None:
+        return None
+    return JobFolder(
+        path=path, state=found.state, rounds=found.rounds,
+        members=tuple(f"{shown(h)}/{p}" for h, p in found.members),
+        foreign=found.foreign, size_bytes=_size_and_age(path)[0],
+    )  # fmt: skip
+
+
+def list_jobs(root: str | os.PathLike[str], where: str) -> list[JobFolder]:
+    """The job folders in ``root/where`` (folders holding the ranks' agreement posts;
+    anything else there is not looked at), sorted by name; [] if there is none. Reads
+    only."""
+    folder = Path(root) / where
+    st = _lstat(folder)
+    if st is None or not stat.S_ISDIR(st.st_mode):
+        return []
+    out = []
+    for p in sorted(folder.iterdir()):
+        job = _job_folder(p)
+        if job is not None:
+            out.append(job)
+    return out
+
+
 def _looks_like_cache(path: Path) -> bool:
     name = path.name
     return "-" in name and len(name.rsplit("-", 1)[1]) == 16
@@ -1078,6 +1140,7 @@ def clean(
     observe_s: float = 5.0,
     stores: Sequence[str] = (),
     work: Sequence[str] = (),
+    jobs: Sequence[str] = (),
 ) -> CleanReport:
     """Remove stale, corrupt and failed caches, and leftovers inside complete ones; then
     the units of ``stores`` that no cache uses any more (:func:`list_store`).
@@ -1098,6 +1161,8 @@ def clean(
             after the caches, so that a cache removed now frees its units at once.
         work: dot-folders of ``root`` holding work folders (:func:`list_work`): the
             abandoned ones are removed (only what their mark declares).
+        jobs: dot-folders of ``root`` holding job folders (:func:`list_jobs`): those
+            finished or abandoned, holding nothing else, are removed.
 
     Returns:
         A :class:`CleanReport`.
@@ -1183,6 +1248,38 @@ def clean(
                 wf.path, f"kept: it holds what hf_pipeline did not write: "
                 f"{_shown_foreign(wf.path, wf.foreign)} (the rest of it removed)",
             ))  # fmt: skip
+    for name in jobs:
+        for job in list_jobs(root, name):
+            if job.state == "live":
+                continue
+            if job.foreign:
+                left.append((
+                    job.path, f"kept: it holds what hf_pipeline did not write: "
+                    f"{_shown_foreign(job.path, job.foreign)}",
+                ))  # fmt: skip
+                continue
+            if dry_run:
+                removed.append(job.path)
+                continue
+            trash = job.path.with_name(trash_name(job.path.name))
+            try:
+                os.rename(job.path, trash)
+            except OSError as e:
+                left.append((job.path, f"could not remove all of it: {e}"))
+                continue
+            again = _job_folder(trash)
+            if again is None or again.state == "live" or again.foreign:
+                # A rank posted (or a file came) between our look and the rename: put
+                # it back where its job reads it.
+                try:
+                    os.rename(trash, job.path)
+                    left.append((job.path, "changed while we looked: left as it is"))
+                except OSError as e:
+                    left.append((trash, f"could not put it back: {e}"))
+                continue
+            drop(trash)
+            if removed and removed[-1] == trash:
+                removed[-1] = job.path
     for name in stores:
         store = Path(root) / name
         if _is_link(store):

@@ -64,6 +64,7 @@ __all__ = [
     "is_retired_marker",
     "marker_name",
     "parse_stage_dir",
+    "parse_temp_name",
     "parse_trash_name",
     "retired_marker_name",
     "stage_dir_name",
@@ -165,6 +166,13 @@ def is_project_entry(name: str, stages: Sequence[str]) -> bool:
         or (is_retired_marker(name) and name.split(".json.", 1)[0] in stages)
         or (parsed is not None and parsed.stage in stages)
     )
+
+
+def parse_temp_name(name: str) -> str | None:
+    """The name a :mod:`dist.atomic` write was creating (``.<name>.<pid>.<hex>.tmp``),
+    else None."""
+    m = _ATOMIC_TMP.match(name)
+    return m["inner"] if m else None
 
 
 def trash_name(name: str) -> str:

@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -460,3 +461,60 @@ def test_work_folders_only_with_a_mark_of_their_own_name_and_never_through_a_lin
     assert (forged / "files" / "a" / "x.bin").exists()
     assert (target / "files" / "a" / "x.bin").exists()
     assert not [p for p in (root / ".staging").iterdir() if ".trash-" in p.name]
+
+
+def _agree_rank(root: Path, rank: int, job_id: str) -> subprocess.Popen:
+    """One rank (of 2) of a job named ``job_id`` running only the ranks' agreement
+    (its FileJobStore under ``root/.jobs``)."""
+    sets = [f"build.cache_dir={root}", "coord.poll_interval=0.05", "coord.max_wait=120"]
+    env = script_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                     LOCAL_WORLD_SIZE="2", SLURM_JOB_ID=job_id)  # fmt: skip
+    return subprocess.Popen(
+        [PYTHON, str(REPO / "tests/procs/agree_rank.py"), *sets], env=env, cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+
+
+def _jobs(root: Path) -> dict[str, str]:
+    res = _cli(root, "--status", "--json", "-")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return {Path(j["path"]).name: j["state"] for j in json.loads(res.stdout)["jobs"]}
+
+
+def test_job_folders_finished_or_dead_are_cleaned_a_waiting_one_is_left(tmp_path):
+    """``.jobs/<id>/`` (the ranks' agreement of one launch) piled up, one per launch:
+    ``status`` did not show them, ``clean`` never removed them. Now a job whose every
+    rank is done with it (finished), or whose every member provably exited, is removed;
+    a job with a rank still waiting is left, and so is a file of a user's inside."""
+    root = tmp_path / "root"
+    root.mkdir()
+    done = [_agree_rank(root, r, "300") for r in (0, 1)]
+    for p in done:
+        out, err = p.communicate(timeout=200)
+        assert p.returncode == 0, err.decode()[-3000:]
+    waiting = _agree_rank(root, 0, "301")  # its rank 1 never starts: it waits for it
+    try:
+        deadline = time.monotonic() + 120
+        while not list((root / ".jobs" / "slurm-301-0-0").glob("*rank-0")):
+            assert waiting.poll() is None, waiting.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "rank 0 of job 301 never posted"
+            time.sleep(0.05)
+        assert _jobs(root) == {"slurm-300-0-0": "finished", "slurm-301-0-0": "live"}
+        res = _cli(root, "--clean")
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert not (root / ".jobs" / "slurm-300-0-0").exists()
+        assert list((root / ".jobs" / "slurm-301-0-0").glob("*rank-0"))
+        assert waiting.poll() is None
+    finally:
+        os.killpg(waiting.pid, signal.SIGKILL)
+        waiting.communicate(timeout=30)
+    assert _jobs(root) == {"slurm-301-0-0": "abandoned"}
+    (root / ".jobs" / "slurm-301-0-0" / "notes.txt").write_text("mine")
+    res = _cli(root, "--clean")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "kept" in res.stdout and "notes.txt" in res.stdout, res.stdout
+    assert "notes.txt" in os.listdir(root / ".jobs" / "slurm-301-0-0")
+    assert list((root / ".jobs" / "slurm-301-0-0").glob("*rank-0"))  # the job's proof stays
+    (root / ".jobs" / "slurm-301-0-0" / "notes.txt").unlink()
+    assert _cli(root, "--clean").returncode == 0
+    assert not (root / ".jobs" / "slurm-301-0-0").exists()

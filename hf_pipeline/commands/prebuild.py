@@ -167,6 +167,7 @@ def _write_json(path: str, obj) -> None:
 
 def _admin(args, cfg) -> int:
     from dist import inventory
+    from dist.kvstore import JOBS_DIR
     from hf_pipeline.build.part_store import PARTS_DIR
     from hf_pipeline.cache.layout import STAGES, STAGING_DIR
 
@@ -180,6 +181,7 @@ def _admin(args, cfg) -> int:
         units = inventory.list_store(root / PARTS_DIR, observe_s=observe)
         ignored = inventory.ignored_entries(root)
         work = inventory.list_work(root, STAGING_DIR, observe_s=observe)
+        jobs = inventory.list_jobs(root, JOBS_DIR)
         if args.json:
             _write_json(args.json, {
                 "root": str(root),
@@ -187,6 +189,7 @@ def _admin(args, cfg) -> int:
                 "parts": [u.as_dict() for u in units],
                 "ignored": [{"path": str(p), "why": why} for p, why in ignored],
                 "staging": [w.as_dict() for w in work],
+                "jobs": [j.as_dict() for j in jobs],
             })  # fmt: skip
         if not rows:
             print(f"no caches under {root}", file=out)
@@ -230,6 +233,19 @@ def _admin(args, cfg) -> int:
             )
             if w.foreign:
                 print(f"    not hf_pipeline's, kept: {_safe(', '.join(w.foreign))}", file=out)
+        for j in jobs:
+            what = {
+                "finished": "finished (every rank done with it): --clean removes it",
+                "abandoned": "abandoned (every rank that posted has exited): --clean removes it",
+                "live": "live (a rank may still read it)",
+            }[j.state]
+            print(
+                f"job {JOBS_DIR}/{_safe(j.path.name)}: {what}, {j.rounds} round(s), "
+                f"ranks {_safe(', '.join(j.members)) or '?'}",
+                file=out,
+            )
+            if j.foreign:
+                print(f"    not hf_pipeline's, kept: {_safe(', '.join(j.foreign))}", file=out)
         for path, why in ignored:
             print(f"not a cache: {_safe(path.name)}: {_safe(why)}", file=out)
         return 0
@@ -285,6 +301,7 @@ def _admin(args, cfg) -> int:
         observe_s=max(observe, 1.0),
         stores=(PARTS_DIR,),
         work=(STAGING_DIR,),
+        jobs=(JOBS_DIR,),
     )
     verb = "would remove" if args.dry_run else "removed"
     for path in report.removed:

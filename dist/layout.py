@@ -55,6 +55,7 @@ __all__ = [
     "StageDir",
     "cache_mark",
     "identity_bytes",
+    "identity_fingerprint",
     "VERIFY_RECORD",
     "WORK_MARK",
     "WorkMark",
@@ -199,6 +200,24 @@ def identity_bytes(fingerprint: str, *, host: str, pid: int) -> bytes:
         "created_at": time.time(),  # informational
     }
     return json.dumps(record, sort_keys=True, indent=1).encode()
+
+
+def identity_fingerprint(folder: Path) -> str | None:
+    """What the identity file of ``folder`` says: the fingerprint it names, ``""`` when
+    it is there but not one the project wrote (a symlink, another format), None when
+    there is none. Never raises on what it finds."""
+    path = folder / IDENTITY_FILE
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return ""
+    d = _read_regular(path, 1 << 16)
+    fingerprint = d.get("fingerprint") if isinstance(d, dict) else None
+    if isinstance(d, dict) and d.get("kind") == _IDENTITY_KIND and isinstance(fingerprint, str):
+        return fingerprint
+    return ""
 
 
 def _read_regular(path: Path, limit: int = _MAX_MARK_BYTES) -> object | None:

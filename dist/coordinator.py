@@ -196,7 +196,7 @@ __all__ = [
     "ensure_built",
 ]
 
-logger = logging.getLogger("dist")
+logger = logging.getLogger(__name__)
 
 _STAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_]*(-[A-Za-z0-9_]+)*$")
 _RESERVED = frozenset({"lease", "heartbeat", "failed"})

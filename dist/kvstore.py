@@ -41,7 +41,7 @@ __all__ = [
     "private_torch_store",
 ]
 
-logger = logging.getLogger("dist")
+logger = logging.getLogger(__name__)
 
 
 class JobStore:

@@ -100,7 +100,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["PULLED_FROM", "local_relpath", "pulled_stages", "was_pulled"]
 
-logger = logging.getLogger("hf_pipeline")
+logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 #: What a pull writes in its staging folder (besides its mark): the published metadata
 #: and the staged files (:meth:`_Puller._mark`).

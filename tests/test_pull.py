@@ -355,6 +355,8 @@ def test_nothing_published_builds_as_usual_and_says_so_once(
     said = [r.getMessage() for r in caplog.records if "no published cache" in r.getMessage()]
     assert len(said) == 1 and src.fingerprint in said[0] and url in said[0], said
     assert res.report["rows_out"] == src.report["rows_out"]
+    # Nothing to pull: no staging folder left for --clean to find.
+    assert not (tmp_path / "cache" / ".staging" / f"pull-{src.fingerprint}").exists()
 
 
 # ------------------------------------------------------------------ hostile paths

@@ -226,6 +226,9 @@ class _Puller:
             self._mark(ctx)
             remote = self._refusing(self._lookup, ctx)
             if remote is None:
+                # Nothing to pull: what the lookup staged (and the mark) is of no use.
+                ctx.check_ownership()
+                shutil.rmtree(self.staging, ignore_errors=True)
                 return stage.build(ctx)
             for name, local in ctx.markers.items():
                 if _content(local) != _content(remote.markers[name]):

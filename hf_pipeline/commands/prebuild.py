@@ -239,6 +239,8 @@ def _admin(args, cfg) -> int:
                 "abandoned": "abandoned (every rank that posted has exited): --clean removes it",
                 "live": "live (a rank may still read it)",
             }[j.state]
+            if j.state == "live" and not j.members:
+                what = "unknown (its posts do not name their ranks: written by an earlier release)"
             print(
                 f"job {JOBS_DIR}/{_safe(j.path.name)}: {what}, {j.rounds} round(s), "
                 f"ranks {_safe(', '.join(j.members)) or '?'}",

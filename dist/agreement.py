@@ -129,13 +129,19 @@ def agree(
             rank,
             "rank",
         ) from e
+    # This rank reads the round no more once checked (also when it raised): with every
+    # rank's done, the job's folder is provably finished (job_folder_state).
+    done = (f"{base}/done-{rank}", json.dumps({"rank": rank}).encode())
     try:
         _check_posts(store, key, base, world_size, timeout)
-    finally:
-        # This rank reads the round no more (also when it raised): with every rank's
-        # done, the job's folder is provably finished (job_folder_state).
-        with contextlib.suppress(FileExistsError):
-            store.set(f"{base}/done-{rank}", json.dumps({"rank": rank}).encode())
+    except BaseException:
+        # Best effort: the error being raised is the one to report (a store that went
+        # away raises its own RuntimeError / OSError here).
+        with contextlib.suppress(FileExistsError, OSError, RuntimeError):
+            store.set(*done)
+        raise
+    with contextlib.suppress(FileExistsError):  # a reused job id: the post said so already
+        store.set(*done)
 
 
 def _check_posts(

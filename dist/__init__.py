@@ -19,7 +19,13 @@ from dist.atomic import atomic_write, fsync_dir, write_json_atomic
 from dist.coordinator import Stage, StageContext, default_builder, ensure_built
 from dist.doorbell import Doorbell, StoreDoorbell
 from dist.env import EnvironmentConflictError, ProcessInfo, detect
-from dist.errors import BuildFailedError, CacheWaitTimeout, LeaseLostError, ReadOnlyCacheError
+from dist.errors import (
+    BuildFailedError,
+    CacheWaitTimeout,
+    ForeignCacheFolderError,
+    LeaseLostError,
+    ReadOnlyCacheError,
+)
 from dist.markers import FileEntry, Marker, publish_marker, read_marker, write_marker
 
 __all__ = [
@@ -28,6 +34,7 @@ __all__ = [
     "Doorbell",
     "EnvironmentConflictError",
     "FileEntry",
+    "ForeignCacheFolderError",
     "LeaseLostError",
     "Marker",
     "ProcessInfo",

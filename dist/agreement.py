@@ -8,6 +8,14 @@ each with rank 0's. The first difference, in rank order then field order, is rai
 world_size=2 but rank 0 has 4"), so no rank builds a cache the others do not use and
 no rank retires the parts of a world it is not in.
 
+Each post also names its writer (host, pid, process identity), and a rank that has read
+what it needs of a round (or stopped reading: it raised) sets ``<key>/<n>/done-<rank>``.
+:func:`job_folder_state` judges a job's folder of a file store (:class:`dist.kvstore.
+FileJobStore`, ``<cache root>/.jobs/<id>/``) from them: *finished* when every rank of
+every round said done (nobody reads it any more), *abandoned* when every rank that
+posted provably exited (:func:`dist.lease.holder_exited`: same host, ``/proc``), else
+*live* (a rank still runs, or runs where this host cannot tell).
+
 This is not a barrier on the build: it only needs every rank to have *started*; a rank
 that never posts makes the others fail after ``timeout`` naming it (a job whose ranks
 never all start could not train either).
@@ -15,17 +23,26 @@ never all start could not train either).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import os
+import re
+import socket
+import stat
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dist.env import EnvironmentConflictError
+from dist.layout import parse_temp_name
+from dist.lease import LeaseView, holder_exited, process_identity
 
 if TYPE_CHECKING:  # annotations only
     from dist.kvstore import FileJobStore, JobStore
 
-__all__ = ["RankDisagreementError", "agree"]
+__all__ = ["JobFolderState", "RankDisagreementError", "agree", "job_folder_state"]
 
 _CALLS: dict[str, int] = {}  # agreements under each job key so far, this process
 
@@ -94,7 +111,15 @@ def agree(
     """
     n = _CALLS[key] = _CALLS.get(key, 0) + 1
     base = f"{key}/{n}"
-    mine = {"rank": rank, "world_size": world_size, "values": dict(values)}
+    mine = {
+        "rank": rank,
+        "world_size": world_size,
+        "values": dict(values),
+        # Who posted: what lets --clean prove the job's folder abandoned (job_folder_state).
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "proc": process_identity(),
+    }
     try:
         store.set(f"{base}/rank-{rank}", json.dumps(mine, sort_keys=True, default=str).encode())
     except FileExistsError as e:  # a store that refuses a second set (dist.kvstore.FileJobStore)
@@ -104,6 +129,25 @@ def agree(
             rank,
             "rank",
         ) from e
+    # This rank reads the round no more once checked (also when it raised): with every
+    # rank's done, the job's folder is provably finished (job_folder_state).
+    done = (f"{base}/done-{rank}", json.dumps({"rank": rank}).encode())
+    try:
+        _check_posts(store, key, base, world_size, timeout)
+    except BaseException:
+        # Best effort: the error being raised is the one to report (a store that went
+        # away raises its own RuntimeError / OSError here).
+        with contextlib.suppress(FileExistsError, OSError, RuntimeError):
+            store.set(*done)
+        raise
+    with contextlib.suppress(FileExistsError):  # a reused job id: the post said so already
+        store.set(*done)
+
+
+def _check_posts(
+    store: JobStore | FileJobStore, key: str, base: str, world_size: int, timeout: float
+) -> None:
+    """Read every rank's post of round ``base`` and compare it with rank 0's."""
     deadline = time.monotonic() + timeout
     ref: Mapping[str, Any] | None = None
     for r in range(world_size):
@@ -134,3 +178,97 @@ def agree(
                 r,
                 field,
             )
+
+
+#: A file :class:`dist.kvstore.FileJobStore` writes for :func:`agree`: a rank's post or
+#: its done (keys ``<key>/<n>/rank-<r>``; the store writes ``/`` as ``_``).
+_POST_FILE = re.compile(
+    r"^(?P<key>[A-Za-z0-9._-]+)_(?P<n>[0-9]{1,9})_(?P<kind>rank|done)-(?P<rank>[0-9]{1,9})$"
+)
+_MAX_POST_BYTES = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JobFolderState:
+    """What :func:`job_folder_state` found in a job's folder.
+
+    Attributes:
+        state: ``"finished"``, ``"abandoned"`` or ``"live"`` (the module docstring).
+        rounds: agreement rounds posted there.
+        members: ``(host, pid)`` of every rank that posted.
+        foreign: entries that are not the agreement's files (never removed).
+    """
+
+    state: str
+    rounds: int
+    members: tuple[tuple[str, int], ...]
+    foreign: tuple[str, ...]
+
+
+def _read_post(path: Path, rank: int, kind: str) -> dict[str, Any] | None:
+    """The post (or done) at ``path`` if it is a regular file of exactly our shape."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_POST_BYTES:
+            return None
+        d = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(d, dict) or d.get("rank") != rank:
+        return None
+    if kind == "rank":
+        ws = d.get("world_size")
+        if type(ws) is not int or ws < 1 or not isinstance(d.get("values"), dict):
+            return None
+    return d
+
+
+def job_folder_state(folder: str | os.PathLike[str]) -> JobFolderState | None:
+    """How far the job whose file store is ``folder`` got; None when ``folder`` holds no
+    post of :func:`agree` (not a job folder of ours). Reads only; never raises on what
+    it finds (another host wrote it)."""
+    folder = Path(folder)
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return None
+    world: dict[tuple[str, int], int] = {}
+    done: dict[tuple[str, int], set[int]] = {}
+    members: dict[tuple[str, int], LeaseView | None] = {}
+    foreign = []
+    unknown_member = False
+    for name in names:
+        m = _POST_FILE.match(name)
+        if m is None:
+            inner = parse_temp_name(name)  # an interrupted post: ours if its name is
+            if inner is None or _POST_FILE.match(inner) is None:
+                foreign.append(name)
+            continue
+        rnd, rank = (m["key"], int(m["n"])), int(m["rank"])
+        d = _read_post(folder / name, rank, m["kind"])
+        if d is None:
+            foreign.append(name)
+        elif m["kind"] == "done":
+            done.setdefault(rnd, set()).add(rank)
+        else:
+            world[rnd] = max(world.get(rnd, 0), d["world_size"])
+            host, pid, proc = d.get("host"), d.get("pid"), d.get("proc")
+            if isinstance(host, str) and type(pid) is int and isinstance(proc, dict):
+                boot, ns, start = proc.get("boot"), proc.get("pidns"), proc.get("start")
+                ok = isinstance(boot, str) and isinstance(ns, str) and type(start) is int
+                view = LeaseView("", None, host, pid, (boot, ns, start) if ok else None)
+                members[(host, pid)] = view
+            else:
+                unknown_member = True  # a release before the writer was named
+    if not world:
+        return None
+    finished = all(done.get(rnd, set()) >= set(range(n)) for rnd, n in world.items())
+    exited = not unknown_member and all(
+        v is not None and holder_exited(v) for v in members.values()
+    )
+    return JobFolderState(
+        state="finished" if finished else "abandoned" if exited else "live",
+        rounds=len(world),
+        members=tuple(sorted(members)),
+        foreign=tuple(foreign),
+    )

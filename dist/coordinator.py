@@ -140,10 +140,17 @@ from typing import Any, Literal, NoReturn
 from dist.atomic import create_new, fsync_dir, write_json_atomic
 from dist.doorbell import Doorbell, StoreDoorbell, auto_doorbell
 from dist.env import ProcessInfo, detect
-from dist.errors import BuildFailedError, CacheWaitTimeout, LeaseLostError, ReadOnlyCacheError
+from dist.errors import (
+    BuildFailedError,
+    CacheWaitTimeout,
+    ForeignCacheFolderError,
+    LeaseLostError,
+    ReadOnlyCacheError,
+)
 from dist.layout import (
     IDENTITY_FILE,
     identity_bytes,
+    identity_fingerprint,
     is_project_entry,
     marker_name,
     parse_stage_dir,
@@ -171,6 +178,7 @@ from dist.markers import (
     publish_marker,
     read_json,
 )
+from dist.safepath import shown
 from dist.timing import timing_problem
 
 __all__ = [
@@ -188,7 +196,7 @@ __all__ = [
     "ensure_built",
 ]
 
-logger = logging.getLogger("dist")
+logger = logging.getLogger(__name__)
 
 _STAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_]*(-[A-Za-z0-9_]+)*$")
 _RESERVED = frozenset({"lease", "heartbeat", "failed"})
@@ -478,6 +486,7 @@ class _Coordinator:
     # -- main loop
 
     def run(self) -> dict[str, Marker]:
+        self._check_identity()
         markers = self.complete_markers(log=True)
         if markers is not None:
             self.emit("complete", built=False)
@@ -704,6 +713,25 @@ class _Coordinator:
             ):
                 _unlink(path)  # a marker write interrupted before its link/replace
 
+    def _check_identity(self) -> None:
+        """Refuse a folder whose identity file names another cache (copied, renamed or
+        planted): the inventory does not count it as a cache, so building into it or
+        serving its markers would give a cache that ``--status`` and ``--clean`` do not
+        know, or another cache's files under this fingerprint. A symlink or a file of
+        another format there is not ours either (create_new never writes a link)."""
+        found = identity_fingerprint(self.cache_dir)
+        if found is None or found == self.fingerprint:
+            return
+        # Written by whoever could write the folder: escaped and bounded (one line).
+        what = f"names fingerprint {shown(found)}" if found else "is not hf_pipeline's"
+        raise ForeignCacheFolderError(
+            f"{self.cache_dir}: its {IDENTITY_FILE} {what}, not this cache's "
+            f"{shown(self.fingerprint)}: not this cache's folder (copied, renamed, or written by "
+            "something else); nothing was built or read there. Move it away, or build "
+            "under another cache root",
+            str(self.cache_dir),
+        )
+
     def _write_identity(self) -> None:
         """Mark the folder as a cache before anything is built in it: the inventory
         (``--clean``) removes only folders carrying this mark (see dist.layout)."""
@@ -719,6 +747,7 @@ class _Coordinator:
 
     def _build_all(self, lease: Lease) -> dict[str, Marker]:
         lease.check()
+        self._check_identity()  # planted while we waited for the lease
         self._write_identity()
         self._clean_leftovers(lease)
         markers: dict[str, Marker] = {}

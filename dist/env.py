@@ -40,7 +40,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-logger = logging.getLogger("dist")
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "EnvironmentConflictError",

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["BuildFailedError", "CacheWaitTimeout", "LeaseLostError", "ReadOnlyCacheError"]
+__all__ = [
+    "BuildFailedError",
+    "CacheWaitTimeout",
+    "ForeignCacheFolderError",
+    "LeaseLostError",
+    "ReadOnlyCacheError",
+]
 
 
 class BuildFailedError(RuntimeError):
@@ -90,6 +96,15 @@ class ReadOnlyCacheError(_MessagePathError, PermissionError):
 
     Attributes:
         path: the cache folder.
+    """
+
+
+class ForeignCacheFolderError(_MessagePathError, ValueError):
+    """The cache folder holds an identity file of another fingerprint (copied, renamed,
+    or planted): not this cache's folder, so nothing is built into it or read from it.
+
+    Attributes:
+        path: the folder.
     """
 
 

@@ -23,7 +23,14 @@ A *store* (``stores`` of :func:`clean`, :func:`list_store`) is a folder of the r
 holding *units*: cache folders of one stage each, named ``<stage>-<id>``, whose files
 caches hard-link into their own stages (hf_pipeline's part store, ``.parts``). Caches
 that share a unit share its files' inodes: removing a cache removes its links, never
-the bytes another cache still links. A complete unit is *in use* while one of its files
+the bytes another cache still links. A *work folder* (``work`` of :func:`clean`,
+:func:`list_work`: a pull's staging, ``.staging/pull-<fingerprint>``) is the project's
+only with its mark (:func:`dist.layout.work_mark`), and abandoned once the cache it names
+has no live lease (judged as the cache's own state is); :func:`clean` then removes the
+entries its mark declares, and the folder when nothing else is in it. A *job folder*
+(``jobs`` of :func:`clean`, :func:`list_jobs`: ``.jobs/<launch id>/``, the ranks'
+agreement through a file store) is removed once it is provably finished or abandoned
+(:func:`dist.agreement.job_folder_state`), and only when it holds nothing else. A complete unit is *in use* while one of its files
 has a link besides its own, or while a unit in use names it in its marker's ``uses``;
 :func:`clean` removes units that are not (and stale, failed or corrupt ones).
 """
@@ -43,11 +50,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dist.agreement import job_folder_state
 from dist.atomic import write_json_atomic
 from dist.checksums import ALGORITHM, hash_files
 from dist.layout import (
     IDENTITY_FILE,
     VERIFY_RECORD,
+    WORK_MARK,
     cache_mark,
     is_bookkeeping,
     is_project_entry,
@@ -56,6 +65,7 @@ from dist.layout import (
     parse_stage_dir,
     parse_trash_name,
     trash_name,
+    work_mark,
 )
 from dist.lease import LEASE_FILE, heartbeat_counter, heartbeat_path, holder_exited, read_lease
 from dist.markers import (
@@ -75,11 +85,15 @@ __all__ = [
     "CacheStatus",
     "CleanReport",
     "StoredUnit",
+    "JobFolder",
     "VerifyReport",
+    "WorkFolder",
     "clean",
     "ignored_entries",
     "list_caches",
+    "list_jobs",
     "list_store",
+    "list_work",
     "unlisted_files",
     "verify",
     "verify_cache",
@@ -608,6 +622,161 @@ def list_store(
     ]
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkFolder:
+    """One marked work folder (the module docstring).
+
+    Attributes:
+        path: the folder.
+        cache: the cache folder (under the root) it works for.
+        fingerprint: that cache's fingerprint.
+        state: ``"live"`` (the cache's lease is held: its heartbeat moved, or was not
+            watched) or ``"abandoned"`` (no lease, a dead one, or an interrupted removal).
+        size_bytes: bytes on disk under it.
+        age_s: seconds since its newest entry changed (display only).
+        owner_host, owner_pid, owner_lease: who wrote the mark.
+        lease_id, lease_counter: the cache's lease and heartbeat when looked at (clean
+            removes nothing if they changed since).
+        foreign: entries the mark does not declare (never removed).
+    """
+
+    path: Path
+    cache: str
+    fingerprint: str
+    state: str
+    size_bytes: int = 0
+    age_s: float = 0.0
+    owner_host: str = ""
+    owner_pid: int = 0
+    owner_lease: str = ""
+    lease_id: str | None = None
+    lease_counter: int | None = None
+    foreign: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.update(path=str(self.path), foreign=list(self.foreign))
+        return d
+
+
+def list_work(
+    root: str | os.PathLike[str], where: str, *, observe_s: float = 0.0
+) -> list[WorkFolder]:
+    """The marked work folders in ``root/where`` (folders without the mark, and
+    everything else there, are not looked at), sorted by name; [] if there is none.
+    Reads only.
+
+    Args:
+        root: the cache root (the caches the marks name are its folders).
+        where: a dot-folder of ``root`` (``.staging``); a symlink is never followed.
+        observe_s: watch the caches' leases this long (:func:`list_caches`); 0 reports
+            a lease whose holder did not provably exit as live.
+    """
+    if observe_s < 0:
+        raise ValueError(f"observe_s must be >= 0, got {observe_s}")
+    root = Path(root)
+    folder = root / where
+    st = _lstat(folder)
+    if st is None or not stat.S_ISDIR(st.st_mode):
+        return []
+    found = []
+    for p in sorted(folder.iterdir()):
+        inner = parse_trash_name(p.name)
+        mark = work_mark(p, name=inner) if inner is not None else work_mark(p)
+        if mark is not None:
+            found.append((p, mark, inner is not None))
+    caches = {root / m.cache for _, m, _ in found}
+    # A cache named by a mark proves liveness only when it is a cache of ours.
+    lease_of = {c: (_lease_key(c) if _mark(c) else None) for c in caches}
+    live = _observed([c for c in caches if lease_of[c] is not None], observe_s)
+    out = []
+    for p, mark, trash in found:
+        cache = root / mark.cache
+        key = lease_of[cache]
+        held = key is not None and live.get(cache) is not False and not trash
+        size, age = _size_and_age(p)
+        try:
+            names = sorted(os.listdir(p))
+        except OSError:
+            names = []
+        declared = {WORK_MARK, *mark.entries}
+        out.append(
+            WorkFolder(
+                path=p,
+                cache=mark.cache,
+                fingerprint=mark.fingerprint,
+                state="live" if held else "abandoned",
+                size_bytes=size,
+                age_s=age,
+                owner_host=mark.host,
+                owner_pid=mark.pid,
+                owner_lease=mark.lease_id,
+                lease_id=key[0] if key else None,
+                lease_counter=key[1] if key else None,
+                foreign=tuple(
+                    n for n in names if n not in declared and parse_trash_name(n) not in declared
+                ),
+            )  # fmt: skip
+        )
+    return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JobFolder:
+    """One job folder (the module docstring; :class:`dist.agreement.JobFolderState`).
+
+    Attributes:
+        path: the folder.
+        state: ``"finished"``, ``"abandoned"`` or ``"live"``.
+        rounds: agreement rounds posted there.
+        members: ``"host/pid"`` of every rank that posted.
+        foreign: entries that are not the agreement's (never removed; the folder stays).
+        size_bytes: bytes under it.
+    """
+
+    path: Path
+    state: str
+    rounds: int
+    members: tuple[str, ...]
+    foreign: tuple[str, ...]
+    size_bytes: int
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.update(path=str(self.path), members=list(self.members), foreign=list(self.foreign))
+        return d
+
+
+def _job_folder(path: Path) -> JobFolder | None:
+    st = _lstat(path)
+    if st is None or not stat.S_ISDIR(st.st_mode):
+        return None  # never through a link
+    found = job_folder_state(path)
+    if found is None:
+        return None
+    return JobFolder(
+        path=path, state=found.state, rounds=found.rounds,
+        members=tuple(f"{shown(h)}/{p}" for h, p in found.members),
+        foreign=found.foreign, size_bytes=_size_and_age(path)[0],
+    )  # fmt: skip
+
+
+def list_jobs(root: str | os.PathLike[str], where: str) -> list[JobFolder]:
+    """The job folders in ``root/where`` (folders holding the ranks' agreement posts;
+    anything else there is not looked at), sorted by name; [] if there is none. Reads
+    only."""
+    folder = Path(root) / where
+    st = _lstat(folder)
+    if st is None or not stat.S_ISDIR(st.st_mode):
+        return []
+    out = []
+    for p in sorted(folder.iterdir()):
+        job = _job_folder(p)
+        if job is not None:
+            out.append(job)
+    return out
+
+
 def _looks_like_cache(path: Path) -> bool:
     name = path.name
     return "-" in name and len(name.rsplit("-", 1)[1]) == 16
@@ -970,6 +1139,8 @@ def clean(
     stages: Sequence[str] = DEFAULT_STAGES,
     observe_s: float = 5.0,
     stores: Sequence[str] = (),
+    work: Sequence[str] = (),
+    jobs: Sequence[str] = (),
 ) -> CleanReport:
     """Remove stale, corrupt and failed caches, and leftovers inside complete ones; then
     the units of ``stores`` that no cache uses any more (:func:`list_store`).
@@ -988,6 +1159,10 @@ def clean(
         observe_s: liveness observation window (> the builders' heartbeat interval).
         stores: folders of ``root`` that are stores (the module docstring); cleaned
             after the caches, so that a cache removed now frees its units at once.
+        work: dot-folders of ``root`` holding work folders (:func:`list_work`): the
+            abandoned ones are removed (only what their mark declares).
+        jobs: dot-folders of ``root`` holding job folders (:func:`list_jobs`): those
+            finished or abandoned, holding nothing else, are removed.
 
     Returns:
         A :class:`CleanReport`.
@@ -1053,6 +1228,58 @@ def clean(
             drop_cache(path, stages)  # an earlier run's trash of a cache
         else:
             left.append((path, why))
+    for name in work:
+        for wf in list_work(root, name, observe_s=observe_s):
+            if wf.state != "abandoned":
+                continue
+            cache = Path(root) / wf.cache
+            if (_lease_key(cache) if _mark(cache) else None) != (
+                None if wf.lease_id is None else (wf.lease_id, wf.lease_counter)
+            ):
+                continue  # a builder claimed its cache since we looked: it may resume here
+            if not wf.foreign:
+                drop(wf.path)
+                continue
+            # Its mark stays (the next clean and --status still know the folder).
+            for entry in sorted(os.listdir(wf.path)):
+                if entry != WORK_MARK and entry not in wf.foreign:
+                    drop(wf.path / entry)
+            left.append((
+                wf.path, f"kept: it holds what hf_pipeline did not write: "
+                f"{_shown_foreign(wf.path, wf.foreign)} (the rest of it removed)",
+            ))  # fmt: skip
+    for name in jobs:
+        for job in list_jobs(root, name):
+            if job.state == "live":
+                continue
+            if job.foreign:
+                left.append((
+                    job.path, f"kept: it holds what hf_pipeline did not write: "
+                    f"{_shown_foreign(job.path, job.foreign)}",
+                ))  # fmt: skip
+                continue
+            if dry_run:
+                removed.append(job.path)
+                continue
+            trash = job.path.with_name(trash_name(job.path.name))
+            try:
+                os.rename(job.path, trash)
+            except OSError as e:
+                left.append((job.path, f"could not remove all of it: {e}"))
+                continue
+            again = _job_folder(trash)
+            if again is None or again.state == "live" or again.foreign:
+                # A rank posted (or a file came) between our look and the rename: put
+                # it back where its job reads it.
+                try:
+                    os.rename(trash, job.path)
+                    left.append((job.path, "changed while we looked: left as it is"))
+                except OSError as e:
+                    left.append((trash, f"could not put it back: {e}"))
+                continue
+            drop(trash)
+            if removed and removed[-1] == trash:
+                removed[-1] = job.path
     for name in stores:
         store = Path(root) / name
         if _is_link(store):

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "JOBS_DIR",
     "FileJobStore",
     "JobStore",
     "job_client",
@@ -40,7 +41,7 @@ __all__ = [
     "private_torch_store",
 ]
 
-logger = logging.getLogger("dist")
+logger = logging.getLogger(__name__)
 
 
 class JobStore:
@@ -206,6 +207,10 @@ def launch_job_id(environ: Mapping[str, str] | None = None) -> str | None:
         return f"torchrun-{run}-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     return None
 
+
+#: The folder of a shared root holding one :class:`FileJobStore` folder per launch
+#: (``<root>/.jobs/<launch id>/``): ``--status`` and ``--clean`` look there.
+JOBS_DIR = ".jobs"
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 

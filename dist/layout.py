@@ -20,7 +20,12 @@ inventory (:mod:`dist.inventory`) and readers share. A cache folder holds::
 
 A cache *root* (``$HF_HOME/datasets/hf_pipeline``) holds one folder per cache; anything
 else there is a dot-folder (``.staging``, ``.demo-data``, ``.hub_listings``) and is
-never a cache. The root may be shared with other things (``HF_PIPELINE_CACHE`` pointing
+never a cache. A *work folder* under such a dot-folder (a pull's staging,
+``.staging/pull-<fingerprint>/``) is the project's only when it holds :data:`WORK_MARK`,
+written first, before anything else in it (:func:`work_mark_bytes`, :func:`work_mark`):
+it names the cache the work is for (its lease says whether the work is live), the
+writer, and the entries the writer creates there (only those are ever removed).
+The root may be shared with other things (``HF_PIPELINE_CACHE`` pointing
 at a parent folder), so a folder counts as a cache only on a positive mark the project
 wrote (:func:`cache_mark`): a real folder (not a symlink) named ``<name>-<fingerprint>``
 that holds the identity file of that fingerprint, or -- for a cache written before the
@@ -50,17 +55,23 @@ __all__ = [
     "StageDir",
     "cache_mark",
     "identity_bytes",
+    "identity_fingerprint",
     "VERIFY_RECORD",
+    "WORK_MARK",
+    "WorkMark",
     "is_bookkeeping",
     "is_cache_folder",
     "is_project_entry",
     "is_retired_marker",
     "marker_name",
     "parse_stage_dir",
+    "parse_temp_name",
     "parse_trash_name",
     "retired_marker_name",
     "stage_dir_name",
     "trash_name",
+    "work_mark",
+    "work_mark_bytes",
 ]
 
 #: The identity file of a cache folder (hidden: scanners of the folder skip it).
@@ -68,6 +79,10 @@ IDENTITY_FILE = ".hf_pipeline-cache.json"
 _IDENTITY_KIND = "hf_pipeline-cache"
 #: Version of the identity file's format.
 IDENTITY_SCHEMA = 1
+#: The mark of a work folder (module docstring), hidden like the identity file.
+WORK_MARK = ".hf_pipeline-work.json"
+_WORK_KIND = "hf_pipeline-work"
+_WORK_SCHEMA = 1
 #: Largest protocol file read to judge a mark (a marker lists every file of a stage:
 #: ~150 bytes each); anything bigger is not a mark.
 _MAX_MARK_BYTES = 64 << 20
@@ -154,6 +169,13 @@ def is_project_entry(name: str, stages: Sequence[str]) -> bool:
     )
 
 
+def parse_temp_name(name: str) -> str | None:
+    """The name a :mod:`dist.atomic` write was creating (``.<name>.<pid>.<hex>.tmp``),
+    else None."""
+    m = _ATOMIC_TMP.match(name)
+    return m["inner"] if m else None
+
+
 def trash_name(name: str) -> str:
     """A fresh hidden name to rename ``name`` to before deleting it (nobody ever sees, or
     resumes from, a half-deleted folder under its real name)."""
@@ -178,6 +200,24 @@ def identity_bytes(fingerprint: str, *, host: str, pid: int) -> bytes:
         "created_at": time.time(),  # informational
     }
     return json.dumps(record, sort_keys=True, indent=1).encode()
+
+
+def identity_fingerprint(folder: Path) -> str | None:
+    """What the identity file of ``folder`` says: the fingerprint it names, ``""`` when
+    it is there but not one the project wrote (a symlink, another format), None when
+    there is none. Never raises on what it finds."""
+    path = folder / IDENTITY_FILE
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return ""
+    d = _read_regular(path, 1 << 16)
+    fingerprint = d.get("fingerprint") if isinstance(d, dict) else None
+    if isinstance(d, dict) and d.get("kind") == _IDENTITY_KIND and isinstance(fingerprint, str):
+        return fingerprint
+    return ""
 
 
 def _read_regular(path: Path, limit: int = _MAX_MARK_BYTES) -> object | None:
@@ -277,3 +317,81 @@ def cache_mark(path: Path, *, name: str | None = None) -> str | None:
 def is_cache_folder(path: Path) -> bool:
     """Whether ``path`` (a folder directly under a cache root) is a cache (:func:`cache_mark`)."""
     return cache_mark(path) is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkMark:
+    """What :data:`WORK_MARK` says of a work folder.
+
+    Attributes:
+        cache: the cache folder (a name directly under the cache root) the work is for:
+            the work is live while that cache's lease is.
+        fingerprint: that cache's fingerprint (the work folder's and the cache's names
+            end with ``-<fingerprint>``).
+        entries: the names the writer creates in the work folder besides the mark.
+        lease_id, host, pid: the writer (informational: a later lease of the same
+            cache may resume the work).
+    """
+
+    cache: str
+    fingerprint: str
+    entries: tuple[str, ...]
+    lease_id: str
+    host: str
+    pid: int
+
+
+def work_mark_bytes(
+    *, cache: str, fingerprint: str, entries: Sequence[str], lease_id: str, host: str, pid: int
+) -> bytes:
+    """The content of :data:`WORK_MARK` (see :class:`WorkMark`)."""
+    record = {
+        "kind": _WORK_KIND,
+        "schema_version": _WORK_SCHEMA,
+        "cache": cache,
+        "fingerprint": fingerprint,
+        "entries": sorted(entries),
+        "lease_id": lease_id,
+        "host": host,
+        "pid": pid,
+        "created_at": time.time(),  # informational
+    }
+    return json.dumps(record, sort_keys=True, indent=1).encode()
+
+
+def _plain_name(name: object) -> bool:
+    return (
+        isinstance(name, str) and name not in ("", ".", "..", WORK_MARK)
+        and "/" not in name and "\\" not in name and "\0" not in name
+    )  # fmt: skip
+
+
+def work_mark(path: Path, *, name: str | None = None) -> WorkMark | None:
+    """The mark of the work folder ``path`` (judged as if named ``name``), or None: not
+    the project's. The folder must be a real folder named ``<something>-<fingerprint>``
+    holding a regular :data:`WORK_MARK` of exactly the project's shape, naming a cache
+    ``<name>-<fingerprint>`` and plain entry names. Never raises on what it finds."""
+    name = path.name if name is None else name
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return None
+    except OSError:
+        return None
+    d = _read_regular(path / WORK_MARK, 1 << 16)
+    if not isinstance(d, dict) or d.get("kind") != _WORK_KIND:
+        return None
+    if d.get("schema_version") != _WORK_SCHEMA:
+        return None
+    fp, cache, entries = d.get("fingerprint"), d.get("cache"), d.get("entries")
+    if not (
+        _names_fingerprint(name, fp) and _plain_name(cache)
+        and _names_fingerprint(cache, fp) and isinstance(entries, list)
+        and all(_plain_name(e) for e in entries)
+        and isinstance(d.get("lease_id"), str) and isinstance(d.get("host"), str)
+        and type(d.get("pid")) is int
+    ):  # fmt: skip
+        return None
+    return WorkMark(
+        cache=cache, fingerprint=fp, entries=tuple(entries),
+        lease_id=d["lease_id"], host=d["host"], pid=d["pid"],
+    )  # fmt: skip

@@ -58,7 +58,7 @@ __all__ = [
     "try_claim",
 ]
 
-logger = logging.getLogger("dist")
+logger = logging.getLogger(__name__)
 
 LEASE_FILE = "lease"
 

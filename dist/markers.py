@@ -59,7 +59,7 @@ __all__ = [
     "write_marker",
 ]
 
-logger = logging.getLogger("dist")
+logger = logging.getLogger(__name__)
 
 #: Version of the markers written now. 2: every file entry has ``whole_checksum``.
 SCHEMA_VERSION = 2

@@ -15,7 +15,12 @@ import sys
 from collections.abc import Callable, Sequence
 
 from dist.env import EnvironmentConflictError
-from dist.errors import BuildFailedError, CacheWaitTimeout, ReadOnlyCacheError
+from dist.errors import (
+    BuildFailedError,
+    CacheWaitTimeout,
+    ForeignCacheFolderError,
+    ReadOnlyCacheError,
+)
 from hf_pipeline.config import Config, load_config
 from hf_pipeline.config_docs import env_help
 from hf_pipeline.errors import ConfigError, StoreUnreachableError, UserError
@@ -141,7 +146,8 @@ def run(
         # Before UserError (its base): the store is down, the input may be fine.
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except (UserError, EnvironmentConflictError) as exc:  # the input, config or launcher
+    except (UserError, EnvironmentConflictError, ForeignCacheFolderError) as exc:
+        # the input, config or launcher; or a cache folder that is another cache's
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except BuildFailedError as exc:  # a waiting rank: the builder's code

@@ -380,3 +380,26 @@ def test_clean_exit_1_when_a_removal_fails(tmp_path, mounts):
     assert report["left"][0]["why"].startswith("could not remove")
     assert f"left {root / trash.name}: could not remove" in p.stderr
     assert trash.is_symlink()
+
+
+@pytest.mark.slow
+def test_build_into_a_folder_whose_identity_names_another_fingerprint_exits_2(
+    tmp_path, session_cache_root, built_cache
+):
+    """A copy of the session cache whose identity file names another fingerprint: the
+    build served it as found (status, verify and clean call it no cache). Now: exit 2,
+    one line naming the folder and both fingerprints; nothing in it changes."""
+    from dist.layout import IDENTITY_FILE, identity_bytes
+
+    root = tmp_path / "root"
+    cache = root / built_cache.cache_dir.name
+    shutil.copytree(built_cache.cache_dir, cache)
+    (cache / IDENTITY_FILE).unlink()
+    (cache / IDENTITY_FILE).write_bytes(identity_bytes("0" * 16, host="h", pid=1))
+    before = {p: p.read_bytes() for p in cache.rglob("*") if p.is_file()}
+    res = _script("prebuild_cache.py", "-q", "--cache-dir", root, *_sets(SMALL_DEMO))
+    assert res.returncode == 2, res.stdout + res.stderr
+    (line,) = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert line.startswith("error: ") and str(cache) in line, line
+    assert f"'{'0' * 16}'" in line and f"'{built_cache.fingerprint}'" in line, line
+    assert {p: p.read_bytes() for p in cache.rglob("*") if p.is_file()} == before

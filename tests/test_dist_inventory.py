@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -421,3 +422,99 @@ def test_unmarked_folders_named_like_trash_are_not_called_trash(tmp_path):
         assert "trash of an interrupted removal" not in p.stdout, p.stdout
         assert p.stdout.count("carries no hf_pipeline mark") == 2, p.stdout
     assert _tree(root) == before
+
+
+def _work_folder(root: Path, name: str, cache: str, fingerprint: str) -> Path:
+    from dist.layout import WORK_MARK, work_mark_bytes
+
+    folder = root / ".staging" / name
+    (folder / "files" / "a").mkdir(parents=True)
+    (folder / "files" / "a" / "x.bin").write_bytes(b"x" * 1000)
+    (folder / WORK_MARK).write_bytes(
+        work_mark_bytes(
+            cache=cache, fingerprint=fingerprint, entries=["files", "meta"],
+            lease_id="0123456789abcdef", host="elsewhere", pid=1,
+        )
+    )  # fmt: skip
+    return folder
+
+
+def test_work_folders_only_with_a_mark_of_their_own_name_and_never_through_a_link(tmp_path):
+    """An abandoned work folder (its cache gone) is listed and removed; one whose mark
+    names another fingerprint than its own name, a copy of a mark in a user's folder
+    named otherwise, and a symlink to a marked folder are not the project's: left."""
+    from dist.inventory import clean, list_work
+
+    root = tmp_path / "root"
+    fp, other = "1" * 16, "2" * 16
+    ours = _work_folder(root, f"pull-{fp}", f"c-{fp}", fp)
+    forged = _work_folder(root, f"pull-{other}", f"c-{fp}", fp)  # mark of another name
+    target = _work_folder(tmp_path / "elsewhere", f"pull-{'3' * 16}", f"c-{'3' * 16}", "3" * 16)
+    (root / ".staging" / f"pull-{'3' * 16}").symlink_to(target)
+    rows = list_work(root, ".staging")
+    assert [(w.path, w.state) for w in rows] == [(ours, "abandoned")]
+    assert rows[0].size_bytes > 1000  # the staged file and the mark
+    assert clean(root, dry_run=True, observe_s=0.1, work=(".staging",)).removed == (ours,)
+    assert ours.exists()
+    report = clean(root, dry_run=False, observe_s=0.1, work=(".staging",))
+    assert report.removed == (ours,) and not ours.exists()
+    assert (forged / "files" / "a" / "x.bin").exists()
+    assert (target / "files" / "a" / "x.bin").exists()
+    assert not [p for p in (root / ".staging").iterdir() if ".trash-" in p.name]
+
+
+def _agree_rank(root: Path, rank: int, job_id: str) -> subprocess.Popen:
+    """One rank (of 2) of a job named ``job_id`` running only the ranks' agreement
+    (its FileJobStore under ``root/.jobs``)."""
+    sets = [f"build.cache_dir={root}", "coord.poll_interval=0.05", "coord.max_wait=120"]
+    env = script_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                     LOCAL_WORLD_SIZE="2", SLURM_JOB_ID=job_id)  # fmt: skip
+    return subprocess.Popen(
+        [PYTHON, str(REPO / "tests/procs/agree_rank.py"), *sets], env=env, cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+
+
+def _jobs(root: Path) -> dict[str, str]:
+    res = _cli(root, "--status", "--json", "-")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return {Path(j["path"]).name: j["state"] for j in json.loads(res.stdout)["jobs"]}
+
+
+def test_job_folders_finished_or_dead_are_cleaned_a_waiting_one_is_left(tmp_path):
+    """``.jobs/<id>/`` (the ranks' agreement of one launch) piled up, one per launch:
+    ``status`` did not show them, ``clean`` never removed them. Now a job whose every
+    rank is done with it (finished), or whose every member provably exited, is removed;
+    a job with a rank still waiting is left, and so is a file of a user's inside."""
+    root = tmp_path / "root"
+    root.mkdir()
+    done = [_agree_rank(root, r, "300") for r in (0, 1)]
+    for p in done:
+        out, err = p.communicate(timeout=200)
+        assert p.returncode == 0, err.decode()[-3000:]
+    waiting = _agree_rank(root, 0, "301")  # its rank 1 never starts: it waits for it
+    try:
+        deadline = time.monotonic() + 120
+        while not list((root / ".jobs" / "slurm-301-0-0").glob("*rank-0")):
+            assert waiting.poll() is None, waiting.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "rank 0 of job 301 never posted"
+            time.sleep(0.05)
+        assert _jobs(root) == {"slurm-300-0-0": "finished", "slurm-301-0-0": "live"}
+        res = _cli(root, "--clean")
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert not (root / ".jobs" / "slurm-300-0-0").exists()
+        assert list((root / ".jobs" / "slurm-301-0-0").glob("*rank-0"))
+        assert waiting.poll() is None
+    finally:
+        os.killpg(waiting.pid, signal.SIGKILL)
+        waiting.communicate(timeout=30)
+    assert _jobs(root) == {"slurm-301-0-0": "abandoned"}
+    (root / ".jobs" / "slurm-301-0-0" / "notes.txt").write_text("mine")
+    res = _cli(root, "--clean")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "kept" in res.stdout and "notes.txt" in res.stdout, res.stdout
+    assert "notes.txt" in os.listdir(root / ".jobs" / "slurm-301-0-0")
+    assert list((root / ".jobs" / "slurm-301-0-0").glob("*rank-0"))  # the job's proof stays
+    (root / ".jobs" / "slurm-301-0-0" / "notes.txt").unlink()
+    assert _cli(root, "--clean").returncode == 0
+    assert not (root / ".jobs" / "slurm-301-0-0").exists()

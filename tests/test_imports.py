@@ -208,3 +208,39 @@ def test_docs_dotted_references_name_the_public_api():
         if ref.split(".")[1] not in hf_pipeline.__all__
     ]
     assert not bad, bad
+
+
+#: Modules whose owners apply the one-line change themselves (edited in parallel right
+#: now); empty this set once they use ``logging.getLogger(__name__)``.
+_LOGGER_PENDING = {
+    "hf_pipeline/build/prepare.py",
+    "hf_pipeline/encoder/model.py",
+    "hf_pipeline/read/stream/source.py",
+}
+
+
+def test_every_module_logger_is_named_after_its_module():
+    """One rule (docs/operations.md): ``logging.getLogger(__name__)``, so that
+    ``logging.getLogger("hf_pipeline")`` and ``("dist")`` configure whole subtrees and a
+    record names the module it came from. dist used "dist" for all, hf_pipeline mixed
+    "hf_pipeline" and ``__name__``."""
+    bad = []
+    for path in sorted([*(REPO / "hf_pipeline").rglob("*.py"), *(REPO / "dist").rglob("*.py")]):
+        rel = path.relative_to(REPO).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "getLogger"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and str(node.args[0].value).split(".")[0] in ("hf_pipeline", "dist")
+                and rel not in _LOGGER_PENDING
+            ):
+                bad.append(f"{rel}:{node.lineno}: getLogger({node.args[0].value!r})")
+    assert not bad, bad
+    import dist.coordinator
+    import hf_pipeline.publish.pull
+
+    assert dist.coordinator.logger.name == "dist.coordinator"
+    assert hf_pipeline.publish.pull.logger.name == "hf_pipeline.publish.pull"

@@ -355,6 +355,8 @@ def test_nothing_published_builds_as_usual_and_says_so_once(
     said = [r.getMessage() for r in caplog.records if "no published cache" in r.getMessage()]
     assert len(said) == 1 and src.fingerprint in said[0] and url in said[0], said
     assert res.report["rows_out"] == src.report["rows_out"]
+    # Nothing to pull: no staging folder left for --clean to find.
+    assert not (tmp_path / "cache" / ".staging" / f"pull-{src.fingerprint}").exists()
 
 
 # ------------------------------------------------------------------ hostile paths
@@ -866,3 +868,81 @@ def test_a_refused_pull_removes_its_staged_files(source_cache, gcs_store, tmp_pa
     assert (root / ".staging").is_dir()  # the pull did stage there
     assert not (root / ".staging" / f"pull-{src.fingerprint}").exists()
     _nothing_published(root)
+
+
+# ------------------------------------------------------------------ abandoned staging
+
+
+def _admin(root: Path, *args: str) -> tuple[int, str, dict]:
+    """``prebuild_cache.py <args> --json -`` on ``root`` (a cache root): exit code,
+    human lines (stderr), the JSON report."""
+    cmd = [PYTHON, str(REPO / "scripts/prebuild_cache.py"), *args, "--json", "-",
+           "--set", f"build.cache_dir={root}", "--set", "coord.heartbeat_interval=0.5"]  # fmt: skip
+    res = subprocess.run(cmd, env=script_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode in (0, 1), (res.stdout + res.stderr)[-3000:]
+    return res.returncode, res.stderr, json.loads(res.stdout)
+
+
+@pytest.mark.slow
+def test_an_abandoned_pull_staging_is_listed_and_cleaned_a_live_one_is_left(
+    source_cache, gcs_store, tmp_path
+):
+    """A pull SIGKILLed half-way left ``.staging/pull-<fp>/`` forever: ``status`` did not
+    list it, ``clean`` did not remove it. Now the pull marks the folder first (the cache
+    it serves, its owner); while the pull runs, status says live and clean leaves it;
+    once its builder is dead, status lists it abandoned with its size and clean removes
+    the project's entries -- never a user's file inside (the folder stays with it), never
+    a folder without the mark."""
+    server, url = gcs_store
+    src = source_cache.result
+    publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
+    conv = read_json(Path(src.cache_dir) / marker_name("converted"))
+    big = max(conv["files"], key=lambda f: f["size"])
+    chunk = 256 << 10
+    root = tmp_path / "cache"
+    over = overrides(
+        source_cache.data, root, f"build.pull_from={url}",
+        "coord.lease_timeout=2", "coord.heartbeat_interval=0.5",
+    )  # fmt: skip
+    staging = root / ".staging" / f"pull-{src.fingerprint}"
+    unmarked = root / ".staging" / f"pull-{'0' * 16}"
+    (unmarked / "files").mkdir(parents=True)
+    (unmarked / "files" / "x.bin").write_bytes(b"not ours")
+    with FaultProxy(server) as proxy:
+        proxy.add(Fault(match=big["path"], action="throttle", rate=chunk // 4, times=-1))
+        proc = start_remote_build(proxy.url, chunk, over, tmp_path / "home")
+        try:
+            deadline = time.monotonic() + 180
+            while not list((staging / "files").rglob("*.part.*")):
+                assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+                assert time.monotonic() < deadline, "the pull never started downloading"
+                time.sleep(0.05)
+            _, _, live = _admin(root, "--status")
+            assert [(w["path"], w["state"]) for w in live["staging"]] == [(str(staging), "live")], (
+                live["staging"]
+            )
+            _, _, kept = _admin(root, "--clean")
+            assert not any(str(staging) in p for p in kept["removed"]), kept
+            assert proc.poll() is None  # still pulling: its folder was left alone
+            assert list((staging / "files").rglob("*.part.*"))
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
+    _, lines, dead = _admin(root, "--status")
+    (row,) = dead["staging"]
+    assert (row["path"], row["state"], row["cache"]) == (
+        str(staging), "abandoned", Path(src.cache_dir).name,
+    )  # fmt: skip
+    assert row["size_bytes"] > 0
+    assert f"pull-{src.fingerprint}" in lines and "abandoned" in lines
+    (staging / "notes.txt").write_text("a user's file")
+    _, lines, first = _admin(root, "--clean")
+    assert (staging / "notes.txt").read_text() == "a user's file"
+    assert not (staging / "files").exists() and not (staging / "meta").exists()
+    assert any(w["path"] == str(staging) for w in first["left"]), first
+    (staging / "notes.txt").unlink()
+    _, _, second = _admin(root, "--clean")
+    assert str(staging) in second["removed"], second
+    assert not staging.exists()
+    assert (unmarked / "files" / "x.bin").read_bytes() == b"not ours"  # no mark: not ours
+    assert (root / ".staging").is_dir()

@@ -64,7 +64,7 @@ BAD_CAPTION_ENCODING = "bad_caption_encoding"
 #: Reason names indexed by the codes :func:`classify` returns (``REASONS[code]``).
 REASONS: tuple[str, ...] = (KEEP, NO_CAPTION, EMPTY_CAPTION, BAD_CAPTION_ENCODING)
 
-log = logging.getLogger("hf_pipeline")
+log = logging.getLogger(__name__)
 
 _CODE_KEEP, _CODE_NO_CAPTION, _CODE_EMPTY, _CODE_BAD_ENCODING = 0, 1, 2, 3
 _IPC_KEY, _IPC_CAPTION = "key", "caption"

@@ -44,7 +44,7 @@ __all__ = [
     "summarize_precision",
 ]
 
-log = logging.getLogger("hf_pipeline")
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,7 +50,7 @@ _TOKENIZE_ROWS = 4096
 #: gemma-3-270m shape ~20k: benchmarks/bench_embed.py).
 EMBED_ROWS_PER_CALL = 16384
 
-log = logging.getLogger("hf_pipeline")
+log = logging.getLogger(__name__)
 
 
 def embed_rows(

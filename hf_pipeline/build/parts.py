@@ -73,7 +73,7 @@ __all__ = [
     "write_kept_indices",
 ]
 
-log = logging.getLogger("hf_pipeline")
+log = logging.getLogger(__name__)
 
 #: The final drop reason of every row of the stage, in row order (one string column).
 REASONS_FILE = "reasons.arrow"

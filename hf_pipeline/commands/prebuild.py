@@ -167,8 +167,9 @@ def _write_json(path: str, obj) -> None:
 
 def _admin(args, cfg) -> int:
     from dist import inventory
+    from dist.kvstore import JOBS_DIR
     from hf_pipeline.build.part_store import PARTS_DIR
-    from hf_pipeline.cache.layout import STAGES
+    from hf_pipeline.cache.layout import STAGES, STAGING_DIR
 
     root = cfg.cache_root
     # Watch leases a little longer than two heartbeats to tell live builders from dead.
@@ -179,12 +180,16 @@ def _admin(args, cfg) -> int:
         rows = inventory.list_caches(root, stages=STAGES, observe_s=observe)
         units = inventory.list_store(root / PARTS_DIR, observe_s=observe)
         ignored = inventory.ignored_entries(root)
+        work = inventory.list_work(root, STAGING_DIR, observe_s=observe)
+        jobs = inventory.list_jobs(root, JOBS_DIR)
         if args.json:
             _write_json(args.json, {
                 "root": str(root),
                 "caches": [st.as_dict() for st in rows],
                 "parts": [u.as_dict() for u in units],
                 "ignored": [{"path": str(p), "why": why} for p, why in ignored],
+                "staging": [w.as_dict() for w in work],
+                "jobs": [j.as_dict() for j in jobs],
             })  # fmt: skip
         if not rows:
             print(f"no caches under {root}", file=out)
@@ -214,6 +219,35 @@ def _admin(args, cfg) -> int:
                 f"({_human_bytes(sum(u.status.size_bytes for u in unused))}: --clean removes them)",
                 file=out,
             )
+        for w in work:
+            rel = f"{STAGING_DIR}/{_safe(w.path.name)}"
+            what = (
+                "live (its cache's builder holds the lease)"
+                if w.state == "live"
+                else "abandoned (no live builder): --clean removes it"
+            )
+            print(
+                f"pull staging {rel} for {_safe(w.cache)}: {what}, "
+                f"{_human_bytes(w.size_bytes)}, {w.age_s / 3600:.1f}h old",
+                file=out,
+            )
+            if w.foreign:
+                print(f"    not hf_pipeline's, kept: {_safe(', '.join(w.foreign))}", file=out)
+        for j in jobs:
+            what = {
+                "finished": "finished (every rank done with it): --clean removes it",
+                "abandoned": "abandoned (every rank that posted has exited): --clean removes it",
+                "live": "live (a rank may still read it)",
+            }[j.state]
+            if j.state == "live" and not j.members:
+                what = "unknown (its posts do not name their ranks: written by an earlier release)"
+            print(
+                f"job {JOBS_DIR}/{_safe(j.path.name)}: {what}, {j.rounds} round(s), "
+                f"ranks {_safe(', '.join(j.members)) or '?'}",
+                file=out,
+            )
+            if j.foreign:
+                print(f"    not hf_pipeline's, kept: {_safe(', '.join(j.foreign))}", file=out)
         for path, why in ignored:
             print(f"not a cache: {_safe(path.name)}: {_safe(why)}", file=out)
         return 0
@@ -263,7 +297,13 @@ def _admin(args, cfg) -> int:
             _write_json(args.json, {"root": str(root), "caches": report_json})
         return 1 if bad else 0
     report = inventory.clean(
-        root, dry_run=args.dry_run, stages=STAGES, observe_s=max(observe, 1.0), stores=(PARTS_DIR,)
+        root,
+        dry_run=args.dry_run,
+        stages=STAGES,
+        observe_s=max(observe, 1.0),
+        stores=(PARTS_DIR,),
+        work=(STAGING_DIR,),
+        jobs=(JOBS_DIR,),
     )
     verb = "would remove" if args.dry_run else "removed"
     for path in report.removed:

@@ -18,7 +18,10 @@ Downloads are :func:`~hf_pipeline.stores.staging.stage_file` calls, as for the s
 ``<cache root>/.staging/pull-<fingerprint>/`` under the file's published path: a
 SIGKILLed pull resumes there (verified files are kept, a partial one continues by
 range) whatever lease runs next; a pull refused for what it fetched (below) removes
-it, kept only for transient failures (a store that did not answer, a kill). Then each
+it, kept only for transient failures (a store that did not answer, a kill). The pull
+marks that folder first (:data:`dist.layout.WORK_MARK`: the cache it is for, its owner,
+the entries it writes): ``status`` lists it, and ``clean`` removes it once no live
+builder holds that cache's lease (a pull SIGKILLed and never run again). Then each
 file is checked against what was published — its whole-file crc32c against the
 manifest (before the download when the store's own checksum can be compared), its
 size and edge checksum against its marker, and its whole-file xxh3_128 against the
@@ -59,6 +62,7 @@ import errno
 import logging
 import os
 import shutil
+import socket
 import stat
 import threading
 import time
@@ -67,9 +71,11 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from dist.atomic import create_new
 from dist.checksums import ALGORITHM, whole_checksum
 from dist.coordinator import Stage, StageContext
 from dist.errors import LeaseLostError
+from dist.layout import WORK_MARK, work_mark_bytes
 from dist.markers import FileEntry, Marker, file_checksum
 from dist.safepath import UnsafePathError, check_name, check_relpath, join_under
 from hf_pipeline.cache.layout import (
@@ -94,8 +100,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["PULLED_FROM", "local_relpath", "pulled_stages", "was_pulled"]
 
-logger = logging.getLogger("hf_pipeline")
+logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
+#: What a pull writes in its staging folder (besides its mark): the published metadata
+#: and the staged files (:meth:`_Puller._mark`).
+_STAGING_ENTRIES = ("files", "meta")
 
 #: Key of a pulled stage's marker ``info``: ``{"url", "files", "bytes", "fetched_bytes",
 #: "resumed_bytes", "linked_files", "linked_bytes", "seconds"}`` of the pull (the rest of
@@ -210,11 +219,16 @@ class _Puller:
         self._remote: PublishedCache | None = None
         self.cache_root = None if cache_root is None else Path(cache_root)
         self._copies: dict[tuple[int, str], list[Path]] | None = None
+        self._marked = False
 
     def stage_build(self, stage: Stage):
         def build(ctx: StageContext) -> Mapping[str, Any] | None:
+            self._mark(ctx)
             remote = self._refusing(self._lookup, ctx)
             if remote is None:
+                # Nothing to pull: what the lookup staged (and the mark) is of no use.
+                ctx.check_ownership()
+                shutil.rmtree(self.staging, ignore_errors=True)
                 return stage.build(ctx)
             for name, local in ctx.markers.items():
                 if _content(local) != _content(remote.markers[name]):
@@ -233,6 +247,27 @@ class _Puller:
             return info
 
         return build
+
+    def _mark(self, ctx: StageContext) -> None:
+        """Mark the staging folder as this pull's before anything is written in it
+        (:func:`dist.layout.work_mark`): ``--status`` lists it, and ``--clean`` removes
+        it (only the entries named here) once no live builder holds the cache's lease.
+        Kept when there (a later lease of the cache resumes in it)."""
+        if self._marked:
+            return
+        self.staging.mkdir(parents=True, exist_ok=True)
+        create_new(
+            self.staging / WORK_MARK,
+            work_mark_bytes(
+                cache=self.cache_name,
+                fingerprint=self.fingerprint,
+                entries=_STAGING_ENTRIES,
+                lease_id=ctx.lease_id,
+                host=socket.gethostname(),
+                pid=os.getpid(),
+            ),
+        )
+        self._marked = True
 
     def _refusing(self, step: Callable[[], _T], ctx: StageContext) -> _T:
         """``step()``; when it refuses the published cache (CacheFormatError), this pull's

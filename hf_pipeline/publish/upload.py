@@ -60,7 +60,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["DamagedCacheError", "PublishReport", "PublishState", "publish_cache"]
 
-logger = logging.getLogger("hf_pipeline")
+logger = logging.getLogger(__name__)
 
 #: What a publication did: uploaded something; found everything already there; or found
 #: another build of the same fingerprint published there (left as it is).

@@ -57,7 +57,7 @@ from hf_pipeline.workers.pool import usable_cpus
 if TYPE_CHECKING:  # annotations only: jax is imported when a loader starts
     from jax.sharding import NamedSharding
 
-_log = logging.getLogger("hf_pipeline")
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "BatchLayout",

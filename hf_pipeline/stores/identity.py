@@ -65,7 +65,7 @@ __all__ = [
     "stat_key",
 ]
 
-log = logging.getLogger("hf_pipeline")
+log = logging.getLogger(__name__)
 
 #: The index folder under the cache root: a dot folder, so ``dist.inventory``
 #: (``--status``/``--clean``) never lists or cleans it.

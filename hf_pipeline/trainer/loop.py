@@ -35,7 +35,7 @@ __all__ = [
     "train",
 ]
 
-log = logging.getLogger("hf_pipeline")
+log = logging.getLogger(__name__)
 
 #: Layout of a checkpoint's ``meta`` item (``{"version", "step", "loader"}``); a
 #: checkpoint of another version is refused, never misread.

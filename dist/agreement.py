@@ -255,8 +255,10 @@ def job_folder_state(folder: str | os.PathLike[str]) -> JobFolderState | None:
             host, pid, proc = d.get("host"), d.get("pid"), d.get("proc")
             if isinstance(host, str) and type(pid) is int and isinstance(proc, dict):
                 boot, ns, start = proc.get("boot"), proc.get("pidns"), proc.get("start")
-                ok = isinstance(boot, str) and isinstance(ns, str) and type(start) is int
-                view = LeaseView("", None, host, pid, (boot, ns, start) if ok else None)
+                ident: tuple[str, str, int] | None = None
+                if isinstance(boot, str) and isinstance(ns, str) and type(start) is int:
+                    ident = (boot, ns, int(start))
+                view = LeaseView("", None, host, pid, ident)
                 members[(host, pid)] = view
             else:
                 unknown_member = True  # a release before the writer was named

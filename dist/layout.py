@@ -384,7 +384,8 @@ def work_mark(path: Path, *, name: str | None = None) -> WorkMark | None:
         return None
     fp, cache, entries = d.get("fingerprint"), d.get("cache"), d.get("entries")
     if not (
-        _names_fingerprint(name, fp) and _plain_name(cache)
+        isinstance(fp, str) and isinstance(cache, str)
+        and _names_fingerprint(name, fp) and _plain_name(cache)
         and _names_fingerprint(cache, fp) and isinstance(entries, list)
         and all(_plain_name(e) for e in entries)
         and isinstance(d.get("lease_id"), str) and isinstance(d.get("host"), str)

@@ -64,6 +64,27 @@ def test_stored_spec_gives_the_ids_of_transformers(tmp_path, max_length):
     assert worker.pad_token_id == tok.pad_token_id and worker.max_length == max_length
 
 
+def test_stored_tokenizer_serves_the_encoder_as_transformers_does(tmp_path):
+    """The encoder takes the stored spec's tokenizer in place of transformers': its
+    embeddings of captions, and the threaded tokenizing an embedding without stored
+    token ids does (:func:`~hf_pipeline.build.embed_stage.tokenize_kept`), are the same."""
+    import numpy as np
+
+    from hf_pipeline.build.embed_stage import tokenize_kept
+    from hf_pipeline.encoder.model import TextEncoder, WorkerTokenizer
+
+    tok, store, key = _saved(tmp_path, "encoder.max_length=24", "encoder.device=cpu")
+    worker = WorkerTokenizer(store.load(key, tmp_path / "private").spec)
+    import pyarrow as pa
+
+    captions = pa.array(CAPTIONS * 200)  # more than one batch: threads, each its own copy
+    keep = np.arange(len(captions)) % 5 != 2
+    assert tokenize_kept(captions, keep, worker).equals(tokenize_kept(captions, keep, tok))
+    cfg = _encoder_cfg("encoder.max_length=24", "encoder.device=cpu")
+    ours, theirs = TextEncoder(cfg, tokenizer=worker), TextEncoder(cfg, tokenizer=tok)
+    np.testing.assert_array_equal(ours.encode(CAPTIONS), theirs.encode(CAPTIONS))
+
+
 def test_key_follows_the_tokenizer_files_not_their_place_or_mtime(tmp_path):
     """The key is the tokenizer files' content, max_length and the library versions: a
     copy of the folder elsewhere (weights left out) or a touched file finds the same

@@ -301,6 +301,16 @@ class WorkerTokenizer:
             return []
         return [e.ids for e in self.encode_batch(list(texts), add_special_tokens=True)]
 
+    def export(self, folder: str | os.PathLike) -> TokenizerSpec:
+        """Its spec with the backend copied into ``folder``, as
+        :meth:`CaptionTokenizer.export` (threads that tokenize each load their own)."""
+        import shutil
+
+        path = Path(folder) / "tokenizer.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(self.spec.path, path)
+        return dataclasses.replace(self.spec, path=str(path))
+
 
 def _own_cuda_graph_trees() -> None:
     """Give the calling thread torch's CUDA graph-tree state.

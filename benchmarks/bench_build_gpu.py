@@ -23,9 +23,13 @@ an earlier run (or another version of the code) compiled nor hides the compile t
 fresh node pays.
 
 ``--fresh-process-runs N`` measures the build as a user runs it instead: N times, the
-caches and the part store removed (the generated demo and the compile artifacts
-stay, as on a node that built before), ``scripts/prebuild_cache.py`` runs as a fresh
-subprocess with the same overrides; each wall is its start to its exit
+caches and the part store removed, ``scripts/prebuild_cache.py`` runs as a fresh
+subprocess with the same overrides. The first run starts from a cold root: the
+tokenizer store (``.tokenizers``) and the compile artifacts (``.compiled``) removed too,
+as on a node's first build (``cold_root_wall_s``); the later runs keep what the runs
+before saved there, as on a node that built before (``warm_root_walls_s``; each run's
+``tokenizer_from`` says whether its tokenizer came from the store or from
+transformers). Each wall is its start to its exit
 (``fresh_process_walls_s``), with each build's start-up timeline from its report
 (``startup``: when the first shard started after ``prepare_cache`` was entered, issue 28),
 the seconds between its last line of output and its exit, and its milestones in seconds
@@ -53,15 +57,20 @@ from benchmarks.random_models import (  # noqa: E402
 )
 
 
-def _remove_caches(cache_root: Path) -> None:
+def _remove_caches(cache_root: Path, *, cold: bool = False) -> None:
+    """Remove the caches and the part store; with ``cold``, what a node's first build
+    has not either: the tokenizer store and the compile artifacts."""
     import shutil
 
     from hf_pipeline.build.part_store import PARTS_DIR
+    from hf_pipeline.build.tokenizer_store import TOKENIZER_SPECS_DIR
+    from hf_pipeline.encoder.model import COMPILE_ARTIFACTS_DIR
 
+    gone = {PARTS_DIR, *([TOKENIZER_SPECS_DIR, COMPILE_ARTIFACTS_DIR] if cold else [])}
     for old in cache_root.iterdir() if cache_root.is_dir() else ():
-        # Kept: .demo-data, .staging, .compiled. The stored parts go: a run that found
-        # them would build nothing.
-        if not old.name.startswith(".") or old.name == PARTS_DIR:
+        # Kept: .demo-data, .staging (and unless cold, .tokenizers, .compiled). The
+        # stored parts go: a run that found them would build nothing.
+        if not old.name.startswith(".") or old.name in gone:
             shutil.rmtree(old)
 
 
@@ -98,8 +107,8 @@ def _fresh_process_runs(args, work: Path, overrides: list[str], generate_s: floa
     script = repo / "scripts" / "prebuild_cache.py"
     sets = [a for o in overrides for a in ("--set", o)]
     walls, gaps, startups, timelines, summary = [], [], [], [], {}
-    for _ in range(args.fresh_process_runs):
-        _remove_caches(work / "cache")
+    for run in range(args.fresh_process_runs):
+        _remove_caches(work / "cache", cold=run == 0)
         os.sync()
         summary_path = work / "summary.json"
         started = time.time()  # wall clock: the report's start-up timeline counts in it
@@ -126,6 +135,7 @@ def _fresh_process_runs(args, work: Path, overrides: list[str], generate_s: floa
         last_marker = json.loads((cache_dir / "filtered.json").read_text())["finished_at"]
         timelines.append(_after_start(startups[-1], started, float(last_marker), end - t0))
     first_shard = [(s or {}).get("seconds", {}).get("first_shard") for s in startups]
+    tokenizer_from = [(s or {}).get("notes", {}).get("tokenizer") for s in startups]
     return {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "cpus": os.cpu_count(),
@@ -133,6 +143,14 @@ def _fresh_process_runs(args, work: Path, overrides: list[str], generate_s: floa
         "rows_out": summary.get("rows_out"),
         "generate_s": round(generate_s, 2),
         "fresh_process_walls_s": walls,
+        # The first run on a cold root (no stored tokenizer, no compile artifacts), the
+        # others on what the runs before left there: report both.
+        "cold_root_wall_s": walls[0] if walls else None,
+        "warm_root_walls_s": walls[1:],
+        "tokenizer_from": tokenizer_from,
+        "tokenizer_ready_after_entry_s": [
+            (s or {}).get("seconds", {}).get("tokenizer") for s in startups
+        ],
         "first_shard_after_entry_s": first_shard,
         "exit_after_last_output_s": gaps,
         "after_process_start_s": timelines,

@@ -62,6 +62,7 @@ _LAZY: dict[str, str] = {
     # coordination errors every rank may see
     "BuildFailedError": "dist.errors",
     "CacheWaitTimeout": "dist.errors",
+    "ForeignCacheFolderError": "dist.errors",
     "ReadOnlyCacheError": "dist.errors",
 }
 
@@ -75,6 +76,7 @@ __all__ = [
     "ConfigError",
     "CorruptShardError",
     "DemoData",
+    "ForeignCacheFolderError",
     "GlobalSampler",
     "GrainSource",
     "LatentDataModule",
@@ -122,7 +124,12 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
-    from dist.errors import BuildFailedError, CacheWaitTimeout, ReadOnlyCacheError
+    from dist.errors import (
+        BuildFailedError,
+        CacheWaitTimeout,
+        ForeignCacheFolderError,
+        ReadOnlyCacheError,
+    )
     from hf_pipeline.adapters.grain_source import GrainSource
     from hf_pipeline.adapters.torch_data import (
         LatentDataModule,

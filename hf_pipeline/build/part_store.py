@@ -79,6 +79,7 @@ __all__ = [
     "DEFAULT_PART_SHARDS",
     "PARTS_DIR",
     "PART_SCHEMA",
+    "backend_tokenizer_key",
     "StoredPart",
     "caption_digest",
     "captions_id",
@@ -195,19 +196,17 @@ def tokenizer_key(tokenizer) -> str:
     hf = tokenizer.tokenizer
     backend = getattr(hf, "backend_tokenizer", None)
     if backend is not None:
-        # Without the truncation and padding the last call left in the backend (the
-        # workers set their own: WorkerTokenizer): a key must not depend on that call.
-        state = {k: v for k, v in json.loads(backend.to_str()).items()
-                 if k not in ("truncation", "padding")}  # fmt: skip
-        blob = json.dumps(state, sort_keys=True, separators=(",", ":")).encode()
-        content: dict[str, Any] = {"backend": hashlib.sha256(blob).hexdigest()}
-    else:
-        vocab = json.dumps(sorted(hf.get_vocab().items()), separators=(",", ":")).encode()
-        content = {
-            "class": type(hf).__name__,
-            "vocab": hashlib.sha256(vocab).hexdigest(),
-            "init": {k: v for k, v in hf.init_kwargs.items() if k != "name_or_path"},
-        }
+        return backend_tokenizer_key(
+            backend.to_str(), max_length=int(tokenizer.max_length),
+            truncation_side=getattr(hf, "truncation_side", "right"),
+            split_special_tokens=bool(getattr(hf, "split_special_tokens", False)),
+        )  # fmt: skip
+    vocab = json.dumps(sorted(hf.get_vocab().items()), separators=(",", ":")).encode()
+    content = {
+        "class": type(hf).__name__,
+        "vocab": hashlib.sha256(vocab).hexdigest(),
+        "init": {k: v for k, v in hf.init_kwargs.items() if k != "name_or_path"},
+    }
     return _digest(
         {
             "schema": _TOKENS_SCHEMA,
@@ -215,6 +214,30 @@ def tokenizer_key(tokenizer) -> str:
             "max_length": int(tokenizer.max_length),
             "truncation_side": getattr(hf, "truncation_side", "right"),
             "split_special_tokens": bool(getattr(hf, "split_special_tokens", False)),
+        },
+        16,
+    )
+
+
+def backend_tokenizer_key(
+    backend_json: str, *, max_length: int, truncation_side: str, split_special_tokens: bool
+) -> str:
+    """:func:`tokenizer_key` of a tokenizer with a Rust backend, from the backend's JSON
+    (as exported) and the call's settings: what a stored spec
+    (:mod:`hf_pipeline.build.tokenizer_store`) is checked against, without transformers."""
+    # Without the truncation and padding the last call left in the backend (the
+    # workers set their own: WorkerTokenizer): a key must not depend on that call.
+    state = {k: v for k, v in json.loads(backend_json).items()
+             if k not in ("truncation", "padding")}  # fmt: skip
+    blob = json.dumps(state, sort_keys=True, separators=(",", ":")).encode()
+    content = {"backend": hashlib.sha256(blob).hexdigest()}
+    return _digest(
+        {
+            "schema": _TOKENS_SCHEMA,
+            **content,
+            "max_length": int(max_length),
+            "truncation_side": truncation_side,
+            "split_special_tokens": bool(split_special_tokens),
         },
         16,
     )

@@ -96,7 +96,7 @@ __all__ = [
     "resolve_job_inputs",
 ]
 
-log = logging.getLogger("hf_pipeline")
+log = logging.getLogger(__name__)
 
 #: How many parts' token ids may be made ahead of the embedding: part k+1's and part
 #: k+2's are tokenized while part k embeds (a re-embedding joins nothing, so without
@@ -310,6 +310,11 @@ class _EncoderLoading:
     import otherwise (torch, ``torch.distributed``, ``datasets``) is imported on the
     calling (main) thread before the thread starts (:func:`_import_before_threads`).
 
+    The tokenizer comes from the cache root's tokenizer store when an earlier build
+    saved this one (:meth:`stored_tokenizer`, :mod:`hf_pipeline.build.tokenizer_store`):
+    then the tokens start without waiting for any of this, and the model loads with the
+    stored spec's pad id (no transformers tokenizer is loaded at all).
+
     A context manager: leaving it waits for the loading thread.
     """
 
@@ -326,6 +331,12 @@ class _EncoderLoading:
         self._left_unused = False  # the block ended before anything asked to load
         self._started = time.monotonic()  # when the loading began (after the wait)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hf_pipeline-encoder-load")
+        self._cfg, self._encoder_ident = cfg, encoder_ident
+        self._store_lock = threading.Lock()
+        self._store_looked = False
+        self._store_key: str | None = None
+        self._stored = None  # the StoredTokenizer found, or None
+        self._private: str | None = None  # a stored backend's copy, removed on leaving
         if after is None:
             self._imported.set()
             self._go.set()
@@ -372,11 +383,60 @@ class _EncoderLoading:
             raise CancelledError("the build ended before it needed the encoder")
         self._started = time.monotonic()
         self.timeline.mark("encoder_loading")
-        from hf_pipeline.encoder.model import CaptionTokenizer
+        from hf_pipeline.encoder.model import CaptionTokenizer, WorkerTokenizer
 
+        stored = self.stored_tokenizer()
+        if stored is not None:  # the same ids and pad id, without transformers
+            return WorkerTokenizer(stored.spec)
         tokenizer = CaptionTokenizer(cfg.encoder)
         self.timeline.mark("tokenizer")
+        self.timeline.note("tokenizer", "transformers")
         return tokenizer
+
+    def stored_tokenizer(self):
+        """The :class:`~hf_pipeline.build.tokenizer_store.StoredTokenizer` of this
+        config that an earlier build saved under the cache root, or None (then the
+        tokenizer loads through transformers, and :meth:`save_tokenizer` stores it).
+        Looked up once, by whichever thread asks first; thread-safe."""
+        with self._store_lock:
+            if not self._store_looked:
+                self._store_looked = True
+                import tempfile
+
+                from hf_pipeline.build.tokenizer_store import (
+                    TOKENIZER_SPECS_DIR,
+                    TokenizerSpecStore,
+                    store_key,
+                )
+
+                self._store_key = store_key(self._cfg.encoder, self._encoder_ident)
+                if self._store_key is not None:
+                    store = TokenizerSpecStore(self._cfg.cache_root / TOKENIZER_SPECS_DIR)
+                    self._private = tempfile.mkdtemp(prefix="hf_pipeline-tokenizer-")
+                    self._stored = store.load(self._store_key, self._private)
+                if self._stored is not None:
+                    self.timeline.mark("tokenizer")
+                    self.timeline.note("tokenizer", "store")
+            return self._stored
+
+    def save_tokenizer(self, spec, tokenizer_key: str) -> None:
+        """Store ``spec`` (exported from the tokenizer transformers loaded, whose token
+        units' key is ``tokenizer_key``) for later builds, when it has a store key and
+        its files did not change while it loaded."""
+        from hf_pipeline.build.tokenizer_store import (
+            TOKENIZER_SPECS_DIR,
+            TokenizerSpecStore,
+            store_key,
+        )
+
+        self.stored_tokenizer()  # the key from before the load
+        if self._store_key is None or spec is None:
+            return
+        if store_key(self._cfg.encoder, self._encoder_ident) != self._store_key:
+            log.info("tokenizer store: the tokenizer's files changed while it loaded: not saved")
+            return
+        store = TokenizerSpecStore(self._cfg.cache_root / TOKENIZER_SPECS_DIR)
+        self.timeline.note("tokenizer_saved", store.save(self._store_key, spec, tokenizer_key))
 
     def _load_encoder(self, cfg: Config, process, encoder_ident):
         return _encoder(cfg, process, self.tokenizer, self._started, self.timeline, encoder_ident)
@@ -389,6 +449,10 @@ class _EncoderLoading:
             self._left_unused = True
             self._go.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._private is not None:
+            import shutil
+
+            shutil.rmtree(self._private, ignore_errors=True)
 
 
 def _import_before_threads(timeline=None, *, transformers: bool = True) -> None:
@@ -590,7 +654,7 @@ def _agreement_store(cfg: Config, process):
     """The store the ranks agree through (None: no job store, no agreement): the job's
     (:func:`dist.kvstore.launch_store`), else, when the launcher names the job and the
     ranks share the cache root, a folder of the job's own under it."""
-    from dist.kvstore import FileJobStore, launch_job_id, launch_store
+    from dist.kvstore import JOBS_DIR, FileJobStore, launch_job_id, launch_store
 
     if process.world_size <= 1:
         return None
@@ -600,11 +664,7 @@ def _agreement_store(cfg: Config, process):
     job = launch_job_id()
     if job is None or cfg.coord.scope != "shared":
         return None
-    return FileJobStore(cfg.cache_root / _JOBS_DIR / job, poll_interval=cfg.coord.poll_interval)
-
-
-#: Under the cache root: one folder per launch (its id) holding the ranks' agreement.
-_JOBS_DIR = ".jobs"
+    return FileJobStore(cfg.cache_root / JOBS_DIR / job, poll_interval=cfg.coord.poll_interval)
 
 
 def _agree(cfg: Config, process, store, **values: Any) -> None:
@@ -1030,17 +1090,25 @@ def _ensure_parts(
 
         def tokenizer() -> tuple[str, Any]:
             """The tokenizer's key and what :func:`tokenize_part` takes (a spec the
-            workers load, exported once; the tokenizer itself without a Rust backend),
-            waiting for the loading's tokenizer (loaded before the model)."""
+            workers load; the tokenizer itself without a Rust backend): the one an
+            earlier build stored under the cache root, at once; else exported once
+            from the loading's tokenizer (loaded before the model), and stored."""
             if not tokenizing:
                 import tempfile
 
-                encoder()  # starts the loading if it still waits (the tokenizer first)
+                if box[0] is None:
+                    encoder()  # starts the loading (nothing else to look the store up in)
                 assert box[0] is not None
+                stored = box[0].stored_tokenizer()
+                if stored is not None:  # no wait for transformers (issue 28)
+                    tokenizing.update(key=stored.key, spec=stored.spec)
+                    return tokenizing["key"], tokenizing["spec"]
+                encoder()  # starts the loading if it still waits (the tokenizer first)
                 tok = box[0].tokenizer.result(timeout=cfg.coord.max_wait)
                 folder = enter(tempfile.TemporaryDirectory(prefix="hf_pipeline-tokenizer-"))
                 spec = tok.export(folder)
                 tokenizing.update(key=tokenizer_key(tok), spec=spec if spec is not None else tok)
+                box[0].save_tokenizer(spec, tokenizing["key"])
             return tokenizing["key"], tokenizing["spec"]
 
         def token_pool() -> TokenizerPool | None:
@@ -1058,6 +1126,8 @@ def _ensure_parts(
                 if isinstance(spec, TokenizerSpec) and procs > 1:
                     check_workers_can_start(procs)
                     tokenizing["pool"] = enter(TokenizerPool(spec, num_proc=procs))
+                    if box[0] is not None:
+                        box[0].timeline.mark("tokens_pool")
             return tokenizing["pool"]
 
         def captions(ctx):

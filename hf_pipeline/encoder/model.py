@@ -47,7 +47,7 @@ __all__ = [
     "warm_up_ids",
 ]
 
-log = logging.getLogger("hf_pipeline")
+log = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
@@ -237,22 +237,27 @@ class CaptionTokenizer:
                 Literal["left", "right"], self.tokenizer.truncation_side
             ),  # the only sides
             split_special_tokens=bool(getattr(self.tokenizer, "split_special_tokens", False)),
+            pad_token_id=self.pad_token_id,
         )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TokenizerSpec:
     """A :class:`CaptionTokenizer` as the join workers load it: the serialized ``tokenizers``
-    backend (``path``) and the call's settings."""
+    backend (``path``) and the call's settings; ``pad_token_id``: the tokenizer's (what
+    :class:`TextEncoder` needs of it besides the ids), None where not known."""
 
     path: str
     max_length: int
     direction: Literal["left", "right"]
     split_special_tokens: bool
+    pad_token_id: int | None = None
 
     def __post_init__(self):
         if self.max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {self.max_length}")
+        if self.pad_token_id is not None and self.pad_token_id < 0:
+            raise ValueError(f"pad_token_id must be >= 0, got {self.pad_token_id}")
         if self.direction not in ("left", "right"):
             raise ValueError(f"direction must be 'left' or 'right', got {self.direction!r}")
 
@@ -261,6 +266,10 @@ class WorkerTokenizer:
     """:class:`CaptionTokenizer`'s ids from a :class:`TokenizerSpec`, with ``tokenizers``
     alone (what transformers' fast tokenizers call: ``encode_batch`` with the call's
     truncation, no padding, special tokens added). One per worker; not thread-safe.
+    With the spec's ``pad_token_id`` it also serves :class:`TextEncoder` as its tokenizer
+    (``pad_token_id``, ``max_length``, the same ids): a build whose spec came from the
+    tokenizer store (:mod:`hf_pipeline.build.tokenizer_store`) loads no transformers
+    tokenizer at all.
 
     Attributes:
         encode_batch: the backend's ``encode_batch_fast`` (``tokenizers`` >= 0.20: the
@@ -273,6 +282,8 @@ class WorkerTokenizer:
         from tokenizers import Tokenizer
 
         self.spec = spec
+        self.max_length = spec.max_length
+        self.pad_token_id = spec.pad_token_id
         self.tokenizer = Tokenizer.from_file(spec.path)
         self.tokenizer.no_padding()
         self.tokenizer.enable_truncation(
@@ -289,6 +300,16 @@ class WorkerTokenizer:
         if not len(texts):
             return []
         return [e.ids for e in self.encode_batch(list(texts), add_special_tokens=True)]
+
+    def export(self, folder: str | os.PathLike) -> TokenizerSpec:
+        """Its spec with the backend copied into ``folder``, as
+        :meth:`CaptionTokenizer.export` (threads that tokenize each load their own)."""
+        import shutil
+
+        path = Path(folder) / "tokenizer.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(self.spec.path, path)
+        return dataclasses.replace(self.spec, path=str(path))
 
 
 def _own_cuda_graph_trees() -> None:
@@ -541,10 +562,13 @@ class TextEncoder:
 
     Args:
         cfg: encoder settings (model, revision, max_length, dtype, device).
-        tokenizer: its :class:`CaptionTokenizer` when already loaded (of ``cfg``).
+        tokenizer: its :class:`CaptionTokenizer` when already loaded (of ``cfg``), or a
+            :class:`WorkerTokenizer` of its spec with the pad id (the same ids).
     """
 
-    def __init__(self, cfg: EncoderConfig, *, tokenizer: CaptionTokenizer | None = None):
+    def __init__(
+        self, cfg: EncoderConfig, *, tokenizer: CaptionTokenizer | WorkerTokenizer | None = None
+    ):
         t0 = time.monotonic()
         import torch
         from transformers import AutoModel
@@ -568,7 +592,10 @@ class TextEncoder:
         if tokenizer is None:
             tokenizer = CaptionTokenizer(cfg)
             lap("tokenizer")
+        if tokenizer.pad_token_id is None:  # a spec exported before pad ids were stored
+            raise ValueError("the encoder's tokenizer has no pad_token_id")
         self.tokenizer = tokenizer
+        self.pad_token_id: int = tokenizer.pad_token_id
         try:
             self.model = AutoModel.from_pretrained(
                 path, dtype=dtype, attn_implementation=cfg.attn_implementation, **kwargs
@@ -763,7 +790,7 @@ class TextEncoder:
             )
             with torch.inference_mode():
                 seqs = _DeviceSequences(
-                    ids, offsets, lengths, order, self.tokenizer.pad_token_id, self.device
+                    ids, offsets, lengths, order, self.pad_token_id, self.device
                 )
                 t1 = time.monotonic()
                 pooled = torch.cat([self._micro_batch(mb, seqs) for mb in batches])
@@ -823,7 +850,7 @@ class TextEncoder:
         t0 = time.monotonic()
         shapes = []
         for ids in warm_up_ids(
-            self.cfg, self.tokenizer.pad_token_id, min_rows=self._min_rows,
+            self.cfg, self.pad_token_id, min_rows=self._min_rows,
             full_batches=self._forward_unmasked is not None,
             every_bucket=self._compiled,
         ):  # fmt: skip

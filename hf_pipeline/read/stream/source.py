@@ -133,6 +133,22 @@ class StreamStats:
             ``first_batch_s``).
         read_s: seconds the reads took together, from the first started to the last
             landed (the wall time the store was busy for this source).
+        mean_inflight_reads: reads running on average over ``read_s`` (at most
+            ``concurrency``): below it, the store was not kept busy.
+        starved_s: seconds of ``read_s`` with fewer than ``concurrency`` reads running
+            and none queued (nothing planned to read: the reads waited on the plan).
+        held_back_s: seconds with fewer than ``concurrency`` reads running while reads
+            were queued (held back by the bytes in flight bound,
+            :meth:`StreamSource.inflight_limit`).
+        flushes: why the planner's pending reads were started, by reason (how many
+            times): ``due`` (the lookahead ran low), ``full`` (no room for the next
+            batch), ``ended`` (the plan ended), ``catch_up`` (a gather reached a
+            batch not planned or not started), ``gather`` (a gather needed a pending
+            block). ``flush_blocks``: the blocks they started, by the same reasons.
+        read_cuts: why neighbouring blocks of a file went into separate reads, by
+            reason: ``file`` (another file), ``gap`` (more than ``coalesce_bytes``
+            apart, or overlapping), ``gap_share`` (the read's gaps would exceed 1/8 of
+            its blocks), ``max_read`` (``max_read_bytes``).
     """
 
     requests: int
@@ -151,6 +167,12 @@ class StreamStats:
     first_batch_s: float | None = None
     first_batch_reads: int | None = None
     read_s: float = 0.0
+    mean_inflight_reads: float = 0.0
+    starved_s: float = 0.0
+    held_back_s: float = 0.0
+    flushes: dict[str, int] = dataclasses.field(default_factory=dict)
+    flush_blocks: dict[str, int] = dataclasses.field(default_factory=dict)
+    read_cuts: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,6 +269,10 @@ class StreamSource:
         self._queue: list[tuple[int, int, list[int], int, Future]] = []
         self._sequence = itertools.count()
         self._running = self._inflight_bytes = self._max_inflight = 0
+        # Read-seconds (reads running x seconds), and the seconds below ``concurrency``
+        # with nothing queued / with reads queued: since ``_tick_t`` (:meth:`_tick`).
+        self._tick_t: float | None = None
+        self._running_area = self._starved_s = self._held_back_s = 0.0
         self._batch_bytes = 0  # the largest planned batch's blocks
         # Timeline: when the reads started/ended, and when the plan's first batch landed.
         self._first_read: float | None = None
@@ -569,7 +595,7 @@ class StreamSource:
         planner = self._planner
         if planner is None or not any(b in self._reserved for b in missing):
             return missing
-        planner.flush()
+        planner.flush("gather")
         rest = []
         for b in missing:
             if b in self._inflight:
@@ -629,16 +655,23 @@ class StreamSource:
                 self._block_start[run[0]],
                 self._block_start[last] + self._block_bytes[last],
             )
-            if (
-                self._block_file[b] == self._block_file[last]
-                and 0 <= self._block_start[b] - end <= opts.coalesce_bytes
-                and (gaps + self._block_start[b] - end) * _GAP_SHARE <= used + self._block_bytes[b]
-                and self._block_start[b] + self._block_bytes[b] - start <= opts.max_read_bytes
-            ):
+            gap = self._block_start[b] - end
+            if self._block_file[b] != self._block_file[last]:
+                cut = "file"
+            elif not 0 <= gap <= opts.coalesce_bytes:
+                cut = "gap"
+            elif (gaps + gap) * _GAP_SHARE > used + self._block_bytes[b]:
+                cut = "gap_share"
+            elif self._block_start[b] + self._block_bytes[b] - start > opts.max_read_bytes:
+                cut = "max_read"
+            else:
+                cut = None
+            if cut is None:
                 run.append(b)
                 used += int(self._block_bytes[b])
-                gaps += int(self._block_start[b] - end)
+                gaps += int(gap)
             else:
+                self._counts[f"cut_{cut}"] += 1
                 out.append(run)
                 run = [b]
                 used, gaps = int(self._block_bytes[b]), 0
@@ -651,6 +684,7 @@ class StreamSource:
         future: Future = Future()
         for b in run:
             self._inflight[b] = future
+        self._tick()
         future.add_done_callback(functools.partial(self._landed, run))
         nbytes = int(self._block_start[run[-1]] + self._block_bytes[run[-1]]) - int(
             self._block_start[run[0]]
@@ -670,6 +704,7 @@ class StreamSource:
         bytes fit :meth:`inflight_limit` (one always may: caller holds the lock). Reads
         started all at once share the store's bandwidth: the first batch's landed
         with the last one's, seconds late."""
+        self._tick()
         limit = self.inflight_limit()
         while self._queue and not self._closed and self._running < self.options.concurrency:
             _, _, run, nbytes, future = self._queue[0]
@@ -691,6 +726,21 @@ class StreamSource:
                 self._inflight_bytes -= nbytes
                 future.set_exception(exc)
 
+    def _tick(self) -> None:
+        """Account the time since the last tick at the reads running and queued then
+        (caller holds the lock; called before either changes): mean reads in flight,
+        :attr:`StreamStats.starved_s` and :attr:`StreamStats.held_back_s`."""
+        now = time.monotonic()
+        if self._tick_t is not None and self._first_read is not None:
+            dt = now - self._tick_t
+            self._running_area += self._running * dt
+            if self._running < self.options.concurrency:
+                if self._queue:
+                    self._held_back_s += dt
+                else:
+                    self._starved_s += dt
+        self._tick_t = now
+
     def _run_read(self, run: list[int], nbytes: int, future: Future) -> None:
         """One queued read, in a pool thread: its result (or error) goes to ``future``."""
         error: BaseException | None = None
@@ -699,6 +749,7 @@ class StreamSource:
         except BaseException as exc:  # noqa: BLE001 - the waiter raises it
             error, blocks = exc, None
         with self._lock:
+            self._tick()
             self._running -= 1
             self._inflight_bytes -= nbytes
             self._last_read = time.monotonic()
@@ -986,6 +1037,13 @@ class StreamSource:
         """Counters since the source was opened (thread-safe)."""
         with self._lock:
             c = self._counts
+            read_s = (
+                self._last_read - self._first_read
+                if self._first_read is not None and self._last_read is not None
+                else 0.0
+            )
+            reasons = sorted(k[len("flush_") :] for k in c if k.startswith("flush_"))
+            cuts = sorted(k[len("cut_") :] for k in c if k.startswith("cut_"))
             return StreamStats(
                 requests=c["requests"],
                 bytes_fetched=c["bytes_fetched"],
@@ -1002,11 +1060,13 @@ class StreamSource:
                 max_inflight_bytes=self._max_inflight,
                 first_batch_s=self._first_batch_s,
                 first_batch_reads=self._first_batch_reads,
-                read_s=(
-                    self._last_read - self._first_read
-                    if self._first_read is not None and self._last_read is not None
-                    else 0.0
-                ),
+                read_s=read_s,
+                mean_inflight_reads=self._running_area / read_s if read_s > 0 else 0.0,
+                starved_s=self._starved_s,
+                held_back_s=self._held_back_s,
+                flushes={r: c[f"flush_{r}"] for r in reasons},
+                flush_blocks={r: c[f"flushblocks_{r}"] for r in reasons},
+                read_cuts={r: c[f"cut_{r}"] for r in cuts},
             )
 
     def cache_state(self) -> dict[str, int]:
@@ -1026,6 +1086,8 @@ class StreamSource:
             self._max_held = self._held + self._reserved_bytes
             self._max_inflight = self._inflight_bytes
             self._first_read = self._last_read = None
+            self._tick_t = time.monotonic()
+            self._running_area = self._starved_s = self._held_back_s = 0.0
 
     def __reduce__(self):
         # A DataLoader worker opens its own: one manifest read, its own cache.
@@ -1121,10 +1183,14 @@ class _Planner:
                     src._unpin(b)
             src._room.notify_all()
 
-    def flush(self) -> None:
+    def flush(self, reason: str) -> None:
         """Start the reads of every reserved block not started yet (caller holds the
-        source's lock): a gather needs one of them now, or the lookahead ran low."""
+        source's lock): a gather needs one of them now, or the lookahead ran low.
+        ``reason`` is counted (:attr:`StreamStats.flushes`)."""
         pending, self._pending, self._pending_from = self._pending, {}, None
+        if pending:
+            self._source._counts[f"flush_{reason}"] += 1
+            self._source._counts[f"flushblocks_{reason}"] += len(pending)
         self._source._start_planned(pending)
         self._source._room.notify_all()
 
@@ -1234,7 +1300,7 @@ class _Planner:
                 if what != "planned":
                     break
             with src._lock:
-                self.flush()
+                self.flush("catch_up")
         finally:
             self._walk.release()
             with src._lock:
@@ -1261,10 +1327,10 @@ class _Planner:
                 with src._lock:
                     if what in ("ended", "stopped"):
                         if what == "ended":
-                            self.flush()
+                            self.flush("ended")
                         return
                     if what == "full" or self._due():
-                        self.flush()
+                        self.flush("full" if what == "full" else "due")
                     self.idle = True
                     src._room.notify_all()
                     src._room.wait(_STOP_CHECK_S)

@@ -514,6 +514,7 @@ def main() -> None:
                             "flushes": stats.flushes,
                             "flush_blocks": stats.flush_blocks,
                             "read_cuts": stats.read_cuts,
+                            "completed_batches": stats.completed_batches,
                             # CPU cores busy on average over the epoch, by thread group
                             # of this process, and the proxy's and server's processes.
                             "cpu_share": threads,
@@ -550,7 +551,8 @@ def main() -> None:
                             f"running on average, starved {stats.starved_s:.1f} s, held back "
                             f"{stats.held_back_s:.1f} s, mean read {run['mean_read_mb']:.2f} MB "
                             f"({run['blocks_per_read']:.1f} blocks); flushes {stats.flushes} "
-                            f"blocks {stats.flush_blocks}; cut {stats.read_cuts}; CPU cores: "
+                            f"blocks {stats.flush_blocks} (+{stats.completed_batches} batches to a "
+                            f"window's end); cut {stats.read_cuts}; CPU cores: "
                             + ", ".join(f"{k} {v:.2f}" for k, v in sorted(threads.items()))
                             + (f", proxy {proxy_cpu:.2f}" if proxy else "")
                             + f", server {server_cpu:.2f}",

@@ -360,6 +360,9 @@ def main() -> None:
                     help="keep the data and the built cache here (reused by a later run "
                          "with the same --shards/--samples; default: a temp folder, "
                          "deleted)")  # fmt: skip
+    ap.add_argument("--no-window-completion", action="store_true",
+                    help="refills stop where they stop, as before 3c0f66f (no planning on to a "
+                         "block-shuffle window's end): a before/after comparison on one build")  # fmt: skip
     ap.add_argument("--no-pull", action="store_true",
                     help="skip pulling the whole cache (pull_first_batch_s is NaN)")  # fmt: skip
     ap.add_argument("--json", default="")
@@ -373,6 +376,10 @@ def main() -> None:
     from hf_pipeline.read.stream import StreamSource
     from hf_pipeline.stores.retry import RetryPolicy
 
+    if args.no_window_completion:
+        from hf_pipeline.read.stream.source import _Planner
+
+        _Planner._complete = lambda self: None
     tmp = Path(args.workdir or tempfile.mkdtemp(prefix="bench-stream-"))
     tmp.mkdir(parents=True, exist_ok=True)
     server = start_bucket("bench")
@@ -580,6 +587,7 @@ def main() -> None:
                 "repeats": args.repeats,
                 "batch": args.batch,
                 "block_size": args.block_size,
+                "window_completion": not args.no_window_completion,
             },
             "cpus": len(os.sched_getaffinity(0)),
             "runs": runs,

@@ -35,6 +35,13 @@ chunks: a per-request latency, time to the first byte):
   proxy is a Python process (``tests/servers/proxy.py``, one thread per connection):
   when the ceiling is low the bench, not the stream, is the bound.
 
+Why the reads were what they were, per run: reads in flight on average
+(``mean_inflight_reads``), seconds starved / held back, why the planner started its
+reads (``flushes``) and why reads were cut (``read_cuts``), the batches planned on to a
+window's end (``completed_batches``), and each thread group's CPU (``cpu_share``) with the
+proxy's and the server's. ``--no-window-completion`` runs the planner as before
+``3c0f66f`` (before/after on one build; ``--workdir`` keeps the build for the next run).
+
 Time to first batch is also taken from the source's own timeline (``first_batch_s``:
 from the plan's start until the first batch's reads landed), with the seconds the reads
 took together (``read_s``) and the most bytes in flight at once.

@@ -97,9 +97,9 @@ def test_a_refill_that_ends_inside_a_window_reads_the_rest_in_long_runs(gcs_cach
     batches, a scattered part of its rows; the next refill needs the rows between
     those, and fetched them as one short read per hole (the blocks already read lie
     between them). On the bench (16k rows, ``ahead`` 6, a window of 4 batches of
-    1024): 1,809 reads of 0.24 MB an epoch, against 57 of 7.3 MB with ``ahead`` 8; the
-    H200 host's 3,098 reads of ~0.8 MB (``ahead`` 32) are refills that gathers cut
-    short there. Now a refill goes on to the end of the window it reached
+    1024): 1,809 reads of 0.24 MB an epoch, against 57 of 7.3 MB with ``ahead`` 8 (the
+    H200 host's 3,098 reads of ~0.8 MB at ``ahead`` 32 look like the same case, with
+    refills cut wherever gathers caught up). Now a refill goes on to the end of the window it reached
     (``_Planner._complete``, at most ``ahead`` batches more, within the room): the
     epoch takes at most 1.25x the reads of fetching each window at once (``fewest``)
     and fetches at most 1.1x the bytes needed."""

@@ -35,6 +35,13 @@ chunks: a per-request latency, time to the first byte):
   proxy is a Python process (``tests/servers/proxy.py``, one thread per connection):
   when the ceiling is low the bench, not the stream, is the bound.
 
+Why the reads were what they were, per run: reads in flight on average
+(``mean_inflight_reads``), seconds starved / held back, why the planner started its
+reads (``flushes``) and why reads were cut (``read_cuts``), the batches planned on to a
+window's end (``completed_batches``), and each thread group's CPU (``cpu_share``) with the
+proxy's and the server's. ``--no-window-completion`` runs the planner as before
+``3c0f66f`` (before/after on one build; ``--workdir`` keeps the build for the next run).
+
 Time to first batch is also taken from the source's own timeline (``first_batch_s``:
 from the plan's start until the first batch's reads landed), with the seconds the reads
 took together (``read_s``) and the most bytes in flight at once.
@@ -170,6 +177,7 @@ class ProxyProcess:
             self.stop()
             raise TimeoutError(f"the proxy process did not start in {PROXY_START_S:.0f} s")
         self.url: str = self._conn.recv()
+        self.pid: int = self._proc.pid
 
     def _ask(self, what):
         self._conn.send(what)
@@ -262,6 +270,65 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _proc_cpu_s(pid: int | str) -> float:
+    """CPU seconds process ``pid`` has used (all its threads; ``"self/task/<tid>"``: one
+    thread of this process), from /proc (0: gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _thread_group(name: str) -> str:
+    """A thread's group in the CPU breakdown: the HTTP client's event loop
+    (``fsspecIO``), the stream's read pool, its planner, the Loader's gathering threads,
+    the rest."""
+    if name.startswith("fsspecIO"):
+        return "http_loop"
+    if name.startswith("hf_pipeline-stream-plan"):
+        return "planner"
+    if name.startswith("hf_pipeline-stream"):
+        return "read_pool"
+    if name.startswith("hf_pipeline-prefetch"):
+        return "gathers"
+    return "other"
+
+
+def _threads_cpu_s() -> dict[str, float]:
+    """CPU seconds of this process's live threads by :func:`_thread_group` (from
+    /proc/self/task: a thread that ended is not counted)."""
+    import threading
+
+    out: dict[str, float] = {}
+    for t in threading.enumerate():
+        cpu = 0.0 if t.native_id is None else _proc_cpu_s(f"self/task/{t.native_id}")
+        group = _thread_group(t.name)
+        out[group] = out.get(group, 0.0) + cpu
+    return out
+
+
+def _pull_first_s(data: Path, tmp: Path, url: str, latency: float, batch: int) -> float:
+    """Seconds to pull the whole published cache (``build.pull_from``) and read its first
+    batch from the local copy (deleted afterwards)."""
+    from hf_pipeline.build.prepare import prepare_cache
+    from hf_pipeline.cache.layout import open_sample_source
+    from hf_pipeline.config import load_config
+    from hf_pipeline.read.loader import Loader
+
+    t0 = time.perf_counter()
+    pulled = prepare_cache(
+        load_config(None, _overrides(data, tmp / f"pulled-{latency}", f"build.pull_from={url}")),
+        progress=False,
+    )
+    assert pulled.pulled and not pulled.built, pulled.summary()
+    with open_sample_source(pulled.layout, pulled.fingerprint) as src:
+        next(iter(Loader(src, process_index=0, process_count=1, global_batch_size=batch)))
+    first_s = time.perf_counter() - t0
+    shutil.rmtree(tmp / f"pulled-{latency}", ignore_errors=True)
+    return first_s
+
+
 def _epoch(loader) -> tuple[float, float, int]:
     """(seconds to the first batch, seconds for the epoch, samples) of one epoch."""
     t0 = time.perf_counter()
@@ -289,11 +356,22 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="streamed epochs per (latency, shuffle), each from a fresh source: "
                          "the spread between runs in one file")  # fmt: skip
+    ap.add_argument("--shuffle", nargs="+", choices=("global", "block"),
+                    default=["global", "block"])  # fmt: skip
     ap.add_argument("--block-size", type=int, default=256, help="shuffle: block")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="one more config override (repeatable), e.g. encoder.model=DIR")  # fmt: skip
     ap.add_argument("--no-ceiling", action="store_true",
                     help="skip the store ceiling (plain GETs of the same ranges)")  # fmt: skip
+    ap.add_argument("--workdir", default="",
+                    help="keep the data and the built cache here (reused by a later run "
+                         "with the same --shards/--samples; default: a temp folder, "
+                         "deleted)")  # fmt: skip
+    ap.add_argument("--no-window-completion", action="store_true",
+                    help="refills stop where they stop, as before 3c0f66f (no planning on to a "
+                         "block-shuffle window's end): a before/after comparison on one build")  # fmt: skip
+    ap.add_argument("--no-pull", action="store_true",
+                    help="skip pulling the whole cache (pull_first_batch_s is NaN)")  # fmt: skip
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     _SETS.extend(args.set)
@@ -305,7 +383,12 @@ def main() -> None:
     from hf_pipeline.read.stream import StreamSource
     from hf_pipeline.stores.retry import RetryPolicy
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench-stream-"))
+    if args.no_window_completion:
+        from hf_pipeline.read.stream.source import _Planner
+
+        _Planner._complete = lambda self: None
+    tmp = Path(args.workdir or tempfile.mkdtemp(prefix="bench-stream-"))
+    tmp.mkdir(parents=True, exist_ok=True)
     server = start_bucket("bench")
     try:
         url = "gs://bench/caches"
@@ -323,10 +406,13 @@ def main() -> None:
         local = open_sample_source(built.layout, built.fingerprint)
         # A first pull pays one-time costs (imports, the pull's code paths warming up):
         # not the pull's, so it is done once, untimed.
-        prepare_cache(
-            load_config(None, _overrides(data, tmp / "pulled-warmup", f"build.pull_from={url}")),
-            progress=False,
-        )
+        if not args.no_pull:
+            prepare_cache(
+                load_config(
+                    None, _overrides(data, tmp / "pulled-warmup", f"build.pull_from={url}")
+                ),
+                progress=False,
+            )
         shutil.rmtree(tmp / "pulled-warmup", ignore_errors=True)
         # JAX's backend starts at the first transfer: not the first timed run's cost.
         next(iter(Loader(local, process_index=0, process_count=1, global_batch_size=args.batch)))
@@ -340,20 +426,12 @@ def main() -> None:
                 os.environ["STORAGE_EMULATOR_HOST"] = proxy.url
             try:
                 # The pull pays the latency too: every file it downloads is a request.
-                t0 = time.perf_counter()
-                pulled = prepare_cache(
-                    load_config(
-                        None, _overrides(data, tmp / f"pulled-{latency}", f"build.pull_from={url}")
-                    ),
-                    progress=False,
+                pull_first_s = (
+                    float("nan")
+                    if args.no_pull
+                    else _pull_first_s(data, tmp, url, latency, args.batch)
                 )
-                assert pulled.pulled and not pulled.built, pulled.summary()
-                with open_sample_source(pulled.layout, pulled.fingerprint) as src:
-                    next(iter(Loader(src, process_index=0, process_count=1,
-                                     global_batch_size=args.batch)))  # fmt: skip
-                pull_first_s = time.perf_counter() - t0
-                shutil.rmtree(tmp / f"pulled-{latency}", ignore_errors=True)
-                for shuffle in ("global", "block"):
+                for shuffle in args.shuffle:
                     kw = {
                         "global_batch_size": args.batch,
                         "shuffle": shuffle,
@@ -372,8 +450,25 @@ def main() -> None:
                             stream.reset_stats()
                             spans = record_spans(stream)
                             cpu0 = _cpu_s()
+                            threads0 = _threads_cpu_s()
+                            proxy0 = _proc_cpu_s(proxy.pid) if proxy else 0.0
+                            server0 = _proc_cpu_s(server._process.pid)
                             first_s, stream_s, n2 = _epoch(Loader(stream, **kw))
                             cpu_s = _cpu_s() - cpu0
+                            # Each thread group's CPU share of the epoch's wall time
+                            # (1.0: one core busy all along): an HTTP loop near 1.0 is
+                            # the bound, whatever the concurrency.
+                            threads = {
+                                k: (v - threads0.get(k, 0.0)) / stream_s
+                                for k, v in _threads_cpu_s().items()
+                            }
+                            # Threads that ended with the epoch (the planner, the
+                            # Loader's gathering threads): the rest of the process's.
+                            threads["ended"] = cpu_s / stream_s - sum(threads.values())
+                            proxy_cpu = (
+                                (_proc_cpu_s(proxy.pid) - proxy0) / stream_s if proxy else None
+                            )
+                            server_cpu = (_proc_cpu_s(server._process.pid) - server0) / stream_s
                             stats = stream.stats()
                             # This epoch's own reads (their number varies from run to
                             # run with the refills), replayed with nothing but the fetch.
@@ -417,6 +512,28 @@ def main() -> None:
                             "max_inflight_mb": stats.max_inflight_bytes / 2**20,
                             "source_first_batch_s": stats.first_batch_s,
                             "read_s": stats.read_s,
+                            # Why the reads were what they were: reads running on
+                            # average (vs --concurrency), seconds with fewer running
+                            # and nothing queued (waiting on the plan) or with reads
+                            # queued (held back by the bytes-in-flight bound), the
+                            # mean read, and why the planner started its reads when
+                            # it did (a flush: its pending reads merged and started).
+                            "reads_per_s": stats.requests / max(stats.read_s, 1e-9),
+                            "mean_inflight_reads": stats.mean_inflight_reads,
+                            "starved_s": stats.starved_s,
+                            "held_back_s": stats.held_back_s,
+                            "mean_read_mb": stats.bytes_fetched / max(stats.requests, 1) / 1e6,
+                            "blocks_per_read": (stats.planned_blocks + stats.demand_blocks)
+                            / max(stats.requests, 1),
+                            "flushes": stats.flushes,
+                            "flush_blocks": stats.flush_blocks,
+                            "read_cuts": stats.read_cuts,
+                            "completed_batches": stats.completed_batches,
+                            # CPU cores busy on average over the epoch, by thread group
+                            # of this process, and the proxy's and server's processes.
+                            "cpu_share": threads,
+                            "proxy_cpu_share": proxy_cpu,
+                            "server_cpu_share": server_cpu,
                             "stream_mb_per_s": stream_mb_s,
                             **ceiling,
                             "stream_share": None if plain is None else stream_mb_s / plain,
@@ -443,7 +560,16 @@ def main() -> None:
                             + f"  (reads landed for batch 0 at "
                             f"{stats.first_batch_s or float('nan'):.2f} s, all in "
                             f"{stats.read_s:.2f} s, in flight <= "
-                            f"{stats.max_inflight_bytes / 1e6:.0f} MB)",
+                            f"{stats.max_inflight_bytes / 1e6:.0f} MB)\n    "
+                            f"{run['reads_per_s']:.0f} reads/s, {stats.mean_inflight_reads:.1f} "
+                            f"running on average, starved {stats.starved_s:.1f} s, held back "
+                            f"{stats.held_back_s:.1f} s, mean read {run['mean_read_mb']:.2f} MB "
+                            f"({run['blocks_per_read']:.1f} blocks); flushes {stats.flushes} "
+                            f"blocks {stats.flush_blocks} (+{stats.completed_batches} batches to a "
+                            f"window's end); cut {stats.read_cuts}; CPU cores: "
+                            + ", ".join(f"{k} {v:.2f}" for k, v in sorted(threads.items()))
+                            + (f", proxy {proxy_cpu:.2f}" if proxy else "")
+                            + f", server {server_cpu:.2f}",
                             flush=True,
                         )
             finally:
@@ -468,6 +594,7 @@ def main() -> None:
                 "repeats": args.repeats,
                 "batch": args.batch,
                 "block_size": args.block_size,
+                "window_completion": not args.no_window_completion,
             },
             "cpus": len(os.sched_getaffinity(0)),
             "runs": runs,
@@ -476,7 +603,8 @@ def main() -> None:
             write_result(args.json, out)
     finally:
         server.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not args.workdir:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

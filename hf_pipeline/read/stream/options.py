@@ -21,7 +21,9 @@ class StreamOptions:
         ahead: batches (steps) of this process planned and fetched ahead of the one
             being assembled. Reads start in refills of ``ahead / 2`` batches, merged:
             a block shuffle's window is few reads when a refill covers it (32: a
-            default window, 4 x 4096 rows, is 16 batches of 1024).
+            default window, 4 x 4096 rows, is 16 batches of 1024). A refill that ends
+            inside a window goes on to the window's end (its holes are the next
+            batches' rows), up to ``ahead`` batches more, within ``cache_bytes``.
         cache_bytes: most bytes of blocks held between batches (prefetched or kept for
             reuse); 0 streams every batch on demand.
         concurrency: ranged reads in flight at once (64: 50 ms x 64 = ~1,300 reads/s,

@@ -210,13 +210,6 @@ def test_docs_dotted_references_name_the_public_api():
     assert not bad, bad
 
 
-#: Modules whose owners apply the one-line change themselves (edited in parallel right
-#: now); empty this set once they use ``logging.getLogger(__name__)``.
-_LOGGER_PENDING = {
-    "hf_pipeline/read/stream/source.py",
-}
-
-
 def test_every_module_logger_is_named_after_its_module():
     """One rule (docs/operations.md): ``logging.getLogger(__name__)``, so that
     ``logging.getLogger("hf_pipeline")`` and ``("dist")`` configure whole subtrees and a
@@ -233,7 +226,6 @@ def test_every_module_logger_is_named_after_its_module():
                 and node.args
                 and isinstance(node.args[0], ast.Constant)
                 and str(node.args[0].value).split(".")[0] in ("hf_pipeline", "dist")
-                and rel not in _LOGGER_PENDING
             ):
                 bad.append(f"{rel}:{node.lineno}: getLogger({node.args[0].value!r})")
     assert not bad, bad

@@ -101,7 +101,8 @@ def test_a_refill_that_ends_inside_a_window_reads_the_rest_in_long_runs(gcs_cach
     H200 host's 3,098 reads of ~0.8 MB at ``ahead`` 32 look like the same case, with
     refills cut wherever gathers caught up). Now a refill goes on to the end of the window it reached
     (``_Planner._complete``, at most ``ahead`` batches more, within the room): the
-    epoch takes at most 1.25x the reads of fetching each window at once (``fewest``)
+    epoch takes at most 1.4x the reads of fetching each window at once (``fewest``;
+    1.23x measured, the old code 1.54x: where gathers catch up varies with the load)
     and fetches at most 1.1x the bytes needed."""
     _, url = gcs_cache
     batch, ahead = 16, 6
@@ -126,7 +127,7 @@ def test_a_refill_that_ends_inside_a_window_reads_the_rest_in_long_runs(gcs_cach
         stats = stream.stats()
     assert 1.5 * fewest < refills  # the data makes the difference visible
     assert stats.demand_blocks == 0, (stats, fewest, refills)
-    assert stats.requests <= 1.25 * fewest + 2, (stats, fewest, refills)
+    assert stats.requests <= 1.4 * fewest + 2, (stats, fewest, refills)
     assert stats.bytes_fetched <= 1.1 * stats.bytes_needed, stats
 
 

@@ -72,7 +72,7 @@ from hf_pipeline.stores.retry import (
 
 __all__ = ["StreamOptions", "StreamSource", "StreamStats", "open_stream"]
 
-logger = logging.getLogger("hf_pipeline")
+logger = logging.getLogger(__name__)
 
 _MANIFEST = "manifest.json"
 _CACHE_NAME = re.compile(r"-([0-9a-f]{16})\Z")

@@ -78,6 +78,7 @@ __all__ = [
     "VerifyReport",
     "clean",
     "ignored_entries",
+    "linked_by",
     "list_caches",
     "list_store",
     "unlisted_files",
@@ -606,6 +607,13 @@ def list_store(
         StoredUnit(status=st, in_use=name in in_use, links=links)
         for name, (st, links, _) in found.items()
     ]
+
+
+def linked_by(unit: str | os.PathLike[str], folders: Sequence[Path]) -> list[Path]:
+    """The ``folders`` (caches) holding a hard link to one of the regular files of
+    ``unit`` (a stored unit: what a damaged unit's damage reaches)."""
+    inodes = {(st.st_dev, st.st_ino) for st in _regular_files(Path(unit))}
+    return [f for f in folders if any((st.st_dev, st.st_ino) in inodes for st in _regular_files(f))]
 
 
 def _looks_like_cache(path: Path) -> bool:

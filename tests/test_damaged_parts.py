@@ -6,6 +6,7 @@ the next build makes it again (docs/integrity.md). Real builds through the real 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 from pathlib import Path
@@ -13,8 +14,6 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import PYTHON, SMALL_DEMO, script_env
-
-pytestmark = pytest.mark.slow
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -44,6 +43,28 @@ def _latents(cache: Path) -> bytes:
     return ds["key"].tobytes() + ds["latents"].tobytes()
 
 
+def test_describe_files_takes_recorded_entries_as_they_are(tmp_path):
+    """A file linked from a stored unit is listed with the unit's record, not a checksum
+    of what the disk holds now (which would certify damage); a size that differs from
+    the record is refused, naming the file."""
+    from dist.markers import describe_files
+
+    stage = tmp_path / "converted.x"
+    stage.mkdir()
+    (stage / "linked.arrow").write_bytes(b"damaged bytes")
+    (stage / "own.arrow").write_bytes(b"written by the stage")
+    fresh = describe_files(stage, relative_to=tmp_path)[0]
+    record = dataclasses.replace(fresh, whole_checksum="0" * 32, checksum="0" * 16)
+    files = describe_files(stage, relative_to=tmp_path, recorded={record.path: record})
+    assert [f.path for f in files] == ["converted.x/linked.arrow", "converted.x/own.arrow"]
+    assert files[0] == record
+    assert files[1].whole_checksum not in ("", "0" * 32)
+    short = dataclasses.replace(record, size=record.size + 1)
+    with pytest.raises(ValueError, match="linked.arrow: has 13 bytes, but its unit lists 14"):
+        describe_files(stage, relative_to=tmp_path, recorded={short.path: short})
+
+
+@pytest.mark.slow
 def test_a_part_damaged_in_the_middle_is_refused_found_by_verify_and_rebuilt(tmp_path):
     """The outside tester's scenario: one bit flipped in the middle of a stored join's
     latents file, then a build of a new cache over that part (another max_length). It

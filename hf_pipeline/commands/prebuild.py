@@ -73,8 +73,9 @@ def parser(prog: str = "prebuild_cache.py") -> argparse.ArgumentParser:
     ops.add_argument(
         "--verify",
         action="store_true",
-        help="re-read every cache's files whole and check them against their markers' "
-        "checksums (docs/integrity.md); a corrupt cache is then reported by --status",
+        help="re-read every cache's files, and every stored part's, whole and check them "
+        "against their markers' checksums (docs/integrity.md); a corrupt cache is then "
+        "reported by --status, and --clean removes it and a corrupt part",
     )
     ops.add_argument(
         "--clean",
@@ -255,7 +256,7 @@ def _admin(args, cfg) -> int:
         # The stored parts too: a part damaged deep inside a file (past the first and
         # last MiB that a build's reuse check reads) is found here, and recorded, so
         # that `clean` removes it and the next build makes it again (docs/integrity.md).
-        parts_json = []
+        parts_json, damaged = [], 0
         for unit in inventory.list_store(root / PARTS_DIR):
             st = unit.status
             if st.state not in (inventory.CacheState.COMPLETE, inventory.CacheState.CORRUPT):
@@ -263,7 +264,7 @@ def _admin(args, cfg) -> int:
             kind = st.path.name.split("-", 1)[0]
             found = inventory.verify_cache(st.path, [kind], progress=progress, record=True)
             users = [c.name for c in inventory.linked_by(st.path, [c.path for c in caches])]
-            bad += bool(found.problems)
+            damaged += bool(found.problems)
             files += found.files
             nbytes += found.bytes
             parts_json.append({
@@ -286,7 +287,7 @@ def _admin(args, cfg) -> int:
         )
         if args.json:
             _write_json(args.json, {"root": str(root), "caches": report_json, "parts": parts_json})
-        return 1 if bad else 0
+        return 1 if bad or damaged else 0
     report = inventory.clean(
         root, dry_run=args.dry_run, stages=STAGES, observe_s=max(observe, 1.0), stores=(PARTS_DIR,)
     )

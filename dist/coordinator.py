@@ -171,6 +171,7 @@ from dist.lease import (
     try_claim,
 )
 from dist.markers import (
+    FileEntry,
     Marker,
     check_marker,
     derived_from_problem,
@@ -226,6 +227,9 @@ class StageContext:
         lease_id: this builder's lease.
         probe: a picklable ownership check for worker processes (``probe.check()``
             raises :class:`LeaseLostError` once another process took the build over).
+        recorded: files the build hard-linked from published units, by path relative
+            to ``cache_dir``, with the entries those units' markers list: the stage's
+            marker takes them as they are (``describe_files``' ``recorded``).
     """
 
     stage: str
@@ -240,6 +244,7 @@ class StageContext:
     _phase: Callable[[str], None] = dataclasses.field(
         default=lambda phase: None, repr=False, compare=False
     )
+    recorded: dict[str, FileEntry] = dataclasses.field(default_factory=dict)
 
     def check_ownership(self) -> None:
         """Raise :class:`LeaseLostError` if another process took this build over."""
@@ -883,7 +888,7 @@ class _Coordinator:
                 raise TypeError(f"stage {stage.name!r} build returned non-JSON info: {e}") from e
             _fsync_tree(folder)
             fsync_dir(self.cache_dir)
-            files = describe_files(folder, relative_to=self.cache_dir)
+            files = describe_files(folder, relative_to=self.cache_dir, recorded=ctx.recorded)
             lease.set_phase(stage.name, "publishing")
             self.emit("publishing", stage=stage.name, lease_id=lease.lease_id)
             return Marker(

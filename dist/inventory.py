@@ -90,6 +90,7 @@ __all__ = [
     "WorkFolder",
     "clean",
     "ignored_entries",
+    "linked_by",
     "list_caches",
     "list_jobs",
     "list_store",
@@ -775,6 +776,13 @@ def list_jobs(root: str | os.PathLike[str], where: str) -> list[JobFolder]:
         if job is not None:
             out.append(job)
     return out
+
+
+def linked_by(unit: str | os.PathLike[str], folders: Sequence[Path]) -> list[Path]:
+    """The ``folders`` (caches) holding a hard link to one of the regular files of
+    ``unit`` (a stored unit: what a damaged unit's damage reaches)."""
+    inodes = {(st.st_dev, st.st_ino) for st in _regular_files(Path(unit))}
+    return [f for f in folders if any((st.st_dev, st.st_ino) in inodes for st in _regular_files(f))]
 
 
 def _looks_like_cache(path: Path) -> bool:

@@ -240,7 +240,10 @@ def file_checksum(path: str | os.PathLike[str], size: int | None = None) -> str:
 
 
 def describe_files(
-    folder: str | os.PathLike[str], *, relative_to: str | os.PathLike[str]
+    folder: str | os.PathLike[str],
+    *,
+    relative_to: str | os.PathLike[str],
+    recorded: Mapping[str, FileEntry] | None = None,
 ) -> tuple[FileEntry, ...]:
     """List every regular file under ``folder`` (sorted) with size and checksums.
 
@@ -251,9 +254,14 @@ def describe_files(
     Args:
         folder: the stage folder to describe.
         relative_to: paths in the result are relative to this folder.
+        recorded: entries of files the stage hard-linked from published units, by path
+            relative to ``relative_to``, as those units' markers list them: taken as
+            they are, not read (a checksum of the bytes on disk now would certify a
+            unit damaged since it was published; the record lets ``verify`` find it).
 
     Raises:
-        ValueError: ``folder`` contains a symlink (a cache must be self-contained).
+        ValueError: ``folder`` contains a symlink (a cache must be self-contained), or a
+            recorded file's size is not the recorded one.
     """
     folder = Path(folder)
     base = Path(relative_to)
@@ -265,19 +273,26 @@ def describe_files(
             if p.is_symlink():
                 raise ValueError(f"{p}: symlinks are not allowed in a stage folder")
             paths.append(p)
-    entries = []
-    for p, size, whole in hash_files(paths):
+    recorded = recorded or {}
+    known = {}
+    for p in paths:
+        entry = recorded.get(p.relative_to(base).as_posix())
+        if entry is not None:
+            size = p.stat().st_size
+            if size != entry.size:
+                raise ValueError(f"{p}: has {size} bytes, but its unit lists {entry.size}")
+            known[p] = entry
+    entries = dict(known)
+    for p, size, whole in hash_files([p for p in paths if p not in known]):
         if isinstance(whole, OSError):
             raise whole
-        entries.append(
-            FileEntry(
-                path=p.relative_to(base).as_posix(),
-                size=size,
-                checksum=file_checksum(p, size),
-                whole_checksum=whole,
-            )
+        entries[p] = FileEntry(
+            path=p.relative_to(base).as_posix(),
+            size=size,
+            checksum=file_checksum(p, size),
+            whole_checksum=whole,
         )
-    return tuple(entries)
+    return tuple(entries[p] for p in paths)
 
 
 class ForeignJSONError(ValueError):

@@ -563,7 +563,7 @@ class _Builder:
         hold yet, :func:`_ensure_parts`), assembled: hard links, the duplicates across
         parts and the final drop reasons (:mod:`hf_pipeline.build.parts`)."""
         from hf_pipeline.build.captions import CaptionTable
-        from hf_pipeline.build.parts import assemble
+        from hf_pipeline.build.parts import assemble, linked_entries
 
         tmp = Path(ctx.tmp_dir)
         built = self.parts
@@ -576,6 +576,16 @@ class _Builder:
         ctx.check_ownership()
         table = CaptionTable.open(str(built.captions_path))
         info = assemble(tmp, built.parts, table=table, probe=ctx.probe)
+        # The linked files go into the marker as their units recorded them, never as a
+        # checksum of what the disk holds now; the units this run did not make are read
+        # whole first (a part damaged since it was published is refused here).
+        reused = [
+            folder
+            for folders, part in built.parts
+            for folder, unit in zip(folders, ("join", "text", "embed"), strict=True)
+            if (part.get("reused") or {}).get(unit) is not False
+        ]
+        ctx.recorded.update(linked_entries(tmp, Path(ctx.cache_dir), built.parts, check=reused))
         startup = {} if self.startup is None else {"startup": self.startup.as_dict()}
         return {
             **info, "seconds_captions": built.captions_seconds, "reuse": built.reuse, **startup,

@@ -73,8 +73,9 @@ def parser(prog: str = "prebuild_cache.py") -> argparse.ArgumentParser:
     ops.add_argument(
         "--verify",
         action="store_true",
-        help="re-read every cache's files whole and check them against their markers' "
-        "checksums (docs/integrity.md); a corrupt cache is then reported by --status",
+        help="re-read every cache's files, and every stored part's, whole and check them "
+        "against their markers' checksums (docs/integrity.md); a corrupt cache is then "
+        "reported by --status, and --clean removes it and a corrupt part",
     )
     ops.add_argument(
         "--clean",
@@ -286,6 +287,31 @@ def _admin(args, cfg) -> int:
             print(f"{_safe(st.path.name)}: {verdict}{read}", file=out)
             for note in found.notes:
                 print(f"    {_safe(note)}", file=out)
+        # The stored parts too: a part damaged deep inside a file (past the first and
+        # last MiB that a build's reuse check reads) is found here, and recorded, so
+        # that `clean` removes it and the next build makes it again (docs/integrity.md).
+        parts_json, damaged = [], 0
+        for unit in inventory.list_store(root / PARTS_DIR):
+            st = unit.status
+            if st.state not in (inventory.CacheState.COMPLETE, inventory.CacheState.CORRUPT):
+                continue  # being built, or nothing published to check
+            kind = st.path.name.split("-", 1)[0]
+            found = inventory.verify_cache(st.path, [kind], progress=progress, record=True)
+            users = [c.name for c in inventory.linked_by(st.path, [c.path for c in caches])]
+            damaged += bool(found.problems)
+            files += found.files
+            nbytes += found.bytes
+            parts_json.append({
+                "path": str(st.path), "ok": not found.problems,
+                "problems": list(found.problems), "linked_by": users,
+                "files": found.files, "bytes": found.bytes, "seconds": round(found.seconds, 3),
+            })  # fmt: skip
+            if found.problems:
+                print(
+                    f"{PARTS_DIR}/{_safe(st.path.name)}: {_safe(_some(found.problems))} "
+                    f"(linked by {_safe(', '.join(users)) or 'no cache'})",
+                    file=out,
+                )
         seconds = time.monotonic() - t0
         print(
             f"verified {len(caches)} cache(s), {bad} with problems: {files} files, "
@@ -294,8 +320,8 @@ def _admin(args, cfg) -> int:
             file=out,
         )
         if args.json:
-            _write_json(args.json, {"root": str(root), "caches": report_json})
-        return 1 if bad else 0
+            _write_json(args.json, {"root": str(root), "caches": report_json, "parts": parts_json})
+        return 1 if bad or damaged else 0
     report = inventory.clean(
         root,
         dry_run=args.dry_run,

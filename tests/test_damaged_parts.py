@@ -1,0 +1,120 @@
+"""A stored part damaged deep inside a file (past the first and last MiB that the check
+at reuse reads) never goes into a new cache under a checksum of the damaged bytes;
+``verify`` checks the stored parts too, and ``clean`` then removes the damaged part, so
+the next build makes it again (docs/integrity.md). Real builds through the real CLI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import PYTHON, SMALL_DEMO, script_env
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [PYTHON, "-m", "hf_pipeline", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=script_env(),
+    )
+
+
+def _build(root: Path, *extra: str) -> subprocess.CompletedProcess:
+    sets = [a for s in [*SMALL_DEMO, *extra] for a in ("--set", s)]
+    return _cli("build", "--cache-dir", str(root), "-q", *sets)
+
+
+def _caches(root: Path) -> dict[str, Path]:
+    return {p.name: p for p in root.iterdir() if not p.name.startswith(".")}
+
+
+def _latents(cache: Path) -> bytes:
+    """The stored latent bytes of a cache's kept rows, in order."""
+    from hf_pipeline.cache.layout import CacheLayout, open_dataset
+
+    ds = open_dataset(CacheLayout(cache), latents="stored").with_format("numpy")[:]
+    return ds["key"].tobytes() + ds["latents"].tobytes()
+
+
+def test_describe_files_takes_recorded_entries_as_they_are(tmp_path):
+    """A file linked from a stored unit is listed with the unit's record, not a checksum
+    of what the disk holds now (which would certify damage); a size that differs from
+    the record is refused, naming the file."""
+    from dist.markers import describe_files
+
+    stage = tmp_path / "converted.x"
+    stage.mkdir()
+    (stage / "linked.arrow").write_bytes(b"damaged bytes")
+    (stage / "own.arrow").write_bytes(b"written by the stage")
+    fresh = describe_files(stage, relative_to=tmp_path)[0]
+    record = dataclasses.replace(fresh, whole_checksum="0" * 32, checksum="0" * 16)
+    files = describe_files(stage, relative_to=tmp_path, recorded={record.path: record})
+    assert [f.path for f in files] == ["converted.x/linked.arrow", "converted.x/own.arrow"]
+    assert files[0] == record
+    assert files[1].whole_checksum not in ("", "0" * 32)
+    short = dataclasses.replace(record, size=record.size + 1)
+    with pytest.raises(ValueError, match="linked.arrow: has 13 bytes, but its unit lists 14"):
+        describe_files(stage, relative_to=tmp_path, recorded={short.path: short})
+
+
+@pytest.mark.slow
+def test_a_part_damaged_in_the_middle_is_refused_found_by_verify_and_rebuilt(tmp_path):
+    """The outside tester's scenario: one bit flipped in the middle of a stored join's
+    latents file, then a build of a new cache over that part (another max_length). It
+    used to record a fresh checksum of the damaged bytes (verify said ok while the cache
+    served wrong latents), and clean kept the damaged part that the next build reused."""
+    root = tmp_path / "root"
+    first = _build(root)
+    assert first.returncode == 0, first.stdout + first.stderr
+    ((name, cache),) = _caches(root).items()
+    scratch = _latents(cache)  # a from-scratch build's
+    (join,) = sorted((root / ".parts").glob("join-*"))
+    rows = max(join.glob("join.*/rows/*.arrow"), key=lambda p: p.stat().st_size)
+    size = rows.stat().st_size
+    assert size > 3 << 20  # its middle lies outside the first and last MiB
+    with open(rows, "r+b") as f:  # one bit of a latent value, in place (the shared inode)
+        f.seek(size // 2)
+        b = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([b[0] ^ 0x40]))
+
+    # A new cache over the damaged part: refused, one line naming the part and its file;
+    # nothing published over the damaged bytes.
+    second = _build(root, "encoder.max_length=32")
+    assert second.returncode == 2, second.stdout + second.stderr
+    errors = [ln for ln in second.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, second.stderr
+    assert join.name in errors[0] and rows.name in errors[0], errors[0]
+    assert "hf-pipeline verify" in errors[0], errors[0]
+    others = [p for n, p in _caches(root).items() if n != name]
+    assert not any((p / "converted.json").exists() for p in others), "published anyway"
+
+    # verify: the old cache (its own checksum) and the stored part, which names the cache.
+    v = _cli("verify", "--cache-dir", str(root), "--json", str(tmp_path / "v.json"))
+    assert v.returncode == 1, v.stdout + v.stderr
+    assert f"{name}: converted: listed file" in v.stdout, v.stdout
+    (part_line,) = [ln for ln in v.stdout.splitlines() if join.name in ln]
+    assert "whole-file checksum mismatch" in part_line and rows.name in part_line, part_line
+    assert part_line.endswith(f"(linked by {name})"), part_line
+    report = json.loads((tmp_path / "v.json").read_text())
+    (bad,) = [p for p in report["parts"] if not p["ok"]]
+    assert bad["path"] == str(join) and bad["linked_by"] == [name], bad
+
+    # clean removes both (the recorded corruption is the proof); the rebuild makes the
+    # part again instead of reusing it, and its latents are the from-scratch build's.
+    c = _cli("clean", "--cache-dir", str(root))
+    assert c.returncode == 0, c.stdout + c.stderr
+    assert f"removed {cache}" in c.stdout and f"removed {join}" in c.stdout, c.stdout
+    again = _build(root)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert _latents(cache) == scratch
+    ok = _cli("verify", "--cache-dir", str(root))
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert f"{name}: ok" in ok.stdout and join.name not in ok.stdout, ok.stdout

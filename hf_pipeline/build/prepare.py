@@ -147,6 +147,7 @@ class BuildResult:
             published it here (``built`` stays False: nothing was built).
         hashing: :meth:`hf_pipeline.stores.identity.HashStats.as_dict` of this
             process's identification of the local inputs (``{}``: none were local).
+        metadata: the location of the caption parquet this process resolved.
     """
 
     fingerprint: str
@@ -157,6 +158,7 @@ class BuildResult:
     stage_dirs: Mapping[str, str] = dataclasses.field(default_factory=dict)
     pulled: bool = False
     hashing: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    metadata: str = ""
 
     @property
     def layout(self) -> CacheLayout:
@@ -178,6 +180,8 @@ class BuildResult:
             "built": self.built,
             "pulled": self.pulled,
             "hashing": dict(self.hashing),
+            # The caption parquet this run resolved (discovered or data.metadata).
+            "metadata": self.metadata,
             # What this run reused and built: the report's block when it built the
             # cache, zeros when it found or pulled it (it read and wrote nothing; the
             # cache's report.json keeps what its own build did).
@@ -257,6 +261,8 @@ def resolve_inputs(
             hashing.files, hashing.index_hits, hashing.hashed_files,
             hashing.hashed_bytes / 1e9, hashing.seconds, hashing.gb_per_s,
         )  # fmt: skip
+    # Which parquet the captions come from, said once (discovery may have chosen it).
+    log.info("metadata: %s", metadata.url)
     return Inputs(source=source, shards=shards, metadata=metadata, demo=demo, hashing=hashing)
 
 
@@ -515,6 +521,7 @@ class _Builder:
         startup = {} if self.startup is None else {"startup": self.startup.as_dict()}
         return {
             **info, "seconds_captions": built.captions_seconds, "reuse": built.reuse, **startup,
+            "metadata": self.inputs.metadata.url,
         }  # fmt: skip
 
     def filtered(self, ctx) -> dict[str, Any]:
@@ -1576,4 +1583,5 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
         stage_dirs=stage_dirs,
         pulled=any(was_pulled(m) for m in ours),
         hashing=inputs.hashing.as_dict() if inputs.hashing is not None else {},
+        metadata=inputs.metadata.url,
     )

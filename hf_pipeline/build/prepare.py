@@ -505,6 +505,7 @@ class _Builder:
         hold yet, :func:`_ensure_parts`), assembled: hard links, the duplicates across
         parts and the final drop reasons (:mod:`hf_pipeline.build.parts`)."""
         from hf_pipeline.build.captions import CaptionTable
+        from hf_pipeline.build.convert import check_one_dtype
         from hf_pipeline.build.parts import assemble
 
         tmp = Path(ctx.tmp_dir)
@@ -516,6 +517,8 @@ class _Builder:
                 startup=self.startup,
             )  # fmt: skip
         ctx.check_ownership()
+        # Each part kept its own shards to one dtype; across parts, checked here.
+        check_one_dtype([i for _, i in built.parts], self.inputs.shards)
         table = CaptionTable.open(str(built.captions_path))
         info = assemble(tmp, built.parts, table=table, probe=ctx.probe)
         startup = {} if self.startup is None else {"startup": self.startup.as_dict()}

@@ -791,11 +791,11 @@ def _local_job_inputs(cfg: Config, process, store, key: str, progress: bool) -> 
     listed = doc.get("digests") if isinstance(doc, dict) else None
     for row in listed if isinstance(listed, list) else []:
         if (
-            isinstance(row, list) and len(row) == 6 and isinstance(row[0], str)
-            and all(type(v) is int for v in row[1:5])
-            and isinstance(row[5], str) and re.fullmatch(r"[0-9a-f]{32}", row[5])
+            isinstance(row, list) and len(row) == 7 and isinstance(row[0], str)
+            and all(type(v) is int for v in row[1:6])
+            and isinstance(row[6], str) and re.fullmatch(r"[0-9a-f]{32}", row[6])
         ):  # fmt: skip
-            known[(row[0], row[1], row[2], row[3], row[4])] = row[5]
+            known[(row[0], row[1], row[2], row[3], row[4], row[5])] = row[6]
     # Rank 0's error: this rank resolves alone and raises its own (typed) error.
     return resolve_inputs(cfg, progress=False, known=known)
 

@@ -263,8 +263,9 @@ class DataConfig:
     )
     metadata: str = _field(
         "",
-        'the caption parquet (same kinds of location); "" looks for `*meta*.parquet` '
-        "next to the shards",
+        'the caption parquet (same kinds of location); "" takes the one `*meta*.parquet` '
+        "next to the shards (Hub, GCS: or at the repository / bucket root); two or more "
+        "are refused, naming each; the build prints and reports the one it used",
     )
     key_column: str = _field("key", "metadata column joined with the shards' keys")
     caption_column: str = _field("caption_llava", "metadata column holding the caption")

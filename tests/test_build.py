@@ -640,7 +640,10 @@ def test_source_storage_refuses_mixed_shard_dtypes(tmp_path):
         prepare_cache(cfg, progress=False)
     assert ei.value.path == str(paths[2])
     msg = str(ei.value)
-    assert f"latents are float32, but the first shard {paths[0].name} holds bfloat16" in msg
+    assert (
+        f"latents are float32, but {paths[0].name} (the first shard with rows of its part) "
+        "holds bfloat16" in msg
+    )
     assert "set build.latent_dtype explicitly" in msg
     _nothing_published(tmp_path / "c")
     # An explicit float32 stores both exactly.
@@ -655,6 +658,46 @@ def test_source_storage_refuses_mixed_shard_dtypes(tmp_path):
     )
     with open_sample_source(built.layout, built.fingerprint) as src:
         np.testing.assert_array_equal(src.gather(np.arange(18), 0)["latents"], ref[:, 0])
+
+
+@pytest.mark.slow
+def test_source_storage_refuses_mixed_dtypes_across_parts_and_on_append(tmp_path):
+    # Each part takes its dtype from its own first shard: a dtype change exactly at a
+    # part boundary used to publish a cache `verify` passed and every reader refused.
+    from hf_pipeline.build.part_store import plan_content_parts
+
+    paths = _write_clean_inputs(tmp_path / "d", ["bfloat16"] * 6)
+    cut = plan_content_parts([q.name for q in paths], 2)[0].stop
+    assert 0 < cut < len(paths)
+    for q in paths[cut:]:  # from the first part boundary on: float32
+        d = torch.load(q, weights_only=True)
+        torch.save({"keys": d["keys"], "latents": d["latents"].float()}, q)
+    cfg = _tiny_config(tmp_path / "d", tmp_path / "c", "name=bad", "build.part_shards=2")
+    with pytest.raises(CorruptShardError) as ei:
+        prepare_cache(cfg, progress=False)
+    assert ei.value.path == str(paths[cut])
+    msg = str(ei.value)
+    assert (
+        f"latents are float32, but {paths[0].name} (the first shard with rows of the "
+        "input) holds bfloat16" in msg
+    ), msg
+    assert "\n" not in msg and "set build.latent_dtype explicitly" in msg
+    _nothing_published(tmp_path / "c")
+    # On append: the part stored by a build of the first shards is reused, the new
+    # parts (float32) are checked against it.
+    aside = tmp_path / "aside"
+    aside.mkdir()
+    for q in paths[cut:]:
+        q.rename(aside / q.name)
+    first = _tiny_config(tmp_path / "d", tmp_path / "c2", "name=ok", "build.part_shards=2")
+    assert prepare_cache(first, progress=False).report["rows_out"] == 6 * cut
+    for q in paths[cut:]:
+        (aside / q.name).rename(q)
+    cfg = _tiny_config(tmp_path / "d", tmp_path / "c2", "name=bad", "build.part_shards=2")
+    with pytest.raises(CorruptShardError) as ei:
+        prepare_cache(cfg, progress=False)
+    assert ei.value.path == str(paths[cut]) and paths[0].name in str(ei.value)
+    _nothing_published(tmp_path / "c2")
 
 
 @pytest.mark.slow

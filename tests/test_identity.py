@@ -203,6 +203,51 @@ def test_the_index_remembers_by_stat_and_rehashes_racy_files(tmp_path):
     assert s4.hashed_files == 1, "racy: hashed within 2 s of its last change"
 
 
+def test_an_in_place_rewrite_with_its_mtime_put_back_is_hashed_again(tmp_path):
+    # Same size, same inode, mtime restored (`touch -r`): only the ctime moved, which
+    # the index did not compare, so the old digest (the old cache) was served.
+    data = _data(tmp_path)
+    files = _files(data)
+    idx = tmp_path / INDEX_DIR
+    out, _ = content_identities(files, index=ContentIndex(idx))
+    victim = Path(files[0].url)
+    st = victim.stat()
+    with open(victim, "r+b") as f:
+        f.seek(st.st_size // 2)
+        b = f.read(1)
+        f.seek(st.st_size // 2)
+        f.write(bytes([b[0] ^ 1]))
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = victim.stat()
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (
+        st.st_size,
+        st.st_mtime_ns,
+        st.st_ino,
+    )
+    assert after.st_ctime_ns != st.st_ctime_ns
+    out2, stats = content_identities(files, index=ContentIndex(idx))
+    assert (stats.hashed_files, stats.index_hits) == (1, 3)
+    assert out2[0].etag == f"xxh3_128:{whole_checksum(victim)[1]}" != out[0].etag
+    assert out2[1:] == out[1:]
+
+
+def test_an_index_of_the_release_before_ctime_is_read_and_rehashed(tmp_path, caplog):
+    # Its rows have no ctime: each is a miss (hashed once, then remembered with its
+    # ctime), not a malformed entry and not a crash.
+    data = _data(tmp_path)
+    files = _files(data)
+    idx = tmp_path / INDEX_DIR
+    out, _ = content_identities(files, index=ContentIndex(idx))
+    doc = json.loads((idx / INDEX_NAME).read_text())
+    doc["entries"] = {k: row[:6] for k, row in doc["entries"].items()}
+    (idx / INDEX_NAME).write_text(json.dumps(doc))
+    with caplog.at_level(logging.WARNING, logger="hf_pipeline"):
+        out2, stats = content_identities(files, index=ContentIndex(idx))
+    assert not [r.getMessage() for r in caplog.records if "content index" in r.getMessage()]
+    assert (stats.hashed_files, stats.index_hits) == (4, 0) and out2 == out
+    assert content_identities(files, index=ContentIndex(idx))[1].index_hits == 4
+
+
 @pytest.mark.parametrize(
     "content, why",
     [
@@ -244,7 +289,7 @@ def test_an_index_entry_is_never_trusted_for_another_stat(tmp_path, caplog):
     forged = "0" * 32
     entries = {}
     for i, f in enumerate(files):
-        real, size, mtime, ino, dev = stat_key(f.url)
+        real, size, mtime, ino, dev, _ = stat_key(f.url)
         row = [size, mtime, ino, dev, forged, mtime + _HOUR_NS]
         row[i % 3] += 1  # size, mtime or inode off by one
         entries[real] = row
@@ -277,7 +322,7 @@ def test_a_symlinked_index_is_not_followed(tmp_path):
 def _save_many(idx: str, tag: int, n: int) -> None:
     for i in range(n):
         index = ContentIndex(idx)
-        index.record((f"/w{tag}/f{i}", i, i, i, i), f"{tag:032x}", 10 * _HOUR_NS)
+        index.record((f"/w{tag}/f{i}", i, i, i, i, i), f"{tag:032x}", 10 * _HOUR_NS)
         index.save()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -53,6 +54,10 @@ def test_prebuild_json_then_found(tmp_path, session_cache_root, built_cache):
     assert s["duplicate_meta_rows"] == built_cache.report["duplicate_meta_rows"] >= 1
     line = f"metadata    {s['duplicate_meta_rows']} rows repeating an earlier key ignored"
     assert line in p.stdout
+    # Which parquet the captions came from: in the JSON, one line, and the report.
+    assert s["metadata"].endswith("-meta.parquet") and Path(s["metadata"]).is_file(), s
+    assert f"meta file   {s['metadata']}\n" in p.stdout
+    assert built_cache.report["metadata"] == s["metadata"]
 
 
 def test_prebuild_json_path_that_cannot_be_written_fails_before_the_build(tmp_path):

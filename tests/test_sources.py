@@ -139,16 +139,30 @@ def test_local_source_lists_sorted_and_finds_metadata(shard_dir, hf_home):
     assert all(i[1] == (shard_dir / i[0]).stat().st_size for i in ident)
 
 
-def test_local_glob_and_metadata_at_parent(tmp_path, hf_home):
+def test_local_metadata_is_looked_for_next_to_the_shards_only(tmp_path, hf_home):
+    # A local folder has no dataset root: its parent may hold anything (an old backup
+    # of the parquet, another dataset's). Discovery used to take a *meta*.parquet from
+    # the parent silently; now only next to the shards, else one line saying so.
     make_shards(tmp_path / "data" / "latents", n_shards=3, meta=False)
     make_shards(tmp_path / "other", n_shards=1)
-    (tmp_path / "data" / "coyo11m-meta.parquet").write_bytes(
+    (tmp_path / "data" / "old-backup-meta.parquet").write_bytes(
         (tmp_path / "other" / "coyo11m-meta.parquet").read_bytes()
     )
     cfg = DataConfig(shards="x")
     src = open_source(str(tmp_path / "data" / "latents" / "0000*-*.pt"), data_config=cfg)
     assert len(src.list_shards()) == 3
-    assert src.find_metadata().url == str((tmp_path / "data" / "coyo11m-meta.parquet").resolve())
+    with pytest.raises(SourceError, match=r"no \*meta\*.parquet found next to the shards"):
+        src.find_metadata()
+    with pytest.raises(SourceError, match="not found next to"):
+        src.find_metadata("old-backup-meta.parquet")
+    # Next to the shards (the glob's folder): found, whatever the parent holds.
+    (tmp_path / "data" / "latents" / "coyo11m-meta.parquet").write_bytes(
+        (tmp_path / "other" / "coyo11m-meta.parquet").read_bytes()
+    )
+    src = open_source(str(tmp_path / "data" / "latents" / "0000*-*.pt"), data_config=cfg)
+    assert src.find_metadata().url == str(
+        (tmp_path / "data" / "latents" / "coyo11m-meta.parquet").resolve()
+    )
 
 
 def test_local_errors(tmp_path, hf_home):

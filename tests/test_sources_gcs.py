@@ -61,6 +61,26 @@ def _fetch_all(src, cfg, *, num_workers=1, policy=FAST, release=False):
     return got, pf.stats()
 
 
+def test_metadata_next_to_the_shards_and_at_the_root_is_refused_naming_both(gcs_bucket, tmp_path):
+    # Two candidates, one per level: nearest-first used to pick one silently; which one
+    # was meant is the user's to say (data.metadata), so both are named.
+    from tests.servers import gcs_fs
+
+    _, location, local = gcs_bucket
+    bucket = location[5:].split("/")[0]
+    fs = gcs_fs(os.environ["STORAGE_EMULATOR_HOST"])
+    fs.put_file(str(local / "coyo11m-meta.parquet"), f"{bucket}/latents/new-meta.parquet")
+    src = open_source(location, data_config=_cfg(tmp_path, location), policy=FAST)
+    with pytest.raises(SourceError) as err:
+        src.find_metadata()
+    msg = str(err.value)
+    assert f"gs://{bucket}/latents/new-meta.parquet" in msg, msg
+    assert f"gs://{bucket}/coyo11m-meta.parquet" in msg, msg
+    assert "data.metadata" in msg, msg
+    # Named explicitly: no ambiguity left.
+    assert src.find_metadata("new-meta.parquet").url == f"gs://{bucket}/latents/new-meta.parquet"
+
+
 def test_list_metadata_identity(gcs_bucket, tmp_path):
     _, location, local = gcs_bucket
     cfg = _cfg(tmp_path, location)

@@ -175,6 +175,8 @@ def build_report(
         # What came from the part store and what was built (absent before it).
         "reuse": converted.get("reuse"),
         "skipped_files": skipped,
+        # The caption parquet the build read; absent before it was reported.
+        "metadata": converted.get("metadata"),
         "fetch": converted.get("fetch", {}),
         # The key-sorted caption table (the builder's, or rank 0's with parallel: ranks);
         # None in a cache published by a release before it.

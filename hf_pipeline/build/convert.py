@@ -36,6 +36,7 @@ __all__ = [
     "JoinResult",
     "Storage",
     "check_workers_can_start",
+    "check_one_dtype",
     "choose_storage",
     "convert_shards",
     "join_shards",
@@ -57,6 +58,62 @@ class Storage:
 
     dtype: str
     reference: str = ""
+
+
+def mixed_dtypes(dtype: str, storage: Storage, reference_is: str) -> str:
+    """The message for a shard whose latents are ``dtype`` where ``build.latent_dtype:
+    source`` took ``storage`` from ``storage.reference`` (``reference_is`` says which
+    shard that is)."""
+    return (
+        f"latents are {dtype}, but {storage.reference} ({reference_is}) holds "
+        f"{storage.dtype}; build.latent_dtype: source stores one dtype for all shards: "
+        "set build.latent_dtype explicitly (float32 stores float16, bfloat16 and float32 "
+        "exactly)"
+    )
+
+
+def check_one_dtype(parts: Sequence[Mapping[str, Any]], shards: Sequence[RemoteFile]) -> None:
+    """Refuse parts whose latents were stored in different dtypes.
+
+    Each part takes its dtype (``build.latent_dtype: source``) from its own first shard
+    with rows, and its workers hold every shard of the part to it; across parts nothing
+    did: a dtype change exactly at a part boundary (or a new part appended to stored
+    ones) gave a cache of two column types that every reader refuses. Parts without rows
+    store nothing and are left out.
+
+    Args:
+        parts: the parts' infos, in shard order (``latent_dtype``, ``shards``: how many,
+            ``latent_dtype_shard``: the shard the dtype came from, absent in a part
+            stored by a release before it: its first shard is named then).
+        shards: the build's shards, in order (to name them by their location).
+
+    Raises:
+        CorruptShardError: at the first part whose dtype differs from the first part
+            with rows, naming a shard of each dtype.
+    """
+    from hf_pipeline.errors import CorruptShardError
+
+    by_name = {f.name: f for f in shards}
+    first: Storage | None = None
+    start = 0
+    for info in parts:
+        count = int(info.get("shards", 0))
+        has_rows = bool((info.get("precision") or {}).get("source_dtypes")) or bool(
+            info.get("rows_in")
+        )
+        if has_rows and info.get("latent_dtype"):
+            name = info.get("latent_dtype_shard") or (
+                shards[start].name if start < len(shards) else ""
+            )
+            here = Storage(info["latent_dtype"], reference=name)
+            if first is None:
+                first = here
+            elif here.dtype != first.dtype:
+                where = by_name[name].url if name in by_name else name
+                raise CorruptShardError(
+                    where, mixed_dtypes(here.dtype, first, "the first shard with rows of the input")
+                )
+        start += count
 
 
 def summarize_precision(parts: list[dict[str, Any]], storage: str) -> dict[str, Any]:
@@ -208,10 +265,7 @@ def convert_shards(
         if storage.reference and shard.source_dtype != storage.dtype:
             raise CorruptShardError(
                 str(path),
-                f"latents are {shard.source_dtype}, but the first shard "
-                f"{storage.reference} holds {storage.dtype}; build.latent_dtype: source "
-                "stores one dtype for all shards: set build.latent_dtype explicitly "
-                "(float32 stores float16, bfloat16 and float32 exactly)",
+                mixed_dtypes(shard.source_dtype, storage, "the first shard with rows of its part"),
             )
         k, lat = shard.keys, to_arrow(shard.latents)
         bad = shard.nonfinite

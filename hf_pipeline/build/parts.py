@@ -161,6 +161,9 @@ def join_info(part: JoinedPart) -> dict[str, Any]:
         "fetch": joined.fetch,
         "precision": joined.precision,
         "latent_dtype": joined.storage.dtype,
+        # The shard it came from under build.latent_dtype: source ("" otherwise), so
+        # that parts of different dtypes can be refused naming one.
+        "latent_dtype_shard": joined.storage.reference,
         "latent_bytes": latent_bytes(len(keys), joined.storage.dtype),
         "seconds_convert": part.seconds_convert,
         # The join's own timeline.

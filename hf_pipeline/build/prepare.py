@@ -147,6 +147,7 @@ class BuildResult:
             published it here (``built`` stays False: nothing was built).
         hashing: :meth:`hf_pipeline.stores.identity.HashStats.as_dict` of this
             process's identification of the local inputs (``{}``: none were local).
+        metadata: the location of the caption parquet this process resolved.
     """
 
     fingerprint: str
@@ -157,6 +158,7 @@ class BuildResult:
     stage_dirs: Mapping[str, str] = dataclasses.field(default_factory=dict)
     pulled: bool = False
     hashing: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    metadata: str = ""
 
     @property
     def layout(self) -> CacheLayout:
@@ -178,6 +180,8 @@ class BuildResult:
             "built": self.built,
             "pulled": self.pulled,
             "hashing": dict(self.hashing),
+            # The caption parquet this run resolved (discovered or data.metadata).
+            "metadata": self.metadata,
             # What this run reused and built: the report's block when it built the
             # cache, zeros when it found or pulled it (it read and wrote nothing; the
             # cache's report.json keeps what its own build did).
@@ -257,6 +261,8 @@ def resolve_inputs(
             hashing.files, hashing.index_hits, hashing.hashed_files,
             hashing.hashed_bytes / 1e9, hashing.seconds, hashing.gb_per_s,
         )  # fmt: skip
+    # Which parquet the captions come from, said once (discovery may have chosen it).
+    log.info("metadata: %s", metadata.url)
     return Inputs(source=source, shards=shards, metadata=metadata, demo=demo, hashing=hashing)
 
 
@@ -563,6 +569,7 @@ class _Builder:
         hold yet, :func:`_ensure_parts`), assembled: hard links, the duplicates across
         parts and the final drop reasons (:mod:`hf_pipeline.build.parts`)."""
         from hf_pipeline.build.captions import CaptionTable
+        from hf_pipeline.build.convert import check_one_dtype
         from hf_pipeline.build.parts import assemble, linked_entries
 
         tmp = Path(ctx.tmp_dir)
@@ -574,6 +581,8 @@ class _Builder:
                 startup=self.startup,
             )  # fmt: skip
         ctx.check_ownership()
+        # Each part kept its own shards to one dtype; across parts, checked here.
+        check_one_dtype([i for _, i in built.parts], self.inputs.shards)
         table = CaptionTable.open(str(built.captions_path))
         info = assemble(tmp, built.parts, table=table, probe=ctx.probe)
         # The linked files go into the marker as their units recorded them, never as a
@@ -589,6 +598,7 @@ class _Builder:
         startup = {} if self.startup is None else {"startup": self.startup.as_dict()}
         return {
             **info, "seconds_captions": built.captions_seconds, "reuse": built.reuse, **startup,
+            "metadata": self.inputs.metadata.url,
         }  # fmt: skip
 
     def filtered(self, ctx) -> dict[str, Any]:
@@ -851,11 +861,11 @@ def _local_job_inputs(cfg: Config, process, store, key: str, progress: bool) -> 
     listed = doc.get("digests") if isinstance(doc, dict) else None
     for row in listed if isinstance(listed, list) else []:
         if (
-            isinstance(row, list) and len(row) == 6 and isinstance(row[0], str)
-            and all(type(v) is int for v in row[1:5])
-            and isinstance(row[5], str) and re.fullmatch(r"[0-9a-f]{32}", row[5])
+            isinstance(row, list) and len(row) == 7 and isinstance(row[0], str)
+            and all(type(v) is int for v in row[1:6])
+            and isinstance(row[6], str) and re.fullmatch(r"[0-9a-f]{32}", row[6])
         ):  # fmt: skip
-            known[(row[0], row[1], row[2], row[3], row[4])] = row[5]
+            known[(row[0], row[1], row[2], row[3], row[4], row[5])] = row[6]
     # Rank 0's error: this rank resolves alone and raises its own (typed) error.
     return resolve_inputs(cfg, progress=False, known=known)
 
@@ -1656,4 +1666,5 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
         stage_dirs=stage_dirs,
         pulled=any(was_pulled(m) for m in ours),
         hashing=inputs.hashing.as_dict() if inputs.hashing is not None else {},
+        metadata=inputs.metadata.url,
     )

@@ -132,6 +132,8 @@ def _print_summary(result, out) -> None:
         if bad.get("count"):
             keys = ", ".join(map(str, bad.get("first_keys", [])))
             print(f"bad rows    {reason} {bad['count']} (first keys: {keys})", file=out)
+    if s.get("metadata"):  # the caption parquet: discovery may have chosen it
+        print(f"meta file   {_safe(s['metadata'])}", file=out)
     dup, null = s["duplicate_meta_rows"], s["null_key_meta_rows"]
     print(
         f"metadata    {dup} rows repeating an earlier key ignored (first wins), "

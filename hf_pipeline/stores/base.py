@@ -111,7 +111,8 @@ def _pick_metadata(candidates: list[RemoteFile], where: str) -> RemoteFile | Non
     if not candidates:
         return None
     if len(candidates) > 1:
-        names = ", ".join(sorted(c.name for c in candidates))
+        # Full locations: the candidates may sit in different folders (shards, root).
+        names = ", ".join(sorted(c.url for c in candidates))
         raise SourceError(
             where, f"several metadata candidates ({names}); set data.metadata to one of them"
         )
@@ -261,12 +262,15 @@ class Source(abc.ABC):
     def find_metadata(self, explicit: str = "") -> RemoteFile:
         """The caption parquet: ``explicit`` if given, else discovered.
 
-        Discovery looks for exactly one ``*meta*.parquet`` next to the shards, then at
-        the repository / bucket root.
+        Discovery looks in :meth:`metadata_folders` (next to the shards; for a Hub
+        repository or a GCS bucket also at its root, where such datasets keep the
+        parquet) and takes the one ``*meta*.parquet`` found there. Two or more, in one
+        folder or across them, are refused naming each: nearest-first would pick one
+        silently, and which one was meant is for ``data.metadata`` to say.
 
         Args:
-            explicit: a full location (any kind), or a bare file name looked up next
-                to the shards and then at the root.
+            explicit: a full location (any kind), or a bare file name looked up in the
+                same folders (refused when more than one holds it).
 
         Returns:
             The metadata file.
@@ -282,21 +286,21 @@ class Source(abc.ABC):
             ):
                 other = self._sibling_for(explicit)
                 return other.stat(explicit)
-            for folder in self.metadata_folders():
-                hit = [f for f in folder if f.name == explicit]
-                if hit:
-                    return hit[0]
+            hits = [f for folder in self.metadata_folders() for f in folder if f.name == explicit]
+            found = _pick_metadata(hits, explicit)
+            if found is None:
+                raise SourceError(
+                    explicit, f"metadata file not found {self.metadata_where} of {self.location}"
+                )
+            return found
+        candidates = [f for folder in self.metadata_folders() for f in folder if _is_meta(f.name)]
+        found = _pick_metadata(candidates, self.location)
+        if found is None:
             raise SourceError(
-                explicit, f"metadata file not found next to {self.location} or at its root"
+                self.location,
+                f"no *meta*.parquet found {self.metadata_where}; set data.metadata",
             )
-        for folder in self.metadata_folders():
-            found = _pick_metadata([f for f in folder if _is_meta(f.name)], self.location)
-            if found is not None:
-                return found
-        raise SourceError(
-            self.location,
-            "no *meta*.parquet found next to the shards or at the root; set data.metadata",
-        )
+        return found
 
     def identity(self) -> list[tuple]:
         """``[(name, size, etag), ...]`` of the shards, for the cache fingerprint."""
@@ -328,6 +332,9 @@ class Source(abc.ABC):
     @abc.abstractmethod
     def list_shard_folder(self) -> list[RemoteFile]:
         """The files at the shard location, filtered by :attr:`name_glob` (unsorted)."""
+
+    #: Where :meth:`metadata_folders` looks, for the messages.
+    metadata_where = "next to the shards or at the root"
 
     @abc.abstractmethod
     def metadata_folders(self) -> Iterator[list[RemoteFile]]:

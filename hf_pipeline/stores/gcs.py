@@ -74,6 +74,7 @@ class GCSSource(Source, scheme="gs://"):
     """
 
     kind = "gcs"
+    metadata_where = "next to the shards or at the bucket root"
     #: Bytes per ranged read. Each read is all-or-nothing (gcsfs buffers it), so this
     #: is also the resume granularity after a kill or a cut connection.
     read_chunk: int = READ_CHUNK

@@ -153,6 +153,7 @@ class HubSource(Source, scheme="hf://"):
     already in the Hub cache (``hf download`` ahead of time) is used in place.
     """
 
+    metadata_where = "next to the shards or at the repository root"
     kind = "hub"
 
     def __init__(self, location: str, **kw: Any):

@@ -5,15 +5,20 @@ not keep mtimes, finds the same cache. Hashing every byte at every start would c
 minutes on a large dataset, so a small index beside the caches
 (``<cache root>/.content-index/index.json``) remembers, as git's index does,
 
-    absolute path -> (size, mtime_ns, inode, device, digest, hashed_at_ns)
+    absolute path -> (size, mtime_ns, inode, device, digest, hashed_at_ns, ctime_ns)
 
-and a file is hashed again only when one of its stat fields differs. The rules:
+and a file is hashed again only when one of its stat fields differs. The ctime is
+compared too (as git does): a rewrite in place that puts the mtime back (``touch -r``,
+``cp -p`` onto the file, ``rsync -t``) keeps size, mtime and inode, but the kernel moves
+the ctime, which no user call can set. The rules:
 
 - The index is input from others (anyone who shares the cache root writes it): it is
   read with :func:`dist.markers.load_json` (size and depth bounded), a file of the
   wrong shape is ignored whole with one warning line, and an entry of the wrong types
   is dropped. A digest is used only for a file whose *fresh* stat has exactly the
-  entry's size, mtime_ns, inode and device.
+  entry's size, mtime_ns, inode, device and ctime_ns. A row written by a release before
+  the ctime (six fields) is read, and is a miss: the file is hashed once more and
+  remembered with its ctime.
 - A file modified within :data:`RACY_NS` of its hashing ("racy", as git calls it) may
   have changed after it was read without its mtime moving on a filesystem with coarse
   timestamps: its digest serves the build that computed it, but the next start hashes
@@ -81,8 +86,8 @@ RACY_NS = 2_000_000_000
 _HEX = re.compile(r"[0-9a-f]{32}")
 _PREFIX = f"{ALGORITHM}:"
 
-#: ``(absolute path, size, mtime_ns, inode, device)`` of a file.
-StatKey = tuple[str, int, int, int, int]
+#: ``(absolute path, size, mtime_ns, inode, device, ctime_ns)`` of a file.
+StatKey = tuple[str, int, int, int, int, int]
 
 
 def is_local(file: RemoteFile) -> bool:
@@ -108,7 +113,7 @@ def stat_key(path: str | os.PathLike[str]) -> StatKey:
         raise SourceError(str(path), f"cannot stat: {e.strerror or e}") from None
     if not stat.S_ISREG(st.st_mode):
         raise SourceError(str(path), "is not a regular file")
-    return (real, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+    return (real, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -150,22 +155,28 @@ class _Entry:
     dev: int
     digest: str
     hashed_at_ns: int
+    #: None: a row of the release before the ctime, never a hit.
+    ctime_ns: int | None = None
 
     def row(self) -> list[Any]:
-        return [self.size, self.mtime_ns, self.ino, self.dev, self.digest, self.hashed_at_ns]
+        row = [self.size, self.mtime_ns, self.ino, self.dev, self.digest, self.hashed_at_ns]
+        return row if self.ctime_ns is None else [*row, self.ctime_ns]
 
 
 def _entry(raw: Any) -> _Entry | None:
-    """An index row, or None when it is not ``[4 ints >= 0, 32 hex, int >= 0]``."""
-    if not (isinstance(raw, list) and len(raw) == 6):
+    """An index row, or None when it is not ``[4 ints >= 0, 32 hex, int >= 0]`` with,
+    since the ctime is compared, one more int >= 0 (``ctime_ns``; absent in a row of the
+    release before)."""
+    if not (isinstance(raw, list) and len(raw) in (6, 7)):
         return None
-    *ints, digest, hashed_at = raw
-    ints.append(hashed_at)
+    ints = [*raw[:4], *raw[5:]]
     if not all(type(v) is int and v >= 0 for v in ints):  # bool is not a size
         return None
+    digest = raw[4]
     if not (isinstance(digest, str) and _HEX.fullmatch(digest)):
         return None
-    return _Entry(raw[0], raw[1], raw[2], raw[3], digest, hashed_at)
+    ctime = raw[6] if len(raw) == 7 else None
+    return _Entry(raw[0], raw[1], raw[2], raw[3], digest, raw[5], ctime)
 
 
 class ContentIndex:
@@ -233,14 +244,15 @@ class ContentIndex:
     def lookup(self, key: StatKey) -> str | None:
         """The digest recorded for exactly this stat, unless it was racy (see module)."""
         e = self._new.get(key[0]) or self._entries.get(key[0])
-        if e is None or (e.size, e.mtime_ns, e.ino, e.dev) != key[1:]:
+        if e is None or (e.size, e.mtime_ns, e.ino, e.dev, e.ctime_ns) != key[1:]:
             return None
         if e.hashed_at_ns - e.mtime_ns < RACY_NS:
             return None
         return e.digest
 
     def record(self, key: StatKey, digest: str, hashed_at_ns: int) -> None:
-        self._new[key[0]] = _Entry(*key[1:], digest, hashed_at_ns)
+        _, size, mtime_ns, ino, dev, ctime_ns = key
+        self._new[key[0]] = _Entry(size, mtime_ns, ino, dev, digest, hashed_at_ns, ctime_ns)
 
     def save(self) -> None:
         """Merge this run's entries into the index on disk (re-read now) and replace it.

@@ -88,10 +88,13 @@ class LocalSource(Source, scheme=""):
     def unreadable_shards(self) -> list[tuple[str, str, str]]:
         return list(self._unreadable)
 
+    # A local folder has no dataset root (as a repository or a bucket has): its parent
+    # may hold anything (an old backup of the parquet), so only the shards' own folder.
+    metadata_where = "next to the shards"
+
     def metadata_folders(self) -> Iterator[list[RemoteFile]]:
-        for folder in (self._folder, self._folder.parent):
-            if folder.is_dir():
-                yield [self._file(p) for p in folder.iterdir() if p.is_file()]
+        if self._folder.is_dir():
+            yield [self._file(p) for p in self._folder.iterdir() if p.is_file()]
 
     def owns(self, url: str) -> bool:
         return "://" not in url

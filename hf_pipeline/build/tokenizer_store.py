@@ -35,18 +35,17 @@ Process-safe: reads never see a partial entry; concurrent saves of a key are ben
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import os
 import re
-import secrets
 import stat
 from pathlib import Path
 from typing import Any
 
+from dist.atomic import atomic_write
 from hf_pipeline.config import EncoderConfig
 from hf_pipeline.encoder.model import TokenizerSpec, resolve_encoder_path
 
@@ -300,20 +299,13 @@ class TokenizerSpecStore:
         data = json.dumps(info, sort_keys=True).encode() + b"\n" + backend
         if len(data) > MAX_ENTRY_BYTES:
             return False  # it would never be read
-        tmp = self.folder / f".tmp-{os.getpid()}-{secrets.token_hex(4)}-{key}"
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "xb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
             # Replace, not link: what is there was not used (a miss), so it is damaged or
             # the same bytes from another builder.
-            os.replace(tmp, path)
+            with atomic_write(path) as f:
+                f.write(data)
             return True
         except OSError as exc:
             log.info("tokenizer store: %s not saved: %s", path, exc)
             return False
-        finally:
-            with contextlib.suppress(OSError):
-                tmp.unlink()

@@ -160,6 +160,19 @@ def _describe(st) -> str:
     return str(st.state)
 
 
+def _unfinished(unit, store: str) -> str:
+    """The status line of a stored unit whose marker was never published."""
+    st = unit.status
+    who = f"{_safe(st.builder_host)}/{st.builder_pid}" if st.builder_host else None
+    if unit.builder == "live":
+        how = f"being built by {who or '?'} (its lease is live)"
+    elif who:
+        how = f"abandoned: its builder {who} holds a stale lease (--clean removes it)"
+    else:
+        how = "abandoned: no builder holds its lease (--clean removes it)"
+    return f"unfinished unit {store}/{_safe(st.path.name)}: {how}"
+
+
 def _write_json(path: str, obj) -> None:
     text = json.dumps(obj, indent=2, sort_keys=True)
     if path == "-":
@@ -222,6 +235,9 @@ def _admin(args, cfg) -> int:
                 f"({_human_bytes(sum(u.status.size_bytes for u in unused))}: --clean removes them)",
                 file=out,
             )
+        for u in units:
+            if u.unfinished:
+                print(f"    {_unfinished(u, PARTS_DIR)}", file=out)
         for w in work:
             rel = f"{STAGING_DIR}/{_safe(w.path.name)}"
             what = (

@@ -613,6 +613,23 @@ def test_status_says_which_units_are_unfinished_and_clean_removes_only_abandoned
     assert (live / "join.json").exists(), "the live builder published after the clean"
 
 
+def test_status_says_units_no_cache_uses_are_reusable_and_what_clean_does(inputs):
+    """Units no cache uses any more (their cache removed, as after a killed re-embedding
+    whose finished units no cache links yet): --status counted them "reusable by later
+    builds" and also "used by no cache (--clean removes them)" in two clauses that read
+    as opposites (outside tester). Now one clause says both: reusable, and cleaned."""
+    import shutil
+
+    root = inputs["base"] / "unused"
+    res = _build(root, inputs["initial"], inputs["meta"])
+    units = len(_admin(root, "--status")["parts"])
+    shutil.rmtree(res.cache_dir)
+    (line,) = [x for x in _admin_human(root, "--status").splitlines() if "stored parts" in x]
+    assert f"; {units} stored unit(s) used by no cache (" in line, line
+    assert line.endswith("): reusable by a later build; --clean removes them"), line
+    assert "reusable by later builds" not in line, line
+
+
 def test_status_shows_sharing_and_clean_keeps_every_file_a_complete_cache_uses(
     inputs, two_encoders
 ):

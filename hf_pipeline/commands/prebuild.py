@@ -227,14 +227,22 @@ def _admin(args, cfg) -> int:
             for problem in st.problems:
                 print(f"    {_safe(problem)}", file=out)
         if units:
-            unused = [u for u in units if not u.in_use]
-            print(
+            # Complete units no cache links: a later build of their inputs still reuses
+            # them, and --clean still removes them (docs/cli.md): one clause says both.
+            unused = [
+                u for u in units if u.status.state is inventory.CacheState.COMPLETE and not u.in_use
+            ]
+            line = (
                 f"stored parts ({PARTS_DIR}): {len(units)} unit(s), "
-                f"{_human_bytes(sum(u.status.size_bytes for u in units))}, reusable by later "
-                f"builds; {len(unused)} used by no cache "
-                f"({_human_bytes(sum(u.status.size_bytes for u in unused))}: --clean removes them)",
-                file=out,
+                f"{_human_bytes(sum(u.status.size_bytes for u in units))}"
             )
+            if unused:
+                line += (
+                    f"; {len(unused)} stored unit(s) used by no cache "
+                    f"({_human_bytes(sum(u.status.size_bytes for u in unused))}): "
+                    "reusable by a later build; --clean removes them"
+                )
+            print(line, file=out)
         for u in units:
             if u.unfinished:
                 print(f"    {_unfinished(u, PARTS_DIR)}", file=out)

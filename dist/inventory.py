@@ -422,19 +422,43 @@ def unlisted_files(
     return _unlisted(cache, _valid_markers(cache, list(stages), fingerprint)[0])
 
 
+def _failures(cache: Path, names: Sequence[str]) -> list[tuple[str, str]]:
+    """``("(host H, pid P, stage S)", "ErrorType: message")`` of each failure record
+    ``names`` of ``cache`` that parses (``failed-<lease id>.json``, :mod:`dist.coordinator`)."""
+    out = []
+    for n in names:
+        record = read_json(cache / n)
+        if isinstance(record, dict):
+            # Written by any host sharing the root: escaped and bounded (shown), so a
+            # newline or an ANSI escape in it cannot forge a row of --status or --verify.
+            host, pid, stage, kind, message = (
+                shown(record.get(k)) for k in ("host", "pid", "stage", "error_type", "message")
+            )
+            out.append((f"(host {host}, pid {pid}, stage {stage})", f"{kind}: {message}"))
+    return out
+
+
+def _failure_names(cache: Path) -> list[str]:
+    """The failure records in ``cache`` (``failed-*.json``), sorted."""
+    try:
+        names = sorted(os.listdir(cache))
+    except OSError:
+        return []
+    return [n for n in names if n.startswith("failed-") and n.endswith(".json")]
+
+
 def _status(cache: Path, fingerprint: str, stages: Sequence[str], live: bool | None) -> CacheStatus:
     done, marker_problems = _valid_markers(cache, stages, fingerprint)
     corrupt = bool(marker_problems)
     problems = [p.replace(": ", ".json: ", 1) for p in marker_problems]
     found = verify_findings(cache, done)
     problems += found
-    names = sorted(os.listdir(cache))
     view = read_lease(cache / LEASE_FILE)
     building = view is not None and live is not False
     leftovers = _leftovers(cache, done, stages, view.key if view is not None and building else None)
     unlisted = _unlisted(cache, done)
     unmarked = [s for s in stages if (cache / s).is_dir() and s not in done]
-    failures = [n for n in names if n.startswith("failed-") and n.endswith(".json")]
+    failures = _failure_names(cache)
     for n in leftovers:
         problems.append(f"leftover {n}" + (" (a symbolic link)" if _is_link(cache / n) else ""))
     for rel in unlisted[:_SHOW_UNLISTED]:
@@ -443,17 +467,7 @@ def _status(cache: Path, fingerprint: str, stages: Sequence[str], live: bool | N
         problems.append(f"... and {len(unlisted) - _SHOW_UNLISTED} more files not listed")
     for s in unmarked:
         problems.append(f"stage folder {s}/ without a valid marker")
-    for n in failures:
-        record = read_json(cache / n)
-        if isinstance(record, dict):
-            # Written by any host sharing the root: escaped and bounded (shown), so a
-            # newline or an ANSI escape in it cannot forge a row of --status.
-            host, pid, stage, kind, message = (
-                shown(record.get(k)) for k in ("host", "pid", "stage", "error_type", "message")
-            )
-            problems.append(
-                f"failed build (host {host}, pid {pid}, stage {stage}): {kind}: {message}"
-            )
+    problems += [f"failed build {where}: {what}" for where, what in _failures(cache, failures)]
     hb = read_json(heartbeat_path(cache, view.key)) if view is not None else None
     hb = hb if isinstance(hb, dict) else {}
     if building:
@@ -955,6 +969,11 @@ def verify_cache(
     stages = list(stages)
     fingerprint = _mark(cache) or ""
     done, problems = _valid_markers(cache, stages, fingerprint, verify=True, missing=True)
+    if len(done) < len(stages):
+        # Why stages are missing, first: "converted: missing" alone hid a failed build
+        # (the record --status shows).
+        failed = _failures(cache, _failure_names(cache))
+        problems[:0] = [f"build failed: {what} {where}" for where, what in failed]
     # Files that something else wrote into a published stage (a `datasets` call).
     problems += [f"{rel}: not listed by any marker" for rel in _unlisted(cache, done)]
     old = [s for s, m in done.items() if m.schema_version < 2]

@@ -574,3 +574,41 @@ def test_a_unit_killed_before_its_identity_file_is_unfinished_and_cleaned(tmp_pa
     p = _cli(root, "--clean")
     assert p.returncode == 0, p.stdout + p.stderr
     assert not unit.exists(), sorted(os.listdir(unit))
+
+
+def test_verify_of_a_failed_cache_says_the_build_failed_and_its_json_paths_are_absolute(
+    job, tmp_path
+):
+    """verify on a failed cache printed ``converted: missing; filtered: missing`` and
+    exited 1 without saying the build failed; and its JSON paths were relative when
+    ``--cache-dir`` was (outside tester). Now the line says ``build failed:`` with the
+    failure record's message, and every JSON path (status, verify, clean) is absolute."""
+    root = tmp_path / "root"
+    cache = root / "demo-00000000000000a7"
+    _failed(job, cache, "00000000000000a7")
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [PYTHON, str(REPO / "scripts" / "prebuild_cache.py"), "--cache-dir", "root",
+             *CLI_TIMING, *args],
+            env=script_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        )  # fmt: skip
+
+    out = tmp_path / "out.json"
+    p = run("--verify", "--json", str(out))
+    assert p.returncode == 1, p.stdout + p.stderr
+    (line,) = [x for x in p.stdout.splitlines() if x.startswith(cache.name)]
+    # The failure record as --status shows it (escaped and quoted: another host wrote it).
+    assert "build failed: 'RuntimeError': 'injected failure in filtered'" in line, line
+    doc = read_json(out)
+    (row,) = doc["caches"]
+    assert "build failed" in row["problems"][0], row
+    for path in (doc["root"], row["path"]):
+        assert Path(path).is_absolute(), doc
+    assert Path(row["path"]).resolve() == cache.resolve()
+    for op in ("--status", "--clean"):
+        p = run(op, "--json", str(out))
+        assert p.returncode == 0, p.stdout + p.stderr
+        doc = read_json(out)
+        paths = [doc["root"]] + [c["path"] for c in doc.get("caches", [])] + doc.get("removed", [])
+        assert len(paths) == 2 and all(Path(x).is_absolute() for x in paths), (op, doc)

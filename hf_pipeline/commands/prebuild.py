@@ -13,6 +13,7 @@ store unreachable / problems found by --verify / something --clean could not rem
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -448,6 +449,11 @@ def main(args: argparse.Namespace) -> int:
         return _published_status(args.status, cfg)
     admin = bool(args.status or args.verify or args.clean)
     cli.check_cache_root(cfg, args, must_exist=admin)
+    # Absolute from here on: every JSON report (the build's cache_dir and hashing index,
+    # status/verify/clean's paths) is read by tools run from other folders.
+    cfg = dataclasses.replace(
+        cfg, build=dataclasses.replace(cfg.build, cache_dir=str(cfg.cache_root.absolute()))
+    )
     if admin:
         return _admin(args, cfg)
     # `--json -`: stdout carries the JSON document alone (`| jq` works); the human

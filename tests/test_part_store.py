@@ -630,6 +630,23 @@ def test_status_says_units_no_cache_uses_are_reusable_and_what_clean_does(inputs
     assert "reusable by later builds" not in line, line
 
 
+def test_status_summary_names_corrupt_units_as_verify_does(inputs):
+    """A damaged stored unit was ``corrupt`` in --status --json only; the human summary
+    line did not count it (outside tester). Now it counts and names them, as
+    ``.parts/NAME`` like --verify's part lines."""
+    root = inputs["base"] / "corrupt-unit"
+    _build(root, inputs["initial"], inputs["meta"])
+    joins = sorted((root / ".parts").glob("join-*"))
+    for unit in joins[:2]:
+        victim = next(unit.glob("join.*/rows/*.arrow"), None)
+        assert victim is not None, sorted(unit.rglob("*"))
+        victim.write_bytes(victim.read_bytes()[:-10])  # truncated: its marker's size differs
+    units = {Path(u["path"]).name: u for u in _admin(root, "--status")["parts"]}
+    assert [n for n, u in units.items() if u["state"] == "corrupt"] == [j.name for j in joins[:2]]
+    (line,) = [x for x in _admin_human(root, "--status").splitlines() if "stored parts" in x]
+    assert f"; 2 corrupt: .parts/{joins[0].name}, .parts/{joins[1].name}" in line, line
+
+
 def test_status_shows_sharing_and_clean_keeps_every_file_a_complete_cache_uses(
     inputs, two_encoders
 ):

@@ -93,6 +93,10 @@ def parser(prog: str = "prebuild_cache.py") -> argparse.ArgumentParser:
 VERIFY_SHOWN = 10
 
 
+#: Corrupt stored units named on ``--status``'s summary line (all of them in ``--json``).
+SUMMARY_SHOWN = 3
+
+
 def _some(problems: Sequence[str]) -> str:
     """The first :data:`VERIFY_SHOWN` problems joined, and how many more there are."""
     head = "; ".join(problems[:VERIFY_SHOWN])
@@ -242,6 +246,16 @@ def _admin(args, cfg) -> int:
                     f"; {len(unused)} stored unit(s) used by no cache "
                     f"({_human_bytes(sum(u.status.size_bytes for u in unused))}): "
                     "reusable by a later build; --clean removes them"
+                )
+            corrupt = [u for u in units if u.status.state is inventory.CacheState.CORRUPT]
+            if corrupt:  # named as --verify's part lines name them
+                names = [f"{PARTS_DIR}/{_safe(u.status.path.name)}" for u in corrupt]
+                more = (
+                    f" (+{len(names) - SUMMARY_SHOWN} more)" if len(names) > SUMMARY_SHOWN else ""
+                )
+                line += (
+                    f"; {len(corrupt)} corrupt: {', '.join(names[:SUMMARY_SHOWN])}{more} "
+                    "(--verify names their problems; --clean removes them)"
                 )
             print(line, file=out)
         for u in units:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import os
 import shutil
 import socket
@@ -58,11 +59,13 @@ from dist.layout import (
     VERIFY_RECORD,
     WORK_MARK,
     cache_mark,
+    identity_bytes,
     is_bookkeeping,
     is_project_entry,
     is_retired_marker,
     marker_name,
     parse_stage_dir,
+    parse_temp_name,
     parse_trash_name,
     trash_name,
     work_mark,
@@ -227,11 +230,46 @@ def _identity_mismatch(path: Path, name: str | None = None) -> str | None:
     return f"its {IDENTITY_FILE} is not hf_pipeline's: proves nothing, left as it is"
 
 
+def _unwritten_identity(path: Path, name: str) -> str | None:
+    """The fingerprint of a folder whose builder died writing its identity file: no
+    :data:`IDENTITY_FILE` yet, but a lease and the identity's temp file (dist.atomic's,
+    before its link into place) holding exactly what the project writes there
+    (:func:`dist.layout.identity_bytes`) for the folder's own name. Else None."""
+    try:
+        if name.startswith(".") or not stat.S_ISDIR(os.lstat(path).st_mode):
+            return None
+        names = os.listdir(path)
+    except OSError:
+        return None
+    if IDENTITY_FILE in names or LEASE_FILE not in names or read_lease(path / LEASE_FILE) is None:
+        return None
+    for n in names:
+        st = _lstat(path / n)
+        if parse_temp_name(n) != IDENTITY_FILE or st is None or not stat.S_ISREG(st.st_mode):
+            continue
+        d = read_json(path / n)
+        fp = d.get("fingerprint") if isinstance(d, dict) else None
+        host, pid = (d.get("host"), d.get("pid")) if isinstance(d, dict) else (None, None)
+        if not (isinstance(fp, str) and fp and name.endswith(f"-{fp}")):
+            continue
+        if not (isinstance(host, str) and type(pid) is int):
+            continue
+        want = json.loads(identity_bytes(fp, host=host, pid=pid))
+        if {k: v for k, v in d.items() if k != "created_at"} == {
+            k: v for k, v in want.items() if k != "created_at"
+        }:
+            return fp
+    return None
+
+
 def _mark(path: Path, *, name: str | None = None) -> str | None:
     """:func:`dist.layout.cache_mark`, except that an identity file of another
-    fingerprint than the folder's name makes it no cache (:func:`_identity_mismatch`)."""
+    fingerprint than the folder's name makes it no cache (:func:`_identity_mismatch`),
+    and that a folder whose builder died writing it is one (:func:`_unwritten_identity`)."""
     fingerprint = cache_mark(path, name=name)
-    if fingerprint is None or _identity_mismatch(path, name) is not None:
+    if fingerprint is None:
+        return _unwritten_identity(path, path.name if name is None else name)
+    if _identity_mismatch(path, name) is not None:
         return None
     return fingerprint
 
@@ -384,19 +422,43 @@ def unlisted_files(
     return _unlisted(cache, _valid_markers(cache, list(stages), fingerprint)[0])
 
 
+def _failures(cache: Path, names: Sequence[str]) -> list[tuple[str, str]]:
+    """``("(host H, pid P, stage S)", "ErrorType: message")`` of each failure record
+    ``names`` of ``cache`` that parses (``failed-<lease id>.json``, :mod:`dist.coordinator`)."""
+    out = []
+    for n in names:
+        record = read_json(cache / n)
+        if isinstance(record, dict):
+            # Written by any host sharing the root: escaped and bounded (shown), so a
+            # newline or an ANSI escape in it cannot forge a row of --status or --verify.
+            host, pid, stage, kind, message = (
+                shown(record.get(k)) for k in ("host", "pid", "stage", "error_type", "message")
+            )
+            out.append((f"(host {host}, pid {pid}, stage {stage})", f"{kind}: {message}"))
+    return out
+
+
+def _failure_names(cache: Path) -> list[str]:
+    """The failure records in ``cache`` (``failed-*.json``), sorted."""
+    try:
+        names = sorted(os.listdir(cache))
+    except OSError:
+        return []
+    return [n for n in names if n.startswith("failed-") and n.endswith(".json")]
+
+
 def _status(cache: Path, fingerprint: str, stages: Sequence[str], live: bool | None) -> CacheStatus:
     done, marker_problems = _valid_markers(cache, stages, fingerprint)
     corrupt = bool(marker_problems)
     problems = [p.replace(": ", ".json: ", 1) for p in marker_problems]
     found = verify_findings(cache, done)
     problems += found
-    names = sorted(os.listdir(cache))
     view = read_lease(cache / LEASE_FILE)
     building = view is not None and live is not False
     leftovers = _leftovers(cache, done, stages, view.key if view is not None and building else None)
     unlisted = _unlisted(cache, done)
     unmarked = [s for s in stages if (cache / s).is_dir() and s not in done]
-    failures = [n for n in names if n.startswith("failed-") and n.endswith(".json")]
+    failures = _failure_names(cache)
     for n in leftovers:
         problems.append(f"leftover {n}" + (" (a symbolic link)" if _is_link(cache / n) else ""))
     for rel in unlisted[:_SHOW_UNLISTED]:
@@ -405,17 +467,7 @@ def _status(cache: Path, fingerprint: str, stages: Sequence[str], live: bool | N
         problems.append(f"... and {len(unlisted) - _SHOW_UNLISTED} more files not listed")
     for s in unmarked:
         problems.append(f"stage folder {s}/ without a valid marker")
-    for n in failures:
-        record = read_json(cache / n)
-        if isinstance(record, dict):
-            # Written by any host sharing the root: escaped and bounded (shown), so a
-            # newline or an ANSI escape in it cannot forge a row of --status.
-            host, pid, stage, kind, message = (
-                shown(record.get(k)) for k in ("host", "pid", "stage", "error_type", "message")
-            )
-            problems.append(
-                f"failed build (host {host}, pid {pid}, stage {stage}): {kind}: {message}"
-            )
+    problems += [f"failed build {where}: {what}" for where, what in _failures(cache, failures)]
     hb = read_json(heartbeat_path(cache, view.key)) if view is not None else None
     hb = hb if isinstance(hb, dict) else {}
     if building:
@@ -569,14 +621,27 @@ class StoredUnit:
         in_use: complete and in use (a file linked elsewhere, or named by a unit in use).
         links: the most links any of its files has besides its own (the caches that
             hold it, while it is in the store).
+        unfinished: its marker was never published (a build of it started, and is
+            running or died).
+        builder: for an unfinished unit, ``"live"`` (its state is ``building``: the
+            lease's heartbeat moved, or was not watched) or ``"abandoned"`` (no lease,
+            or a dead one: :func:`clean` removes it); None for a published one.
     """
 
     status: CacheStatus
     in_use: bool
     links: int
+    unfinished: bool = False
+    builder: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {**self.status.as_dict(), "in_use": self.in_use, "links": self.links}
+        return {
+            **self.status.as_dict(),
+            "in_use": self.in_use,
+            "links": self.links,
+            "unfinished": self.unfinished,
+            "builder": self.builder,
+        }
 
 
 def list_store(
@@ -617,10 +682,23 @@ def list_store(
         more = {n for u in in_use for n in found[u][2] if n in found} - in_use
         grew = bool(more)
         in_use |= more
-    return [
-        StoredUnit(status=st, in_use=name in in_use, links=links)
-        for name, (st, links, _) in found.items()
-    ]
+    out = []
+    for name, (st, links, _) in found.items():
+        # Never published: no marker at all (a malformed one makes the unit corrupt).
+        unfinished = not os.path.lexists(store / name / marker_name(name.split("-", 1)[0]))
+        builder = None
+        if unfinished:  # the cache folders' liveness rule: _status's state
+            builder = "live" if st.state is CacheState.BUILDING else "abandoned"
+        out.append(
+            StoredUnit(
+                status=st,
+                in_use=name in in_use,
+                links=links,
+                unfinished=unfinished,
+                builder=builder,
+            )
+        )
+    return out
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -891,6 +969,11 @@ def verify_cache(
     stages = list(stages)
     fingerprint = _mark(cache) or ""
     done, problems = _valid_markers(cache, stages, fingerprint, verify=True, missing=True)
+    if len(done) < len(stages):
+        # Why stages are missing, first: "converted: missing" alone hid a failed build
+        # (the record --status shows).
+        failed = _failures(cache, _failure_names(cache))
+        problems[:0] = [f"build failed: {what} {where}" for where, what in failed]
     # Files that something else wrote into a published stage (a `datasets` call).
     problems += [f"{rel}: not listed by any marker" for rel in _unlisted(cache, done)]
     old = [s for s, m in done.items() if m.schema_version < 2]

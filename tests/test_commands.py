@@ -282,6 +282,22 @@ def test_build_json_to_stdout_is_the_json_alone_when_built(tmp_path):
 
 
 @pytest.mark.slow
+def test_build_json_paths_are_absolute_when_the_cache_dir_is_relative(tmp_path):
+    """``--cache-dir c`` (relative): the JSON named ``c/...`` paths (``cache_dir``,
+    ``hashing.index``), wrong for a reader in another folder (outside tester)."""
+    small = [*SMALL_DEMO, "data.demo.num_shards=2", "data.demo.samples_per_shard=25"]
+    p = subprocess.run(
+        [*_command(), "build", "-q", "--cache-dir", "c", *_sets(small), "--json", "-"],
+        env=script_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    summary = _only_json(p)
+    assert Path(summary["cache_dir"]).is_absolute(), summary
+    assert Path(summary["cache_dir"]).resolve().parent == (tmp_path / "c").resolve()
+    assert summary["hashing"].get("index"), summary["hashing"]
+    assert Path(summary["hashing"]["index"]).is_absolute(), summary["hashing"]
+
+
+@pytest.mark.slow
 def test_publish_json_to_stdout_is_the_json_alone(
     source_cache,
     gcs_store,  # noqa: F811 - the fixture

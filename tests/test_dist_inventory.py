@@ -518,3 +518,97 @@ def test_job_folders_finished_or_dead_are_cleaned_a_waiting_one_is_left(tmp_path
     (root / ".jobs" / "slurm-301-0-0" / "notes.txt").unlink()
     assert _cli(root, "--clean").returncode == 0
     assert not (root / ".jobs" / "slurm-301-0-0").exists()
+
+
+#: A builder's first steps (dist.coordinator: claim the lease, beat, write the identity
+#: file through dist.atomic.create_new's temp file), run in a real process that then
+#: waits to be SIGKILLed before the temp file is linked into place.
+_CLAIM_THEN_WAIT = """
+import os, secrets, socket, sys, time
+from pathlib import Path
+from dist.layout import IDENTITY_FILE, identity_bytes
+from dist.lease import Lease, try_claim
+unit, fingerprint = Path(sys.argv[1]), sys.argv[2]
+unit.mkdir(parents=True)
+lease_id, host = secrets.token_hex(8), socket.gethostname()
+assert try_claim(unit, lease_id, host, os.getpid())
+Lease(unit, lease_id, host, 0.05).start()
+tmp = unit / f".{IDENTITY_FILE}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+tmp.write_bytes(identity_bytes(fingerprint, host=host, pid=os.getpid()))
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_unit_killed_before_its_identity_file_is_unfinished_and_cleaned(tmp_path):
+    """SIGKILLed between its lease and its identity file, a unit held only ``lease``,
+    ``heartbeat-*`` and the identity's temp file (outside tester): --status did not say
+    it was unfinished, --clean left it. The temp file's content is the project's mark
+    (it names the folder's fingerprint): --status says unfinished and abandoned while
+    the builder is dead, live while it beats; --clean removes it only once dead."""
+    root = tmp_path / "root"
+    unit = root / ".parts" / "join-00000000000000c1"
+    proc = subprocess.Popen(
+        [PYTHON, "-c", _CLAIM_THEN_WAIT, str(unit), "00000000000000c1"],
+        env=script_env(), stdout=subprocess.PIPE, text=True, cwd=REPO,
+    )  # fmt: skip
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        out = tmp_path / "status.json"
+        p = _cli(root, "--status", "--json", str(out))
+        assert p.returncode == 0, p.stdout + p.stderr
+        (row,) = read_json(out)["parts"]
+        assert row["unfinished"] is True and row["builder"] == "live", row
+        p = _cli(root, "--clean")
+        assert p.returncode == 0 and sorted(os.listdir(unit))[-1] == "lease", p.stdout
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    names = sorted(os.listdir(unit))
+    assert names[0].startswith(".") and names[1].startswith("heartbeat-"), names
+    p = _cli(root, "--status", "--json", str(out))
+    (row,) = read_json(out)["parts"]
+    assert row["unfinished"] is True and row["builder"] == "abandoned", row
+    p = _cli(root, "--status")
+    assert f"unfinished unit .parts/{unit.name}: abandoned" in p.stdout, p.stdout
+    p = _cli(root, "--clean")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert not unit.exists(), sorted(os.listdir(unit))
+
+
+def test_verify_of_a_failed_cache_says_the_build_failed_and_its_json_paths_are_absolute(
+    job, tmp_path
+):
+    """verify on a failed cache printed ``converted: missing; filtered: missing`` and
+    exited 1 without saying the build failed; and its JSON paths were relative when
+    ``--cache-dir`` was (outside tester). Now the line says ``build failed:`` with the
+    failure record's message, and every JSON path (status, verify, clean) is absolute."""
+    root = tmp_path / "root"
+    cache = root / "demo-00000000000000a7"
+    _failed(job, cache, "00000000000000a7")
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [PYTHON, str(REPO / "scripts" / "prebuild_cache.py"), "--cache-dir", "root",
+             *CLI_TIMING, *args],
+            env=script_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        )  # fmt: skip
+
+    out = tmp_path / "out.json"
+    p = run("--verify", "--json", str(out))
+    assert p.returncode == 1, p.stdout + p.stderr
+    (line,) = [x for x in p.stdout.splitlines() if x.startswith(cache.name)]
+    # The failure record as --status shows it (escaped and quoted: another host wrote it).
+    assert "build failed: 'RuntimeError': 'injected failure in filtered'" in line, line
+    doc = read_json(out)
+    (row,) = doc["caches"]
+    assert "build failed" in row["problems"][0], row
+    for path in (doc["root"], row["path"]):
+        assert Path(path).is_absolute(), doc
+    assert Path(row["path"]).resolve() == cache.resolve()
+    for op in ("--status", "--clean"):
+        p = run(op, "--json", str(out))
+        assert p.returncode == 0, p.stdout + p.stderr
+        doc = read_json(out)
+        paths = [doc["root"]] + [c["path"] for c in doc.get("caches", [])] + doc.get("removed", [])
+        assert len(paths) == 2 and all(Path(x).is_absolute() for x in paths), (op, doc)

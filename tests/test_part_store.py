@@ -550,6 +550,103 @@ def _admin(root: Path, *ops: str) -> dict:
     return json.loads(out.stdout)
 
 
+def _admin_human(root: Path, *ops: str) -> str:
+    """``prebuild_cache.py --cache-dir root <ops>`` (a real process): its human lines."""
+    out = subprocess.run(
+        [PYTHON, str(REPO / "scripts/prebuild_cache.py"), "--cache-dir", str(root), *ops,
+         "--set", "coord.heartbeat_interval=0.2"],
+        env=script_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_status_says_which_units_are_unfinished_and_clean_removes_only_abandoned_ones(inputs):
+    """A build SIGKILLed mid-join left its unit unpublished; another unit is being built
+    by a live builder (this process, through the real coordinator). --status said
+    neither (outside tester): now both are "unfinished", the first with an abandoned
+    builder (--clean removes it), the second with a live one (--clean keeps it)."""
+    import threading
+
+    from dist import Stage, ensure_built
+
+    root = inputs["base"] / "kill-status"
+    _build(root, inputs["initial"], inputs["meta"])
+    victim = _start_and_kill(root, inputs, "join")
+    live = root / ".parts" / "join-00000000000000b1"
+    go, building = threading.Event(), threading.Event()
+
+    def write(ctx):
+        building.set()
+        assert go.wait(120), "the test never let the live builder finish"
+        (ctx.tmp_dir / "data.arrow").write_bytes(b"x" * 100)
+        return {}
+
+    builder = threading.Thread(
+        target=ensure_built, name="live-unit-builder",
+        args=(live, "00000000000000b1", [Stage(name="join", build=write)]),
+        kwargs=dict(builder=True, poll_interval=0.05, lease_timeout=4.0,
+                    heartbeat_interval=0.05, max_wait=120.0), daemon=True,
+    )  # fmt: skip
+    builder.start()
+    try:
+        assert building.wait(60), "the live builder never started"
+        units = {Path(u["path"]).name: u for u in _admin(root, "--status")["parts"]}
+        assert units[victim.name]["unfinished"] is True, units[victim.name]
+        assert units[victim.name]["builder"] == "abandoned", units[victim.name]
+        assert units[live.name]["unfinished"] is True and units[live.name]["builder"] == "live"
+        done = {n: u for n, u in units.items() if n not in (victim.name, live.name)}
+        assert done and all(not u["unfinished"] and u["builder"] is None for u in done.values())
+        lines = _admin_human(root, "--status").splitlines()
+        (killed,) = [x for x in lines if victim.name in x]
+        assert "unfinished" in killed and "abandoned" in killed and "--clean" in killed, lines
+        (running,) = [x for x in lines if live.name in x]
+        assert "unfinished" in running and "live" in running, lines
+        removed = {Path(p).name for p in _admin(root, "--clean")["removed"]}
+        assert victim.name in removed and live.name not in removed, removed
+        assert not victim.exists(), sorted(os.listdir(victim))
+        assert (live / "lease").exists()
+        assert not removed & set(done), "a finished unit in use was removed"
+    finally:
+        go.set()
+        builder.join(60)
+    assert (live / "join.json").exists(), "the live builder published after the clean"
+
+
+def test_status_says_units_no_cache_uses_are_reusable_and_what_clean_does(inputs):
+    """Units no cache uses any more (their cache removed, as after a killed re-embedding
+    whose finished units no cache links yet): --status counted them "reusable by later
+    builds" and also "used by no cache (--clean removes them)" in two clauses that read
+    as opposites (outside tester). Now one clause says both: reusable, and cleaned."""
+    import shutil
+
+    root = inputs["base"] / "unused"
+    res = _build(root, inputs["initial"], inputs["meta"])
+    units = len(_admin(root, "--status")["parts"])
+    shutil.rmtree(res.cache_dir)
+    (line,) = [x for x in _admin_human(root, "--status").splitlines() if "stored parts" in x]
+    assert f"; {units} stored unit(s) used by no cache (" in line, line
+    assert line.endswith("): reusable by a later build; --clean removes them"), line
+    assert "reusable by later builds" not in line, line
+
+
+def test_status_summary_names_corrupt_units_as_verify_does(inputs):
+    """A damaged stored unit was ``corrupt`` in --status --json only; the human summary
+    line did not count it (outside tester). Now it counts and names them, as
+    ``.parts/NAME`` like --verify's part lines."""
+    root = inputs["base"] / "corrupt-unit"
+    _build(root, inputs["initial"], inputs["meta"])
+    joins = sorted((root / ".parts").glob("join-*"))
+    for unit in joins[:2]:
+        victim = next(unit.glob("join.*/rows/*.arrow"), None)
+        assert victim is not None, sorted(unit.rglob("*"))
+        victim.write_bytes(victim.read_bytes()[:-10])  # truncated: its marker's size differs
+    units = {Path(u["path"]).name: u for u in _admin(root, "--status")["parts"]}
+    assert [n for n, u in units.items() if u["state"] == "corrupt"] == [j.name for j in joins[:2]]
+    (line,) = [x for x in _admin_human(root, "--status").splitlines() if "stored parts" in x]
+    assert f"; 2 corrupt: .parts/{joins[0].name}, .parts/{joins[1].name}" in line, line
+
+
 def test_status_shows_sharing_and_clean_keeps_every_file_a_complete_cache_uses(
     inputs, two_encoders
 ):

@@ -13,6 +13,7 @@ store unreachable / problems found by --verify / something --clean could not rem
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -92,6 +93,10 @@ def parser(prog: str = "prebuild_cache.py") -> argparse.ArgumentParser:
 VERIFY_SHOWN = 10
 
 
+#: Corrupt stored units named on ``--status``'s summary line (all of them in ``--json``).
+SUMMARY_SHOWN = 3
+
+
 def _some(problems: Sequence[str]) -> str:
     """The first :data:`VERIFY_SHOWN` problems joined, and how many more there are."""
     head = "; ".join(problems[:VERIFY_SHOWN])
@@ -160,6 +165,19 @@ def _describe(st) -> str:
     return str(st.state)
 
 
+def _unfinished(unit, store: str) -> str:
+    """The status line of a stored unit whose marker was never published."""
+    st = unit.status
+    who = f"{_safe(st.builder_host)}/{st.builder_pid}" if st.builder_host else None
+    if unit.builder == "live":
+        how = f"being built by {who or '?'} (its lease is live)"
+    elif who:
+        how = f"abandoned: its builder {who} holds a stale lease (--clean removes it)"
+    else:
+        how = "abandoned: no builder holds its lease (--clean removes it)"
+    return f"unfinished unit {store}/{_safe(st.path.name)}: {how}"
+
+
 def _write_json(path: str, obj) -> None:
     text = json.dumps(obj, indent=2, sort_keys=True)
     if path == "-":
@@ -214,14 +232,35 @@ def _admin(args, cfg) -> int:
             for problem in st.problems:
                 print(f"    {_safe(problem)}", file=out)
         if units:
-            unused = [u for u in units if not u.in_use]
-            print(
+            # Complete units no cache links: a later build of their inputs still reuses
+            # them, and --clean still removes them (docs/cli.md): one clause says both.
+            unused = [
+                u for u in units if u.status.state is inventory.CacheState.COMPLETE and not u.in_use
+            ]
+            line = (
                 f"stored parts ({PARTS_DIR}): {len(units)} unit(s), "
-                f"{_human_bytes(sum(u.status.size_bytes for u in units))}, reusable by later "
-                f"builds; {len(unused)} used by no cache "
-                f"({_human_bytes(sum(u.status.size_bytes for u in unused))}: --clean removes them)",
-                file=out,
+                f"{_human_bytes(sum(u.status.size_bytes for u in units))}"
             )
+            if unused:
+                line += (
+                    f"; {len(unused)} stored unit(s) used by no cache "
+                    f"({_human_bytes(sum(u.status.size_bytes for u in unused))}): "
+                    "reusable by a later build; --clean removes them"
+                )
+            corrupt = [u for u in units if u.status.state is inventory.CacheState.CORRUPT]
+            if corrupt:  # named as --verify's part lines name them
+                names = [f"{PARTS_DIR}/{_safe(u.status.path.name)}" for u in corrupt]
+                more = (
+                    f" (+{len(names) - SUMMARY_SHOWN} more)" if len(names) > SUMMARY_SHOWN else ""
+                )
+                line += (
+                    f"; {len(corrupt)} corrupt: {', '.join(names[:SUMMARY_SHOWN])}{more} "
+                    "(--verify names their problems; --clean removes them)"
+                )
+            print(line, file=out)
+        for u in units:
+            if u.unfinished:
+                print(f"    {_unfinished(u, PARTS_DIR)}", file=out)
         for w in work:
             rel = f"{STAGING_DIR}/{_safe(w.path.name)}"
             what = (
@@ -424,6 +463,11 @@ def main(args: argparse.Namespace) -> int:
         return _published_status(args.status, cfg)
     admin = bool(args.status or args.verify or args.clean)
     cli.check_cache_root(cfg, args, must_exist=admin)
+    # Absolute from here on: every JSON report (the build's cache_dir and hashing index,
+    # status/verify/clean's paths) is read by tools run from other folders.
+    cfg = dataclasses.replace(
+        cfg, build=dataclasses.replace(cfg.build, cache_dir=str(cfg.cache_root.absolute()))
+    )
     if admin:
         return _admin(args, cfg)
     # `--json -`: stdout carries the JSON document alone (`| jq` works); the human

@@ -25,6 +25,7 @@ __all__ = [
     "block_digest",
     "default_workers",
     "hash_files",
+    "hashed_problem",
     "whole_checksum",
 ]
 
@@ -126,3 +127,17 @@ def hash_files(
 
 class _Stopped(Exception):
     """Raised inside a hashing thread when the consumer has gone."""
+
+
+def hashed_problem(size: int, digest: str | OSError, *, expected_size: int, expected: str) -> str | None:
+    """What is wrong with a file :func:`hash_files` read as ``(size, digest)`` against
+    the size and whole-file checksum a marker recorded for it, in the words every report
+    uses (``"unreadable (...)"``, ``"has N bytes, expected M"``, ``"whole-file checksum
+    mismatch (xxh3_128)"``); None when it matches."""
+    if isinstance(digest, OSError):
+        return f"unreadable ({digest.strerror or digest})"
+    if size != expected_size:
+        return f"has {size} bytes, expected {expected_size}"
+    if digest != expected:
+        return f"whole-file checksum mismatch ({ALGORITHM})"
+    return None

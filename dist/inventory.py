@@ -53,7 +53,7 @@ from typing import Any
 
 from dist.agreement import job_folder_state
 from dist.atomic import write_json_atomic
-from dist.checksums import ALGORITHM, hash_files
+from dist.checksums import hash_files, hashed_problem
 from dist.layout import (
     IDENTITY_FILE,
     VERIFY_RECORD,
@@ -248,8 +248,9 @@ def _unwritten_identity(path: Path, name: str) -> str | None:
         if parse_temp_name(n) != IDENTITY_FILE or st is None or not stat.S_ISREG(st.st_mode):
             continue
         d = read_json(path / n)
-        fp = d.get("fingerprint") if isinstance(d, dict) else None
-        host, pid = (d.get("host"), d.get("pid")) if isinstance(d, dict) else (None, None)
+        if not isinstance(d, dict):
+            continue
+        fp, host, pid = d.get("fingerprint"), d.get("host"), d.get("pid")
         if not (isinstance(fp, str) and fp and name.endswith(f"-{fp}")):
             continue
         if not (isinstance(host, str) and type(pid) is int):
@@ -1033,13 +1034,10 @@ def verify_cache(
             files += not isinstance(digest, OSError)
             if entry.path in named.get(stage, ()):
                 continue  # named by its size or first/last MiB already
-            if isinstance(digest, OSError):
-                why = f"unreadable ({digest.strerror or digest})"
-            elif size != entry.size:
-                why = f"has {size} bytes, expected {entry.size}"
-            elif digest != entry.whole_checksum:
-                why = f"whole-file checksum mismatch ({ALGORITHM})"
-            else:
+            why = hashed_problem(
+                size, digest, expected_size=entry.size, expected=entry.whole_checksum
+            )
+            if why is None:
                 continue
             problems.append(f"{stage}: listed file {entry.path!r} {why}")
     finally:

@@ -450,7 +450,7 @@ def linked_entries(
         CacheFormatError: a unit's marker does not read, or a checked file's bytes are not
             those its unit's marker lists (the part is damaged), naming the file.
     """
-    from dist.checksums import ALGORITHM, hash_files
+    from dist.checksums import hash_files, hashed_problem
     from dist.layout import marker_name
     from dist.markers import parse_marker
     from hf_pipeline.errors import CacheFormatError
@@ -480,13 +480,8 @@ def linked_entries(
                     checked.append((path, entry))
     hashed = hash_files([path.parent / e.path for path, e in checked])
     for (path, entry), (_, size, digest) in zip(checked, hashed, strict=True):
-        if isinstance(digest, OSError):
-            why = f"unreadable ({digest.strerror or digest})"
-        elif size != entry.size:
-            why = f"has {size} bytes, expected {entry.size}"
-        elif digest != entry.whole_checksum:
-            why = f"whole-file checksum mismatch ({ALGORITHM})"
-        else:
+        why = hashed_problem(size, digest, expected_size=entry.size, expected=entry.whole_checksum)
+        if why is None:
             continue
         raise CacheFormatError(
             str(path),

@@ -68,6 +68,7 @@ from dist.layout import (
     parse_temp_name,
     parse_trash_name,
     trash_name,
+    visible_folder_names,
     work_mark,
 )
 from dist.lease import LEASE_FILE, heartbeat_counter, heartbeat_path, holder_exited, read_lease
@@ -235,13 +236,8 @@ def _unwritten_identity(path: Path, name: str) -> str | None:
     :data:`IDENTITY_FILE` yet, but a lease and the identity's temp file (dist.atomic's,
     before its link into place) holding exactly what the project writes there
     (:func:`dist.layout.identity_bytes`) for the folder's own name. Else None."""
-    try:
-        if name.startswith(".") or not stat.S_ISDIR(os.lstat(path).st_mode):
-            return None
-        names = os.listdir(path)
-    except OSError:
-        return None
-    if IDENTITY_FILE in names or LEASE_FILE not in names or read_lease(path / LEASE_FILE) is None:
+    names = visible_folder_names(path, name)
+    if names is None or IDENTITY_FILE in names or LEASE_FILE not in names or read_lease(path / LEASE_FILE) is None:
         return None
     for n in names:
         st = _lstat(path / n)

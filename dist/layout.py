@@ -70,6 +70,7 @@ __all__ = [
     "retired_marker_name",
     "stage_dir_name",
     "trash_name",
+    "visible_folder_names",
     "work_mark",
     "work_mark_bytes",
 ]
@@ -279,6 +280,18 @@ def _legacy_mark(folder: Path, name: str, names: list[str]) -> str | None:
     return None
 
 
+def visible_folder_names(path: Path, name: str) -> list[str] | None:
+    """The entries of ``path`` judged as named ``name``: None when that name is hidden
+    (a dot-folder is never a cache or a unit), ``path`` is not a real folder (a symlink
+    is never followed) or cannot be listed."""
+    try:
+        if name.startswith(".") or not stat.S_ISDIR(os.lstat(path).st_mode):
+            return None
+        return os.listdir(path)
+    except OSError:
+        return None
+
+
 def cache_mark(path: Path, *, name: str | None = None) -> str | None:
     """The fingerprint of the cache in ``path`` if the project's mark says it is one.
 
@@ -297,11 +310,8 @@ def cache_mark(path: Path, *, name: str | None = None) -> str | None:
         The fingerprint, or None: not a cache.
     """
     name = path.name if name is None else name
-    try:
-        if name.startswith(".") or not stat.S_ISDIR(os.lstat(path).st_mode):
-            return None
-        names = os.listdir(path)
-    except OSError:
+    names = visible_folder_names(path, name)
+    if names is None:
         return None
     identity = _read_regular(path / IDENTITY_FILE, 1 << 16) if IDENTITY_FILE in names else None
     if (

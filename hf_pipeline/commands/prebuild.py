@@ -112,6 +112,13 @@ def _human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def _print_kept(foreign, out) -> None:
+    """The line under a work or job folder naming the entries the project did not
+    write there (never removed); none when there are none."""
+    if foreign:
+        print(f"    not hf_pipeline's, kept: {_safe(', '.join(foreign))}", file=out)
+
+
 def _safe(text: object) -> str:
     """``text`` for one terminal line: as it is when printable, else escaped and bounded
     (:func:`dist.safepath.shown`). Names, hosts and problems come from shared roots and
@@ -273,8 +280,7 @@ def _admin(args, cfg) -> int:
                 f"{_human_bytes(w.size_bytes)}, {w.age_s / 3600:.1f}h old",
                 file=out,
             )
-            if w.foreign:
-                print(f"    not hf_pipeline's, kept: {_safe(', '.join(w.foreign))}", file=out)
+            _print_kept(w.foreign, out)
         for j in jobs:
             what = {
                 "finished": "finished (every rank done with it): --clean removes it",
@@ -288,8 +294,7 @@ def _admin(args, cfg) -> int:
                 f"ranks {_safe(', '.join(j.members)) or '?'}",
                 file=out,
             )
-            if j.foreign:
-                print(f"    not hf_pipeline's, kept: {_safe(', '.join(j.foreign))}", file=out)
+            _print_kept(j.foreign, out)
         for path, why in ignored:
             print(f"not a cache: {_safe(path.name)}: {_safe(why)}", file=out)
         return 0

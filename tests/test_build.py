@@ -591,7 +591,7 @@ def _expected_loss(src32: np.ndarray, stored32: np.ndarray, mantissa_bits: int) 
 @pytest.mark.parametrize(
     "source, storage, bits",
     [
-        ("bfloat16", "float16", 10),
+        pytest.param("bfloat16", "float16", 10, marks=pytest.mark.slow),
         pytest.param("float32", "bfloat16", 7, marks=pytest.mark.slow),
         pytest.param("float32", "float16", 10, marks=pytest.mark.slow),
     ],

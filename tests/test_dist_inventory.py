@@ -481,6 +481,7 @@ def _jobs(root: Path) -> dict[str, str]:
     return {Path(j["path"]).name: j["state"] for j in json.loads(res.stdout)["jobs"]}
 
 
+@pytest.mark.slow
 def test_job_folders_finished_or_dead_are_cleaned_a_waiting_one_is_left(tmp_path):
     """``.jobs/<id>/`` (the ranks' agreement of one launch) piled up, one per launch:
     ``status`` did not show them, ``clean`` never removed them. Now a job whose every
@@ -540,6 +541,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.slow
 def test_a_unit_killed_before_its_identity_file_is_unfinished_and_cleaned(tmp_path):
     """SIGKILLed between its lease and its identity file, a unit held only ``lease``,
     ``heartbeat-*`` and the identity's temp file (outside tester): --status did not say

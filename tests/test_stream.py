@@ -338,6 +338,7 @@ def test_stream_options_and_config():
     assert dataclasses.fields(StreamOptions)
 
 
+@pytest.mark.slow
 def test_lightning_data_module_streams(gcs_cache, source_cache, local_source, tmp_path):
     """``loader.stream_from`` set: LatentDataModule reads the published cache in place
     (no build, nothing under its cache root) and gives the local batches."""
@@ -429,6 +430,7 @@ def test_train_script_streams_without_a_local_cache(gcs_cache, tmp_path):
     assert not root.exists() or not any(root.iterdir()), sorted(root.rglob("*"))[:10]
 
 
+@pytest.mark.slow
 def test_streaming_writes_nothing_to_local_disk(gcs_cache, local_source, tmp_path):
     """The bounded local cache is memory only: a real process streaming a whole epoch
     with the default ``stream_cache_bytes`` (1 GiB, so every block is kept) writes no

@@ -165,6 +165,7 @@ def _tamperings(good: bytes, other_key_entry: bytes):
     }
 
 
+@pytest.mark.slow
 def test_tampered_entries_are_ignored_and_rebuilt(tmp_path):
     """The cache root is shared: an entry that is garbage, cut short, oversized, a
     symlink, of another key, or inconsistent inside is absent (never used, never a

@@ -237,6 +237,7 @@ def _datamodule(cfg, **kw):
     return LatentDataModule(cfg, **kw)
 
 
+@pytest.mark.slow
 def test_datamodule_state_is_the_consumer_position(small_config, built_cache):
     """state_dict names the next batch handed out, not how far the workers ran ahead."""
     dm = _datamodule(small_config, num_workers=2, multiprocessing_context=_ctx(), timeout=120)

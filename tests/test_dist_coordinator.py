@@ -386,10 +386,13 @@ def _sigkill_the_builder(job, cache, timing, phase, *, ranks):
     "phase",
     [
         "build-converted",  # inside stage 1's build, files half written
-        pytest.param("stage_built", marks=pytest.mark.slow),  # after the converted marker, before stage 2 starts
-        pytest.param("build-filtered", marks=pytest.mark.slow),  # inside stage 2's build
+        # after the converted marker, before stage 2 starts
+        pytest.param("stage_built", marks=pytest.mark.slow),
+        # inside stage 2's build
+        pytest.param("build-filtered", marks=pytest.mark.slow),
         "publishing",  # files complete and described, marker about to be published
-        pytest.param("publishing-filtered", marks=pytest.mark.slow),  # the same for the last stage
+        # the same for the last stage
+        pytest.param("publishing-filtered", marks=pytest.mark.slow),
     ],
 )
 def test_sigkill_builder_at_each_phase(job, tmp_path, phase):

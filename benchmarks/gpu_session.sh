@@ -56,6 +56,10 @@ if [ -n "$COMMIT" ]; then export BENCH_TREE_COMMIT="$COMMIT"; fi
 # NVLink multicast stays off (the host's rule), also in the processes we start.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 SECONDS=0
+# The lent hosts' image holds no bytecode and sets PYTHONDONTWRITEBYTECODE=1: without this
+# every fresh process compiles torch and transformers from source (benchmarks/NOTES.md).
+# shellcheck disable=SC1091
+. "$(dirname "$0")/precompile.sh"
 
 log() { echo "[$(date -u +%H:%M:%S) +${SECONDS}s] $*" | tee -a "$LOG"; }
 

@@ -194,6 +194,7 @@ def _copy_built(built_cache, root: Path) -> Path:
     return dest
 
 
+@pytest.mark.slow
 def test_files_no_marker_lists_are_reported_and_cleaned(tmp_path, built_cache):
     """A plain ``datasets`` call on the cache writes cache-*.arrow beside its source."""
     import datasets
@@ -578,6 +579,7 @@ def test_a_unit_killed_before_its_identity_file_is_unfinished_and_cleaned(tmp_pa
     assert not unit.exists(), sorted(os.listdir(unit))
 
 
+@pytest.mark.slow
 def test_verify_of_a_failed_cache_says_the_build_failed_and_its_json_paths_are_absolute(
     job, tmp_path
 ):

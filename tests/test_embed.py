@@ -561,6 +561,7 @@ def test_hub_down_without_a_cached_ref_is_an_error_never_the_branch_name(model_h
     assert "pin encoder.revision to a 40-hex commit" in ei.value.reason
 
 
+@pytest.mark.slow
 def test_hub_down_uses_the_cached_ref_and_says_so(model_hub, hf_home, monkeypatch, caplog):
     import logging
 

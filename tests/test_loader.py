@@ -427,6 +427,7 @@ def test_mesh_single_device(source):
         Loader(source, global_batch_size=16, mesh=mesh, data_axis="batch")
 
 
+@pytest.mark.slow
 def test_bfloat16_cache_yields_bfloat16_jax_arrays(tmp_path):
     """A bfloat16 cache reaches JAX as bfloat16 with the stored bits (subnormals too)."""
     import jax

@@ -64,6 +64,28 @@ def test_stored_spec_gives_the_ids_of_transformers(tmp_path, max_length):
     assert worker.pad_token_id == tok.pad_token_id and worker.max_length == max_length
 
 
+@pytest.mark.parametrize("saved, asked", [(128, 8), (8, 128)])
+def test_one_entry_serves_every_max_length(tmp_path, saved, asked):
+    """A re-embedding with another ``encoder.max_length`` finds the entry an earlier build
+    saved (the key leaves max_length out): loaded for the asked length, it gives the ids,
+    pad id and token-unit key of transformers' tokenizer at that length."""
+    from hf_pipeline.build.part_store import tokenizer_key
+    from hf_pipeline.build.tokenizer_store import store_key
+    from hf_pipeline.encoder.model import CaptionTokenizer, WorkerTokenizer
+
+    _, store, key = _saved(tmp_path, f"encoder.max_length={saved}")
+    assert store_key(_encoder_cfg(f"encoder.max_length={asked}")) == key
+    want = CaptionTokenizer(_encoder_cfg(f"encoder.max_length={asked}"))
+    found = store.load(key, tmp_path / "private", max_length=asked)
+    assert found is not None
+    assert found.spec.max_length == asked
+    assert found.key == tokenizer_key(want)
+    worker = WorkerTokenizer(found.spec)
+    long = [c * 8 for c in CAPTIONS]  # past 128 tokens: truncated at either length
+    assert worker(CAPTIONS + long) == want(CAPTIONS + long)
+    assert worker.pad_token_id == want.pad_token_id
+
+
 def test_stored_tokenizer_serves_the_encoder_as_transformers_does(tmp_path):
     """The encoder takes the stored spec's tokenizer in place of transformers': its
     embeddings of captions, and the threaded tokenizing an embedding without stored
@@ -86,10 +108,10 @@ def test_stored_tokenizer_serves_the_encoder_as_transformers_does(tmp_path):
 
 
 def test_key_follows_the_tokenizer_files_not_their_place_or_mtime(tmp_path):
-    """The key is the tokenizer files' content, max_length and the library versions: a
-    copy of the folder elsewhere (weights left out) or a touched file finds the same
-    entry; another max_length or a changed vocabulary is a miss; a Hub id with no local
-    snapshot has no key (today's path)."""
+    """The key is the tokenizer files' content and the library versions: a copy of the
+    folder elsewhere (weights left out), a touched file or another max_length (applied
+    when loading) finds the same entry; a changed vocabulary or truncation side is a
+    miss; a Hub id with no local snapshot has no key (today's path)."""
     from hf_pipeline.build.tokenizer_store import store_key
     from hf_pipeline.encoder.model import resolve_encoder_path
 
@@ -101,7 +123,7 @@ def test_key_follows_the_tokenizer_files_not_their_place_or_mtime(tmp_path):
     assert store_key(_encoder_cfg("encoder.max_length=32", f"encoder.model={copy}")) == base
     os.utime(copy / "vocab.txt", (1, 1))
     assert store_key(_encoder_cfg("encoder.max_length=32", f"encoder.model={copy}")) == base
-    assert store_key(_encoder_cfg("encoder.max_length=33")) != base
+    assert store_key(_encoder_cfg("encoder.max_length=33")) == base
     cfg = json.loads((copy / "tokenizer_config.json").read_text())
     cfg["truncation_side"] = "left"
     (copy / "tokenizer_config.json").write_text(json.dumps(cfg))
@@ -140,7 +162,7 @@ def _entry(store, key) -> Path:
     return path
 
 
-def _tamperings(good: bytes, other_key_entry: bytes):
+def _tamperings(good: bytes):
     meta, _, backend = good.partition(b"\n")
     info = json.loads(meta)
     forged_backend = b'{"not": "a tokenizer"}'
@@ -150,13 +172,14 @@ def _tamperings(good: bytes, other_key_entry: bytes):
                   backend_sha256=hashlib.sha256(forged_backend).hexdigest())  # fmt: skip
     bad_pad = dict(info, pad_token_id=10**9)
     bad_tok_key = dict(info, tokenizer_key="0" * 16)
+    other_key = dict(info, key="f" * 32)  # a whole entry, filed under another key
     return {
         "garbage": os.urandom(4096),
         "empty": b"",
         "truncated": good[: len(good) // 2],
         "meta only": meta + b"\n",
         "flipped byte": good[:-10] + bytes([good[-10] ^ 1]) + good[-9:],
-        "wrong key inside": other_key_entry,
+        "wrong key inside": json.dumps(other_key).encode() + b"\n" + backend,
         "not json meta": b"[1, 2" + b"\n" + backend,
         "meta not an object": b"[]\n" + backend,
         "forged backend": json.dumps(forged).encode() + b"\n" + forged_backend,
@@ -174,11 +197,10 @@ def test_tampered_entries_are_ignored_and_rebuilt(tmp_path):
     from hf_pipeline.build.part_store import tokenizer_key
 
     tok, store, key = _saved(tmp_path, "encoder.max_length=16")
-    _, other_store, other_key = _saved(tmp_path / "o", "encoder.max_length=17")
     path = _entry(store, key)
     good = path.read_bytes()
     _, spec, _ = _exported(tmp_path / "again", "encoder.max_length=16")
-    cases = _tamperings(good, _entry(other_store, other_key).read_bytes())
+    cases = _tamperings(good)
     for name, data in cases.items():
         path.unlink()
         path.write_bytes(data)
@@ -272,3 +294,14 @@ def test_second_build_tokenizes_without_transformers_tokenizer(tmp_path):
     assert _token_ids(root) == ids
     clean(root, dry_run=False, observe_s=0.5)
     assert sorted(p.name for p in (root / ".tokenizers").iterdir()) == stored
+    # A re-embedding with another max_length uses the same entry (the last session's
+    # H200 re-embed waited 8.5 s for transformers' tokenizer: its key held max_length).
+    third = _fresh_build(tmp_path, root, "encoder.max_length=16")
+    assert not third["tokenizer_loaded"], third
+    assert third["startup"]["notes"]["tokenizer"] == "store", third["startup"]
+    assert sorted(p.name for p in (root / ".tokenizers").iterdir()) == stored
+    units = _token_ids(root)
+    assert len(units) == 2 * len(ids)  # the new length's token units, beside the old
+    cut = [u for u in units if u not in ids]
+    assert cut and all(len(row) <= 16 for u in cut for row in u)
+    assert any(len(row) == 16 for u in cut for row in u)  # truncated at the new length

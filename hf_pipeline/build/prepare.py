@@ -419,7 +419,9 @@ class _EncoderLoading:
                 if self._store_key is not None:
                     store = TokenizerSpecStore(self._cfg.cache_root / TOKENIZER_SPECS_DIR)
                     self._private = tempfile.mkdtemp(prefix="hf_pipeline-tokenizer-")
-                    self._stored = store.load(self._store_key, self._private)
+                    self._stored = store.load(
+                        self._store_key, self._private, max_length=self._cfg.encoder.max_length
+                    )
                 if self._stored is not None:
                     self.timeline.mark("tokenizer")
                     self.timeline.note("tokenizer", "store")

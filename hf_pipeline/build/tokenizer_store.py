@@ -14,9 +14,13 @@ what the export made; a later build on the same root (any cache, any process) fi
 The key is what the exported spec depends on: the content of the tokenizer's files (the
 model folder as ``encoder.model`` resolves it, weights left out; for a Hub id, the local
 snapshot of the commit the cache's identity names, else no key: transformers loads as
-before), ``encoder.max_length``, the ``tokenizers`` and ``transformers`` versions (the
-export is transformers' conversion, run by ``tokenizers``) and :data:`_SCHEMA` (what
+before), the ``tokenizers`` and ``transformers`` versions (the export is transformers'
+conversion, run by ``tokenizers``) and :data:`_SCHEMA` (what
 :class:`~hf_pipeline.encoder.model.CaptionTokenizer` does on top: the pad-token fallback).
+Not ``encoder.max_length``: the backend does not depend on it (the workers set their own
+truncation, :class:`~hf_pipeline.encoder.model.WorkerTokenizer`, and the token units' key
+leaves the backend's last truncation out), so :meth:`TokenizerSpecStore.load` applies the
+asked length, and a re-embedding with another ``max_length`` starts tokenizing at once.
 
 One file per key, ``<cache root>/.tokenizers/<key>.spec``: a JSON line (the spec's
 settings, the pad id, the token units' key, the backend's size and sha256), then the
@@ -62,7 +66,7 @@ log = logging.getLogger(__name__)
 #: Under the cache root (a dot-folder: never listed or cleaned as a cache).
 TOKENIZER_SPECS_DIR = ".tokenizers"
 #: Bump when what a spec holds, or how CaptionTokenizer sets it up, changes.
-_SCHEMA = 1
+_SCHEMA = 2  # 2: max_length left out of the key (1: in it)
 _KIND = "hf_pipeline-tokenizer-spec"
 #: The most an entry may hold (gemma-3's backend is ~33 MB; anything far larger is not
 #: ours, and is not read).
@@ -128,7 +132,7 @@ def store_key(cfg: EncoderConfig, identity: dict[str, Any] | None = None) -> str
     tokenizer loads through transformers, as without a store.
 
     Args:
-        cfg: the encoder's settings (``model``, ``revision``, ``max_length``).
+        cfg: the encoder's settings (``model``, ``revision``).
         identity: the cache's :func:`~hf_pipeline.encoder.model.encoder_identity` (needed
             for a Hub id: its ``revision`` is the commit the fingerprint names).
     """
@@ -150,7 +154,7 @@ def store_key(cfg: EncoderConfig, identity: dict[str, Any] | None = None) -> str
         except PackageNotFoundError:
             versions[name] = None
     text = json.dumps(
-        {"schema": _SCHEMA, "files": files, "versions": versions, "max_length": cfg.max_length},
+        {"schema": _SCHEMA, "files": files, "versions": versions},
         sort_keys=True, separators=(",", ":"),
     )  # fmt: skip
     return hashlib.sha256(text.encode()).hexdigest()[:32]
@@ -206,10 +210,14 @@ class TokenizerSpecStore:
             raise ValueError(f"key must be 32 hex digits, got {key!r}")
         return self.folder / f"{key}.spec"
 
-    def load(self, key: str, into: str | os.PathLike) -> StoredTokenizer | None:
+    def load(
+        self, key: str, into: str | os.PathLike, *, max_length: int | None = None
+    ) -> StoredTokenizer | None:
         """The tokenizer stored under ``key``, its backend written to ``into/tokenizer.json``
         (a private copy: the shared entry may change after this check); None when there
-        is none or it does not check out (the module docstring)."""
+        is none or it does not check out (the module docstring). With ``max_length``
+        (``encoder.max_length``) its spec truncates there and its token units' key is
+        that length's (default: the length of the build that saved it)."""
         path = self._path(key)
         data = _read_regular(path, MAX_ENTRY_BYTES)
         if data is None:
@@ -219,6 +227,17 @@ class TokenizerSpecStore:
             log.warning("tokenizer store: %s ignored (%s); exporting it again", path, found)
             return None
         info, backend = found
+        tok_key = info["tokenizer_key"]
+        if max_length is not None and max_length != info["max_length"]:
+            from hf_pipeline.build.part_store import backend_tokenizer_key
+
+            if max_length < 1:
+                raise ValueError(f"max_length must be >= 1, got {max_length}")
+            tok_key = backend_tokenizer_key(
+                backend.decode(), max_length=max_length, truncation_side=info["direction"],
+                split_special_tokens=info["split_special_tokens"],
+            )  # fmt: skip
+            info = {**info, "max_length": max_length}
         out = Path(into) / "tokenizer.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_bytes(backend)
@@ -227,7 +246,7 @@ class TokenizerSpecStore:
             split_special_tokens=info["split_special_tokens"],
             pad_token_id=info["pad_token_id"],
         )  # fmt: skip
-        return StoredTokenizer(spec=spec, key=info["tokenizer_key"])
+        return StoredTokenizer(spec=spec, key=tok_key)
 
     @staticmethod
     def _parse(key: str, data: bytes) -> tuple[dict[str, Any], bytes] | str:

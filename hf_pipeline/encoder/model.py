@@ -199,9 +199,11 @@ def native_model(cfg: EncoderConfig):
     return inspect_folder(path)
 
 
-def _load_error(cfg: EncoderConfig, exc: BaseException) -> ConfigError:
+def _load_error(cfg: EncoderConfig, exc: BaseException, why: str = "") -> ConfigError:
     # transformers reports a broken or foreign model folder with any of several types.
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if why:  # what the native check found wrong with the weights file (it names it)
+        first = f"{first}; {why}"
     return ConfigError(
         f"encoder.model {cfg.model!r} could not be loaded ({first}); give a local folder, "
         "a reachable Hub model id, or 'minilm'",
@@ -598,6 +600,8 @@ class TextEncoder:
         t0 = time.monotonic()
         import torch
 
+        from safetensors import SafetensorError
+
         native = native_model(cfg)
         if isinstance(native, str):
             log.debug("encoder.model %r loads with transformers: %s", cfg.model, native)
@@ -637,8 +641,10 @@ class TextEncoder:
                 )
             else:
                 self.model = native.load(dtype)
-        except (OSError, ValueError, KeyError) as exc:
-            raise _load_error(cfg, exc) from None
+        except (OSError, ValueError, KeyError, SafetensorError) as exc:
+            # A weights file the native check found damaged: its reason names the file.
+            why = native if isinstance(native, str) and "model.safetensors" in native else ""
+            raise _load_error(cfg, exc, why) from None
         lap("model")
         _no_kv_cache(self.model.config)
         self.model.to(self.device).eval()

@@ -55,6 +55,7 @@ __all__ = [
     "DataConfig",
     "DemoConfig",
     "EncoderAttention",
+    "EncoderBackend",
     "EncoderCompile",
     "ENV_VARS",
     "EncoderConfig",
@@ -989,6 +990,7 @@ _LITERALS = {
     "StorageDtype": StorageDtype,
     "EncoderCompile": EncoderCompile,
     "EncoderAttention": EncoderAttention,
+    "EncoderBackend": EncoderBackend,
 }
 
 _SECTIONS = {

@@ -351,9 +351,7 @@ class _EncoderLoading:
         self._needs: bool | None = None if not isinstance(native, str) else True
         if isinstance(native, str):
             log.debug("encoder: transformers loads the model: %s", native)
-        _import_before_threads(
-            timeline, transformers=after is None and self._needs_transformers()
-        )
+        _import_before_threads(timeline, transformers=after is None and self._needs_transformers())
         self._max_wait = cfg.coord.max_wait
         self._imported = threading.Event()  # set: transformers' import ended (or skipped)
         self._go = threading.Event()  # set: load (the event, an ask, or leaving)

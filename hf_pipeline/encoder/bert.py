@@ -193,7 +193,9 @@ class BertEncoder(torch.nn.Module):
         super().__init__()
         self.layer = torch.nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_hidden_layers))
 
-    def forward(self, hidden_states: torch.Tensor, mask: torch.Tensor | None = None) -> EncoderOutput:
+    def forward(
+        self, hidden_states: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> EncoderOutput:
         """``mask``: None (every token attends to every token) or a boolean
         ``(batch, 1, 1, tokens)`` (True: a key to attend to), as :class:`BertModel` makes."""
         for layer in self.layer:
@@ -285,7 +287,7 @@ def _config(raw: Any) -> BertConfig | str:
     if raw.get("quantization_config") is not None:
         return "it is quantized"
     defaults = {"type_vocab_size": 2, "max_position_embeddings": 512}
-    sizes: dict[str, int] = {}
+    sizes: dict[str, Any] = {}
     for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                  "intermediate_size", "max_position_embeddings", "type_vocab_size"):  # fmt: skip
         value = raw.get(name, defaults.get(name))

@@ -599,7 +599,6 @@ class TextEncoder:
     ):
         t0 = time.monotonic()
         import torch
-
         from safetensors import SafetensorError
 
         native = native_model(cfg)

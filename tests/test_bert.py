@@ -291,3 +291,14 @@ def test_the_native_encoder_imports_no_transformers(tmp_path):
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got == {"backend": "native", "fused": 6, "shape": [2, 384],
                    "laps": ["imports", "model", "to_device"], "transformers": []}  # fmt: skip
+
+
+def test_compiled_artifacts_of_the_native_model_have_their_own_key():
+    """The shared compile artifacts (CompileArtifacts) of the native model are other
+    graphs than transformers': another key; transformers' key stays what it was."""
+    from hf_pipeline.encoder.model import compile_artifacts_key
+
+    cfg, ident = EncoderConfig(), {"model": "minilm", "revision": "r"}
+    plain = compile_artifacts_key(cfg, ident, "cpu")
+    assert compile_artifacts_key(cfg, ident, "cpu", backend="transformers") == plain
+    assert compile_artifacts_key(cfg, ident, "cpu", backend="native") != plain

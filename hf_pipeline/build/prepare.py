@@ -294,10 +294,10 @@ class _EncoderLoading:
     With ``after`` (a :class:`~hf_pipeline.build.startup.StartupTimeline` event: the
     build's ``join_map``), the thread imports transformers at once if the build needs it
     (see below; beside the caption table, which runs mostly in Arrow's C++), then waits
-    for that event, or for the
-    first ask for ``.encoder``, whichever comes first (at most ``coord.max_wait``),
-    before it loads the tokenizer and the model (their imports, transformers' modeling
-    stack with ``torch._dynamo``, scipy and sympy, are most of the loading): until the
+    for that event, or for the first ask for ``.encoder``, whichever comes first (at
+    most ``coord.max_wait``), before it loads the tokenizer and the model (their
+    imports, transformers' modeling stack with ``torch._dynamo``, scipy and sympy, are
+    most of the loading; a native model needs none of them): until the
     join's workers run, the main thread has the interpreter to itself. Without
     ``after`` it all loads at once, transformers imported on the calling thread first.
     Leaving the block before the loading began cancels it (a build that failed, or

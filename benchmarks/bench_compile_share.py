@@ -68,7 +68,7 @@ def _child(spec: dict) -> None:
         max_length=spec["max_length"],
     )  # fmt: skip
     enc = TextEncoder(cfg)
-    key = compile_artifacts_key(cfg, encoder_identity(cfg), enc.device)
+    key = compile_artifacts_key(cfg, encoder_identity(cfg), enc.device, backend=enc.backend)
     shared = CompileArtifacts(spec["shared"], key, wait_s=0)
     t1 = time.monotonic()
     enc.warm_up_shared(shared)

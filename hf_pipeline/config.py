@@ -55,6 +55,7 @@ __all__ = [
     "DataConfig",
     "DemoConfig",
     "EncoderAttention",
+    "EncoderBackend",
     "EncoderCompile",
     "ENV_VARS",
     "EncoderConfig",
@@ -97,6 +98,11 @@ EncoderCompile = Literal["auto", "eager", "graphs", "default", "reduce-overhead"
 
 #: The encoder's attention kernels (transformers' ``attn_implementation``).
 EncoderAttention = Literal["sdpa", "eager"]
+
+#: What loads the encoder's model: ``auto`` (a plain BERT folder, all-MiniLM-L6-v2 among
+#: them, with hf_pipeline's own torch BERT, :mod:`hf_pipeline.encoder.bert`: no
+#: transformers import; any other model with transformers) or ``transformers`` (always).
+EncoderBackend = Literal["auto", "transformers"]
 
 
 #: What the build does with a shard it cannot fetch or read: fail naming it, or skip it
@@ -309,7 +315,7 @@ class EncoderConfig:
     """The caption text encoder.
 
     The speed knobs (``micro_batch_size``, ``tokens_per_batch``, ``compile``,
-    ``attn_implementation``, ``fuse_gelu``) keep the cache's fingerprint: the embeddings
+    ``attn_implementation``, ``fuse_gelu``, ``backend``) keep the cache's fingerprint: the embeddings
     differ by float noise. ``tf32`` changes the numerics, so the fingerprint.
     """
 
@@ -342,6 +348,12 @@ class EncoderConfig:
         "the encoder's attention kernels (transformers' `attn_implementation`): `sdpa` "
         "(on CUDA any SDPA kernel but cuDNN's) or `eager`",
     )
+    backend: EncoderBackend = _field(
+        "auto",
+        "what loads the model: `auto` (a local plain-BERT folder with a `model.safetensors`, "
+        "such as `minilm`, with hf_pipeline's own torch BERT, which needs no transformers "
+        "import; any other model with transformers) or `transformers` (always)",
+    )
     tf32: bool = _field(
         False,
         "float32 matmuls on TF32 tensor cores (CUDA): ~3x faster on a GPU but other "
@@ -367,6 +379,7 @@ class EncoderConfig:
         for field, value, allowed in (
             ("compile", self.compile, get_args(EncoderCompile)),
             ("attn_implementation", self.attn_implementation, get_args(EncoderAttention)),
+            ("backend", self.backend, get_args(EncoderBackend)),
         ):
             _check(
                 value in allowed,
@@ -977,6 +990,7 @@ _LITERALS = {
     "StorageDtype": StorageDtype,
     "EncoderCompile": EncoderCompile,
     "EncoderAttention": EncoderAttention,
+    "EncoderBackend": EncoderBackend,
 }
 
 _SECTIONS = {

@@ -68,15 +68,25 @@ def test_fresh_process_starts_workers_and_encoder_first(tmp_path):
     for s in (first, second):
         t = s["seconds"]
         assert t["workers_starting"] < t["identity"] < t["imports"] <= t["join_map"], t
-        assert t["imports"] < t["tokenizer"] < t["encoder"], t  # the loading thread's
+        assert t["imports"] < t["tokenizer"] < t["encoder"], t
         assert t["join_map"] < t["first_shard"], t
-        # The join does not wait for the tokenizer and the model: their loading (most of
-        # transformers' imports) begins once the join started, and the first shard
-        # starts before the encoder is ready; transformers itself is imported off the
-        # main thread, and the join's first use of datasets waits for it (race-free).
-        assert t["imports"] < t["transformers"] <= t["first_shard"], t
-        assert t["join_map"] <= t["encoder_loading"] < t["tokenizer"], t
-        assert t["first_shard"] < t["encoder"], t
+        # The join does not wait for the model: its loading begins once the join started.
+        assert t["join_map"] <= t["encoder_loading"], t
+        assert s["notes"]["encoder_backend"] == "native", s["notes"]  # MiniLM: a plain BERT
+    # The first build loads the tokenizer with transformers: transformers itself is
+    # imported off the main thread, and the join's first use of datasets waits for it
+    # (race-free). The second finds the tokenizer in the store (hf_pipeline.build.
+    # tokenizer_store) and MiniLM loads natively: nothing imports transformers.
+    # Loading through transformers takes seconds: the first shard starts before the
+    # encoder is ready (the native model, without transformers' imports, may be ready
+    # before it).
+    t = first["seconds"]
+    assert t["imports"] < t["transformers"] <= t["first_shard"], t
+    assert t["encoder_loading"] < t["tokenizer"], t  # the loading thread's
+    assert t["first_shard"] < t["encoder"], t
+    assert first["notes"]["tokenizer"] == "transformers", first["notes"]
+    assert "transformers" not in second["seconds"], second
+    assert second["notes"]["tokenizer"] == "store", second["notes"]
 
     # The reference: a fresh interpreter with the build's heavy libraries, ending
     # through the interpreter's own shut-down.
@@ -170,6 +180,9 @@ def test_shared_libraries_are_first_imported_on_the_main_thread(tmp_path):
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     first = json.loads(r.stdout.strip().splitlines()[-1])
-    shared = {m: first.get(m) for m in ("torch", "torch.distributed", "datasets")}
+    # safetensors and the native BERT: the main thread decides whether the model loads
+    # natively (hf_pipeline.encoder.model.native_model) before any thread starts.
+    names = ("torch", "torch.distributed", "datasets", "safetensors", "hf_pipeline.encoder.bert")
+    shared = {m: first.get(m) for m in names}
     assert shared == dict.fromkeys(shared, "MainThread"), shared
     assert "transformers" in first, "the build loaded no encoder: the audit saw nothing"

@@ -161,6 +161,7 @@ def test_unloadable_model_is_a_config_error(tmp_path):
         ("encoder.compile=fast", "encoder.compile"),
         ("encoder.compile=false", "encoder.compile"),  # YAML reads a bool: not a mode
         ("encoder.attn_implementation=flash", "encoder.attn_implementation"),
+        ("encoder.backend=torch", "encoder.backend"),
         ("encoder.tokens_per_batch=-1", "encoder.tokens_per_batch"),
     ],
 )

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hf_pipeline.config import load_config
@@ -238,6 +239,7 @@ if __name__ == "__main__":
     result = prepare_cache(load_config(None, sys.argv[1:]), progress=False)
     print(json.dumps({
         "tokenizer_loaded": "transformers.models.auto.tokenization_auto" in sys.modules,
+        "transformers": sorted(m for m in sys.modules if m.split(".")[0] == "transformers"),
         "startup": result.report.get("startup"),
     }))
 """
@@ -264,7 +266,28 @@ def _token_ids(root: Path) -> list:
     return out
 
 
-# slow: two fresh-process builds (about 40 CPU-s).
+def _embeddings(root: Path):
+    """Every stored part's embeddings, in part order (one array)."""
+    import pyarrow as pa
+
+    out = []
+    for f in sorted(root.glob(".parts/embed-*/*/embeddings/data.arrow")):
+        with pa.memory_map(str(f)) as source:
+            column = pa.ipc.open_stream(source).read_all().column("embedding")
+            out.append(np.array(column.to_pylist(), dtype=np.float32))
+    assert out, "no embeddings stored"
+    return np.concatenate(out)
+
+
+def _fresh_start(root: Path) -> None:
+    """Remove the caches and stored parts of ``root`` (the next build tokenizes and
+    embeds every caption again), keeping its dot-folders (the tokenizer store)."""
+    for old in root.iterdir():
+        if not old.name.startswith(".") or old.name == ".parts":
+            shutil.rmtree(old)
+
+
+# slow: three fresh-process builds (about 60 CPU-s).
 @pytest.mark.slow
 def test_second_build_tokenizes_without_transformers_tokenizer(tmp_path):
     """The first build on a root loads the tokenizer with transformers and stores its
@@ -272,26 +295,42 @@ def test_second_build_tokenizes_without_transformers_tokenizer(tmp_path):
     tokenizes every caption again) starts its token pool from the stored spec and never
     loads transformers' tokenizer (``tokenization_auto`` is not imported); its token ids
     are the first build's. ``clean`` leaves the store alone. On the code before the
-    store, the second build imported ``tokenization_auto`` again."""
+    store, the second build imported ``tokenization_auto`` again.
+
+    With MiniLM loaded natively (hf_pipeline.encoder.bert) the second build imports no
+    transformers module at all, and its start-up notes say so (``encoder_backend``);
+    with ``encoder.backend: transformers`` a third one imports it for the model (its
+    tokenizer still from the store) and the embeddings are the same. On the code before
+    the native BERT, every build imported transformers."""
     from dist.inventory import clean
 
     root = tmp_path / "cache"
     first = _fresh_build(tmp_path, root)
     assert first["tokenizer_loaded"]
-    assert first["startup"]["notes"]["tokenizer"] == "transformers", first["startup"]
-    ids = _token_ids(root)
+    notes = first["startup"]["notes"]
+    assert (notes["tokenizer"], notes["encoder_backend"]) == ("transformers", "native"), notes
+    ids, embeddings = _token_ids(root), _embeddings(root)
     assert ids and any(any(row) for row in ids[0])
     stored = sorted(p.name for p in (root / ".tokenizers").iterdir())
     assert len(stored) == 1, stored
-    for old in root.iterdir():
-        if not old.name.startswith(".") or old.name == ".parts":
-            shutil.rmtree(old)
+    _fresh_start(root)
     second = _fresh_build(tmp_path, root)
     assert not second["tokenizer_loaded"], second
+    assert second["transformers"] == [], second["transformers"]
     t = second["startup"]["seconds"]
-    assert second["startup"]["notes"]["tokenizer"] == "store", second["startup"]
+    notes = second["startup"]["notes"]
+    assert (notes["tokenizer"], notes["encoder_backend"]) == ("store", "native"), notes
+    assert "transformers" not in t, t  # nothing imported it, nothing waited for it
     assert t["tokenizer"] <= t["tokens_pool"], t
     assert _token_ids(root) == ids
+    np.testing.assert_array_equal(_embeddings(root), embeddings)
+    _fresh_start(root)
+    third = _fresh_build(tmp_path, root, "encoder.backend=transformers")
+    assert not third["tokenizer_loaded"] and third["transformers"], third
+    notes = third["startup"]["notes"]
+    assert (notes["tokenizer"], notes["encoder_backend"]) == ("store", "transformers"), notes
+    assert "transformers" in third["startup"]["seconds"], third["startup"]
+    np.testing.assert_allclose(_embeddings(root), embeddings, rtol=0, atol=1e-5)
     clean(root, dry_run=False, observe_s=0.5)
     assert sorted(p.name for p in (root / ".tokenizers").iterdir()) == stored
     # A re-embedding with another max_length uses the same entry (the last session's

@@ -292,11 +292,12 @@ class _EncoderLoading:
     embedding.
 
     With ``after`` (a :class:`~hf_pipeline.build.startup.StartupTimeline` event: the
-    build's ``join_map``), the thread imports transformers at once (beside the caption
-    table, which runs mostly in Arrow's C++), then waits for that event, or for the
-    first ask for ``.encoder``, whichever comes first (at most ``coord.max_wait``),
-    before it loads the tokenizer and the model (their imports, transformers' modeling
-    stack with ``torch._dynamo``, scipy and sympy, are most of the loading): until the
+    build's ``join_map``), the thread imports transformers at once if the build needs it
+    (see below; beside the caption table, which runs mostly in Arrow's C++), then waits
+    for that event, or for the first ask for ``.encoder``, whichever comes first (at
+    most ``coord.max_wait``), before it loads the tokenizer and the model (their
+    imports, transformers' modeling stack with ``torch._dynamo``, scipy and sympy, are
+    most of the loading; a native model needs none of them): until the
     join's workers run, the main thread has the interpreter to itself. Without
     ``after`` it all loads at once, transformers imported on the calling thread first.
     Leaving the block before the loading began cancels it (a build that failed, or
@@ -316,6 +317,14 @@ class _EncoderLoading:
     import otherwise (torch, ``torch.distributed``, ``datasets``) is imported on the
     calling (main) thread before the thread starts (:func:`_import_before_threads`).
 
+    A build that needs no transformers imports none, and then nothing waits
+    (:meth:`_needs_transformers`): when the model loads natively (a plain BERT such as
+    all-MiniLM-L6-v2: :func:`hf_pipeline.encoder.model.native_model`, decided on the
+    calling thread from the folder's config and weights header, milliseconds) and the
+    tokenizer comes from the store (looked up on the loading thread, where the fence
+    waits for the answer). A store miss (a first build) or another model imports it as
+    described above.
+
     The tokenizer comes from the cache root's tokenizer store when an earlier build
     saved this one (:meth:`stored_tokenizer`, :mod:`hf_pipeline.build.tokenizer_store`):
     then the tokens start without waiting for any of this, and the model loads with the
@@ -328,21 +337,27 @@ class _EncoderLoading:
         self, cfg: Config, process, *, timeline=None, encoder_ident=None, after: str | None = None
     ):
         from hf_pipeline.build.startup import StartupTimeline
+        from hf_pipeline.encoder.model import native_model
 
-        _import_before_threads(timeline, transformers=after is None)
         self.timeline = timeline if timeline is not None else StartupTimeline()
-        self._max_wait = cfg.coord.max_wait
-        self._imported = threading.Event()  # set: transformers' import ended
-        self._go = threading.Event()  # set: load (the event, an ask, or leaving)
-        self._left_unused = False  # the block ended before anything asked to load
-        self._started = time.monotonic()  # when the loading began (after the wait)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hf_pipeline-encoder-load")
         self._cfg, self._encoder_ident = cfg, encoder_ident
         self._store_lock = threading.Lock()
         self._store_looked = False
         self._store_key: str | None = None
         self._stored = None  # the StoredTokenizer found, or None
         self._private: str | None = None  # a stored backend's copy, removed on leaving
+        # Whether this build imports transformers (None: if the tokenizer store misses).
+        native = native_model(cfg.encoder)  # here: the main thread imports its modules
+        self._needs: bool | None = None if not isinstance(native, str) else True
+        if isinstance(native, str):
+            log.debug("encoder: transformers loads the model: %s", native)
+        _import_before_threads(timeline, transformers=after is None and self._needs_transformers())
+        self._max_wait = cfg.coord.max_wait
+        self._imported = threading.Event()  # set: transformers' import ended (or skipped)
+        self._go = threading.Event()  # set: load (the event, an ask, or leaving)
+        self._left_unused = False  # the block ended before anything asked to load
+        self._started = time.monotonic()  # when the loading began (after the wait)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hf_pipeline-encoder-load")
         if after is None:
             self._imported.set()
             self._go.set()
@@ -373,12 +388,22 @@ class _EncoderLoading:
                 f"coord.max_wait ({self._max_wait:.0f} s)"
             )
 
+    def _needs_transformers(self) -> bool:
+        """Whether this build imports transformers at all: for the tokenizer (not in the
+        tokenizer store) or for the model (not one that loads natively:
+        :func:`hf_pipeline.encoder.model.native_model`). Decided once, before anything
+        imports it: without it, ``datasets`` never looks for it (no fence needed)."""
+        if self._needs is None:
+            self._needs = self.stored_tokenizer() is None
+        return self._needs
+
     def _import_transformers(self) -> None:
         try:
-            # What datasets' pickler reads (see the class docstring).
-            from transformers import PreTrainedTokenizerBase  # noqa: F401
+            if self._needs_transformers():
+                # What datasets' pickler reads (see the class docstring).
+                from transformers import PreTrainedTokenizerBase  # noqa: F401
 
-            self.timeline.mark("transformers")
+                self.timeline.mark("transformers")
         finally:  # a failed import is not in sys.modules: nothing half-made is left
             self._imported.set()
 
@@ -507,7 +532,7 @@ def _encoder(cfg: Config, process, tokenizer, started: float, timeline=None, enc
             compile_artifacts_key,
         )
 
-        key = compile_artifacts_key(enc_cfg, encoder_ident, encoder.device)
+        key = compile_artifacts_key(enc_cfg, encoder_ident, encoder.device, backend=encoder.backend)
         shared = CompileArtifacts(cfg.cache_root / COMPILE_ARTIFACTS_DIR, key)
     encoder.warm_up_shared(shared)
     encoder.load_seconds = {
@@ -516,6 +541,7 @@ def _encoder(cfg: Config, process, tokenizer, started: float, timeline=None, enc
         "ready": round(time.monotonic() - started, 3),
     }
     if timeline is not None:
+        timeline.note("encoder_backend", encoder.backend)
         timeline.mark("encoder")
     log.info(
         "encoder %s (dim %d) on %s", enc_cfg.model, encoder.dim, describe_device(encoder.device)

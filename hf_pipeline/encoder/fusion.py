@@ -15,10 +15,15 @@ float16's; so :class:`hf_pipeline.encoder.model.TextEncoder` fuses only in those
 CUDA. On the CPU the same operation computes the erf form exactly: the module swap
 itself is tested there.
 
+It recognises transformers' BERT-style steps and the native BERT's
+(:mod:`hf_pipeline.encoder.bert`); with the native model it imports no transformers.
+
 This module imports torch: import it where an encoder is built, not at package import.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -46,6 +51,8 @@ def _is_erf_gelu(act) -> bool:
     other tanh or quick forms already differ from it, and are left alone)."""
     if isinstance(act, torch.nn.GELU):
         return act.approximate == "none"
+    if "transformers" not in sys.modules:  # then ``act`` is none of transformers'
+        return False
     try:
         from transformers.activations import GELUActivation
     except ImportError:  # pragma: no cover - transformers is a dependency
@@ -56,7 +63,14 @@ def _is_erf_gelu(act) -> bool:
 def _forward_is_berts(module: torch.nn.Module) -> bool:
     """Whether ``module``'s forward is BERT's intermediate step, ``act(dense(x))``, to the
     bytecode (transformers copies it into RoBERTa, XLM-R, MPNet, ELECTRA...; a model whose
-    forward does anything else between or around the two is left alone)."""
+    forward does anything else between or around the two is left alone), or the native
+    BERT's (:class:`hf_pipeline.encoder.bert.BertIntermediate`, the same step)."""
+    from hf_pipeline.encoder.bert import BertIntermediate as NativeIntermediate
+
+    if type(module) is NativeIntermediate:
+        return True
+    if "transformers" not in sys.modules:  # no transformers module: nothing to compare to
+        return False
     try:
         from transformers.models.bert.modeling_bert import BertIntermediate
     except ImportError:  # pragma: no cover - transformers is a dependency

@@ -1,4 +1,7 @@
-"""Caption text encoder: tokenizer + transformers model + masked mean pooling.
+"""Caption text encoder: tokenizer + model + masked mean pooling.
+
+The model is a plain BERT loaded by :mod:`hf_pipeline.encoder.bert` without transformers
+where it can be (:func:`native_model`), else transformers' ``AutoModel``.
 
 The encoder runs in the building process only (never inside ``datasets`` worker
 processes): CUDA does not survive ``fork``, and one model on the accelerator with
@@ -14,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import time
 import warnings
 import weakref
@@ -41,6 +45,7 @@ __all__ = [
     "encoder_identity",
     "full_rows",
     "micro_batches",
+    "native_model",
     "padded_widths",
     "resolve_encoder_path",
     "row_buckets",
@@ -176,9 +181,29 @@ def _load_kwargs(cfg: EncoderConfig) -> tuple[str, dict[str, Any]]:
     return path, kwargs
 
 
-def _load_error(cfg: EncoderConfig, exc: BaseException) -> ConfigError:
+def native_model(cfg: EncoderConfig):
+    """The :class:`~hf_pipeline.encoder.bert.NativeBert` of ``cfg``'s model when
+    hf_pipeline loads it without transformers (``encoder.backend: auto``, SDPA attention,
+    a local folder holding a plain BERT: :func:`hf_pipeline.encoder.bert.inspect_folder`),
+    else why not (one line). Reads the folder's config and weights header (milliseconds);
+    imports torch."""
+    if cfg.backend != "auto":
+        return f"encoder.backend is {cfg.backend!r}"
+    if cfg.attn_implementation != "sdpa":
+        return f"encoder.attn_implementation is {cfg.attn_implementation!r}"
+    path = resolve_encoder_path(cfg.model)
+    if not Path(path).is_dir():
+        return f"{path!r} is not a local folder (a Hub model loads with transformers)"
+    from hf_pipeline.encoder.bert import inspect_folder
+
+    return inspect_folder(path)
+
+
+def _load_error(cfg: EncoderConfig, exc: BaseException, why: str = "") -> ConfigError:
     # transformers reports a broken or foreign model folder with any of several types.
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if why:  # what the native check found wrong with the weights file (it names it)
+        first = f"{first}; {why}"
     return ConfigError(
         f"encoder.model {cfg.model!r} could not be loaded ({first}); give a local folder, "
         "a reachable Hub model id, or 'minilm'",
@@ -392,11 +417,14 @@ class _Laps:
 COMPILE_ARTIFACTS_DIR = ".compiled"
 
 
-def compile_artifacts_key(cfg: EncoderConfig, identity: dict[str, Any], device: str) -> str:
+def compile_artifacts_key(
+    cfg: EncoderConfig, identity: dict[str, Any], device: str, *, backend: str = "transformers"
+) -> str:
     """What a compiled encoder's artifacts depend on: the software stack (Python, torch
     with its CUDA and Triton, transformers), the device's kind (its name and compute
-    capability; the CPU's architecture), the encoder's identity (model and revision)
-    and every config field that shapes the compiled graphs."""
+    capability; the CPU's architecture), the encoder's identity (model and revision),
+    every config field that shapes the compiled graphs and the model's ``backend``
+    (:attr:`TextEncoder.backend`: other modules, other graphs)."""
     import platform
     import sys
     from importlib.metadata import PackageNotFoundError, version
@@ -416,10 +444,10 @@ def compile_artifacts_key(cfg: EncoderConfig, identity: dict[str, Any], device: 
     else:
         kind = [platform.machine(), device]
     fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "device"}
-    text = json.dumps(
-        {"stack": stack, "device": kind, "identity": identity, "config": fields},
-        sort_keys=True, default=str,
-    )  # fmt: skip
+    key: dict[str, Any] = {"stack": stack, "device": kind, "identity": identity, "config": fields}
+    if backend != "transformers":  # keys of transformers' graphs as before the native BERT
+        key["backend"] = backend
+    text = json.dumps(key, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -571,8 +599,17 @@ class TextEncoder:
     ):
         t0 = time.monotonic()
         import torch
-        from transformers import AutoModel
+        from safetensors import SafetensorError
 
+        native = native_model(cfg)
+        if isinstance(native, str):
+            log.debug("encoder.model %r loads with transformers: %s", cfg.model, native)
+            from transformers import AutoModel
+        #: What loaded the model: ``native`` (:mod:`hf_pipeline.encoder.bert`, a plain
+        #: BERT without transformers) or ``transformers``.
+        self.backend: Literal["native", "transformers"] = (
+            "transformers" if isinstance(native, str) else "native"
+        )
         #: Where the loading's time went (seconds): ``imports``, ``tokenizer`` (when not
         #: given), ``model`` (from disk), ``to_device`` (the device's start included) and,
         #: after :meth:`warm_up`, ``warm_up``. The build report shows them per part.
@@ -597,11 +634,16 @@ class TextEncoder:
         self.tokenizer = tokenizer
         self.pad_token_id: int = tokenizer.pad_token_id
         try:
-            self.model = AutoModel.from_pretrained(
-                path, dtype=dtype, attn_implementation=cfg.attn_implementation, **kwargs
-            )
-        except (OSError, ValueError, KeyError) as exc:
-            raise _load_error(cfg, exc) from None
+            if isinstance(native, str):
+                self.model = AutoModel.from_pretrained(
+                    path, dtype=dtype, attn_implementation=cfg.attn_implementation, **kwargs
+                )
+            else:
+                self.model = native.load(dtype)
+        except (OSError, ValueError, KeyError, SafetensorError) as exc:
+            # A weights file the native check found damaged: its reason names the file.
+            why = native if isinstance(native, str) and "model.safetensors" in native else ""
+            raise _load_error(cfg, exc, why) from None
         lap("model")
         _no_kv_cache(self.model.config)
         self.model.to(self.device).eval()
@@ -1024,8 +1066,16 @@ class CapturedGraphs:
 
 
 def _unmasked_bert(model) -> bool:
-    """Whether ``model`` is a plain transformers ``BertModel`` encoder (all-MiniLM-L6-v2
-    among them), whose rows without padding :meth:`TextEncoder._pool_unmasked` runs."""
+    """Whether ``model`` is a plain BERT encoder (all-MiniLM-L6-v2 among them): the
+    native :class:`hf_pipeline.encoder.bert.BertModel`, or transformers' ``BertModel``
+    without decoder or cross-attention; its rows without padding
+    :meth:`TextEncoder._pool_unmasked` runs."""
+    from hf_pipeline.encoder import bert
+
+    if type(model) is bert.BertModel:
+        return True
+    if "transformers" not in sys.modules:  # a transformers model imported it
+        return False
     try:
         from transformers import BertModel
     except ImportError:  # pragma: no cover - transformers is a dependency

@@ -28,7 +28,7 @@ def main() -> None:
     folder, shared_dir = sys.argv[1], sys.argv[2]
     cfg = EncoderConfig(model=folder, device="cpu", compile="default", max_length=16)
     enc = TextEncoder(cfg)
-    key = compile_artifacts_key(cfg, {"model": folder}, "cpu")
+    key = compile_artifacts_key(cfg, {"model": folder}, "cpu", backend=enc.backend)
     shared = CompileArtifacts(shared_dir, key, wait_s=0)
     loaded = shared.load()
     ids = pa.array([[2, 5 + i % 7, 6, 3] for i in range(8)], type=pa.list_(pa.int32()))

@@ -1,0 +1,388 @@
+"""A plain BERT encoder in torch alone: all-MiniLM-L6-v2 without transformers (internal).
+
+Importing transformers' modeling stack (``AutoModel``: ``torch.distributed.tensor`` with
+sympy, ``torch._dynamo``, sklearn) took 4-5 s of interpreter time in a fresh build on a
+16-CPU H200 host, the critical path of its start (issue 28). A plain BERT is a few
+modules: :class:`BertModel` here computes what transformers' ``BertModel`` computes with
+SDPA attention (the same operations, in the same order: the embeddings equal to float32
+rounding) and has its state-dict keys, so it loads the same ``model.safetensors``. It
+keeps the shape :class:`hf_pipeline.encoder.model.TextEncoder` relies on:
+``model.embeddings(input_ids=...)``, ``model.encoder(x).last_hidden_state``,
+``model(input_ids=..., attention_mask=...)`` and ``model.config.hidden_size``; each
+layer's ``intermediate`` has ``dense`` and ``intermediate_act_fn`` (``torch.nn.GELU()``),
+which :func:`hf_pipeline.encoder.fusion.fuse_bias_gelu` fuses.
+
+:func:`inspect_folder` decides whether a model folder loads here: a BERT config
+(``model_type`` bert, absolute positions, ``gelu``, no decoder or cross-attention, no
+quantization) and one ``model.safetensors`` whose tensors are exactly the encoder's (an
+optional ``bert.`` prefix, an unused pooler, BertForMaskedLM's ``cls.`` head and the old
+``position_ids`` buffer allowed), of the shapes the config implies, in a float dtype.
+Anything else is a reason string: the caller loads with transformers instead. The files
+are untrusted: ``config.json`` is read only up to :data:`MAX_CONFIG_BYTES`, sizes are
+bounded, and weights are read only through ``safetensors`` (never a pickle).
+
+This module imports torch and safetensors: import it where an encoder is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = [
+    "MAX_CONFIG_BYTES",
+    "BertConfig",
+    "BertModel",
+    "NativeBert",
+    "inspect_folder",
+]
+
+#: The most of ``config.json`` read (a BERT config is about 1 kB).
+MAX_CONFIG_BYTES = 1 << 20
+WEIGHTS = "model.safetensors"
+#: ``architectures`` whose checkpoints hold a plain BERT encoder (a head, if any, is
+#: left out).
+_ARCHITECTURES = frozenset({"BertModel", "BertForMaskedLM", "BertForPreTraining"})
+#: Tensors outside the encoder a BERT checkpoint may carry: heads this model does not
+#: run (BertForMaskedLM/BertForPreTraining's ``cls.``) and the position ids buffer that
+#: transformers < 4.31 saved.
+_IGNORED_PREFIXES = ("cls.",)
+_IGNORED = frozenset({"embeddings.position_ids"})
+_FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
+#: Bounds of the config's sizes (far above any BERT; a larger value is not one).
+_MAX_SIZE = 1 << 20
+_MAX_LAYERS = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+    """What :class:`BertModel` takes of a BERT ``config.json``."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    #: As transformers' config says it (TextEncoder's tests read it).
+    _attn_implementation: str = "sdpa"
+
+
+def _linear(n_in: int, n_out: int) -> torch.nn.Linear:
+    """A biased ``torch.nn.Linear`` (its own type: the fusion looks for it) with
+    uninitialised parameters: its random init cost 0.2-0.5 s for MiniLM on the 2-CPU VM,
+    and the weights are loaded over it (on the meta device the init imports
+    ``torch._dynamo``)."""
+    linear = torch.nn.Linear.__new__(torch.nn.Linear)
+    torch.nn.Module.__init__(linear)
+    linear.in_features, linear.out_features = n_in, n_out
+    linear.weight = torch.nn.Parameter(torch.empty(n_out, n_in))
+    linear.bias = torch.nn.Parameter(torch.empty(n_out))
+    return linear
+
+
+def _embedding(rows: int, dim: int) -> torch.nn.Embedding:
+    """A ``torch.nn.Embedding`` with an uninitialised weight (see :func:`_linear`)."""
+    return torch.nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
+
+
+class EncoderOutput(NamedTuple):
+    """The encoder's output (what the pooling reads of transformers' ``ModelOutput``)."""
+
+    last_hidden_state: torch.Tensor
+
+
+class BertEmbeddings(torch.nn.Module):
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.word_embeddings = _embedding(cfg.vocab_size, cfg.hidden_size)
+        self.position_embeddings = _embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.token_type_embeddings = _embedding(cfg.type_vocab_size, cfg.hidden_size)
+        self.LayerNorm = torch.nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # transformers' order: words + token type (0 for every token), then positions.
+        words = self.word_embeddings(input_ids)
+        embeddings = words + self.token_type_embeddings.weight[0]
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        embeddings = embeddings + self.position_embeddings(positions)
+        return self.LayerNorm(embeddings)
+
+
+class BertSelfAttention(torch.nn.Module):
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.heads = cfg.num_attention_heads
+        self.head_size = cfg.hidden_size // cfg.num_attention_heads
+        self.scaling = self.head_size**-0.5
+        self.query = _linear(cfg.hidden_size, cfg.hidden_size)
+        self.key = _linear(cfg.hidden_size, cfg.hidden_size)
+        self.value = _linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        shape = (*x.shape[:-1], self.heads, self.head_size)
+        q = self.query(x).view(shape).transpose(1, 2)
+        k = self.key(x).view(shape).transpose(1, 2)
+        v = self.value(x).view(shape).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.scaling
+        )
+        return out.transpose(1, 2).reshape(x.shape).contiguous()
+
+
+class BertSelfOutput(torch.nn.Module):
+    """``LayerNorm(dense(x) + residual)``: after the attention, and (``wide``) after the
+    intermediate step."""
+
+    def __init__(self, cfg: BertConfig, *, wide: bool = False):
+        super().__init__()
+        width = cfg.intermediate_size if wide else cfg.hidden_size
+        self.dense = _linear(width, cfg.hidden_size)
+        self.LayerNorm = torch.nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(hidden_states) + input_tensor)
+
+
+class BertAttention(torch.nn.Module):
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.self = BertSelfAttention(cfg)
+        self.output = BertSelfOutput(cfg)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return self.output(self.self(x, mask), x)
+
+
+class BertIntermediate(torch.nn.Module):
+    """``gelu(dense(x))``: :func:`hf_pipeline.encoder.fusion.fuse_bias_gelu` replaces
+    ``dense`` by a one-GEMM bias+GELU and ``intermediate_act_fn`` by an identity."""
+
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.dense = _linear(cfg.hidden_size, cfg.intermediate_size)
+        self.intermediate_act_fn: torch.nn.Module = torch.nn.GELU()  # exact (erf)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.dense(hidden_states)
+        hidden_states = self.intermediate_act_fn(hidden_states)
+        return hidden_states
+
+
+class BertLayer(torch.nn.Module):
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.attention = BertAttention(cfg)
+        self.intermediate = BertIntermediate(cfg)
+        self.output = BertSelfOutput(cfg, wide=True)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        attended = self.attention(x, mask)
+        return self.output(self.intermediate(attended), attended)
+
+
+class BertEncoder(torch.nn.Module):
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.layer = torch.nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_hidden_layers))
+
+    def forward(
+        self, hidden_states: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> EncoderOutput:
+        """``mask``: None (every token attends to every token) or a boolean
+        ``(batch, 1, 1, tokens)`` (True: a key to attend to), as :class:`BertModel` makes."""
+        for layer in self.layer:
+            hidden_states = layer(hidden_states, mask)
+        return EncoderOutput(hidden_states)
+
+
+class BertPooler(torch.nn.Module):
+    """Kept for the checkpoint's keys; the encoder's pooling never runs it."""
+
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.dense = _linear(cfg.hidden_size, cfg.hidden_size)
+
+
+class BertModel(torch.nn.Module):
+    """transformers' ``BertModel`` (SDPA attention, inference) with its state-dict keys;
+    the pooler only when the checkpoint has one (it is never run). Its parameters start
+    uninitialised: load a state dict (:meth:`NativeBert.load`)."""
+
+    def __init__(self, cfg: BertConfig, *, pooler: bool = False):
+        super().__init__()
+        self.config = cfg
+        self.embeddings = BertEmbeddings(cfg)
+        self.encoder = BertEncoder(cfg)
+        self.pooler = BertPooler(cfg) if pooler else None
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> EncoderOutput:
+        """``attention_mask``: ``(batch, tokens)``, nonzero for real tokens; padding keys
+        are masked out of the attention. A row without any real token attends to every
+        key (finite values where transformers' mask gives the same garbage or NaN; the
+        encoder's pooling gives such a row zeros either way)."""
+        mask = None
+        if attention_mask is not None:
+            keep = attention_mask.bool()
+            keep = keep | ~keep.any(-1, keepdim=True)
+            mask = keep[:, None, None, :]
+        return self.encoder(self.embeddings(input_ids=input_ids), mask)
+
+
+def _expected_shapes(cfg: BertConfig) -> dict[str, tuple[int, ...]]:
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "embeddings.word_embeddings.weight": (cfg.vocab_size, h),
+        "embeddings.position_embeddings.weight": (cfg.max_position_embeddings, h),
+        "embeddings.token_type_embeddings.weight": (cfg.type_vocab_size, h),
+        "embeddings.LayerNorm.weight": (h,),
+        "embeddings.LayerNorm.bias": (h,),
+    }
+    for n in range(cfg.num_hidden_layers):
+        p = f"encoder.layer.{n}."
+        for name in ("query", "key", "value"):
+            shapes[f"{p}attention.self.{name}.weight"] = (h, h)
+            shapes[f"{p}attention.self.{name}.bias"] = (h,)
+        shapes[f"{p}attention.output.dense.weight"] = (h, h)
+        shapes[f"{p}intermediate.dense.weight"] = (i, h)
+        shapes[f"{p}intermediate.dense.bias"] = (i,)
+        shapes[f"{p}output.dense.weight"] = (h, i)
+        for norm in ("attention.output.dense.bias", "output.dense.bias",
+                     "attention.output.LayerNorm.weight", "attention.output.LayerNorm.bias",
+                     "output.LayerNorm.weight", "output.LayerNorm.bias"):  # fmt: skip
+            shapes[p + norm] = (h,)
+    return shapes
+
+
+_POOLER = {"pooler.dense.weight": 2, "pooler.dense.bias": 1}
+
+
+def _config(raw: Any) -> BertConfig | str:
+    """The :class:`BertConfig` of a parsed ``config.json``, or why it is not a plain BERT."""
+    if not isinstance(raw, dict):
+        return "its config.json is not a JSON object"
+    if raw.get("model_type") != "bert":
+        return f"model_type is {raw.get('model_type')!r}, not 'bert'"
+    arch = raw.get("architectures")
+    if arch is not None and (
+        not isinstance(arch, list) or not arch or not set(arch) <= _ARCHITECTURES
+    ):
+        return f"architectures {arch!r} are not a plain BERT's"
+    for flag in ("is_decoder", "add_cross_attention"):
+        if raw.get(flag, False) is not False:
+            return f"{flag} is set"
+    if raw.get("position_embedding_type", "absolute") != "absolute":
+        return f"position_embedding_type is {raw.get('position_embedding_type')!r}"
+    if raw.get("hidden_act", "gelu") != "gelu":
+        return f"hidden_act is {raw.get('hidden_act')!r}, not 'gelu'"
+    if raw.get("quantization_config") is not None:
+        return "it is quantized"
+    defaults = {"type_vocab_size": 2, "max_position_embeddings": 512}
+    sizes: dict[str, Any] = {}
+    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                 "intermediate_size", "max_position_embeddings", "type_vocab_size"):  # fmt: skip
+        value = raw.get(name, defaults.get(name))
+        limit = _MAX_LAYERS if name == "num_hidden_layers" else _MAX_SIZE
+        if type(value) is not int or not 1 <= value <= limit:
+            return f"{name} is {value!r}, not an integer in [1, {limit}]"
+        sizes[name] = value
+    if sizes["hidden_size"] % sizes["num_attention_heads"]:
+        return "hidden_size is not a multiple of num_attention_heads"
+    eps = raw.get("layer_norm_eps", 1e-12)
+    if type(eps) not in (int, float) or not (math.isfinite(eps) and 0 < eps < 1):
+        return f"layer_norm_eps is {eps!r}"
+    return BertConfig(**sizes, layer_norm_eps=float(eps))
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeBert:
+    """A model folder that loads as :class:`BertModel`: its config, its weights file and
+    the name each of the model's tensors has there (a ``bert.`` prefix kept)."""
+
+    config: BertConfig
+    weights: Path
+    names: dict[str, str]  # the model's key -> the file's
+
+    def load(self, dtype: torch.dtype) -> BertModel:
+        """The model, in ``dtype``, on the CPU, in eval mode.
+
+        Raises:
+            ValueError: the weights file changed since :func:`inspect_folder` and no
+                longer holds a tensor it named, or could not be read; naming the file.
+        """
+        from safetensors import SafetensorError, safe_open
+
+        model = BertModel(self.config, pooler="pooler.dense.weight" in self.names)
+        state = {}
+        try:
+            with safe_open(str(self.weights), framework="pt") as f:
+                for mine, theirs in self.names.items():
+                    state[mine] = f.get_tensor(theirs).to(dtype)
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"{self.weights}: not read ({exc})") from None
+        model.load_state_dict(state, strict=True, assign=True)
+        return model.eval().requires_grad_(False)
+
+
+def inspect_folder(folder: str | Path) -> NativeBert | str:
+    """A :class:`NativeBert` for ``folder`` when it is a plain BERT whose
+    ``model.safetensors`` maps cleanly onto :class:`BertModel`; else why not (one line,
+    naming the file and, for a tensor, its name). Reads ``config.json`` and the weights
+    file's header only."""
+    from safetensors import SafetensorError, safe_open
+
+    folder = Path(folder)
+    cfg_path, weights = folder / "config.json", folder / WEIGHTS
+    try:
+        with open(cfg_path, "rb") as f:
+            text = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        return f"{cfg_path}: not read ({exc.strerror or exc})"
+    if len(text) > MAX_CONFIG_BYTES:
+        return f"{cfg_path}: larger than {MAX_CONFIG_BYTES} bytes"
+    try:
+        raw = json.loads(text)
+    except (ValueError, RecursionError):
+        return f"{cfg_path}: not JSON"
+    cfg = _config(raw)
+    if isinstance(cfg, str):
+        return f"{cfg_path}: {cfg}"
+    if not weights.is_file():
+        return f"{weights}: absent (a plain BERT loads from one safetensors file)"
+    expected = _expected_shapes(cfg)
+    names: dict[str, str] = {}
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            keys = list(f.keys())
+            prefix = "bert." if any(k.startswith("bert.") for k in keys) else ""
+            for key in keys:
+                mine = key[len(prefix) :] if key.startswith(prefix) else None
+                if key.startswith(_IGNORED_PREFIXES) or mine in _IGNORED:
+                    continue
+                if mine is None or (mine not in expected and mine not in _POOLER):
+                    return f"{weights}: tensor {key!r} is not a BERT encoder's"
+                piece = f.get_slice(key)
+                shape = tuple(piece.get_shape())
+                want = expected.get(mine) or (cfg.hidden_size,) * _POOLER[mine]
+                if shape != want:
+                    return f"{weights}: tensor {key!r} has shape {list(shape)}, not {list(want)}"
+                if piece.get_dtype() not in _FLOAT_DTYPES:
+                    return f"{weights}: tensor {key!r} is {piece.get_dtype()}, not a float"
+                names[mine] = key
+    except (SafetensorError, OSError) as exc:
+        return f"{weights}: not a readable safetensors file ({str(exc).strip()[:200]})"
+    missing = sorted(set(expected) - set(names))
+    if missing:
+        return f"{weights}: tensor {prefix + missing[0]!r} is missing ({len(missing)} missing)"
+    if ("pooler.dense.weight" in names) != ("pooler.dense.bias" in names):
+        return f"{weights}: the pooler's weight or bias is missing"
+    return NativeBert(cfg, weights, names)

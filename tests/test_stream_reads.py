@@ -71,40 +71,34 @@ def _epoch_stats(url: str, shuffle: str):
 
 
 def test_windows_that_straddle_refills_are_read_in_long_runs(gcs_cache):
-    """Block shuffle, windows of 4 batches (4 blocks of 16 rows), refills of 8 batches
-    (``ahead`` 16): 2 windows a refill, but the epoch's last block is short (the rows
-    are not a multiple of 16) and every window after it is shifted off the batches, so
-    each refill ends inside a window. The refill that ends there started the reads of a
-    scattered share of that window's rows: one short read per checksum block, the gaps
-    between them (rows of the window's next batches) more than 1/8 of the read; and
-    the next refill read the rest as one short read per hole. On the H200 host (96k
-    rows, batch and block 1024) 3,098 reads of 0.81 MB an epoch, 2,685 of them cut at
-    such a gap (``read_cuts["gap_share"]``). Now a gap made of blocks the next
-    batches need is read with the run (those blocks are kept for them): at most 1.5x
-    the reads of fetching each window at once, and bytes fetched within 1.1x of the
-    rows' bytes. Before: {before}; after: {after}."""
+    """Block shuffle, windows of 8 batches (4 blocks of 32 rows, batch 16), refills of
+    4 (``ahead`` 8), and the epoch's short last block shifts the windows after it off
+    the batches: every refill ends inside a window. That refill held a scattered share
+    of the window's rows; the gaps between their blocks (the rows of the window's next
+    batches) were more than 1/8 of each read, so it took one short read per block or
+    two, and the next refill one per hole between those. On the H200 host (96k rows,
+    batch and block 1024) 3,098 reads of 0.81 MB an epoch, 2,685 of them cut at such a
+    gap (``read_cuts["gap_share"]``). Now a gap made of blocks the batches pulled next
+    need is read with the run and kept for them: at most 1.5x the reads of fetching
+    each window at once (``fewest``, 36 here), bytes within 1.1x the rows'. Before: 90
+    reads, 1.051x the bytes; after: 35-47 reads, 1.051-1.061x. ``coalesce_bytes`` 100
+    kB: gaps as small against this test's few-MB files as 1 MiB is against the bench's
+    (else everything merges here and nothing shows)."""
     _, url = gcs_cache
     stats, fewest = _epoch_stats(url, "block")
-    print(
-        stats.requests,
-        fewest,
-        stats.read_cuts,
-        stats.bytes_fetched / stats.bytes_needed,
-        stats.flushes,
-        stats.flush_blocks,
-        stats.completed_batches,
-        stats.planned_blocks,
-    )
     assert stats.demand_blocks == 0, stats
     assert stats.requests <= 1.5 * fewest + 2, (stats, fewest)
     assert stats.bytes_fetched <= 1.1 * stats.bytes_needed, stats
 
 
-def test_a_global_shuffle_fetches_no_more_than_before(gcs_cache):
-    """The same epoch globally shuffled: the bytes fetched per byte needed are not
-    worse than before this change (gaps of blocks the next batches need are read, and
-    kept for them; others are not): before {before}, after {after}."""
+def test_a_global_shuffle_stays_within_the_bytes_bound(gcs_cache):
+    """The same epoch globally shuffled, small against the lookahead (a third of it):
+    a gap of blocks the next batches need is read there too (and kept for them), so
+    its reads are few and long; the bytes stay within 1.1x the rows'. Before: 49
+    reads, 1.089x the bytes (344 kB of held blocks read again in gaps, 131 kB of
+    other columns); after: 6 reads, 1.0995x (49 kB of held blocks, 531 kB of other
+    columns: the latents' list offsets between record batches, 1.6 kB a row, that the
+    long reads now cross within their 1/8 allowance)."""
     _, url = gcs_cache
     stats, _ = _epoch_stats(url, "global")
-    print(stats.requests, stats.read_cuts, stats.bytes_fetched / stats.bytes_needed)
-    assert stats.bytes_fetched <= 1.2 * stats.bytes_needed, stats
+    assert stats.bytes_fetched <= 1.1 * stats.bytes_needed, stats

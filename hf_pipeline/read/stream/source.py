@@ -10,7 +10,8 @@ Ahead of the consumer: the :class:`~hf_pipeline.read.loader.Loader` hands :meth:
 the positions and rows of this process's upcoming batches (the sample order is a pure
 function of seed and epoch); a planner thread fetches the blocks of the next
 ``ahead`` batches while they fit in ``cache_bytes``, in reads of neighbouring blocks
-merged (``coalesce_bytes``), ``concurrency`` reads at a time. A gather takes its blocks
+merged (``coalesce_bytes``; a gap of blocks the next batches need is read with them and
+kept: :meth:`StreamSource._runs`), ``concurrency`` reads at a time. A gather takes its blocks
 from there; one that reaches a batch not planned yet (the thread late, or more gathering
 threads than ``ahead``) plans it and the refill after it itself, in merged reads
 (:meth:`_Planner.catch_up`), and fetches on its own only what no plan holds (so
@@ -1294,7 +1295,7 @@ class _Planner:
         planner stopped."""
         if self._peek:
             return True
-        if self._stop.is_set():
+        if self._stop.is_set() or self._ended:
             return False
         item = next(self._batches, None)
         if item is None:
@@ -1304,10 +1305,11 @@ class _Planner:
         return True
 
     def _look(self) -> None:
-        """Pull the batches after those planned, up to ``ahead / 2`` (what the next
-        refill will plan), and note their blocks (caller holds ``_walk``, not the
+        """Pull the batches after those planned, up to ``ahead`` of them (what the next
+        refills will plan), and note their blocks (caller holds ``_walk``, not the
         source's lock), so that the reads started now may read them where they fill a
-        gap: the rest of a block-shuffle window that this refill ends inside."""
+        gap: the rest of a block-shuffle window that this refill ends inside. Sampler
+        work the planner does anyway, a lookahead's batches early."""
         src = self._source
         want = src.options.ahead
         while len(self._peek) < want and not self._ended and not self._stop.is_set():

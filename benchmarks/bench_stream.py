@@ -38,7 +38,8 @@ chunks: a per-request latency, time to the first byte):
 Why the reads were what they were, per run: reads in flight on average
 (``mean_inflight_reads``), seconds starved / held back, why the planner started its
 reads (``flushes``) and why reads were cut (``read_cuts``), the batches planned on to a
-window's end (``completed_batches``), and each thread group's CPU (``cpu_share``) with the
+window's end (``completed_batches``), the blocks read in gaps for the next batches
+(``gap_blocks``), and each thread group's CPU (``cpu_share``) with the
 proxy's and the server's. ``--no-window-completion`` runs the planner as before
 ``3c0f66f`` (before/after on one build; ``--workdir`` keeps the build for the next run).
 
@@ -529,6 +530,9 @@ def main() -> None:
                             "flush_blocks": stats.flush_blocks,
                             "read_cuts": stats.read_cuts,
                             "completed_batches": stats.completed_batches,
+                            # Blocks read in a gap because the batches pulled next
+                            # need them (kept for those): a window a refill ends inside.
+                            "gap_blocks": stats.gap_blocks,
                             # CPU cores busy on average over the epoch, by thread group
                             # of this process, and the proxy's and server's processes.
                             "cpu_share": threads,
@@ -566,7 +570,8 @@ def main() -> None:
                             f"{stats.held_back_s:.1f} s, mean read {run['mean_read_mb']:.2f} MB "
                             f"({run['blocks_per_read']:.1f} blocks); flushes {stats.flushes} "
                             f"blocks {stats.flush_blocks} (+{stats.completed_batches} batches to a "
-                            f"window's end); cut {stats.read_cuts}; CPU cores: "
+                            f"window's end); cut {stats.read_cuts}, {stats.gap_blocks} gap blocks read for "
+                            f"the next batches; CPU cores: "
                             + ", ".join(f"{k} {v:.2f}" for k, v in sorted(threads.items()))
                             + (f", proxy {proxy_cpu:.2f}" if proxy else "")
                             + f", server {server_cpu:.2f}",

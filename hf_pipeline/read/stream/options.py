@@ -32,6 +32,8 @@ class StreamOptions:
         coalesce_bytes: neighbouring blocks of a file at most this many bytes apart
             are fetched in one read (the gap is read and dropped), while the gap is
             at most 1/8 of the blocks in the read (fetched stays within ~1.1x needed).
+            A gap made of blocks the next ``ahead`` batches need is read whatever its
+            size (within ``max_read_bytes`` and the room): they are kept for them.
         max_read_bytes: the largest single read (a long sequential run is cut there).
         read_timeout: seconds one read may take, stalls included, before it is retried
             (the retry policy's per-file timeout caps it): a store that stops answering

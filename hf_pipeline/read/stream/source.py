@@ -10,7 +10,8 @@ Ahead of the consumer: the :class:`~hf_pipeline.read.loader.Loader` hands :meth:
 the positions and rows of this process's upcoming batches (the sample order is a pure
 function of seed and epoch); a planner thread fetches the blocks of the next
 ``ahead`` batches while they fit in ``cache_bytes``, in reads of neighbouring blocks
-merged (``coalesce_bytes``), ``concurrency`` reads at a time. A gather takes its blocks
+merged (``coalesce_bytes``; a gap of blocks the next batches need is read with them and
+kept: :meth:`StreamSource._runs`), ``concurrency`` reads at a time. A gather takes its blocks
 from there; one that reaches a batch not planned yet (the thread late, or more gathering
 threads than ``ahead``) plans it and the refill after it itself, in merged reads
 (:meth:`_Planner.catch_up`), and fetches on its own only what no plan holds (so
@@ -151,6 +152,8 @@ class StreamStats:
             its blocks), ``max_read`` (``max_read_bytes``).
         completed_batches: batches planned beyond a refill because they fill the holes
             of its reads (a block-shuffle window finished: ``_Planner._complete``).
+        gap_blocks: blocks read in a gap between planned blocks because the batches
+            pulled next need them (kept for those: :meth:`StreamSource._runs`).
     """
 
     requests: int
@@ -176,6 +179,7 @@ class StreamStats:
     flush_blocks: dict[str, int] = dataclasses.field(default_factory=dict)
     read_cuts: dict[str, int] = dataclasses.field(default_factory=dict)
     completed_batches: int = 0
+    gap_blocks: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -627,24 +631,80 @@ class StreamSource:
             raise RuntimeError(f"the stream source of {self.url} is closed")
 
     def _submit(
-        self, ids: list[int], first_use: dict[int, int] | None = None
+        self,
+        ids: list[int],
+        first_use: dict[int, int] | None = None,
+        soon: set[int] | frozenset[int] = frozenset(),
     ) -> list[tuple[Future, list[int]]]:
-        """Queue reads of ``ids`` (caller holds the lock), neighbours merged; each read
-        ranks by the first batch that needs one of its blocks (``first_use``: block ->
-        plan index; None: a gather waits for them, before any planned read)."""
-        return [
-            self._start_read(
-                run, _DEMAND if first_use is None else min(first_use.get(b, 0) for b in run)
-            )
-            for run in self._runs(ids)
-        ]
+        """Queue reads of ``ids`` (caller holds the lock), neighbours merged (a gap of
+        ``soon`` blocks read with them: :meth:`_runs`); each read ranks by the first
+        batch that needs one of its blocks (``first_use``: block -> plan index; None: a
+        gather waits for them, before any planned read)."""
+        reads = []
+        for run in self._runs(ids, soon=soon, room=self._spare_room() if soon else 0):
+            if first_use is None:
+                priority = _DEMAND
+            else:
+                priority = min((first_use[b] for b in run if b in first_use), default=0)
+            reads.append(self._start_read(run, priority))
+        return reads
 
-    def _runs(self, ids: list[int], *, count: bool = True) -> list[list[int]]:
+    def _spare_room(self) -> int:
+        """Bytes that blocks no plan holds may take now: the limit less the blocks held
+        for a plan and those reserved (kept blocks make way, least recently used first;
+        caller holds the lock)."""
+        return max(
+            0, self.options.cache_bytes - (self._held - self._kept_bytes) - self._reserved_bytes
+        )
+
+    def _fills(self, last: int, b: int, soon, room: int) -> list[int] | None:
+        """The blocks between ``last`` and ``b`` when they are exactly the bytes of the
+        gap, every one of them in ``soon``, and together at most ``room`` bytes; else
+        None (caller holds the lock)."""
+        if not soon or b - last < 2:
+            return None
+        between = range(last + 1, b)
+        if not all(x in soon for x in between):
+            return None
+        lo, hi = last, b
+        starts = self._block_start[lo + 1 : hi + 1]
+        ends = self._block_start[lo:hi] + self._block_bytes[lo:hi]
+        if not (
+            np.array_equal(starts, ends)
+            and np.all(self._block_file[lo : hi + 1] == self._block_file[lo])
+            and int(self._block_bytes[lo + 1 : hi].sum()) <= room
+        ):
+            return None
+        return list(between)
+
+    def _runs(
+        self,
+        ids: list[int],
+        *,
+        count: bool = True,
+        soon: set[int] | frozenset[int] = frozenset(),
+        room: int = 0,
+    ) -> list[list[int]]:
         """``ids`` in file order, cut into reads: neighbours of a file at most
         ``coalesce_bytes`` apart merge while the read stays within ``max_read_bytes``,
         and while its gaps together are at most 1/:data:`_GAP_SHARE` of its blocks
-        (a gap is bytes fetched for nothing: filtered-out rows, the input_ids between
-        embedding buffers; this keeps them to a small share of a long run's bytes)."""
+        (a gap is bytes fetched for nothing: filtered-out rows, the latents' list
+        offsets and the input_ids between record batches' buffers; this keeps them to a
+        small share of a long run's bytes).
+
+        A gap made wholly of blocks in ``soon`` (those of the batches the planner pulled
+        next, not held, reserved or in flight) is no waste: it is read as blocks of the
+        run, verified, and kept for those batches (at most ``room`` bytes of them in
+        all, what the limit leaves). That is what a block-shuffle window that a refill
+        ends inside looks like: the refill holds a scattered share of the window's
+        rows, its gaps are the rows of the window's next batches. Cut at every such gap
+        (the 1/8 rule cuts a run of a few blocks at a one-block gap) the window took one
+        read per block, and the next refill one per hole between them (on the H200
+        host, 96k rows, batch and block 1024: 3,098 reads of 0.81 MB an epoch, 2,685
+        cut there: every refill ends inside a window, as the epoch's short last block
+        shifts the windows after it off the batches). A gap of blocks no batch pulled
+        next needs (a globally shuffled batch's rows, filtered-out rows, other columns)
+        counts as before."""
         out: list[list[int]] = []
         if not ids:
             return out
@@ -659,17 +719,30 @@ class StreamSource:
                 self._block_start[last] + self._block_bytes[last],
             )
             gap = self._block_start[b] - end
+            fits = self._block_start[b] + self._block_bytes[b] - start <= opts.max_read_bytes
+            fill = None
             if self._block_file[b] != self._block_file[last]:
                 cut = "file"
+            elif gap > 0 and fits and (fill := self._fills(last, b, soon, room)) is not None:
+                cut = None
             elif not 0 <= gap <= opts.coalesce_bytes:
                 cut = "gap"
             elif (gaps + gap) * _GAP_SHARE > used + self._block_bytes[b]:
                 cut = "gap_share"
-            elif self._block_start[b] + self._block_bytes[b] - start > opts.max_read_bytes:
+            elif not fits:
                 cut = "max_read"
             else:
                 cut = None
             if cut is None:
+                if fill:
+                    n = int(self._block_bytes[fill].sum())
+                    run.extend(fill)
+                    # Not in ``used``: the waste allowed a read stays 1/8 of the planned
+                    # blocks (fills are kept only while the room allows).
+                    room -= n
+                    gap = 0
+                    if count:
+                        self._counts["gap_blocks"] += len(fill)
                 run.append(b)
                 used += int(self._block_bytes[b])
                 gaps += int(gap)
@@ -921,12 +994,15 @@ class StreamSource:
         self._first_batch_s = time.monotonic() - self._plan_t0
         self._first_batch_reads = self._counts["dispatched_reads"]
 
-    def _start_planned(self, blocks: dict[int, int]) -> None:
+    def _start_planned(
+        self, blocks: dict[int, int], soon: set[int] | frozenset[int] = frozenset()
+    ) -> None:
         """Queue the reads of blocks reserved by the planner (caller holds the lock),
-        ``blocks``: block -> index of the first planned batch that needs it."""
+        ``blocks``: block -> index of the first planned batch that needs it; ``soon``:
+        blocks a gap may be filled with (:meth:`_runs`)."""
         todo = [b for b in blocks if b not in self._inflight and b in self._reserved]
         self._counts["planned_blocks"] += len(todo)
-        self._counts["planned_reads"] += len(self._submit(todo, blocks))
+        self._counts["planned_reads"] += len(self._submit(todo, blocks, soon))
 
     def _unpin(self, b: int) -> None:
         """One plan fewer needs ``b`` (caller holds the lock)."""
@@ -1072,6 +1148,7 @@ class StreamSource:
                 flush_blocks={r: c[f"flushblocks_{r}"] for r in reasons},
                 read_cuts={r: c[f"cut_{r}"] for r in cuts},
                 completed_batches=c["completed_batches"],
+                gap_blocks=c["gap_blocks"],
             )
 
     def cache_state(self) -> dict[str, int]:
@@ -1155,9 +1232,14 @@ class _Planner:
         self._batches = iter(batches)
         self._stop = threading.Event()
         self._walk = threading.Lock()
-        # Guarded by _walk: the batch pulled but not planned yet (no room), the index
-        # of the next batch to plan, and whether the batches ended.
-        self._next: tuple[Any, np.ndarray] | None = None
+        # Guarded by _walk: the batches pulled but not planned yet ``(position, block
+        # ids)``, in order (the next one, held back for room or the lookahead's limit,
+        # and those pulled to see which blocks the next refill needs: :meth:`_look`),
+        # the index of the next batch to plan, and whether the batches ended.
+        self._peek: collections.deque[tuple[Any, np.ndarray]] = collections.deque()
+        # Their blocks (a read may fill a gap with them: :meth:`flush`), guarded by the
+        # source's lock.
+        self._soon: frozenset[int] = frozenset()
         self._index = 0
         self._ended = False
         # Guarded by the source's lock:
@@ -1191,13 +1273,58 @@ class _Planner:
     def flush(self, reason: str) -> None:
         """Start the reads of every reserved block not started yet (caller holds the
         source's lock): a gather needs one of them now, or the lookahead ran low.
-        ``reason`` is counted (:attr:`StreamStats.flushes`)."""
+        ``reason`` is counted (:attr:`StreamStats.flushes`). A gap between two of them
+        made of blocks the batches pulled next need (:meth:`_look`) is read with them,
+        while those fit in the room (see :meth:`StreamSource._runs`)."""
         pending, self._pending, self._pending_from = self._pending, {}, None
+        src = self._source
         if pending:
-            self._source._counts[f"flush_{reason}"] += 1
-            self._source._counts[f"flushblocks_{reason}"] += len(pending)
-        self._source._start_planned(pending)
-        self._source._room.notify_all()
+            src._counts[f"flush_{reason}"] += 1
+            src._counts[f"flushblocks_{reason}"] += len(pending)
+        soon = {
+            b
+            for b in self._soon
+            if b not in src._blocks and b not in src._reserved and b not in src._inflight
+        }
+        src._start_planned(pending, soon)
+        src._room.notify_all()
+
+    def _pull(self) -> bool:
+        """Make sure the next batch is pulled (caller holds ``_walk``, not the source's
+        lock: the sampler's work runs outside it). False: the batches ended, or the
+        planner stopped."""
+        if self._peek:
+            return True
+        if self._stop.is_set() or self._ended:
+            return False
+        item = next(self._batches, None)
+        if item is None:
+            self._ended = True
+            return False
+        self._peek.append((item[0], self._source.block_ids(item[1])))
+        return True
+
+    def _look(self) -> None:
+        """Pull the batches after those planned, up to ``ahead`` of them (what the next
+        refills will plan), and note their blocks (caller holds ``_walk``, not the
+        source's lock), so that the reads started now may read them where they fill a
+        gap: the rest of a block-shuffle window that this refill ends inside. Sampler
+        work the planner does anyway, a lookahead's batches early."""
+        src = self._source
+        want = src.options.ahead
+        while len(self._peek) < want and not self._ended and not self._stop.is_set():
+            item = next(self._batches, None)
+            if item is None:
+                self._ended = True
+                break
+            self._peek.append((item[0], src.block_ids(item[1])))
+        soon = (
+            frozenset(np.concatenate([ids for _, ids in self._peek]).tolist())
+            if self._peek
+            else frozenset()
+        )
+        with src._lock:
+            self._soon = soon
 
     def _interleaved(self, ids: np.ndarray) -> bool:
         """Whether most of the blocks that batch ``ids`` would add fill holes of the
@@ -1247,16 +1374,10 @@ class _Planner:
         room (``cache_bytes``)."""
         src = self._source
         for _ in range(src.options.ahead):
-            if self._next is None:
-                if self._stop.is_set():
-                    return
-                item = next(self._batches, None)  # the sampler's work: outside the lock
-                if item is None:
-                    self._ended = True
-                    return
-                self._next = (item[0], src.block_ids(item[1]))
+            if not self._pull():
+                return
             with src._lock:
-                if not self._interleaved(self._next[1]):
+                if not self._interleaved(self._peek[0][1]):
                     return
             what, _ = self._plan_one(limit=self._index + 1)
             if what != "planned":
@@ -1280,16 +1401,9 @@ class _Planner:
         skipped: its gather already ran), "later" (at the limit), "full" (no room now),
         "ended" or "stopped"."""
         src = self._source
-        if self._next is None:
-            if self._stop.is_set():
-                return "stopped", None
-            item = next(self._batches, None)  # the sampler's work: outside the lock
-            if item is None:
-                self._ended = True
-                return "ended", None
-            position, rows = item
-            self._next = (position, src.block_ids(rows))
-        position, ids = self._next
+        if not self._pull():
+            return ("ended", None) if self._ended else ("stopped", None)
+        position, ids = self._peek[0]
         with src._lock:
             # Checked with the reservation in one hold of the lock: once plan() has
             # stopped this planner and cleared the pins, nothing more is pinned.
@@ -1316,7 +1430,7 @@ class _Planner:
                         self._pending_from = self._index
                     for b in got:
                         self._pending.setdefault(b, self._index)
-            self._next = None
+            self._peek.popleft()
             self._index += 1
             return "planned", position
 
@@ -1333,7 +1447,7 @@ class _Planner:
                 b in src._reserved and b not in src._inflight for b in ids.tolist()
             ):
                 return  # planned, its reads started (or done)
-            if ids is None and self._ended:
+            if ids is None and self._ended and not self._peek:
                 return  # not in the plan (the plan ended): fetched on demand
             self._waiters += 1
         # The walker holds _walk only while it pulls and reserves one batch.
@@ -1371,6 +1485,7 @@ class _Planner:
                     break
             if found:
                 self._complete()
+            self._look()
             with src._lock:
                 self.flush("catch_up")
         finally:
@@ -1396,14 +1511,16 @@ class _Planner:
                     self._walk.release()
                 if what == "planned":
                     continue
-                if what == "later":
+                if what in ("later", "full"):
                     # Completed even while a gather waits to walk (it waits for these
                     # few batches' planning, not for reads): its flush would not be.
                     with src._lock:
-                        due = self._due()
+                        due = what == "full" or self._due()
                     if due and self._walk.acquire(timeout=_STOP_CHECK_S):
                         try:
-                            self._complete()
+                            if what == "later":
+                                self._complete()
+                            self._look()
                         finally:
                             self._walk.release()
                 with src._lock:

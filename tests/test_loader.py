@@ -142,15 +142,13 @@ def test_epochs_and_infinite_iteration():
         assert ld.state_dict()["epoch"] == 3 and ld.state_dict()["step"] == 2
 
 
-def test_no_full_batch_ends_immediately():
-    with Loader(FakeSource(5), global_batch_size=8, process_count=1, process_index=0) as ld:
-        assert _run_with_timeout(lambda: list(ld)) == []
-        # Raised by the call itself, as a UserError naming the batch size and the rows
-        # (scripts turn it into one line, exit 2).
-        with pytest.raises(
-            ConfigError, match=r"global_batch_size \(8\) is larger .* 5 samples \(5 rows"
-        ):
-            ld.epochs()
+def test_no_full_batch_is_refused_when_made():
+    # Not an epoch of no batch (epochs(1) ended at once, silently): a UserError naming
+    # the batch size and the rows (scripts turn it into one line, exit 2).
+    with pytest.raises(
+        ConfigError, match=r"global_batch_size \(8\) is larger .* 5 samples \(5 rows"
+    ):
+        Loader(FakeSource(5), global_batch_size=8, process_count=1, process_index=0)
 
 
 @settings(max_examples=15, deadline=None)
@@ -281,12 +279,30 @@ def test_producer_error_reaches_consumer_with_traceback(threads):
 
 def test_a_cache_of_no_samples_says_so():
     """A cache whose build kept no row: one message saying so, not "use a batch of at
-    most 0 or set loader.drop_last: false" (which gave the same message again)."""
+    most 0 or set loader.drop_last: false" (which gave the same message again); at
+    construction, so ``epochs(1)`` cannot yield nothing silently."""
     for drop_last in (True, False):
-        loader = Loader(FakeSource(0), global_batch_size=4, process_index=0, process_count=1,
-                        drop_last=drop_last)  # fmt: skip
         with pytest.raises(ConfigError, match="the cache holds no samples"):
-            loader.epochs()
+            Loader(FakeSource(0), global_batch_size=4, process_index=0, process_count=1,
+                   drop_last=drop_last)  # fmt: skip
+
+
+def test_a_global_batch_larger_than_the_data_is_refused_at_construction(built_cache):
+    """With drop_last an epoch of the built cache has no batch: the Loader refuses at
+    construction (not 0 batches from ``epochs(1)`` or ``iter``, and ``epochs(None)`` the
+    same error); without drop_last the one padded batch is served."""
+    from hf_pipeline.cache.layout import open_sample_source
+
+    with open_sample_source(built_cache.layout, built_cache.fingerprint) as src:
+        big = src.num_rows + 1
+        with pytest.raises(ConfigError, match=rf"global_batch_size \({big}\) is larger") as ei:
+            Loader(src, global_batch_size=big, process_index=0, process_count=1)
+        assert ei.value.field == "loader.global_batch_size"
+        assert f"{src.num_rows} rows" in str(ei.value) and "drop_last" in str(ei.value)
+        with Loader(src, global_batch_size=big, process_index=0, process_count=1,
+                    drop_last=False) as padded:  # fmt: skip
+            (batch,) = list(padded.epochs(1))
+            assert int(batch["mask"].sum()) == src.num_rows
 
 
 @pytest.mark.parametrize("dtype", ["int8", "nope", "uint16"])

@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hf_pipeline.errors import ConfigError
 from hf_pipeline.read.sampler import (
     ORDER_VERSION,
     SAMPLER_FIELDS,
@@ -427,6 +426,9 @@ class Loader:
         TypeError: an unknown keyword, or neither ``options`` nor ``global_batch_size``.
         ValueError: invalid options, or a global batch not divisible by the process
             count or the number of devices along ``data_axis``.
+        ConfigError: an epoch would have no batch: the source holds no samples, or the
+            ``global_batch_size`` is larger than the data with ``drop_last`` (a
+            ``ValueError``; scripts print it as one line and exit 2).
     """
 
     _t_first: float | None  # when the first batch was asked for (reset_stats)
@@ -452,6 +454,7 @@ class Loader:
         self._options = options
         self._order = options.order
         self._sampler = GlobalSampler(source.num_rows, self._order, num_crops=source.num_crops)
+        self._sampler.require_batches()
         self._prefetch = int(options.prefetch)
         if options.num_threads is None:
             self._num_threads = min(_DEFAULT_MAX_THREADS, usable_cpus())
@@ -804,28 +807,11 @@ class Loader:
 
         The prefetch thread runs across epoch boundaries without a bubble.
 
-        Raises:
-            ConfigError: ``num_epochs`` is None and an epoch has no full batch (a
-                ``global_batch_size`` larger than the data with ``drop_last``); raised
-                here, not at the first ``next``. A ``ValueError`` and a ``UserError``:
-                scripts print it as one line and exit 2.
+        An epoch of no batch (no samples, or a ``global_batch_size`` larger than the data
+        with ``drop_last``) was refused when the Loader was made.
         """
         if num_epochs is not None and num_epochs < 0:
             raise ValueError(f"num_epochs must be >= 0 or None, got {num_epochs}")
-        if num_epochs is None and self._sampler.num_samples == 0:
-            raise ConfigError(
-                "the cache holds no samples: its build kept none of its rows (its report's "
-                "'dropped' counts say why); there is nothing to train on"
-            )
-        if num_epochs is None and self.steps_per_epoch == 0:
-            sampler = self._sampler
-            raise ConfigError(
-                f"loader.global_batch_size ({sampler.global_batch_size}) is larger than an "
-                f"epoch of {sampler.num_samples} samples ({sampler.num_rows} rows in the "
-                "cache): with drop_last there is no full batch to train on; use a batch of "
-                f"at most {sampler.num_samples} or set loader.drop_last: false",
-                field="loader.global_batch_size",
-            )
         return self._iterate(num_epochs)
 
     # ------------------------------------------------------------------ stats & life

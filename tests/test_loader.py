@@ -699,3 +699,59 @@ def test_elastic_resume_any_world_sizes(phases, seed, shuffle):
         for ld in loaders:
             ld.close()
     assert got == full
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_readme_loop_under_torchrun_is_refused_or_split(built_cache, tmp_path):
+    """README's loop launched by real torchrun (2 ranks): JAX was never joined, so the
+    Loader saw one process and every rank read the same batches, silently. Now each rank
+    refuses in one line naming the fix; inside ``hf_pipeline.jax_distributed()`` (as
+    README shows it) the ranks take disjoint shares of every global batch."""
+    from tests.conftest import REPO, run_each
+
+    def launch(*mode: str) -> tuple[int, str]:
+        argv = ["-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+                REPO / "tests/procs/readme_loop.py", tmp_path / ("{rank}" + "".join(mode)),
+                *mode]  # fmt: skip
+        env = {"DEMO_CACHE": str(built_cache.cache_dir), "JAX_PLATFORMS": "cpu",
+               "OMP_NUM_THREADS": "1"}  # fmt: skip
+        ((code, out, err),) = run_each([(argv, env)], timeout=300)
+        return code, out + err
+
+    code, out = launch()
+    assert code != 0, out[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 2, out[-3000:]
+    for line in lines:
+        assert "2 processes" in line and "JAX sees one" in line, line
+        assert "hf_pipeline.jax_distributed()" in line and "process_count" in line, line
+    code, out = launch("distributed")
+    assert code == 0, out[-3000:]
+    got = [json.loads((tmp_path / f"{r}distributed").read_text()) for r in range(2)]
+    assert [g["process"] for g in got] == [[0, 2], [1, 2]]
+    for a, b in zip(got[0]["keys"], got[1]["keys"], strict=True):
+        assert len(a) == len(b) == 8 and not set(a) & set(b)
+
+
+def test_a_launched_rank_says_how_to_split_or_opts_out(monkeypatch):
+    """Rank 1 of 2 (torchrun's variables) with JAX alone: refused in one line naming this
+    rank's explicit share; an explicit process_count (1 included: every batch on
+    purpose) is taken as given."""
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                        "LOCAL_WORLD_SIZE": "2"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=r"2 processes \(torchrun\) but JAX sees one") as ei:
+        Loader(FakeSource(64), global_batch_size=4)
+    assert "process_index=1, process_count=2" in str(ei.value)
+    assert len(str(ei.value).splitlines()) == 1
+    for index, count in ((0, 1), (1, 2)):
+        with Loader(FakeSource(64), global_batch_size=4, process_index=index,
+                    process_count=count) as ld:  # fmt: skip
+            assert ld.layout.process_count == count

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hf_pipeline.errors import ConfigError
 from hf_pipeline.read.sampler import (
     ORDER_VERSION,
     SAMPLER_FIELDS,
@@ -387,6 +388,24 @@ class _Prefetcher:
             )
 
 
+def _refuse_a_share_of_all(process_count: int) -> None:
+    """Refuse one process's view of a job of several (torchrun, SLURM, ... ranks whose
+    JAX was never joined): each rank would read every batch, the same as its peers."""
+    if process_count != 1:
+        return
+    from dist.env import detect
+
+    process = detect()
+    if process.world_size > 1:
+        raise ConfigError(
+            f"{process.world_size} processes ({process.source}) but JAX sees one "
+            "(jax.process_count() is 1): every rank would read the same batches. Join one "
+            "JAX job first (wrap the loop in `with hf_pipeline.jax_distributed():`), or "
+            f"pass process_index={process.rank}, process_count={process.world_size} to "
+            "the Loader (process_count=1: this process reads every batch, on purpose)"
+        )
+
+
 class Loader:
     """Iterates batches of a :class:`~hf_pipeline.read.mapped.SampleSource` as JAX arrays.
 
@@ -412,7 +431,10 @@ class Loader:
         options: the :class:`LoaderOptions`.
         process_index, process_count: this process's share; default
             ``jax.process_index()`` / ``jax.process_count()`` (or, with a mesh, the
-            position of this process's devices along the data axis).
+            position of this process's devices along the data axis). A launch of
+            several processes whose JAX sees one (no ``jax.distributed`` joined: use
+            ``hf_pipeline.jax_distributed()``) is refused unless ``process_count`` is
+            given; ``process_count=1`` says that each process reads every batch.
         mesh: optional ``jax.sharding.Mesh``; batches become global arrays.
         data_axis: mesh axis (or axes) the batch dimension is sharded over.
         start_epoch: epoch to start at (ignored after :meth:`load_state_dict`).
@@ -426,7 +448,10 @@ class Loader:
         TypeError: an unknown keyword, or neither ``options`` nor ``global_batch_size``.
         ValueError: invalid options, or a global batch not divisible by the process
             count or the number of devices along ``data_axis``.
-        ConfigError: an epoch would have no batch: the source holds no samples, or the
+        ConfigError: the launcher says this is one of several processes (torchrun's
+            ``WORLD_SIZE``, SLURM, ...: ``dist.env.detect``) but JAX sees one and no
+            ``process_count`` was given: every rank would read the same batches. Or an
+            epoch would have no batch: the source holds no samples, or the
             ``global_batch_size`` is larger than the data with ``drop_last`` (a
             ``ValueError``; scripts print it as one line and exit 2).
     """
@@ -480,6 +505,8 @@ class Loader:
             self._init_processes(jax, process_index, process_count)
         else:
             self._init_mesh(process_index, process_count)
+        if process_count is None:
+            _refuse_a_share_of_all(self._layout.process_count)
         advise = getattr(source, "advise", None)
         if advise is not None:
             # Shuffled reads of a cache larger than RAM must not pull 128 KiB of

@@ -701,12 +701,6 @@ def test_elastic_resume_any_world_sizes(phases, seed, shuffle):
     assert got == full
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_readme_loop_under_torchrun_is_refused_or_split(built_cache, tmp_path):
     """README's loop launched by real torchrun (2 ranks): JAX was never joined, so the

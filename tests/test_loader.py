@@ -142,15 +142,13 @@ def test_epochs_and_infinite_iteration():
         assert ld.state_dict()["epoch"] == 3 and ld.state_dict()["step"] == 2
 
 
-def test_no_full_batch_ends_immediately():
-    with Loader(FakeSource(5), global_batch_size=8, process_count=1, process_index=0) as ld:
-        assert _run_with_timeout(lambda: list(ld)) == []
-        # Raised by the call itself, as a UserError naming the batch size and the rows
-        # (scripts turn it into one line, exit 2).
-        with pytest.raises(
-            ConfigError, match=r"global_batch_size \(8\) is larger .* 5 samples \(5 rows"
-        ):
-            ld.epochs()
+def test_no_full_batch_is_refused_when_made():
+    # Not an epoch of no batch (epochs(1) ended at once, silently): a UserError naming
+    # the batch size and the rows (scripts turn it into one line, exit 2).
+    with pytest.raises(
+        ConfigError, match=r"global_batch_size \(8\) is larger .* 5 samples \(5 rows"
+    ):
+        Loader(FakeSource(5), global_batch_size=8, process_count=1, process_index=0)
 
 
 @settings(max_examples=15, deadline=None)
@@ -281,12 +279,30 @@ def test_producer_error_reaches_consumer_with_traceback(threads):
 
 def test_a_cache_of_no_samples_says_so():
     """A cache whose build kept no row: one message saying so, not "use a batch of at
-    most 0 or set loader.drop_last: false" (which gave the same message again)."""
+    most 0 or set loader.drop_last: false" (which gave the same message again); at
+    construction, so ``epochs(1)`` cannot yield nothing silently."""
     for drop_last in (True, False):
-        loader = Loader(FakeSource(0), global_batch_size=4, process_index=0, process_count=1,
-                        drop_last=drop_last)  # fmt: skip
         with pytest.raises(ConfigError, match="the cache holds no samples"):
-            loader.epochs()
+            Loader(FakeSource(0), global_batch_size=4, process_index=0, process_count=1,
+                   drop_last=drop_last)  # fmt: skip
+
+
+def test_a_global_batch_larger_than_the_data_is_refused_at_construction(built_cache):
+    """With drop_last an epoch of the built cache has no batch: the Loader refuses at
+    construction (not 0 batches from ``epochs(1)`` or ``iter``, and ``epochs(None)`` the
+    same error); without drop_last the one padded batch is served."""
+    from hf_pipeline.cache.layout import open_sample_source
+
+    with open_sample_source(built_cache.layout, built_cache.fingerprint) as src:
+        big = src.num_rows + 1
+        with pytest.raises(ConfigError, match=rf"global_batch_size \({big}\) is larger") as ei:
+            Loader(src, global_batch_size=big, process_index=0, process_count=1)
+        assert ei.value.field == "loader.global_batch_size"
+        assert f"{src.num_rows} rows" in str(ei.value) and "drop_last" in str(ei.value)
+        with Loader(src, global_batch_size=big, process_index=0, process_count=1,
+                    drop_last=False) as padded:  # fmt: skip
+            (batch,) = list(padded.epochs(1))
+            assert int(batch["mask"].sum()) == src.num_rows
 
 
 @pytest.mark.parametrize("dtype", ["int8", "nope", "uint16"])
@@ -683,3 +699,53 @@ def test_elastic_resume_any_world_sizes(phases, seed, shuffle):
         for ld in loaders:
             ld.close()
     assert got == full
+
+
+@pytest.mark.slow
+def test_readme_loop_under_torchrun_is_refused_or_split(built_cache, tmp_path):
+    """README's loop launched by real torchrun (2 ranks): JAX was never joined, so the
+    Loader saw one process and every rank read the same batches, silently. Now each rank
+    refuses in one line naming the fix; inside ``hf_pipeline.jax_distributed()`` (as
+    README shows it) the ranks take disjoint shares of every global batch."""
+    from tests.conftest import REPO, run_each
+
+    def launch(*mode: str) -> tuple[int, str]:
+        argv = ["-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+                REPO / "tests/procs/readme_loop.py", tmp_path / ("{rank}" + "".join(mode)),
+                *mode]  # fmt: skip
+        env = {"DEMO_CACHE": str(built_cache.cache_dir), "JAX_PLATFORMS": "cpu",
+               "OMP_NUM_THREADS": "1"}  # fmt: skip
+        ((code, out, err),) = run_each([(argv, env)], timeout=300)
+        return code, out + err
+
+    code, out = launch()
+    assert code != 0, out[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 2, out[-3000:]
+    for line in lines:
+        assert "2 processes" in line and "JAX sees one" in line, line
+        assert "hf_pipeline.jax_distributed()" in line and "process_count" in line, line
+    code, out = launch("distributed")
+    assert code == 0, out[-3000:]
+    got = [json.loads((tmp_path / f"{r}distributed").read_text()) for r in range(2)]
+    assert [g["process"] for g in got] == [[0, 2], [1, 2]]
+    for a, b in zip(got[0]["keys"], got[1]["keys"], strict=True):
+        assert len(a) == len(b) == 8 and not set(a) & set(b)
+
+
+def test_a_launched_rank_says_how_to_split_or_opts_out(monkeypatch):
+    """Rank 1 of 2 (torchrun's variables) with JAX alone: refused in one line naming this
+    rank's explicit share; an explicit process_count (1 included: every batch on
+    purpose) is taken as given."""
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                        "LOCAL_WORLD_SIZE": "2"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=r"2 processes \(torchrun\) but JAX sees one") as ei:
+        Loader(FakeSource(64), global_batch_size=4)
+    assert "process_index=1, process_count=2" in str(ei.value)
+    assert len(str(ei.value).splitlines()) == 1
+    for index, count in ((0, 1), (1, 2)):
+        with Loader(FakeSource(64), global_batch_size=4, process_index=index,
+                    process_count=count) as ld:  # fmt: skip
+            assert ld.layout.process_count == count

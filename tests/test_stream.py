@@ -195,7 +195,13 @@ def _first_latents_range(manifest: dict) -> tuple[str, int, int]:
 
 def test_tampered_range_is_refused(gcs_cache, local_source):
     """One byte changed inside a published rows file (same size): fetched twice, then
-    refused with one error naming the file and the bytes."""
+    refused with one error naming the file and the bytes. The manifest's whole-file
+    crc32c is forged to match (else opening refuses the file as a pull does: the store's
+    crc32c differs), so the block digests are what finds it."""
+    import base64
+
+    import google_crc32c
+
     server, url = gcs_cache
     fs = gcs_fs(server)
     base = url[len("gs://") :]
@@ -204,6 +210,9 @@ def test_tampered_range_is_refused(gcs_cache, local_source):
     data = bytearray(fs.cat_file(f"{base}/{rel}"))
     data[offset + row_bytes // 2] ^= 0xFF
     fs.pipe_file(f"{base}/{rel}", bytes(data))
+    crc = google_crc32c.Checksum(bytes(data)).digest()
+    manifest["files"][rel]["crc32c"] = base64.b64encode(crc).decode()
+    fs.pipe_file(f"{base}/manifest.json", json.dumps(manifest).encode())
     with StreamSource(url, StreamOptions(cache_bytes=0), policy=_FAST) as s:
         good = s.gather(np.arange(2, 6), 0)  # rows in other blocks still read fine
         assert good["keys"].tolist() == local_source.gather(np.arange(2, 6), 0)["keys"].tolist()
@@ -319,6 +328,52 @@ def test_bad_urls_and_forged_manifests(gcs_cache, gcs_store):
     refused(lambda m: col(m).__setitem__("digests", ""), "latents.digests holds 0 digests")
     refused(lambda m: col(m).__setitem__("dtype", "|O"), "latents.dtype must be one of")
     refused(lambda m: m.__setitem__("fingerprint", "f" * 16), "fingerprint 'ffff")
+
+
+def test_an_unpublished_folder_is_not_streamed(gcs_cache, gcs_store, tmp_path):
+    """A copy of a published cache without its stage markers (an interrupted upload,
+    ``status``'s ``incomplete``) is refused as a pull refuses it, by the same check
+    (``find_published``): one line naming the URL and the missing markers, from
+    ``StreamSource``, ``open_stream`` and the ``train`` command (exit 2), before any
+    data is read."""
+    import subprocess
+    import sys
+
+    from hf_pipeline.config import LoaderConfig
+    from hf_pipeline.errors import SourceError
+    from tests.conftest import REPO
+
+    server, url = gcs_cache
+    fs = gcs_fs(server)
+    base = url[len("gs://") :]
+    prefix, name = base.rsplit("/", 1)
+    evil = f"{prefix.rsplit('/', 1)[0]}/evilnone/{name}"
+    for path in fs.find(base):
+        rel = path[len(base) + 1 :]
+        if rel not in ("converted.json", "filtered.json"):
+            fs.pipe_file(f"{evil}/{rel}", fs.cat_file(path))
+    evil_url = f"gs://{evil}"
+    missing = "has no converted.json, filtered.json"
+    with pytest.raises(SourceError, match=f"not a published cache.*{missing}") as err:
+        StreamSource(evil_url, policy=_FAST)
+    assert err.value.path == evil_url and len(str(err.value).splitlines()) == 1
+    with pytest.raises(SourceError, match=missing):
+        open_stream(LoaderConfig(stream_from=evil_url))
+    env = {
+        **os.environ,
+        "HF_PIPELINE_STREAM_FROM": evil_url,
+        "HF_PIPELINE_CACHE": str(tmp_path / "root"),
+        "STORAGE_EMULATOR_HOST": server,
+        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+        "JAX_PLATFORMS": "cpu",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "hf_pipeline", "train", "--steps", "2", "--batch-size", "16"],
+        env=env, capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert evil_url in proc.stderr and missing in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
 
 
 def test_stream_options_and_config():

@@ -192,6 +192,30 @@ def test_datamodule_over_the_built_cache(small_config, built_cache):
     assert dm.source is None
 
 
+def test_a_global_batch_larger_than_the_data_is_refused(small_config, built_cache):
+    """TorchBatches and the DataModule's setup refuse a global batch with no full batch
+    in an epoch (the Loader's ConfigError), not 0 batches and Lightning's "No training
+    batches"; setup leaves no source open."""
+    from hf_pipeline.adapters.torch_data import LatentDataModule
+    from hf_pipeline.cache.layout import open_sample_source
+    from hf_pipeline.errors import ConfigError
+
+    with open_sample_source(built_cache.layout, built_cache.fingerprint) as src:
+        big = src.num_rows + 1
+        with pytest.raises(ConfigError, match=rf"global_batch_size \({big}\) is larger"):
+            TorchBatches(src, global_batch_size=big, process_index=0, process_count=1)
+        padded = TorchBatches(src, global_batch_size=big, process_index=0, process_count=1,
+                              drop_last=False)  # fmt: skip
+        assert len(list(padded)) == 1
+    cfg = dataclasses.replace(
+        small_config, loader=dataclasses.replace(small_config.loader, global_batch_size=big)
+    )
+    dm = LatentDataModule(cfg, num_workers=0)
+    with pytest.raises(ConfigError, match=rf"global_batch_size \({big}\) is larger"):
+        dm.setup("fit")
+    assert dm.source is None
+
+
 def test_iteration_keeps_the_epoch_it_started_with(source):
     """set_epoch between iter() and the first batch (Lightning's order on resume) does not
     move an iteration that has begun; the next iteration follows it."""

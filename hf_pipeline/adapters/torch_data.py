@@ -173,6 +173,8 @@ class TorchBatches(tud.IterableDataset):
         TypeError: an unknown keyword, or neither ``order`` nor ``global_batch_size``.
         ValueError: invalid options or a global batch not divisible by the ranks (with
             the job's share: when an iteration starts).
+        ConfigError: an epoch would have no batch (no samples, or a ``global_batch_size``
+            larger than the data with ``drop_last``), as the ``Loader`` refuses it.
         TypeError: (from the DataLoader) a ``batch_size`` other than None: each item is
             already a batch.
         RuntimeError: a DataLoader worker iterates its copy twice (``persistent_workers=True``
@@ -197,6 +199,7 @@ class TorchBatches(tud.IterableDataset):
         options = sampler_options(order, **order_fields)
         self.source = source
         self.sampler = GlobalSampler(source.num_rows, options, num_crops=source.num_crops)
+        self.sampler.require_batches()
         self._given = (
             None if process_index is None else int(process_index),
             None if process_count is None else int(process_count),
@@ -549,7 +552,14 @@ class _LatentDataModule:
             fingerprint = built.fingerprint
         # The Loader's options: the same order and output dtype as Loader.from_config.
         options = LoaderOptions.from_config(self.cfg.loader)
-        self.dataset = TorchBatches(self.source, options.order, latents_dtype=options.latents_dtype)
+        try:
+            self.dataset = TorchBatches(
+                self.source, options.order, latents_dtype=options.latents_dtype
+            )
+        except BaseException:  # e.g. an epoch of no batch: leave nothing mapped
+            self.source.close()
+            self.source = None
+            raise
         self._identity = {
             "order_version": ORDER_VERSION,
             **dataclasses.asdict(self.dataset.sampler.options),

@@ -388,6 +388,24 @@ class _Prefetcher:
             )
 
 
+def _refuse_a_share_of_all(process_count: int) -> None:
+    """Refuse one process's view of a job of several (torchrun, SLURM, ... ranks whose
+    JAX was never joined): each rank would read every batch, the same as its peers."""
+    if process_count != 1:
+        return
+    from dist.env import detect
+
+    process = detect()
+    if process.world_size > 1:
+        raise ConfigError(
+            f"{process.world_size} processes ({process.source}) but JAX sees one "
+            "(jax.process_count() is 1): every rank would read the same batches. Join one "
+            "JAX job first (wrap the loop in `with hf_pipeline.jax_distributed():`), or "
+            f"pass process_index={process.rank}, process_count={process.world_size} to "
+            "the Loader (process_count=1: this process reads every batch, on purpose)"
+        )
+
+
 class Loader:
     """Iterates batches of a :class:`~hf_pipeline.read.mapped.SampleSource` as JAX arrays.
 
@@ -413,7 +431,10 @@ class Loader:
         options: the :class:`LoaderOptions`.
         process_index, process_count: this process's share; default
             ``jax.process_index()`` / ``jax.process_count()`` (or, with a mesh, the
-            position of this process's devices along the data axis).
+            position of this process's devices along the data axis). A launch of
+            several processes whose JAX sees one (no ``jax.distributed`` joined: use
+            ``hf_pipeline.jax_distributed()``) is refused unless ``process_count`` is
+            given; ``process_count=1`` says that each process reads every batch.
         mesh: optional ``jax.sharding.Mesh``; batches become global arrays.
         data_axis: mesh axis (or axes) the batch dimension is sharded over.
         start_epoch: epoch to start at (ignored after :meth:`load_state_dict`).
@@ -427,6 +448,12 @@ class Loader:
         TypeError: an unknown keyword, or neither ``options`` nor ``global_batch_size``.
         ValueError: invalid options, or a global batch not divisible by the process
             count or the number of devices along ``data_axis``.
+        ConfigError: the launcher says this is one of several processes (torchrun's
+            ``WORLD_SIZE``, SLURM, ...: ``dist.env.detect``) but JAX sees one and no
+            ``process_count`` was given: every rank would read the same batches. Or an
+            epoch would have no batch: the source holds no samples, or the
+            ``global_batch_size`` is larger than the data with ``drop_last`` (a
+            ``ValueError``; scripts print it as one line and exit 2).
     """
 
     _t_first: float | None  # when the first batch was asked for (reset_stats)
@@ -452,6 +479,7 @@ class Loader:
         self._options = options
         self._order = options.order
         self._sampler = GlobalSampler(source.num_rows, self._order, num_crops=source.num_crops)
+        self._sampler.require_batches()
         self._prefetch = int(options.prefetch)
         if options.num_threads is None:
             self._num_threads = min(_DEFAULT_MAX_THREADS, usable_cpus())
@@ -477,6 +505,8 @@ class Loader:
             self._init_processes(jax, process_index, process_count)
         else:
             self._init_mesh(process_index, process_count)
+        if process_count is None:
+            _refuse_a_share_of_all(self._layout.process_count)
         advise = getattr(source, "advise", None)
         if advise is not None:
             # Shuffled reads of a cache larger than RAM must not pull 128 KiB of
@@ -804,28 +834,11 @@ class Loader:
 
         The prefetch thread runs across epoch boundaries without a bubble.
 
-        Raises:
-            ConfigError: ``num_epochs`` is None and an epoch has no full batch (a
-                ``global_batch_size`` larger than the data with ``drop_last``); raised
-                here, not at the first ``next``. A ``ValueError`` and a ``UserError``:
-                scripts print it as one line and exit 2.
+        An epoch of no batch (no samples, or a ``global_batch_size`` larger than the data
+        with ``drop_last``) was refused when the Loader was made.
         """
         if num_epochs is not None and num_epochs < 0:
             raise ValueError(f"num_epochs must be >= 0 or None, got {num_epochs}")
-        if num_epochs is None and self._sampler.num_samples == 0:
-            raise ConfigError(
-                "the cache holds no samples: its build kept none of its rows (its report's "
-                "'dropped' counts say why); there is nothing to train on"
-            )
-        if num_epochs is None and self.steps_per_epoch == 0:
-            sampler = self._sampler
-            raise ConfigError(
-                f"loader.global_batch_size ({sampler.global_batch_size}) is larger than an "
-                f"epoch of {sampler.num_samples} samples ({sampler.num_rows} rows in the "
-                "cache): with drop_last there is no full batch to train on; use a batch of "
-                f"at most {sampler.num_samples} or set loader.drop_last: false",
-                field="loader.global_batch_size",
-            )
         return self._iterate(num_epochs)
 
     # ------------------------------------------------------------------ stats & life

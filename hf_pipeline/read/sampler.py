@@ -305,6 +305,33 @@ class GlobalSampler:
             return self.num_samples // batch
         return -(-self.num_samples // batch)
 
+    def require_batches(self) -> None:
+        """Raise unless an epoch has at least one batch to train on.
+
+        Every reader (the JAX ``Loader``, ``TorchBatches``, so the DataModule) calls it
+        when it is made: an epoch of no batch would otherwise end at once, silently.
+
+        Raises:
+            ConfigError: the data holds no samples, or (``drop_last``) the global batch is
+                larger than an epoch. A ``ValueError`` and a ``UserError``: scripts print
+                it as one line and exit 2.
+        """
+        from hf_pipeline.errors import ConfigError
+
+        if self.num_samples == 0:
+            raise ConfigError(
+                "the cache holds no samples: its build kept none of its rows (its report's "
+                "'dropped' counts say why); there is nothing to train on"
+            )
+        if self.steps_per_epoch == 0:
+            raise ConfigError(
+                f"loader.global_batch_size ({self.global_batch_size}) is larger than an "
+                f"epoch of {self.num_samples} samples ({self.num_rows} rows in the "
+                "cache): with drop_last there is no full batch to train on; use a batch of "
+                f"at most {self.num_samples} or set loader.drop_last: false",
+                field="loader.global_batch_size",
+            )
+
     # ------------------------------------------------------------------ order
 
     def _compute_order(self, epoch: int) -> np.ndarray:

@@ -2,8 +2,10 @@
 
 :class:`StreamSource` is a :class:`~hf_pipeline.read.mapped.SampleSource` whose files stay
 in the store (``gs://...`` or ``hf://datasets/...``, as ``--publish`` writes them). It
-reads ``manifest.json`` once and its stream index (:mod:`hf_pipeline.read.stream.index`):
-no listing, no per-file footer. A gather fetches the checksum blocks that hold its
+first checks the folder is published as a pull does
+(:func:`~hf_pipeline.publish.find.find_published`: one listing, the stage markers and
+``manifest.json``), then uses the manifest's stream index
+(:mod:`hf_pipeline.read.stream.index`): no per-file footer. A gather fetches the checksum blocks that hold its
 rows; each block is checked against its published digest before a byte of it is used.
 
 Ahead of the consumer: the :class:`~hf_pipeline.read.loader.Loader` hands :meth:`plan`
@@ -50,6 +52,7 @@ import heapq
 import itertools
 import logging
 import re
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -221,11 +224,15 @@ class StreamSource:
         fingerprint: the identity expected (None: the one the folder name states).
 
     Raises:
-        SourceError: a malformed URL, or the store refused (not found, forbidden).
+        SourceError: a malformed URL, the store refused (not found, forbidden), or the
+            folder is not a published cache (no folder, or a stage marker missing: an
+            upload unfinished or interrupted), checked as a pull checks it before any
+            data is read; names the URL and the missing markers.
         StoreUnreachableError: the store did not answer after every retry.
-        CacheFormatError: the manifest is missing, malformed, of another fingerprint,
-            has no stream index (published by an older version), or the filter's
-            indices do not check out; names the file.
+        CacheFormatError: the folder is damaged as a pull finds it (markers, manifest
+            and the store's listing disagree; the manifest missing, malformed or of
+            another fingerprint), the manifest has no stream index (published by an
+            older version), or the filter's indices do not check out; names the file.
     """
 
     def __init__(
@@ -297,20 +304,37 @@ class StreamSource:
 
     # ------------------------------------------------------------------ opening
 
-    def _open(self, name: str, fingerprint: str | None) -> None:
-        from dist.markers import MAX_JSON_BYTES, ForeignJSONError, parse_json
-        from hf_pipeline.publish.manifest import Manifest
+    def _published(self, name: str, fingerprint: str | None):
+        """The folder's manifest, once it is a published cache as a pull finds one
+        (:func:`~hf_pipeline.publish.find.find_published`: every stage marker there,
+        consistent with the manifest and the store's listing); no data file is read.
 
+        Raises:
+            SourceError: not published (no folder, or a marker missing: an upload
+                unfinished or interrupted), naming the URL and what is missing.
+            CacheFormatError: published but damaged (as a pull refuses it).
+        """
+        from hf_pipeline.cache.layout import STAGES
+        from hf_pipeline.config import DataConfig
+        from hf_pipeline.publish.find import find_published
+        from hf_pipeline.stores.factory import open_store
+
+        stated = _CACHE_NAME.search(name).group(1)  # type: ignore[union-attr]  # checked
+        store = open_store(self.url[: -len(name) - 1], data_config=DataConfig(), policy=self.policy)
+        with tempfile.TemporaryDirectory(prefix="hf_pipeline-stream-") as meta:
+            published, why = find_published(
+                store, name, fingerprint or stated, STAGES, meta_dir=meta
+            )
+        if published is None:
+            why = why.removeprefix(f"{self.url} ")
+            if why.startswith("nothing at "):
+                why = "it does not exist (nothing is published there)"
+            raise SourceError(self.url, f"not a published cache, so not streamed: {why}")
+        return published.manifest
+
+    def _open(self, name: str, fingerprint: str | None) -> None:
+        manifest = self._published(name, fingerprint)
         where = f"{self.url}/{_MANIFEST}"
-        data = self._read(_MANIFEST, 0, MAX_JSON_BYTES + 1, exact=False)
-        try:
-            raw = parse_json(data, path=where)
-        except ForeignJSONError as e:
-            raise CacheFormatError(where, e.reason) from None
-        try:
-            manifest = Manifest.from_dict(raw)
-        except (KeyError, TypeError, ValueError) as e:
-            raise CacheFormatError(where, f"malformed manifest ({type(e).__name__}: {e})") from None
         stated = _CACHE_NAME.search(name).group(1)  # type: ignore[union-attr]  # checked
         want = fingerprint or stated
         if manifest.fingerprint != want or stated != want:

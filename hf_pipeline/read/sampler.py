@@ -145,16 +145,20 @@ class OptionError(ValueError):
     """An option of :class:`SamplerOptions` or ``LoaderOptions`` has an invalid value.
 
     Attributes:
-        field: the option's name (``hf_pipeline.config`` names it ``loader.<field>``).
+        field: the option's name (``hf_pipeline.config`` names it ``loader.<field>``);
+            "" when built from one string (torch's ``DataLoader`` re-raise).
     """
 
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field} {message}")
-        self.field = field
-        self.message = message
+    def __init__(self, field: str, message: str | None = None):
+        if message is None:
+            super().__init__(field)
+            self.field, self.message = "", field
+        else:
+            super().__init__(f"{field} {message}")
+            self.field, self.message = field, message
 
     def __reduce__(self):
-        return type(self), (self.field, self.message)
+        return type(self), (self.field, self.message) if self.field else (self.message,)
 
 
 def check_at_least(value: int, least: int, field: str) -> None:

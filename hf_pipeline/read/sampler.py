@@ -38,6 +38,8 @@ per-epoch order cache is locked).
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import reprlib
 import threading
 from typing import Any, Literal, get_args, overload
@@ -165,6 +167,25 @@ def check_at_least(value: int, least: int, field: str) -> None:
     """Raise :class:`OptionError` "``field`` must be >= ``least``, got ``value``"."""
     if value < least:
         raise OptionError(field, f"must be >= {least}, got {value!r}")
+
+
+def check_number(
+    value: object, field: str, lo: float, hi: float, *, integer: bool, lo_open: bool = False
+) -> None:
+    """Raise :class:`OptionError` unless ``value`` is a number (an integer if ``integer``)
+    in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``): the rule of the config's bounded
+    fields, so options built in code refuse what ``loader.*`` refuses (inf, NaN, 1.5 bytes).
+    """
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise OptionError(
+            field, f"must be {'an integer' if integer else 'a number'}, got {value!r}"
+        )
+    if not math.isfinite(value):
+        raise OptionError(field, f"must be a finite number, got {value!r}")
+    if not ((lo < value) if lo_open else (lo <= value)) or value > hi:
+        span = f"{'(' if lo_open else '['}{lo}, {hi}]"
+        raise OptionError(field, f"must be in {span}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -181,9 +181,11 @@ def check_number(
         raise OptionError(
             field, f"must be {'an integer' if integer else 'a number'}, got {value!r}"
         )
-    if not math.isfinite(value):
+    # numpy's ints and floats compared as Python's (an int stays exact however large).
+    number = int(value) if isinstance(value, numbers.Integral) else float(value)
+    if not math.isfinite(number):
         raise OptionError(field, f"must be a finite number, got {value!r}")
-    if not ((lo < value) if lo_open else (lo <= value)) or value > hi:
+    if not ((lo < number) if lo_open else (lo <= number)) or number > hi:
         span = f"{'(' if lo_open else '['}{lo}, {hi}]"
         raise OptionError(field, f"must be in {span}, got {value!r}")
 

@@ -507,3 +507,38 @@ def test_streaming_writes_nothing_to_local_disk(gcs_cache, local_source, tmp_pat
     assert got["batches"] == [_digest(b) for b in want]
     for name, d in dirs.items():
         assert not any(d.rglob("*")), (name, sorted(d.rglob("*"))[:10])
+
+
+#: The published folder the streaming guide's example names.
+_GUIDE_URL = "gs://my-bucket/caches/coyo11m-gcs-0123456789abcdef"
+
+
+@pytest.mark.slow
+def test_the_streaming_guides_example_runs_as_written(gcs_cache, monkeypatch):
+    """docs/guides/streaming.md's first example loaded ``configs/coyo11m_gcs.yaml``
+    "with loader.stream_from set": it is not set there (``ConfigError loader.stream_from
+    is empty``), and its global shuffle is what the guide advises against. Run as
+    written, its URL the test bucket's and its batch the small cache's."""
+    import re
+
+    import hf_pipeline
+    from tests.conftest import REPO
+
+    _, url = gcs_cache
+    text = (REPO / "docs" / "guides" / "streaming.md").read_text()
+    block = re.findall(r"```python\n(.*?)```", text, flags=re.S)[0]
+    assert "configs/coyo11m_gcs.yaml" in block and _GUIDE_URL in block, block
+    real = hf_pipeline.load_config
+    monkeypatch.setattr(
+        hf_pipeline,
+        "load_config",
+        lambda path=None, overrides=(), environ=None: real(
+            path, [*overrides, "loader.global_batch_size=16"], environ={}
+        ),
+    )
+    monkeypatch.chdir(REPO)
+    namespace: dict = {}
+    exec(compile(block.replace(_GUIDE_URL, url), "streaming.md", "exec"), namespace)  # noqa: S102
+    assert namespace["cfg"].loader.stream_from == url
+    assert namespace["cfg"].loader.shuffle == "block"
+    assert namespace["batch"]["latents"].shape[0] == 16

@@ -1,8 +1,10 @@
 """The few exceptions hf_pipeline raises for bad input.
 
 Each subclasses the nearest built-in and :class:`UserError`, carries the offending
-path or field as an attribute, and pickles (they cross ``datasets`` worker process
-boundaries). Scripts print a :class:`UserError` as one line and exit with code 2,
+path or field as an attribute, pickles (they cross ``datasets`` worker process
+boundaries), and is built from one message string too: torch's ``DataLoader``
+re-raises a worker's exception as ``type(e)(message)``, so ``except`` clauses naming
+these types work there. Scripts print a :class:`UserError` as one line and exit with 2,
 except :class:`StoreUnreachableError`: a store that did not answer is a fault of the
 environment, not of the input, so scripts exit with code 1 for it.
 """
@@ -50,18 +52,25 @@ class _PathError(UserError):
 
     Subclasses also inherit the nearest built-in (``ValueError``, ``OSError``) after it.
 
+    Built from one string (``type(e)(text)``: how torch's ``DataLoader`` re-raises a
+    worker's exception), the string is the whole message and ``path`` is empty: the
+    type survives, so ``except StoreUnreachableError`` still catches it.
+
     Attributes:
-        path: the offending file or URL, as a string.
+        path: the offending file or URL, as a string ("" when built from one string).
         reason: the message without the path.
     """
 
-    def __init__(self, path: str, message: str):
-        super().__init__(f"{path}: {message}")
-        self.path = str(path)
-        self.reason = message
+    def __init__(self, path: str, message: str | None = None):
+        if message is None:
+            super().__init__(str(path))
+            self.path, self.reason = "", str(path)
+        else:
+            super().__init__(f"{path}: {message}")
+            self.path, self.reason = str(path), message
 
     def __reduce__(self):
-        return (type(self), (self.path, self.reason))
+        return (type(self), (self.path, self.reason) if self.path else (self.reason,))
 
 
 class CorruptShardError(_PathError, ValueError):

@@ -240,24 +240,31 @@ def test_map_dataset_iterator_checkpoint_resume(src):
     _assert_batches_equal(head + _copy(it2), full)
 
 
-def test_global_batches_recipe_gives_the_loaders_batches(src):
-    """README's fast path: one Grain record per global batch of our own order."""
+def test_global_batches_recipe_gives_the_loaders_batches(built_cache):
+    """README's fast path: one Grain record per global batch of our own order, equal to
+    the Loader's batches in every epoch, latents included: ``get_batch(ids, epoch=e)``
+    draws the random crops of epoch ``e`` as the Loader does (they were epoch 0's in
+    every epoch: the keys and embeddings agreed, the latents not from epoch 1 on)."""
     from hf_pipeline.read.loader import Loader
 
-    order = GlobalSampler(len(src), global_batch_size=16, seed=4)
-    share = order.process_positions(1, 2)  # process 1 of 2
-    spe = order.steps_per_epoch
+    with GrainSource(built_cache.cache_dir, seed=4) as grain_src:
+        order = GlobalSampler(len(grain_src), global_batch_size=16, seed=4)
+        share = order.process_positions(1, 2)  # process 1 of 2
+        spe = order.steps_per_epoch
 
-    def global_batch(g):
-        ids, _ = order.global_batch(g // spe, g % spe)
-        return src.get_batch(ids[share])
+        def global_batch(g):
+            ids, _ = order.global_batch(g // spe, g % spe)
+            return grain_src.get_batch(ids[share], epoch=g // spe)
 
-    by_step = grain.MapDataset.range(2 * spe).map(global_batch)
-    with Loader(
-        src.sample_source, global_batch_size=16, seed=4, process_index=1, process_count=2
-    ) as ld:
-        want = [np.asarray(b["keys"]) for b in itertools.islice(ld.epochs(2), 2 * spe)]
-    got = [b["keys"] for b in by_step.to_iter_dataset()]
-    assert len(got) == len(want) == 2 * spe
-    for a, b in zip(got, want, strict=True):
-        np.testing.assert_array_equal(a, b)
+        by_step = grain.MapDataset.range(3 * spe).map(global_batch)
+        with Loader(
+            grain_src.sample_source, global_batch_size=16, seed=4, process_index=1,
+            process_count=2,
+        ) as ld:  # fmt: skip
+            want = [
+                {k: np.asarray(v) for k, v in b.items() if k in ("keys", "latents", "embeddings")}
+                for b in itertools.islice(ld.epochs(3), 3 * spe)
+            ]
+        got = list(by_step.to_iter_dataset())
+    assert len(got) == len(want) == 3 * spe
+    _assert_batches_equal(got, want)

@@ -946,3 +946,46 @@ def test_an_abandoned_pull_staging_is_listed_and_cleaned_a_live_one_is_left(
     assert not staging.exists()
     assert (unmarked / "files" / "x.bin").read_bytes() == b"not ours"  # no mark: not ours
     assert (root / ".staging").is_dir()
+
+
+def test_status_url_json_and_unknown_size(source_cache, gcs_store, tmp_path):
+    """``hf-pipeline status URL --json -`` was refused ("--json is not supported with
+    --status URL", the script's syntax); a damaged or incomplete cache showed
+    ``size 0 B``. Now the JSON has the table's fields per cache, and an unknown size is
+    ``-`` (null in the JSON)."""
+    from tests.test_commands import _command
+
+    server, url = gcs_store
+    src = source_cache.result
+    publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
+    fs = gcs_fs(server)
+    half = "half-0123456789abcdef"  # a folder with a marker that is not one: damaged
+    fs.pipe_file(f"{url[5:]}/{half}/converted.json", b"{}")
+    env = script_env(STORAGE_EMULATOR_HOST=server, GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false")
+    base = [*_command(), "status", url, "--set", f"data.shards={source_cache.data}"]
+    res = subprocess.run(
+        [*base, "--json", "-"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    doc = json.loads(res.stdout)
+    assert doc["url"] == url
+    caches = {c["name"]: c for c in doc["caches"]}
+    name = Path(src.cache_dir).name
+    good, bad = caches[name], caches[half]
+    assert good["state"] == "complete" and good["problem"] == ""
+    assert good["rows"] == src.report["rows_out"] and good["size_bytes"] > 0
+    assert isinstance(good["published_at"], float) and good["fingerprint"] == src.fingerprint
+    assert bad["state"] in ("damaged", "incomplete") and bad["problem"]
+    assert bad["rows"] is None and bad["size_bytes"] is None and bad["published_at"] is None
+    assert set(good) == {
+        "name", "fingerprint", "state", "rows", "size_bytes", "published_at", "host", "problem"
+    }  # fmt: skip
+    human = subprocess.run(base, env=env, capture_output=True, text=True, timeout=300)
+    line = next(x for x in human.stdout.splitlines() if x.startswith(half))
+    assert line.split()[2:] == [bad["state"], "-", "-", "-"], line
+    (tmp_path / "out").mkdir()
+    res = subprocess.run(
+        [*base, "--json", tmp_path / "out" / "s.json"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0 and json.loads((tmp_path / "out" / "s.json").read_text()) == doc

@@ -112,3 +112,20 @@ def test_grain_dataloader_example_runs_as_a_script_and_exits_quietly(
     assert p.returncode == 0, p.stderr
     assert "sixth (16,) (16, 4, 32, 32)" in p.stdout, p.stdout
     assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr
+
+
+def test_cli_docs_list_every_build_json_key():
+    """docs/cli.md names the keys of ``build --json``: the ones the summary writes
+    (``metadata`` was missing)."""
+    from pathlib import Path
+
+    from hf_pipeline.build.prepare import BuildResult
+
+    report = {"rows_in": 0, "rows_out": 0, "dropped": {}, "duplicate_meta_rows": 0}
+    keys = BuildResult(
+        fingerprint="f", cache_dir=Path("c"), report=report, built=True, seconds=0.0
+    ).summary()
+    text = (REPO / "docs" / "cli.md").read_text()
+    listed = re.search(r"writes `\{(.*?)\}`", text, re.S)
+    assert listed, "docs/cli.md lost its build --json key list"
+    assert sorted(re.findall(r'"(\w+)"', listed.group(1))) == sorted(keys)

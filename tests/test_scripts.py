@@ -358,3 +358,26 @@ def test_train_rerun_of_a_finished_run_and_a_run_shorter_than_a_log_window(
     assert again.returncode == 0, again.stderr[-3000:]
     assert "already at step 4 of 4: nothing to train" in again.stdout, again.stdout
     assert "nan" not in again.stdout and "done:" not in again.stdout, again.stdout
+
+
+@pytest.mark.slow
+def test_train_resumed_with_other_steps_is_one_line_exit_2(
+    session_cache_root, built_cache, tmp_path
+):
+    """A finished 10-step run re-run with ``--steps 15`` trained 5 more steps in silence,
+    under a learning-rate schedule that spans ``train.steps``: the cosine of a 15-step
+    run from step 10, not what either run would do. Now: one line naming both values,
+    exit 2, nothing trained; the same value resumes (here: nothing left to do)."""
+    ckpt = tmp_path / "ckpt"
+    common = ["--cache-dir", str(session_cache_root), *_sets(SMALL_DEMO), "-q"]
+    first = _run("train.py", *common, "--steps", "10", "--checkpoint", str(ckpt))
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = _run("train.py", *common, "--steps", "15", "--checkpoint", str(ckpt))
+    assert again.returncode == 2, (again.stdout + again.stderr)[-3000:]
+    assert "Traceback" not in again.stderr
+    errors = [line for line in again.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, again.stderr
+    assert "train.steps" in errors[0] and "10" in errors[0] and "15" in errors[0], errors
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.isdigit()) == ["10"]
+    same = _run("train.py", *common, "--steps", "10", "--checkpoint", str(ckpt))
+    assert same.returncode == 0, same.stderr[-3000:]

@@ -380,7 +380,7 @@ def test_stream_options_and_config():
     from hf_pipeline.config import load_config
     from hf_pipeline.errors import ConfigError
 
-    with pytest.raises(ValueError, match="stream_concurrency must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"stream_concurrency must be in \[1, 1024\], got 0"):
         StreamOptions(concurrency=0)
     env = {"HF_PIPELINE_STREAM_FROM": "gs://b/caches/demo-0123456789abcdef"}
     cfg = load_config(None, ["loader.stream_cache_bytes=0"], environ=env).loader
@@ -391,6 +391,43 @@ def test_stream_options_and_config():
     with pytest.raises(ConfigError, match="loader.stream_from is empty"):
         open_stream(load_config(None, [], environ={}).loader)
     assert dataclasses.fields(StreamOptions)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"read_timeout": float("inf")}, "stream_read_timeout must be a finite number"),
+        ({"read_timeout": float("nan")}, "stream_read_timeout must be a finite number"),
+        (
+            {"read_timeout": 86401.0},
+            r"stream_read_timeout must be in \(0.0, 86400.0\], got 86401.0",
+        ),
+        ({"read_timeout": "30"}, "stream_read_timeout must be a number, got '30'"),
+        ({"cache_bytes": 1.5}, "stream_cache_bytes must be an integer, got 1.5"),
+        ({"ahead": 2.0}, "stream_ahead must be an integer, got 2.0"),
+        ({"concurrency": True}, "stream_concurrency must be an integer, got True"),
+        ({"concurrency": 2000}, r"stream_concurrency must be in \[1, 1024\], got 2000"),
+        ({"max_read_bytes": "16"}, "max_read_bytes must be an integer"),
+    ],
+)
+def test_stream_options_refuse_what_the_config_refuses(kwargs, message):
+    """``StreamOptions`` built in code is checked as ``loader.stream_*`` is: no endless
+    timeout (inf was capped to the file timeout in silence), no fractional byte count."""
+    with pytest.raises(ValueError, match=message):
+        StreamOptions(**kwargs)
+    assert StreamOptions(cache_bytes=np.int64(5), read_timeout=1).cache_bytes == 5
+
+
+def test_stream_options_bounds_are_the_configs():
+    """One range per option: the config's ``loader.stream_*`` bounds are StreamOptions'."""
+    from hf_pipeline.config import LoaderConfig
+    from hf_pipeline.read.stream.options import BOUNDS
+
+    fields = {f.name: f for f in dataclasses.fields(LoaderConfig)}
+    for name, (lo, hi) in BOUNDS.items():
+        if f"stream_{name}" in fields:
+            bounds = fields[f"stream_{name}"].metadata["bounds"]
+            assert (bounds.lo, bounds.hi) == (lo, hi), name
 
 
 @pytest.mark.slow
@@ -525,3 +562,38 @@ def test_streaming_writes_nothing_to_local_disk(gcs_cache, local_source, tmp_pat
     assert got["batches"] == [_digest(b) for b in want]
     for name, d in dirs.items():
         assert not any(d.rglob("*")), (name, sorted(d.rglob("*"))[:10])
+
+
+#: The published folder the streaming guide's example names.
+_GUIDE_URL = "gs://my-bucket/caches/coyo11m-gcs-0123456789abcdef"
+
+
+@pytest.mark.slow
+def test_the_streaming_guides_example_runs_as_written(gcs_cache, monkeypatch):
+    """docs/guides/streaming.md's first example loaded ``configs/coyo11m_gcs.yaml``
+    "with loader.stream_from set": it is not set there (``ConfigError loader.stream_from
+    is empty``), and its global shuffle is what the guide advises against. Run as
+    written, its URL the test bucket's and its batch the small cache's."""
+    import re
+
+    import hf_pipeline
+    from tests.conftest import REPO
+
+    _, url = gcs_cache
+    text = (REPO / "docs" / "guides" / "streaming.md").read_text()
+    block = re.findall(r"```python\n(.*?)```", text, flags=re.S)[0]
+    assert "configs/coyo11m_gcs.yaml" in block and _GUIDE_URL in block, block
+    real = hf_pipeline.load_config
+    monkeypatch.setattr(
+        hf_pipeline,
+        "load_config",
+        lambda path=None, overrides=(), environ=None: real(
+            path, [*overrides, "loader.global_batch_size=16"], environ={}
+        ),
+    )
+    monkeypatch.chdir(REPO)
+    namespace: dict = {}
+    exec(compile(block.replace(_GUIDE_URL, url), "streaming.md", "exec"), namespace)  # noqa: S102
+    assert namespace["cfg"].loader.stream_from == url
+    assert namespace["cfg"].loader.shuffle == "block"
+    assert namespace["batch"]["latents"].shape[0] == 16

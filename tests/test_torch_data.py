@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from hf_pipeline.adapters.torch_data import TorchBatches, torch_loader
+from hf_pipeline.errors import CacheFormatError, ConfigError, SourceError, StoreUnreachableError
 from hf_pipeline.read.mapped import SampleSource
-from hf_pipeline.read.sampler import ORDER_VERSION, SamplerOptions
+from hf_pipeline.read.sampler import ORDER_VERSION, OptionError, SamplerOptions
 from tests.helpers.caches import build_cache, open_source
 
 
@@ -486,3 +487,47 @@ def test_map_style_samples_with_a_distributed_sampler(tmp_path):
         assert sorted(seen[0] + seen[1]) == list(range(600))
         bf = TorchSamples(src, crop=0, latents_dtype="float32")
         assert bf[0]["latents"].dtype == torch.float32 and len(bf) == 200
+
+
+class _FailingReads(torch.utils.data.Dataset):
+    """Every read raises ``error`` (a store gone away, a corrupt file) inside the worker."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int):
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        StoreUnreachableError("gs://bkt/caches/a.bin", "connection refused after 3 tries"),
+        *(
+            pytest.param(e, marks=pytest.mark.slow)
+            for e in (
+                SourceError("gs://bkt/caches/a.bin", "not found"),
+                CacheFormatError("/c/part-0.bin", "truncated"),
+                ConfigError("loader.seed must be an integer", field="loader.seed"),
+                OptionError("prefetch", "must be >= 1, got 0"),
+            )
+        ),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_our_errors_keep_their_type_through_dataloader_workers(error):
+    """torch re-raises a worker's exception as ``type(e)(message)``: when that call
+    fails it raises RuntimeError instead, and the user's ``except StoreUnreachableError``
+    misses it."""
+    dl = torch.utils.data.DataLoader(
+        _FailingReads(error), num_workers=2, multiprocessing_context=_ctx(), timeout=60
+    )
+    with pytest.raises(type(error)) as got:
+        next(iter(dl))
+    assert type(got.value) is type(error)
+    assert str(error) in str(got.value)
+    again = pickle.loads(pickle.dumps(got.value))
+    assert type(again) is type(error) and str(again) == str(got.value)

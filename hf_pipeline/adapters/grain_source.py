@@ -280,20 +280,30 @@ class GrainSource:
         """Records: rows, or rows x crops with ``crop="all"``."""
         return len(self._open())
 
-    def get_batch(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
+    def get_batch(
+        self, indices: Sequence[int] | np.ndarray, epoch: int = 0
+    ) -> dict[str, np.ndarray]:
         """Records ``indices`` stacked into one batch by a single NumPy gather.
 
         Meant for ``MapDataset.range(len(src)).shuffle(...).batch(B).map(src.get_batch)``:
         Grain batches the indices, this assembles the batch without per-record Python.
+
+        Args:
+            indices: record indices.
+            epoch: whose random crops to draw (``crop="random"``): the records are epoch
+                0's, the same every epoch, unless a reader that knows the epoch (one
+                record per global batch of :class:`~hf_pipeline.read.sampler.GlobalSampler`)
+                passes it; then the batch is the Loader's, latents included.
 
         Returns:
             ``{"latents": (B, C, H, W), "embeddings": (B, D), "keys": (B,)}``.
 
         Raises:
             IndexError: an index outside ``[0, len(self))``.
-            TypeError: indices that are not integers.
+            TypeError: indices or an epoch that are not integers.
+            ValueError: ``epoch < 0``.
         """
-        return self._open().get_batch(indices)
+        return self._open().get_batch(indices, epoch)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         """Record ``index``: ``{"latents": (C, H, W), "embeddings": (D,), "keys": int64}``.

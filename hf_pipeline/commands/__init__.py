@@ -80,7 +80,9 @@ def parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="a store to list instead (gs://... or hf://datasets/...)",
     )
-    prebuild.add_json_arg(p, "write the report as JSON to PATH ('-' = stdout); not with URL")
+    prebuild.add_json_arg(
+        p, "write the report (with URL: the published caches) as JSON to PATH ('-' = stdout)"
+    )
     p.set_defaults(publish=None, verify=False, clean=False, dry_run=False, run=prebuild.main)
 
     p = _add(

@@ -27,7 +27,7 @@ __all__ = ["add_dry_run_arg", "add_json_arg", "main", "parser"]
 
 #: --json's help in the script, where one flag serves every operation.
 JSON_HELP = (
-    "write the build summary (with --status / --verify / --clean: their report) "
+    "write the build summary (with --status [URL] / --verify / --clean: their report) "
     "as JSON to PATH ('-' = stdout)"
 )
 
@@ -393,7 +393,10 @@ def _admin(args, cfg) -> int:
     return 1 if any(why.startswith("could not remove") for _, why in report.left) else 0
 
 
-def _published_status(url: str, cfg) -> int:
+def _published_status(url: str, cfg, json_path: str | None) -> int:
+    """Print the caches published at ``url``; with ``json_path``, also write them as
+    ``{"url": ..., "caches": [PublishedStatus fields]}`` (``-``: stdout, the table to
+    stderr)."""
     import time
 
     from hf_pipeline.cache.layout import STAGES
@@ -401,10 +404,16 @@ def _published_status(url: str, cfg) -> int:
     from hf_pipeline.stores.factory import open_store
 
     rows = list_published(open_store(url, data_config=cfg.data), STAGES)
+    out = sys.stderr if json_path == "-" else sys.stdout
+    if json_path:
+        _write_json(json_path, {"url": url, "caches": [dataclasses.asdict(r) for r in rows]})
     if not rows:
-        print(f"no published caches at {url}")
+        print(f"no published caches at {url}", file=out)
         return 0
-    print(f"{'cache':34} {'fingerprint':17} {'state':10} {'rows':>9} {'size':>10}  published")
+    print(
+        f"{'cache':34} {'fingerprint':17} {'state':10} {'rows':>9} {'size':>10}  published",
+        file=out,
+    )
     for st in rows:
         when = (
             time.strftime("%Y-%m-%d %H:%M", time.localtime(st.published_at))
@@ -412,13 +421,15 @@ def _published_status(url: str, cfg) -> int:
             else "-"
         )
         count = "-" if st.rows is None else str(st.rows)
+        size = "-" if st.size_bytes is None else _human_bytes(st.size_bytes)
         by = f" by {_safe(st.host)}" if st.host else ""
         print(
             f"{_safe(st.name):34} {_safe(st.fingerprint):17} {st.state:10} {count:>9} "
-            f"{_human_bytes(st.size_bytes):>10}  {when}{by}"
+            f"{size:>10}  {when}{by}",
+            file=out,
         )
         if st.problem:
-            print(f"    {_safe(st.problem)}")
+            print(f"    {_safe(st.problem)}", file=out)
     return 0
 
 
@@ -459,13 +470,11 @@ def main(args: argparse.Namespace) -> int:
     if args.dry_run and not args.clean:
         # Without this, a mistyped `--dry-run` alone would run a whole build.
         raise ConfigError("--dry-run works only with --clean (it would otherwise build)")
-    if isinstance(args.status, str) and args.json:
-        raise ConfigError("--json is not supported with --status URL (only the local --status)")
     if args.json and args.json != "-":
         _check_json_path(Path(args.json))  # before the work, not after it
     cfg = cli.config_from_args(args)
     if isinstance(args.status, str):
-        return _published_status(args.status, cfg)
+        return _published_status(args.status, cfg, args.json)
     admin = bool(args.status or args.verify or args.clean)
     cli.check_cache_root(cfg, args, must_exist=admin)
     # Absolute from here on: every JSON report (the build's cache_dir and hashing index,

@@ -251,8 +251,8 @@ class PublishedStatus:
         name: the folder name (``<name>-<fingerprint>``).
         fingerprint: from the manifest, else the name's suffix.
         state: ``complete``, ``incomplete`` (a marker missing) or ``damaged``.
-        rows: rows of the cache (complete ones).
-        size_bytes: bytes of its files (complete ones).
+        rows: rows of the cache (complete ones; None otherwise).
+        size_bytes: bytes of its files (complete ones; None otherwise: unknown).
         published_at: when (complete ones; seconds since the epoch).
         host: who published it.
         problem: why it is not complete.
@@ -262,7 +262,7 @@ class PublishedStatus:
     fingerprint: str
     state: Literal["complete", "incomplete", "damaged"]
     rows: int | None = None
-    size_bytes: int = 0
+    size_bytes: int | None = None
     published_at: float | None = None
     host: str = ""
     problem: str = ""

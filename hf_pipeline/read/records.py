@@ -5,7 +5,8 @@
 a fixed crop index it is logical row ``i``; with ``crop="all"`` it is crop
 ``i % num_crops`` of row ``i // num_crops``. A random crop is a hash of ``(seed, row)``
 (the sampler's epoch-0 crop), so a record's value never depends on which worker, batch
-or resume reads it. Grain's source (:class:`hf_pipeline.adapters.grain_source.GrainSource`) and
+or resume reads it; ``get_batch(indices, epoch)`` draws epoch ``epoch``'s crops, for a
+reader that knows the epoch (one record per global batch: the Loader's batches). Grain's source (:class:`hf_pipeline.adapters.grain_source.GrainSource`) and
 torch's map-style dataset (:class:`hf_pipeline.adapters.torch_data.TorchSamples`) both serve it:
 the framework owns the order, the sharding and the batching.
 
@@ -72,13 +73,18 @@ class SampleRecords:
         """Records: rows, or rows x crops with ``crop="all"``."""
         return self.sampler.num_samples
 
-    def rows_and_crops(self, indices) -> tuple[np.ndarray, np.ndarray]:
-        """The logical rows and crops of records ``indices``.
+    def rows_and_crops(self, indices, epoch: int = _CROP_EPOCH) -> tuple[np.ndarray, np.ndarray]:
+        """The logical rows and crops of records ``indices``, random crops drawn as the
+        sampler draws them in ``epoch``.
 
         Raises:
             IndexError: an index outside ``[0, len(self))``.
-            TypeError: indices that are not integers.
+            TypeError: indices or an epoch that are not integers.
+            ValueError: ``epoch < 0``.
         """
+        epoch = operator.index(epoch)
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
         ids = np.asarray(indices)
         if ids.size and ids.dtype.kind not in "iu":
             raise TypeError(f"record indices must be integers, got {ids.dtype} ({indices!r:.80})")
@@ -87,17 +93,20 @@ class SampleRecords:
         if ids.size and (ids.min() < 0 or ids.max() >= n):
             bad = ids[(ids < 0) | (ids >= n)][0]
             raise IndexError(f"record index must be in [0, {n}), got {bad}")
-        return self.sampler.samples_to_rows(ids, _CROP_EPOCH)
+        return self.sampler.samples_to_rows(ids, epoch)
 
-    def get_batch(self, indices: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
-        """Records ``indices`` stacked by one NumPy gather.
+    def get_batch(
+        self, indices: Sequence[int] | np.ndarray, epoch: int = _CROP_EPOCH
+    ) -> dict[str, np.ndarray]:
+        """Records ``indices`` stacked by one NumPy gather (random crops of ``epoch``).
 
         Returns:
             ``{"latents": (B, C, H, W), "embeddings": (B, D), "keys": (B,)}``.
 
         Raises:
             IndexError: an index outside ``[0, len(self))``.
-            TypeError: indices that are not integers.
+            TypeError: indices or an epoch that are not integers.
+            ValueError: ``epoch < 0``.
         """
-        rows, crops = self.rows_and_crops(indices)
+        rows, crops = self.rows_and_crops(indices, epoch)
         return self.source.gather(rows, crops)

@@ -38,6 +38,8 @@ per-epoch order cache is locked).
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import reprlib
 import threading
 from typing import Any, Literal, get_args, overload
@@ -145,22 +147,47 @@ class OptionError(ValueError):
     """An option of :class:`SamplerOptions` or ``LoaderOptions`` has an invalid value.
 
     Attributes:
-        field: the option's name (``hf_pipeline.config`` names it ``loader.<field>``).
+        field: the option's name (``hf_pipeline.config`` names it ``loader.<field>``);
+            "" when built from one string (torch's ``DataLoader`` re-raise).
     """
 
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field} {message}")
-        self.field = field
-        self.message = message
+    def __init__(self, field: str, message: str | None = None):
+        if message is None:
+            super().__init__(field)
+            self.field, self.message = "", field
+        else:
+            super().__init__(f"{field} {message}")
+            self.field, self.message = field, message
 
     def __reduce__(self):
-        return type(self), (self.field, self.message)
+        return type(self), (self.field, self.message) if self.field else (self.message,)
 
 
 def check_at_least(value: int, least: int, field: str) -> None:
     """Raise :class:`OptionError` "``field`` must be >= ``least``, got ``value``"."""
     if value < least:
         raise OptionError(field, f"must be >= {least}, got {value!r}")
+
+
+def check_number(
+    value: object, field: str, lo: float, hi: float, *, integer: bool, lo_open: bool = False
+) -> None:
+    """Raise :class:`OptionError` unless ``value`` is a number (an integer if ``integer``)
+    in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``): the rule of the config's bounded
+    fields, so options built in code refuse what ``loader.*`` refuses (inf, NaN, 1.5 bytes).
+    """
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise OptionError(
+            field, f"must be {'an integer' if integer else 'a number'}, got {value!r}"
+        )
+    # numpy's ints and floats compared as Python's (an int stays exact however large).
+    number = int(value) if isinstance(value, numbers.Integral) else float(value)
+    if not math.isfinite(number):
+        raise OptionError(field, f"must be a finite number, got {value!r}")
+    if not ((lo < number) if lo_open else (lo <= number)) or number > hi:
+        span = f"{'(' if lo_open else '['}{lo}, {hi}]"
+        raise OptionError(field, f"must be in {span}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

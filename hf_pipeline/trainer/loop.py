@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from dist.safepath import shown
 from hf_pipeline.config import Config
 from hf_pipeline.errors import ConfigError
 
@@ -164,7 +165,8 @@ class _Checkpoints:
 
     A step's folder (``<dir>/<step>/``) holds two items: ``state`` (``{"params",
     "opt_state"}``, Orbax's standard PyTree format) and ``meta`` (JSON:
-    :data:`CHECKPOINT_VERSION`, the step and the loader's ``state_dict``). Orbax writes a
+    :data:`CHECKPOINT_VERSION`, the step, ``train_steps`` (the schedule's length; absent
+    in checkpoints saved before it was recorded) and the loader's ``state_dict``). Orbax writes a
     step under a temporary name and renames it when every file is written, so a step
     folder is always complete; ``keep`` newest steps are kept. Saves run in Orbax's
     background thread; :meth:`close` waits for the last one.
@@ -198,11 +200,18 @@ class _Checkpoints:
     def latest_step(self) -> int | None:
         return None if self._mngr is None else self._mngr.latest_step()
 
-    def save(self, step: int, params, opt_state, loader_state: dict[str, Any]) -> None:
+    def save(
+        self, step: int, params, opt_state, loader_state: dict[str, Any], train_steps: int
+    ) -> None:
         ocp = self._ocp
         if self._mngr is None or step in self._mngr.all_steps():
             return
-        meta = {"version": CHECKPOINT_VERSION, "step": step, "loader": loader_state}
+        meta = {
+            "version": CHECKPOINT_VERSION,
+            "step": step,
+            "train_steps": train_steps,
+            "loader": loader_state,
+        }
         self._mngr.save(
             step,
             args=ocp.args.Composite(
@@ -212,12 +221,16 @@ class _Checkpoints:
             force=True,  # we decide when to save (train.checkpoint_every)
         )
 
-    def restore(self, step: int, params, opt_state) -> tuple[Any, Any, dict[str, Any]]:
+    def restore(
+        self, step: int, params, opt_state, train_steps: int
+    ) -> tuple[Any, Any, dict[str, Any]]:
         """``(params, opt_state, loader_state)`` of ``step``, shaped and placed like the
         arguments.
 
         Raises:
-            ConfigError: the checkpoint does not fit this model or is of another version.
+            ConfigError: the checkpoint does not fit this model, is of another version,
+                or was saved by a run of another ``train_steps`` (the learning-rate
+                schedule spans them: continuing under another would be neither run).
         """
         import jax
 
@@ -256,6 +269,16 @@ class _Checkpoints:
             )
         if meta.get("step") != step or not isinstance(meta.get("loader"), dict):
             raise ConfigError(f"{where}: malformed meta item", field="train.checkpoint")
+        # Absent from checkpoints saved before it was recorded: nothing to compare.
+        saved_steps = meta.get("train_steps", train_steps)
+        if saved_steps != train_steps:
+            raise ConfigError(
+                f"train.steps is {train_steps}, but {where} was saved by a run of "
+                f"train.steps {shown(saved_steps)} (the learning-rate schedule spans "
+                "train.steps): resume with the same value, or start a new "
+                "train.checkpoint folder",
+                field="train.steps",
+            )
         return got["state"]["params"], got["state"]["opt_state"], meta["loader"]
 
     def close(self) -> None:
@@ -351,7 +374,7 @@ def train(
         )
         latest = ckpts.latest_step()
         if latest is not None:
-            params, opt_state, loader_state = ckpts.restore(latest, params, opt_state)
+            params, opt_state, loader_state = ckpts.restore(latest, params, opt_state, total)
             saved_on = loader_state.get("fingerprint") if isinstance(loader_state, dict) else None
             this = loader.state_dict()["fingerprint"]
             if saved_on is not None and saved_on != this:
@@ -423,7 +446,7 @@ def train(
                     on_log(rec)
                 window_losses, window_wait, t_window = [], 0.0, now
             if ckpts is not None and (step == end or (every and step % every == 0)):
-                ckpts.save(step, params, opt_state, loader.state_dict())
+                ckpts.save(step, params, opt_state, loader.state_dict(), total)
         state = loader.state_dict()
     run_s = time.perf_counter() - t_run
     return TrainResult(

@@ -8,9 +8,29 @@ from __future__ import annotations
 
 import dataclasses
 
-from hf_pipeline.read.sampler import OptionError, check_at_least
+from hf_pipeline.read.sampler import check_number
 
-__all__ = ["StreamOptions"]
+__all__ = ["BOUNDS", "StreamOptions"]
+
+#: Each option's range: ``(lo, hi)``, ``read_timeout``'s open at ``lo``. The config's
+#: ``loader.stream_*`` fields have the same (test_stream checks: the config cannot
+#: import this package, whose ``__init__`` imports the stores, which import the config).
+BOUNDS: dict[str, tuple[float, float]] = {
+    "ahead": (1, 1 << 20),
+    "cache_bytes": (0, 1 << 50),
+    "concurrency": (1, 1024),
+    "coalesce_bytes": (0, 1 << 40),
+    "max_read_bytes": (1, 1 << 40),
+    "read_timeout": (0.0, 86400.0),
+}
+
+#: The names errors give the options: the config's field names where there is one.
+_NAMES = {
+    "ahead": "stream_ahead",
+    "cache_bytes": "stream_cache_bytes",
+    "concurrency": "stream_concurrency",
+    "read_timeout": "stream_read_timeout",
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,10 +69,13 @@ class StreamOptions:
     read_timeout: float = 30.0
 
     def __post_init__(self):
-        check_at_least(self.ahead, 1, "stream_ahead")
-        check_at_least(self.cache_bytes, 0, "stream_cache_bytes")
-        check_at_least(self.concurrency, 1, "stream_concurrency")
-        check_at_least(self.coalesce_bytes, 0, "coalesce_bytes")
-        check_at_least(self.max_read_bytes, 1, "max_read_bytes")
-        if not self.read_timeout > 0:  # NaN too
-            raise OptionError("stream_read_timeout", f"must be > 0, got {self.read_timeout!r}")
+        for name, (lo, hi) in BOUNDS.items():
+            integer = name != "read_timeout"
+            check_number(
+                getattr(self, name),
+                _NAMES.get(name, name),
+                lo,
+                hi,
+                integer=integer,
+                lo_open=not integer,
+            )

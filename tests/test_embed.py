@@ -26,6 +26,7 @@ def encoder():
     return TextEncoder(EncoderConfig(micro_batch_size=4))
 
 
+@pytest.mark.slow
 def test_matches_sentence_transformers_reference(encoder):
     from sentence_transformers import SentenceTransformer
 

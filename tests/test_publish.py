@@ -358,6 +358,7 @@ def test_a_bucket_that_does_not_exist_is_named_before_any_build(source_cache, gc
         assert not list(cache.glob("demo-*/converted.json"))  # nothing was built
 
 
+@pytest.mark.slow
 def test_a_published_manifest_that_is_not_json_is_said_so(source_cache, gcs_store):
     """Was "malformed manifest (TypeError: manifest must be a JSON object, got NoneType)"."""
     server, url = gcs_store

@@ -82,7 +82,9 @@ def test_a_damaged_local_cache_is_not_published_to_gcs(source_cache, gcs_store, 
     assert _published(store, name, result.fingerprint, tmp_path / "m1") is None
     from hf_pipeline.read.stream.source import StreamSource
 
-    with pytest.raises(SourceError, match="manifest.json: does not exist in the store"):
+    with pytest.raises(
+        SourceError, match="not a published cache, so not streamed: it does not exist"
+    ):
         StreamSource(f"{url}/{name}")
 
     # A partial upload there (the good cache's data and manifest, no marker: what a

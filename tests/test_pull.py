@@ -948,6 +948,7 @@ def test_an_abandoned_pull_staging_is_listed_and_cleaned_a_live_one_is_left(
     assert (root / ".staging").is_dir()
 
 
+@pytest.mark.slow
 def test_status_url_json_and_unknown_size(source_cache, gcs_store, tmp_path):
     """``hf-pipeline status URL --json -`` was refused ("--json is not supported with
     --status URL", the script's syntax); a damaged or incomplete cache showed

@@ -99,6 +99,7 @@ def test_a_raw_pickle_shard_is_one_error_line_and_runs_nothing(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_prebuild_status_verify_clean(session_cache_root, built_cache):
     p = _run("prebuild_cache.py", "--cache-dir", str(session_cache_root), "--status")
     assert p.returncode == 0, p.stderr

@@ -165,6 +165,7 @@ def test_bfloat16_cache_gives_bfloat16_tensors(tmp_path, num_workers):
         )
 
 
+@pytest.mark.slow
 def test_datamodule_over_the_built_cache(small_config, built_cache):
     """The Lightning-style DataModule: setup finds the cache, batches follow the loader order."""
     import numpy as np
@@ -502,22 +503,34 @@ class _FailingReads(torch.utils.data.Dataset):
         raise self.error
 
 
-@pytest.mark.parametrize(
-    "error",
-    [
-        StoreUnreachableError("gs://bkt/caches/a.bin", "connection refused after 3 tries"),
-        *(
-            pytest.param(e, marks=pytest.mark.slow)
-            for e in (
-                SourceError("gs://bkt/caches/a.bin", "not found"),
-                CacheFormatError("/c/part-0.bin", "truncated"),
-                ConfigError("loader.seed must be an integer", field="loader.seed"),
-                OptionError("prefetch", "must be >= 1, got 0"),
-            )
-        ),
-    ],
-    ids=lambda e: type(e).__name__,
-)
+_OUR_ERRORS = [
+    StoreUnreachableError("gs://bkt/caches/a.bin", "connection refused after 3 tries"),
+    SourceError("gs://bkt/caches/a.bin", "not found"),
+    CacheFormatError("/c/part-0.bin", "truncated"),
+    ConfigError("loader.seed must be an integer", field="loader.seed"),
+    OptionError("prefetch", "must be >= 1, got 0"),
+]
+
+
+@pytest.mark.parametrize("error", _OUR_ERRORS, ids=lambda e: type(e).__name__)
+def test_our_errors_survive_torchs_worker_reraise(error):
+    """What a DataLoader does with a worker's exception (torch's own ``ExceptionWrapper``,
+    which rebuilds it from one message string), without starting workers: the loop's
+    quick check of the test below."""
+    from torch._utils import ExceptionWrapper
+
+    try:
+        raise error
+    except type(error):
+        wrapped = ExceptionWrapper(where="in DataLoader worker process 0")
+    with pytest.raises(type(error)) as got:
+        wrapped.reraise()
+    assert str(error) in str(got.value)
+
+
+# slow: DataLoader worker processes (about 5 s each on 2 CPUs); the reraise above is quick.
+@pytest.mark.slow
+@pytest.mark.parametrize("error", _OUR_ERRORS, ids=lambda e: type(e).__name__)
 def test_our_errors_keep_their_type_through_dataloader_workers(error):
     """torch re-raises a worker's exception as ``type(e)(message)``: when that call
     fails it raises RuntimeError instead, and the user's ``except StoreUnreachableError``

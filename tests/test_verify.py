@@ -273,6 +273,7 @@ def test_verify_shows_ten_damaged_files_on_a_caches_line_and_counts_the_rest(tmp
     assert len(entry["problems"]) == 16 and entry["problems"][-1] == "filtered: missing"
 
 
+@pytest.mark.slow
 def test_a_file_truncated_after_verify_is_refused_not_rebuilt(root):
     """T2: a listed file cut short after its publication failed the build's size check
     first: the stage was rebuilt (markers retired, corrupt.json left stale) instead of

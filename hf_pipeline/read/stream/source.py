@@ -304,10 +304,11 @@ class StreamSource:
 
     # ------------------------------------------------------------------ opening
 
-    def _published(self, name: str, fingerprint: str | None):
-        """The folder's manifest, once it is a published cache as a pull finds one
-        (:func:`~hf_pipeline.publish.find.find_published`: every stage marker there,
-        consistent with the manifest and the store's listing); no data file is read.
+    def _published(self, name: str, want: str):
+        """The folder's manifest, once it is a published cache of fingerprint ``want``
+        as a pull finds one (:func:`~hf_pipeline.publish.find.find_published`: every
+        stage marker there, consistent with the manifest, its fingerprint and the store's
+        listing); no data file is read.
 
         Raises:
             SourceError: not published (no folder, or a marker missing: an upload
@@ -319,12 +320,9 @@ class StreamSource:
         from hf_pipeline.publish.find import find_published
         from hf_pipeline.stores.factory import open_store
 
-        stated = _CACHE_NAME.search(name).group(1)  # type: ignore[union-attr]  # checked
         store = open_store(self.url[: -len(name) - 1], data_config=DataConfig(), policy=self.policy)
         with tempfile.TemporaryDirectory(prefix="hf_pipeline-stream-") as meta:
-            published, why = find_published(
-                store, name, fingerprint or stated, STAGES, meta_dir=meta
-            )
+            published, why = find_published(store, name, want, STAGES, meta_dir=meta)
         if published is None:
             why = why.removeprefix(f"{self.url} ")
             if why.startswith("nothing at "):
@@ -333,11 +331,11 @@ class StreamSource:
         return published.manifest
 
     def _open(self, name: str, fingerprint: str | None) -> None:
-        manifest = self._published(name, fingerprint)
-        where = f"{self.url}/{_MANIFEST}"
         stated = _CACHE_NAME.search(name).group(1)  # type: ignore[union-attr]  # checked
         want = fingerprint or stated
-        if manifest.fingerprint != want or stated != want:
+        manifest = self._published(name, want)  # its fingerprint is ``want``
+        where = f"{self.url}/{_MANIFEST}"
+        if stated != want:
             raise CacheFormatError(
                 where, f"fingerprint {manifest.fingerprint!r}, expected {want!r}"
             )
@@ -1317,8 +1315,11 @@ class _Planner:
         """Make sure the next batch is pulled (caller holds ``_walk``, not the source's
         lock: the sampler's work runs outside it). False: the batches ended, or the
         planner stopped."""
-        if self._peek:
-            return True
+        return bool(self._peek) or self._pull_one()
+
+    def _pull_one(self) -> bool:
+        """Pull one more batch onto ``_peek`` (as :meth:`_pull`). False: the batches
+        ended, or the planner stopped."""
         if self._stop.is_set() or self._ended:
             return False
         item = next(self._batches, None)
@@ -1335,13 +1336,8 @@ class _Planner:
         gap: the rest of a block-shuffle window that this refill ends inside. Sampler
         work the planner does anyway, a lookahead's batches early."""
         src = self._source
-        want = src.options.ahead
-        while len(self._peek) < want and not self._ended and not self._stop.is_set():
-            item = next(self._batches, None)
-            if item is None:
-                self._ended = True
-                break
-            self._peek.append((item[0], src.block_ids(item[1])))
+        while len(self._peek) < src.options.ahead and self._pull_one():
+            pass
         soon = (
             frozenset(np.concatenate([ids for _, ids in self._peek]).tolist())
             if self._peek

@@ -347,7 +347,9 @@ class _EncoderLoading:
         self._stored = None  # the StoredTokenizer found, or None
         self._private: str | None = None  # a stored backend's copy, removed on leaving
         # Whether this build imports transformers (None: if the tokenizer store misses).
-        native = native_model(cfg.encoder)  # here: the main thread imports its modules
+        # Decided once, here (the main thread imports its modules); the encoder loads by
+        # this decision, so it cannot differ from the one the fence was set by.
+        native = self._native = native_model(cfg.encoder)
         self._needs: bool | None = None if not isinstance(native, str) else True
         if isinstance(native, str):
             log.debug("encoder: transformers loads the model: %s", native)
@@ -472,7 +474,10 @@ class _EncoderLoading:
         self.timeline.note("tokenizer_saved", store.save(self._store_key, spec, tokenizer_key))
 
     def _load_encoder(self, cfg: Config, process, encoder_ident):
-        return _encoder(cfg, process, self.tokenizer, self._started, self.timeline, encoder_ident)
+        return _encoder(
+            cfg, process, self.tokenizer, self._started, self.timeline, encoder_ident,
+            native=self._native,
+        )  # fmt: skip
 
     def __enter__(self) -> _EncoderLoading:
         return self
@@ -511,7 +516,10 @@ def _import_before_threads(timeline=None, *, transformers: bool = True) -> None:
         timeline.mark("imports")
 
 
-def _encoder(cfg: Config, process, tokenizer, started: float, timeline=None, encoder_ident=None):
+def _encoder(
+    cfg: Config, process, tokenizer, started: float, timeline=None, encoder_ident=None,
+    *, native=None,
+):  # fmt: skip
     """The encoder of this process: with ``build.parallel: ranks`` and ``device: auto``,
     each rank of a node on its own GPU (``cuda:<local rank>``). Its ``load_seconds``
     also count the ``tokenizer`` loaded before it and the loading's whole span since
@@ -520,7 +528,7 @@ def _encoder(cfg: Config, process, tokenizer, started: float, timeline=None, enc
     from hf_pipeline.encoder.model import TextEncoder, describe_device
 
     enc_cfg = dataclasses.replace(cfg.encoder, device=_encoder_device(cfg, process))
-    encoder = TextEncoder(enc_cfg, tokenizer=tokenizer.result())
+    encoder = TextEncoder(enc_cfg, tokenizer=tokenizer.result(), native=native)
     # While the join runs: the first batches then run at full speed. A compiled encoder
     # is compiled once per job and software stack: the first process shares its
     # artifacts through the cache root, the others load them (CompileArtifacts).

@@ -24,7 +24,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
 
 import numpy as np
 
@@ -51,6 +51,9 @@ __all__ = [
     "row_buckets",
     "warm_up_ids",
 ]
+
+if TYPE_CHECKING:
+    from hf_pipeline.encoder.bert import NativeBert
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +184,7 @@ def _load_kwargs(cfg: EncoderConfig) -> tuple[str, dict[str, Any]]:
     return path, kwargs
 
 
-def native_model(cfg: EncoderConfig):
+def native_model(cfg: EncoderConfig) -> NativeBert | str:
     """The :class:`~hf_pipeline.encoder.bert.NativeBert` of ``cfg``'s model when
     hf_pipeline loads it without transformers (``encoder.backend: auto``, SDPA attention,
     a local folder holding a plain BERT: :func:`hf_pipeline.encoder.bert.inspect_folder`),
@@ -592,16 +595,24 @@ class TextEncoder:
         cfg: encoder settings (model, revision, max_length, dtype, device).
         tokenizer: its :class:`CaptionTokenizer` when already loaded (of ``cfg``), or a
             :class:`WorkerTokenizer` of its spec with the pad id (the same ids).
+        native: :func:`native_model` of ``cfg`` when the caller decided it already (the
+            build, before its threads: it then imports transformers only if this says
+            so); None: decided here.
     """
 
     def __init__(
-        self, cfg: EncoderConfig, *, tokenizer: CaptionTokenizer | WorkerTokenizer | None = None
+        self,
+        cfg: EncoderConfig,
+        *,
+        tokenizer: CaptionTokenizer | WorkerTokenizer | None = None,
+        native: NativeBert | str | None = None,
     ):
         t0 = time.monotonic()
         import torch
         from safetensors import SafetensorError
 
-        native = native_model(cfg)
+        if native is None:
+            native = native_model(cfg)
         if isinstance(native, str):
             log.debug("encoder.model %r loads with transformers: %s", cfg.model, native)
             from transformers import AutoModel

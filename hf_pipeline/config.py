@@ -19,7 +19,6 @@ import dataclasses
 import math
 import os
 import re
-import reprlib
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -36,7 +35,7 @@ from hf_pipeline.cache.latents import (
     LatentDtype,
     StorageDtype,
 )
-from hf_pipeline.errors import ConfigError
+from hf_pipeline.errors import ConfigError, shown
 from hf_pipeline.read.loader import LoaderOptions
 from hf_pipeline.read.sampler import (
     SAMPLER_FIELDS,
@@ -44,6 +43,7 @@ from hf_pipeline.read.sampler import (
     Partition,
     SamplerOptions,
     Shuffle,
+    check_number,
     crop_problem,
 )
 from hf_pipeline.workers.pool import usable_cpus
@@ -136,27 +136,6 @@ MAX_YAML_DEPTH = 32
 #: forges log lines. No config value needs one.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
-_REPR = reprlib.Repr()
-_REPR.maxlevel = 2
-_REPR.maxstring = _REPR.maxother = 60
-_REPR.maxlong = 40
-_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4
-
-
-def shown(value: Any) -> str:
-    """A bounded repr of a config value for error messages: at most ~120 characters.
-
-    Every config message prints values through this, so a hostile value (a YAML that
-    expands to a gigabyte, a 10**6-character string, a 5000-digit integer) costs a short
-    line, never the whole value. The repr walks at most a few items of a container.
-    """
-    try:
-        text = _REPR.repr(value)
-    except ValueError:  # str() of an int over sys.get_int_max_str_digits() digits
-        size = value.bit_length() if isinstance(value, int) else "?"
-        text = f"<{type(value).__name__} of {size} bits>"
-    return text if len(text) <= 120 else text[:117] + "..."
-
 
 def _check(cond: bool, field: str, message: str) -> None:
     if not cond:
@@ -206,15 +185,13 @@ def _check_fields(section: Any, prefix: str) -> None:
                 field,
                 f"must be a number, got {shown(value)}",
             )
-            _check(
-                isinstance(value, int) or math.isfinite(value),
-                field,
-                f"must be a finite number, got {shown(value)}",
-            )
-            inside = (bounds.lo < value if bounds.lo_open else bounds.lo <= value) and (
-                value <= bounds.hi
-            )
-            _check(inside, field, f"must be in {bounds.text()}, got {shown(value)}")
+            try:  # finite and in range: the rule StreamOptions applies too
+                check_number(
+                    value, field, bounds.lo, bounds.hi,
+                    integer=False, lo_open=bounds.lo_open, note=bounds.note,
+                )  # fmt: skip
+            except OptionError as e:
+                raise ConfigError(str(e), field=field) from None
         elif isinstance(value, str):
             _check(
                 len(value) <= MAX_TEXT,

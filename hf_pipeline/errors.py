@@ -11,6 +11,9 @@ environment, not of the input, so scripts exit with code 1 for it.
 
 from __future__ import annotations
 
+import reprlib
+from typing import Any
+
 __all__ = [
     "CacheFormatError",
     "ConfigError",
@@ -19,7 +22,30 @@ __all__ = [
     "SourceError",
     "StoreUnreachableError",
     "UserError",
+    "shown",
 ]
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 2
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlong = 40
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4
+
+
+def shown(value: Any) -> str:
+    """A bounded repr of a value for error messages: at most ~120 characters.
+
+    Every config and option message prints values through this, so a hostile value (a
+    YAML that expands to a gigabyte, a 10**6-character string, a 5000-digit integer)
+    costs a short line, never the whole value. The repr walks at most a few items of a container.
+    """
+    try:
+        text = _REPR.repr(value)
+    except ValueError:  # str() of an int over sys.get_int_max_str_digits() digits
+        size = value.bit_length() if isinstance(value, int) else "?"
+        text = f"<{type(value).__name__} of {size} bits>"
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 class UserError(Exception):

@@ -170,24 +170,34 @@ def check_at_least(value: int, least: int, field: str) -> None:
 
 
 def check_number(
-    value: object, field: str, lo: float, hi: float, *, integer: bool, lo_open: bool = False
+    value: object,
+    field: str,
+    lo: float,
+    hi: float,
+    *,
+    integer: bool,
+    lo_open: bool = False,
+    note: str = "",
 ) -> None:
     """Raise :class:`OptionError` unless ``value`` is a number (an integer if ``integer``)
-    in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``): the rule of the config's bounded
-    fields, so options built in code refuse what ``loader.*`` refuses (inf, NaN, 1.5 bytes).
-    """
+    in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``; ``note`` follows the range in the
+    message): the rule of the config's bounded fields (which call it), so options built
+    in code refuse what ``loader.*`` refuses (inf, NaN, 1.5 bytes). Values are shown
+    bounded (:func:`hf_pipeline.errors.shown`)."""
+    from hf_pipeline.errors import shown
+
     kind = numbers.Integral if integer else numbers.Real
     if isinstance(value, bool) or not isinstance(value, kind):
         raise OptionError(
-            field, f"must be {'an integer' if integer else 'a number'}, got {value!r}"
+            field, f"must be {'an integer' if integer else 'a number'}, got {shown(value)}"
         )
     # numpy's ints and floats compared as Python's (an int stays exact however large).
     number = int(value) if isinstance(value, numbers.Integral) else float(value)
-    if not math.isfinite(number):
-        raise OptionError(field, f"must be a finite number, got {value!r}")
+    if isinstance(number, float) and not math.isfinite(number):  # an int is finite
+        raise OptionError(field, f"must be a finite number, got {shown(value)}")
     if not ((lo < number) if lo_open else (lo <= number)) or number > hi:
-        span = f"{'(' if lo_open else '['}{lo}, {hi}]"
-        raise OptionError(field, f"must be in {span}, got {value!r}")
+        span = f"{'(' if lo_open else '['}{lo}, {hi}]{note}"
+        raise OptionError(field, f"must be in {span}, got {shown(value)}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -721,8 +721,11 @@ def test_readme_loop_under_torchrun_is_refused_or_split(built_cache, tmp_path):
 
     code, out = launch()
     assert code != 0, out[-3000:]
+    # Each rank refuses on its own; torchrun ends the job at the first rank's exit 2
+    # (SIGTERM to the other), so one or both lines are printed, and no rank read a batch.
     lines = [line for line in out.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 2, out[-3000:]
+    assert 1 <= len(lines) <= 2, out[-3000:]
+    assert not list(tmp_path.glob("[01]")), "a rank read batches although JAX saw one process"
     for line in lines:
         assert "2 processes" in line and "JAX sees one" in line, line
         assert "hf_pipeline.jax_distributed()" in line and "process_count" in line, line

@@ -51,14 +51,15 @@ class RankDisagreementError(EnvironmentConflictError):
     """Two ranks of one job were started with a different world size or config.
 
     Attributes:
-        rank: the rank that differs from rank 0.
+        rank: the rank that differs from rank 0 (-1 when built from the message alone,
+            as torch's ``DataLoader`` re-raises a worker's exception).
         field: the field they differ on (``"world_size"``, ``"fingerprint"``,
             ``"encoder.max_length"``...).
     """
 
     input_error = True
 
-    def __init__(self, message: str, rank: int, field: str):
+    def __init__(self, message: str, rank: int = -1, field: str = ""):
         super().__init__(message)
         self.rank = int(rank)
         self.field = str(field)

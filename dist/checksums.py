@@ -129,7 +129,9 @@ class _Stopped(Exception):
     """Raised inside a hashing thread when the consumer has gone."""
 
 
-def hashed_problem(size: int, digest: str | OSError, *, expected_size: int, expected: str) -> str | None:
+def hashed_problem(
+    size: int, digest: str | OSError, *, expected_size: int, expected: str
+) -> str | None:
     """What is wrong with a file :func:`hash_files` read as ``(size, digest)`` against
     the size and whole-file checksum a marker recorded for it, in the words every report
     uses (``"unreadable (...)"``, ``"has N bytes, expected M"``, ``"whole-file checksum

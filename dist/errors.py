@@ -32,7 +32,7 @@ class BuildFailedError(RuntimeError):
     def __init__(
         self,
         message: str,
-        path: str,
+        path: str = "",
         *,
         lease_id: str | None = None,
         host: str | None = None,
@@ -70,9 +70,11 @@ class _MessagePathError(Exception):
     """Mixin: ``(message, path)``; ``str()`` is the message; pickles with both.
 
     Put it before the built-in base (``class X(_MessagePathError, TimeoutError)``).
+    Built from the message alone (how torch's ``DataLoader`` re-raises a worker's
+    exception: ``type(e)(text)``), ``path`` is empty and the type survives.
     """
 
-    def __init__(self, message: str, path: str):
+    def __init__(self, message: str, path: str = ""):
         super().__init__(message)
         self.path = str(path)
 
@@ -120,7 +122,7 @@ class LeaseLostError(RuntimeError):
         lease_id: the lost lease.
     """
 
-    def __init__(self, message: str, path: str, lease_id: str):
+    def __init__(self, message: str, path: str = "", lease_id: str = ""):
         super().__init__(message)
         self.path = str(path)
         self.lease_id = lease_id

@@ -237,7 +237,12 @@ def _unwritten_identity(path: Path, name: str) -> str | None:
     before its link into place) holding exactly what the project writes there
     (:func:`dist.layout.identity_bytes`) for the folder's own name. Else None."""
     names = visible_folder_names(path, name)
-    if names is None or IDENTITY_FILE in names or LEASE_FILE not in names or read_lease(path / LEASE_FILE) is None:
+    if (
+        names is None
+        or IDENTITY_FILE in names
+        or LEASE_FILE not in names
+        or read_lease(path / LEASE_FILE) is None
+    ):
         return None
     for n in names:
         st = _lstat(path / n)

@@ -300,17 +300,25 @@ class ForeignJSONError(ValueError):
     deeper than :data:`MAX_JSON_DEPTH`. ``str()`` is one line, ``"<path>: <reason>"``.
 
     Attributes:
-        path: the file (or URL).
+        path: the file (or URL); empty when built from the message alone (as torch's
+            ``DataLoader`` re-raises a worker's exception).
         reason: what is wrong with it.
     """
 
-    def __init__(self, path: str, reason: str):
+    def __init__(self, path: str, reason: str | None = None):
+        if reason is None:  # the message alone (torch's DataLoader re-raise): path empty
+            super().__init__(str(path))
+            self.path, self.reason = "", str(path)
+            return
         super().__init__(f"{path}: {reason}")
         self.path = str(path)
         self.reason = reason
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return (type(self), (self.path, self.reason))
+        return (
+            type(self),
+            (self.reason,) if self.args[0] == self.reason else (self.path, self.reason),
+        )
 
 
 # A JSON string, escapes included; possessive, so a long string is one linear scan.

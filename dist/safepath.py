@@ -52,17 +52,25 @@ class UnsafePathError(ValueError):
     ``str()`` is one line: the path (escaped, cut at 120 characters) and why.
 
     Attributes:
-        path: the refused path, as given.
+        path: the refused path, as given; empty when built from the message alone (as
+            torch's ``DataLoader`` re-raises a worker's exception).
         reason: why it was refused.
     """
 
-    def __init__(self, path: str, reason: str):
+    def __init__(self, path: str, reason: str | None = None):
+        if reason is None:  # the message alone (torch's DataLoader re-raise): path empty
+            super().__init__(str(path))
+            self.path, self.reason = "", str(path)
+            return
         super().__init__(f"unsafe path {shown(path)}: {reason}")
         self.path = path
         self.reason = reason
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return (type(self), (self.path, self.reason))
+        return (
+            type(self),
+            (self.reason,) if self.args[0] == self.reason else (self.path, self.reason),
+        )
 
 
 def shown(text: object) -> str:

@@ -186,84 +186,53 @@ def _oversized(folder: Path) -> None:
         f.truncate(bert_tokenizer.MAX_TOKENIZER_BYTES + 1)  # sparse: no disk used
 
 
+_LEFT = {"direction": "Left", "max_length": 128, "strategy": "LongestFirst", "stride": 0}
+_DIRTY_PAD = {"__type": "AddedToken", "content": "[PAD]", "lstrip": True}
+
+
+def _unlink(name: str):
+    return lambda folder: (folder / name).unlink()
+
+
+def _write(name: str, text: str):
+    return lambda folder: (folder / name).write_text(text)
+
+
+def _set(name: str, **values):
+    return lambda folder: _json_edit(folder / name, lambda d: d.update(values))
+
+
+# fmt: off
 #: A copy of MiniLM changed so that the native path cannot prove transformers' output
 #: equal: (the change: tokenizer_config.json settings, or a function of the folder; a
 #: word the reason names; whether transformers still loads the folder).
 _UNPROVABLE = {
-    "another tokenizer class": (
-        {"tokenizer_class": "DistilBertTokenizer"},
-        "tokenizer_class",
-        True,
-    ),
+    "another tokenizer class": ({"tokenizer_class": "DistilBertTokenizer"}, "tokenizer_class", True),
     "generic fast class": ({"tokenizer_class": "PreTrainedTokenizerFast"}, "tokenizer_class", True),
     "no tokenizer class": ({"tokenizer_class": None}, "tokenizer_class", True),
     "cased config, lowercasing file": ({"do_lower_case": False}, "normalizer", True),
     "accents kept by the config": ({"strip_accents": False}, "normalizer", True),
-    "extra special tokens": (
-        {"additional_special_tokens": ["<x>"]},
-        "additional_special_tokens",
-        True,
-    ),
-    "special token as an object": (
-        {"pad_token": {"__type": "AddedToken", "content": "[PAD]", "lstrip": True}},
-        "pad_token",
-        True,
-    ),
+    "extra special tokens": ({"additional_special_tokens": ["<x>"]}, "additional_special_tokens", True),
+    "special token as an object": ({"pad_token": _DIRTY_PAD}, "pad_token", True),
     "custom code": ({"auto_map": {"AutoTokenizer": ["x.Tok", None]}}, "auto_map", False),
     "split special tokens": ({"split_special_tokens": True}, "split_special_tokens", True),
-    "no tokenizer.json": (lambda f: (f / "tokenizer.json").unlink(), "tokenizer.json", True),
-    "no tokenizer_config.json": (
-        lambda f: (f / "tokenizer_config.json").unlink(),
-        "tokenizer_config.json",
-        True,
-    ),
-    "tokenizer_config.json not JSON": (
-        lambda f: (f / "tokenizer_config.json").write_text("{"),
-        "tokenizer_config.json",
-        False,
-    ),
-    "added_tokens.json": (
-        lambda f: (f / "added_tokens.json").write_text('{"<new>": 30522}'),
-        "added_tokens.json",
-        True,
-    ),
-    "special_tokens_map.json disagrees": (
-        lambda f: _json_edit(f / "special_tokens_map.json", lambda d: d.update(pad_token="[UNK]")),
-        "special_tokens_map.json",
-        True,
-    ),
+    "no tokenizer.json": (_unlink("tokenizer.json"), "tokenizer.json", True),
+    "no tokenizer_config.json": (_unlink("tokenizer_config.json"), "tokenizer_config.json", True),
+    "tokenizer_config.json not JSON": (_write("tokenizer_config.json", "{"), "not JSON", False),
+    "added_tokens.json": (_write("added_tokens.json", '{"<new>": 30522}'), "added_tokens.json", True),
+    "special_tokens_map.json disagrees": (_set("special_tokens_map.json", pad_token="[UNK]"),
+                                          "special_tokens_map.json", True),
     "an added token beyond the special ones": (_extra_added_token, "added_tokens", True),
-    "another subword prefix": (
-        _tokenizer_json(**{"model.continuing_subword_prefix": "@@"}),
-        "its model",
-        True,
-    ),
+    "another subword prefix": (_tokenizer_json(**{"model.continuing_subword_prefix": "@@"}),
+                               "its model", True),
     "no post-processor": (_tokenizer_json(post_processor=None), "post_processor", True),
     "a WordLevel model": (_word_level, "WordPiece", False),
-    "a file tokenizers cannot read": (
-        _tokenizer_json(**{"model.type": "BPE"}),
-        "not loadable",
-        False,
-    ),
-    "left truncation in tokenizer.json only": (
-        _tokenizer_json(
-            truncation={
-                "direction": "Left",
-                "max_length": 128,
-                "strategy": "LongestFirst",
-                "stride": 0,
-            }
-        ),
-        "truncation",
-        True,
-    ),
-    "another model type": (
-        lambda f: _json_edit(f / "config.json", lambda d: d.update(model_type="roberta")),
-        "config.json",
-        False,
-    ),
+    "a file tokenizers cannot read": (_tokenizer_json(**{"model.type": "BPE"}), "not loadable", False),
+    "left truncation in tokenizer.json only": (_tokenizer_json(truncation=_LEFT), "truncation", True),
+    "another model type": (_set("config.json", model_type="roberta"), "config.json", False),
     "oversized tokenizer.json": (_oversized, "tokenizer.json", False),
 }
+# fmt: on
 
 
 @pytest.mark.parametrize("case", sorted(_UNPROVABLE))

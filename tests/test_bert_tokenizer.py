@@ -177,6 +177,13 @@ def _word_level(folder: Path) -> None:
     _json_edit(folder / "tokenizer.json", edit)
 
 
+def _colon_cls(folder: Path) -> None:
+    """``cls_token`` ``x:y``, in the vocabulary: BERT's template cannot be written with it."""
+    _json_edit(folder / "tokenizer.json", lambda d: d["model"]["vocab"].update({"x:y": 30522}))
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        _json_edit(folder / name, lambda d: d.update(cls_token="x:y"))
+
+
 def _oversized(folder: Path) -> None:
     from hf_pipeline.encoder import bert_tokenizer
 
@@ -231,6 +238,7 @@ _UNPROVABLE = {
     "left truncation in tokenizer.json only": (_tokenizer_json(truncation=_LEFT), "truncation", True),
     "another model type": (_set("config.json", model_type="roberta"), "config.json", False),
     "oversized tokenizer.json": (_oversized, "tokenizer.json", False),
+    "a [CLS] the template cannot hold": (_colon_cls, "cannot be built", False),
 }
 # fmt: on
 

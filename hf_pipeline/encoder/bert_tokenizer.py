@@ -274,7 +274,14 @@ def _inspect(folder: Path) -> _Found | str:
         theirs = {t["id"]: {k: v for k, v in t.items() if k != "id"} for t in have["added_tokens"]}
         if listed != theirs:
             return f"{folder / 'tokenizer_config.json'}: added_tokens_decoder is not {path}'s"
-    want = _expected_backend(settings, vocab)
+    try:
+        want = _expected_backend(settings, vocab)
+    # tokenizers raises ValueError or its own Exception for settings it cannot build.
+    except Exception as exc:  # noqa: BLE001 - settings it cannot build are left to transformers
+        return (
+            f"{folder / 'tokenizer_config.json'}: BERT's tokenizer cannot be built from its "
+            f"settings ({type(exc).__name__}: {str(exc)[:120]})"
+        )
     for part in ("model", "normalizer", "pre_tokenizer", "post_processor", "decoder",
                  "added_tokens"):  # fmt: skip
         if have.get(part) != want.get(part):

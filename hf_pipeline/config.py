@@ -329,7 +329,8 @@ class EncoderConfig:
         "auto",
         "what loads the model: `auto` (a local plain-BERT folder with a `model.safetensors`, "
         "such as `minilm`, with hf_pipeline's own torch BERT, which needs no transformers "
-        "import; any other model with transformers) or `transformers` (always)",
+        "import, and its BERT `tokenizer.json` with `tokenizers` alone; any other model "
+        "with transformers) or `transformers` (always)",
     )
     tf32: bool = _field(
         False,

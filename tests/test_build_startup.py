@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import PYTHON, REPO, SMALL_DEMO, script_env
+from tests.helpers.fresh_builds import minilm_copy
 
 
 def _sets(overrides):
@@ -51,16 +52,22 @@ def test_fresh_process_starts_workers_and_encoder_first(tmp_path):
     shut-down: its exit after the report line takes a small share of what a fresh
     interpreter with the same libraries takes to shut down (measured in this test).
 
+    The first build is MiniLM's on a cold root: its tokenizer is read from the model
+    folder (hf_pipeline.encoder.bert_tokenizer) and its model loads natively: nothing
+    imports transformers. The second is a copy of MiniLM whose tokenizer class the
+    native path leaves to transformers: transformers is imported off the main thread.
+
     On the code before issue 28 the report had no start-up timeline and the exit took
     seconds; before the join's start gated the encoder's loading, its tokenizer and
     model loaded beside the caption table and the pool's start (no ``encoder_loading``,
     ``transformers`` imported on the main thread before the thread started)."""
     root = tmp_path / "cache"
+    copy = minilm_copy(tmp_path / "model", tokenizer_class="DistilBertTokenizer")
     gaps = []
-    for i in (1, 2):
+    for i, model in ((1, []), (2, [f"encoder.model={copy}"])):
         _, lines, gone = _timed_run([
             str(REPO / "scripts/prebuild_cache.py"), "--cache-dir", str(root), "-q",
-            *_sets([*SMALL_DEMO, f"name=startup{i}", f"data.demo.seed={i}"]),
+            *_sets([*SMALL_DEMO, f"name=startup{i}", f"data.demo.seed={i}", *model]),
         ])  # fmt: skip
         assert any(line.startswith("rows ") for line in lines), lines
         gaps.append(gone)
@@ -73,20 +80,19 @@ def test_fresh_process_starts_workers_and_encoder_first(tmp_path):
         # The join does not wait for the model: its loading begins once the join started.
         assert t["join_map"] <= t["encoder_loading"], t
         assert s["notes"]["encoder_backend"] == "native", s["notes"]  # MiniLM: a plain BERT
-    # The first build loads the tokenizer with transformers: transformers itself is
-    # imported off the main thread, and the join's first use of datasets waits for it
-    # (race-free). The second finds the tokenizer in the store (hf_pipeline.build.
-    # tokenizer_store) and MiniLM loads natively: nothing imports transformers.
-    # Loading through transformers takes seconds: the first shard starts before the
-    # encoder is ready (the native model, without transformers' imports, may be ready
-    # before it).
-    t = first["seconds"]
+    # The first: nothing imports transformers, nothing waits for it.
+    assert "transformers" not in first["seconds"], first
+    assert first["notes"]["tokenizer"] == "native", first["notes"]
+    # The second loads the tokenizer with transformers: transformers itself is imported
+    # off the main thread, and the join's first use of datasets waits for it
+    # (race-free). Loading through transformers takes seconds: the first shard starts
+    # before the encoder is ready (the native model, without transformers' imports, may
+    # be ready before it).
+    t = second["seconds"]
     assert t["imports"] < t["transformers"] <= t["first_shard"], t
     assert t["encoder_loading"] < t["tokenizer"], t  # the loading thread's
     assert t["first_shard"] < t["encoder"], t
-    assert first["notes"]["tokenizer"] == "transformers", first["notes"]
-    assert "transformers" not in second["seconds"], second
-    assert second["notes"]["tokenizer"] == "store", second["notes"]
+    assert second["notes"]["tokenizer"] == "transformers", second["notes"]
 
     # The reference: a fresh interpreter with the build's heavy libraries, ending
     # through the interpreter's own shut-down.
@@ -116,7 +122,9 @@ def test_timeline_runs_a_callback_once_at_the_first_mark():
 def test_encoder_loading_left_before_the_join_loads_nothing(tmp_path):
     """A build that ends (or fails) before its join started does not wait for a model:
     leaving the loading block cancels the tokenizer and the model; transformers'
-    import, already under way, ends (the fence after it does not hang)."""
+    import, already under way, ends (the fence after it does not hang). (A copy of
+    MiniLM whose tokenizer the build loads through transformers: MiniLM's own imports
+    none.)"""
     from concurrent.futures import CancelledError
 
     import pytest
@@ -125,7 +133,9 @@ def test_encoder_loading_left_before_the_join_loads_nothing(tmp_path):
     from hf_pipeline.build.startup import StartupTimeline
     from hf_pipeline.config import load_config
 
-    cfg = load_config(None, [f"build.cache_dir={tmp_path}", "encoder.device=cpu"], environ={})
+    copy = minilm_copy(tmp_path / "model", tokenizer_class="DistilBertTokenizer")
+    overrides = [f"build.cache_dir={tmp_path}", "encoder.device=cpu", f"encoder.model={copy}"]
+    cfg = load_config(None, overrides, environ={})
     timeline = StartupTimeline()
     with _EncoderLoading(cfg, None, timeline=timeline, after="join_map") as loading:
         pass
@@ -185,4 +195,4 @@ def test_shared_libraries_are_first_imported_on_the_main_thread(tmp_path):
     names = ("torch", "torch.distributed", "datasets", "safetensors", "hf_pipeline.encoder.bert")
     shared = {m: first.get(m) for m in names}
     assert shared == dict.fromkeys(shared, "MainThread"), shared
-    assert "transformers" in first, "the build loaded no encoder: the audit saw nothing"
+    assert "tokenizers" in first, "the build loaded no tokenizer: the audit saw nothing"

@@ -8,14 +8,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from hf_pipeline.config import load_config
-from tests.conftest import PYTHON, REPO, SMALL_DEMO, script_env
+from tests.helpers.fresh_builds import embeddings, fresh_build, fresh_start, minilm_copy, token_ids
 
 CAPTIONS = [f"caption {i}: a cat on a mat, {'very ' * (i % 11)}long ☃ naïve" for i in range(30)]
 
@@ -229,65 +228,7 @@ def test_tampered_entries_are_ignored_and_rebuilt(tmp_path):
     assert not list(store.folder.glob(".tmp-*"))  # no temp file left behind
 
 
-_BUILD = """
-import json, sys
-
-from hf_pipeline.build.prepare import prepare_cache
-from hf_pipeline.config import load_config
-
-if __name__ == "__main__":
-    result = prepare_cache(load_config(None, sys.argv[1:]), progress=False)
-    print(json.dumps({
-        "tokenizer_loaded": "transformers.models.auto.tokenization_auto" in sys.modules,
-        "transformers": sorted(m for m in sys.modules if m.split(".")[0] == "transformers"),
-        "startup": result.report.get("startup"),
-    }))
-"""
-
-
-def _fresh_build(tmp_path: Path, root: Path, *overrides: str) -> dict:
-    script = tmp_path / "build.py"
-    script.write_text(_BUILD)
-    r = subprocess.run(
-        [PYTHON, str(script), *SMALL_DEMO, f"build.cache_dir={root}", *overrides],
-        capture_output=True, text=True, env=script_env(), cwd=REPO, timeout=600,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def _token_ids(root: Path) -> list:
-    import pyarrow as pa
-
-    out = []
-    for f in sorted(root.glob(".parts/tokens-*/*/tokens/data.arrow")):
-        with pa.memory_map(str(f)) as source:
-            out.append(pa.ipc.open_stream(source).read_all().column("input_ids").to_pylist())
-    return out
-
-
-def _embeddings(root: Path):
-    """Every stored part's embeddings, in part order (one array)."""
-    import pyarrow as pa
-
-    out = []
-    for f in sorted(root.glob(".parts/embed-*/*/embeddings/data.arrow")):
-        with pa.memory_map(str(f)) as source:
-            column = pa.ipc.open_stream(source).read_all().column("embedding")
-            out.append(np.array(column.to_pylist(), dtype=np.float32))
-    assert out, "no embeddings stored"
-    return np.concatenate(out)
-
-
-def _fresh_start(root: Path) -> None:
-    """Remove the caches and stored parts of ``root`` (the next build tokenizes and
-    embeds every caption again), keeping its dot-folders (the tokenizer store)."""
-    for old in root.iterdir():
-        if not old.name.startswith(".") or old.name == ".parts":
-            shutil.rmtree(old)
-
-
-# slow: three fresh-process builds (about 60 CPU-s).
+# slow: four fresh-process builds (about 80 CPU-s).
 @pytest.mark.slow
 def test_second_build_tokenizes_without_transformers_tokenizer(tmp_path):
     """The first build on a root loads the tokenizer with transformers and stores its
@@ -297,7 +238,10 @@ def test_second_build_tokenizes_without_transformers_tokenizer(tmp_path):
     are the first build's. ``clean`` leaves the store alone. On the code before the
     store, the second build imported ``tokenization_auto`` again.
 
-    With MiniLM loaded natively (hf_pipeline.encoder.bert) the second build imports no
+    The model is a copy of MiniLM whose tokenizer class (``DistilBertTokenizer``, the
+    same files) the native path leaves to transformers
+    (:mod:`hf_pipeline.encoder.bert_tokenizer`; MiniLM's own folder needs no store).
+    Its model loads natively (hf_pipeline.encoder.bert): the second build imports no
     transformers module at all, and its start-up notes say so (``encoder_backend``);
     with ``encoder.backend: transformers`` a third one imports it for the model (its
     tokenizer still from the store) and the embeddings are the same. On the code before
@@ -305,16 +249,19 @@ def test_second_build_tokenizes_without_transformers_tokenizer(tmp_path):
     from dist.inventory import clean
 
     root = tmp_path / "cache"
-    first = _fresh_build(tmp_path, root)
+    model = (
+        f"encoder.model={minilm_copy(tmp_path / 'model', tokenizer_class='DistilBertTokenizer')}"
+    )
+    first = fresh_build(tmp_path, root, model)
     assert first["tokenizer_loaded"]
     notes = first["startup"]["notes"]
     assert (notes["tokenizer"], notes["encoder_backend"]) == ("transformers", "native"), notes
-    ids, embeddings = _token_ids(root), _embeddings(root)
+    ids, embedded = token_ids(root), embeddings(root)
     assert ids and any(any(row) for row in ids[0])
     stored = sorted(p.name for p in (root / ".tokenizers").iterdir())
     assert len(stored) == 1, stored
-    _fresh_start(root)
-    second = _fresh_build(tmp_path, root)
+    fresh_start(root)
+    second = fresh_build(tmp_path, root, model)
     assert not second["tokenizer_loaded"], second
     assert second["transformers"] == [], second["transformers"]
     t = second["startup"]["seconds"]
@@ -322,24 +269,24 @@ def test_second_build_tokenizes_without_transformers_tokenizer(tmp_path):
     assert (notes["tokenizer"], notes["encoder_backend"]) == ("store", "native"), notes
     assert "transformers" not in t, t  # nothing imported it, nothing waited for it
     assert t["tokenizer"] <= t["tokens_pool"], t
-    assert _token_ids(root) == ids
-    np.testing.assert_array_equal(_embeddings(root), embeddings)
-    _fresh_start(root)
-    third = _fresh_build(tmp_path, root, "encoder.backend=transformers")
+    assert token_ids(root) == ids
+    np.testing.assert_array_equal(embeddings(root), embedded)
+    fresh_start(root)
+    third = fresh_build(tmp_path, root, model, "encoder.backend=transformers")
     assert not third["tokenizer_loaded"] and third["transformers"], third
     notes = third["startup"]["notes"]
     assert (notes["tokenizer"], notes["encoder_backend"]) == ("store", "transformers"), notes
     assert "transformers" in third["startup"]["seconds"], third["startup"]
-    np.testing.assert_allclose(_embeddings(root), embeddings, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(embeddings(root), embedded, rtol=0, atol=1e-5)
     clean(root, dry_run=False, observe_s=0.5)
     assert sorted(p.name for p in (root / ".tokenizers").iterdir()) == stored
     # A re-embedding with another max_length uses the same entry (the last session's
     # H200 re-embed waited 8.5 s for transformers' tokenizer: its key held max_length).
-    third = _fresh_build(tmp_path, root, "encoder.max_length=16")
+    third = fresh_build(tmp_path, root, model, "encoder.max_length=16")
     assert not third["tokenizer_loaded"], third
     assert third["startup"]["notes"]["tokenizer"] == "store", third["startup"]
     assert sorted(p.name for p in (root / ".tokenizers").iterdir()) == stored
-    units = _token_ids(root)
+    units = token_ids(root)
     assert len(units) == 2 * len(ids)  # the new length's token units, beside the old
     cut = [u for u in units if u not in ids]
     assert cut and all(len(row) <= 16 for u in cut for row in u)

@@ -321,14 +321,17 @@ class _EncoderLoading:
     (:meth:`_needs_transformers`): when the model loads natively (a plain BERT such as
     all-MiniLM-L6-v2: :func:`hf_pipeline.encoder.model.native_model`, decided on the
     calling thread from the folder's config and weights header, milliseconds) and the
-    tokenizer comes from the store (looked up on the loading thread, where the fence
-    waits for the answer). A store miss (a first build) or another model imports it as
-    described above.
+    tokenizer is found without it (looked up on the loading thread, where the fence
+    waits for the answer). Otherwise (a tokenizer that is not BERT's and not in the
+    store, or another model) it is imported as described above.
 
-    The tokenizer comes from the cache root's tokenizer store when an earlier build
-    saved this one (:meth:`stored_tokenizer`, :mod:`hf_pipeline.build.tokenizer_store`):
-    then the tokens start without waiting for any of this, and the model loads with the
-    stored spec's pad id (no transformers tokenizer is loaded at all).
+    The tokenizer is found without transformers (:meth:`found_tokenizer`) in the model
+    folder itself when the model loads natively and the folder holds BERT's fast
+    tokenizer (:mod:`hf_pipeline.encoder.bert_tokenizer`: all-MiniLM-L6-v2, on a cold
+    root too), else in the cache root's tokenizer store when an earlier build saved
+    this one (:mod:`hf_pipeline.build.tokenizer_store`): then the tokens start without
+    waiting for any of this, and the model loads with that spec's pad id (no
+    transformers tokenizer is loaded at all).
 
     A context manager: leaving it waits for the loading thread.
     """
@@ -345,8 +348,8 @@ class _EncoderLoading:
         self._store_looked = False
         self._store_key: str | None = None
         self._stored = None  # the StoredTokenizer found, or None
-        self._private: str | None = None  # a stored backend's copy, removed on leaving
-        # Whether this build imports transformers (None: if the tokenizer store misses).
+        self._private: str | None = None  # the found backend's copy, removed on leaving
+        # Whether this build imports transformers (None: if no tokenizer is found without it).
         # Decided once, here (the main thread imports its modules); the encoder loads by
         # this decision, so it cannot differ from the one the fence was set by.
         native = self._native = native_model(cfg.encoder)
@@ -391,12 +394,12 @@ class _EncoderLoading:
             )
 
     def _needs_transformers(self) -> bool:
-        """Whether this build imports transformers at all: for the tokenizer (not in the
-        tokenizer store) or for the model (not one that loads natively:
+        """Whether this build imports transformers at all: for the tokenizer (not found
+        without it: :meth:`found_tokenizer`) or for the model (not one that loads natively:
         :func:`hf_pipeline.encoder.model.native_model`). Decided once, before anything
         imports it: without it, ``datasets`` never looks for it (no fence needed)."""
         if self._needs is None:
-            self._needs = self.stored_tokenizer() is None
+            self._needs = self.found_tokenizer() is None
         return self._needs
 
     def _import_transformers(self) -> None:
@@ -418,7 +421,7 @@ class _EncoderLoading:
         self.timeline.mark("encoder_loading")
         from hf_pipeline.encoder.model import CaptionTokenizer, WorkerTokenizer
 
-        stored = self.stored_tokenizer()
+        stored = self.found_tokenizer()
         if stored is not None:  # the same ids and pad id, without transformers
             return WorkerTokenizer(stored.spec)
         tokenizer = CaptionTokenizer(cfg.encoder)
@@ -426,33 +429,46 @@ class _EncoderLoading:
         self.timeline.note("tokenizer", "transformers")
         return tokenizer
 
-    def stored_tokenizer(self):
-        """The :class:`~hf_pipeline.build.tokenizer_store.StoredTokenizer` of this
-        config that an earlier build saved under the cache root, or None (then the
-        tokenizer loads through transformers, and :meth:`save_tokenizer` stores it).
+    def found_tokenizer(self):
+        """The :class:`~hf_pipeline.build.tokenizer_store.StoredTokenizer` of this config
+        found without transformers, or None (then the tokenizer loads through
+        transformers, and :meth:`save_tokenizer` stores it). With the model loading
+        natively, the model folder's own tokenizer when it is BERT's
+        (:func:`~hf_pipeline.build.tokenizer_store.folder_tokenizer`: nothing stored,
+        nothing to store); else the one an earlier build saved under the cache root.
         Looked up once, by whichever thread asks first; thread-safe."""
         with self._store_lock:
             if not self._store_looked:
                 self._store_looked = True
-                import tempfile
-
-                from hf_pipeline.build.tokenizer_store import (
-                    TOKENIZER_SPECS_DIR,
-                    TokenizerSpecStore,
-                    store_key,
-                )
-
-                self._store_key = store_key(self._cfg.encoder, self._encoder_ident)
-                if self._store_key is not None:
-                    store = TokenizerSpecStore(self._cfg.cache_root / TOKENIZER_SPECS_DIR)
-                    self._private = tempfile.mkdtemp(prefix="hf_pipeline-tokenizer-")
-                    self._stored = store.load(
-                        self._store_key, self._private, max_length=self._cfg.encoder.max_length
-                    )
+                self._stored, source = self._find_tokenizer()
                 if self._stored is not None:
                     self.timeline.mark("tokenizer")
-                    self.timeline.note("tokenizer", "store")
+                    self.timeline.note("tokenizer", source)
             return self._stored
+
+    def _find_tokenizer(self):
+        """:meth:`found_tokenizer`'s look-up: (the tokenizer or None, where it came from)."""
+        import tempfile
+
+        from hf_pipeline.build.tokenizer_store import (
+            TOKENIZER_SPECS_DIR,
+            TokenizerSpecStore,
+            folder_tokenizer,
+            store_key,
+        )
+
+        self._private = tempfile.mkdtemp(prefix="hf_pipeline-tokenizer-")
+        if not isinstance(self._native, str):  # the same decision as the model's
+            found = folder_tokenizer(self._cfg.encoder, self._private)
+            if not isinstance(found, str):
+                return found, "native"
+            log.info("tokenizer: not read natively: %s", found)
+        self._store_key = store_key(self._cfg.encoder, self._encoder_ident)
+        if self._store_key is None:
+            return None, None
+        store = TokenizerSpecStore(self._cfg.cache_root / TOKENIZER_SPECS_DIR)
+        stored = store.load(self._store_key, self._private, max_length=self._cfg.encoder.max_length)
+        return stored, "store"
 
     def save_tokenizer(self, spec, tokenizer_key: str) -> None:
         """Store ``spec`` (exported from the tokenizer transformers loaded, whose token
@@ -464,7 +480,7 @@ class _EncoderLoading:
             store_key,
         )
 
-        self.stored_tokenizer()  # the key from before the load
+        self.found_tokenizer()  # the key from before the load
         if self._store_key is None or spec is None:
             return
         if store_key(self._cfg.encoder, self._encoder_ident) != self._store_key:
@@ -1146,16 +1162,17 @@ def _ensure_parts(
 
         def tokenizer() -> tuple[str, Any]:
             """The tokenizer's key and what :func:`tokenize_part` takes (a spec the
-            workers load; the tokenizer itself without a Rust backend): the one an
-            earlier build stored under the cache root, at once; else exported once
-            from the loading's tokenizer (loaded before the model), and stored."""
+            workers load; the tokenizer itself without a Rust backend): the one found
+            without transformers (the model folder's, or the one an earlier build
+            stored under the cache root), at once; else exported once from the
+            loading's tokenizer (loaded before the model), and stored."""
             if not tokenizing:
                 import tempfile
 
                 if box[0] is None:
-                    encoder()  # starts the loading (nothing else to look the store up in)
+                    encoder()  # starts the loading (nothing else to look the tokenizer up in)
                 assert box[0] is not None
-                stored = box[0].stored_tokenizer()
+                stored = box[0].found_tokenizer()
                 if stored is not None:  # no wait for transformers (issue 28)
                     tokenizing.update(key=stored.key, spec=stored.spec)
                     return tokenizing["key"], tokenizing["spec"]

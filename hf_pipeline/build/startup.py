@@ -13,11 +13,13 @@ encoder's loading thread: ``transformers`` (transformers imported, beside the ca
 table; the join starts after it), ``encoder_loading`` (the tokenizer and the model
 began loading: once the join started, or when an embedding asked for the encoder
 first), ``tokenizer`` and ``encoder`` (the model ready); ``tokenizer`` is marked when
-the tokenizer was found in the cache root's tokenizer store instead
-(:mod:`hf_pipeline.build.tokenizer_store`: then on whichever thread asked first), and
+the tokenizer was found without transformers instead (in the model folder,
+:mod:`hf_pipeline.encoder.bert_tokenizer`, or in the cache root's tokenizer store,
+:mod:`hf_pipeline.build.tokenizer_store`: then on whichever thread asked first), and
 ``tokens_pool`` when the token ids' worker pool started. Beside the times, ``notes``
-(:meth:`StartupTimeline.note`): facts about the start-up: ``tokenizer`` (``"store"`` or
-``"transformers"``: where it came from) and, after a miss, ``tokenizer_saved``.
+(:meth:`StartupTimeline.note`): facts about the start-up: ``tokenizer`` (``"native"``,
+``"store"`` or ``"transformers"``: where it came from) and, after a store miss,
+``tokenizer_saved``.
 
 Thread-safe: the loading thread and the main thread both mark; :meth:`StartupTimeline.when`
 lets one thread act on another's mark.

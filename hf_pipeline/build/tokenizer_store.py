@@ -58,6 +58,7 @@ __all__ = [
     "TOKENIZER_SPECS_DIR",
     "StoredTokenizer",
     "TokenizerSpecStore",
+    "folder_tokenizer",
     "store_key",
 ]
 
@@ -162,12 +163,33 @@ def store_key(cfg: EncoderConfig, identity: dict[str, Any] | None = None) -> str
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StoredTokenizer:
-    """A tokenizer found in the store: ``spec`` (its backend in a private folder, with the
-    pad id) and ``key``, the token units' key
+    """A tokenizer found in the store (or read from the model folder:
+    :func:`folder_tokenizer`): ``spec`` (its backend in a private folder, with the pad
+    id) and ``key``, the token units' key
     (:func:`~hf_pipeline.build.part_store.tokenizer_key` of the tokenizer it came from)."""
 
     spec: TokenizerSpec
     key: str
+
+
+def folder_tokenizer(cfg: EncoderConfig, into: str | os.PathLike) -> StoredTokenizer | str:
+    """``cfg``'s tokenizer read from its model folder without transformers
+    (:func:`~hf_pipeline.encoder.bert_tokenizer.native_tokenizer`: BERT's fast tokenizer,
+    all-MiniLM-L6-v2's) as the store gives one, its backend written to
+    ``into/tokenizer.json``; or why not (one line: then the store, else transformers).
+    Its key is the one transformers' tokenizer of that folder has (the same backend and
+    settings): token units made by either serve the other."""
+    from hf_pipeline.build.part_store import backend_tokenizer_key
+    from hf_pipeline.encoder.bert_tokenizer import native_tokenizer
+
+    spec = native_tokenizer(cfg, into)
+    if isinstance(spec, str):
+        return spec
+    key = backend_tokenizer_key(
+        Path(spec.path).read_text(), max_length=spec.max_length, truncation_side=spec.direction,
+        split_special_tokens=spec.split_special_tokens,
+    )  # fmt: skip
+    return StoredTokenizer(spec=spec, key=key)
 
 
 def _read_regular(path: Path, limit: int) -> bytes | None:

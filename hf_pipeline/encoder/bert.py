@@ -27,8 +27,10 @@ This module imports torch and safetensors: import it where an encoder is built.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -40,6 +42,7 @@ __all__ = [
     "BertModel",
     "NativeBert",
     "inspect_folder",
+    "loaded_transformers_class",
 ]
 
 #: The most of ``config.json`` read (a BERT config is about 1 kB).
@@ -386,3 +389,18 @@ def inspect_folder(folder: str | Path) -> NativeBert | str:
     if ("pooler.dense.weight" in names) != ("pooler.dense.bias" in names):
         return f"{weights}: the pooler's weight or bias is missing"
     return NativeBert(cfg, weights, names)
+
+
+def loaded_transformers_class(module: str, name: str) -> Any:
+    """``transformers.<module>.<name>`` (``BertModel``, ``GELUActivation``...) when
+    transformers is imported already, else None (also when it has no such name).
+
+    For comparing a model's modules with transformers' own: a model built by
+    transformers imported it, so where it is not imported the model holds none of its
+    classes, and nothing here imports it (seconds of a fresh process, issue 28)."""
+    if "transformers" not in sys.modules:
+        return None
+    try:
+        return getattr(importlib.import_module(f"transformers.{module}"), name, None)
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return None

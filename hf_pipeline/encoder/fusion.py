@@ -23,8 +23,6 @@ This module imports torch: import it where an encoder is built, not at package i
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 __all__ = ["BiasGeluLinear", "fuse_bias_gelu"]
@@ -49,15 +47,16 @@ def _is_erf_gelu(act) -> bool:
     """Whether ``act`` is exact (erf) GELU: ``torch.nn.GELU()`` or transformers'
     ``GELUActivation`` (its ``"gelu"`` activation), nothing else (``gelu_new`` and the
     other tanh or quick forms already differ from it, and are left alone)."""
+    from hf_pipeline.encoder.bert import loaded_transformers_class
+
     if isinstance(act, torch.nn.GELU):
         return act.approximate == "none"
-    if "transformers" not in sys.modules:  # then ``act`` is none of transformers'
-        return False
-    try:
-        from transformers.activations import GELUActivation
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return False
-    return type(act) is GELUActivation and getattr(act, "act", None) is torch.nn.functional.gelu
+    theirs = loaded_transformers_class("activations", "GELUActivation")
+    return (
+        theirs is not None
+        and type(act) is theirs
+        and getattr(act, "act", None) is torch.nn.functional.gelu
+    )
 
 
 def _forward_is_berts(module: torch.nn.Module) -> bool:
@@ -66,17 +65,15 @@ def _forward_is_berts(module: torch.nn.Module) -> bool:
     forward does anything else between or around the two is left alone), or the native
     BERT's (:class:`hf_pipeline.encoder.bert.BertIntermediate`, the same step)."""
     from hf_pipeline.encoder.bert import BertIntermediate as NativeIntermediate
+    from hf_pipeline.encoder.bert import loaded_transformers_class
 
     if type(module) is NativeIntermediate:
         return True
-    if "transformers" not in sys.modules:  # no transformers module: nothing to compare to
-        return False
-    try:
-        from transformers.models.bert.modeling_bert import BertIntermediate
-    except ImportError:  # pragma: no cover - transformers is a dependency
+    theirs = loaded_transformers_class("models.bert.modeling_bert", "BertIntermediate")
+    if theirs is None:  # no transformers module: nothing to compare to
         return False
     mine = getattr(type(module).forward, "__code__", None)
-    berts = BertIntermediate.forward.__code__
+    berts = theirs.forward.__code__
     return mine is not None and (mine.co_code, mine.co_names) == (berts.co_code, berts.co_names)
 
 

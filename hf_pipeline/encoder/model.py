@@ -429,7 +429,6 @@ def compile_artifacts_key(
     every config field that shapes the compiled graphs and the model's ``backend``
     (:attr:`TextEncoder.backend`: other modules, other graphs)."""
     import platform
-    import sys
     from importlib.metadata import PackageNotFoundError, version
 
     import torch
@@ -1085,15 +1084,11 @@ def _unmasked_bert(model) -> bool:
 
     if type(model) is bert.BertModel:
         return True
-    if "transformers" not in sys.modules:  # a transformers model imported it
-        return False
-    try:
-        from transformers import BertModel
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return False
+    theirs = bert.loaded_transformers_class("models.bert.modeling_bert", "BertModel")
     cfg = model.config
     return (
-        type(model) is BertModel
+        theirs is not None
+        and type(model) is theirs
         and not getattr(cfg, "is_decoder", False)
         and not getattr(cfg, "add_cross_attention", False)
     )

@@ -165,6 +165,27 @@ def test_unchanged_config_never_rebuilds(built_cache, small_config):
     assert prepare_cache(faster, progress=False).fingerprint == built_cache.fingerprint
 
 
+def test_a_copy_of_the_model_folder_finds_the_cache(built_cache, small_config, tmp_path):
+    """Outside tester: the same model at another path (another host's copy, a rename,
+    ``minilm`` and a copy of its folder) was another cache and a full re-embed; a local
+    model is its bytes (its digests remembered in the root's content index)."""
+    from hf_pipeline.encoder.model import resolve_encoder_path
+    from hf_pipeline.stores.identity import INDEX_DIR, ContentIndex
+
+    copy = tmp_path / "my-minilm"
+    shutil.copytree(resolve_encoder_path("minilm"), copy)
+    cfg = load_config(
+        None,
+        [*SMALL_DEMO, f"build.cache_dir={small_config.cache_root}", f"encoder.model={copy}"],
+        environ={},
+    )
+    again = prepare_cache(cfg, progress=False)
+    assert again.built is False and again.fingerprint == built_cache.fingerprint
+    index = ContentIndex(small_config.cache_root / INDEX_DIR).path
+    entries = json.loads(index.read_text())["entries"]
+    assert str(copy / "model.safetensors") in entries  # remembered: read once
+
+
 @pytest.mark.slow
 def test_changed_config_never_reuses(built_cache, small_config):
     other = load_config(

@@ -150,6 +150,46 @@ def test_identity_tracks_output_changing_fields():
     )
 
 
+def test_a_local_model_is_identified_by_its_bytes_not_its_path(tmp_path):
+    """Outside tester (issue 26): a fine-tuned checkpoint copied over the folder's
+    ``model.safetensors`` (same size, same config.json) found the old cache, whose
+    embeddings it no longer gives; a byte-identical copy of the folder elsewhere (or
+    renamed, or ``minilm`` and a copy of it) was another cache and a full re-embed. The
+    identity is the folder's content: the path plays no part, every byte does."""
+    import os
+    import shutil
+
+    from hf_pipeline.encoder.model import resolve_encoder_path
+    from hf_pipeline.stores.identity import ContentIndex
+
+    a, b = tmp_path / "a", tmp_path / "moved" / "b"
+    shutil.copytree(resolve_encoder_path("minilm"), a)
+    shutil.copytree(a, b)
+    base = encoder_identity(EncoderConfig())
+    assert encoder_identity(EncoderConfig(model=str(a))) == base
+    assert encoder_identity(EncoderConfig(model=str(b))) == base
+    # One weight changed in place: same size, same mtime put back, same config.json.
+    weights = a / "model.safetensors"
+    st = weights.stat()
+    with open(weights, "r+b") as fh:
+        fh.seek(st.st_size - 3)
+        last = fh.read(1)
+        fh.seek(st.st_size - 3)
+        fh.write(bytes([last[0] ^ 0x01]))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    changed = encoder_identity(EncoderConfig(model=str(a)))
+    assert changed != base and changed["revision"] != base["revision"]
+    # Through the cache root's content index: remembered, and still follows the bytes.
+    index = tmp_path / "root" / ".content-index"
+    assert encoder_identity(EncoderConfig(model=str(b)), index_dir=index) == base
+    assert ContentIndex(index).path.is_file()
+    assert encoder_identity(EncoderConfig(model=str(b)), index_dir=index) == base
+    assert encoder_identity(EncoderConfig(model=str(a)), index_dir=index) == changed
+    # An explicit encoder.revision still names a local folder's version (the user's word).
+    pinned = encoder_identity(EncoderConfig(model=str(a), revision="v2"))
+    assert pinned["revision"] == "v2"
+
+
 def test_unloadable_model_is_a_config_error(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match="encoder.model"):

@@ -33,6 +33,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 #: The last commit before content identity (fingerprints over mtimes): what "a cache
 #: built by an earlier release" is built with.
 MTIME_RELEASE = "16502fa8a24f202d3b1e503ddf2fc1d39259f13f"
+#: The last commit whose encoder identity named a local model folder by its path and
+#: its files' names and sizes (weights rewritten in place kept it).
+PATH_MODEL_RELEASE = "e338c67c05a755242d10b5a0eb715a193b4c7431"
 _HOUR_NS = 3600 * 10**9
 
 
@@ -177,6 +180,35 @@ def test_a_cache_of_the_mtime_release_is_used_not_rebuilt(tmp_path):
     assert again.built and again.fingerprint != old_fp
     _age(data)
     assert prepare_cache(cfg, progress=False).fingerprint == again.fingerprint
+
+
+@pytest.mark.slow
+def test_a_cache_of_the_path_model_release_is_used_until_the_model_changes(tmp_path):
+    """A cache an earlier release built with a local model folder (identified by its
+    path, names and sizes) is used by an upgrade, whose identity is the folder's
+    bytes; once a file of the folder changed after that build (weights rewritten in
+    place, same size, mtime put back), it is not: the embeddings are built again."""
+    from hf_pipeline.encoder.model import resolve_encoder_path
+
+    data, root, model = _data(tmp_path), tmp_path / "cache", tmp_path / "model"
+    shutil.copytree(resolve_encoder_path("minilm"), model)
+    extra = [f"encoder.model={model}"]
+    args = [*SMALL_DEMO, f"build.cache_dir={root}", f"data.shards={data}",
+            f"data.metadata={data / 'coyo11m-meta.parquet'}", *extra]  # fmt: skip
+    old_fp, old_dir = build_with_release(PATH_MODEL_RELEASE, args, tmp_path)
+    cfg = _cfg(root, data, *extra)
+    res = prepare_cache(cfg, progress=False)
+    assert not res.built and res.fingerprint == old_fp and str(res.cache_dir) == old_dir
+    weights = model / "model.safetensors"
+    st = weights.stat()
+    with open(weights, "r+b") as fh:
+        fh.seek(st.st_size - 2)
+        b = fh.read(1)
+        fh.seek(st.st_size - 2)
+        fh.write(bytes([b[0] ^ 1]))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    again = prepare_cache(cfg, progress=False)
+    assert again.built and again.fingerprint != old_fp
 
 
 # -- the index

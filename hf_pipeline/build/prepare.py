@@ -68,6 +68,7 @@ from hf_pipeline.build.accounting import (
 from hf_pipeline.build.parts import REASONS_FILE
 from hf_pipeline.cache.layout import (
     DEMO_DATA_DIR,
+    SCHEMA_VERSION,
     STAGES,
     STAGING_DIR,
     CacheLayout,
@@ -815,23 +816,46 @@ def _earlier_release_fingerprint(
     here = CacheLayout.for_config(cfg, fingerprint).root
     if all((here / marker_name(s)).exists() for s in STAGES):
         return fingerprint
+    from hf_pipeline.encoder.model import earlier_encoder_identity
+
     shards, meta = [f.identity() for f in inputs.shards], inputs.metadata.identity()
     legacy = [f.legacy_identity() for f in inputs.shards], inputs.metadata.legacy_identity()
-    candidates = [
-        compute_fingerprint(cfg, *ids, encoder, schema=1) for ids in ((shards, meta), legacy)
-    ]
-    for earlier in dict.fromkeys(candidates):  # Hub inputs: their identity was their content
+    encoders: list[tuple[Mapping[str, Any], int | None]] = [(encoder, None)]
+    older = earlier_encoder_identity(cfg.encoder)
+    if older is not None:  # a local model folder: its path and names/sizes, then
+        encoders.append(older)
+    candidates = {
+        compute_fingerprint(cfg, *ids, enc, schema=schema): changed
+        for enc, changed in encoders
+        for schema in ((1, SCHEMA_VERSION) if changed is not None else (1,))
+        for ids in ((shards, meta), legacy)
+    }
+    first = next(iter(candidates))
+    for earlier, model_changed in candidates.items():  # Hub: their identity was their content
         if earlier == fingerprint:
             continue
-        if complete_markers(CacheLayout.for_config(cfg, earlier).root, earlier, STAGES):
+        markers = complete_markers(CacheLayout.for_config(cfg, earlier).root, earlier, STAGES)
+        if markers and model_changed is not None and model_changed >= _built_ns(markers):
+            log.info(
+                "not using the cache %s of an earlier release: a file of the model folder "
+                "changed since it was built (its embeddings may not be this model's)",
+                CacheLayout.for_config(cfg, earlier).root,
+            )
+            continue
+        if markers:
             log.info(
                 "using the cache %s built by an earlier release (fingerprint of schema 1%s; "
                 "the current fingerprint is %s)",
                 CacheLayout.for_config(cfg, earlier).root,
-                ", over mtimes/generations" if earlier != candidates[0] else "", fingerprint,
+                ", over mtimes/generations" if earlier != first else "", fingerprint,
             )  # fmt: skip
             return earlier
     return fingerprint
+
+
+def _built_ns(markers: Mapping[str, Any]) -> int:
+    """When the build of a cache with these markers started (ns since the epoch)."""
+    return int(min(m.started_at for m in markers.values()) * 1e9)
 
 
 def resolve_job_inputs(
@@ -853,12 +877,11 @@ def resolve_job_inputs(
     node-local copy). Without a job store each rank consults the index itself.
     """
     from dist.kvstore import JobStore, launch_store
-    from hf_pipeline.encoder.model import encoder_identity
 
     remote = cfg.data.shards.startswith(("hf://", "gs://"))
     store = launch_store() if process.world_size > 1 else None
     if not isinstance(store, JobStore):
-        return resolve_inputs(cfg, progress=progress), encoder_identity(cfg.encoder)
+        return resolve_inputs(cfg, progress=progress), _encoder_identity(cfg)
     # The fields the ranks agreed on, and the source: not the per-host paths (a
     # node-local cache_dir must not keep its ranks from meeting rank 0's key).
     config_key = hashlib.sha256(
@@ -869,12 +892,12 @@ def resolve_job_inputs(
     n = _RESOLUTIONS[config_key] = _RESOLUTIONS.get(config_key, 0) + 1
     if not remote:
         return _local_job_inputs(cfg, process, store, f"{config_key}/{n}", progress), (
-            encoder_identity(cfg.encoder)
+            _encoder_identity(cfg)
         )
     key = f"hf_pipeline.inputs/{config_key}/{n}"
     if process.rank == 0:
         try:
-            resolved = (resolve_inputs(cfg, progress=progress), encoder_identity(cfg.encoder))
+            resolved = (resolve_inputs(cfg, progress=progress), _encoder_identity(cfg))
         except Exception as e:
             store.set(key, pickle.dumps(("error", e)))
             raise
@@ -886,6 +909,15 @@ def resolve_job_inputs(
         raise value
     inputs, encoder = value
     return dataclasses.replace(inputs, hashing=None), encoder  # rank 0 hashed, not this one
+
+
+def _encoder_identity(cfg: Config) -> dict[str, Any]:
+    """The encoder's identity, a local model folder's file digests remembered by the
+    cache root's content index (:func:`hf_pipeline.encoder.model.encoder_identity`)."""
+    from hf_pipeline.encoder.model import encoder_identity
+    from hf_pipeline.stores.identity import INDEX_DIR
+
+    return encoder_identity(cfg.encoder, cfg.cache_root / INDEX_DIR)
 
 
 def _local_job_inputs(cfg: Config, process, store, key: str, progress: bool) -> Inputs:
@@ -1038,11 +1070,10 @@ def _planned_parts(cfg: Config, inputs: Inputs) -> tuple[list[Any], bool]:
     is needed)."""
     from dist.coordinator import complete_markers as unit_markers
     from hf_pipeline.build.part_store import stored_parts
-    from hf_pipeline.encoder.model import encoder_identity
 
     planned = stored_parts(
         cfg, shards=inputs.shards, metadata=inputs.metadata.identity(),
-        encoder=encoder_identity(cfg.encoder),
+        encoder=_encoder_identity(cfg),
     )  # fmt: skip
     return planned, any(unit_markers(p.embed_dir, p.embed_id, ["embed"]) is None for p in planned)
 

@@ -1240,7 +1240,9 @@ def clean(
     heartbeat moves during the ``observe_s`` window is live and never touched; one whose
     lease changed between the observation and the removal is skipped too. Still, run it
     when no job is *starting* on ``root``: a builder that claims a stale cache in the
-    instant after our last look would lose its folder (and fail).
+    instant after our last look would lose its folder (and fail). While any cache of
+    ``root`` is being built, the stores' complete units that no cache uses are kept (the
+    live build may link them as its stages publish).
 
     Args:
         root: the folder holding one sub-folder per cache.
@@ -1294,8 +1296,13 @@ def clean(
             f"{_shown_foreign(folder, foreign)} (the rest of it removed)",
         ))  # fmt: skip
 
+    # A cache being built links its units only when its stages publish: until then
+    # the units it made (or found) are used by no cache, and removing them would fail
+    # it. While one is live, unused complete units stay.
+    building: list[Path] = []
     for status in list_caches(root, stages=stages, observe_s=observe_s):
         if status.state is CacheState.BUILDING:
+            building.append(status.path)
             continue
         cache = status.path
         if _lease_key(cache) != (
@@ -1383,6 +1390,12 @@ def clean(
                 None if st.lease_id is None else (st.lease_id, st.heartbeat_counter)
             ):
                 continue  # somebody claimed or beat since we looked
+            if st.state is CacheState.COMPLETE and not unit.in_use and building:
+                left.append((
+                    st.path, f"kept: used by no cache, but {building[0].name} is being built "
+                    "on this root and may link it; run --clean again once it is done",
+                ))  # fmt: skip
+                continue
             if st.state in _REMOVABLE or (st.state is CacheState.COMPLETE and not unit.in_use):
                 # no cache links its files: nothing reads them any more
                 drop_cache(st.path, [st.path.name.split("-", 1)[0]])

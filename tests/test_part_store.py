@@ -630,6 +630,53 @@ def test_status_says_units_no_cache_uses_are_reusable_and_what_clean_does(inputs
     assert "reusable by later builds" not in line, line
 
 
+def test_clean_keeps_unused_units_while_a_build_is_live_on_the_root(inputs):
+    """Outside tester: ``--clean`` during a re-embed removed the units the live build had
+    made and not linked yet (used by no cache, for the moment): the build then failed
+    with a traceback. While a cache of the root is being built (its lease live), the
+    units no cache uses are kept, each with one line saying why; once it is done, the
+    same clean removes them."""
+    import shutil
+    import threading
+
+    from dist import Stage, ensure_built
+
+    root = inputs["base"] / "clean-live"
+    res = _build(root, inputs["initial"], inputs["meta"])
+    units = {Path(u["path"]).name for u in _admin(root, "--status")["parts"]}
+    shutil.rmtree(res.cache_dir)  # no cache links them: what a live build's new units are
+    live = root / "demo-00000000000c1ea2"
+    go, building = threading.Event(), threading.Event()
+
+    def write(ctx):
+        building.set()
+        assert go.wait(120), "the test never let the live builder finish"
+        (ctx.tmp_dir / "data.arrow").write_bytes(b"x" * 100)
+        return {}
+
+    builder = threading.Thread(
+        target=ensure_built, name="live-cache-builder",
+        args=(live, "00000000000c1ea2", [Stage(name="converted", build=write)]),
+        kwargs=dict(builder=True, poll_interval=0.05, lease_timeout=4.0,
+                    heartbeat_interval=0.05, max_wait=120.0), daemon=True,
+    )  # fmt: skip
+    builder.start()
+    try:
+        assert building.wait(60), "the live builder never started"
+        report = _admin(root, "--clean")
+        removed = {Path(p).name for p in report["removed"]}
+        assert not removed & units, removed
+        kept = {Path(e["path"]).name: e["why"] for e in report["left"]}
+        assert set(kept) >= units, kept
+        assert all(live.name in kept[u] and "being built" in kept[u] for u in units), kept
+        assert all((root / ".parts" / u).exists() for u in units)
+    finally:
+        go.set()
+        builder.join(60)
+    removed = {Path(p).name for p in _admin(root, "--clean")["removed"]}
+    assert units <= removed, removed
+
+
 def test_status_summary_names_corrupt_units_as_verify_does(inputs):
     """A damaged stored unit was ``corrupt`` in --status --json only; the human summary
     line did not count it (outside tester). Now it counts and names them, as

@@ -468,3 +468,52 @@ def test_a_batch_copies_only_its_rows_bytes(gcs_cache, local_source):
         assert got[name].tobytes() == want[name].tobytes(), name
     size = sum(a.nbytes for a in got.values())
     assert len(rows) >= 8 and peak <= 1.5 * size, (peak, size, len(rows))
+
+
+def test_a_gather_of_rows_each_in_a_read_of_its_own_is_a_slice_a_row(gcs_cache, local_source):
+    """A globally shuffled batch has about one row in each read that holds its blocks.
+    Its gather took a strided view and an index per read and column (~10 us each, under
+    the GIL, beside the HTTP client's loop: on the 2-CPU VM 3.9 ms of CPU a 256-row
+    batch, 1.9 ms now). Here every block is its own read (``max_read_bytes`` 1), all
+    held, and the batch one row of each latent block: gathering it costs at most 7 us
+    of this thread's CPU a row (least of 5; 3.7-4.7 us measured at load ~7, 10-17 us
+    before), and the batch is still the local loader's."""
+    _, url = gcs_cache
+    options = StreamOptions(cache_bytes=1 << 30, max_read_bytes=1, coalesce_bytes=0)
+    with StreamSource(url, options, policy=_FAST) as stream:
+        stream.gather(np.arange(stream.num_rows), 0)  # every block held, a read each
+        lat = stream._columns["latents"]
+        ids, _ = stream._locate(lat, stream.physical(np.arange(stream.num_rows)))
+        rows = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])  # a row per block
+        want = local_source.gather(rows, 1)
+        cpu = float("inf")
+        for _ in range(5):
+            t0 = time.thread_time()
+            got = stream.gather(rows, 1)
+            cpu = min(cpu, time.thread_time() - t0)
+    for name in ("latents", "embeddings", "keys"):
+        assert got[name].tobytes() == want[name].tobytes(), name
+    assert len(rows) >= 100 and cpu <= 7e-6 * len(rows), (cpu, len(rows))
+
+
+def test_cutting_blocks_into_reads_is_cheap_per_block(gcs_cache):
+    """The planner cuts a refill's blocks into reads (:meth:`StreamSource._runs`) when it
+    starts them, and once more for each batch it weighs for completing a window
+    (``_Planner._complete``: up to ``ahead`` times, over a refill that grows): on a
+    global shuffle that is thousands of blocks, 25 times before the first batch's reads
+    start. Sorting by a key of NumPy scalars and their arithmetic per block cost 1.2-1.3
+    us a block here, 1.7 on the bench's refills (0.34 s of CPU before the 2-CPU VM's
+    first global batch at 24k rows); by NumPy arrays and Python ints, at most 0.8 us
+    (0.33-0.46 measured; least of 5, every block of the test cache, 10 times)."""
+    _, url = gcs_cache
+    with StreamSource(url, StreamOptions(cache_bytes=0), policy=_FAST) as stream:
+        ids = list(range(len(stream._block_file)))[::-1]  # every block, out of order
+        reads = stream._runs(ids, count=False)
+        cpu = float("inf")
+        for _ in range(5):
+            t0 = time.thread_time()
+            for _ in range(10):
+                stream._runs(ids, count=False)
+            cpu = min(cpu, (time.thread_time() - t0) / 10)
+    assert sorted(b for run in reads for b in run) == sorted(ids)
+    assert len(ids) >= 200 and cpu <= 0.8e-6 * len(ids), (cpu, len(ids))

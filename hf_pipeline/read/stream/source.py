@@ -97,9 +97,12 @@ _WALK_WAIT_S = 10.0
 #: latency and its transfer whatever runs beside it, under this long), the store
 #: delivers more as more reads run, and the bound grows until ``concurrency`` reads run.
 _INFLIGHT_S = 1.0
-#: The bound before the store's rate is known (and its least): this many planned batches'
-#: bytes (the largest batch's blocks seen so far), at least ``max_read_bytes`` (one read
-#: always fits). The whole bound until 2026-12 (it held the H200 host's block shuffle to
+#: The bound until the plan's first batch has landed and the store's rate is known, and
+#: its least: this many planned batches' bytes (the largest batch's blocks seen so far),
+#: at least ``max_read_bytes`` (one read always fits). Held until the first batch lands:
+#: reads started once the rate is known share the link with the first batch's (through
+#: one link, at a second of its rate, the first batch waited on 25 of an epoch's 44 reads,
+#: against 12). The whole bound until 2026-12 (it held the H200 host's block shuffle to
 #: 32.7 reads in flight of 64).
 _INFLIGHT_BATCHES = 4
 #: The store's rate is the bytes landed per second while reads were queued (held back
@@ -845,7 +848,8 @@ class StreamSource:
         """Most bytes of reads in flight at once (thread-safe): what the store delivered
         in :data:`_INFLIGHT_S` seconds while reads were queued, within ``cache_bytes``;
         at least :data:`_INFLIGHT_BATCHES` times the largest planned batch's blocks and
-        ``max_read_bytes`` (all of it until the rate is known).
+        ``max_read_bytes`` (all of it until the plan's first batch has landed and the
+        rate is known).
 
         Reads started all at once share the store's bandwidth: when it is the bound, the
         first batch's landed with the last one's, seconds late; so the bytes in flight

@@ -511,6 +511,7 @@ def main() -> None:
                             "retries": stats.retries,
                             "max_held_mb": stats.max_held_bytes / 2**20,
                             "max_inflight_mb": stats.max_inflight_bytes / 2**20,
+                            "max_inflight_reads": stats.max_inflight_reads,
                             "source_first_batch_s": stats.first_batch_s,
                             "read_s": stats.read_s,
                             # Why the reads were what they were: reads running on
@@ -566,7 +567,7 @@ def main() -> None:
                             f"{stats.read_s:.2f} s, in flight <= "
                             f"{stats.max_inflight_bytes / 1e6:.0f} MB)\n    "
                             f"{run['reads_per_s']:.0f} reads/s, {stats.mean_inflight_reads:.1f} "
-                            f"running on average, starved {stats.starved_s:.1f} s, held back "
+                            f"running on average (most {stats.max_inflight_reads}), starved {stats.starved_s:.1f} s, held back "
                             f"{stats.held_back_s:.1f} s, mean read {run['mean_read_mb']:.2f} MB "
                             f"({run['blocks_per_read']:.1f} blocks); flushes {stats.flushes} "
                             f"blocks {stats.flush_blocks} (+{stats.completed_batches} batches to a "

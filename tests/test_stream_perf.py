@@ -14,6 +14,7 @@ import pytest
 
 from hf_pipeline.read.loader import Loader
 from hf_pipeline.read.stream import StreamOptions, StreamSource
+from hf_pipeline.read.stream.source import _INFLIGHT_S
 from tests.servers.proxy import Fault, FaultProxy
 from tests.test_stream import (  # noqa: F401
     _FAST,
@@ -205,20 +206,11 @@ def test_gathers_ahead_of_the_planner_do_not_scatter_reads(
     assert stats.requests <= refill, (stats, refill, scattered)
 
 
-def test_the_first_batch_is_not_held_behind_the_epoch(gcs_cache, local_source, monkeypatch):
-    """Every body through one link of fixed bandwidth shared by all reads (the proxy's
-    "link": a store's or NIC's bandwidth), 20 ms latency, and a lookahead as long as
-    the epoch with the room to hold it (the H200 bench: ``ahead`` 32 = the whole epoch).
-    The planner's reads all started at once, so batch 0's reads shared the link with
-    every later batch's and landed with the last of them: the first batch came after
-    ~95% of the epoch's read time (on the H200 host 3-4 s, slower than pulling the
-    whole cache first). Now reads start in batch order and the bytes in flight are
-    bounded by a few batches' bytes: when the first batch lands, at most a few of the
-    epoch's ~20 reads have started (the source's count at that moment). The batches are
-    still the local ones."""
-    server, url = gcs_cache
+def _sequential_epoch(url: str, local_source, batch: int) -> tuple[dict, list, int]:
+    """``(loader kwargs, the local loader's epoch, the largest batch's block bytes)`` of
+    a sequential epoch of ``batch`` rows, 2 gathering threads."""
     kw = {
-        "global_batch_size": 16,
+        "global_batch_size": batch,
         "seed": 3,
         "crop": 0,
         "shuffle": "sequential",
@@ -232,7 +224,26 @@ def test_the_first_batch_is_not_held_behind_the_epoch(gcs_cache, local_source, m
             int(probe._block_bytes[probe.block_ids(rows)].sum())
             for _, rows in Loader(probe, **kw)._planned(0, 0, 1)
         )
-    # About one batch per read, so that an epoch is ~20 reads (fewer than concurrency).
+    return kw, want, batch_bytes
+
+
+@pytest.mark.parametrize("batch", [16, 8])
+def test_the_first_batch_is_not_held_behind_the_epoch(batch, gcs_cache, local_source, monkeypatch):
+    """Every body through one link of fixed bandwidth shared by all reads (the proxy's
+    "link": a store's or NIC's bandwidth), 20 ms latency, and a lookahead as long as
+    the epoch with the room to hold it (the H200 bench: ``ahead`` 32 = the whole epoch).
+    The planner's reads all started at once, so batch 0's reads shared the link with
+    every later batch's and landed with the last of them: the first batch came after
+    ~95% of the epoch's read time (on the H200 host 3-4 s, slower than pulling the
+    whole cache first). Now reads start in batch order and the bytes in flight are
+    bounded: by 4 batches' bytes until the store's rate is known, then by what the link
+    delivers in ``_INFLIGHT_S`` (batch 8: more than 4 batches' bytes, so that bound is
+    the one held; batch 16: 4 batches' are more). When the first batch lands, under
+    half of the epoch's reads have started (the source's count at that moment). The
+    batches are still the local ones."""
+    server, url = gcs_cache
+    kw, want, batch_bytes = _sequential_epoch(url, local_source, batch)
+    # About one batch per read, so that an epoch is 28-50 reads (fewer than concurrency).
     options = StreamOptions(
         cache_bytes=1 << 30, ahead=len(want), concurrency=64, max_read_bytes=batch_bytes
     )
@@ -261,7 +272,48 @@ def test_the_first_batch_is_not_held_behind_the_epoch(gcs_cache, local_source, m
     assert stats.first_batch_reads is not None, stats
     assert stats.first_batch_reads <= stats.requests // 2, stats
     assert first < epoch, (first, epoch, stats)
-    assert stats.max_inflight_bytes <= max(4 * batch_bytes, options.max_read_bytes), stats
+    # The link's rate in _INFLIGHT_S (its average over the epoch: the source measures it
+    # while reads wait, with room for that measure's spread), or the least bound.
+    least = max(4 * batch_bytes, options.max_read_bytes)
+    link = total / stats.read_s
+    assert stats.max_inflight_bytes <= max(least, 1.5 * link * _INFLIGHT_S), (stats, link)
+
+
+def test_reads_in_flight_reach_the_concurrency_when_the_budget_allows(
+    gcs_cache, local_source, monkeypatch
+):
+    """Every read 50 ms late (a per-request latency, no shared link: a read takes as long
+    whatever runs beside it), a cache that holds the whole epoch and a lookahead as long
+    as it. The reads in flight were bounded by 4 planned batches' bytes whatever the
+    store did: with reads of half a batch, 8-odd of ``concurrency`` 32 ran (on the H200
+    host, 93k rows, block shuffle: 32.7 of 64 on average, held back 3.8 s of a 5.3 s
+    epoch, 17.0k samples/s against a goal of 20k). Latency, not bandwidth, was the
+    bound: more reads in flight delay none of them. Now the bound follows what the
+    store delivers (:meth:`StreamSource.inflight_limit`): here the reads in flight reach
+    ``concurrency``. The batches are still the local ones, and the held and reserved
+    bytes stay within the cache limit."""
+    server, url = gcs_cache
+    kw, want, batch_bytes = _sequential_epoch(url, local_source, 8)
+    concurrency = 32
+    options = StreamOptions(
+        cache_bytes=64 << 20,
+        ahead=len(want),
+        concurrency=concurrency,
+        max_read_bytes=batch_bytes // 2,
+        coalesce_bytes=0,
+    )
+    with FaultProxy(server) as proxy:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        with StreamSource(url, options, policy=_FAST) as stream:
+            proxy.add(Fault(match=".arrow", action="stall", seconds=0.05, times=-1))
+            stream.reset_stats()
+            got = _epoch(Loader(stream, **kw))
+            stats = stream.stats()
+    _same(want, got)
+    # The old bound's most: 4 batches' bytes in reads of at least ~a quarter batch.
+    assert stats.planned_reads >= 2 * concurrency, stats
+    assert stats.max_inflight_reads == concurrency, stats
+    assert stats.max_held_bytes <= options.cache_bytes, stats
 
 
 def test_ranged_reads_are_buffered_in_large_chunks(gcs_cache):
@@ -409,3 +461,79 @@ def test_a_batch_copies_only_its_rows_bytes(gcs_cache, local_source):
         assert got[name].tobytes() == want[name].tobytes(), name
     size = sum(a.nbytes for a in got.values())
     assert len(rows) >= 8 and peak <= 1.5 * size, (peak, size, len(rows))
+
+
+def test_a_gather_of_rows_each_in_a_read_of_its_own_is_a_slice_a_row(gcs_cache, local_source):
+    """A globally shuffled batch has about one row in each read that holds its blocks.
+    Its gather took a strided view and an index per read and column (~10 us each, under
+    the GIL, beside the HTTP client's loop: on the 2-CPU VM 3.9 ms of CPU a 256-row
+    batch, 1.9 ms now). Here every block is its own read (``max_read_bytes`` 1), all
+    held, and the batch one row of each latent block: gathering it costs at most 4.5x
+    this thread's CPU for the same rows from the local memory map (least of 5 each: the
+    host's speed of the moment cancels; 3.1-3.4x measured, 5.9-7.0x before; 4-6 us a
+    row, 10-20 before), and the batch is still the local loader's."""
+    _, url = gcs_cache
+    options = StreamOptions(cache_bytes=1 << 30, max_read_bytes=1, coalesce_bytes=0)
+    with StreamSource(url, options, policy=_FAST) as stream:
+        stream.gather(np.arange(stream.num_rows), 0)  # every block held, a read each
+        lat = stream._columns["latents"]
+        ids, _ = stream._locate(lat, stream.physical(np.arange(stream.num_rows)))
+        rows = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])  # a row per block
+        want = local_source.gather(rows, 1)
+        cpu = local = float("inf")
+        for _ in range(5):
+            t0 = time.thread_time()
+            got = stream.gather(rows, 1)
+            cpu = min(cpu, time.thread_time() - t0)
+            t0 = time.thread_time()
+            local_source.gather(rows, 1)
+            local = min(local, time.thread_time() - t0)
+    for name in ("latents", "embeddings", "keys"):
+        assert got[name].tobytes() == want[name].tobytes(), name
+    assert len(rows) >= 100 and cpu <= 4.5 * local, (cpu, local, len(rows))
+
+
+def test_cutting_blocks_into_reads_is_cheap_per_block(gcs_cache):
+    """The planner cuts a refill's blocks into reads (:meth:`StreamSource._runs`) when it
+    starts them, and once more for each batch it weighs for completing a window
+    (``_Planner._complete``: up to ``ahead`` times, over a refill that grows): on a
+    global shuffle that is thousands of blocks, 25 times before the first batch's reads
+    start. Sorting by a key of NumPy scalars and their arithmetic per block cost 26-40x
+    a plain sort and walk of the same blocks (:func:`_sort_and_walk`; 1.2-2.4 us a
+    block here, 1.7 on the bench's refills: 0.34 s of CPU before the 2-CPU VM's first
+    global batch at 24k rows); by NumPy arrays and Python ints, at most 12x (6.0-6.3x
+    measured, 0.34-0.45 us a block; least of 5, every block of the test cache, 10
+    times)."""
+    _, url = gcs_cache
+    with StreamSource(url, StreamOptions(cache_bytes=0), policy=_FAST) as stream:
+        ids = list(range(len(stream._block_file)))[::-1]  # every block, out of order
+        reads = stream._runs(ids, count=False)
+        cpu = ref = float("inf")
+        for _ in range(5):
+            t0 = time.thread_time()
+            for _ in range(10):
+                stream._runs(ids, count=False)
+            cpu = min(cpu, (time.thread_time() - t0) / 10)
+            t0 = time.thread_time()
+            for _ in range(10):
+                _sort_and_walk(ids)
+            ref = min(ref, (time.thread_time() - t0) / 10)
+    assert sorted(b for run in reads for b in run) == sorted(ids)
+    assert len(ids) >= 200 and cpu <= _RUNS_OVER_WALK * ref, (cpu, ref, len(ids))
+
+
+#: A cut of blocks into reads may cost this many times :func:`_sort_and_walk` of them.
+_RUNS_OVER_WALK = 12
+
+
+def _sort_and_walk(ids: list[int]) -> list[list[int]]:
+    """The least a cut into reads does in Python: sort, and one comparison and one append
+    per block (the host's speed of the moment, as a reference)."""
+    out: list[list[int]] = [[]]
+    last = -2
+    for b in sorted(ids):
+        if b != last + 1:
+            out.append([])
+        out[-1].append(b)
+        last = b
+    return out

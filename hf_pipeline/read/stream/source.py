@@ -51,6 +51,7 @@ import functools
 import heapq
 import itertools
 import logging
+import math
 import re
 import tempfile
 import threading
@@ -88,14 +89,36 @@ _GAP_SHARE = 8
 #: How long a gather whose batch is not planned yet waits for the planner's walker (it
 #: holds it while it pulls and reserves one batch) before fetching the batch itself.
 _WALK_WAIT_S = 10.0
-#: Bytes in flight (reads started, not landed) are bounded by this many planned batches'
-#: bytes (the largest batch's blocks seen so far): batch k's reads do not share the
-#: store's bandwidth with those of batch k + 30, so the first batch (and each next one)
-#: lands first. At least ``max_read_bytes``, so one read always fits.
+#: Bytes in flight (reads started, not landed) are bounded by what the store delivered in
+#: this many seconds (:meth:`StreamSource.inflight_limit`): when bandwidth is the bound
+#: (a link every read shares), a read started now lands within about this long, so batch
+#: k's reads do not share the store's bandwidth with those of batch k + 30 and the first
+#: batch (and each next one) lands first; when latency is the bound (each read takes its
+#: latency and its transfer whatever runs beside it, under this long), the store
+#: delivers more as more reads run, and the bound grows until ``concurrency`` reads run.
+_INFLIGHT_S = 1.0
+#: The bound until the plan's first batch has landed and the store's rate is known, and
+#: its least: this many planned batches' bytes (the largest batch's blocks seen so far),
+#: at least ``max_read_bytes`` (one read always fits). Held until the first batch lands:
+#: reads started once the rate is known share the link with the first batch's (through
+#: one link, at a second of its rate, the first batch waited on 25 of an epoch's 44 reads,
+#: against 12). The whole bound until 2026-12 (it held the H200 host's block shuffle to
+#: 32.7 reads in flight of 64).
 _INFLIGHT_BATCHES = 4
+#: The store's rate is the bytes landed per second while reads were queued (held back
+#: by the bound or by ``concurrency``: the store had all it could take), over about the
+#: last this many seconds of such time (an exponential average): a pause in the plan
+#: neither lowers it nor ages it.
+_RATE_WINDOW_S = 2.0
+#: Queued seconds measured before the rate is used (a read or two landing at once is not
+#: a rate).
+_RATE_MIN_S = 0.05
 #: The priority of a read a gather waits for (no plan holds its blocks): before any
 #: planned read, which are ordered by the index of the first batch that needs them.
 _DEMAND = -1
+#: A gather copies the rows of a read that holds at most this many of them one slice
+#: each, and those of a read that holds more by one strided index (:meth:`_assemble`).
+_FEW_ROWS = 4
 #: Batches a gather may be ahead of those released, beyond ``ahead``: how far a gather
 #: looks for its batch in the plan (more gathering threads than this never occur).
 _MAX_GATHER_LEAD = 256
@@ -129,6 +152,8 @@ class StreamStats:
         limit_bytes: ``cache_bytes``.
         max_inflight_bytes: the most bytes of reads started and not landed at any moment
             (bounded by :meth:`StreamSource.inflight_limit`).
+        max_inflight_reads: the most reads running at any moment (at most
+            ``concurrency``).
         first_batch_s: seconds from the plan's start until the reads of its first batch
             had all landed (None: no plan, or not landed yet).
         first_batch_reads: reads this source had sent to the store (planned and on
@@ -172,6 +197,7 @@ class StreamStats:
     max_held_bytes: int
     limit_bytes: int
     max_inflight_bytes: int = 0
+    max_inflight_reads: int = 0
     first_batch_s: float | None = None
     first_batch_reads: int | None = None
     read_s: float = 0.0
@@ -282,11 +308,14 @@ class StreamSource:
         # Reads not started yet, best first: (priority, sequence, run, bytes, future).
         self._queue: list[tuple[int, int, list[int], int, Future]] = []
         self._sequence = itertools.count()
-        self._running = self._inflight_bytes = self._max_inflight = 0
+        self._running = self._inflight_bytes = self._max_inflight = self._max_running = 0
         # Read-seconds (reads running x seconds), and the seconds below ``concurrency``
         # with nothing queued / with reads queued: since ``_tick_t`` (:meth:`_tick`).
         self._tick_t: float | None = None
         self._running_area = self._starved_s = self._held_back_s = 0.0
+        # The store's rate while reads were queued (:meth:`inflight_limit`): bytes landed
+        # and seconds, both decayed over ``_RATE_WINDOW_S`` of such seconds.
+        self._rate_bytes = self._rate_s = 0.0
         self._batch_bytes = 0  # the largest planned batch's blocks
         # Timeline: when the reads started/ended, and when the plan's first batch landed.
         self._first_read: float | None = None
@@ -575,11 +604,26 @@ class StreamSource:
         else:
             got = np.empty((ids.size, item), dtype=np.uint8)
             of_row = group[inverse]
-            order = np.argsort(of_row, kind="stable")
-            bounds = np.searchsorted(of_row[order], np.arange(len(buffers) + 1))
-            for k, buf in enumerate(buffers):
-                rows = order[bounds[k] : bounds[k + 1]]
-                got[rows] = rows_of(buf)[offsets[rows]]
+            # A row whose read holds few of the batch's rows (a global shuffle: about
+            # one) is a slice of its own: a strided view and an index per read cost
+            # ~10 us a read, most of a globally shuffled gather (4.4 -> 2.6 ms of CPU
+            # a 256-row batch on the 2-CPU VM).
+            few = np.bincount(of_row, minlength=len(buffers))[of_row] <= _FEW_ROWS
+            for r, k, off in zip(
+                np.flatnonzero(few).tolist(),
+                of_row[few].tolist(),
+                offsets[few].tolist(),
+                strict=True,
+            ):
+                got[r] = buffers[k][off : off + item]
+            many = np.flatnonzero(~few)
+            if many.size:
+                order = many[np.argsort(of_row[many], kind="stable")]
+                bounds = np.searchsorted(of_row[order], np.arange(len(buffers) + 1))
+                for k, buf in enumerate(buffers):
+                    rows = order[bounds[k] : bounds[k + 1]]
+                    if rows.size:
+                        got[rows] = rows_of(buf)[offsets[rows]]
         return got.view(col.dtype).reshape((ids.size, *shape))
 
     def _read_column(self, col: _Column, phys: np.ndarray) -> np.ndarray:
@@ -730,26 +774,33 @@ class StreamSource:
         out: list[list[int]] = []
         if not ids:
             return out
-        ids = sorted(ids, key=lambda b: (self._block_file[b], self._block_start[b]))
-        opts = self.options
-        run = [ids[0]]
-        used, gaps = int(self._block_bytes[ids[0]]), 0
-        for b in ids[1:]:
-            last = run[-1]
-            start, end = (
-                self._block_start[run[0]],
-                self._block_start[last] + self._block_bytes[last],
-            )
-            gap = self._block_start[b] - end
-            fits = self._block_start[b] + self._block_bytes[b] - start <= opts.max_read_bytes
+        # In file order, and every block's numbers as Python ints, by NumPy: the loop
+        # below is the planner's, on the refill's thousands of blocks (a global
+        # shuffle's), once more per batch :meth:`_Planner._complete` weighs; a sort
+        # keyed by NumPy scalars and their arithmetic per block took ~2 us a block
+        # (seconds before the H200 host's first global-shuffle batch).
+        arr = np.fromiter(ids, dtype=np.int64, count=len(ids))
+        arr = arr[np.lexsort((self._block_start[arr], self._block_file[arr]))]
+        order = arr.tolist()
+        files = self._block_file[arr].tolist()
+        starts = self._block_start[arr].tolist()
+        sizes = self._block_bytes[arr].tolist()
+        coalesce, max_read = self.options.coalesce_bytes, self.options.max_read_bytes
+        run = [order[0]]
+        first, end = starts[0], starts[0] + sizes[0]  # the run's first byte, its end
+        used, gaps = sizes[0], 0
+        for i in range(1, len(order)):
+            b, start, size = order[i], starts[i], sizes[i]
+            gap = start - end
+            fits = start + size - first <= max_read
             fill = None
-            if self._block_file[b] != self._block_file[last]:
+            if files[i] != files[i - 1]:
                 cut = "file"
-            elif gap > 0 and fits and (fill := self._fills(last, b, soon, room)) is not None:
+            elif soon and gap > 0 and fits and (fill := self._fills(run[-1], b, soon, room)):
                 cut = None
-            elif not 0 <= gap <= opts.coalesce_bytes:
+            elif not 0 <= gap <= coalesce:
                 cut = "gap"
-            elif (gaps + gap) * _GAP_SHARE > used + self._block_bytes[b]:
+            elif (gaps + gap) * _GAP_SHARE > used + size:
                 cut = "gap_share"
             elif not fits:
                 cut = "max_read"
@@ -766,14 +817,15 @@ class StreamSource:
                     if count:
                         self._counts["gap_blocks"] += len(fill)
                 run.append(b)
-                used += int(self._block_bytes[b])
-                gaps += int(gap)
+                used += size
+                gaps += gap
             else:
                 if count:
                     self._counts[f"cut_{cut}"] += 1
                 out.append(run)
                 run = [b]
-                used, gaps = int(self._block_bytes[b]), 0
+                first, used, gaps = start, size, 0
+            end = start + size
         out.append(run)
         return out
 
@@ -793,10 +845,26 @@ class StreamSource:
         return future, run
 
     def inflight_limit(self) -> int:
-        """Most bytes of reads in flight at once: :data:`_INFLIGHT_BATCHES` times the
-        largest planned batch's blocks, at least ``max_read_bytes`` (thread-safe)."""
+        """Most bytes of reads in flight at once (thread-safe): what the store delivered
+        in :data:`_INFLIGHT_S` seconds while reads were queued, within ``cache_bytes``;
+        at least :data:`_INFLIGHT_BATCHES` times the largest planned batch's blocks and
+        ``max_read_bytes`` (all of it until the plan's first batch has landed and the
+        rate is known).
+
+        Reads started all at once share the store's bandwidth: when it is the bound, the
+        first batch's landed with the last one's, seconds late; so the bytes in flight
+        are what the store delivers in a short time, and a read started now lands about
+        that soon. When latency is the bound, a read takes as long whatever runs beside
+        it: more reads in flight deliver more, the rate rises with them, and the bound
+        with it, until ``concurrency`` reads run (4 batches' bytes held the H200 host's
+        block shuffle, 50 ms a request, to 32.7 reads of 64). The planned reads in flight
+        are reserved bytes, already within ``cache_bytes``."""
         with self._lock:
-            return max(_INFLIGHT_BATCHES * self._batch_bytes, self.options.max_read_bytes)
+            least = max(_INFLIGHT_BATCHES * self._batch_bytes, self.options.max_read_bytes)
+            if self._first_batch_s is None or self._rate_s < _RATE_MIN_S:
+                return least
+            rate = self._rate_bytes / self._rate_s
+            return max(least, min(int(rate * _INFLIGHT_S), self.options.cache_bytes))
 
     def _dispatch(self) -> None:
         """Start queued reads, best first, while fewer than ``concurrency`` run and their
@@ -813,6 +881,7 @@ class StreamSource:
             if not future.set_running_or_notify_cancel():
                 continue
             self._running += 1
+            self._max_running = max(self._max_running, self._running)
             self._counts["dispatched_reads"] += 1
             self._inflight_bytes += nbytes
             self._max_inflight = max(self._max_inflight, self._inflight_bytes)
@@ -827,9 +896,15 @@ class StreamSource:
 
     def _tick(self) -> None:
         """Account the time since the last tick at the reads running and queued then
-        (caller holds the lock; called before either changes): mean reads in flight,
-        :attr:`StreamStats.starved_s` and :attr:`StreamStats.held_back_s`."""
+        (caller holds the lock; called before either changes): the store's rate
+        (:meth:`inflight_limit`), mean reads in flight, :attr:`StreamStats.starved_s`
+        and :attr:`StreamStats.held_back_s`."""
         now = time.monotonic()
+        if self._tick_t is not None and self._queue:
+            # Reads queued since the last tick: the store had all it could take.
+            decay = math.exp(-(now - self._tick_t) / _RATE_WINDOW_S)
+            self._rate_bytes *= decay
+            self._rate_s = self._rate_s * decay + (now - self._tick_t)
         if self._tick_t is not None and self._first_read is not None:
             dt = now - self._tick_t
             self._running_area += self._running * dt
@@ -849,6 +924,8 @@ class StreamSource:
             error, blocks = exc, None
         with self._lock:
             self._tick()
+            if self._queue and error is None:
+                self._rate_bytes += nbytes  # landed while reads waited for room
             self._running -= 1
             self._inflight_bytes -= nbytes
             self._last_read = time.monotonic()
@@ -1160,6 +1237,7 @@ class StreamSource:
                 max_held_bytes=self._max_held,
                 limit_bytes=self.options.cache_bytes,
                 max_inflight_bytes=self._max_inflight,
+                max_inflight_reads=self._max_running,
                 first_batch_s=self._first_batch_s,
                 first_batch_reads=self._first_batch_reads,
                 read_s=read_s,
@@ -1189,6 +1267,7 @@ class StreamSource:
             self._counts.clear()
             self._max_held = self._held + self._reserved_bytes
             self._max_inflight = self._inflight_bytes
+            self._max_running = self._running
             self._first_read = self._last_read = None
             self._tick_t = time.monotonic()
             self._running_area = self._starved_s = self._held_back_s = 0.0
@@ -1368,13 +1447,21 @@ class _Planner:
         # longer blocks) do not outweigh the rows between. A quarter: a globally
         # shuffled batch's blocks fall between pending ones of one read about as often
         # as both neighbours are pending (~0.1 at a refill of 1/6 of the rows).
-        inside = 0
-        for run in src._runs([*self._pending, *new], count=False):
-            pending = [i for i, b in enumerate(run) if b not in new]
-            if len(pending) > 1:
-                lo, hi = pending[0], pending[-1]
-                inside += sum(int(src._block_bytes[b]) for b in run[lo + 1 : hi] if b in new)
-        return 4 * inside >= int(src._block_bytes[list(new)].sum())
+        runs = src._runs([*self._pending, *new], count=False)
+        # By NumPy over the runs laid end to end (a Python pass per block, once per
+        # batch weighed, was most of a global-shuffle refill's planning): a new block
+        # is inside when a pending block of its run lies before it and one after.
+        flat = np.fromiter(itertools.chain.from_iterable(runs), dtype=np.int64)
+        lengths = np.fromiter(map(len, runs), dtype=np.int64, count=len(runs))
+        heads = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        is_new = np.isin(flat, np.fromiter(new, dtype=np.int64, count=len(new)))
+        at = np.arange(flat.size)
+        first = np.minimum.reduceat(np.where(is_new, flat.size, at), heads)
+        last = np.maximum.reduceat(np.where(is_new, -1, at), heads)
+        of_run = np.repeat(np.arange(len(runs)), lengths)
+        inside_mask = is_new & (at > first[of_run]) & (at < last[of_run])
+        inside = int(src._block_bytes[flat[inside_mask]].sum())
+        return 4 * inside >= int(src._block_bytes[flat[is_new]].sum())
 
     def _complete(self) -> None:
         """Before the pending reads start, plan the next batches as well while each is

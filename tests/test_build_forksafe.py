@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
+import tempfile
 import threading
+from pathlib import Path
 
 import datasets
 import multiprocess
@@ -160,8 +163,10 @@ def test_script_without_main_guard_fails_with_one_clear_message(tmp_path):
     script = tmp_path / "unguarded.py"
     script.write_text(_UNGUARDED)
     args = [*SMALL_DEMO, "data.demo.samples_per_shard=10", f"build.cache_dir={tmp_path / 'c'}"]
-    tmp = tmp_path / "tmp"  # where the workers leave the message for the builder
-    tmp.mkdir()
+    # Where the workers leave the message for the builder: short, as the fork server's
+    # socket lives under it (AF_UNIX paths end at 107 bytes; an xdist worker's tmp_path
+    # under pytest-181/popen-gw0/ was too long).
+    tmp = Path(tempfile.mkdtemp(prefix="hfp-"))
     r = subprocess.run(
         [PYTHON, str(script), *args],
         env=script_env(TMPDIR=str(tmp)),
@@ -178,6 +183,7 @@ def test_script_without_main_guard_fails_with_one_clear_message(tmp_path):
     assert r.stderr.strip().splitlines()[-1].startswith("RuntimeError: prepare_cache was called")
     assert "EOFError" not in r.stderr
     assert not list(tmp.glob("hf_pipeline-*")), "the builder removed the message it raised"
+    shutil.rmtree(tmp, ignore_errors=True)
     assert not list((tmp_path / "c").glob("demo-*/filtered.json")), "nothing published"
 
 

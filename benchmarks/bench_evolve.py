@@ -24,6 +24,17 @@ written), the hashing stats, and the ratios the issue states: append / scratch (
 <= 0.2), touch / scratch (<= 0.05), hit wall (<= 1 s), reembed / the scratch build's
 embed stage (<= 1.2, latent bytes written 0), recaption / scratch, and the disk use of
 R before and after the re-embedding and the re-captioning.
+
+Each build ends as the CLI's do (:func:`hf_pipeline.commands.exit_now`), without the
+interpreter's shut-down: until the 2-CPU append measurement the child ended through it,
+and its wall minus ``inner_s`` (mostly that shut-down) was 1.3-2.0 s a build on the H200
+host (``evolve_h200_1m_pyc.json``), part of every figure there.
+
+``--append-only`` runs steps 1-3 alone; ``--repeats N`` runs them N times, each into
+fresh cache roots (the inputs are generated once): the append's spread over runs on a
+loaded machine. Each build records the load average before it started
+(``loadavg_before``). On a CPU-only machine, ``--random-tiny TOK`` (a 2-layer BERT of
+width 32) keeps the encoder from being the subject.
 """
 
 from __future__ import annotations
@@ -84,6 +95,10 @@ print(json.dumps({
     "timeline": timeline,
     "hashing": getattr(res, "hashing", None),
 }))
+# As the CLI ends a build (hf-pipeline build, prebuild_cache.py): without the
+# interpreter's shut-down, which took 1.3-2.0 s of each build on the H200 host.
+from hf_pipeline.commands import exit_now
+exit_now(0)
 """
 
 
@@ -101,6 +116,7 @@ def _du(path: Path) -> int:
 
 
 def _build(overrides: list[str]) -> dict:
+    load = [round(x, 2) for x in os.getloadavg()]
     t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, json.dumps(overrides)],
@@ -112,6 +128,7 @@ def _build(overrides: list[str]) -> dict:
         raise SystemExit(f"build failed ({overrides}):\n{proc.stderr[-3000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     out["wall_s"] = round(wall, 3)
+    out["loadavg_before"] = load
     return out
 
 
@@ -128,7 +145,14 @@ def main() -> int:
     ap.add_argument("--reembed-only", action="store_true",
                     help="only the scratch build and a re-embedding over it (another "
                          "encoder.max_length): for a heavy encoder, whose builds are long")  # fmt: skip
+    ap.add_argument("--append-only", action="store_true",
+                    help="only the scratch build, the base build and the append")  # fmt: skip
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="with --append-only: the three builds this many times, each into "
+                         "fresh cache roots")  # fmt: skip
     args = ap.parse_args()
+    if args.repeats < 1 or (args.repeats > 1 and not args.append_only):
+        ap.error("--repeats takes N >= 1, and N > 1 only with --append-only")
     kind, tokenizer = random_model_option(ap, args)
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="hfp_evolve_"))
@@ -190,6 +214,10 @@ def main() -> int:
         if args.json:
             write_result(args.json, out)
         return 0
+    if args.append_only:
+        return _append_only(args, work, runs, lambda r: cfg(full, r), lambda r: cfg(base, r),
+                            shards=shards, appended=len(shard_paths) - cut,
+                            generate_s=generate_s, common=common)  # fmt: skip
     runs["base"] = _build(cfg(base, root))
     runs["append"] = _build(cfg(full, root))
     now = time.time()
@@ -224,6 +252,54 @@ def main() -> int:
         "disk_bytes_after_reembed": du_after,
         "recaption_over_scratch": round(runs["recaption"]["wall_s"] / scratch["wall_s"], 3),
         "disk_bytes_after_recaption": du_recaption,
+        "overrides": common,
+    }
+    print(json.dumps(out, indent=1))
+    if args.json:
+        write_result(args.json, out)
+    return 0
+
+
+def _append_only(args, work: Path, first: dict, full, base, *, shards: int, appended: int,
+                 generate_s: float, common: list[str]) -> int:  # fmt: skip
+    """Scratch, base and append builds, ``args.repeats`` times (``first``: the first
+    repeat's scratch run, made already), each repeat into fresh cache roots (the roots
+    this script made before are removed first: nothing else is)."""
+    import shutil
+
+    repeats = []
+    for i in range(args.repeats):
+        runs = first if i == 0 else {}
+        scratch_root, root = work / "scratch-root", work / "root"
+        if i:
+            for made in (scratch_root, root):
+                shutil.rmtree(made)
+            runs["scratch"] = _build(full(scratch_root))
+        runs["base"] = _build(base(root))
+        runs["append"] = _build(full(root))
+        runs["append_over_scratch"] = round(runs["append"]["wall_s"] / runs["scratch"]["wall_s"], 3)
+        runs["append_same_fingerprint_as_scratch"] = (
+            runs["append"]["fingerprint"] == runs["scratch"]["fingerprint"]
+        )
+        repeats.append(runs)
+        print(json.dumps({"repeat": i, **{k: runs[k] for k in ("append_over_scratch",)},
+                          "scratch_s": runs["scratch"]["wall_s"],
+                          "append_s": runs["append"]["wall_s"]}), flush=True)  # fmt: skip
+    ratios = sorted(r["append_over_scratch"] for r in repeats)
+    out = {
+        "rows_in": shards * args.samples_per_shard,
+        "shards": shards,
+        "appended_shards": appended,
+        "cpus": os.cpu_count(),
+        "generate_s": round(generate_s, 2),
+        "repeats": repeats,
+        "append_over_scratch": ratios,
+        "append_over_scratch_median": ratios[len(ratios) // 2],
+        "append_wall_s": sorted(r["append"]["wall_s"] for r in repeats),
+        "scratch_wall_s": sorted(r["scratch"]["wall_s"] for r in repeats),
+        "append_same_fingerprint_as_scratch": all(
+            r["append_same_fingerprint_as_scratch"] for r in repeats
+        ),
         "overrides": common,
     }
     print(json.dumps(out, indent=1))

@@ -183,6 +183,20 @@ def test_appended_shards_build_only_the_new_parts_and_equal_a_clean_build(inputs
     assert res.report["dropped"]["duplicate_key"] >= 10
 
 
+def test_an_append_starts_the_join_workers_before_its_imports(grown):
+    """The fork server of the join's workers is not started at entry when a cache of
+    the config's name is published (most likely the one wanted: an index hit needs
+    no server). An append has such a cache and still joins: the server starts as soon
+    as the identity says a join is missing, before the main thread's imports, as in a
+    first build. It used to start at the first join (on the 2-CPU VM the first shard of
+    bench_evolve.py's append then waited 3.5 s for the server's imports)."""
+    first, res = grown
+    t = res.report["startup"]["seconds"]
+    assert t["identity"] <= t["workers_starting"] < t["imports"] <= t["join_map"], t
+    assert t["join_map"] < t["first_shard"], t
+    assert "workers_starting" in first.report["startup"]["seconds"]
+
+
 def test_metadata_rows_appended_with_the_shards_reuse_the_old_parts(inputs):
     """New shards come with new metadata rows (a new metadata file): the old parts'
     keys match the very same captions, so their joins and captions are reused (checked

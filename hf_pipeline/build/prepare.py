@@ -1582,14 +1582,16 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
     # process imports their libraries) while the inputs are listed; stopped at once
     # if the cache turns out to be there (else with this call). Not where a cache of
     # this config's name is published already: most likely the one wanted, found
-    # without the server's start (a second of CPU).
+    # without the server's start (a second of CPU); if not (an append), it starts as
+    # soon as the identity says a join is missing, still before the imports.
     early = contextlib.ExitStack()
-    if (
+    may_join = (
         not cfg.build.pull_from
         and cfg.build.effective_num_proc > 1
         and (ranks or default_builder(process, cfg.coord.scope))
-        and not _published_of_name(cfg)
-    ):
+    )
+    workers_started = may_join and not _published_of_name(cfg)
+    if workers_started:
         early.enter_context(clean_workers())
         startup.mark("workers_starting")
     try:
@@ -1635,10 +1637,14 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
         # The model loads early only when some embedding is missing from the part store;
         # after the first join's start when some join is missing too.
         planned, embeds = _planned_parts(cfg, inputs) if joins else ([], False)
+        join_missing = _some_join_missing(planned)
+        if join_missing and may_join and not workers_started:
+            # A cache of this name is published, and this one joins (an append): on 2
+            # CPUs its first shard waited 3.5 s for a server started at the first join.
+            early.enter_context(clean_workers())
+            startup.mark("workers_starting")
         loading = (
-            _start_early(
-                early, cfg, process, startup, encoder_ident, joins=_some_join_missing(planned)
-            )
+            _start_early(early, cfg, process, startup, encoder_ident, joins=join_missing)
             if embeds
             else None
         )

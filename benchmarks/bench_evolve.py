@@ -32,7 +32,9 @@ host (``evolve_h200_1m_pyc.json``), part of every figure there.
 
 ``--append-only`` runs steps 1-3 alone; ``--repeats N`` runs them N times, each into
 fresh cache roots (the inputs are generated once): the append's spread over runs on a
-loaded machine. Each build records the load average before it started
+loaded machine; ``--baseline LABEL=DIR`` (repeatable) runs them with the code of another
+checkout of this project too, taking turns with this one within each repeat (before
+and after a change, under the same load). Each build records the load average before it started
 (``loadavg_before``). On a CPU-only machine, ``--random-tiny TOK`` (a 2-layer BERT of
 width 32) keeps the encoder from being the subject.
 """
@@ -115,13 +117,14 @@ def _du(path: Path) -> int:
     return total
 
 
-def _build(overrides: list[str]) -> dict:
+def _build(overrides: list[str], tree: Path = REPO) -> dict:
+    """One build in a fresh process running the code of ``tree`` (a checkout)."""
     load = [round(x, 2) for x in os.getloadavg()]
     t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, json.dumps(overrides)],
-        capture_output=True, text=True, cwd=REPO,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
+        capture_output=True, text=True, cwd=tree,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])},
     )  # fmt: skip
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
@@ -150,9 +153,21 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="with --append-only: the three builds this many times, each into "
                          "fresh cache roots")  # fmt: skip
+    ap.add_argument("--baseline", action="append", default=[], metavar="LABEL=DIR",
+                    help="with --append-only: the same three builds, in each repeat, with "
+                         "the code of the checkout DIR too (another commit of this project; "
+                         "LABEL names it in the result), taking turns with this one")  # fmt: skip
     args = ap.parse_args()
     if args.repeats < 1 or (args.repeats > 1 and not args.append_only):
         ap.error("--repeats takes N >= 1, and N > 1 only with --append-only")
+    trees = {"this": REPO}
+    for spec in args.baseline:
+        label, _, folder = spec.partition("=")
+        if not (label and folder and Path(folder, "hf_pipeline").is_dir()) or label in trees:
+            ap.error(f"--baseline {spec}: expected LABEL=DIR, DIR a checkout of this project")
+        trees[label] = Path(folder).resolve()
+    if len(trees) > 1 and not args.append_only:
+        ap.error("--baseline needs --append-only")
     kind, tokenizer = random_model_option(ap, args)
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="hfp_evolve_"))
@@ -190,6 +205,10 @@ def main() -> int:
 
     root = work / "root"
     runs: dict[str, dict] = {}
+    if args.append_only:
+        return _append_only(args, work, trees, lambda r: cfg(full, r), lambda r: cfg(base, r),
+                            shards=shards, appended=len(shard_paths) - cut,
+                            generate_s=generate_s, common=common)  # fmt: skip
     runs["scratch"] = _build(cfg(full, work / "scratch-root"))
     max_length = load_config(None, common).encoder.max_length
     reembed = f"encoder.max_length={max(8, max_length // 2)}"
@@ -214,10 +233,6 @@ def main() -> int:
         if args.json:
             write_result(args.json, out)
         return 0
-    if args.append_only:
-        return _append_only(args, work, runs, lambda r: cfg(full, r), lambda r: cfg(base, r),
-                            shards=shards, appended=len(shard_paths) - cut,
-                            generate_s=generate_s, common=common)  # fmt: skip
     runs["base"] = _build(cfg(base, root))
     runs["append"] = _build(cfg(full, root))
     now = time.time()
@@ -260,46 +275,62 @@ def main() -> int:
     return 0
 
 
-def _append_only(args, work: Path, first: dict, full, base, *, shards: int, appended: int,
-                 generate_s: float, common: list[str]) -> int:  # fmt: skip
-    """Scratch, base and append builds, ``args.repeats`` times (``first``: the first
-    repeat's scratch run, made already), each repeat into fresh cache roots (the roots
-    this script made before are removed first: nothing else is)."""
+def _append_only(args, work: Path, trees: dict[str, Path], full, base, *, shards: int,
+                 appended: int, generate_s: float, common: list[str]) -> int:  # fmt: skip
+    """Scratch, base and append builds, ``args.repeats`` times, each repeat into fresh
+    cache roots (the roots this script made before are removed first: nothing else
+    is), with the code of each of ``trees`` in turn (this checkout first)."""
     import shutil
 
-    repeats = []
+    by_tree: dict[str, list[dict]] = {label: [] for label in trees}
     for i in range(args.repeats):
-        runs = first if i == 0 else {}
-        scratch_root, root = work / "scratch-root", work / "root"
-        if i:
+        for label, tree in trees.items():
+            scratch_root, root = work / "scratch-root", work / "root"
             for made in (scratch_root, root):
-                shutil.rmtree(made)
-            runs["scratch"] = _build(full(scratch_root))
-        runs["base"] = _build(base(root))
-        runs["append"] = _build(full(root))
-        runs["append_over_scratch"] = round(runs["append"]["wall_s"] / runs["scratch"]["wall_s"], 3)
-        runs["append_same_fingerprint_as_scratch"] = (
-            runs["append"]["fingerprint"] == runs["scratch"]["fingerprint"]
-        )
-        repeats.append(runs)
-        print(json.dumps({"repeat": i, **{k: runs[k] for k in ("append_over_scratch",)},
-                          "scratch_s": runs["scratch"]["wall_s"],
-                          "append_s": runs["append"]["wall_s"]}), flush=True)  # fmt: skip
-    ratios = sorted(r["append_over_scratch"] for r in repeats)
+                if made.exists():
+                    shutil.rmtree(made)
+            runs = {
+                "scratch": _build(full(scratch_root), tree),
+                "base": _build(base(root), tree),
+                "append": _build(full(root), tree),
+            }
+            runs["append_over_scratch"] = round(
+                runs["append"]["wall_s"] / runs["scratch"]["wall_s"], 3
+            )
+            runs["append_same_fingerprint_as_scratch"] = (
+                runs["append"]["fingerprint"] == runs["scratch"]["fingerprint"]
+            )
+            by_tree[label].append(runs)
+            print(json.dumps({"repeat": i, "tree": label,
+                              "append_over_scratch": runs["append_over_scratch"],
+                              "scratch_s": runs["scratch"]["wall_s"],
+                              "append_s": runs["append"]["wall_s"]}), flush=True)  # fmt: skip
+
+    def summary(repeats: list[dict]) -> dict:
+        ratios = sorted(r["append_over_scratch"] for r in repeats)
+        return {
+            "append_over_scratch": ratios,
+            "append_over_scratch_median": ratios[len(ratios) // 2],
+            "append_wall_s": sorted(r["append"]["wall_s"] for r in repeats),
+            "scratch_wall_s": sorted(r["scratch"]["wall_s"] for r in repeats),
+            "append_same_fingerprint_as_scratch": all(
+                r["append_same_fingerprint_as_scratch"] for r in repeats
+            ),
+        }
+
     out = {
         "rows_in": shards * args.samples_per_shard,
         "shards": shards,
         "appended_shards": appended,
         "cpus": os.cpu_count(),
         "generate_s": round(generate_s, 2),
-        "repeats": repeats,
-        "append_over_scratch": ratios,
-        "append_over_scratch_median": ratios[len(ratios) // 2],
-        "append_wall_s": sorted(r["append"]["wall_s"] for r in repeats),
-        "scratch_wall_s": sorted(r["scratch"]["wall_s"] for r in repeats),
-        "append_same_fingerprint_as_scratch": all(
-            r["append_same_fingerprint_as_scratch"] for r in repeats
-        ),
+        **summary(by_tree["this"]),
+        "repeats": by_tree["this"],
+        "baselines": {
+            label: {"tree": str(trees[label]), **summary(reps), "repeats": reps}
+            for label, reps in by_tree.items()
+            if label != "this"
+        },
         "overrides": common,
     }
     print(json.dumps(out, indent=1))

@@ -119,3 +119,38 @@ def test_a_part_damaged_in_the_middle_is_refused_found_by_verify_and_rebuilt(tmp
     ok = _cli("verify", "--cache-dir", str(root))
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert f"{name}: ok" in ok.stdout and join.name not in ok.stdout, ok.stdout
+
+
+@pytest.mark.slow
+def test_a_part_damaged_with_its_mtime_put_back_after_it_was_remembered_is_refused(tmp_path):
+    """A build reads a reused part whole only when the content index does not vouch for
+    its files' stat (what an earlier build checked them under). A flip in the middle of
+    a stored latents file with its mtime put back (`touch -r`: same size, mtime and
+    inode) still moves its ctime: the next build reads the file and refuses the part."""
+    import os
+    import time
+
+    from hf_pipeline.stores.identity import RACY_NS
+
+    root = tmp_path / "root"
+    assert _build(root).returncode == 0
+    time.sleep(RACY_NS / 1e9)  # the first build's files leave the index's racy window
+    second = _build(root, "encoder.max_length=32")  # reads them whole, remembers them
+    assert second.returncode == 0, second.stdout + second.stderr
+    (join,) = sorted((root / ".parts").glob("join-*"))
+    rows = max(join.glob("join.*/rows/*.arrow"), key=lambda p: p.stat().st_size)
+    st = rows.stat()
+    assert st.st_size > 3 << 20  # its middle lies outside the first and last MiB
+    with open(rows, "r+b") as f:
+        f.seek(st.st_size // 2)
+        b = f.read(1)
+        f.seek(st.st_size // 2)
+        f.write(bytes([b[0] ^ 0x40]))
+    os.utime(rows, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert rows.stat().st_mtime_ns == st.st_mtime_ns
+
+    third = _build(root, "encoder.max_length=16")
+    assert third.returncode == 2, third.stdout + third.stderr
+    errors = [ln for ln in third.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, third.stderr
+    assert join.name in errors[0] and rows.name in errors[0], errors[0]

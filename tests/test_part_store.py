@@ -385,6 +385,34 @@ def test_a_damaged_stored_part_is_refused_not_linked_into_a_new_cache(inputs):
     )
 
 
+def test_a_build_reads_no_reused_part_whole_whose_stat_is_unchanged(inputs):
+    """The stored parts a build reuses are checked against their records before they
+    are linked; each build used to read all of them whole (an append read the whole
+    cache). Now a file whose exact stat the cache root's content index remembers with
+    its unit's digest is not read: three caches over one input, each with another
+    max_length (every join and text reused, the embeddings built), the third reads
+    nothing whole. The report says what was checked and read (``reuse``)."""
+    from hf_pipeline.stores.identity import RACY_NS
+
+    root = inputs["base"] / "vouched"
+    first = _build(root, inputs["initial"], inputs["meta"])
+    assert first.report["reuse"]["reused_files_checked"] == 0
+    # The first build's files leave the index's racy window (a file hashed within 2 s
+    # of its mtime is read again: a coarse-mtime filesystem could hide a later write).
+    time.sleep(RACY_NS / 1e9)
+    second = _build(root, inputs["initial"], inputs["meta"], "encoder.max_length=32")
+    checked = second.report["reuse"]
+    assert checked["joins_reused"] == 6 == checked["texts_reused"], checked
+    assert checked["reused_files_checked"] >= 12, checked  # every join's and text's files
+    third = _build(root, inputs["initial"], inputs["meta"], "encoder.max_length=16")
+    reuse = third.report["reuse"]
+    assert reuse["reused_files_checked"] == checked["reused_files_checked"], reuse
+    assert (reuse["reused_files_read"], reuse["reused_bytes_read"]) == (0, 0), reuse
+    first_rows = first.layout.converted.glob("parts/*/rows/*.arrow")
+    third_rows = third.layout.converted.glob("parts/*/rows/*.arrow")
+    assert {f.stat().st_ino for f in first_rows} == {f.stat().st_ino for f in third_rows}
+
+
 def test_damaged_stored_token_ids_stop_the_build_with_their_error(inputs):
     """Another encoder of the same tokenizer reuses the stored token ids; those of a later
     part were changed on disk: the tokens' thread refuses them while earlier parts

@@ -606,7 +606,14 @@ class _Builder:
         parts and the final drop reasons (:mod:`hf_pipeline.build.parts`)."""
         from hf_pipeline.build.captions import CaptionTable
         from hf_pipeline.build.convert import check_one_dtype
-        from hf_pipeline.build.parts import assemble, linked_entries
+        from hf_pipeline.build.linked import (
+            check_linked,
+            linked_files,
+            recorded_entries,
+            remember_linked,
+        )
+        from hf_pipeline.build.parts import assemble
+        from hf_pipeline.stores.identity import INDEX_DIR, ContentIndex
 
         tmp = Path(ctx.tmp_dir)
         built = self.parts
@@ -620,20 +627,26 @@ class _Builder:
         # Each part kept its own shards to one dtype; across parts, checked here.
         check_one_dtype([i for _, i in built.parts], self.inputs.shards)
         table = CaptionTable.open(str(built.captions_path))
-        info = assemble(tmp, built.parts, table=table, probe=ctx.probe)
         # The linked files go into the marker as their units recorded them, never as a
-        # checksum of what the disk holds now; the units this run did not make are read
-        # whole first (a part damaged since it was published is refused here).
+        # checksum of what the disk holds now; the units this run did not make are
+        # checked first (a part damaged since it was published is refused here): read
+        # whole unless the content index vouches for their stat (hf_pipeline.build.linked).
         reused = [
             folder
             for folders, part in built.parts
             for folder, unit in zip(folders, ("join", "text", "embed"), strict=True)
             if (part.get("reused") or {}).get(unit) is not False
         ]
-        ctx.recorded.update(linked_entries(tmp, Path(ctx.cache_dir), built.parts, check=reused))
+        files = linked_files(tmp, Path(ctx.cache_dir), built.parts, reused=reused)
+        index = ContentIndex(self.cfg.cache_root / INDEX_DIR)
+        checked = check_linked(files, index=index)
+        info = assemble(tmp, built.parts, table=table, probe=ctx.probe)
+        remember_linked(files, checked, index=index)
+        ctx.recorded.update(recorded_entries(files))
         startup = {} if self.startup is None else {"startup": self.startup.as_dict()}
         return {
-            **info, "seconds_captions": built.captions_seconds, "reuse": built.reuse, **startup,
+            **info, "seconds_captions": built.captions_seconds,
+            "reuse": {**built.reuse, **checked.report()}, **startup,
             "metadata": self.inputs.metadata.url,
         }  # fmt: skip
 

@@ -34,7 +34,10 @@ host (``evolve_h200_1m_pyc.json``), part of every figure there.
 fresh cache roots (the inputs are generated once): the append's spread over runs on a
 loaded machine; ``--baseline LABEL=DIR`` (repeatable) runs them with the code of another
 checkout of this project too, taking turns with this one within each repeat (before
-and after a change, under the same load). Each build records the load average before it started
+and after a change, under the same load); ``--append-copies N`` then appends N more
+times per checkout into copies of one base root (``cp -a``, outside the timing): the
+append alone, many times, without the long builds between (a copy has new inodes, so
+the reused parts are read whole in each). Each build records the load average before it started
 (``loadavg_before``). On a CPU-only machine, ``--random-tiny TOK`` (a 2-layer BERT of
 width 32) keeps the encoder from being the subject.
 """
@@ -157,6 +160,11 @@ def main() -> int:
                     help="with --append-only: the same three builds, in each repeat, with "
                          "the code of the checkout DIR too (another commit of this project; "
                          "LABEL names it in the result), taking turns with this one")  # fmt: skip
+    ap.add_argument("--append-copies", type=int, default=0, metavar="N",
+                    help="with --append-only: then N more appends of each tree, each into "
+                         "a copy (cp -a) of one base root, taking turns: the append's fixed "
+                         "costs under the same load, without the scratch and base builds "
+                         "(a copy has new inodes: the reused parts are read whole)")  # fmt: skip
     args = ap.parse_args()
     if args.repeats < 1 or (args.repeats > 1 and not args.append_only):
         ap.error("--repeats takes N >= 1, and N > 1 only with --append-only")
@@ -168,6 +176,8 @@ def main() -> int:
         trees[label] = Path(folder).resolve()
     if len(trees) > 1 and not args.append_only:
         ap.error("--baseline needs --append-only")
+    if args.append_copies < 0 or (args.append_copies and not args.append_only):
+        ap.error("--append-copies takes N >= 0, and N > 0 only with --append-only")
     kind, tokenizer = random_model_option(ap, args)
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="hfp_evolve_"))
@@ -318,12 +328,47 @@ def _append_only(args, work: Path, trees: dict[str, Path], full, base, *, shards
             ),
         }
 
+    copies: dict[str, list[dict]] = {label: [] for label in trees}
+    if args.append_copies:
+        base_root, copy = work / "copies-base", work / "copy"
+        for made in (base_root, copy):
+            if made.exists():
+                shutil.rmtree(made)
+        copies_base = _build(base(base_root))
+        for i in range(args.append_copies):
+            for label, tree in trees.items():
+                subprocess.run(["cp", "-a", str(base_root), str(copy)], check=True)
+                run = _build(full(copy), tree)
+                shutil.rmtree(copy)
+                copies[label].append(run)
+                print(json.dumps({"copy": i, "tree": label, "append_s": run["wall_s"],
+                                  "first_shard": (run["startup"] or {}).get("first_shard")}),
+                      flush=True)  # fmt: skip
+
+    def copy_summary(runs: list[dict]) -> dict:
+        first = sorted((r["startup"] or {}).get("first_shard", 0.0) for r in runs)
+        return {
+            "append_wall_s": sorted(r["wall_s"] for r in runs),
+            "first_shard_after_entry_s": first,
+            "runs": runs,
+        }
+
     out = {
         "rows_in": shards * args.samples_per_shard,
         "shards": shards,
         "appended_shards": appended,
         "cpus": os.cpu_count(),
         "generate_s": round(generate_s, 2),
+        **(
+            {
+                "append_copies": {
+                    "base": copies_base,
+                    **{k: copy_summary(v) for k, v in copies.items()},
+                }
+            }
+            if args.append_copies
+            else {}
+        ),  # fmt: skip
         **summary(by_tree["this"]),
         "repeats": by_tree["this"],
         "baselines": {

@@ -27,6 +27,7 @@ from hf_pipeline.stores.identity import (
 )
 from hf_pipeline.stores.local import LocalSource
 from tests.conftest import ANY_CACHE_SAMPLES_PER_SHARD, SMALL_DEMO
+from tests.helpers.damage import flip_middle_bit
 from tests.helpers.releases import build_with_release
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -211,13 +212,7 @@ def test_an_in_place_rewrite_with_its_mtime_put_back_is_hashed_again(tmp_path):
     idx = tmp_path / INDEX_DIR
     out, _ = content_identities(files, index=ContentIndex(idx))
     victim = Path(files[0].url)
-    st = victim.stat()
-    with open(victim, "r+b") as f:
-        f.seek(st.st_size // 2)
-        b = f.read(1)
-        f.seek(st.st_size // 2)
-        f.write(bytes([b[0] ^ 1]))
-    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    st = flip_middle_bit(victim, 1, keep_mtime=True)
     after = victim.stat()
     assert (after.st_size, after.st_mtime_ns, after.st_ino) == (
         st.st_size,

@@ -24,6 +24,22 @@ written), the hashing stats, and the ratios the issue states: append / scratch (
 <= 0.2), touch / scratch (<= 0.05), hit wall (<= 1 s), reembed / the scratch build's
 embed stage (<= 1.2, latent bytes written 0), recaption / scratch, and the disk use of
 R before and after the re-embedding and the re-captioning.
+
+Each build ends as the CLI's do (:func:`hf_pipeline.commands.exit_now`), without the
+interpreter's shut-down: until the 2-CPU append measurement the child ended through it,
+and its wall minus ``inner_s`` (mostly that shut-down) was 1.3-2.0 s a build on the H200
+host (``evolve_h200_1m_pyc.json``), part of every figure there.
+
+``--append-only`` runs steps 1-3 alone; ``--repeats N`` runs them N times, each into
+fresh cache roots (the inputs are generated once): the append's spread over runs on a
+loaded machine; ``--baseline LABEL=DIR`` (repeatable) runs them with the code of another
+checkout of this project too, taking turns with this one within each repeat (before
+and after a change, under the same load); ``--append-copies N`` then appends N more
+times per checkout into copies of one base root (``cp -a``, outside the timing): the
+append alone, many times, without the long builds between (a copy has new inodes, so
+the reused parts are read whole in each). Each build records the load average before it started
+(``loadavg_before``). On a CPU-only machine, ``--random-tiny TOK`` (a 2-layer BERT of
+width 32) keeps the encoder from being the subject.
 """
 
 from __future__ import annotations
@@ -84,6 +100,10 @@ print(json.dumps({
     "timeline": timeline,
     "hashing": getattr(res, "hashing", None),
 }))
+# As the CLI ends a build (hf-pipeline build, prebuild_cache.py): without the
+# interpreter's shut-down, which took 1.3-2.0 s of each build on the H200 host.
+from hf_pipeline.commands import exit_now
+exit_now(0)
 """
 
 
@@ -100,18 +120,21 @@ def _du(path: Path) -> int:
     return total
 
 
-def _build(overrides: list[str]) -> dict:
+def _build(overrides: list[str], tree: Path = REPO) -> dict:
+    """One build in a fresh process running the code of ``tree`` (a checkout)."""
+    load = [round(x, 2) for x in os.getloadavg()]
     t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, json.dumps(overrides)],
-        capture_output=True, text=True, cwd=REPO,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
+        capture_output=True, text=True, cwd=tree,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])},
     )  # fmt: skip
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"build failed ({overrides}):\n{proc.stderr[-3000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     out["wall_s"] = round(wall, 3)
+    out["loadavg_before"] = load
     return out
 
 
@@ -128,7 +151,33 @@ def main() -> int:
     ap.add_argument("--reembed-only", action="store_true",
                     help="only the scratch build and a re-embedding over it (another "
                          "encoder.max_length): for a heavy encoder, whose builds are long")  # fmt: skip
+    ap.add_argument("--append-only", action="store_true",
+                    help="only the scratch build, the base build and the append")  # fmt: skip
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="with --append-only: the three builds this many times, each into "
+                         "fresh cache roots")  # fmt: skip
+    ap.add_argument("--baseline", action="append", default=[], metavar="LABEL=DIR",
+                    help="with --append-only: the same three builds, in each repeat, with "
+                         "the code of the checkout DIR too (another commit of this project; "
+                         "LABEL names it in the result), taking turns with this one")  # fmt: skip
+    ap.add_argument("--append-copies", type=int, default=0, metavar="N",
+                    help="with --append-only: then N more appends of each tree, each into "
+                         "a copy (cp -a) of one base root, taking turns: the append's fixed "
+                         "costs under the same load, without the scratch and base builds "
+                         "(a copy has new inodes: the reused parts are read whole)")  # fmt: skip
     args = ap.parse_args()
+    if args.repeats < 1 or (args.repeats > 1 and not args.append_only):
+        ap.error("--repeats takes N >= 1, and N > 1 only with --append-only")
+    trees = {"this": REPO}
+    for spec in args.baseline:
+        label, _, folder = spec.partition("=")
+        if not (label and folder and Path(folder, "hf_pipeline").is_dir()) or label in trees:
+            ap.error(f"--baseline {spec}: expected LABEL=DIR, DIR a checkout of this project")
+        trees[label] = Path(folder).resolve()
+    if len(trees) > 1 and not args.append_only:
+        ap.error("--baseline needs --append-only")
+    if args.append_copies < 0 or (args.append_copies and not args.append_only):
+        ap.error("--append-copies takes N >= 0, and N > 0 only with --append-only")
     kind, tokenizer = random_model_option(ap, args)
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="hfp_evolve_"))
@@ -166,6 +215,10 @@ def main() -> int:
 
     root = work / "root"
     runs: dict[str, dict] = {}
+    if args.append_only:
+        return _append_only(args, work, trees, lambda r: cfg(full, r), lambda r: cfg(base, r),
+                            shards=shards, appended=len(shard_paths) - cut,
+                            generate_s=generate_s, common=common)  # fmt: skip
     runs["scratch"] = _build(cfg(full, work / "scratch-root"))
     max_length = load_config(None, common).encoder.max_length
     reembed = f"encoder.max_length={max(8, max_length // 2)}"
@@ -224,6 +277,105 @@ def main() -> int:
         "disk_bytes_after_reembed": du_after,
         "recaption_over_scratch": round(runs["recaption"]["wall_s"] / scratch["wall_s"], 3),
         "disk_bytes_after_recaption": du_recaption,
+        "overrides": common,
+    }
+    print(json.dumps(out, indent=1))
+    if args.json:
+        write_result(args.json, out)
+    return 0
+
+
+def _append_only(args, work: Path, trees: dict[str, Path], full, base, *, shards: int,
+                 appended: int, generate_s: float, common: list[str]) -> int:  # fmt: skip
+    """Scratch, base and append builds, ``args.repeats`` times, each repeat into fresh
+    cache roots (the roots this script made before are removed first: nothing else
+    is), with the code of each of ``trees`` in turn (this checkout first)."""
+    import shutil
+
+    by_tree: dict[str, list[dict]] = {label: [] for label in trees}
+    for i in range(args.repeats):
+        for label, tree in trees.items():
+            scratch_root, root = work / "scratch-root", work / "root"
+            for made in (scratch_root, root):
+                if made.exists():
+                    shutil.rmtree(made)
+            runs = {
+                "scratch": _build(full(scratch_root), tree),
+                "base": _build(base(root), tree),
+                "append": _build(full(root), tree),
+            }
+            runs["append_over_scratch"] = round(
+                runs["append"]["wall_s"] / runs["scratch"]["wall_s"], 3
+            )
+            runs["append_same_fingerprint_as_scratch"] = (
+                runs["append"]["fingerprint"] == runs["scratch"]["fingerprint"]
+            )
+            by_tree[label].append(runs)
+            print(json.dumps({"repeat": i, "tree": label,
+                              "append_over_scratch": runs["append_over_scratch"],
+                              "scratch_s": runs["scratch"]["wall_s"],
+                              "append_s": runs["append"]["wall_s"]}), flush=True)  # fmt: skip
+
+    def summary(repeats: list[dict]) -> dict:
+        ratios = sorted(r["append_over_scratch"] for r in repeats)
+        return {
+            "append_over_scratch": ratios,
+            "append_over_scratch_median": ratios[len(ratios) // 2],
+            "append_wall_s": sorted(r["append"]["wall_s"] for r in repeats),
+            "scratch_wall_s": sorted(r["scratch"]["wall_s"] for r in repeats),
+            "append_same_fingerprint_as_scratch": all(
+                r["append_same_fingerprint_as_scratch"] for r in repeats
+            ),
+        }
+
+    copies: dict[str, list[dict]] = {label: [] for label in trees}
+    if args.append_copies:
+        base_root, copy = work / "copies-base", work / "copy"
+        for made in (base_root, copy):
+            if made.exists():
+                shutil.rmtree(made)
+        copies_base = _build(base(base_root))
+        for i in range(args.append_copies):
+            for label, tree in trees.items():
+                subprocess.run(["cp", "-a", str(base_root), str(copy)], check=True)
+                run = _build(full(copy), tree)
+                shutil.rmtree(copy)
+                copies[label].append(run)
+                print(json.dumps({"copy": i, "tree": label, "append_s": run["wall_s"],
+                                  "first_shard": (run["startup"] or {}).get("first_shard")}),
+                      flush=True)  # fmt: skip
+
+    def copy_summary(runs: list[dict]) -> dict:
+        first = sorted((r["startup"] or {}).get("first_shard", 0.0) for r in runs)
+        return {
+            "append_wall_s": sorted(r["wall_s"] for r in runs),
+            "first_shard_after_entry_s": first,
+            "runs": runs,
+        }
+
+    out = {
+        "rows_in": shards * args.samples_per_shard,
+        "shards": shards,
+        "appended_shards": appended,
+        "cpus": os.cpu_count(),
+        "generate_s": round(generate_s, 2),
+        **(
+            {
+                "append_copies": {
+                    "base": copies_base,
+                    **{k: copy_summary(v) for k, v in copies.items()},
+                }
+            }
+            if args.append_copies
+            else {}
+        ),  # fmt: skip
+        **summary(by_tree["this"]),
+        "repeats": by_tree["this"],
+        "baselines": {
+            label: {"tree": str(trees[label]), **summary(reps), "repeats": reps}
+            for label, reps in by_tree.items()
+            if label != "this"
+        },
         "overrides": common,
     }
     print(json.dumps(out, indent=1))

@@ -1,5 +1,7 @@
 """Random-weight encoders of the benchmarks' two shapes, saved with a borrowed tokenizer:
-the architecture's speed without a download (the GPU hosts reach no model hub)."""
+the architecture's speed without a download (the GPU hosts reach no model hub); and a
+tiny BERT (2 layers of 32) for CPU runs whose subject is not the encoder (the 2-CPU VM's
+``bench_evolve.py``: the joins, the assembly and the start-up)."""
 
 from __future__ import annotations
 
@@ -14,15 +16,21 @@ __all__ = [
 ]
 
 
-def save_random_model(kind: Literal["minilm", "gemma"], folder: Path, tokenizer: str | Path):
-    """Save a random-weight ``kind`` model (all-MiniLM-L6-v2 or gemma-3-270m shaped,
-    seed 0) and the tokenizer from ``tokenizer`` into ``folder``; its config."""
+def save_random_model(
+    kind: Literal["minilm", "gemma", "tiny"], folder: Path, tokenizer: str | Path
+):
+    """Save a random-weight ``kind`` model (all-MiniLM-L6-v2 or gemma-3-270m shaped, or a
+    tiny BERT: hidden 32, 2 layers, 2 heads; seed 0) and the tokenizer from ``tokenizer`` into ``folder``; its config."""
     import torch
     from transformers import AutoModel, AutoTokenizer, BertConfig, Gemma3TextConfig
 
     if kind == "minilm":
         cfg = BertConfig(vocab_size=30522, hidden_size=384, num_hidden_layers=6,
                          num_attention_heads=12, intermediate_size=1536,
+                         max_position_embeddings=512)  # fmt: skip
+    elif kind == "tiny":
+        cfg = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, intermediate_size=64,
                          max_position_embeddings=512)  # fmt: skip
     else:
         cfg = Gemma3TextConfig(vocab_size=262144, hidden_size=640, intermediate_size=2048,
@@ -36,20 +44,32 @@ def save_random_model(kind: Literal["minilm", "gemma"], folder: Path, tokenizer:
 
 
 def add_random_model_options(ap) -> None:
-    """``--random-minilm`` / ``--random-gemma TOKENIZER_DIR`` (at most one) on ``ap``."""
+    """``--random-minilm`` / ``--random-gemma`` / ``--random-tiny TOKENIZER_DIR`` (at most
+    one) on ``ap``."""
     group = ap.add_mutually_exclusive_group()
     group.add_argument("--random-minilm", default="", metavar="TOKENIZER_DIR",
                        help="a random-weight MiniLM with this tokenizer")  # fmt: skip
     group.add_argument("--random-gemma", default="", metavar="TOKENIZER_DIR",
                        help="a random-weight gemma-3-270m-shaped encoder (the issue's COYO "
                             "encoder; use --dtype bfloat16) with this tokenizer")  # fmt: skip
+    group.add_argument("--random-tiny", default="", metavar="TOKENIZER_DIR",
+                       help="a random-weight tiny BERT (hidden 32, 2 layers) with this "
+                            "tokenizer: CPU runs about everything but the encoder")  # fmt: skip
 
 
 def random_model_option(ap, args) -> tuple[str, str]:
     """``(kind, tokenizer folder)`` of the random-model option given (``("", "")``: none);
     ``ap.error`` when the folder is not one."""
     kind, tokenizer = next(
-        ((k, t) for k, t in (("minilm", args.random_minilm), ("gemma", args.random_gemma)) if t),
+        (
+            (k, t)
+            for k, t in (
+                ("minilm", args.random_minilm),
+                ("gemma", args.random_gemma),
+                ("tiny", args.random_tiny),
+            )
+            if t
+        ),
         ("", ""),
     )
     if tokenizer and not Path(tokenizer).is_dir():

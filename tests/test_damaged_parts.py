@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import PYTHON, SMALL_DEMO, script_env
+from tests.helpers.damage import flip_middle_bit
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -77,13 +78,8 @@ def test_a_part_damaged_in_the_middle_is_refused_found_by_verify_and_rebuilt(tmp
     scratch = _latents(cache)  # a from-scratch build's
     (join,) = sorted((root / ".parts").glob("join-*"))
     rows = max(join.glob("join.*/rows/*.arrow"), key=lambda p: p.stat().st_size)
-    size = rows.stat().st_size
-    assert size > 3 << 20  # its middle lies outside the first and last MiB
-    with open(rows, "r+b") as f:  # one bit of a latent value, in place (the shared inode)
-        f.seek(size // 2)
-        b = f.read(1)
-        f.seek(size // 2)
-        f.write(bytes([b[0] ^ 0x40]))
+    assert rows.stat().st_size > 3 << 20  # its middle lies outside the first and last MiB
+    flip_middle_bit(rows)  # one bit of a latent value, in place (the shared inode)
 
     # A new cache over the damaged part: refused, one line naming the part and its file;
     # nothing published over the damaged bytes.
@@ -119,3 +115,31 @@ def test_a_part_damaged_in_the_middle_is_refused_found_by_verify_and_rebuilt(tmp
     ok = _cli("verify", "--cache-dir", str(root))
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert f"{name}: ok" in ok.stdout and join.name not in ok.stdout, ok.stdout
+
+
+@pytest.mark.slow
+def test_a_part_damaged_with_its_mtime_put_back_after_it_was_remembered_is_refused(tmp_path):
+    """A build reads a reused part whole only when the content index does not vouch for
+    its files' stat (what an earlier build checked them under). A flip in the middle of
+    a stored latents file with its mtime put back (`touch -r`: same size, mtime and
+    inode) still moves its ctime: the next build reads the file and refuses the part."""
+    import time
+
+    from hf_pipeline.stores.identity import RACY_NS
+
+    root = tmp_path / "root"
+    assert _build(root).returncode == 0
+    time.sleep(RACY_NS / 1e9)  # the first build's files leave the index's racy window
+    second = _build(root, "encoder.max_length=32")  # reads them whole, remembers them
+    assert second.returncode == 0, second.stdout + second.stderr
+    (join,) = sorted((root / ".parts").glob("join-*"))
+    rows = max(join.glob("join.*/rows/*.arrow"), key=lambda p: p.stat().st_size)
+    assert rows.stat().st_size > 3 << 20  # its middle lies outside the first and last MiB
+    st = flip_middle_bit(rows, keep_mtime=True)
+    assert rows.stat().st_mtime_ns == st.st_mtime_ns
+
+    third = _build(root, "encoder.max_length=16")
+    assert third.returncode == 2, third.stdout + third.stderr
+    errors = [ln for ln in third.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, third.stderr
+    assert join.name in errors[0] and rows.name in errors[0], errors[0]

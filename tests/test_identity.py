@@ -27,6 +27,7 @@ from hf_pipeline.stores.identity import (
 )
 from hf_pipeline.stores.local import LocalSource
 from tests.conftest import ANY_CACHE_SAMPLES_PER_SHARD, SMALL_DEMO
+from tests.helpers.damage import flip_middle_bit
 from tests.helpers.releases import build_with_release
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -243,13 +244,7 @@ def test_an_in_place_rewrite_with_its_mtime_put_back_is_hashed_again(tmp_path):
     idx = tmp_path / INDEX_DIR
     out, _ = content_identities(files, index=ContentIndex(idx))
     victim = Path(files[0].url)
-    st = victim.stat()
-    with open(victim, "r+b") as f:
-        f.seek(st.st_size // 2)
-        b = f.read(1)
-        f.seek(st.st_size // 2)
-        f.write(bytes([b[0] ^ 1]))
-    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    st = flip_middle_bit(victim, 1, keep_mtime=True)
     after = victim.stat()
     assert (after.st_size, after.st_mtime_ns, after.st_ino) == (
         st.st_size,
@@ -261,6 +256,46 @@ def test_an_in_place_rewrite_with_its_mtime_put_back_is_hashed_again(tmp_path):
     assert (stats.hashed_files, stats.index_hits) == (1, 3)
     assert out2[0].etag == f"xxh3_128:{whole_checksum(victim)[1]}" != out[0].etag
     assert out2[1:] == out[1:]
+
+
+def test_the_same_files_under_another_path_are_not_hashed_again(tmp_path):
+    # bench_evolve.py's append read 500 unchanged shards again: its input folders are
+    # hard links to one set of files, and the index is keyed by path. The same inode
+    # with exactly the same stat (size, mtime, ctime) under another path is the same
+    # bytes: a folder renamed, or reached by another path, or hard links made before
+    # the hashing. A link made after it moves every path's ctime: hashed again, as
+    # after `cp -al` or `rsync --link-dest` of a folder already hashed.
+    data = _data(tmp_path)
+    early = tmp_path / "early"
+    early.mkdir()
+    for p in data.iterdir():
+        os.link(p, early / p.name)
+    idx = tmp_path / INDEX_DIR
+    out, stats = content_identities(_files(data), index=ContentIndex(idx))
+    assert (stats.hashed_files, stats.index_hits) == (4, 0)
+    linked, stats = content_identities(_files(early), index=ContentIndex(idx))
+    assert (stats.hashed_files, stats.index_hits) == (0, 4)
+    assert [f.etag for f in linked] == [f.etag for f in out]
+    # Remembered under the new path too: found by path from now on.
+    doc = json.loads((idx / INDEX_NAME).read_text())
+    assert {str(early / f.name) for f in linked} <= set(doc["entries"])
+    moved = tmp_path / "moved"
+    data.rename(moved)
+    again, stats = content_identities(_files(moved), index=ContentIndex(idx))
+    assert (stats.hashed_files, stats.index_hits) == (0, 4)
+    assert [f.etag for f in again] == [f.etag for f in out]
+    late = tmp_path / "late"
+    late.mkdir()
+    for p in moved.iterdir():
+        os.link(p, late / p.name)
+    _, stats = content_identities(_files(late), index=ContentIndex(idx))
+    assert (stats.hashed_files, stats.index_hits) == (4, 0)
+    # Changed in place: its stat moved, so no entry under any path serves it.
+    victim = Path(_files(moved)[0].url)
+    with open(victim, "r+b") as f:
+        f.write(b"\x00")
+    _, stats = content_identities(_files(moved), index=ContentIndex(idx))
+    assert stats.hashed_files == 1
 
 
 def test_an_index_of_the_release_before_ctime_is_read_and_rehashed(tmp_path, caplog):

@@ -183,6 +183,20 @@ def test_appended_shards_build_only_the_new_parts_and_equal_a_clean_build(inputs
     assert res.report["dropped"]["duplicate_key"] >= 10
 
 
+def test_an_append_starts_the_join_workers_before_its_imports(grown):
+    """The fork server of the join's workers is not started at entry when a cache of
+    the config's name is published (most likely the one wanted: an index hit needs
+    no server). An append has such a cache and still joins: the server starts as soon
+    as the identity says a join is missing, before the main thread's imports, as in a
+    first build. It used to start at the first join (on the 2-CPU VM the first shard of
+    bench_evolve.py's append then waited 3.5 s for the server's imports)."""
+    first, res = grown
+    t = res.report["startup"]["seconds"]
+    assert t["identity"] <= t["workers_starting"] < t["imports"] <= t["join_map"], t
+    assert t["join_map"] < t["first_shard"], t
+    assert "workers_starting" in first.report["startup"]["seconds"]
+
+
 def test_metadata_rows_appended_with_the_shards_reuse_the_old_parts(inputs):
     """New shards come with new metadata rows (a new metadata file): the old parts'
     keys match the very same captions, so their joins and captions are reused (checked
@@ -369,6 +383,34 @@ def test_a_damaged_stored_part_is_refused_not_linked_into_a_new_cache(inputs):
     assert others and not any((p / "converted.json").exists() for p in others), (
         "the new cache was published"
     )
+
+
+def test_a_build_reads_no_reused_part_whole_whose_stat_is_unchanged(inputs):
+    """The stored parts a build reuses are checked against their records before they
+    are linked; each build used to read all of them whole (an append read the whole
+    cache). Now a file whose exact stat the cache root's content index remembers with
+    its unit's digest is not read: three caches over one input, each with another
+    max_length (every join and text reused, the embeddings built), the third reads
+    nothing whole. The report says what was checked and read (``reuse``)."""
+    from hf_pipeline.stores.identity import RACY_NS
+
+    root = inputs["base"] / "vouched"
+    first = _build(root, inputs["initial"], inputs["meta"])
+    assert first.report["reuse"]["reused_files_checked"] == 0
+    # The first build's files leave the index's racy window (a file hashed within 2 s
+    # of its mtime is read again: a coarse-mtime filesystem could hide a later write).
+    time.sleep(RACY_NS / 1e9)
+    second = _build(root, inputs["initial"], inputs["meta"], "encoder.max_length=32")
+    checked = second.report["reuse"]
+    assert checked["joins_reused"] == 6 == checked["texts_reused"], checked
+    assert checked["reused_files_checked"] >= 12, checked  # every join's and text's files
+    third = _build(root, inputs["initial"], inputs["meta"], "encoder.max_length=16")
+    reuse = third.report["reuse"]
+    assert reuse["reused_files_checked"] == checked["reused_files_checked"], reuse
+    assert (reuse["reused_files_read"], reuse["reused_bytes_read"]) == (0, 0), reuse
+    first_rows = first.layout.converted.glob("parts/*/rows/*.arrow")
+    third_rows = third.layout.converted.glob("parts/*/rows/*.arrow")
+    assert {f.stat().st_ino for f in first_rows} == {f.stat().st_ino for f in third_rows}
 
 
 def test_damaged_stored_token_ids_stop_the_build_with_their_error(inputs):

@@ -2,7 +2,8 @@
 
 ``prepare`` is the job's entry (find, pull or build the cache; every rank calls it);
 ``convert`` is the join, ``embed_stage`` the embedding stage, ``parts`` the parts and their
-assembly, ``part_store`` the parts' identity and their store for every later cache,
+assembly, ``linked`` what a cache's marker records of the stored files it links and
+their check, ``part_store`` the parts' identity and their store for every later cache,
 ``accounting`` the drop reasons and the report, ``shards`` and ``captions``
 (with ``caption_sort``) read and validate the inputs.
 

@@ -65,7 +65,6 @@ __all__ = [
     "join_info",
     "join_part",
     "latent_bytes",
-    "linked_entries",
     "part_files",
     "read_column",
     "read_token_ids",
@@ -422,75 +421,6 @@ def assemble(
         "precision": _combine_precision([i["precision"] for i in infos]),
         "seconds_assemble": round(time.monotonic() - t0, 3),
     }
-
-
-def linked_entries(
-    stage_dir: Path,
-    cache_dir: Path,
-    parts: Sequence[tuple[Sequence[Path], Mapping[str, Any]]],
-    *,
-    check: Sequence[Path] = (),
-) -> dict[str, Any]:
-    """The files :func:`assemble` linked into ``stage_dir``, as the markers of the stored
-    units they came from list them (:class:`dist.markers.FileEntry`, by path relative to
-    ``cache_dir``): what the new cache's marker records for them. A checksum of the bytes
-    on disk now would certify a unit damaged since it was published (deep inside a file,
-    past the first and last MiB that the check at reuse reads); the unit's own record
-    does not, so ``hf-pipeline verify`` of the new cache finds the damage.
-
-    Args:
-        stage_dir: the stage folder :func:`assemble` linked the parts into.
-        cache_dir: the cache folder (marker paths are relative to it).
-        parts: what :func:`assemble` took.
-        check: folders (of ``parts``) whose files are read whole here and compared with
-            their unit's record: the units this build did not make (a damaged one is
-            refused before a marker is published over it).
-
-    Raises:
-        CacheFormatError: a unit's marker does not read, or a checked file's bytes are not
-            those its unit's marker lists (the part is damaged), naming the file.
-    """
-    from dist.checksums import hash_files, hashed_problem
-    from dist.layout import marker_name
-    from dist.markers import parse_marker
-    from hf_pipeline.errors import CacheFormatError
-
-    recorded: dict[str, Any] = {}
-    checked: list[tuple[Path, Any]] = []  # (the unit's marker, its entry)
-    wanted = {Path(f) for f in check}
-    for i, (folders, _) in enumerate(parts):
-        target = stage_dir / _PARTS / f"part-{i:05d}"
-        for folder in folders:
-            folder = Path(folder)
-            unit = folder.parent  # <store>/<kind>-<id>/, its marker <kind>.json
-            kind, _, unit_id = unit.name.partition("-")
-            path = unit / marker_name(kind)
-            marker, why = parse_marker(path, fingerprint=unit_id, stage=kind)
-            if marker is not None and marker.directory != folder.name:
-                why = f"publishes {marker.directory!r}, not {folder.name!r}"
-            if marker is None or why:
-                raise CacheFormatError(str(path), f"the stored part {unit.name}: {why}")
-            for entry in marker.files:
-                if not entry.whole_checksum:
-                    continue  # a schema-1 unit: the new marker hashes the file
-                inner = Path(entry.path).relative_to(folder.name)
-                rel = (target / inner).relative_to(cache_dir).as_posix()
-                recorded[rel] = dataclasses.replace(entry, path=rel)
-                if folder in wanted:
-                    checked.append((path, entry))
-    hashed = hash_files([path.parent / e.path for path, e in checked])
-    for (path, entry), (_, size, digest) in zip(checked, hashed, strict=True):
-        why = hashed_problem(size, digest, expected_size=entry.size, expected=entry.whole_checksum)
-        if why is None:
-            continue
-        raise CacheFormatError(
-            str(path),
-            f"the stored part {path.parent.name} is damaged (listed file "
-            f"{entry.path!r} {why}); every cache that links it is too: run "
-            "`hf-pipeline verify` (it marks them and the part), then `hf-pipeline clean`, "
-            "then build again",
-        )
-    return recorded
 
 
 def _merge_fetch(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

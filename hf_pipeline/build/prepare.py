@@ -623,7 +623,14 @@ class _Builder:
         parts and the final drop reasons (:mod:`hf_pipeline.build.parts`)."""
         from hf_pipeline.build.captions import CaptionTable
         from hf_pipeline.build.convert import check_one_dtype
-        from hf_pipeline.build.parts import assemble, linked_entries
+        from hf_pipeline.build.linked import (
+            check_linked,
+            linked_files,
+            recorded_entries,
+            remember_linked,
+        )
+        from hf_pipeline.build.parts import assemble
+        from hf_pipeline.stores.identity import INDEX_DIR, ContentIndex
 
         tmp = Path(ctx.tmp_dir)
         built = self.parts
@@ -637,20 +644,26 @@ class _Builder:
         # Each part kept its own shards to one dtype; across parts, checked here.
         check_one_dtype([i for _, i in built.parts], self.inputs.shards)
         table = CaptionTable.open(str(built.captions_path))
-        info = assemble(tmp, built.parts, table=table, probe=ctx.probe)
         # The linked files go into the marker as their units recorded them, never as a
-        # checksum of what the disk holds now; the units this run did not make are read
-        # whole first (a part damaged since it was published is refused here).
+        # checksum of what the disk holds now; the units this run did not make are
+        # checked first (a part damaged since it was published is refused here): read
+        # whole unless the content index vouches for their stat (hf_pipeline.build.linked).
         reused = [
             folder
             for folders, part in built.parts
             for folder, unit in zip(folders, ("join", "text", "embed"), strict=True)
             if (part.get("reused") or {}).get(unit) is not False
         ]
-        ctx.recorded.update(linked_entries(tmp, Path(ctx.cache_dir), built.parts, check=reused))
+        files = linked_files(tmp, Path(ctx.cache_dir), built.parts, reused=reused)
+        index = ContentIndex(self.cfg.cache_root / INDEX_DIR)
+        checked = check_linked(files, index=index)
+        info = assemble(tmp, built.parts, table=table, probe=ctx.probe)
+        remember_linked(files, checked, index=index)
+        ctx.recorded.update(recorded_entries(files))
         startup = {} if self.startup is None else {"startup": self.startup.as_dict()}
         return {
-            **info, "seconds_captions": built.captions_seconds, "reuse": built.reuse, **startup,
+            **info, "seconds_captions": built.captions_seconds,
+            "reuse": {**built.reuse, **checked.report()}, **startup,
             "metadata": self.inputs.metadata.url,
         }  # fmt: skip
 
@@ -1630,14 +1643,16 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
     # process imports their libraries) while the inputs are listed; stopped at once
     # if the cache turns out to be there (else with this call). Not where a cache of
     # this config's name is published already: most likely the one wanted, found
-    # without the server's start (a second of CPU).
+    # without the server's start (a second of CPU); if not (an append), it starts as
+    # soon as the identity says a join is missing, still before the imports.
     early = contextlib.ExitStack()
-    if (
+    may_join = (
         not cfg.build.pull_from
         and cfg.build.effective_num_proc > 1
         and (ranks or default_builder(process, cfg.coord.scope))
-        and not _published_of_name(cfg)
-    ):
+    )
+    workers_started = may_join and not _published_of_name(cfg)
+    if workers_started:
         early.enter_context(clean_workers())
         startup.mark("workers_starting")
     try:
@@ -1683,10 +1698,14 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
         # The model loads early only when some embedding is missing from the part store;
         # after the first join's start when some join is missing too.
         planned, embeds = _planned_parts(cfg, inputs) if joins else ([], False)
+        join_missing = _some_join_missing(planned)
+        if join_missing and may_join and not workers_started:
+            # A cache of this name is published, and this one joins (an append): on 2
+            # CPUs its first shard waited 3.5 s for a server started at the first join.
+            early.enter_context(clean_workers())
+            startup.mark("workers_starting")
         loading = (
-            _start_early(
-                early, cfg, process, startup, encoder_ident, joins=_some_join_missing(planned)
-            )
+            _start_early(early, cfg, process, startup, encoder_ident, joins=join_missing)
             if embeds
             else None
         )

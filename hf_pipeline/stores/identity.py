@@ -7,7 +7,13 @@ minutes on a large dataset, so a small index beside the caches
 
     absolute path -> (size, mtime_ns, inode, device, digest, hashed_at_ns, ctime_ns)
 
-and a file is hashed again only when one of its stat fields differs. The ctime is
+and a file is hashed again only when one of its stat fields differs. A path not in the
+index is looked up by its inode too: an entry of another path with exactly the fresh
+stat (same device, inode, size, mtime and ctime) is the same file, unchanged (a folder
+renamed or reached by another path, hard links made before the hashing), and is
+remembered under the new path as well. A hard link made after the hashing moves the
+inode's ctime (``cp -al``, ``rsync --link-dest`` of a folder already hashed): hashed
+again. The ctime is
 compared too (as git does): a rewrite in place that puts the mtime back (``touch -r``,
 ``cp -p`` onto the file, ``rsync -t``) keeps size, mtime and inode, but the kernel moves
 the ctime, which no user call can set. The rules:
@@ -192,6 +198,8 @@ class ContentIndex:
         self.problem = ""
         self._entries: dict[str, _Entry] = {}
         self._new: dict[str, _Entry] = {}
+        # (dev, inode) -> the entries of every path, built at the first miss by path.
+        self._inodes: dict[tuple[int, int], list[_Entry]] | None = None
         if self.folder is not None:
             self._entries, self.problem = self._read()
             if self.problem:
@@ -242,17 +250,37 @@ class ContentIndex:
         return out, ""
 
     def lookup(self, key: StatKey) -> str | None:
-        """The digest recorded for exactly this stat, unless it was racy (see module)."""
+        """The digest recorded for exactly this stat, under this path or (the same
+        inode) another one, unless it was racy (see module). A hit under another path
+        is recorded under this one."""
         e = self._new.get(key[0]) or self._entries.get(key[0])
-        if e is None or (e.size, e.mtime_ns, e.ino, e.dev, e.ctime_ns) != key[1:]:
+        elsewhere = e is None or (e.size, e.mtime_ns, e.ino, e.dev, e.ctime_ns) != key[1:]
+        if elsewhere:
+            e = self._same_inode(key)
+        if e is None or e.hashed_at_ns - e.mtime_ns < RACY_NS:
             return None
-        if e.hashed_at_ns - e.mtime_ns < RACY_NS:
-            return None
+        if elsewhere:
+            self.record(key, e.digest, e.hashed_at_ns)
         return e.digest
+
+    def _same_inode(self, key: StatKey) -> _Entry | None:
+        """An entry of any path with exactly the stat ``key`` holds, or None."""
+        if self._inodes is None:
+            self._inodes = {}
+            for e in [*self._entries.values(), *self._new.values()]:
+                self._inodes.setdefault((e.dev, e.ino), []).append(e)
+        _, size, mtime_ns, ino, dev, ctime_ns = key
+        for e in self._inodes.get((dev, ino), ()):
+            if (e.size, e.mtime_ns, e.ctime_ns) == (size, mtime_ns, ctime_ns):
+                return e
+        return None
 
     def record(self, key: StatKey, digest: str, hashed_at_ns: int) -> None:
         _, size, mtime_ns, ino, dev, ctime_ns = key
-        self._new[key[0]] = _Entry(size, mtime_ns, ino, dev, digest, hashed_at_ns, ctime_ns)
+        entry = _Entry(size, mtime_ns, ino, dev, digest, hashed_at_ns, ctime_ns)
+        self._new[key[0]] = entry
+        if self._inodes is not None:
+            self._inodes.setdefault((dev, ino), []).append(entry)
 
     def save(self) -> None:
         """Merge this run's entries into the index on disk (re-read now) and replace it.
@@ -290,7 +318,7 @@ class ContentIndex:
                 e.strerror or e,
             )
             return
-        self._entries, self._new = merged, {}
+        self._entries, self._new, self._inodes = merged, {}, None
 
 
 def content_identities(
@@ -343,7 +371,7 @@ def content_identities(
                     )
                 digests[i] = digest
                 index.record(keys[i], digest, hashed_at)
-        index.save()
+    index.save()  # what was hashed, and the hits found under another path
     out = [
         dataclasses.replace(f, etag=_PREFIX + digests[i]) if i in digests else f
         for i, f in enumerate(files)

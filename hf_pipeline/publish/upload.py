@@ -320,7 +320,7 @@ def publish_cache(
                 " ..." if len(replaced) > 5 else "",
             )  # fmt: skip
         logger.info(
-            "publishing %s: %d of %d files to upload (%.1f MB), %d of them (%.1f MB) to "
+            "publishing %s: %d of %d files to write (%.1f MB), %d of them (%.1f MB) by a "
             "copy in the store from another publication there",
             cache_url, len(todo), len(data) + len(tail), sum(i.entry.size for i in todo) / 1e6,
             sum(1 for i in todo if i.copy_from), sum(i.entry.size for i in todo if i.copy_from) / 1e6,

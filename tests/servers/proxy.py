@@ -230,8 +230,13 @@ class FaultProxy(LoopbackServer):
                     headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
                     conn.request(self.command, self.path, body=body, headers=headers)
                     resp = conn.getresponse()
+                    upstream = f"http://{proxy.upstream_host}:{proxy.upstream_port}"
                     out_headers = [
-                        (k, v)
+                        # A resumable upload's session URL names the server: sent back
+                        # through the proxy, the upload's bytes are counted (and faulted).
+                        (k, proxy.url + v[len(upstream) :])
+                        if k.lower() == "location" and v.startswith(upstream + "/")
+                        else (k, v)
                         for k, v in resp.getheaders()
                         if k.lower() not in _HOP | {"content-length"}
                     ]

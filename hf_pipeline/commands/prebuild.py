@@ -443,7 +443,7 @@ def _print_publish(report, out) -> None:
     print(
         f"uploaded    {report.uploaded_files} of {report.files} files, "
         f"{_human_bytes(report.uploaded_bytes)} in {report.seconds:.1f} s "
-        f"({report.skipped_files} already there)",
+        f"({report.skipped_files} already there, {report.copied_files} copied in the store)",
         file=out,
     )
 

@@ -50,12 +50,20 @@ from hf_pipeline.stores.staging import StagingFolder, stage_file
 __all__ = [
     "PublishedCache",
     "PublishedStatus",
+    "cache_folder_fingerprint",
     "find_published",
     "list_published",
     "store_checksum_checked",
 ]
 
 _CACHE_NAME = re.compile(r"-[0-9a-f]{16}\Z")  # \Z: "$" also matches before a final "\n"
+
+
+def cache_folder_fingerprint(name: str) -> str | None:
+    """The fingerprint a folder named ``<name>-<16 hex digits>`` is for, or None when the
+    name is not a cache folder's (a store lists it: foreign, not yet checked for unsafe
+    characters)."""
+    return name.rsplit("-", 1)[-1] if _CACHE_NAME.search(name) else None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -273,7 +281,7 @@ def list_published(store: Store, stages: Sequence[str]) -> list[PublishedStatus]
     like a pull would check it (markers, manifest, listed sizes; no data file is read).
     Other folders there are not listed."""
     out = []
-    names = [n for n in store.list_cache_names() if _CACHE_NAME.search(n)]
+    names = [n for n in store.list_cache_names() if cache_folder_fingerprint(n)]
     with tempfile.TemporaryDirectory(prefix="hf_pipeline-status-") as meta:
         for i, name in enumerate(names):
             fingerprint = name.rsplit("-", 1)[-1]

@@ -12,6 +12,14 @@ why the order below is safe; :mod:`hf_pipeline.publish.manifest` the manifest;
   first); each object is verified after upload (its crc32c against the local file's);
 * the Hub: one commit with everything (``HfApi.create_commit``), atomic.
 
+A data file that another complete publication at the same location holds (a re-embed
+or an append shares its latents with the cache published before it) is made in the
+store instead of uploaded (:mod:`hf_pipeline.publish.copies`): GCS copies the object
+inside the store (no byte through this host) and checks the copy like an upload (and
+its md5 against the local file's), uploading the file when it does not check out; the
+Hub stores an LFS file once per repository, by its sha256. Each publication stays
+self-contained (its objects are its own; on GCS they store their bytes again).
+
 Idempotent and resumable: a file the store already holds with the same size and
 checksum is not uploaded again (GCS: crc32c; the Hub: sha256 of LFS files, the git blob
 id of small ones), so a publish killed half-way re-runs to completion, and a re-run of a
@@ -38,6 +46,7 @@ from dist.markers import FileEntry, Marker, check_marker, derived_from_problem, 
 from dist.safepath import shown
 from hf_pipeline.cache.layout import STAGES
 from hf_pipeline.errors import CacheFormatError
+from hf_pipeline.publish.copies import find_copy_sources
 from hf_pipeline.publish.find import find_published
 from hf_pipeline.publish.manifest import (
     MANIFEST_NAME,
@@ -76,7 +85,9 @@ class PublishReport:
         state: see :data:`PublishState`.
         files: files of the cache (the markers' files, the manifest and the markers).
         uploaded_files, uploaded_bytes: what went over the network this time.
-        skipped_files: files the store already held, unchanged.
+        copied_files, copied_bytes: files made in the store from another publication's
+            copy of the same bytes, not sent (:mod:`hf_pipeline.publish.copies`).
+        skipped_files: files the store already held, unchanged, at their path.
         rows, total_bytes: the cache's rows and bytes (its data files).
         seconds: wall time.
     """
@@ -86,6 +97,8 @@ class PublishReport:
     files: int
     uploaded_files: int
     uploaded_bytes: int
+    copied_files: int
+    copied_bytes: int
     skipped_files: int
     rows: int | None
     total_bytes: int
@@ -257,7 +270,9 @@ def publish_cache(
                 other.manifest.host,
                 time.strftime("%Y-%m-%d %H:%M", time.localtime(other.manifest.published_at)),
             )
-            return _report(cache_url, "already_published", other.manifest, 0, 0, len(existing), t0)
+            return _report(
+                cache_url, "already_published", other.manifest, [], set(), len(existing), t0
+            )
 
         listed = _listed_entries(markers)
         rels = sorted(listed)
@@ -285,6 +300,12 @@ def publish_cache(
         data = [Upload(rel=r, local=cache_dir / r, entry=digests[r]) for r in rels]
         tail = [manifest_item, *marker_items]  # the markers last: they make it a cache
         todo_data = [i for i in data if not same_content(existing.get(i.rel), i.entry, i.local)]
+        if todo_data:
+            sources = find_copy_sources(
+                store, name, stages, {i.rel: (listed[i.rel][1], i.entry) for i in todo_data},
+                meta_dir=Path(meta) / "sources",
+            )  # fmt: skip
+            todo_data = [dataclasses.replace(i, copy_from=sources.get(i.rel)) for i in todo_data]
         todo_tail = [i for i in tail if not same_content(existing.get(i.rel), i.entry, i.local)]
         todo = [*todo_data, *todo_tail]
         # Published files of this build whose bytes differ from the local ones: changed
@@ -299,13 +320,12 @@ def publish_cache(
                 " ..." if len(replaced) > 5 else "",
             )  # fmt: skip
         logger.info(
-            "publishing %s: %d of %d files to upload (%.1f MB)",
-            cache_url,
-            len(todo),
-            len(data) + len(tail),
-            sum(i.entry.size for i in todo) / 1e6,
-        )
-        store.upload(name, todo_data, todo_tail, workers=workers)
+            "publishing %s: %d of %d files to write (%.1f MB), %d of them (%.1f MB) by a "
+            "copy in the store from another publication there",
+            cache_url, len(todo), len(data) + len(tail), sum(i.entry.size for i in todo) / 1e6,
+            sum(1 for i in todo if i.copy_from), sum(i.entry.size for i in todo if i.copy_from) / 1e6,
+        )  # fmt: skip
+        copied = store.upload(name, todo_data, todo_tail, workers=workers)
         # Read it back as a pull would (a fresh store: the Hub has a new commit).
         check = open_store(url, data_config=data_config, policy=policy)
         got, why = find_published(check, name, fingerprint, stages, meta_dir=Path(meta) / "check")
@@ -313,13 +333,7 @@ def publish_cache(
             raise CacheFormatError(cache_url, f"not readable after publishing: {why}")
         state: PublishState = "published" if todo else "unchanged"
         return _report(
-            cache_url,
-            state,
-            manifest,
-            len(todo),
-            sum(i.entry.size for i in todo),
-            len(data) + len(tail) - len(todo),
-            t0,
+            cache_url, state, manifest, todo, copied, len(data) + len(tail) - len(todo), t0
         )
 
 
@@ -363,13 +377,18 @@ def _manifest(store, existing, name, fingerprint, markers, digests, meta, stream
     return theirs if theirs.same_files(ours) else ours
 
 
-def _report(url, state, manifest: Manifest, n_up, bytes_up, n_skip, t0) -> PublishReport:
+def _report(
+    url, state, manifest: Manifest, todo: list[Upload], copied: set[str], n_skip, t0
+) -> PublishReport:
+    sent = [i for i in todo if i.rel not in copied]
     return PublishReport(
         url=url,
         state=state,
         files=len(manifest.files) + 1 + len(manifest.stages),
-        uploaded_files=n_up,
-        uploaded_bytes=bytes_up,
+        uploaded_files=len(sent),
+        uploaded_bytes=sum(i.entry.size for i in sent),
+        copied_files=len(todo) - len(sent),
+        copied_bytes=sum(i.entry.size for i in todo if i.rel in copied),
         skipped_files=n_skip,
         rows=manifest.rows,
         total_bytes=manifest.total_bytes,

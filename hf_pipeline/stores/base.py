@@ -498,11 +498,16 @@ class Upload:
         rel: path relative to the cache folder.
         local: the local file, or its bytes.
         entry: its digests (:func:`~hf_pipeline.publish.manifest.file_digests`).
+        copy_from: a file of another publication in the same store that its checked
+            listing says holds these bytes (:mod:`hf_pipeline.publish.copies`), or None:
+            the store may make this file from it without uploading, and checks what it
+            made (:meth:`Store.upload`).
     """
 
     rel: str
     local: Path | bytes
     entry: ManifestEntry
+    copy_from: RemoteFile | None = None
 
 
 #: URL scheme of a publish location ("gs://", "hf://datasets/") -> the kind serving it.
@@ -591,9 +596,19 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def upload(
         self, cache_name: str, data: Sequence[Upload], tail: Sequence[Upload], *, workers: int
-    ) -> None:
+    ) -> set[str]:
         """Upload ``data`` (any order, in parallel), then ``tail`` in its order, into
-        cache folder ``cache_name``; every upload is verified against its digests."""
+        cache folder ``cache_name``; every upload is verified against its digests.
+
+        An item with :attr:`Upload.copy_from` may be made in the store from that file
+        instead (GCS: a server-side copy, verified as an upload is, and uploaded when it
+        does not check out; the Hub: the LFS object of that sha256 the repository
+        already stores). Each file written is the repository's or bucket's own: none
+        refers to another folder.
+
+        Returns:
+            The ``rel`` of the items made in the store without sending their bytes.
+        """
 
 
 def publish_schemes() -> tuple[str, ...]:

@@ -1,6 +1,6 @@
 """``gs://bucket/prefix``, through gcsfs: :class:`GCSSource` lists and reads the objects
 directly under a prefix; :class:`GCSStore` publishes caches there (object by object, each
-read back and checked).
+read back and checked; a file another publication there holds is copied inside GCS).
 
 Environment (read at call time through :mod:`hf_pipeline.config`):
 ``STORAGE_EMULATOR_HOST`` points at a GCS emulator (anonymous access).
@@ -8,9 +8,12 @@ Environment (read at call time through :mod:`hf_pipeline.config`):
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from hf_pipeline.config import gcs_emulator_host
@@ -25,9 +28,11 @@ from hf_pipeline.stores.base import (
 )
 from hf_pipeline.stores.remote_file import RemoteFile
 from hf_pipeline.stores.retry import Cancelled, TransientError, check_deadline, with_retries
-from hf_pipeline.stores.staging import READ_CHUNK
+from hf_pipeline.stores.staging import READ_CHUNK, checksum_of
 
 __all__ = ["GCSSource", "GCSStore"]
+
+logger = logging.getLogger(__name__)
 
 
 def _gcsfs_class():
@@ -300,12 +305,16 @@ class GCSStore(Store, scheme="gs://"):
             if e.get("type") == "directory"
         )
 
-    def _put(self, cache_name: str, item: Upload) -> None:
+    def _put(self, cache_name: str, item: Upload) -> bool:
+        """Make ``item``'s object: copied in the store when it has a source and the copy
+        checks out, else uploaded; True when copied."""
         # Imported here: publish.manifest imports this package's leaf modules, so a
         # module-level import would run into it half-initialised.
         from hf_pipeline.publish.manifest import same_content
 
         path = f"{self._prefix(cache_name)}/{item.rel}"
+        if item.copy_from is not None and self._copy(path, item):
+            return True
         fs = self._fs()
 
         def attempt():
@@ -321,13 +330,83 @@ class GCSStore(Store, scheme="gs://"):
                 )
 
         with_retries(f"gs://{path}", attempt, self.policy)
+        return False
 
-    def upload(self, cache_name, data, tail, *, workers):
+    def _copy(self, path: str, item: Upload) -> bool:
+        """Make object ``path`` a copy of ``item.copy_from`` inside GCS (``rewriteTo``: no
+        byte through this host), of the generation that was listed, and check it as an
+        upload is checked — its size and crc32c against the verified digests — and its
+        md5 against the local file's, read now: a crc32c can be matched on purpose by
+        whoever writes to the bucket, an md5 not without the local bytes. False (said in
+        a warning) when the source is not what it was listed as, is gone, or the copy
+        does not check out: the caller uploads the file, over the failed copy.
+
+        The copy is an object of its own: it does not depend on the source's folder,
+        and it stores its bytes again (GCS objects share no storage).
+        """
+        from hf_pipeline.publish.manifest import same_content
+
+        src = item.copy_from
+        assert src is not None and isinstance(item.local, Path), "copies are of data files"
+        url = f"gs://{path}"
+        md5 = f"md5:{checksum_of(item.local, 'md5')}"
+        why = ""
+        if src.etag != md5:
+            why = f"{src.url} is listed with {src.etag or 'no md5'}, the local file has {md5}"
+        else:
+            fs = self._fs()
+            src_bucket, src_key = src.url[len("gs://") :].split("/", 1)
+            dst_bucket, dst_key = path.split("/", 1)
+
+            def rewrite() -> RemoteFile:
+                deadline = time.monotonic() + self.policy.file_timeout
+                token = None
+                while True:  # a large or cross-location rewrite answers in several steps
+                    out = fs.call(
+                        "POST", "b/{}/o/{}/rewriteTo/b/{}/o/{}",
+                        src_bucket, src_key, dst_bucket, dst_key,
+                        headers={"Content-Type": "application/json"}, json_out=True,
+                        sourceGeneration=src.version or None, rewriteToken=token,
+                    )  # fmt: skip
+                    if out.get("done") is True:
+                        return self.source.describe(fs.info(path, refresh=True))
+                    token = out.get("rewriteToken")
+                    if not token:
+                        raise TransientError(f"rewrite of {src.url} not done and no token")
+                    check_deadline(deadline, url, self.policy.file_timeout)
+
+            try:
+                got = with_retries(url, rewrite, self.policy)
+            except SourceError as e:  # the listed generation gone (404), forbidden, down
+                why = (
+                    f"{src.url} is gone (generation {src.version}): replaced or removed "
+                    "since it was listed"
+                    if isinstance(e.__cause__, FileNotFoundError)
+                    else f"the store's copy of {src.url} failed: {e.reason}"
+                )
+            else:
+                if not same_content(got, item.entry, item.local) or got.etag != md5:
+                    why = (
+                        f"the copy of {src.url} holds {got.size} bytes ({got.checksum}, "
+                        f"{got.etag or 'no md5'}), the local file {item.entry.size} "
+                        f"(crc32c:{item.entry.crc32c}, {md5})"
+                    )
+        if why:
+            logger.warning("%s: not copied in the store (%s); uploaded instead", url, why)
+            return False
+        return True
+
+    def upload(
+        self, cache_name: str, data: Sequence[Upload], tail: Sequence[Upload], *, workers: int
+    ) -> set[str]:
+        copied: list[str] = []
         if data:
             with ThreadPoolExecutor(
                 max(1, min(workers, len(data))), thread_name_prefix="hf_pipeline-publish"
             ) as pool:
                 # list(): re-raise the first failure here (never dropped with its future).
-                list(pool.map(lambda item: self._put(cache_name, item), data))
+                made = list(pool.map(lambda item: self._put(cache_name, item), data))
+            copied = [item.rel for item, by_copy in zip(data, made, strict=True) if by_copy]
         for item in tail:  # in order: the last marker is what makes the folder a cache
             self._put(cache_name, item)
+        return set(copied)

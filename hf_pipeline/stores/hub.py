@@ -586,7 +586,7 @@ class HubStore(Store, scheme="hf://datasets/"):
 
         items = [*data, *tail]
         if not items:
-            return
+            return set()
         folder = self._folder(cache_name)
 
         def commit():
@@ -609,3 +609,14 @@ class HubStore(Store, scheme="hf://datasets/"):
             )
 
         with_retries(self.location.cache_url(cache_name), commit, self.policy)
+        # The Hub stores an LFS file once per repository, by its sha256: for content the
+        # repository already holds, the LFS batch endpoint answers with no upload action
+        # and huggingface_hub sends no byte (Xet dedups by chunk likewise). copy_from is
+        # such a file (an LFS file of this repository, listed with this sha256).
+        return {
+            i.rel
+            for i in data
+            if i.copy_from is not None
+            and i.entry.sha256
+            and i.copy_from.checksum == f"sha256:{i.entry.sha256}"
+        }

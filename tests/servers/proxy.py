@@ -6,8 +6,9 @@ a connection reset, a truncated body, a stall, a throttled body, or a body sent 
 A body with no fault, or after a stall, is forwarded as it arrives (chunks of 256 KiB
 as upstream sends them), never held whole: a stall is a per-request latency (time to
 the first byte), and the body then streams at the speed of upstream and the client. It counts every
-request so tests can assert what was (not) fetched again, and the body bytes it sent
-(:meth:`FaultProxy.body_bytes`: what a client fetched, counted the same for any client).
+request so tests can assert what was (not) fetched again, the body bytes it sent
+(:meth:`FaultProxy.body_bytes`: what a client fetched, counted the same for any client)
+and those it was sent (:meth:`FaultProxy.request_bytes`: what a client uploaded).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class _Logged:
     path: str
     range: str
     fault: str
+    body: int = 0  # request body bytes (an upload's)
 
 
 class FaultProxy(LoopbackServer):
@@ -141,6 +143,12 @@ class FaultProxy(LoopbackServer):
                 and (not media_only or "alt=media" in r.path or "/resolve/" in r.path)
             )
 
+    def request_bytes(self, match: str = "") -> int:
+        """Request body bytes (uploads, any method) of the requests whose path contains
+        ``match``: what a client sent."""
+        with self._lock:
+            return sum(r.body for r in self.log if match in r.path)
+
     def body_bytes(self, match: str = "") -> int:
         """Body bytes sent in answer to GET requests whose path contains ``match``."""
         with self._lock:
@@ -190,6 +198,7 @@ class FaultProxy(LoopbackServer):
                             path=path,
                             range=self.headers.get("Range", ""),
                             fault=fault.action if fault else "",
+                            body=len(body or b""),
                         )
                     )
                 if fault is not None and fault.action == "reset":
@@ -221,8 +230,13 @@ class FaultProxy(LoopbackServer):
                     headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
                     conn.request(self.command, self.path, body=body, headers=headers)
                     resp = conn.getresponse()
+                    upstream = f"http://{proxy.upstream_host}:{proxy.upstream_port}"
                     out_headers = [
-                        (k, v)
+                        # A resumable upload's session URL names the server: sent back
+                        # through the proxy, the upload's bytes are counted (and faulted).
+                        (k, proxy.url + v[len(upstream) :])
+                        if k.lower() == "location" and v.startswith(upstream + "/")
+                        else (k, v)
                         for k, v in resp.getheaders()
                         if k.lower() not in _HOP | {"content-length"}
                     ]

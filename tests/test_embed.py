@@ -17,6 +17,7 @@ from hf_pipeline.encoder.model import (
     resolve_encoder_path,
 )
 from hf_pipeline.errors import ConfigError, SourceError, StoreUnreachableError
+from tests.helpers.damage import flip_middle_bit
 from tests.servers import hf_home  # noqa: F401
 from tests.servers.hub import FakeHub
 
@@ -156,7 +157,6 @@ def test_a_local_model_is_identified_by_its_bytes_not_its_path(tmp_path):
     embeddings it no longer gives; a byte-identical copy of the folder elsewhere (or
     renamed, or ``minilm`` and a copy of it) was another cache and a full re-embed. The
     identity is the folder's content: the path plays no part, every byte does."""
-    import os
     import shutil
 
     from hf_pipeline.encoder.model import resolve_encoder_path
@@ -170,13 +170,7 @@ def test_a_local_model_is_identified_by_its_bytes_not_its_path(tmp_path):
     assert encoder_identity(EncoderConfig(model=str(b))) == base
     # One weight changed in place: same size, same mtime put back, same config.json.
     weights = a / "model.safetensors"
-    st = weights.stat()
-    with open(weights, "r+b") as fh:
-        fh.seek(st.st_size - 3)
-        last = fh.read(1)
-        fh.seek(st.st_size - 3)
-        fh.write(bytes([last[0] ^ 0x01]))
-    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    flip_middle_bit(weights, 0x01, keep_mtime=True)
     changed = encoder_identity(EncoderConfig(model=str(a)))
     assert changed != base and changed["revision"] != base["revision"]
     # Through the cache root's content index: remembered, and still follows the bytes.

@@ -201,13 +201,7 @@ def test_a_cache_of_the_path_model_release_is_used_until_the_model_changes(tmp_p
     res = prepare_cache(cfg, progress=False)
     assert not res.built and res.fingerprint == old_fp and str(res.cache_dir) == old_dir
     weights = model / "model.safetensors"
-    st = weights.stat()
-    with open(weights, "r+b") as fh:
-        fh.seek(st.st_size - 2)
-        b = fh.read(1)
-        fh.seek(st.st_size - 2)
-        fh.write(bytes([b[0] ^ 1]))
-    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    flip_middle_bit(weights, 0x01, keep_mtime=True)
     again = prepare_cache(cfg, progress=False)
     assert again.built and again.fingerprint != old_fp
 

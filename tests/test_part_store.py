@@ -6,6 +6,7 @@ fingerprint; what was *not* done is read from the build report."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -613,19 +614,15 @@ def _admin_human(root: Path, *ops: str) -> str:
     return out.stdout
 
 
-def test_status_says_which_units_are_unfinished_and_clean_removes_only_abandoned_ones(inputs):
-    """A build SIGKILLed mid-join left its unit unpublished; another unit is being built
-    by a live builder (this process, through the real coordinator). --status said
-    neither (outside tester): now both are "unfinished", the first with an abandoned
-    builder (--clean removes it), the second with a live one (--clean keeps it)."""
+@contextlib.contextmanager
+def _live_builder(folder: Path, stage: str):
+    """A builder of ``folder`` (fingerprint: its name's tail) holding its lease in this
+    process, through the real coordinator, inside the block: its stage waits until the
+    block ends, then publishes."""
     import threading
 
     from dist import Stage, ensure_built
 
-    root = inputs["base"] / "kill-status"
-    _build(root, inputs["initial"], inputs["meta"])
-    victim = _start_and_kill(root, inputs, "join")
-    live = root / ".parts" / "join-00000000000000b1"
     go, building = threading.Event(), threading.Event()
 
     def write(ctx):
@@ -635,14 +632,31 @@ def test_status_says_which_units_are_unfinished_and_clean_removes_only_abandoned
         return {}
 
     builder = threading.Thread(
-        target=ensure_built, name="live-unit-builder",
-        args=(live, "00000000000000b1", [Stage(name="join", build=write)]),
+        target=ensure_built, name="live-builder",
+        args=(folder, folder.name.rsplit("-", 1)[1], [Stage(name=stage, build=write)]),
         kwargs=dict(builder=True, poll_interval=0.05, lease_timeout=4.0,
                     heartbeat_interval=0.05, max_wait=120.0), daemon=True,
     )  # fmt: skip
     builder.start()
     try:
         assert building.wait(60), "the live builder never started"
+        yield
+    finally:
+        go.set()
+        builder.join(60)
+
+
+def test_status_says_which_units_are_unfinished_and_clean_removes_only_abandoned_ones(inputs):
+    """A build SIGKILLed mid-join left its unit unpublished; another unit is being built
+    by a live builder (this process, through the real coordinator). --status said
+    neither (outside tester): now both are "unfinished", the first with an abandoned
+    builder (--clean removes it), the second with a live one (--clean keeps it)."""
+
+    root = inputs["base"] / "kill-status"
+    _build(root, inputs["initial"], inputs["meta"])
+    victim = _start_and_kill(root, inputs, "join")
+    live = root / ".parts" / "join-00000000000000b1"
+    with _live_builder(live, "join"):
         units = {Path(u["path"]).name: u for u in _admin(root, "--status")["parts"]}
         assert units[victim.name]["unfinished"] is True, units[victim.name]
         assert units[victim.name]["builder"] == "abandoned", units[victim.name]
@@ -659,9 +673,6 @@ def test_status_says_which_units_are_unfinished_and_clean_removes_only_abandoned
         assert not victim.exists(), sorted(os.listdir(victim))
         assert (live / "lease").exists()
         assert not removed & set(done), "a finished unit in use was removed"
-    finally:
-        go.set()
-        builder.join(60)
     assert (live / "join.json").exists(), "the live builder published after the clean"
 
 
@@ -689,32 +700,13 @@ def test_clean_keeps_unused_units_while_a_build_is_live_on_the_root(inputs):
     units no cache uses are kept, each with one line saying why; once it is done, the
     same clean removes them."""
     import shutil
-    import threading
-
-    from dist import Stage, ensure_built
 
     root = inputs["base"] / "clean-live"
     res = _build(root, inputs["initial"], inputs["meta"])
     units = {Path(u["path"]).name for u in _admin(root, "--status")["parts"]}
     shutil.rmtree(res.cache_dir)  # no cache links them: what a live build's new units are
     live = root / "demo-00000000000c1ea2"
-    go, building = threading.Event(), threading.Event()
-
-    def write(ctx):
-        building.set()
-        assert go.wait(120), "the test never let the live builder finish"
-        (ctx.tmp_dir / "data.arrow").write_bytes(b"x" * 100)
-        return {}
-
-    builder = threading.Thread(
-        target=ensure_built, name="live-cache-builder",
-        args=(live, "00000000000c1ea2", [Stage(name="converted", build=write)]),
-        kwargs=dict(builder=True, poll_interval=0.05, lease_timeout=4.0,
-                    heartbeat_interval=0.05, max_wait=120.0), daemon=True,
-    )  # fmt: skip
-    builder.start()
-    try:
-        assert building.wait(60), "the live builder never started"
+    with _live_builder(live, "converted"):
         report = _admin(root, "--clean")
         removed = {Path(p).name for p in report["removed"]}
         assert not removed & units, removed
@@ -722,9 +714,6 @@ def test_clean_keeps_unused_units_while_a_build_is_live_on_the_root(inputs):
         assert set(kept) >= units, kept
         assert all(live.name in kept[u] and "being built" in kept[u] for u in units), kept
         assert all((root / ".parts" / u).exists() for u in units)
-    finally:
-        go.set()
-        builder.join(60)
     removed = {Path(p).name for p in _admin(root, "--clean")["removed"]}
     assert units <= removed, removed
 

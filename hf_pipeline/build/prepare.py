@@ -606,8 +606,10 @@ class _Builder:
         timing: Mapping[str, Any] | None = None,
         loading: _EncoderLoading | None = None,
         startup=None,
+        encoder_ident: Mapping[str, Any],
     ):
         self.cfg = cfg
+        self.encoder_ident = encoder_ident  # the build's, resolved once
         self.inputs = inputs
         self.fingerprint = fingerprint
         self.progress = progress
@@ -638,7 +640,7 @@ class _Builder:
             built = _ensure_parts(
                 self.cfg, self.inputs, self.fingerprint, self.process, self.progress,
                 self.timing, count=1, me=0, on_phase=ctx.set_phase, loading=self.loading,
-                startup=self.startup,
+                startup=self.startup, encoder_ident=self.encoder_ident,
             )  # fmt: skip
         ctx.check_ownership()
         # Each part kept its own shards to one dtype; across parts, checked here.
@@ -1077,7 +1079,9 @@ def _stored_text(part, table, rows_files):
     return part
 
 
-def _planned_parts(cfg: Config, inputs: Inputs) -> tuple[list[Any], bool]:
+def _planned_parts(
+    cfg: Config, inputs: Inputs, encoder_ident: Mapping[str, Any]
+) -> tuple[list[Any], bool]:
     """The parts of the build (:func:`hf_pipeline.build.part_store.stored_parts`), and
     whether some embedding is not stored under this caption table yet (else no model
     is needed)."""
@@ -1086,7 +1090,7 @@ def _planned_parts(cfg: Config, inputs: Inputs) -> tuple[list[Any], bool]:
 
     planned = stored_parts(
         cfg, shards=inputs.shards, metadata=inputs.metadata.identity(),
-        encoder=_encoder_identity(cfg),
+        encoder=encoder_ident,
     )  # fmt: skip
     return planned, any(unit_markers(p.embed_dir, p.embed_id, ["embed"]) is None for p in planned)
 
@@ -1122,7 +1126,7 @@ def _check_reused(
 
 def _ensure_parts(
     cfg, inputs, fingerprint, process, progress, timing, *, count: int, me: int, on_phase=None,
-    loading: _EncoderLoading | None = None, startup=None,
+    loading: _EncoderLoading | None = None, startup=None, encoder_ident: Mapping[str, Any],
 ) -> BuiltParts:  # fmt: skip
     """Find or build every part of the build in the part store
     (:mod:`hf_pipeline.build.part_store`): the caption table, then per part its join
@@ -1173,7 +1177,7 @@ def _ensure_parts(
     store = store_dir(cfg.cache_root)
     store.mkdir(parents=True, exist_ok=True)
     shards = inputs.shards
-    planned, need_embed = _planned_parts(cfg, inputs)
+    planned, need_embed = _planned_parts(cfg, inputs, encoder_ident)
     with contextlib.ExitStack() as stack:
         # The fork server of the joins' workers imports its libraries, and the model
         # loads, while the caption table is written (or waited for).
@@ -1697,7 +1701,7 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
             early.close()
         # The model loads early only when some embedding is missing from the part store;
         # after the first join's start when some join is missing too.
-        planned, embeds = _planned_parts(cfg, inputs) if joins else ([], False)
+        planned, embeds = _planned_parts(cfg, inputs, encoder_ident) if joins else ([], False)
         join_missing = _some_join_missing(planned)
         if join_missing and may_join and not workers_started:
             # A cache of this name is published, and this one joins (an append): on 2
@@ -1718,10 +1722,12 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
                 count=process.local_world_size if local else process.world_size,
                 me=process.local_rank if local else process.rank,
                 loading=loading, startup=startup if loading is not None else None,
+                encoder_ident=encoder_ident,
             )  # fmt: skip
         builder = _Builder(
             cfg, inputs, fingerprint, progress, process=process, parts=parts, timing=timing,
             loading=loading, startup=startup if loading is not None else None,
+            encoder_ident=encoder_ident,
         )  # fmt: skip
         stages = [
             # converted assembles parts (their joins start their own pools); the filter

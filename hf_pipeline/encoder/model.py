@@ -22,7 +22,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
@@ -110,6 +110,14 @@ _MEMO: ContentIndex | None = None
 _MEMO_LOCK = threading.Lock()
 
 
+def _model_files(folder: Path) -> Iterator[tuple[Path, Path]]:
+    """``(relative path, path)`` of a model folder's files, sorted, hidden ones left out."""
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder)
+        if not any(part.startswith(".") for part in rel.parts) and p.is_file():
+            yield rel, p
+
+
 def _folder_digest(folder: Path, index_dir: Path | None = None) -> str:
     """The content of a local model folder: sha256 over each file's relative path, size
     and digest (``xxh3_128`` of its bytes, :mod:`hf_pipeline.stores.identity`), hidden
@@ -129,10 +137,7 @@ def _folder_digest(folder: Path, index_dir: Path | None = None) -> str:
 
     global _MEMO
     files: list[RemoteFile] = []
-    for p in sorted(folder.rglob("*")):
-        rel = p.relative_to(folder)
-        if any(part.startswith(".") for part in rel.parts) or not p.is_file():
-            continue
+    for rel, p in _model_files(folder):
         if len(files) == MAX_MODEL_FILES:
             raise ConfigError(
                 f"encoder.model {str(folder)!r} holds more than {MAX_MODEL_FILES} files: "
@@ -167,11 +172,10 @@ def earlier_encoder_identity(cfg: EncoderConfig) -> tuple[dict[str, Any], int] |
     folder = Path(path)
     h = hashlib.sha256()
     newest = 0
-    for p in sorted(folder.rglob("*")):
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts):
-            st = p.stat()
-            h.update(f"{p.relative_to(folder)}:{st.st_size}\n".encode())
-            newest = max(newest, st.st_ctime_ns)
+    for rel, p in _model_files(folder):
+        st = p.stat()
+        h.update(f"{rel}:{st.st_size}\n".encode())
+        newest = max(newest, st.st_ctime_ns)
     cfg_file = folder / "config.json"
     if cfg_file.is_file():
         h.update(cfg_file.read_bytes()[: 1 << 20])

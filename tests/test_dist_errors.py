@@ -20,6 +20,7 @@ from dist.errors import (
 )
 from dist.markers import ForeignJSONError
 from dist.safepath import UnsafePathError
+from tests.helpers.reraise import worker_reraised
 
 _ERRORS = [
     BuildFailedError("the builder failed: OSError: disk full", "/c/x", lease_id="l1", pid=7,
@@ -37,16 +38,10 @@ _ERRORS = [
 
 @pytest.mark.parametrize("error", _ERRORS, ids=lambda e: type(e).__name__)
 def test_dist_errors_survive_torchs_worker_reraise(error):
-    from torch._utils import ExceptionWrapper
-
-    try:
-        raise error
-    except type(error):
-        wrapped = ExceptionWrapper(where="in DataLoader worker process 0")
-    with pytest.raises(type(error)) as got:
-        wrapped.reraise()
-    assert type(got.value) is type(error)
-    assert str(error) in str(got.value)
+    got = worker_reraised(error)
+    assert isinstance(got, type(error)), repr(got)
+    assert type(got) is type(error)
+    assert str(error) in str(got)
 
 
 @pytest.mark.parametrize("error", _ERRORS, ids=lambda e: type(e).__name__)

@@ -16,6 +16,7 @@ from hf_pipeline.errors import CacheFormatError, ConfigError, SourceError, Store
 from hf_pipeline.read.mapped import SampleSource
 from hf_pipeline.read.sampler import ORDER_VERSION, OptionError, SamplerOptions
 from tests.helpers.caches import build_cache, open_source
+from tests.helpers.reraise import worker_reraised
 
 
 @pytest.fixture(scope="module")
@@ -517,15 +518,9 @@ def test_our_errors_survive_torchs_worker_reraise(error):
     """What a DataLoader does with a worker's exception (torch's own ``ExceptionWrapper``,
     which rebuilds it from one message string), without starting workers: the loop's
     quick check of the test below."""
-    from torch._utils import ExceptionWrapper
-
-    try:
-        raise error
-    except type(error):
-        wrapped = ExceptionWrapper(where="in DataLoader worker process 0")
-    with pytest.raises(type(error)) as got:
-        wrapped.reraise()
-    assert str(error) in str(got.value)
+    got = worker_reraised(error)
+    assert isinstance(got, type(error)), repr(got)
+    assert str(error) in str(got)
 
 
 # slow: DataLoader worker processes (about 5 s each on 2 CPUs); the reraise above is quick.

@@ -91,7 +91,19 @@ def main() -> int:
     ap.add_argument("--drop-caches", choices=["fadvise", "all"], default="fadvise")
     ap.add_argument("--dir", default="", help="where the files go (default: a temp folder)")
     ap.add_argument("--json", default="")
+    ap.add_argument(
+        "--chunks-kb",
+        default="",
+        help="also hash the files warm with --workers threads at each of these read sizes "
+        "(KiB, comma-separated), taking turns, 3 rounds: threads_gb_per_s_by_chunk_kb",
+    )
     args = ap.parse_args()
+    try:
+        chunks_kb = [int(c) for c in args.chunks_kb.split(",") if c.strip()]
+    except ValueError:
+        ap.error(f"--chunks-kb takes comma-separated integers, got {args.chunks_kb!r}")
+    if any(c < 1 for c in chunks_kb):
+        ap.error("--chunks-kb: each size must be >= 1")
     if args.files < 1 or args.mb < 1 or args.hit_files < 1 or args.workers < 1:
         ap.error("--files, --mb, --hit-files and --workers must be >= 1")
 
@@ -151,6 +163,15 @@ def main() -> int:
         t0 = time.perf_counter()
         list(hash_files(paths, workers=1))
         compare["one_thread_gb_per_s_warm"] = round(gb / (time.perf_counter() - t0), 2)
+
+        by_chunk: dict[str, list[float]] = {str(c): [] for c in chunks_kb}
+        for _ in range(3 if chunks_kb else 0):
+            for c in chunks_kb:
+                t0 = time.perf_counter()
+                list(hash_files(paths, workers=args.workers, chunk_bytes=c << 10))
+                by_chunk[str(c)].append(round(gb / (time.perf_counter() - t0), 2))
+        if chunks_kb:
+            compare["threads_gb_per_s_by_chunk_kb"] = by_chunk
 
         # touch every shard: every file misses the index and is hashed again (warm)
         for p in paths:

@@ -88,7 +88,7 @@ fi
 if want hashing; then
   for w in 8 16; do
     step "hashing_w$w" 20 "$PY" benchmarks/bench_identity.py --files 32 --mb 256 --hit-files 10000 \
-      --workers "$w" --dir "$WORK/hash" --json "$OUT/hashing_w$w.json"
+      --workers "$w" --chunks-kb 8192,2048,1024,256 --dir "$WORK/hash" --json "$OUT/hashing_w$w.json"
     rm -rf "$WORK/hash"
   done
 fi

@@ -41,13 +41,17 @@ _CHUNK = 8 << 20  # large enough that per-call overhead vanishes, small for a sm
 
 
 def whole_checksum(
-    path: str | os.PathLike[str], on_bytes: Callable[[int], object] | None = None
+    path: str | os.PathLike[str],
+    on_bytes: Callable[[int], object] | None = None,
+    *,
+    chunk_bytes: int = _CHUNK,
 ) -> tuple[int, str]:
     """Size and xxh3_128 (hex) of every byte of ``path``, read once front to back.
 
     Args:
         path: the file.
         on_bytes: called with the byte count of each chunk read (a progress bar).
+        chunk_bytes: the read size (the digest does not depend on it).
 
     Returns:
         ``(bytes read, hex digest)``; the byte count is what was read, so a file that
@@ -56,8 +60,10 @@ def whole_checksum(
     Raises:
         OSError: the file cannot be opened or read.
     """
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
     h = xxhash.xxh3_128()
-    buf = bytearray(_CHUNK)
+    buf = bytearray(chunk_bytes)
     view = memoryview(buf)
     size = 0
     with open(path, "rb", buffering=0) as fh:
@@ -86,12 +92,14 @@ def hash_files(
     *,
     workers: int | None = None,
     on_bytes: Callable[[int], object] | None = None,
+    chunk_bytes: int = _CHUNK,
 ) -> Iterator[tuple[_P, int, str | OSError]]:
     """:func:`whole_checksum` of each path, ``workers`` files at a time.
 
     Yields ``(path, bytes read, hex digest)`` in the order of ``paths``; an unreadable
     file yields its ``OSError`` in the digest's place (the others are still hashed).
-    ``on_bytes`` is called from the worker threads. Closing the generator early (an
+    ``on_bytes`` is called from the worker threads; ``chunk_bytes`` is each read's size.
+    Closing the generator early (an
     error or Ctrl-C in the consumer) stops the threads within one 8 MiB chunk.
     """
     workers = default_workers() if workers is None else workers
@@ -110,7 +118,7 @@ def hash_files(
 
     def one(path: _P) -> tuple[int, str | OSError]:
         try:
-            return whole_checksum(path, chunk)
+            return whole_checksum(path, chunk, chunk_bytes=chunk_bytes)
         except OSError as e:
             return 0, e
 

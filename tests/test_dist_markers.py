@@ -9,6 +9,7 @@ import os
 import threading
 
 import pytest
+import xxhash
 
 from dist.atomic import write_json_atomic
 from dist.checksums import hash_files, whole_checksum
@@ -376,6 +377,28 @@ def test_whole_checksum_covers_every_byte(tmp_path):
         f.seek(2 << 20)
         f.write(b"b")  # the middle, which file_checksum does not read
     assert whole_checksum(p)[1] != base
+
+
+@pytest.mark.parametrize(
+    "chunk_bytes, length",
+    [(1, 3), (4096, 5 << 20), (1 << 20, 5 << 20), (3 << 20, 5 << 20), (64 << 20, 5 << 20)],
+)
+def test_the_read_size_does_not_change_a_digest(tmp_path, chunk_bytes, length):
+    # the read size is a speed knob (tuned on a host's page cache): a digest recorded with
+    # one size must match one computed with any other, a file of any length included
+    p = tmp_path / "f"
+    p.write_bytes((bytes(range(256)) * (length // 256 + 1))[: length + 7])  # no multiple
+    expected = (length + 7, xxhash.xxh3_128(p.read_bytes()).hexdigest())
+    assert whole_checksum(p, chunk_bytes=chunk_bytes) == expected
+    ((_, got_size, got),) = hash_files([p], workers=1, chunk_bytes=chunk_bytes)
+    assert (got_size, got) == expected
+
+
+def test_a_read_size_below_one_byte_is_refused(tmp_path):
+    p = tmp_path / "f"
+    p.write_bytes(b"x")
+    with pytest.raises(ValueError, match="chunk_bytes must be >= 1, got 0"):
+        whole_checksum(p, chunk_bytes=0)
 
 
 def test_hash_files_in_parallel_reports_an_unreadable_file_in_its_place(tmp_path):

@@ -9,26 +9,31 @@
 #   evolve_append.json   (--append-repeats N > 0) bench_evolve.py --append-only --repeats N
 #   hashing_w{8,16}.json bench_identity.py: content hashing GB/s on this host's tmpfs, 8
 #                        (the default) and 16 threads
-#   stream_93k.json      bench_stream.py, 96 shards x 1000 rows, 50 ms per request,
-#                        concurrency 64, block and global shuffle, --repeats 3
+#   stream_93k.json      bench_stream.py, 96 shards x 1000 rows, 50 ms per request (or
+#                        --stream-latencies), concurrency 64, block and global shuffle,
+#                        --repeats 3 (--stream-pull: with the pull-first comparison)
 #   fresh_100k.json      bench_build_gpu.py --fresh-process-runs 5 (the 100k demo)
 #
 # Usage (repository root; carry .whl (datasets/dill/multiprocess), .gw (gcsfs and its
 # needs), .fgcs (the fake-gcs-server wrapper) and .tok (a MiniLM tokenizer folder)):
 #   bash benchmarks/gpu_evolve_stream.sh --commit SHA [--budget 560] [--steps evolve,stream,fresh]
-#        [--append-repeats N]
+#        [--append-repeats N] [--stream-latencies "0 50"] [--stream-pull]
 set -u -o pipefail
 
 BUDGET=560
 COMMIT=""
 STEPS="evolve,hashing,stream,fresh"
 APPEND_REPEATS=0
+STREAM_LATENCIES="50"
+STREAM_PULL="--no-pull"
 while [ $# -gt 0 ]; do
   case "$1" in
     --commit) COMMIT="$2"; shift 2 ;;
     --budget) BUDGET="$2"; shift 2 ;;
     --steps) STEPS="$2"; shift 2 ;;
     --append-repeats) APPEND_REPEATS="$2"; shift 2 ;;
+    --stream-latencies) STREAM_LATENCIES="$2"; shift 2 ;;  # e.g. "0 50"
+    --stream-pull) STREAM_PULL=""; shift ;;  # also time pulling the whole cache first
     *) echo "error: gpu_evolve_stream.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -94,8 +99,8 @@ if want hashing; then
 fi
 if want stream; then
   step stream_93k 150 "$PY" benchmarks/bench_stream.py --shards 96 --samples 1000 --batch 1024 \
-    --block-size 1024 --ahead 32 --cache-mb 2048 --threads 8 --latency-ms 50 --concurrency 64 \
-    --no-ceiling --no-pull --repeats 3 --workdir "$WORK/bs96" --set encoder.model="$WORK/m" \
+    --block-size 1024 --ahead 32 --cache-mb 2048 --threads 8 --latency-ms $STREAM_LATENCIES \
+    --concurrency 64 --no-ceiling $STREAM_PULL --repeats 3 --workdir "$WORK/bs96" --set encoder.model="$WORK/m" \
     --set encoder.device=cuda --set build.num_proc="$NP" --json "$OUT/stream_93k.json"
   rm -rf "$WORK/bs96"
 fi

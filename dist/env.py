@@ -34,8 +34,10 @@ processes are assumed to be on one node: local rank = rank, node 0.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
+import socket
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -45,6 +47,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "EnvironmentConflictError",
     "ProcessInfo",
+    "check_coordinator_port",
     "detect",
     "imported_module",
     "jax_initialize_args",
@@ -444,3 +447,69 @@ def jax_initialize_args(
         "MASTER_ADDR and MASTER_PORT, or launch with torchrun, srun or mpirun",
         ("JAX_COORDINATOR_ADDRESS", "MASTER_ADDR", "MASTER_PORT"),
     )
+
+
+def check_coordinator_port(
+    initialize_args: Mapping[str, Any], environ: Mapping[str, str] | None = None
+) -> None:
+    """On the process that hosts ``jax.distributed``'s coordinator (``process_id`` 0),
+    refuse a coordinator port that something else on this host holds.
+
+    JAX's gRPC server fails to bind such a port and the process dies of SIGSEGV
+    ("Failed to add port to server"); a ``MASTER_PORT + 1`` that another program
+    took is the usual case. The check binds the port (all interfaces, as JAX does) and
+    lets it go: a program that takes the port between this check and JAX's bind still
+    wins that race. Other ranks, SLURM/Open MPI (no address given) and an address that
+    is not ``host:port`` are left to JAX.
+
+    Args:
+        initialize_args: :func:`jax_initialize_args`'s result.
+        environ: the environment it was read from (default ``os.environ``).
+
+    Raises:
+        EnvironmentConflictError: the port is in use, or this user may not bind it.
+    """
+    address = initialize_args.get("coordinator_address")
+    if not address or initialize_args.get("process_id") != 0:
+        return
+    port_text = str(address).rpartition(":")[2]
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        return
+    port = int(port_text)
+    env = os.environ if environ is None else environ
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        origin, variable = f"from JAX_COORDINATOR_ADDRESS={address}", "JAX_COORDINATOR_ADDRESS"
+    else:
+        origin, variable = f"MASTER_PORT + 1, MASTER_PORT={port - 1}", "MASTER_PORT"
+    problem = _bind_problem(port)
+    if problem:
+        raise EnvironmentConflictError(
+            f"the jax.distributed coordinator's port {port} ({origin}) {problem} on this "
+            "host, where rank 0 hosts the coordinator: set JAX_COORDINATOR_ADDRESS="
+            "<this host>:<a free port>, the same on every rank",
+            (variable,),
+        )
+
+
+def _bind_problem(port: int) -> str:
+    """Why ``port`` cannot be bound on every interface here ("" when it can)."""
+    families = [(socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")]
+    for family, host in families:
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 on this host: the IPv4 check
+            continue
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            try:
+                sock.bind((host, port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return "is in use"
+                if e.errno == errno.EACCES:
+                    return "may not be bound by this user"
+                continue  # e.g. an IPv6 socket without a v6 address: the IPv4 check
+            return ""
+    return ""

@@ -325,3 +325,34 @@ def test_a_module_another_thread_is_importing_is_absent_not_half_read():
     lines = dict(line.split(" ", 1) for line in p.stdout.splitlines())
     assert int(lines["partial_seen"]) > 0, "the import's window was not hit: nothing was tested"
     assert lines["warnings"] == "[]", lines["warnings"]
+
+
+@pytest.mark.parametrize("how", ["MASTER_PORT", "JAX_COORDINATOR_ADDRESS"])
+def test_a_coordinator_port_in_use_is_one_line_not_a_crash(tmp_path, how):
+    """Rank 0 hosts jax.distributed's coordinator on MASTER_PORT + 1 (or the port of
+    JAX_COORDINATOR_ADDRESS). When something else on the host holds that port, JAX's
+    gRPC server failed to bind and the process died of SIGSEGV (seen under torchrun:
+    "Failed to add port to server", exit -11). Now rank 0 checks the port first and
+    refuses in one line naming the port, where it came from, and what to set."""
+    import socket
+
+    with socket.socket(socket.AF_INET6) as held:
+        held.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        held.bind(("::", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+               "LOCAL_WORLD_SIZE": "2", "JAX_PLATFORMS": "cpu"}  # fmt: skip
+        if how == "MASTER_PORT":
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port - 1))
+        else:
+            env["JAX_COORDINATOR_ADDRESS"] = f"127.0.0.1:{port}"
+        code = "import hf_pipeline\nwith hf_pipeline.jax_distributed():\n    pass\n"
+        run = subprocess.run(
+            [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+    assert run.returncode == 1, (run.returncode, run.stderr[-3000:])
+    last = run.stderr.strip().splitlines()[-1]
+    assert "EnvironmentConflictError" in last and f"port {port}" in last, run.stderr[-3000:]
+    assert how in last and "JAX_COORDINATOR_ADDRESS=" in last, last

@@ -81,13 +81,15 @@ def init_jax_distributed(process, environ=None) -> bool:
 
     Raises:
         dist.env.EnvironmentConflictError: several processes but no coordinator to be
-            found (each would train its own model): names what to set.
+            found (each would train its own model), or (rank 0) the coordinator's port
+            is in use on this host: names what to set.
     """
-    from dist.env import jax_initialize_args
+    from dist.env import check_coordinator_port, jax_initialize_args
 
     kwargs = jax_initialize_args(process, environ)
     if kwargs is None:
         return False
+    check_coordinator_port(kwargs, environ)  # JAX dies of SIGSEGV on a port in use
     import jax
 
     jax.distributed.initialize(**kwargs)

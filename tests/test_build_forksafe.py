@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
@@ -26,6 +25,7 @@ import pytest
 
 from hf_pipeline.workers.pool import PRELOAD, clean_workers
 from tests.conftest import PYTHON, REPO, SMALL_DEMO, run_ranks, script_env
+from tests.helpers.ports import free_port
 
 _FORKS: list[int] = []
 os.register_at_fork(before=lambda: _FORKS.append(os.getpid()))
@@ -33,12 +33,6 @@ os.register_at_fork(before=lambda: _FORKS.append(os.getpid()))
 
 def _plus_one(batch):
     return {"y": [x + 1 for x in batch["x"]]}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -201,7 +195,7 @@ def test_jax_distributed_first_then_five_builds_never_fork(tmp_path):
         [REPO / "tests/procs/jax_rank_build.py", tmp_path / "r{rank}.json", rounds, *overrides],
         2,
         timeout=600,
-        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}",
+        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}",
         JAX_PLATFORMS="cpu",
     )
     for code, out, err in runs:

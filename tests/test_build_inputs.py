@@ -9,23 +9,17 @@ from __future__ import annotations
 import json
 import os
 import resource
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import PYTHON, REPO, SMALL_DEMO, run_ranks, script_env
+from tests.helpers.ports import free_port
 from tests.servers import make_shards, shard_dir  # noqa: F401
 from tests.servers.hub import FakeHub
 
 HUB_REPO = "org/coyo-like"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _resolve(hub, world: int, tmp_path) -> list[dict]:
@@ -33,7 +27,7 @@ def _resolve(hub, world: int, tmp_path) -> list[dict]:
     runs = run_ranks(
         [REPO / "tests/procs/resolve_rank.py", *overrides], world, timeout=300,
         HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0", HF_HOME=str(tmp_path / f"home{world}"),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
     )  # fmt: skip
     for code, out, err in runs:
         assert code == 0, (out + err)[-3000:]

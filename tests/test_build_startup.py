@@ -85,13 +85,12 @@ def test_fresh_process_starts_workers_and_encoder_first(tmp_path):
     assert first["notes"]["tokenizer"] == "native", first["notes"]
     # The second loads the tokenizer with transformers: transformers itself is imported
     # off the main thread, and the join's first use of datasets waits for it
-    # (race-free). Loading through transformers takes seconds: the first shard starts
-    # before the encoder is ready (the native model, without transformers' imports, may
-    # be ready before it).
+    # (race-free). Whether the first shard starts before the encoder is ready is a
+    # matter of speed (on a loaded VM the native model was ready 35 ms before it): the
+    # join not waiting for the model is `join_map <= encoder_loading`, above.
     t = second["seconds"]
     assert t["imports"] < t["transformers"] <= t["first_shard"], t
     assert t["encoder_loading"] < t["tokenizer"], t  # the loading thread's
-    assert t["first_shard"] < t["encoder"], t
     assert second["notes"]["tokenizer"] == "transformers", second["notes"]
 
     # The reference: a fresh interpreter with the build's heavy libraries, ending

@@ -36,6 +36,7 @@ from dist.lease import LeaseView, holder_exited, process_identity, read_lease
 from dist.markers import Marker, read_json
 from tests.conftest import run_mount as _mount
 from tests.helpers.dist_job import Job
+from tests.helpers.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 # Short timings so the whole file runs in well under 3 minutes on 2 cores.
@@ -768,18 +769,12 @@ def test_read_only_mount_of_unbuilt_cache_raises_at_once(tmp_path, mounts):
 # ----------------------------------------------------------------------------- gloo
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_gloo_waiters_wake_within_a_second_despite_long_poll(job, tmp_path):
     pytest.importorskip("torch.distributed")
     cache = tmp_path / "shared"
     world = 3
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world)}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world)}
     procs = [
         job.start(
             cache,
@@ -893,7 +888,7 @@ def test_gloo_builder_sigkilled_waiters_fall_back_to_polling_and_take_over(job, 
     reference = _clean_hash(job, tmp_path)
     cache = tmp_path / "shared"
     world = 3
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world)}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world)}
     procs = [
         job.start(cache, rank, "--gloo", "--no-barrier", *FAST, "--hold", "build-converted:60",
                   env=env)

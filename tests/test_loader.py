@@ -7,7 +7,6 @@ import gc
 import itertools
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -25,6 +24,7 @@ from hf_pipeline.read.loader import Loader, LoaderOptions, loader_options
 from hf_pipeline.read.mapped import SampleSource
 from hf_pipeline.read.sampler import ORDER_VERSION, GlobalSampler, SamplerOptions
 from tests.helpers.caches import build_cache, open_source
+from tests.helpers.ports import free_port, free_port_pair
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -611,12 +611,6 @@ _MULTI_PROCESS = textwrap.dedent(
 )
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_jax_distributed(source, tmp_path):
     files = [source._latents.files, source._emb.files, None]
@@ -627,7 +621,7 @@ def test_two_processes_jax_distributed(source, tmp_path):
     }
     script = tmp_path / "multi_process.py"
     script.write_text(_MULTI_PROCESS)
-    port = _free_port()
+    port = free_port()
     procs = [
         subprocess.Popen(
             [
@@ -711,7 +705,7 @@ def test_readme_loop_under_torchrun_is_refused_or_split(built_cache, tmp_path):
 
     def launch(*mode: str) -> tuple[int, str]:
         argv = ["-m", "torch.distributed.run", "--nproc_per_node", "2",
-                "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+                "--master_addr", "127.0.0.1", "--master_port", str(free_port_pair()),
                 REPO / "tests/procs/readme_loop.py", tmp_path / ("{rank}" + "".join(mode)),
                 *mode]  # fmt: skip
         env = {"DEMO_CACHE": str(built_cache.cache_dir), "JAX_PLATFORMS": "cpu",

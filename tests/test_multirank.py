@@ -10,6 +10,7 @@ import pytest
 from tests.conftest import REPO, SMALL_DEMO, run_ranks
 from tests.helpers.caches import copy_inputs
 from tests.helpers.dist_job import two_rank_nodes
+from tests.helpers.ports import free_port_pair
 from tests.servers import shard_dir  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.slow
@@ -345,6 +346,13 @@ def test_two_jobs_on_one_cache_root_do_not_meet(tmp_path):
 # ------------------------------ issue 24 item 14: a torchrun launch is one JAX job
 
 
+def _rdzv() -> list[str]:
+    """torchrun's store on a free port whose next port is free too: jax.distributed's
+    coordinator listens there (``MASTER_PORT + 1``); torchrun's own pick leaves it to
+    chance, and a port in use there failed a run of the full suite."""
+    return ["--master_addr", "127.0.0.1", "--master_port", str(free_port_pair())]
+
+
 def test_torchrun_ranks_train_one_model(small_config, built_cache, tmp_path):
     """README's launch line without JAX_COORDINATOR_ADDRESS: real torchrun, 2 ranks.
     They join one jax.distributed job (coordinator from MASTER_ADDR/MASTER_PORT), so
@@ -352,7 +360,7 @@ def test_torchrun_ranks_train_one_model(small_config, built_cache, tmp_path):
     overrides = [*SMALL_DEMO, f"build.cache_dir={small_config.cache_root}",
                  "train.steps=6", "loader.global_batch_size=16"]  # fmt: skip
     runs = _start_each(
-        [([ "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        [(["-m", "torch.distributed.run", "--nproc_per_node", "2", *_rdzv(),
             REPO / "tests/procs/train_rank.py", tmp_path / "out-{rank}.json", *overrides],
           {"OMP_NUM_THREADS": "1"})],
         timeout=400,
@@ -404,7 +412,7 @@ def test_torchrun_ranks_make_the_hub_requests_of_one(shard_dir, tmp_path):  # no
         requests_one = len(hub.log)
         assert requests_one > 0
         (launch,) = _start_each(
-            [(["-m", "torch.distributed.run", "--nproc_per_node", "8", script,
+            [(["-m", "torch.distributed.run", "--nproc_per_node", "8", *_rdzv(), script,
                tmp_path / "r{rank}.json", *overrides], {**env, "HF_HOME": str(tmp_path / "h8")})],
             timeout=400,
         )  # fmt: skip
@@ -431,7 +439,7 @@ def test_torchrun_ranks_resume_a_checkpoint(small_config, built_cache, tmp_path)
                      f"train.checkpoint={ckpt}", "train.checkpoint_every=3",
                      "train.keep_checkpoints=5"]  # fmt: skip
         (run,) = _start_each(
-            [(["-m", "torch.distributed.run", "--nproc_per_node", "2",
+            [(["-m", "torch.distributed.run", "--nproc_per_node", "2", *_rdzv(),
                REPO / "tests/procs/train_loop_rank.py", tmp_path / f"{tag}-{{rank}}.json",
                *overrides], {"OMP_NUM_THREADS": "1"})],
             timeout=400,

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import PYTHON, REPO, SMALL_DEMO, run_ranks, script_env
+from tests.helpers.ports import free_port
 
 
 def _run(script, *args, env=None, timeout=600):
@@ -298,18 +299,10 @@ def test_train_batch_larger_than_data_is_one_line_exit_2(session_cache_root, bui
     assert f"{rows} rows" in errors[0]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_train_two_processes_jax_distributed(session_cache_root, built_cache):
     """torchrun-style env + JAX_COORDINATOR_ADDRESS: one global batch sharded over 2 hosts."""
-    port = _free_port()
+    port = free_port()
     args = [
         "--cache-dir",
         str(session_cache_root),

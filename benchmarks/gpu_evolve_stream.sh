@@ -50,7 +50,8 @@ PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false
 if [ -n "$COMMIT" ]; then export BENCH_TREE_COMMIT="$COMMIT"; fi
 SECONDS=0
-log() { echo "[$(date -u +%H:%M:%S) +${SECONDS}s] $*" | tee -a "$LOG"; }
+# shellcheck disable=SC1091
+. "$(dirname "$0")/session_steps.sh"  # log, step
 
 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl .gw/*.whl >>"$LOG" 2>&1 || { log "wheel install failed"; exit 1; }
@@ -67,15 +68,6 @@ mkdir -p "$WORK"
 "$PY" -c "from pathlib import Path; from benchmarks.random_models import save_random_model; save_random_model('minilm', Path('$WORK/m'), '.tok')" >>"$LOG" 2>&1 \
   || { log "random MiniLM failed"; exit 1; }
 
-step() {
-  local name="$1" need="$2"; shift 2
-  local left=$((BUDGET - SECONDS))
-  if [ "$left" -lt "$need" ]; then log "SKIP $name: ${left}s left, needs ${need}s"; return 0; fi
-  log "START $name (${left}s left): $*"
-  local t0=$SECONDS
-  timeout --kill-after=10 "$left" "$@" >>"$LOG" 2>&1
-  log "END $name rc=$? in $((SECONDS - t0))s"
-}
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 
 if want evolve; then

@@ -61,7 +61,8 @@ SECONDS=0
 # shellcheck disable=SC1091
 . "$(dirname "$0")/precompile.sh"
 
-log() { echo "[$(date -u +%H:%M:%S) +${SECONDS}s] $*" | tee -a "$LOG"; }
+# shellcheck disable=SC1091
+. "$(dirname "$0")/session_steps.sh"  # log, step
 
 # The Python packages the image lacks (datasets and its dill/multiprocess), from .whl.
 if ! "$PY" -c "import datasets, multiprocess" 2>/dev/null; then
@@ -91,19 +92,6 @@ log "$NGPU GPUs visible, $NCPU CPUs"
 FOUR=0
 if [ "$NGPU" -ge 4 ] || [ "$TINY" = 1 ]; then FOUR=1; fi
 
-# step NAME MIN_SECONDS CMD...: runs CMD when at least MIN_SECONDS of the budget are left,
-# bounded by what is left; logs its time and exit code.
-step() {
-  local name="$1" need="$2"; shift 2
-  local left=$((BUDGET - SECONDS))
-  if [ "$left" -lt "$need" ]; then log "SKIP $name: ${left}s left, needs ${need}s"; return 0; fi
-  log "START $name (${left}s left): $*"
-  local t0=$SECONDS
-  timeout --kill-after=10 "$left" "$@" >>"$LOG" 2>&1
-  local rc=$?
-  log "END $name rc=$rc in $((SECONDS - t0))s"
-  return 0
-}
 
 if [ "$TINY" = 1 ]; then
   FRESH=(--rows 400 --samples-per-shard 100 --fresh-process-runs 2 --dtype float32 --set build.num_proc=2)

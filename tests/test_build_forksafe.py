@@ -181,6 +181,44 @@ def test_script_without_main_guard_fails_with_one_clear_message(tmp_path):
     assert not list((tmp_path / "c").glob("demo-*/filtered.json")), "nothing published"
 
 
+_UNGUARDED_RANKS = """
+import sys
+import hf_pipeline
+
+# README's loop without a __main__ guard (a tester's copy): every new worker of the
+# build imports this script, and used to join jax.distributed again as rank 0
+with hf_pipeline.jax_distributed():
+    hf_pipeline.prepare_cache(hf_pipeline.load_config(None, sys.argv[1:]), progress=False)
+print("built")
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_of_a_script_without_main_guard_get_one_clear_message(tmp_path):
+    """Two ranks run an unguarded script that joins jax.distributed, then builds. The
+    builder's workers imported the script and joined jax.distributed as a second "rank
+    0": JAX's coordinator aborted both ranks (exit 134, "unexpectedly tried to connect
+    with a different incarnation") with no word of the cause. Now the worker stops
+    before joining, and the ranks fail with the message that names the fix."""
+    script = tmp_path / "unguarded_ranks.py"
+    script.write_text(_UNGUARDED_RANKS)
+    args = [*SMALL_DEMO, "data.demo.samples_per_shard=10", f"build.cache_dir={tmp_path / 'c'}",
+            "build.num_proc=2", "coord.lease_timeout=5", "coord.heartbeat_interval=1"]  # fmt: skip
+    tmp = Path(tempfile.mkdtemp(prefix="hfp-"))  # short: the fork server's socket
+    runs = run_ranks(
+        [script, *args], 2, timeout=300, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}",
+        JAX_PLATFORMS="cpu", TMPDIR=str(tmp),
+    )  # fmt: skip
+    shutil.rmtree(tmp, ignore_errors=True)
+    fix = 'must be under `if __name__ == "__main__":`'
+    builder = [err for code, out, err in runs if fix in err]
+    assert builder, [err[-2000:] for _, _, err in runs]
+    for code, out, err in runs:
+        assert code not in (0, -6, 134) and "built" not in out, (code, err[-3000:])
+        assert "incarnation" not in err, err[-3000:]
+    assert not list((tmp_path / "c").glob("demo-*/filtered.json")), "nothing published"
+
+
 @pytest.mark.slow
 def test_jax_distributed_first_then_five_builds_never_fork(tmp_path):
     """2 real ranks: jax.distributed + CPU backend up, then 5 fresh builds each."""

@@ -91,6 +91,9 @@ def test_frozen_and_effective_num_proc():
         (["loader.crop=3"], "loader.crop", "crop index 0-2, got '3'"),
         (["loader.crop=-1"], "loader.crop", "crop index 0-2, got '-1'"),
         (["justtext"], "justtext", "section.field=value"),
+        # a tester: accepted here, then a traceback at the Loader after the build
+        (["loader.latents_dtype=foo"], "loader.latents_dtype", "floating dtype"),
+        (["loader.latents_dtype=int8"], "loader.latents_dtype", "got 'int8'"),
     ],
 )
 def test_bad_values_name_the_field(override, field, fragment):
@@ -370,6 +373,7 @@ def _yaml_refusal(path) -> str:
         (["--set", "data.download_workers=100000"], "data.download_workers must be in [1, 256]"),
         (["--set", "coord.max_wait=.inf"], "coord.max_wait must be a finite number, got inf"),
         (["--config", "{bomb}"], "alias"),
+        (["--set", "loader.latents_dtype=foo"], "loader.latents_dtype must be a floating dtype"),
     ],
 )
 def test_scripts_refuse_hostile_configs_in_one_line_exit_2(tmp_path, script, args, fragment):

@@ -33,6 +33,20 @@ def test_every_page_has_examples():
         assert _python_blocks(page), page
 
 
+def test_examples_that_build_are_under_a_main_guard():
+    """An example that calls ``prepare_cache`` runs as a user's script: the build's
+    worker processes import that script, so without the guard a copy pasted into a file
+    failed (a tester: README's loop, ``RuntimeError`` alone and under two ranks a JAX
+    abort). Each such block has the guard before its first ``prepare_cache`` call."""
+    pages = ["README.md", *(str(p.relative_to(REPO)) for p in (REPO / "docs").rglob("*.md"))]
+    for page in pages:
+        for block in _python_blocks(page):
+            if "prepare_cache(" not in block:
+                continue
+            guard = block.find('if __name__ == "__main__":')
+            assert 0 <= guard < block.index("prepare_cache("), (page, block[:400])
+
+
 @pytest.mark.slow
 def test_readme_and_docs_python_examples_run(small_config, built_cache, monkeypatch, tmp_path):
     import tempfile
@@ -56,9 +70,11 @@ def test_readme_and_docs_python_examples_run(small_config, built_cache, monkeypa
     monkeypatch.setenv("DEMO_CACHE", str(built_cache.cache_dir))
     namespace: dict = {}
     for page in PAGES:
-        # The Grain guide's example is a script under a main guard (Grain's workers
-        # re-import it): run as the main module, as a user runs it.
-        namespace["__name__"] = "__main__" if page.endswith("grain.md") else "docs_example"
+        # README's, the JAX guide's and the Grain guide's examples are scripts under a
+        # main guard (the build's workers and Grain's re-import them): run as the main
+        # module, as a user runs them.
+        as_main = page in ("README.md", "docs/guides/jax.md", "docs/guides/grain.md")
+        namespace["__name__"] = "__main__" if as_main else "docs_example"
         for block in _python_blocks(page):
             exec(compile(block, page, "exec"), namespace)  # noqa: S102
         if page.endswith("lightning.md"):

@@ -46,6 +46,7 @@ from hf_pipeline.read.sampler import (
     ORDER_VERSION,
     SAMPLER_FIELDS,
     GlobalSampler,
+    OptionError,
     ProcessBatch,
     SamplerOptions,
     check_at_least,
@@ -128,6 +129,13 @@ class LoaderOptions:
             check_at_least(self.num_threads, 1, "num_threads")
         if isinstance(self.latents_dtype, str) and not self.latents_dtype:
             object.__setattr__(self, "latents_dtype", None)
+        elif isinstance(self.latents_dtype, str) and not _names_a_float_dtype(self.latents_dtype):
+            # checked here, where a config is read, not first at the Loader after a build
+            raise OptionError(
+                "latents_dtype",
+                "must be a floating dtype (bfloat16, float16, float32), "
+                f"got {self.latents_dtype!r}",
+            )
 
     @classmethod
     def from_config(cls, loader_config) -> LoaderOptions:
@@ -136,6 +144,19 @@ class LoaderOptions:
         The same as ``loader_config.loader_options()``, which owns the mapping.
         """
         return loader_config.loader_options()
+
+
+def _names_a_float_dtype(name: str) -> bool:
+    """Whether NumPy (with ``ml_dtypes``: ``bfloat16``, the float8s) reads ``name`` as a
+    floating dtype, as ``jnp.dtype`` does: without importing JAX."""
+    import ml_dtypes
+
+    try:
+        dtype = np.dtype(getattr(ml_dtypes, name) if hasattr(ml_dtypes, name) else name)
+        ml_dtypes.finfo(dtype)  # floating types only
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 _SAMPLER_FIELDS = frozenset(SAMPLER_FIELDS)

@@ -83,9 +83,15 @@ def init_jax_distributed(process, environ=None) -> bool:
         dist.env.EnvironmentConflictError: several processes but no coordinator to be
             found (each would train its own model), or (rank 0) the coordinator's port
             is in use on this host: names what to set.
+        RuntimeError: called while a new worker process of a build imports the main
+            script (no ``if __name__ == "__main__":`` guard): names the fix.
     """
     from dist.env import check_coordinator_port, jax_initialize_args
+    from hf_pipeline.workers.pool import check_not_bootstrapping
 
+    # A new worker of a build importing an unguarded main script must not join the job
+    # as a second copy of its rank (JAX's coordinator aborts every rank for it).
+    check_not_bootstrapping("hf_pipeline.jax_distributed")
     kwargs = jax_initialize_args(process, environ)
     if kwargs is None:
         return False

@@ -29,6 +29,7 @@ dropped after any failure, so the next attempt starts on a fresh one.
 from __future__ import annotations
 
 import http.client
+import socket
 import ssl
 import threading
 from typing import Any
@@ -79,18 +80,27 @@ class RangedGetter:
         return target
 
     def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
-        """This thread's connection, and whether it was opened now (not reused)."""
+        """This thread's connection, connected, and whether it was opened now (not
+        reused)."""
         conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            return conn, False
-        if self._ssl is not None:
-            conn = http.client.HTTPSConnection(
-                self._host, self._port, timeout=self._connect_timeout, context=self._ssl
-            )
-        else:
-            conn = http.client.HTTPConnection(self._host, self._port, timeout=self._connect_timeout)
-        self._local.conn = conn
-        return conn, True
+        fresh = conn is None
+        if conn is None:
+            if self._ssl is not None:
+                conn = http.client.HTTPSConnection(
+                    self._host, self._port, timeout=self._connect_timeout, context=self._ssl
+                )
+            else:
+                conn = http.client.HTTPConnection(
+                    self._host, self._port, timeout=self._connect_timeout
+                )
+            self._local.conn = conn
+        if conn.sock is None:  # new, or closed by http.client after "Connection: close"
+            fresh = True
+            conn.connect()
+            sock: socket.socket = conn.sock
+            # Every later send and receive on it: once here, not per request.
+            sock.settimeout(self._read_timeout)
+        return conn, fresh
 
     def _drop(self) -> None:
         conn = getattr(self._local, "conn", None)
@@ -118,8 +128,6 @@ class RangedGetter:
             for attempt in (1, 2):
                 conn, fresh = self._connection()
                 try:
-                    if conn.sock is not None:
-                        conn.sock.settimeout(self._read_timeout)
                     conn.request("GET", target, headers=headers)
                     resp = conn.getresponse()
                     break
@@ -127,8 +135,6 @@ class RangedGetter:
                     self._drop()
                     if fresh or attempt == 2:
                         raise
-            if conn.sock is not None:
-                conn.sock.settimeout(self._read_timeout)
             want = end - start
             body = resp.read(want + 1)
             if resp.status >= 400:

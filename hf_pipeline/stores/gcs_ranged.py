@@ -32,7 +32,7 @@ import http.client
 import socket
 import ssl
 import threading
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlencode, urlsplit
 
 from hf_pipeline.stores.retry import TransientError
@@ -97,7 +97,8 @@ class RangedGetter:
         if conn.sock is None:  # new, or closed by http.client after "Connection: close"
             fresh = True
             conn.connect()
-            sock: socket.socket = conn.sock
+            # connect() set it (mypy keeps the narrowing to None from the test above).
+            sock = cast(socket.socket, conn.sock)
             # Every later send and receive on it: once here, not per request.
             sock.settimeout(self._read_timeout)
         return conn, fresh

@@ -40,6 +40,15 @@ def _source(bucket: str) -> GCSSource:
     return GCSSource(f"gs://{bucket}", data_config=DataConfig(), policy=_POLICY)
 
 
+@pytest.fixture
+def proxied(blob, gcs_bucket, monkeypatch):
+    """``(fault proxy, a source reading through it, object name, its bytes)``."""
+    bucket, name, data = blob
+    with FaultProxy(gcs_bucket[0]) as proxy:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        yield proxy, _source(bucket), name, data
+
+
 def _deadline() -> float:
     import time
 
@@ -78,51 +87,37 @@ def test_a_ranged_read_does_not_wait_on_the_gcsfs_event_loop(blob):
         blocked.result(timeout=60)
 
 
-def test_a_server_that_ignores_the_range_is_refused_not_read_whole(blob, gcs_bucket, monkeypatch):
+def test_a_server_that_ignores_the_range_is_refused_not_read_whole(proxied, blob):
     """A 200 with the whole object (the Range header dropped on the way) is a transient
     failure naming the object, and the client stops reading after the range's bytes."""
-    bucket, name, _ = blob
-    server = gcs_bucket[0]
-    with FaultProxy(server) as proxy:
-        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
-        proxy.add(Fault(match=name, action="ignore_range", times=-1))
-        src = _source(bucket)
-        with pytest.raises(TransientError) as err:
-            src.read_span(name, 1000, 2000, _deadline())
-    assert f"{bucket}/{name}" in str(err.value) and "Range header ignored" in str(err.value)
+    proxy, src, name, _ = proxied
+    proxy.add(Fault(match=name, action="ignore_range", times=-1))
+    with pytest.raises(TransientError) as err:
+        src.read_span(name, 1000, 2000, _deadline())
+    assert f"{blob[0]}/{name}" in str(err.value) and "Range header ignored" in str(err.value)
     assert is_transient(err.value)
 
 
-def test_a_connection_the_server_closed_between_reads_is_reopened(blob, gcs_bucket, monkeypatch):
+def test_a_connection_the_server_closed_between_reads_is_reopened(proxied):
     """Every answer is followed by the server closing the kept-alive connection, unsaid:
     each next read on that thread reopens it, and no read fails."""
-    bucket, name, data = blob
-    server = gcs_bucket[0]
-    with FaultProxy(server) as proxy:
-        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
-        proxy.add(Fault(match=name, action="close", times=-1))
-        src = _source(bucket)
-        for i in range(6):
-            assert (
-                src.read_span(name, i * 1000, i * 1000 + 500, _deadline())
-                == data[i * 1000 : i * 1000 + 500]
-            )
-        assert proxy.count(name) == 6
+    proxy, src, name, data = proxied
+    proxy.add(Fault(match=name, action="close", times=-1))
+    for i in range(6):
+        got = src.read_span(name, i * 1000, i * 1000 + 500, _deadline())
+        assert got == data[i * 1000 : i * 1000 + 500]
+    assert proxy.count(name) == 6
 
 
-def test_error_statuses_are_mapped_as_gcsfs_maps_them(blob, gcs_bucket, monkeypatch):
+def test_error_statuses_are_mapped_as_gcsfs_maps_them(proxied):
     """404 is FileNotFoundError (permanent); 503 and 429 carry their status (retried);
     after a failure the next read on the thread succeeds."""
-    bucket, name, data = blob
-    server = gcs_bucket[0]
-    with FaultProxy(server) as proxy:
-        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
-        src = _source(bucket)
-        with pytest.raises(FileNotFoundError):
-            src.read_span("missing.bin", 0, 10, _deadline())
-        for status in (503, 429):
-            proxy.add(Fault(match=name, action="status", status=status, times=1))
-            with pytest.raises(Exception) as err:
-                src.read_span(name, 0, 10, _deadline())
-            assert is_transient(err.value), repr(err.value)
-        assert src.read_span(name, 0, 10, _deadline()) == data[:10]
+    proxy, src, name, data = proxied
+    with pytest.raises(FileNotFoundError):
+        src.read_span("missing.bin", 0, 10, _deadline())
+    for status in (503, 429):
+        proxy.add(Fault(match=name, action="status", status=status, times=1))
+        with pytest.raises(Exception) as err:
+            src.read_span(name, 0, 10, _deadline())
+        assert is_transient(err.value), repr(err.value)
+    assert src.read_span(name, 0, 10, _deadline()) == data[:10]

@@ -57,13 +57,13 @@ class RangedGetter:
 
     def __init__(self, fs: Any, *, connect_timeout: float, read_timeout: float):
         self._fs = fs
-        location = urlsplit(fs.url("b/o"))  # any object: only the endpoint is kept
+        url = fs.url("b/o")  # any object's: only the endpoint is kept
+        location = urlsplit(url)
         if location.scheme not in ("http", "https") or not location.hostname:
-            raise ValueError(f"a GCS endpoint must be http(s)://host[:port], got {location}")
+            raise ValueError(f"a GCS endpoint must be http(s)://host[:port], got {url}")
         self._https = location.scheme == "https"
         self._host = location.hostname
         self._port = location.port
-        self._base = location.path[: -len("/b/o")] if location.path.endswith("/b/o") else ""
         self._connect_timeout = connect_timeout
         self._read_timeout = read_timeout
         self._ssl = ssl.create_default_context() if self._https else None

@@ -28,7 +28,8 @@ chunks: a per-request latency, time to the first byte):
 * ``ceiling``: after each streamed epoch, the byte ranges it read (recorded, merged as
   the source merged them; their number varies from run to run), fetched again by ``--concurrency`` threads doing plain ranged GETs
   (``http.client``, one keep-alive connection each) through the same proxy, and again
-  through our store client (``read_span``: gcsfs on fsspec's one event loop), with no
+  through our store client (``read_span``: each reading thread's own connection, since
+  2026-12-02; gcsfs on fsspec's one event loop before), with no
   planning, verification or assembly: MB/s of each. Streaming's MB/s (bytes fetched /
   epoch seconds) is reported as a share of the plain GETs' (``stream_share``): what the
   store and the proxy allow, against what the read path and the loader take of it. The

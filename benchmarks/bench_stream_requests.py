@@ -6,7 +6,9 @@ on fake-gcs-server (loopback), ``--reads`` reads of ``--read-kb`` at random offs
 ``concurrency`` at a time, in two ways:
 
 * ``threads``: what :class:`~hf_pipeline.read.stream.StreamSource` does, a thread pool
-  calling ``GCSSource.read_span`` (gcsfs' sync ``cat_file``, run on fsspec's IO loop);
+  calling ``GCSSource.read_span`` (since 2026-12-02 on each thread's own keep-alive
+  connection, ``hf_pipeline.stores.gcs_ranged``; before, gcsfs' sync ``cat_file``, run
+  on fsspec's IO loop);
 * ``async``: the same reads as coroutines (``fs._cat_file``) on that loop, awaited in
   one ``asyncio.gather`` batch of ``concurrency`` (no thread per read).
 

@@ -26,6 +26,7 @@ from hf_pipeline.stores.base import (
     filter_by_glob,
     split_name_glob,
 )
+from hf_pipeline.stores.gcs_ranged import RangedGetter
 from hf_pipeline.stores.remote_file import RemoteFile
 from hf_pipeline.stores.retry import Cancelled, TransientError, check_deadline, with_retries
 from hf_pipeline.stores.staging import READ_CHUNK, checksum_of
@@ -96,10 +97,12 @@ class GCSSource(Source, scheme="gs://"):
         self._bucket = path.split("/", 1)[0]
         self._fs_obj = None
         self._fs_pid = None
+        self._ranged: RangedGetter | None = None
 
     def drop_handles(self, state: dict) -> dict:
         state["_fs_obj"] = None
         state["_fs_pid"] = None
+        state["_ranged"] = None
         return state
 
     def _fs(self):
@@ -126,7 +129,17 @@ class GCSSource(Source, scheme="gs://"):
                     endpoint_url=emulator if "://" in emulator else f"http://{emulator}",
                     token="anon",
                 )
-            self._fs_obj = cls(**kw)
+            fs = cls(**kw)
+            # Ranged reads on connections of their own (gcs_ranged); with a client
+            # certificate (mutual TLS) through gcsfs, which sets it up.
+            self._ranged = (
+                None
+                if getattr(fs, "_use_client_cert", False)
+                else RangedGetter(
+                    fs, connect_timeout=min(timeout_s, 30), read_timeout=min(timeout_s, 60)
+                )
+            )
+            self._fs_obj = fs
             self._fs_pid = os.getpid()
         return self._fs_obj
 
@@ -221,7 +234,9 @@ class GCSSource(Source, scheme="gs://"):
     def read_span(self, rel: str, start: int, end: int, deadline: float) -> bytes:
         """Bytes ``[start, end)`` of object ``rel`` (a path under this source's location)
         in one ranged request (one attempt:
-        retries are the caller's, :func:`~hf_pipeline.stores.retry.with_retries`).
+        retries are the caller's, :func:`~hf_pipeline.stores.retry.with_retries`), on this
+        thread's own connection (:class:`~hf_pipeline.stores.gcs_ranged.RangedGetter`;
+        through gcsfs with a client certificate).
 
         Fewer bytes than asked (a truncated body, or an object shorter than ``end``) come
         back as they are: the caller checks the length. Bounded by the client's socket
@@ -230,7 +245,13 @@ class GCSSource(Source, scheme="gs://"):
         """
         path = f"{self._path}/{rel}"
         check_deadline(deadline, f"gs://{path}", self.policy.file_timeout)
-        data = self._fs().cat_file(path, start=start, end=end)
+        fs = self._fs()
+        ranged = self._ranged
+        data = (
+            fs.cat_file(path, start=start, end=end)
+            if ranged is None
+            else ranged.get(path, start, end)
+        )
         check_deadline(deadline, f"gs://{path}", self.policy.file_timeout)
         return data
 

@@ -51,10 +51,13 @@ class Fault:
         match: substring of the unquoted request path (a file name, say).
         action: "status" (reply ``status``), "reset" (RST the connection), "truncate"
             (send full headers, half the body, close), "stall" (sleep ``seconds``
-            before forwarding), "throttle" (send the body at ``rate`` bytes/s) or "link"
+            before forwarding), "throttle" (send the body at ``rate`` bytes/s), "link"
             (send the body through one link of ``rate`` bytes/s shared by every request
             this fault applies to, as a store's bandwidth is: two bodies at once each
-            get half; each is held ``seconds`` first, a request's latency).
+            get half; each is held ``seconds`` first, a request's latency), "close"
+            (answer in full, then close the kept-alive connection without saying so, as
+            a server does with an idle one) or "ignore_range" (forward the request
+            without its ``Range`` header: the whole object comes back, ``200``).
         times: how many matching requests it applies to (-1: all).
         status: for "status".
         seconds: for "stall".
@@ -226,8 +229,13 @@ class FaultProxy(LoopbackServer):
                 conn = http.client.HTTPConnection(
                     proxy.upstream_host, proxy.upstream_port, timeout=60
                 )
+                if fault is not None and fault.action == "close":
+                    self.close_connection = True  # after this answer, with no header
                 try:
-                    headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
+                    skip = _HOP | (
+                        {"range"} if fault is not None and fault.action == "ignore_range" else set()
+                    )
+                    headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
                     conn.request(self.command, self.path, body=body, headers=headers)
                     resp = conn.getresponse()
                     upstream = f"http://{proxy.upstream_host}:{proxy.upstream_port}"
@@ -243,7 +251,7 @@ class FaultProxy(LoopbackServer):
                     length = resp.getheader("Content-Length")
                     if (
                         self.command == "GET"
-                        and (fault is None or fault.action == "stall")
+                        and (fault is None or fault.action in ("stall", "close", "ignore_range"))
                         and length is not None
                         and length.isdigit()
                     ):

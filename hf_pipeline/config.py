@@ -1081,6 +1081,8 @@ def _one_line(text: str, limit: int = 240) -> str:
 def _read_yaml(path: Path) -> dict:
     import yaml
 
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a folder, not a YAML file", field="--config")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist", field="--config")
     # Read one byte past the cap: the file may grow between a stat and the read.

@@ -227,6 +227,9 @@ def test_bad_input_is_the_scripts_one_line_and_exit_2(tmp_path, command, script)
         (["train", "--steps", "x"], "argument --steps: invalid int value: 'x'"),
         (["rebuild"], "invalid choice: 'rebuild'"),
         ([], "the following arguments are required: COMMAND"),
+        # a tester: a flag before any command said COMMAND was missing
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--bogus", "build"], "unrecognized arguments: --bogus"),
     ],
 )
 def test_a_bad_flag_is_one_line_exit_2(args, fragment):

@@ -112,6 +112,9 @@ def test_bad_env_value_names_the_variable():
 def test_missing_or_invalid_yaml(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml", environ={})
+    # a tester: a folder was said not to exist
+    with pytest.raises(ConfigError, match=f"config file {tmp_path} is a folder, not a YAML file"):
+        load_config(tmp_path, environ={})
     bad = tmp_path / "bad.yaml"
     bad.write_text("build: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML"):

@@ -707,6 +707,9 @@ def test_clean_keeps_unused_units_while_a_build_is_live_on_the_root(inputs):
     shutil.rmtree(res.cache_dir)  # no cache links them: what a live build's new units are
     live = root / "demo-00000000000c1ea2"
     with _live_builder(live, "converted"):
+        # --status says what --clean does now (a tester: it said "--clean removes them")
+        (line,) = [x for x in _admin_human(root, "--status").splitlines() if "stored parts" in x]
+        assert line.endswith(f"--clean keeps them while {live.name} is being built"), line
         report = _admin(root, "--clean")
         removed = {Path(p).name for p in report["removed"]}
         assert not removed & units, removed

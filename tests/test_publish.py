@@ -67,8 +67,10 @@ def test_parse_location():
     assert (hub.kind, hub.repo_id, hub.revision, hub.path) == ("hub", "org/repo", "dev/x", "caches")
     assert parse_location("hf://datasets/org/repo").revision == "main"
     for bad in ("s3://b/p", "gs://", "hf://models/org/repo", "hf://datasets/org", "gs://b/*.x"):
-        with pytest.raises(SourceError, match="must look like gs://"):
+        with pytest.raises(SourceError, match="must look like gs://") as info:
             parse_location(bad)
+        # the URL as given (a tester: `gs://` was named `gs:`)
+        assert str(info.value).startswith(f"{bad}: "), str(info.value)
 
 
 def test_publish_schemes_are_the_store_kinds():

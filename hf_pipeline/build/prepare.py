@@ -1751,7 +1751,7 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
             raise
         # A full disk mid-write names no file (datasets' writers, shutil): name the cache.
         raise OSError(
-            errno.ENOSPC, f"{exc.strerror or exc} (building the cache in)", str(layout.root)
+            errno.ENOSPC, f"{exc.strerror or exc} while building the cache in", str(layout.root)
         ) from exc
     finally:
         early.close()

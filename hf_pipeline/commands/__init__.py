@@ -43,6 +43,19 @@ class _Parser(argparse.ArgumentParser):
         # is one line on stderr, and --help is where the usage lives.
         self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
+    def parse_known_args(self, args=None, namespace=None):
+        # The top level takes no flag but --help: a flag before the command is a typo
+        # (argparse itself would say the command is missing).
+        argv = list(sys.argv[1:] if args is None else args)
+        if (
+            self.prog == PROG
+            and argv
+            and argv[0].startswith("-")
+            and argv[0] not in ("-h", "--help")
+        ):
+            self.error(f"unrecognized arguments: {argv[0]} (flags go after COMMAND)")
+        return super().parse_known_args(argv, namespace)
+
 
 def _add(subs, name: str, summary: str, epilog: str = cli.ENV_HELP) -> argparse.ArgumentParser:
     p = subs.add_parser(

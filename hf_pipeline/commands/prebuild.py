@@ -249,10 +249,18 @@ def _admin(args, cfg) -> int:
                 f"{_human_bytes(sum(u.status.size_bytes for u in units))}"
             )
             if unused:
+                # While a cache of the root is being built, --clean keeps them (the build
+                # may link them): said here as clean says it (a tester saw them differ).
+                building = [st for st in rows if st.state is inventory.CacheState.BUILDING]
+                removal = (
+                    f"--clean keeps them while {_safe(building[0].path.name)} is being built"
+                    if building
+                    else "--clean removes them"
+                )
                 line += (
                     f"; {len(unused)} stored unit(s) used by no cache "
                     f"({_human_bytes(sum(u.status.size_bytes for u in unused))}): "
-                    "reusable by a later build; --clean removes them"
+                    f"reusable by a later build; {removal}"
                 )
             corrupt = [u for u in units if u.status.state is inventory.CacheState.CORRUPT]
             if corrupt:  # named as --verify's part lines name them

@@ -636,10 +636,11 @@ def parse_location(url: str) -> PublishLocation:
     Raises:
         SourceError: any other form.
     """
-    url = url.strip().rstrip("/")
-    location = store_class(url).parse_location(url)
+    given = url.strip()
+    url = given.rstrip("/")
+    location = store_class(given).parse_location(url)
     if location is None:
-        raise _not_a_location(url)
+        raise _not_a_location(given)  # as given: "gs://" stripped of its "/" read "gs:"
     return location
 
 

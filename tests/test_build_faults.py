@@ -267,3 +267,47 @@ def test_ranks_of_a_named_job_load_a_read_only_cache(small_config, built_cache, 
         assert code == 0, err[-3000:]
         assert "[found]" in out or "found" in out, out
     assert _snapshot(ro) == before
+
+
+def test_ctrl_c_during_the_build_exits_130_quietly_and_a_rerun_builds(tmp_path):
+    """Ctrl-C in a terminal signals the whole process group: the builder and its worker
+    processes. docs/troubleshooting.md: nothing is published, the process exits with 130.
+    The token ids' workers printed a KeyboardInterrupt traceback each before the
+    builder's `interrupted` line (outside tester); they now leave Ctrl-C to the builder.
+    A rerun of the same command builds."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    root = tmp_path / "c"
+    argv = [PYTHON, str(REPO / "scripts/prebuild_cache.py"), "--cache-dir", str(root),
+            *[a for o in SMALL_DEMO for a in ("--set", o)], "--set", "build.num_proc=2",
+            "--set", "data.demo.samples_per_shard=300"]  # fmt: skip
+    p = subprocess.Popen(
+        argv, env=script_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        # Interrupt once the build's worker processes run (the fork server and its
+        # workers: the join's, then the token ids'), as the tester's Ctrl-C came.
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and p.poll() is None:
+            if len(psutil.Process(p.pid).children(recursive=True)) >= 4:
+                break
+            time.sleep(0.05)
+        assert p.poll() is None, "the build ended before it could be interrupted"
+        time.sleep(1.0)
+        os.killpg(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert not _published(root), "nothing published"
+    rerun = subprocess.run(argv, env=script_env(), cwd=REPO, capture_output=True, text=True,
+                           timeout=600)  # fmt: skip
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert _published(root) == ["converted.json", "filtered.json"], _published(root)

@@ -25,6 +25,7 @@ from its tokens thread only.
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -55,7 +56,10 @@ class WorkerExitedError(RuntimeError):
 def _serve(conn, setup: Callable[[Any], Any], arg: Any, work: Callable[[Any, Any], Any]) -> None:
     """A worker's loop: ``state = setup(arg)`` once, then ``work(state, task)`` per task
     received, answering ``(index, ok, result or error)``; leaves on ``None`` or when the
-    builder's end of the pipe closes."""
+    builder's end of the pipe closes. Ctrl-C is the builder's: a terminal sends SIGINT to
+    the whole process group, and each worker printed a KeyboardInterrupt traceback; the
+    builder stops the pool (or dies, and the pipe closes)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     state = setup(arg)
     while True:
         try:

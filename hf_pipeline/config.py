@@ -1148,7 +1148,12 @@ def load_config(
         path: YAML file; ``None`` means the bundled ``configs/demo.yaml``.
         overrides: ``["loader.seed=3", ...]`` strings (values parsed as YAML scalars)
             or a mapping of dotted names to values.
-        environ: environment to read (default ``os.environ``, read now).
+        environ: environment to read for the config's fields (default ``os.environ``,
+            read now): the variables of the configuration reference that set a field,
+            ``HF_PIPELINE_CACHE`` among them. With ``build.cache_dir`` empty, the default
+            cache root (``HF_DATASETS_CACHE``, ``HF_HOME``) is not a field: it is read
+            from the process's environment when :attr:`Config.cache_root` is asked
+            (:func:`default_cache_root`), so that launchers may set ``HF_HOME`` late.
 
     Returns:
         A frozen, validated :class:`Config`.

@@ -97,8 +97,11 @@ def test_read_only_mount_of_built_cache_loads_without_writing(
     assert _snapshot(ro) == before
 
 
-def test_read_only_unbuilt_cache_fails_at_once_with_advice(small_config, tmp_path, mounts):
-    data = copy_inputs(small_config, tmp_path / "data")
+@pytest.mark.parametrize("shards", ["copied", "demo"])
+def test_read_only_unbuilt_cache_fails_at_once_with_advice(small_config, tmp_path, mounts, shards):
+    # "demo": the demo's data is generated under the root first; that failed with the
+    # raw `[Errno 30] Read-only file system` (an outside tester)
+    data = copy_inputs(small_config, tmp_path / "data") if shards == "copied" else "demo"
     ro = tmp_path / "ro"
     (tmp_path / "empty").mkdir()
     ro.mkdir()
@@ -111,9 +114,9 @@ def test_read_only_unbuilt_cache_fails_at_once_with_advice(small_config, tmp_pat
             "-q",
             "--cache-dir",
             str(ro),
+            *[a for o in SMALL_DEMO for a in ("--set", o)],
             "--set",
             f"data.shards={data}",
-            *[a for o in SMALL_DEMO for a in ("--set", o)],
         ],
         env=script_env(),
         capture_output=True,

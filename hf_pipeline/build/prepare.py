@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dist.atomic import write_json_atomic
+from dist.errors import ReadOnlyCacheError
 from hf_pipeline.build.accounting import (
     REASONS,
     build_report,
@@ -229,14 +230,27 @@ def resolve_inputs(
         # A process per CPU costs ~3 s of start-up each: it pays from ~100k rows on
         # (36 s sequential on a GPU host's CPU), not for the small demos.
         big = d.num_shards * d.samples_per_shard >= _PARALLEL_DEMO_ROWS
-        demo = generate_demo(
-            out,
-            num_shards=d.num_shards,
-            samples_per_shard=d.samples_per_shard,
-            seed=d.seed,
-            latent_dtype=d.latent_dtype,
-            num_proc=cfg.build.effective_num_proc if big else 1,
-        )
+        try:
+            demo = generate_demo(
+                out,
+                num_shards=d.num_shards,
+                samples_per_shard=d.samples_per_shard,
+                seed=d.seed,
+                latent_dtype=d.latent_dtype,
+                num_proc=cfg.build.effective_num_proc if big else 1,
+            )
+        except OSError as e:
+            if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
+            # A read-only root without the demo's data: what the coordinator says of a
+            # read-only root without a cache (the raw OSError named a temp file).
+            raise ReadOnlyCacheError(
+                f"{cfg.cache_root}: the cache is not built and this folder is not writable "
+                f"(the demo's data is generated in {DEMO_DATA_DIR}/ there); run `python "
+                "scripts/prebuild_cache.py --config ...` on a host with write access to "
+                "build it first",
+                str(cfg.cache_root),
+            ) from None
         shards_loc = str(Path(demo.shard_paths[0]).parent)
         meta_loc = str(demo.metadata_path)
     # Until the fingerprint is known (prepare_cache then stages per identity): a folder

@@ -23,6 +23,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TQDM_DISABLE", "1")
+# torch's OpenMP threads (libgomp) spin on a CPU while they wait for work. Two xdist
+# workers, each with a thread per CPU, and the processes the tests start share the
+# 2-core VM: spinning threads burn what the others need (the encoder tests took 2-3x the
+# CPU). Passive threads sleep instead: the same kernels, the same thread count (tests of
+# fork after torch's thread pool still have one), the same results. Set before any torch
+# import (libgomp reads it once), here and in every process the tests start.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 #: Overrides that make the demo small enough for tests (4 shards x 100 samples).
 SMALL_DEMO = [

@@ -516,8 +516,32 @@ def test_loader_config_builds_the_loader_options():
 # ------------------------------------------ a variable set but blank (clifix, item 5)
 
 
-@pytest.mark.parametrize("blank", [" ", "", "\t"])
-@pytest.mark.parametrize("var", [v.name for v in ENV_VARS if v.field])
+_BLANK_VARS = [v.name for v in ENV_VARS if v.field]
+_BLANKS = [" ", "", "\t"]
+
+
+@pytest.mark.parametrize("blank", _BLANKS)
+@pytest.mark.parametrize("var", _BLANK_VARS)
+def test_a_blank_env_var_is_refused_by_load_config(var, blank):
+    """Every variable, every blank: load_config refuses it in one line naming the variable
+    and its field (every variable is read by that one loop over the table)."""
+    field = next(v.field for v in ENV_VARS if v.name == var)
+    err = _refusal([], environ={var: blank})
+    assert err.field == field, err.field
+    assert str(err).startswith(f"${var} is set but blank ({blank!r})"), str(err)
+
+
+@pytest.mark.parametrize(
+    "var, blank",
+    [
+        # Each variable and each blank through a real process in the loop (variable i
+        # with blank i % 3); the other 18 pairs are slow: a process each (0.35 CPU-s),
+        # and load_config's refusal of all 27 is test_a_blank_env_var_is_refused_by_load_config.
+        pytest.param(var, blank, marks=() if j == i % len(_BLANKS) else pytest.mark.slow)
+        for i, var in enumerate(_BLANK_VARS)
+        for j, blank in enumerate(_BLANKS)
+    ],
+)
 def test_a_blank_env_var_is_refused_naming_it(tmp_path, var, blank):
     """Set but blank is a mistake (a launcher's empty template, a stray space), not
     "unset": the docs' table says a variable is either unset or holds a value."""

@@ -6,16 +6,26 @@ from __future__ import annotations
 import itertools
 import pickle
 import shutil
+from typing import Any
 
 import numpy as np
 import pytest
 
-grain = pytest.importorskip("grain")
+from hf_pipeline.adapters.grain_source import GrainSource
+from hf_pipeline.cache.layout import STAGES
+from hf_pipeline.read.mapped import CacheFormatError
+from hf_pipeline.read.sampler import GlobalSampler
 
-from hf_pipeline.adapters.grain_source import GrainSource  # noqa: E402
-from hf_pipeline.cache.layout import STAGES  # noqa: E402
-from hf_pipeline.read.mapped import CacheFormatError  # noqa: E402
-from hf_pipeline.read.sampler import GlobalSampler  # noqa: E402
+#: The grain package, imported by :func:`_grain` when this module's tests run, not at
+#: collection: every xdist worker collects every module, and importing grain imports
+#: JAX (2 CPU-s; after it tests.helpers.caches.build_cache must fork in a fresh process).
+grain: Any = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _grain():
+    global grain
+    grain = pytest.importorskip("grain")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-grain = pytest.importorskip("grain")
-
-from hf_pipeline.adapters.grain_source import GrainSource  # noqa: E402
-from hf_pipeline.errors import ConfigError, SourceError  # noqa: E402
-from hf_pipeline.publish.upload import publish_cache  # noqa: E402
-from hf_pipeline.read.stream import StreamOptions  # noqa: E402
-from hf_pipeline.stores.retry import RetryPolicy  # noqa: E402
-from tests.helpers.publishing import (  # noqa: E402, F401
+from hf_pipeline.adapters.grain_source import GrainSource
+from hf_pipeline.errors import ConfigError, SourceError
+from hf_pipeline.publish.upload import publish_cache
+from hf_pipeline.read.stream import StreamOptions
+from hf_pipeline.stores.retry import RetryPolicy
+from tests.helpers.publishing import (  # noqa: F401
     config,
     gcs_store,
 )
@@ -27,6 +26,18 @@ from tests.helpers.publishing import (  # noqa: E402, F401
 pytestmark = pytest.mark.remote
 
 _FAST = RetryPolicy(max_retries=4, file_timeout=10.0, backoff_base=0.01, backoff_max=0.05)
+
+
+#: The grain package, imported by :func:`_grain` when this module's tests run, not at
+#: collection: every xdist worker collects every module, and importing grain imports
+#: JAX (2 CPU-s; after it tests.helpers.caches.build_cache must fork in a fresh process).
+grain: Any = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _grain():
+    global grain
+    grain = pytest.importorskip("grain")
 
 
 @pytest.fixture(scope="module", autouse=True)

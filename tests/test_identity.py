@@ -421,14 +421,14 @@ def test_local_inputs_are_hashed_once_per_job(tmp_path):
     root) finds them in the index; rank 2 (a cache root of its own, as a node-local one)
     takes rank 0's digests for files of the very same stat. One fingerprint."""
     from tests.conftest import REPO, run_ranks
-    from tests.test_build_inputs import _free_port
+    from tests.helpers.ports import free_port_pair
 
     data = _data(tmp_path)
     shared, own = tmp_path / "shared-root", tmp_path / "node-root"
     runs = run_ranks(
         [REPO / "tests/procs/resolve_rank.py", f"data.shards={data}", "build.num_proc=1",
          f"data.metadata={data / 'coyo11m-meta.parquet'}"],
-        3, timeout=300, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+        3, timeout=300, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port_pair()),
         rank_env=lambda r: {"HF_PIPELINE_CACHE": str(own if r == 2 else shared)},
     )  # fmt: skip
     for code, out, err in runs:

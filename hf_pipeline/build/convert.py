@@ -17,10 +17,13 @@ latents are shared by every caption column and every encoder
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import signal
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -354,6 +357,38 @@ def check_workers_can_start(num_proc: int) -> None:
         )
 
 
+@contextlib.contextmanager
+def _ctrl_c_kept():
+    """Keep a Ctrl-C that arrives during ``Dataset.map(num_proc)`` a KeyboardInterrupt.
+
+    ``datasets``' pool loop (``iflatmap_unordered``) waits on its workers' results in a
+    ``finally``: a KeyboardInterrupt there came out as multiprocess's ``TimeoutError``
+    (a traceback, exit 1), and one at another instant was lost with the map finishing
+    (exit 0: seen in a test). On the main thread, a SIGINT during the block is recorded
+    and raised as KeyboardInterrupt when the block ends, however it ends.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    seen: list[bool] = []
+
+    def on_sigint(signum, frame):
+        seen.append(True)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    except BaseException:
+        if seen:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if seen:
+        raise KeyboardInterrupt
+
+
 def join_shards(
     *,
     cfg,
@@ -404,28 +439,29 @@ def join_shards(
             }
         )
         t_map = time.time()
-        rows = table.map(
-            convert_shards,
-            batched=True,
-            batch_size=1,
-            with_indices=True,
-            num_proc=num_proc if num_proc > 1 else None,
-            writer_batch_size=build.writer_batch_size,
-            features=features,
-            remove_columns=table.column_names,
-            fn_kwargs={
-                "probe": probe,
-                "client": fetcher.client(),
-                "storage": storage,
-                "precision_dir": str(precision_dir),
-                "fetch_timeout": fetch_timeout,
-                "on_bad_rows": cfg.data.on_bad_rows,
-            },
-            cache_file_name=str(out_file),
-            new_fingerprint=f"{fingerprint}-rows",
-            keep_in_memory=False,
-            desc="Join shards",
-        )
+        with _ctrl_c_kept():
+            rows = table.map(
+                convert_shards,
+                batched=True,
+                batch_size=1,
+                with_indices=True,
+                num_proc=num_proc if num_proc > 1 else None,
+                writer_batch_size=build.writer_batch_size,
+                features=features,
+                remove_columns=table.column_names,
+                fn_kwargs={
+                    "probe": probe,
+                    "client": fetcher.client(),
+                    "storage": storage,
+                    "precision_dir": str(precision_dir),
+                    "fetch_timeout": fetch_timeout,
+                    "on_bad_rows": cfg.data.on_bad_rows,
+                },
+                cache_file_name=str(out_file),
+                new_fingerprint=f"{fingerprint}-rows",
+                keep_in_memory=False,
+                desc="Join shards",
+            )
         t_done = time.time()
         fetch_stats = fetcher.stats()
     per_shard = [json.loads(p.read_text()) for p in sorted(precision_dir.glob("*.json"))]

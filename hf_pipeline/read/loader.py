@@ -129,7 +129,7 @@ class LoaderOptions:
             check_at_least(self.num_threads, 1, "num_threads")
         if isinstance(self.latents_dtype, str) and not self.latents_dtype:
             object.__setattr__(self, "latents_dtype", None)
-        elif isinstance(self.latents_dtype, str) and not _names_a_float_dtype(self.latents_dtype):
+        elif self.latents_dtype is not None and _float_dtype(self.latents_dtype) is None:
             # checked here, where a config is read, not first at the Loader after a build
             raise OptionError(
                 "latents_dtype",
@@ -146,17 +146,19 @@ class LoaderOptions:
         return loader_config.loader_options()
 
 
-def _names_a_float_dtype(name: str) -> bool:
-    """Whether NumPy (with ``ml_dtypes``: ``bfloat16``, the float8s) reads ``name`` as a
-    floating dtype, as ``jnp.dtype`` does: without importing JAX."""
+def _float_dtype(value: Any) -> np.dtype | None:
+    """The NumPy dtype ``value`` names, when it is a floating one, else None: a name
+    (``"bfloat16"``, ``"float32"``, ``"f4"``) or a dtype-like of NumPy, JAX or
+    ``ml_dtypes`` (the same dtype ``jnp.dtype`` gives), without importing JAX."""
     import ml_dtypes
 
+    named = isinstance(value, str) and hasattr(ml_dtypes, value)
     try:
-        dtype = np.dtype(getattr(ml_dtypes, name) if hasattr(ml_dtypes, name) else name)
+        dtype = np.dtype(getattr(ml_dtypes, value) if named else value)
         ml_dtypes.finfo(dtype)  # floating types only
     except (TypeError, ValueError):
-        return False
-    return True
+        return None
+    return dtype
 
 
 _SAMPLER_FIELDS = frozenset(SAMPLER_FIELDS)
@@ -508,20 +510,10 @@ class Loader:
             self._num_threads = int(options.num_threads)
         self._mesh = mesh
         self._data_axis = data_axis
-        self._latents_dtype = None
-        if options.latents_dtype is not None:
-            import jax.numpy as jnp
-
-            try:
-                dtype = np.dtype(jnp.dtype(options.latents_dtype))
-            except TypeError:
-                dtype = None
-            if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-                raise ValueError(
-                    "latents_dtype must be a floating dtype (bfloat16, float16, float32), "
-                    f"got {options.latents_dtype!r}"
-                )
-            self._latents_dtype = dtype
+        # LoaderOptions checked it: a floating dtype, or None
+        self._latents_dtype = (
+            None if options.latents_dtype is None else _float_dtype(options.latents_dtype)
+        )
         if mesh is None:
             self._init_processes(jax, process_index, process_count)
         else:

@@ -106,7 +106,7 @@ def hash_files(
     file yields its ``OSError`` in the digest's place (the others are still hashed).
     ``on_bytes`` is called from the worker threads; ``chunk_bytes`` is each read's size.
     Closing the generator early (an
-    error or Ctrl-C in the consumer) stops the threads within one 8 MiB chunk.
+    error or Ctrl-C in the consumer) stops the threads within one chunk.
     """
     workers = default_workers() if workers is None else workers
     if workers < 1:

@@ -195,6 +195,7 @@ __all__ = [
     "complete_markers",
     "default_builder",
     "ensure_built",
+    "readonly_error",
 ]
 
 logger = logging.getLogger(__name__)
@@ -376,7 +377,9 @@ def _writable(path: Path) -> bool:
     return os.access(p, os.W_OK)
 
 
-def _readonly_error(cache_dir: Path, detail: str = "") -> ReadOnlyCacheError:
+def readonly_error(cache_dir: Path, detail: str = "") -> ReadOnlyCacheError:
+    """The one message for a cache that is not built under a folder this process cannot
+    write (``detail``: what failed, in parentheses, after "not writable")."""
     return ReadOnlyCacheError(
         f"{cache_dir}: the cache is not built and this folder is not writable{detail}; "
         "run `python scripts/prebuild_cache.py --config ...` on a host with write access "
@@ -497,12 +500,12 @@ class _Coordinator:
             self.emit("complete", built=False)
             return markers
         if not _writable(self.cache_dir):
-            raise _readonly_error(self.cache_dir)
+            raise readonly_error(self.cache_dir)
         try:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-                raise _readonly_error(self.cache_dir, f" ({e.strerror})") from e
+                raise readonly_error(self.cache_dir, f" ({e.strerror})") from e
             raise
         return self._loop()
 
@@ -633,7 +636,7 @@ class _Coordinator:
             claimed = try_claim(self.cache_dir, lease_id, self.host, self.pid)
         except OSError as e:
             if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-                raise _readonly_error(self.cache_dir, f" ({e.strerror})") from e
+                raise readonly_error(self.cache_dir, f" ({e.strerror})") from e
             raise
         if not claimed:
             return None

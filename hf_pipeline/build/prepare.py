@@ -61,7 +61,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dist.atomic import write_json_atomic
-from dist.errors import ReadOnlyCacheError
 from hf_pipeline.build.accounting import (
     REASONS,
     build_report,
@@ -244,12 +243,10 @@ def resolve_inputs(
                 raise
             # A read-only root without the demo's data: what the coordinator says of a
             # read-only root without a cache (the raw OSError named a temp file).
-            raise ReadOnlyCacheError(
-                f"{cfg.cache_root}: the cache is not built and this folder is not writable "
-                f"(the demo's data is generated in {DEMO_DATA_DIR}/ there); run `python "
-                "scripts/prebuild_cache.py --config ...` on a host with write access to "
-                "build it first",
-                str(cfg.cache_root),
+            from dist.coordinator import readonly_error
+
+            raise readonly_error(
+                cfg.cache_root, f" (the demo's data is generated in {DEMO_DATA_DIR}/ there)"
             ) from None
         shards_loc = str(Path(demo.shard_paths[0]).parent)
         meta_loc = str(demo.metadata_path)

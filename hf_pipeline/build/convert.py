@@ -366,8 +366,15 @@ def _ctrl_c_kept():
     (a traceback, exit 1), and one at another instant was lost with the map finishing
     (exit 0: seen in a test). On the main thread, a SIGINT during the block is recorded
     and raised as KeyboardInterrupt when the block ends, however it ends.
+
+    A process started with SIGINT ignored (``nohup``, ``cmd &`` in a script) keeps
+    ignoring it here as everywhere else in the build: this block overrode it, so such a
+    build stopped at a Ctrl-C during the join only.
     """
     if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         yield
         return
     seen: list[bool] = []

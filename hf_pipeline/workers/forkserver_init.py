@@ -18,6 +18,13 @@ steps nicer than the builder (:func:`hf_pipeline.workers.pool.run_below_builder`
 builder's own threads (the encoder's loading, the join's driver, the embedding) come
 first on a CPU they share with a worker.
 
+Ctrl-C is the builder's: a terminal sends SIGINT to the whole process group, and each
+worker raised KeyboardInterrupt and printed its traceback before the builder's
+``interrupted`` line (seen in CI, join workers). The server ignores SIGINT from its first
+import, so the handler its children are given back after the fork is "ignore" too (the
+server restores to each child the handler it had before its own loop); the builder ends
+its pools, as on any other error.
+
 Importing this module anywhere else would tie that process to its parent: it is meant
 for the fork server only.
 """
@@ -26,9 +33,11 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 
 from hf_pipeline.workers.pool import die_with_parent, run_below_builder
 
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server and its children: Ctrl-C is the builder's
 die_with_parent()  # the server: with the builder
 os.register_at_fork(after_in_child=die_with_parent)  # its children: with the server
 # Its children, not the server (whose imports the first shard waits for), yield the

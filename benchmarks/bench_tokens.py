@@ -18,6 +18,11 @@ Modes:
   build calls it (with one :class:`~hf_pipeline.build.tokens.TokenizerPool` for all
   parts, as the build; before it, a ``Dataset.map`` pool per part: the bench runs on
   either code);
+- ``derive``: :func:`hf_pipeline.build.tokens.derive_part` over each part, from the
+  part's ids stored at ``--derive-from`` (default: twice ``--max-length``, as a
+  re-embedding at half the length; made first, untimed, in this process): what the
+  build does for another ``max_length`` of the same tokenizer (``derive_cpu_s``: its
+  CPU, every thread of the process);
 - ``floor``: in this process, :class:`hf_pipeline.encoder.model.WorkerTokenizer` loaded
   once, then called on each part's kept captions (``load_s``, ``call_s``), and
   :func:`hf_pipeline.build.embed_stage.tokenize_kept` on one thread (the call plus the
@@ -41,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-MODES = ("server", "noop_map", "tokens", "floor")
+MODES = ("server", "noop_map", "tokens", "derive", "floor")
 
 
 def _minilm_spec(max_length: int):
@@ -104,14 +109,37 @@ def _wait_servers_reaped(deadline_s: float = 60.0) -> None:
             t.join(timeout=deadline_s)
 
 
-def _child(mode: str, files: list[Path], num_proc: int, max_length: int, out: Path) -> dict:
+def _child(
+    mode: str, files: list[Path], num_proc: int, max_length: int, out: Path, derive_from: int
+) -> dict:
     from hf_pipeline.build.tokens import tokenize_part
     from hf_pipeline.workers.pool import clean_workers
 
     spec = _minilm_spec(max_length)
     walls: list[float] = []
     extra: dict = {}
-    if mode == "floor":
+    if mode == "derive":
+        from hf_pipeline.build.tokens import TOKENS_FILE, derive_part
+
+        source = _minilm_spec(derive_from)
+        cpu = 0.0
+        infos = []
+        for k, f in enumerate(files):
+            tokenize_part([f], tokenizer=source, pool=None, probe=_Probe(),
+                          out_dir=out / f"src{k}", batch_rows=10_000, writer_batch_size=10_000,
+                          timeout=600.0)  # fmt: skip
+            c0, t0 = time.process_time(), time.perf_counter()
+            info = derive_part([out / f"src{k}" / TOKENS_FILE], derive_from, [f], spec=spec,
+                               probe=_Probe(), out_dir=out / f"derive{k}",
+                               writer_batch_size=10_000, threads=num_proc)  # fmt: skip
+            walls.append(time.perf_counter() - t0)
+            cpu += time.process_time() - c0
+            if info is None:
+                raise SystemExit(f"part {k}: not derived")
+            infos.append({k: info[k] for k in ("derived_rows", "tokenized_rows", "checked_rows")})
+        extra["derive_cpu_s"] = round(cpu, 3)
+        extra["parts"] = infos
+    elif mode == "floor":
         import pyarrow as pa
 
         from hf_pipeline.build.accounting import keep_mask
@@ -191,17 +219,21 @@ def main() -> None:
     ap.add_argument("--parts", type=int, default=10)
     ap.add_argument("--num-proc", type=int, default=2)
     ap.add_argument("--max-length", type=int, default=128)
+    ap.add_argument("--derive-from", type=int, default=0,
+                    help="derive: the stored ids' max_length (default: 2 x --max-length)")  # fmt: skip
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--json", default="", help="write the runs and the summary here (stamped)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.derive_from = args.derive_from or 2 * args.max_length
     if args.child:
         folder = Path(args.dir)
         files = sorted(folder.glob("part*/captions/data.arrow"))
         with tempfile.TemporaryDirectory(dir=folder) as out:
-            res = _child(args.child, files, args.num_proc, args.max_length, Path(out))
+            res = _child(args.child, files, args.num_proc, args.max_length, Path(out),
+                         args.derive_from)  # fmt: skip
         print(json.dumps(res))
         return
     with tempfile.TemporaryDirectory(prefix="bench-tokens-") as tmp:
@@ -211,6 +243,7 @@ def main() -> None:
             for mode in args.modes.split(","):
                 cmd = [sys.executable, __file__, "--child", mode, "--dir", tmp]
                 cmd += ["--num-proc", str(args.num_proc), "--max-length", str(args.max_length)]
+                cmd += ["--derive-from", str(args.derive_from)]
                 done = subprocess.run(cmd, capture_output=True, text=True)
                 if done.returncode:
                     sys.exit(f"{mode} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -244,6 +277,7 @@ def main() -> None:
                     "parts": args.parts,
                     "num_proc": args.num_proc,
                     "max_length": args.max_length,
+                    "derive_from": args.derive_from,
                     "runs": results,
                     "summary": summary,
                 },

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow.compute as pc
 import pytest
 
 from hf_pipeline.build.part_store import part_bounds, plan_content_parts
@@ -327,7 +328,39 @@ def test_another_encoder_reuses_the_joins_and_writes_no_latent_bytes(inputs, two
     # Another max_length: the token ids again, nothing of the captions or the latents.
     assert reuse["texts_built"] == 0 and reuse["texts_reused"] == reuse["parts"], reuse
     assert reuse["tokens_built"] == reuse["parts"] and reuse["tokens_reused"] == 0, reuse
+    # ... derived from the stored ids at 64 (cut to 16), not tokenized: no worker ran, no
+    # row tokenized but the sample each part checked (hf_pipeline.build.tokens).
+    for part in res.report["parts"]:
+        tokens = part["tokens"]
+        assert tokens["derived_from"].startswith("tokens-"), tokens
+        assert tokens["tokenized_rows"] == 0 and tokens["worker_pids"] == [], tokens
+        assert tokens["derived_rows"] > 0 and tokens["checked_rows"] > 0, tokens
+        assert tokens["max_length"] == 16, tokens
     _assert_same_bytes(res, clean16)
+
+
+def test_a_longer_max_length_derives_the_rows_the_shorter_one_did_not_cut(inputs):
+    """Stored ids at max_length 34, then the default 64: a row shorter than 34 ids is the
+    same at 64 (derived), a row of 34 may have been cut (tokenized again, those rows
+    only: about a tenth of the demo's captions, 26-35 ids); the cache equals a
+    from-scratch build at 64 byte for byte."""
+    root = inputs["base"] / "longer"
+    first = _build(root, inputs["final"], inputs["meta"], "encoder.max_length=34")
+    res = _build(root, inputs["final"], inputs["meta"])
+    reuse = res.report["reuse"]
+    assert reuse["texts_built"] == 0 and reuse["tokens_built"] == reuse["parts"], reuse
+    tokens = [p["tokens"] for p in res.report["parts"]]
+    assert all(t["derived_from"].startswith("tokens-") for t in tokens), tokens
+    from hf_pipeline.build.parts import read_column
+
+    stored = [read_column(sorted((root / ".parts" / t["derived_from"]).glob("tokens.*/tokens/*.arrow")),
+                          "input_ids") for t in tokens]  # fmt: skip
+    for t, ids in zip(tokens, stored, strict=True):  # exactly the rows 34 may have cut
+        assert t["tokenized_rows"] == pc.sum(pc.equal(pc.list_value_length(ids), 34)).as_py()
+    assert sum(t["tokenized_rows"] for t in tokens) > 0, tokens
+    assert max(len(x) for x in _content(first)["input_ids"]) == 34
+    assert sum(t["derived_rows"] for t in tokens) > 0, tokens
+    _assert_same_bytes(res, inputs["clean"])
 
 
 def test_a_re_embedding_tokenizes_later_parts_while_earlier_ones_embed(two_encoders):

@@ -241,3 +241,92 @@ def test_the_workers_die_with_a_sigkilled_builder(tmp_path, tokenizer):
         proc.kill()
         proc.wait(timeout=60)
     assert _gone(pids), f"workers {pids} outlived their SIGKILLed builder"
+
+
+def _stored_ids(folder: Path, spec, captions=CAPTIONS, reasons=REASONS, *, change=None) -> Path:
+    """A ``tokens`` unit's file of ``captions`` tokenized by ``spec`` (``change``: a
+    function that edits the ids before they are written)."""
+    import numpy as np
+
+    from hf_pipeline.build.accounting import keep_mask
+    from hf_pipeline.build.embed_stage import tokenize_kept
+    from hf_pipeline.build.tokens import _write
+    from hf_pipeline.encoder.model import WorkerTokenizer
+
+    keep = keep_mask(pa.array(reasons))
+    ids = tokenize_kept(pa.array(captions), np.asarray(keep), WorkerTokenizer(spec), threads=1)
+    if change is not None:
+        ids = pa.array(change(ids.to_pylist()), pa.list_(pa.int32()))
+    out = folder / TOKENS_FILE
+    out.parent.mkdir(parents=True)
+    _write(out, ids, 8)
+    return out
+
+
+@pytest.mark.parametrize(("stored", "wanted"), [(16, 8), (20, 16), (21, 40), (8, 16)])
+@pytest.mark.parametrize("direction", ["right", "left"])
+def test_ids_at_another_max_length_derived_equal_the_tokenizers(tmp_path, tokenizer, stored,
+                                                               wanted, direction):  # fmt: skip
+    """derive_part's ids at ``wanted`` from ids stored at ``stored`` are the tokenizer's
+    own at ``wanted``, for both truncation sides: shorter (rows cut: prefix, first ids,
+    suffix; left: last ids), longer (rows the stored length may have cut tokenized
+    again, only those; more than a quarter of the rows: the part is tokenized whole).
+    The captions are 14 to 22 ids long untruncated."""
+    import dataclasses
+
+    from hf_pipeline.build.tokens import derive_part
+
+    _, spec = tokenizer
+    at = {n: dataclasses.replace(spec, max_length=n, direction=direction) for n in (stored, wanted)}
+    captions = _caption_file(tmp_path / "text")
+    source = _stored_ids(tmp_path / "stored", at[stored])
+    info = derive_part([source], stored, [captions], spec=at[wanted], probe=Probe(),
+                       out_dir=tmp_path / "derived", writer_batch_size=8)  # fmt: skip
+    tokenize_part([captions], tokenizer=at[wanted], pool=None, probe=Probe(),
+                  out_dir=tmp_path / "tokenized", batch_rows=8, writer_batch_size=8,
+                  timeout=60)  # fmt: skip
+    kept = REASONS.count("")
+    if wanted > stored and sum(len(x) == stored for x in _ids(tmp_path / "stored")) > kept / 4:
+        assert info is None  # most rows cut at the stored length: tokenized whole instead
+        return
+    assert info is not None
+    assert _ids(tmp_path / "derived") == _ids(tmp_path / "tokenized")
+    assert (tmp_path / "derived" / TOKENS_FILE).read_bytes() == (
+        tmp_path / "tokenized" / TOKENS_FILE
+    ).read_bytes()
+    longer = wanted > stored
+    again = sum(len(x) == stored for x in _ids(tmp_path / "stored")) if longer else 0
+    assert info["tokenized_rows"] == again and info["derived_rows"] == kept - again, info
+    assert info["checked_rows"] > 0, info
+
+
+class Probe:
+    def check(self):
+        pass
+
+
+def test_stored_ids_that_the_rule_does_not_give_are_found_by_the_check(tmp_path, tokenizer, caplog):
+    """Ids stored at 16 that are not the tokenizer's (one id changed in a row that 8
+    cuts): the derived ids at 8 would differ from the tokenizer's in that row; the sample
+    check tokenizes every row the derivation cut (up to CHECK_ROWS), finds it, writes
+    nothing and says so (the part is then tokenized whole)."""
+    import dataclasses
+    import logging
+
+    from hf_pipeline.build.tokens import derive_part
+
+    _, spec = tokenizer
+    s16, s8 = (dataclasses.replace(spec, max_length=n) for n in (16, 8))
+
+    def change(rows):
+        rows[5][2] = rows[5][2] + 1  # row 5 is kept and longer than 8 ids
+        return rows
+
+    source = _stored_ids(tmp_path / "stored", s16, change=change)
+    captions = _caption_file(tmp_path / "text")
+    with caplog.at_level(logging.WARNING, logger="hf_pipeline.build.tokens"):
+        info = derive_part([source], 16, [captions], spec=s8, probe=Probe(),
+                           out_dir=tmp_path / "derived", writer_batch_size=8)  # fmt: skip
+    assert info is None
+    assert not (tmp_path / "derived" / TOKENS_FILE).exists()
+    assert "differ from the tokenizer's at row 5" in caplog.text, caplog.text

@@ -1090,6 +1090,42 @@ def _stored_text(part, table, rows_files):
     return part
 
 
+def _derivable_tokens(part, family: str, max_length: int) -> list[tuple[Path, int]]:
+    """The stored token ids of ``part``'s captions by the same tokenizer (``family``:
+    :func:`hf_pipeline.build.tokens.tokenizer_family`) at another ``max_length``, best
+    first, as (published folder, its ``max_length``): a longer one (every row derives
+    from it: the shortest of those), else the longest shorter one (the rows it may have
+    cut are tokenized again). Each checked against its marker as a reused unit is
+    (:func:`_check_reused`); a damaged one is skipped."""
+    from dist.coordinator import complete_markers as unit_markers
+    from dist.layout import marker_name
+    from dist.markers import check_marker
+
+    found: list[tuple[Path, int]] = []
+    for folder in sorted(part.store.glob(f"tokens-{part.text_id}-*")):
+        unit_id = folder.name[len("tokens-") :]
+        if folder == part.tokens_dir or not folder.is_dir():
+            continue
+        markers = unit_markers(folder, unit_id, ["tokens"])
+        if markers is None:
+            continue
+        info = markers["tokens"].info.get("tokens")
+        if not isinstance(info, dict) or info.get("family") != family:
+            continue
+        length = info.get("max_length")
+        if not isinstance(length, int) or isinstance(length, bool) or length == max_length:
+            continue
+        _, why = check_marker(folder / marker_name("tokens"), fingerprint=unit_id,
+                              base_dir=folder, stage="tokens", verify=True)  # fmt: skip
+        if why is not None:
+            log.warning("%s: not deriving token ids from it (%s)", folder, why)
+            continue
+        found.append((folder / markers["tokens"].directory, length))
+    longer = sorted((f for f in found if f[1] > max_length), key=lambda f: f[1])
+    shorter = sorted((f for f in found if f[1] < max_length), key=lambda f: -f[1])
+    return longer + shorter
+
+
 def _planned_parts(
     cfg: Config, inputs: Inputs, encoder_ident: Mapping[str, Any]
 ) -> tuple[list[Any], bool]:
@@ -1181,7 +1217,13 @@ def _ensure_parts(
         read_keys,
         text_part,
     )
-    from hf_pipeline.build.tokens import TokenizerPool, tokenize_part
+    from hf_pipeline.build.tokens import (
+        TokenizerPool,
+        derive_part,
+        tokenize_part,
+        tokenizer_family,
+    )
+    from hf_pipeline.encoder.model import TokenizerSpec
 
     # Units published from now on for this fingerprint were built by this run (_built).
     since = time.time()
@@ -1327,13 +1369,31 @@ def _ensure_parts(
             def build(ctx):
                 wall0 = time.time()  # wall clock: the timeline compares processes
                 probe = stoppable_probe(ctx)
-                info = tokenize_part(
-                    part_files(text_folder, "captions"), tokenizer=tokenizer()[1],
-                    pool=token_pool(), probe=probe, out_dir=Path(ctx.tmp_dir),
-                    batch_rows=cfg.build.writer_batch_size,
-                    writer_batch_size=cfg.build.writer_batch_size,
-                    timeout=cfg.coord.max_wait,
-                )  # fmt: skip
+                spec = tokenizer()[1]
+                captions = part_files(text_folder, "captions")
+                info, family = None, None
+                if isinstance(spec, TokenizerSpec):  # another max_length: derived
+                    family = tokenizer_family(spec)
+                    for folder, length in _derivable_tokens(part, family, spec.max_length):
+                        info = derive_part(
+                            part_files(folder, "tokens"), length, captions, spec=spec,
+                            probe=probe, out_dir=Path(ctx.tmp_dir),
+                            writer_batch_size=cfg.build.writer_batch_size,
+                            threads=cfg.build.effective_num_proc,
+                        )  # fmt: skip
+                        if info is not None:
+                            info["derived_from"] = folder.parent.name
+                            break
+                if info is None:
+                    info = tokenize_part(
+                        captions, tokenizer=spec,
+                        pool=token_pool(), probe=probe, out_dir=Path(ctx.tmp_dir),
+                        batch_rows=cfg.build.writer_batch_size,
+                        writer_batch_size=cfg.build.writer_batch_size,
+                        timeout=cfg.coord.max_wait,
+                    )  # fmt: skip
+                if family is not None:  # what a later max_length derives its ids from
+                    info.update(family=family, max_length=int(spec.max_length))
                 return {
                     "tokens": info, "builder": _me(), "built_for": fingerprint,
                     "uses": [part.text_dir.name], "wall_tokens": [wall0, time.time()],

@@ -123,6 +123,7 @@ doorbell avoids this within one job).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -176,6 +177,7 @@ from dist.markers import (
     check_marker,
     derived_from_problem,
     describe_files,
+    parse_marker,
     publish_marker,
     read_json,
 )
@@ -196,6 +198,8 @@ __all__ = [
     "default_builder",
     "ensure_built",
     "readonly_error",
+    "retire_damaged",
+    "retire_marker",
 ]
 
 logger = logging.getLogger(__name__)
@@ -975,6 +979,52 @@ def complete_markers(
             return None
         markers[name] = marker
     return markers
+
+
+def retire_damaged(cache_dir: str | os.PathLike[str], fingerprint: str, stage: str) -> str | None:
+    """Move ``stage``'s marker aside when its files fail their checksums, so that the
+    next :func:`ensure_built` builds the stage again; return why (None: it is valid).
+
+    What :func:`ensure_built` does with a marker whose files are missing or cut short,
+    for damage only a read finds (``verify=True``: :func:`dist.markers.file_problems`,
+    each file's edges; :func:`retire_marker` for damage a whole read found).
+    """
+    folder = Path(cache_dir)
+    path = folder / marker_name(stage)
+    _, why = check_marker(path, fingerprint=fingerprint, base_dir=folder, stage=stage, verify=True)
+    if why is None:
+        return None
+    marker, _ = parse_marker(path, fingerprint=fingerprint, stage=stage)
+    if marker is not None:
+        retire_marker(folder, stage, marker.directory, why)
+    return why
+
+
+def retire_marker(cache_dir: str | os.PathLike[str], stage: str, directory: str, why: str) -> bool:
+    """Move ``stage``'s marker aside to ``<stage>.json.retired-<id>`` if it publishes
+    ``directory`` (found damaged: ``why``); True if this call moved it.
+
+    Re-checked after the move: a marker that names another folder (another builder
+    published a new one between the judgement and the move) is linked back. The folder
+    is left as it is (files other caches hard-link stay theirs) for ``--clean``.
+    Process-safe: of several callers one moves it, the others find it gone.
+    """
+    folder = Path(cache_dir)
+    path = folder / marker_name(stage)
+    retired = folder / retired_marker_name(stage, secrets.token_hex(8))
+    try:
+        os.rename(path, retired)
+    except FileNotFoundError:
+        return False  # somebody else moved it
+    moved = read_json(retired)
+    if not isinstance(moved, dict) or moved.get("directory") != directory:
+        with contextlib.suppress(FileExistsError):
+            os.link(retired, path)
+        _unlink(retired)
+        return False
+    fsync_dir(folder)
+    logger.warning("retired marker %s (%s/ is damaged: %s)", path, directory, why)
+    return True
 
 
 def ensure_built(

@@ -990,3 +990,17 @@ def test_status_url_json_and_unknown_size(source_cache, gcs_store, tmp_path):
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert res.returncode == 0 and json.loads((tmp_path / "out" / "s.json").read_text()) == doc
+    # A published cache folder (what loader.stream_from takes) is that cache, not "no
+    # published caches" (outside tester).
+    folder = f"{url}/{name}"
+    base[base.index(url)] = folder
+    res = subprocess.run(
+        [*base, "--json", "-"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    one = json.loads(res.stdout)
+    assert one["url"] == folder and one["location"] == url, one
+    assert [c["name"] for c in one["caches"]] == [name] and one["caches"][0] == good, one
+    human = subprocess.run(base, env=env, capture_output=True, text=True, timeout=300)
+    assert f"{folder} is a published cache folder (its location: {url})" in human.stdout
+    assert "complete" in human.stdout and "no published caches" not in human.stdout

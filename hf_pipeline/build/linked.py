@@ -198,15 +198,23 @@ def check_linked(files: Sequence[LinkedFile], *, index: ContentIndex) -> LinkChe
 
 
 def _damaged(f: LinkedFile, why: str) -> Exception:
-    """The error that refuses ``f``'s unit."""
+    """The error that refuses ``f``'s unit, whose marker is retired first: the next
+    build makes that part again (its edges read fine: without the retirement every
+    build found it and failed here; the old advice, verify then clean, removed every
+    intact part of the caches that linked it: outside tester)."""
+    from dist.coordinator import retire_marker
     from hf_pipeline.errors import CacheFormatError
 
+    unit = f.marker.parent
+    directory = Path(f.entry.path).parts[0]
+    stage = f.marker.name.removesuffix(".json")
+    problem = f"listed file {f.entry.path!r} {why}"
+    retire_marker(unit, stage, directory, problem)
     return CacheFormatError(
         str(f.marker),
-        f"the stored part {f.marker.parent.name} is damaged (listed file "
-        f"{f.entry.path!r} {why}); every cache that links it is too: run "
-        "`hf-pipeline verify` (it marks them and the part), then `hf-pipeline clean`, "
-        "then build again",
+        f"the stored part {unit.name} is damaged ({problem}); every cache that links it "
+        "is too (`hf-pipeline verify` marks them): its marker is retired, build again "
+        "and that part is built anew",
     )
 
 

@@ -1166,8 +1166,8 @@ def _check_reused(
         raise CacheFormatError(
             str(path),
             f"the stored part {unit_dir.name} is damaged ({why}); every cache "
-            "that links it is too: run `hf-pipeline verify` (it marks them), then "
-            "`hf-pipeline clean`, then build again",
+            "that links it is too (`hf-pipeline verify` marks them): build again, "
+            "the build retires a damaged stored part and builds that part anew",
         )
 
 
@@ -1199,7 +1199,7 @@ def _ensure_parts(
     from concurrent.futures import wait as wait_futures
 
     from dist.coordinator import complete_markers as unit_markers
-    from dist.coordinator import ensure_built
+    from dist.coordinator import ensure_built, retire_damaged
     from hf_pipeline.build.captions import CaptionTable
     from hf_pipeline.build.part_store import (
         caption_digest,
@@ -1422,12 +1422,31 @@ def _ensure_parts(
 
         def unit(kind: str, unit_dir: Path, unit_id: str, build, ours: bool):
             """A store unit's marker, built here or found (:func:`_check_reused` first
-            when an earlier build made it)."""
-            marker = ensure_built(
-                unit_dir, unit_id, [_stage(kind, build, pools=False)], builder=ours, **timing
-            )[kind]
-            _check_reused(unit_dir, unit_id, kind, marker, fingerprint, since)
-            return marker
+            when an earlier build made it). A stored unit found damaged is retired and
+            built again (once), as a unit with a missing file is: the damage costs its
+            own part, not the store (outside tester: the old advice, verify then clean,
+            removed every intact part of the caches that linked it)."""
+            for attempt in (1, 2):
+                marker = ensure_built(
+                    unit_dir, unit_id, [_stage(kind, build, pools=False)], builder=ours, **timing
+                )[kind]
+                if attempt == 1 and _retired_damaged(unit_dir, unit_id, kind, marker):
+                    continue
+                _check_reused(unit_dir, unit_id, kind, marker, fingerprint, since)
+                return marker
+            raise AssertionError("unreachable")
+
+        def _retired_damaged(unit_dir: Path, unit_id: str, kind: str, marker) -> bool:
+            if _built(marker, fingerprint, since):
+                return False  # made by this run: described as it was published
+            why = retire_damaged(unit_dir, unit_id, kind)
+            if why is not None:
+                log.warning(
+                    "the stored part %s is damaged (%s): building it again; the caches "
+                    "that link its files are damaged too (`hf-pipeline verify` marks them)",
+                    unit_dir.name, why,
+                )  # fmt: skip
+            return why is not None
 
         # The tokens' thread takes a slot before a part's token ids, the embedding's
         # thread gives it back as that part's embedding starts: the token ids run at
@@ -1497,7 +1516,12 @@ def _ensure_parts(
                     "text", part.text_dir, part.text_id, text_builder(part, join_folder), ours
                 )
                 text_folder = part.text_dir / tm.directory
-                if unit_markers(part.embed_dir, part.embed_id, ["embed"]) is not None:
+                stored = unit_markers(part.embed_dir, part.embed_id, ["embed"])
+                if stored is not None and _retired_damaged(
+                    part.embed_dir, part.embed_id, "embed", stored["embed"]
+                ):
+                    stored = None  # damaged: retired, its token ids and embedding again
+                if stored is not None:
                     # Stored (and found again by ensure_built): its tokens are not needed.
                     # Should ensure_built find it invalid after all, the embedding
                     # tokenizes its captions itself (the same ids).

@@ -19,6 +19,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from dist.safepath import shown
 from hf_pipeline import cli
@@ -413,11 +414,28 @@ def _published_status(url: str, cfg, json_path: str | None) -> int:
 
     rows = list_published(open_store(url, data_config=cfg.data), STAGES)
     out = sys.stderr if json_path == "-" else sys.stdout
+    location = None
+    if not rows:
+        # The URL may be a published cache folder itself (what loader.stream_from takes):
+        # it said "no published caches" of a cache that streams fine (outside tester).
+        parent, _, name = url.rstrip("/").rpartition("/")
+        if name and "://" in parent and not parent.endswith(":/"):
+            rows = [
+                r
+                for r in list_published(open_store(parent, data_config=cfg.data), STAGES)
+                if r.name == name
+            ]
+            location = parent if rows else None
     if json_path:
-        _write_json(json_path, {"url": url, "caches": [dataclasses.asdict(r) for r in rows]})
+        doc: dict[str, Any] = {"url": url, "caches": [dataclasses.asdict(r) for r in rows]}
+        if location is not None:
+            doc["location"] = location
+        _write_json(json_path, doc)
     if not rows:
         print(f"no published caches at {url}", file=out)
         return 0
+    if location is not None:
+        print(f"{url} is a published cache folder (its location: {location})", file=out)
     print(
         f"{'cache':34} {'fingerprint':17} {'state':10} {'rows':>9} {'size':>10}  published",
         file=out,

@@ -330,6 +330,37 @@ def test_bad_urls_and_forged_manifests(gcs_cache, gcs_store):
     refused(lambda m: m.__setitem__("fingerprint", "f" * 16), "fingerprint 'ffff")
 
 
+def test_a_stream_url_is_named_as_given_and_a_location_lists_its_caches(gcs_cache):
+    """``gs://`` is named as given (it read ``gs::``); a publish location (not a cache
+    folder in it) names the cache folders there, a few then "and N more"; the config's
+    check and the source's error say the same accepted forms (``@<revision>`` in both)."""
+    from hf_pipeline.config import LoaderConfig
+    from hf_pipeline.errors import ConfigError, SourceError
+
+    server, url = gcs_cache
+    location, name = url.rsplit("/", 1)
+    for bare in ("gs://", "gs:///", "hf://datasets/"):
+        with pytest.raises(SourceError) as err:
+            open_stream(LoaderConfig(stream_from=bare))
+        assert str(err.value).startswith(f"{bare}: a published cache to stream must look")
+    with pytest.raises(SourceError) as err:
+        StreamSource(location, policy=_FAST)
+    assert str(err.value) == (
+        f"{location}: is a location with published caches: {name}; give one of them"
+    )
+    fs = gcs_fs(server)
+    for i in range(7):  # folders named like caches: listed (bounded), not checked
+        fs.pipe_file(f"{location[5:]}/other-{i:016x}/x", b"x")
+    with pytest.raises(SourceError, match=r"caches: [^;]*, other-0{15}3 and 3 more; give"):
+        StreamSource(location + "/", policy=_FAST)
+    with pytest.raises(ConfigError) as cfg_err:
+        LoaderConfig(stream_from="s3://bucket/caches/demo-" + "0" * 16)
+    with pytest.raises(SourceError) as src_err:
+        StreamSource("gs://bucket/caches", policy=RetryPolicy(max_retries=0, file_timeout=5))
+    forms = "hf://datasets/<org>/<repo>[@<revision>]/[<path>/]<name>-<fingerprint>"
+    assert forms in str(cfg_err.value) and forms in str(src_err.value)
+
+
 def test_an_unpublished_folder_is_not_streamed(gcs_cache, gcs_store, tmp_path):
     """A copy of a published cache without its stage markers (an interrupted upload,
     ``status``'s ``incomplete``) is refused as a pull refuses it, by the same check

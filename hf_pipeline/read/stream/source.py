@@ -64,6 +64,7 @@ from typing import Any, Literal
 import numpy as np
 
 from dist.checksums import BLOCK_ALGORITHM, block_digest
+from dist.safepath import shown
 from hf_pipeline.errors import CacheFormatError, SourceError, StoreUnreachableError
 from hf_pipeline.read.stream.index import StreamIndex
 from hf_pipeline.read.stream.options import StreamOptions
@@ -81,6 +82,8 @@ logger = logging.getLogger(__name__)
 
 _MANIFEST = "manifest.json"
 _CACHE_NAME = re.compile(r"-([0-9a-f]{16})\Z")
+#: Cache folders an error names when a location is given instead of one of them.
+_LISTED_CACHES = 5
 _STOP_CHECK_S = 0.1
 #: Gaps between blocks are read (one request, not two) only while together they are at
 #: most 1/_GAP_SHARE of the blocks' bytes in the read: bytes fetched stay within ~1.1x those
@@ -224,20 +227,48 @@ class _Column:
     block0: np.ndarray  # first global block id of each chunk
 
 
-def _split_url(url: str) -> tuple[str, str]:
-    """``(store location, cache name)`` of a published cache's URL."""
-    from hf_pipeline.config import PUBLISH_SCHEMES
+def _split_url(url: str, policy: RetryPolicy | None = None) -> tuple[str, str]:
+    """``(store location, cache name)`` of a published cache's URL.
 
+    A URL of another shape is refused naming it as given; one that is a publish location
+    holding cache folders (``gs://bkt/caches``, where ``--publish`` wrote) lists a few.
+    """
+    from hf_pipeline.config import PUBLISH_SCHEMES, PUBLISHED_CACHE_FORMS
+
+    given = url
     url = url.strip().rstrip("/")
     name = url.rsplit("/", 1)[-1]
     if not url.startswith(PUBLISH_SCHEMES) or not _CACHE_NAME.search(name):
+        found = _cache_folders_at(url, policy) if url.startswith(PUBLISH_SCHEMES) else ""
+        if found:
+            raise SourceError(
+                given, f"is a location with published caches: {found}; give one of them"
+            )
         raise SourceError(
-            url,
-            "a published cache to stream must look like gs://<bucket>[/<prefix>]/<name>-"
-            "<fingerprint> or hf://datasets/<org>/<repo>[@<revision>]/[<path>/]<name>-"
-            "<fingerprint> (the folder --publish wrote)",
+            given,
+            f"a published cache to stream must look like {' or '.join(PUBLISHED_CACHE_FORMS)}"
+            " (the folder --publish wrote)",
         )
     return url, name
+
+
+def _cache_folders_at(url: str, policy: RetryPolicy | None) -> str:
+    """The cache folders at publish location ``url``, a few named ("" when it is no
+    location, holds none, or the store fails: the caller's error stands alone)."""
+    from hf_pipeline.config import DataConfig
+    from hf_pipeline.publish.find import cache_folder_names
+    from hf_pipeline.stores.factory import open_store
+
+    try:
+        store = open_store(url, data_config=DataConfig(), policy=policy)
+        names = cache_folder_names(store)
+    except SourceError:  # no location (a bare gs://), not found, refused, unreachable
+        return ""
+    shown_names = ", ".join(
+        n if n.isascii() and n.isprintable() else shown(n) for n in names[:_LISTED_CACHES]
+    )
+    more = len(names) - _LISTED_CACHES
+    return f"{shown_names} and {more} more" if more > 0 else shown_names
 
 
 class StreamSource:
@@ -272,9 +303,9 @@ class StreamSource:
         from hf_pipeline.config import DataConfig
         from hf_pipeline.stores import make_source
 
-        self.url, name = _split_url(url)
         self.options = options or StreamOptions()
         policy = policy or RetryPolicy.from_config(DataConfig())
+        self.url, name = _split_url(url, policy)
         # One ranged read is small (at most max_read_bytes): it gets read_timeout, not
         # a whole file's download time (a stalled store was silent for minutes).
         self.policy = dataclasses.replace(

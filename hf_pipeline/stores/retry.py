@@ -163,6 +163,7 @@ def with_retries(
     *,
     on_retry: Callable[[BaseException], None] | None = None,
     stop: threading.Event | None = None,
+    log_retries: bool = True,
 ) -> _T:
     """Call ``fn`` until it succeeds, retrying transient failures with backoff.
 
@@ -174,6 +175,8 @@ def with_retries(
         policy: retry count and backoff.
         on_retry: called with each exception that will be retried (stats).
         stop: abandon between attempts when set (raises :class:`Cancelled`).
+        log_retries: log each retry (INFO); False where ``on_retry`` says them itself
+            (a stream's many reads, said in a bounded number of lines).
 
     Returns:
         What ``fn`` returned.
@@ -207,14 +210,15 @@ def with_retries(
             if on_retry is not None:
                 on_retry(exc)
             delay = policy.delay(attempt)
-            logger.info(
-                "retry %d/%d for %s in %.2fs: %s",
-                attempt,
-                policy.max_retries,
-                what,
-                delay,
-                describe_error(exc),
-            )
+            if log_retries:
+                logger.info(
+                    "retry %d/%d for %s in %.2fs: %s",
+                    attempt,
+                    policy.max_retries,
+                    what,
+                    delay,
+                    describe_error(exc),
+                )
             if stop is not None:
                 if stop.wait(delay):
                     raise Cancelled(what) from exc

@@ -82,6 +82,8 @@ logger = logging.getLogger(__name__)
 
 _MANIFEST = "manifest.json"
 _CACHE_NAME = re.compile(r"-([0-9a-f]{16})\Z")
+#: Seconds between two lines summing up a stream's retries (the first is said at once).
+_RETRY_REPORT_S = 5.0
 #: Cache folders an error names when a location is given instead of one of them.
 _LISTED_CACHES = 5
 _STOP_CHECK_S = 0.1
@@ -271,6 +273,48 @@ def _cache_folders_at(url: str, policy: RetryPolicy | None) -> str:
     return f"{shown_names} and {more} more" if more > 0 else shown_names
 
 
+class _RetryReport:
+    """A source's retries said in a bounded number of lines (thread-safe): the first at
+    once (a failing store is never silent until the last attempt), then at most one
+    line per :data:`_RETRY_REPORT_S` with the counts since the last line (one line per
+    retry flooded the log: 360 lines in 11 s of an outage with 64 reads in flight)."""
+
+    def __init__(self, url: str, read_timeout: float):
+        self.url, self.read_timeout = url, read_timeout
+        self._lock = threading.Lock()
+        self._said: float | None = None  # time.monotonic() of the last line
+        self._total = self._retries = self._reads = 0  # all; since the last line (2)
+
+    def retried(
+        self, url: str, start: int, end: int, exc: BaseException, *, first_of_read: bool
+    ) -> None:
+        """Count one retry of ``url``'s bytes ``[start, end)``; say it when it is due."""
+        with self._lock:
+            self._total += 1
+            self._retries += 1
+            self._reads += first_of_read
+            now = time.monotonic()
+            if self._said is not None and now - self._said < _RETRY_REPORT_S:
+                return
+            since, self._said = None if self._said is None else now - self._said, now
+            retries, reads, total = self._retries, self._reads, self._total
+            self._retries = self._reads = 0
+        if since is None:
+            logger.warning(
+                "%s: bytes %d-%d: %s (a read may take %.0f s); retrying (further retries "
+                "of %s summed up every %.0f s)",
+                url, start, end, describe_error(exc), self.read_timeout, self.url,
+                _RETRY_REPORT_S,
+            )  # fmt: skip
+        else:
+            logger.warning(
+                "%s: the store keeps failing: %d retries of %d reads in the last %.1f s "
+                "(%d so far; last: %s at bytes %d-%d: %s); retrying",
+                self.url, retries, reads, since, total,
+                url.rsplit("/", 1)[-1], start, end, describe_error(exc),
+            )  # fmt: skip
+
+
 class StreamSource:
     """The samples of a published cache, read in place (see the module docstring).
 
@@ -322,6 +366,7 @@ class StreamSource:
         )
         self._closed = False
         self._counts: collections.Counter[str] = collections.Counter()
+        self._retry_report = _RetryReport(self.url, self.policy.file_timeout)
         # Held blocks: block id -> (its read's buffer, byte offset of the block there).
         self._blocks: dict[int, _Held] = {}
         # Read buffers that several held blocks share, by id(): their held blocks. Every
@@ -1023,18 +1068,19 @@ class StreamSource:
                 raise TransientError(f"{url}: got {len(data)} of {end - start} bytes at {start}")
             return data
 
+        first = True
+
         def retried(exc: BaseException) -> None:
+            nonlocal first
             with self._lock:
                 self._counts["retries"] += 1
-                n = self._counts["retries"]
-            # Each retry is said (a stalled store is not silent until the last attempt).
-            logger.warning(
-                "%s: bytes %d-%d: %s (a read may take %.0f s); retrying (%d retries so far)",
-                url, start, end, describe_error(exc), self.policy.file_timeout, n,
-            )  # fmt: skip
+            self._retry_report.retried(url, start, end, exc, first_of_read=first)
+            first = False
 
         try:
-            data = with_retries(url, attempt, self.policy, on_retry=retried, stop=self._stop)
+            data = with_retries(
+                url, attempt, self.policy, on_retry=retried, stop=self._stop, log_retries=False
+            )
         except Cancelled:
             raise RuntimeError(f"the stream source of {self.url} is closed") from None
         except StoreUnreachableError as err:

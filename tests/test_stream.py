@@ -223,6 +223,26 @@ def test_tampered_range_is_refused(gcs_cache, local_source):
         assert s.stats().refetched == 1
 
 
+def test_a_file_truncated_after_publishing_is_said_so(gcs_cache):
+    """A rows file cut short in the bucket after the stream opened: the store answers a
+    read past its new end with 416; the error names the file and its published size and
+    says it was changed or truncated after publishing (it read ``HttpError: , 416``)."""
+    server, url = gcs_cache
+    fs = gcs_fs(server)
+    base = url[len("gs://") :]
+    manifest = json.loads(fs.cat_file(f"{base}/manifest.json"))
+    rel, _, _ = _first_latents_range(manifest)
+    size = manifest["files"][rel]["size"]
+    with StreamSource(url, StreamOptions(cache_bytes=0), policy=_FAST) as s:
+        fs.pipe_file(f"{base}/{rel}", fs.cat_file(f"{base}/{rel}")[:100])
+        with pytest.raises(CacheFormatError) as err:
+            s.gather(np.arange(0, s.num_rows), 0)
+    message = str(err.value)
+    assert err.value.path == f"{url}/{rel}" and len(message.splitlines()) == 1
+    assert f"shorter than the {size} bytes published" in message, message
+    assert "changed or truncated after it was published" in message, message
+
+
 @pytest.mark.slow
 def test_faults_are_survived(gcs_cache, local_source, monkeypatch):
     """503s, a reset, a truncated body and a stall longer than the per-read timeout, all

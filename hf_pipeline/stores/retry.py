@@ -35,6 +35,7 @@ __all__ = [
     "TransientError",
     "check_deadline",
     "describe_error",
+    "http_status",
     "is_transient",
     "with_retries",
 ]
@@ -99,7 +100,7 @@ class RetryPolicy:
         return cls(**kw)
 
 
-def _status_of(exc: BaseException) -> int | None:
+def http_status(exc: BaseException) -> int | None:
     """HTTP status carried by an exception from gcsfs, huggingface_hub or httpx."""
     for attr in ("code", "status", "status_code"):
         value = getattr(exc, attr, None)
@@ -121,7 +122,7 @@ def is_transient(exc: BaseException) -> bool:
         return True
     if isinstance(exc, FileNotFoundError | PermissionError | IsADirectoryError):
         return False
-    status = _status_of(exc)
+    status = http_status(exc)
     if status is not None:
         return status in _RETRY_STATUS
     mod = type(exc).__module__ or ""

@@ -73,6 +73,7 @@ from hf_pipeline.stores.retry import (
     RetryPolicy,
     TransientError,
     describe_error,
+    http_status,
     with_retries,
 )
 
@@ -1092,6 +1093,14 @@ class StreamSource:
         except SourceError as err:
             if isinstance(err.__cause__, FileNotFoundError):
                 raise SourceError(url, "does not exist in the store") from err.__cause__
+            if err.__cause__ is not None and http_status(err.__cause__) == 416:
+                # Range not satisfiable: the object ends before bytes the manifest has.
+                raise CacheFormatError(
+                    url,
+                    f"shorter than the {self.manifest.files[rel].size} bytes published "
+                    f"(the store has no bytes {start}-{end}): the file was changed or "
+                    "truncated after it was published; publish the cache again",
+                ) from err.__cause__
             raise
         with self._lock:
             self._counts["requests"] += 1

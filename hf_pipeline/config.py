@@ -63,6 +63,8 @@ __all__ = [
     "LoaderConfig",
     "OnBadRows",
     "OnMissing",
+    "PUBLISHED_CACHE_FORMS",
+    "PUBLISH_LOCATION_FORMS",
     "PUBLISH_SCHEMES",
     "TrainConfig",
     "default_cache_root",
@@ -118,6 +120,18 @@ _CONFIG_SCOPES = tuple(scope for scope in SCOPES if scope != "process")
 #: ``hf_pipeline.stores`` kinds with a write side (``stores.base.publish_schemes()``; a test
 #: checks they agree). Here because the config is checked before any store is imported.
 PUBLISH_SCHEMES = ("gs://", "hf://datasets/")
+#: The forms of a place caches are published to, one per scheme of ``PUBLISH_SCHEMES``;
+#: what ``build.pull_from``'s help and check say.
+PUBLISH_LOCATION_FORMS = (
+    "gs://<bucket>[/<prefix>]",
+    "hf://datasets/<org>/<repo>[@<revision>][/<path>]",
+)
+#: The forms of a published cache folder (what ``--publish`` writes there): the one
+#: definition ``loader.stream_from``'s help, its check and the stream source's error say.
+PUBLISHED_CACHE_FORMS = (
+    "gs://<bucket>[/<prefix>]/<name>-<fingerprint>",
+    "hf://datasets/<org>/<repo>[@<revision>]/[<path>/]<name>-<fingerprint>",
+)
 
 
 #: Longest value of any text field (paths, URLs, column names): Linux's PATH_MAX.
@@ -423,8 +437,8 @@ class BuildConfig:
     )
     pull_from: str = _field(
         "",
-        "where published caches live (`gs://<bucket>[/<prefix>]` or "
-        "`hf://datasets/<org>/<repo>[@<revision>][/<path>]`): the builder downloads the "
+        f"where published caches live ({' or '.join(f'`{f}`' for f in PUBLISH_LOCATION_FORMS)}): "
+        "the builder downloads the "
         'cache of its fingerprint from there instead of building it ("": never pulls)',
     )
 
@@ -453,8 +467,7 @@ class BuildConfig:
         _check(
             self.pull_from == "" or self.pull_from.startswith(PUBLISH_SCHEMES),
             "build.pull_from",
-            "must be '' or gs://<bucket>[/<prefix>] or hf://datasets/<org>/<repo>[/<path>], "
-            f"got {shown(self.pull_from)}",
+            f"must be '' or {' or '.join(PUBLISH_LOCATION_FORMS)}, got {shown(self.pull_from)}",
         )
 
     @property
@@ -557,8 +570,7 @@ class LoaderConfig:
     )
     stream_from: str = _field(
         "",
-        "a published cache folder (`gs://<bucket>[/<prefix>]/<name>-<fingerprint>` or "
-        "`hf://datasets/<org>/<repo>[@<revision>]/[<path>/]<name>-<fingerprint>`, as "
+        f"a published cache folder ({' or '.join(f'`{f}`' for f in PUBLISHED_CACHE_FORMS)}, as "
         "`--publish` writes it) to read in place by verified ranged reads instead of a "
         'local cache ("": read the local cache); docs/guides/streaming.md',
     )
@@ -591,9 +603,7 @@ class LoaderConfig:
         _check(
             self.stream_from == "" or self.stream_from.startswith(PUBLISH_SCHEMES),
             "loader.stream_from",
-            "must be '' or gs://<bucket>[/<prefix>]/<name>-<fingerprint> or "
-            "hf://datasets/<org>/<repo>[/<path>]/<name>-<fingerprint>, "
-            f"got {shown(self.stream_from)}",
+            f"must be '' or {' or '.join(PUBLISHED_CACHE_FORMS)}, got {shown(self.stream_from)}",
         )
         # The sampler's crop rule, with the crop count every shard must have.
         problem = (

@@ -325,6 +325,20 @@ def test_script_publish_status_and_bad_url(source_cache, gcs_store):
     assert summary["publish"]["state"] == "published"
     assert f"published   {url}/{Path(result.cache_dir).name}" in pub.stderr
 
+    # The published cache folder itself given as the location: refused, nothing uploaded
+    # (it made <folder>/<folder>/ and uploaded everything again).
+    folder = f"{url}/{Path(result.cache_dir).name}"
+    again = subprocess.run(
+        [*base, "--publish", folder], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert again.returncode == 2, again.stderr[-3000:]
+    assert again.stderr.strip().splitlines() == [
+        f"error: {folder}: is a published cache folder (its manifest.json is there): "
+        f"publish to its parent location {url}"
+    ], again.stderr[-3000:]
+    nested = f"{folder}/{Path(result.cache_dir).name}"[len("gs://") :]
+    assert not gcs_fs(server).exists(nested)
+
     status = subprocess.run(
         [*base, "--status", url], env=env, capture_output=True, text=True, timeout=300
     )

@@ -223,6 +223,26 @@ def test_tampered_range_is_refused(gcs_cache, local_source):
         assert s.stats().refetched == 1
 
 
+def test_a_file_truncated_after_publishing_is_said_so(gcs_cache):
+    """A rows file cut short in the bucket after the stream opened: the store answers a
+    read past its new end with 416; the error names the file and its published size and
+    says it was changed or truncated after publishing (it read ``HttpError: , 416``)."""
+    server, url = gcs_cache
+    fs = gcs_fs(server)
+    base = url[len("gs://") :]
+    manifest = json.loads(fs.cat_file(f"{base}/manifest.json"))
+    rel, _, _ = _first_latents_range(manifest)
+    size = manifest["files"][rel]["size"]
+    with StreamSource(url, StreamOptions(cache_bytes=0), policy=_FAST) as s:
+        fs.pipe_file(f"{base}/{rel}", fs.cat_file(f"{base}/{rel}")[:100])
+        with pytest.raises(CacheFormatError) as err:
+            s.gather(np.arange(0, s.num_rows), 0)
+    message = str(err.value)
+    assert err.value.path == f"{url}/{rel}" and len(message.splitlines()) == 1
+    assert f"shorter than the {size} bytes published" in message, message
+    assert "changed or truncated after it was published" in message, message
+
+
 @pytest.mark.slow
 def test_faults_are_survived(gcs_cache, local_source, monkeypatch):
     """503s, a reset, a truncated body and a stall longer than the per-read timeout, all
@@ -267,12 +287,58 @@ def test_a_hopeless_store_is_one_line(fault, gcs_cache, monkeypatch):
     assert ".arrow" in err.value.path and len(str(err.value).splitlines()) == 1
 
 
+def test_an_outage_is_said_in_a_few_lines_not_one_per_retry(gcs_cache, monkeypatch, caplog):
+    """The store goes away (its port refuses) with many reads in flight: the retries are
+    said, but in a bounded number of lines (the first at once, then summaries with
+    counts), not one per read and retry (a tester saw 360 lines in 11 s); the final
+    error is still one line."""
+    server, url = gcs_cache
+    policy = RetryPolicy(max_retries=4, file_timeout=5.0, backoff_base=0.05, backoff_max=0.2)
+    with FaultProxy(server) as proxy:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        opts = StreamOptions(cache_bytes=0, concurrency=16, max_read_bytes=4096)
+        with StreamSource(url, opts, policy=policy) as s:
+            proxy.stop()  # every read from now on: ConnectionRefusedError
+            with caplog.at_level("INFO", logger="hf_pipeline"):
+                loader = Loader(s, process_index=0, process_count=1, global_batch_size=64)
+                with pytest.raises(StoreUnreachableError) as err:
+                    next(iter(loader))
+                loader.close()
+            retries = s.stats().retries
+    lines = [r.getMessage() for r in caplog.records if "retr" in r.getMessage()]
+    assert retries >= 16, retries  # many reads were retried...
+    assert 1 <= len(lines) <= 3, lines  # ...and said in a few lines
+    assert url in lines[0] and "retrying" in lines[0]
+    assert ".arrow" in err.value.path and len(str(err.value).splitlines()) == 1
+
+
+def test_retries_are_summed_up_every_few_seconds(monkeypatch, caplog):
+    """After the first retry (said at once), a line per interval with the counts since
+    the last one: retries, reads affected, all so far."""
+    from hf_pipeline.read.stream import source
+
+    monkeypatch.setattr(source, "_RETRY_REPORT_S", 0.2)
+    report = source._RetryReport("gs://b/c/demo-" + "0" * 16, 5.0)
+    t_end = time.monotonic() + 0.5
+    n = 0
+    with caplog.at_level("WARNING", logger="hf_pipeline"):
+        while time.monotonic() < t_end:
+            report.retried("gs://b/c/f.arrow", 0, 10, ConnectionRefusedError(111, "no"),
+                           first_of_read=n % 4 == 0)  # fmt: skip
+            n += 1
+            time.sleep(0.002)
+    lines = [r.getMessage() for r in caplog.records]
+    assert n > 50 and 2 <= len(lines) <= 4, (n, lines)
+    assert lines[0].startswith("gs://b/c/f.arrow: bytes 0-10: ConnectionRefusedError")
+    assert "the store keeps failing: " in lines[1] and " reads in the last 0.2 s (" in lines[1]
+
+
 @pytest.mark.slow
 def test_a_stalled_store_is_given_up_per_read_not_per_file(gcs_cache, monkeypatch, caplog):
     """A store that stops answering is retried after ``read_timeout`` per ranged read,
     not after the data config's whole-file timeout (600 s by default: a stalled stream
-    was silent for minutes); each retry is logged, and the final error says which
-    setting bounds a read."""
+    was silent for minutes); the retries are said (the first at once), and the final
+    error says which setting bounds a read."""
     server, url = gcs_cache
     policy = RetryPolicy(max_retries=2, file_timeout=600.0, backoff_base=0.01, backoff_max=0.05)
     with FaultProxy(server) as proxy:
@@ -289,7 +355,7 @@ def test_a_stalled_store_is_given_up_per_read_not_per_file(gcs_cache, monkeypatc
     assert ".arrow" in err.value.path and len(message.splitlines()) == 1
     assert "each read may take 1 s: loader.stream_read_timeout" in message
     retries = [r for r in caplog.records if "retrying" in r.getMessage()]
-    assert len(retries) >= 2 and all(".arrow" in r.getMessage() for r in retries)
+    assert len(retries) >= 1 and all(".arrow" in r.getMessage() for r in retries)
 
 
 def test_bad_urls_and_forged_manifests(gcs_cache, gcs_store):
@@ -328,6 +394,37 @@ def test_bad_urls_and_forged_manifests(gcs_cache, gcs_store):
     refused(lambda m: col(m).__setitem__("digests", ""), "latents.digests holds 0 digests")
     refused(lambda m: col(m).__setitem__("dtype", "|O"), "latents.dtype must be one of")
     refused(lambda m: m.__setitem__("fingerprint", "f" * 16), "fingerprint 'ffff")
+
+
+def test_a_stream_url_is_named_as_given_and_a_location_lists_its_caches(gcs_cache):
+    """``gs://`` is named as given (it read ``gs::``); a publish location (not a cache
+    folder in it) names the cache folders there, a few then "and N more"; the config's
+    check and the source's error say the same accepted forms (``@<revision>`` in both)."""
+    from hf_pipeline.config import LoaderConfig
+    from hf_pipeline.errors import ConfigError, SourceError
+
+    server, url = gcs_cache
+    location, name = url.rsplit("/", 1)
+    for bare in ("gs://", "gs:///", "hf://datasets/"):
+        with pytest.raises(SourceError) as err:
+            open_stream(LoaderConfig(stream_from=bare))
+        assert str(err.value).startswith(f"{bare}: a published cache to stream must look")
+    with pytest.raises(SourceError) as err:
+        StreamSource(location, policy=_FAST)
+    assert str(err.value) == (
+        f"{location}: is a location with published caches: {name}; give one of them"
+    )
+    fs = gcs_fs(server)
+    for i in range(7):  # folders named like caches: listed (bounded), not checked
+        fs.pipe_file(f"{location[5:]}/other-{i:016x}/x", b"x")
+    with pytest.raises(SourceError, match=r"caches: [^;]*, other-0{15}3 and 3 more; give"):
+        StreamSource(location + "/", policy=_FAST)
+    with pytest.raises(ConfigError) as cfg_err:
+        LoaderConfig(stream_from="s3://bucket/caches/demo-" + "0" * 16)
+    with pytest.raises(SourceError) as src_err:
+        StreamSource("gs://bucket/caches", policy=RetryPolicy(max_retries=0, file_timeout=5))
+    forms = "hf://datasets/<org>/<repo>[@<revision>]/[<path>/]<name>-<fingerprint>"
+    assert forms in str(cfg_err.value) and forms in str(src_err.value)
 
 
 def test_an_unpublished_folder_is_not_streamed(gcs_cache, gcs_store, tmp_path):

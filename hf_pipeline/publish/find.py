@@ -51,6 +51,7 @@ __all__ = [
     "PublishedCache",
     "PublishedStatus",
     "cache_folder_fingerprint",
+    "cache_folder_names",
     "find_published",
     "list_published",
     "store_checksum_checked",
@@ -276,12 +277,18 @@ class PublishedStatus:
     problem: str = ""
 
 
+def cache_folder_names(store: Store) -> list[str]:
+    """The folders at ``store``'s location named like a cache folder (``<name>-<16 hex
+    digits>``), sorted; none is checked (:func:`list_published` checks them)."""
+    return [n for n in store.list_cache_names() if cache_folder_fingerprint(n)]
+
+
 def list_published(store: Store, stages: Sequence[str]) -> list[PublishedStatus]:
     """Every cache folder (``<name>-<16 hex digits>``) at ``store``'s location, checked
     like a pull would check it (markers, manifest, listed sizes; no data file is read).
     Other folders there are not listed."""
     out = []
-    names = [n for n in store.list_cache_names() if cache_folder_fingerprint(n)]
+    names = cache_folder_names(store)
     with tempfile.TemporaryDirectory(prefix="hf_pipeline-status-") as meta:
         for i, name in enumerate(names):
             fingerprint = name.rsplit("-", 1)[-1]

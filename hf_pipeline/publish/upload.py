@@ -45,7 +45,7 @@ from dist.layout import marker_name
 from dist.markers import FileEntry, Marker, check_marker, derived_from_problem, read_json
 from dist.safepath import shown
 from hf_pipeline.cache.layout import STAGES
-from hf_pipeline.errors import CacheFormatError
+from hf_pipeline.errors import CacheFormatError, SourceError, StoreUnreachableError
 from hf_pipeline.publish.copies import find_copy_sources
 from hf_pipeline.publish.find import find_published
 from hf_pipeline.publish.manifest import (
@@ -224,7 +224,8 @@ def publish_cache(
             being published; raised before anything is uploaded.
         CacheFormatError: the local cache is incomplete or damaged, or the location
             holds a damaged cache of this fingerprint (names the file; remove it).
-        SourceError: a malformed URL, or the store refused (not found, forbidden).
+        SourceError: a malformed URL, a URL that is a published cache folder (not a
+            location), or the store refused (not found, forbidden).
         StoreUnreachableError: the store did not answer after every retry.
     """
     t0 = time.monotonic()
@@ -240,6 +241,7 @@ def publish_cache(
             cache_dir, ", ".join(unverifiable),
         )  # fmt: skip
     store = open_store(url, data_config=data_config, policy=policy)
+    _refuse_a_cache_folder(store, stages)
     cache_url = store.location.cache_url(name)
     existing = store.list_files(name)
     hub = store.kind == "hub"
@@ -334,6 +336,29 @@ def publish_cache(
         state: PublishState = "published" if todo else "unchanged"
         return _report(
             cache_url, state, manifest, todo, copied, len(data) + len(tail) - len(todo), t0
+        )
+
+
+def _refuse_a_cache_folder(store, stages: Sequence[str]) -> None:
+    """Refuse a location that is itself a published cache folder (its manifest or first
+    marker is right there): publishing into it made ``<folder>/<folder>/`` and uploaded
+    everything again. Any folder without them (named like a cache or not) is a location.
+
+    Raises:
+        SourceError: it is one; names its parent location.
+    """
+    where = store.location.url
+    for rel in (MANIFEST_NAME, marker_name(stages[0])):
+        try:
+            store.source.stat(f"{where}/{rel}")
+        except StoreUnreachableError:
+            raise
+        except SourceError:  # not there (or not readable: the publish says so itself)
+            continue
+        raise SourceError(
+            where,
+            f"is a published cache folder (its {rel} is there): publish to its parent "
+            f"location {where.rsplit('/', 1)[0]}",
         )
 
 

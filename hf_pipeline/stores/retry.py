@@ -35,6 +35,7 @@ __all__ = [
     "TransientError",
     "check_deadline",
     "describe_error",
+    "http_status",
     "is_transient",
     "with_retries",
 ]
@@ -99,7 +100,7 @@ class RetryPolicy:
         return cls(**kw)
 
 
-def _status_of(exc: BaseException) -> int | None:
+def http_status(exc: BaseException) -> int | None:
     """HTTP status carried by an exception from gcsfs, huggingface_hub or httpx."""
     for attr in ("code", "status", "status_code"):
         value = getattr(exc, attr, None)
@@ -121,7 +122,7 @@ def is_transient(exc: BaseException) -> bool:
         return True
     if isinstance(exc, FileNotFoundError | PermissionError | IsADirectoryError):
         return False
-    status = _status_of(exc)
+    status = http_status(exc)
     if status is not None:
         return status in _RETRY_STATUS
     mod = type(exc).__module__ or ""
@@ -163,6 +164,7 @@ def with_retries(
     *,
     on_retry: Callable[[BaseException], None] | None = None,
     stop: threading.Event | None = None,
+    log_retries: bool = True,
 ) -> _T:
     """Call ``fn`` until it succeeds, retrying transient failures with backoff.
 
@@ -174,6 +176,8 @@ def with_retries(
         policy: retry count and backoff.
         on_retry: called with each exception that will be retried (stats).
         stop: abandon between attempts when set (raises :class:`Cancelled`).
+        log_retries: log each retry (INFO); False where ``on_retry`` says them itself
+            (a stream's many reads, said in a bounded number of lines).
 
     Returns:
         What ``fn`` returned.
@@ -207,14 +211,15 @@ def with_retries(
             if on_retry is not None:
                 on_retry(exc)
             delay = policy.delay(attempt)
-            logger.info(
-                "retry %d/%d for %s in %.2fs: %s",
-                attempt,
-                policy.max_retries,
-                what,
-                delay,
-                describe_error(exc),
-            )
+            if log_retries:
+                logger.info(
+                    "retry %d/%d for %s in %.2fs: %s",
+                    attempt,
+                    policy.max_retries,
+                    what,
+                    delay,
+                    describe_error(exc),
+                )
             if stop is not None:
                 if stop.wait(delay):
                     raise Cancelled(what) from exc

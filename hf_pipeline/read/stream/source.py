@@ -64,6 +64,7 @@ from typing import Any, Literal
 import numpy as np
 
 from dist.checksums import BLOCK_ALGORITHM, block_digest
+from dist.safepath import shown
 from hf_pipeline.errors import CacheFormatError, SourceError, StoreUnreachableError
 from hf_pipeline.read.stream.index import StreamIndex
 from hf_pipeline.read.stream.options import StreamOptions
@@ -72,6 +73,7 @@ from hf_pipeline.stores.retry import (
     RetryPolicy,
     TransientError,
     describe_error,
+    http_status,
     with_retries,
 )
 
@@ -81,6 +83,10 @@ logger = logging.getLogger(__name__)
 
 _MANIFEST = "manifest.json"
 _CACHE_NAME = re.compile(r"-([0-9a-f]{16})\Z")
+#: Seconds between two lines summing up a stream's retries (the first is said at once).
+_RETRY_REPORT_S = 5.0
+#: Cache folders an error names when a location is given instead of one of them.
+_LISTED_CACHES = 5
 _STOP_CHECK_S = 0.1
 #: Gaps between blocks are read (one request, not two) only while together they are at
 #: most 1/_GAP_SHARE of the blocks' bytes in the read: bytes fetched stay within ~1.1x those
@@ -224,20 +230,90 @@ class _Column:
     block0: np.ndarray  # first global block id of each chunk
 
 
-def _split_url(url: str) -> tuple[str, str]:
-    """``(store location, cache name)`` of a published cache's URL."""
-    from hf_pipeline.config import PUBLISH_SCHEMES
+def _split_url(url: str, policy: RetryPolicy | None = None) -> tuple[str, str]:
+    """``(store location, cache name)`` of a published cache's URL.
 
+    A URL of another shape is refused naming it as given; one that is a publish location
+    holding cache folders (``gs://bkt/caches``, where ``--publish`` wrote) lists a few.
+    """
+    from hf_pipeline.config import PUBLISH_SCHEMES, PUBLISHED_CACHE_FORMS
+
+    given = url
     url = url.strip().rstrip("/")
     name = url.rsplit("/", 1)[-1]
     if not url.startswith(PUBLISH_SCHEMES) or not _CACHE_NAME.search(name):
+        found = _cache_folders_at(url, policy) if url.startswith(PUBLISH_SCHEMES) else ""
+        if found:
+            raise SourceError(
+                given, f"is a location with published caches: {found}; give one of them"
+            )
         raise SourceError(
-            url,
-            "a published cache to stream must look like gs://<bucket>[/<prefix>]/<name>-"
-            "<fingerprint> or hf://datasets/<org>/<repo>[@<revision>]/[<path>/]<name>-"
-            "<fingerprint> (the folder --publish wrote)",
+            given,
+            f"a published cache to stream must look like {' or '.join(PUBLISHED_CACHE_FORMS)}"
+            " (the folder --publish wrote)",
         )
     return url, name
+
+
+def _cache_folders_at(url: str, policy: RetryPolicy | None) -> str:
+    """The cache folders at publish location ``url``, a few named ("" when it is no
+    location, holds none, or the store fails: the caller's error stands alone)."""
+    from hf_pipeline.config import DataConfig
+    from hf_pipeline.publish.find import cache_folder_names
+    from hf_pipeline.stores.factory import open_store
+
+    try:
+        store = open_store(url, data_config=DataConfig(), policy=policy)
+        names = cache_folder_names(store)
+    except SourceError:  # no location (a bare gs://), not found, refused, unreachable
+        return ""
+    shown_names = ", ".join(
+        n if n.isascii() and n.isprintable() else shown(n) for n in names[:_LISTED_CACHES]
+    )
+    more = len(names) - _LISTED_CACHES
+    return f"{shown_names} and {more} more" if more > 0 else shown_names
+
+
+class _RetryReport:
+    """A source's retries said in a bounded number of lines (thread-safe): the first at
+    once (a failing store is never silent until the last attempt), then at most one
+    line per :data:`_RETRY_REPORT_S` with the counts since the last line (one line per
+    retry flooded the log: 360 lines in 11 s of an outage with 64 reads in flight)."""
+
+    def __init__(self, url: str, read_timeout: float):
+        self.url, self.read_timeout = url, read_timeout
+        self._lock = threading.Lock()
+        self._said: float | None = None  # time.monotonic() of the last line
+        self._total = self._retries = self._reads = 0  # all; since the last line (2)
+
+    def retried(
+        self, url: str, start: int, end: int, exc: BaseException, *, first_of_read: bool
+    ) -> None:
+        """Count one retry of ``url``'s bytes ``[start, end)``; say it when it is due."""
+        with self._lock:
+            self._total += 1
+            self._retries += 1
+            self._reads += first_of_read
+            now = time.monotonic()
+            if self._said is not None and now - self._said < _RETRY_REPORT_S:
+                return
+            since, self._said = None if self._said is None else now - self._said, now
+            retries, reads, total = self._retries, self._reads, self._total
+            self._retries = self._reads = 0
+        if since is None:
+            logger.warning(
+                "%s: bytes %d-%d: %s (a read may take %.0f s); retrying (further retries "
+                "of %s summed up every %.0f s)",
+                url, start, end, describe_error(exc), self.read_timeout, self.url,
+                _RETRY_REPORT_S,
+            )  # fmt: skip
+        else:
+            logger.warning(
+                "%s: the store keeps failing: %d retries of %d reads in the last %.1f s "
+                "(%d so far; last: %s at bytes %d-%d: %s); retrying",
+                self.url, retries, reads, since, total,
+                url.rsplit("/", 1)[-1], start, end, describe_error(exc),
+            )  # fmt: skip
 
 
 class StreamSource:
@@ -272,9 +348,9 @@ class StreamSource:
         from hf_pipeline.config import DataConfig
         from hf_pipeline.stores import make_source
 
-        self.url, name = _split_url(url)
         self.options = options or StreamOptions()
         policy = policy or RetryPolicy.from_config(DataConfig())
+        self.url, name = _split_url(url, policy)
         # One ranged read is small (at most max_read_bytes): it gets read_timeout, not
         # a whole file's download time (a stalled store was silent for minutes).
         self.policy = dataclasses.replace(
@@ -291,6 +367,7 @@ class StreamSource:
         )
         self._closed = False
         self._counts: collections.Counter[str] = collections.Counter()
+        self._retry_report = _RetryReport(self.url, self.policy.file_timeout)
         # Held blocks: block id -> (its read's buffer, byte offset of the block there).
         self._blocks: dict[int, _Held] = {}
         # Read buffers that several held blocks share, by id(): their held blocks. Every
@@ -992,18 +1069,19 @@ class StreamSource:
                 raise TransientError(f"{url}: got {len(data)} of {end - start} bytes at {start}")
             return data
 
+        first = True
+
         def retried(exc: BaseException) -> None:
+            nonlocal first
             with self._lock:
                 self._counts["retries"] += 1
-                n = self._counts["retries"]
-            # Each retry is said (a stalled store is not silent until the last attempt).
-            logger.warning(
-                "%s: bytes %d-%d: %s (a read may take %.0f s); retrying (%d retries so far)",
-                url, start, end, describe_error(exc), self.policy.file_timeout, n,
-            )  # fmt: skip
+            self._retry_report.retried(url, start, end, exc, first_of_read=first)
+            first = False
 
         try:
-            data = with_retries(url, attempt, self.policy, on_retry=retried, stop=self._stop)
+            data = with_retries(
+                url, attempt, self.policy, on_retry=retried, stop=self._stop, log_retries=False
+            )
         except Cancelled:
             raise RuntimeError(f"the stream source of {self.url} is closed") from None
         except StoreUnreachableError as err:
@@ -1015,6 +1093,14 @@ class StreamSource:
         except SourceError as err:
             if isinstance(err.__cause__, FileNotFoundError):
                 raise SourceError(url, "does not exist in the store") from err.__cause__
+            if err.__cause__ is not None and http_status(err.__cause__) == 416:
+                # Range not satisfiable: the object ends before bytes the manifest has.
+                raise CacheFormatError(
+                    url,
+                    f"shorter than the {self.manifest.files[rel].size} bytes published "
+                    f"(the store has no bytes {start}-{end}): the file was changed or "
+                    "truncated after it was published; publish the cache again",
+                ) from err.__cause__
             raise
         with self._lock:
             self._counts["requests"] += 1

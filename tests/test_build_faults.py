@@ -272,6 +272,21 @@ def test_ranks_of_a_named_job_load_a_read_only_cache(small_config, built_cache, 
     assert _snapshot(ro) == before
 
 
+def _start_build(root, sigint):
+    """A demo build of 4 x 300 rows in its own process group (a terminal's job), started
+    with SIGINT's disposition ``sigint`` (a terminal: the default; ``nohup``: ignored)."""
+    import signal
+
+    argv = [PYTHON, str(REPO / "scripts/prebuild_cache.py"), "--cache-dir", str(root),
+            *[a for o in SMALL_DEMO for a in ("--set", o)], "--set", "build.num_proc=2",
+            "--set", "data.demo.samples_per_shard=300"]  # fmt: skip
+    p = subprocess.Popen(
+        argv, env=script_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, sigint),
+    )  # fmt: skip
+    return p, argv
+
+
 @pytest.mark.parametrize("stage", ["join", "embed"])
 def test_ctrl_c_during_the_build_exits_130_quietly_and_a_rerun_builds(tmp_path, stage):
     """Ctrl-C in a terminal signals the whole process group: the builder and its worker
@@ -291,14 +306,7 @@ def test_ctrl_c_during_the_build_exits_130_quietly_and_a_rerun_builds(tmp_path, 
     import time
 
     root = tmp_path / "c"
-    argv = [PYTHON, str(REPO / "scripts/prebuild_cache.py"), "--cache-dir", str(root),
-            *[a for o in SMALL_DEMO for a in ("--set", o)], "--set", "build.num_proc=2",
-            "--set", "data.demo.samples_per_shard=300"]  # fmt: skip
-    p = subprocess.Popen(
-        argv, env=script_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )  # fmt: skip
+    p, argv = _start_build(root, signal.SIG_DFL)
     seen = ""
     try:
         assert p.stderr is not None
@@ -335,14 +343,7 @@ def test_a_build_started_with_sigint_ignored_keeps_ignoring_it(tmp_path):
     import time
 
     root = tmp_path / "c"
-    argv = [PYTHON, str(REPO / "scripts/prebuild_cache.py"), "--cache-dir", str(root),
-            *[a for o in SMALL_DEMO for a in ("--set", o)], "--set", "build.num_proc=2",
-            "--set", "data.demo.samples_per_shard=300"]  # fmt: skip
-    p = subprocess.Popen(
-        argv, env=script_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
-    )  # fmt: skip
+    p, _ = _start_build(root, signal.SIG_IGN)
     seen, signalled = "", []
 
     def ctrl_c_until_done():  # every 0.1 s from the join on: inside the map's window too

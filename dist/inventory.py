@@ -1242,7 +1242,9 @@ def clean(
     when no job is *starting* on ``root``: a builder that claims a stale cache in the
     instant after our last look would lose its folder (and fail). While any cache of
     ``root`` is being built, the stores' complete units that no cache uses are kept (the
-    live build may link them as its stages publish).
+    live build may link them as its stages publish). So are the sound units whose only
+    users were corrupt caches removed by this call (a rebuild of them reuses them; the
+    next call removes them if still unused).
 
     Args:
         root: the folder holding one sub-folder per cache.
@@ -1266,6 +1268,11 @@ def clean(
     # A dry run removes nothing, so the links of what it would remove still count as
     # uses of the stored units: counted here, discounted in list_store.
     going: dict[tuple[int, int], int] = {}
+    # The files of the corrupt caches removed now: a unit of the stores whose only users
+    # they were is sound (a damaged one is corrupt itself) and a rebuild of those caches
+    # reuses it; removing it with them made a rebuild read every input again for one
+    # damaged part (outside tester).
+    of_corrupt: set[tuple[int, int]] = set()
 
     def drop(target: Path, stages_of: Sequence[str] | None = None) -> None:
         if dry_run:
@@ -1310,6 +1317,8 @@ def clean(
         ):
             continue  # somebody claimed or beat since we looked
         if status.state in _REMOVABLE:
+            if status.state is CacheState.CORRUPT:
+                of_corrupt.update((st.st_dev, st.st_ino) for st in _regular_files(cache))
             drop_cache(cache, stages)
             continue
         # Complete or resumable: keep, but drop what dead builders (and others) left.
@@ -1394,6 +1403,17 @@ def clean(
                 left.append((
                     st.path, f"kept: used by no cache, but {building[0].name} is being built "
                     "on this root and may link it; run --clean again once it is done",
+                ))  # fmt: skip
+                continue
+            if (
+                st.state is CacheState.COMPLETE
+                and not unit.in_use
+                and of_corrupt
+                and any((f.st_dev, f.st_ino) in of_corrupt for f in _regular_files(st.path))
+            ):
+                left.append((
+                    st.path, "kept: sound, used only by corrupt caches removed now; a "
+                    "rebuild of them reuses it (a later --clean removes it if still unused)",
                 ))  # fmt: skip
                 continue
             if st.state in _REMOVABLE or (st.state is CacheState.COMPLETE and not unit.in_use):

@@ -153,3 +153,36 @@ def test_a_part_damaged_with_its_mtime_put_back_after_it_was_remembered_is_refus
     errors = [ln for ln in third.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1, third.stderr
     assert join.name in errors[0] and rows.name in errors[0], errors[0]
+
+
+def test_clean_after_verify_keeps_the_sound_parts_of_a_corrupt_cache(tmp_path):
+    """A cache one of whose stored parts is damaged: `verify` marks the cache and the
+    part corrupt, `clean` removes both and keeps the cache's sound parts (it removed
+    them too, being used by no cache any more: the rebuild then read every input
+    again for one damaged part; outside tester), saying why; the rebuild makes the
+    damaged part alone and equals the first build."""
+    root = tmp_path / "root"
+    assert _build(root, "build.part_shards=1").returncode == 0
+    ((name, cache),) = _caches(root).items()
+    scratch = _latents(cache)
+    joins = sorted((root / ".parts").glob("join-*"))
+    assert len(joins) >= 2, joins
+    bad, sound = joins[0], joins[1:]
+    flip_middle_bit(max(bad.glob("join.*/rows/*.arrow"), key=lambda p: p.stat().st_size))
+
+    v = _cli("verify", "--cache-dir", str(root))
+    assert v.returncode == 1 and f".parts/{bad.name}" in v.stdout, v.stdout
+    c = _cli("clean", "--cache-dir", str(root))
+    assert c.returncode == 0, c.stdout + c.stderr
+    assert f"removed {cache}" in c.stdout and f"removed {bad}" in c.stdout, c.stdout
+    for unit in sound:
+        assert unit.is_dir() and f"left {unit}: kept: sound" in c.stdout, c.stdout
+    markers = {unit: (unit / "join.json").stat().st_ino for unit in sound}
+
+    again = _build(root, "build.part_shards=1")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert _latents(cache) == scratch
+    assert all((u / "join.json").stat().st_ino == ino for u, ino in markers.items()), "rebuilt"
+    assert (bad / "join.json").exists(), "the damaged part made again"
+    ok = _cli("verify", "--cache-dir", str(root))
+    assert ok.returncode == 0 and f"{name}: ok" in ok.stdout, ok.stdout

@@ -930,6 +930,9 @@ class VerifyReport:
         files: files read whole.
         bytes: bytes read whole.
         seconds: wall time of the whole-file reads.
+        shared: files checked against a digest this run made already (the same inode,
+            unchanged, read for another cache or stored part: :func:`verify_cache`'s
+            ``memo``), not read again.
     """
 
     problems: tuple[str, ...]
@@ -937,6 +940,7 @@ class VerifyReport:
     files: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    shared: int = 0
 
     @property
     def gb_per_s(self) -> float:
@@ -950,6 +954,7 @@ def verify_cache(
     workers: int | None = None,
     progress: bool = False,
     record: bool = False,
+    memo: dict[tuple[int, ...], tuple[int, str]] | None = None,
 ) -> VerifyReport:
     """Check every stage marker, every listed file's size and edge checksum, and then
     every byte of every listed file against the marker's whole-file checksum.
@@ -963,6 +968,11 @@ def verify_cache(
             problem (``--status`` then reports the cache corrupt, and opening it for
             training is refused), and remove an earlier record when every stage is
             sound. Best effort: a read-only cache is still verified.
+        memo: the whole-file digests of one verify run, by each file's inode and
+            ``stat`` (device, inode, size, mtime, ctime): a file whose exact ``stat`` is
+            there (a hard link of one read for another cache or stored part, unchanged
+            since: a write moves its mtime and ctime) is not read again. The caches of a
+            root and its stored parts share their files: each was read twice.
 
     Returns:
         A :class:`VerifyReport`.
@@ -1025,14 +1035,29 @@ def verify_cache(
             if bar is not None:  # advance is passed only with a bar
                 bar.update(n)
 
-    read = files = 0
+    read = files = shared = 0
     t0 = time.monotonic()
     try:
         paths = [cache / entry.path for _, entry in jobs]
-        hashed = hash_files(paths, workers=workers, on_bytes=advance if bar else None)
-        for (stage, entry), (_, size, digest) in zip(jobs, hashed, strict=True):
-            read += size
-            files += not isinstance(digest, OSError)
+        keys = [_memo_key(p) if memo is not None else None for p in paths]
+        known = {i for i, k in enumerate(keys) if k is not None and memo is not None and k in memo}
+        if bar is not None and known:
+            bar.total = total - sum(jobs[i][1].size for i in known)
+        todo = [p for i, p in enumerate(paths) if i not in known]
+        hashed = hash_files(todo, workers=workers, on_bytes=advance if bar else None)
+        for i, (stage, entry) in enumerate(jobs):
+            key = keys[i]
+            digest: str | OSError
+            if i in known:
+                assert memo is not None and key is not None
+                size, digest = memo[key]
+                shared += 1
+            else:
+                _, size, digest = next(hashed)
+                read += size
+                files += not isinstance(digest, OSError)
+                if memo is not None and key is not None and isinstance(digest, str):
+                    memo[key] = (size, digest)
             if entry.path in named.get(stage, ()):
                 continue  # named by its size or first/last MiB already
             why = hashed_problem(
@@ -1053,7 +1078,16 @@ def verify_cache(
         files=files,
         bytes=read,
         seconds=seconds,
+        shared=shared,
     )
+
+
+def _memo_key(path: Path) -> tuple[int, ...] | None:
+    """A regular file's identity for :func:`verify_cache`'s ``memo`` (None: not one)."""
+    st = _lstat(path)
+    if st is None or not stat.S_ISREG(st.st_mode):
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _inside(cache: Path, relpath: str) -> bool:

@@ -186,3 +186,36 @@ def test_clean_after_verify_keeps_the_sound_parts_of_a_corrupt_cache(tmp_path):
     assert (bad / "join.json").exists(), "the damaged part made again"
     ok = _cli("verify", "--cache-dir", str(root))
     assert ok.returncode == 0 and f"{name}: ok" in ok.stdout, ok.stdout
+
+
+def test_verify_reads_a_file_that_caches_and_parts_share_once(tmp_path):
+    """Two caches over the same stored parts (two max_lengths) hold the latents as hard
+    links of the parts' files: `verify` read each such file once per cache and once for
+    its part. Now once per run (the later ones checked against that read's digest), and
+    a damaged shared file is still named in every cache and part that lists it."""
+    root = tmp_path / "root"
+    assert _build(root).returncode == 0
+    assert _build(root, "encoder.max_length=32").returncode == 0
+    v = _cli("verify", "--cache-dir", str(root), "--json", str(tmp_path / "v.json"))
+    assert v.returncode == 0, v.stdout + v.stderr
+    report = json.loads((tmp_path / "v.json").read_text())
+    items = report["caches"] + report["parts"]
+    shared = sum(i["shared_files"] for i in items)
+    assert shared > 0 and report["caches"][1]["shared_files"] > 0, items
+    assert "hard-linked files checked by that read" in v.stdout, v.stdout
+    # Every byte read once: the bytes read are the distinct inodes' sizes.
+    inodes = {}
+    for folder in [Path(c["path"]) for c in items]:
+        for f in folder.rglob("*"):
+            st = f.lstat()
+            if f.is_file() and not f.is_symlink():
+                inodes[(st.st_dev, st.st_ino)] = st.st_size
+    assert sum(i["bytes"] for i in items) <= sum(inodes.values()), (items, inodes)
+
+    (join,) = sorted((root / ".parts").glob("join-*"))
+    flip_middle_bit(max(join.glob("join.*/rows/*.arrow"), key=lambda p: p.stat().st_size))
+    bad = _cli("verify", "--cache-dir", str(root), "--json", str(tmp_path / "bad.json"))
+    assert bad.returncode == 1, bad.stdout
+    found = json.loads((tmp_path / "bad.json").read_text())
+    assert not any(i["ok"] for i in found["caches"]), found["caches"]
+    assert not [p for p in found["parts"] if p["path"] == str(join)][0]["ok"]

@@ -316,8 +316,13 @@ def _admin(args, cfg) -> int:
         report_json = []
         t0 = time.monotonic()
         caches = inventory.list_caches(root, stages=STAGES)
+        memo: dict = {}  # a file the caches and the stored parts share is read once
+        shared = 0
         for st in caches:
-            found = inventory.verify_cache(st.path, STAGES, progress=progress, record=True)
+            found = inventory.verify_cache(
+                st.path, STAGES, progress=progress, record=True, memo=memo
+            )
+            shared += found.shared
             bad += bool(found.problems)
             report_json.append(
                 {
@@ -327,17 +332,13 @@ def _admin(args, cfg) -> int:
                     "notes": list(found.notes),
                     "files": found.files,
                     "bytes": found.bytes,
+                    "shared_files": found.shared,
                     "seconds": round(found.seconds, 3),
                 }
             )
             files += found.files
             nbytes += found.bytes
-            read = (
-                f" ({found.files} files, {_human_bytes(found.bytes)} read whole "
-                f"in {found.seconds:.1f} s, {found.gb_per_s:.2f} GB/s)"
-                if found.files
-                else ""
-            )
+            read = _verify_read(found)
             verdict = "ok" if not found.problems else _safe(_some(found.problems))
             print(f"{_safe(st.path.name)}: {verdict}{read}", file=out)
             for note in found.notes:
@@ -351,7 +352,10 @@ def _admin(args, cfg) -> int:
             if st.state not in (inventory.CacheState.COMPLETE, inventory.CacheState.CORRUPT):
                 continue  # being built, or nothing published to check
             kind = st.path.name.split("-", 1)[0]
-            found = inventory.verify_cache(st.path, [kind], progress=progress, record=True)
+            found = inventory.verify_cache(
+                st.path, [kind], progress=progress, record=True, memo=memo
+            )
+            shared += found.shared
             users = [c.name for c in inventory.linked_by(st.path, [c.path for c in caches])]
             damaged += bool(found.problems)
             files += found.files
@@ -359,7 +363,8 @@ def _admin(args, cfg) -> int:
             parts_json.append({
                 "path": str(st.path), "ok": not found.problems,
                 "problems": list(found.problems), "linked_by": users,
-                "files": found.files, "bytes": found.bytes, "seconds": round(found.seconds, 3),
+                "files": found.files, "bytes": found.bytes, "shared_files": found.shared,
+                "seconds": round(found.seconds, 3),
             })  # fmt: skip
             if found.problems:
                 print(
@@ -371,7 +376,8 @@ def _admin(args, cfg) -> int:
         print(
             f"verified {len(caches)} cache(s), {bad} with problems: {files} files, "
             f"{_human_bytes(nbytes)} in {seconds:.1f} s "
-            f"({nbytes / 1e9 / seconds if seconds > 0 else 0.0:.2f} GB/s)",
+            f"({nbytes / 1e9 / seconds if seconds > 0 else 0.0:.2f} GB/s)"
+            + (f"; {shared} hard-linked files checked by that read" if shared else ""),
             file=out,
         )
         if args.json:
@@ -400,6 +406,19 @@ def _admin(args, cfg) -> int:
             "left": [{"path": str(p), "why": why} for p, why in report.left],
         })  # fmt: skip
     return 1 if any(why.startswith("could not remove") for _, why in report.left) else 0
+
+
+def _verify_read(found) -> str:
+    """What ``verify`` read of one cache or stored part, for its line ("" if nothing)."""
+    parts = []
+    if found.files:
+        parts.append(
+            f"{found.files} files, {_human_bytes(found.bytes)} read whole in "
+            f"{found.seconds:.1f} s, {found.gb_per_s:.2f} GB/s"
+        )
+    if found.shared:
+        parts.append(f"{found.shared} hard-linked files already read")
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _published_status(url: str, cfg, json_path: str | None) -> int:

@@ -1129,6 +1129,10 @@ def _record_verify(cache: Path, problems: Sequence[str]) -> None:
         pass  # a read-only cache: the findings are still printed and the exit code says so
 
 
+#: How :func:`verify_findings` starts each line (a cache's problems say so).
+_VERIFY_FOUND = "--verify found: "
+
+
 def verify_findings(cache: str | os.PathLike[str], done: Mapping[str, Marker]) -> list[str]:
     """What an earlier ``--verify`` (:func:`verify_cache` with ``record``) found wrong
     with the stages published now (``done``: their valid markers), one line each, or []."""
@@ -1141,7 +1145,7 @@ def verify_findings(cache: str | os.PathLike[str], done: Mapping[str, Marker]) -
     if not current or not isinstance(problems, list):
         return []
     return [
-        f"--verify found: {p}"
+        f"{_VERIFY_FOUND}{p}"
         for p in problems
         if isinstance(p, str) and p.split(": ", 1)[0] in current
     ]
@@ -1277,8 +1281,8 @@ def clean(
     instant after our last look would lose its folder (and fail). While any cache of
     ``root`` is being built, the stores' complete units that no cache uses are kept (the
     live build may link them as its stages publish). So are the sound units whose only
-    users were corrupt caches removed by this call (a rebuild of them reuses them; the
-    next call removes them if still unused).
+    users were caches removed by this call as corrupt by ``verify``'s record (a rebuild
+    of them reuses them; the next call removes them if still unused).
 
     Args:
         root: the folder holding one sub-folder per cache.
@@ -1302,10 +1306,11 @@ def clean(
     # A dry run removes nothing, so the links of what it would remove still count as
     # uses of the stored units: counted here, discounted in list_store.
     going: dict[tuple[int, int], int] = {}
-    # The files of the corrupt caches removed now: a unit of the stores whose only users
-    # they were is sound (a damaged one is corrupt itself) and a rebuild of those caches
-    # reuses it; removing it with them made a rebuild read every input again for one
-    # damaged part (outside tester).
+    # The files of the caches removed now that `verify` found damaged files in: a unit of
+    # the stores whose only users they were is sound (a damaged one is corrupt itself)
+    # and a rebuild of those caches reuses it; removing it with them made a rebuild read
+    # every input again for one damaged part (outside tester). A cache corrupt for
+    # another reason (its own marker) takes the units only it used with it.
     of_corrupt: set[tuple[int, int]] = set()
 
     def drop(target: Path, stages_of: Sequence[str] | None = None) -> None:
@@ -1351,7 +1356,9 @@ def clean(
         ):
             continue  # somebody claimed or beat since we looked
         if status.state in _REMOVABLE:
-            if status.state is CacheState.CORRUPT:
+            if status.state is CacheState.CORRUPT and any(
+                p.startswith(_VERIFY_FOUND) for p in status.problems
+            ):  # damaged files, which may be a stored part's: see of_corrupt
                 of_corrupt.update((st.st_dev, st.st_ino) for st in _regular_files(cache))
             drop_cache(cache, stages)
             continue

@@ -330,3 +330,47 @@ def test_stored_ids_that_the_rule_does_not_give_are_found_by_the_check(tmp_path,
     assert info is None
     assert not (tmp_path / "derived" / TOKENS_FILE).exists()
     assert "differ from the tokenizer's at row 5" in caplog.text, caplog.text
+
+
+def test_stored_ids_damaged_past_their_edges_are_not_derived_from(tmp_path, caplog):
+    """A stored token-ids unit whose file changed in the middle (past the first and last
+    MiB that a reused unit's edge check reads): its ids would be copied into the new
+    cache (outside tester: a flipped id in a derived cache, `verify` said ok). The
+    source is read whole against its marker before it is derived from: a sound one is
+    offered, a damaged one skipped with a warning."""
+    import dataclasses
+    import logging
+
+    import numpy as np
+
+    from dist.coordinator import Stage, ensure_built
+    from hf_pipeline.build.part_store import StoredPart
+    from hf_pipeline.build.parts import PartPlan
+    from hf_pipeline.build.prepare import _derivable_tokens
+    from hf_pipeline.build.tokens import _write
+
+    store = tmp_path / ".parts"
+    part = StoredPart(plan=PartPlan(0, 0, 1), part="p" * 16, captions="c" * 16, encoder="e",
+                      store=store, tokenizer="t16")  # fmt: skip
+    rows = np.arange(200_000 * 8, dtype=np.int32).reshape(200_000, 8) % 30_000
+    ids = pa.array(rows.tolist(), pa.list_(pa.int32()))  # 6.4 MB of ids
+
+    def build(ctx):
+        (Path(ctx.tmp_dir) / TOKENS_FILE).parent.mkdir(parents=True)
+        _write(Path(ctx.tmp_dir) / TOKENS_FILE, ids, 10_000)
+        return {"tokens": {"family": "fam", "max_length": 64}}
+
+    stored = dataclasses.replace(part, tokenizer="t64")
+    ensure_built(
+        stored.tokens_dir, stored.tokens_id, [Stage(name="tokens", build=build)], builder=True
+    )
+    (data,) = stored.tokens_dir.glob("tokens.*/" + str(TOKENS_FILE))
+    assert data.stat().st_size > 3 << 20
+    assert [length for _, length in _derivable_tokens(part, "fam", 16)] == [64]
+
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    with caplog.at_level(logging.WARNING):
+        assert list(_derivable_tokens(part, "fam", 16)) == []
+    assert "not deriving token ids from it" in caplog.text, caplog.text

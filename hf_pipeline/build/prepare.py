@@ -55,7 +55,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import CancelledError, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -1090,18 +1090,19 @@ def _stored_text(part, table, rows_files):
     return part
 
 
-def _derivable_tokens(part, family: str, max_length: int) -> list[tuple[Path, int]]:
+def _derivable_tokens(part, family: str, max_length: int) -> Iterator[tuple[Path, int]]:
     """The stored token ids of ``part``'s captions by the same tokenizer (``family``:
     :func:`hf_pipeline.build.tokens.tokenizer_family`) at another ``max_length``, best
     first, as (published folder, its ``max_length``): a longer one (every row derives
     from it: the shortest of those), else the longest shorter one (the rows it may have
-    cut are tokenized again). Each checked against its marker as a reused unit is
-    (:func:`_check_reused`); a damaged one is skipped."""
+    cut are tokenized again). Each is read whole against its marker before it is
+    yielded (:func:`dist.inventory.verify_cache`): the derived ids are copied from it,
+    and a flip past its first and last MiB, which the edge check of a reused unit
+    misses, went into the new cache (outside tester); a damaged one is skipped."""
     from dist.coordinator import complete_markers as unit_markers
-    from dist.layout import marker_name
-    from dist.markers import check_marker
+    from dist.inventory import verify_cache
 
-    found: list[tuple[Path, int]] = []
+    found: list[tuple[Path, int, str]] = []
     for folder in sorted(part.store.glob(f"tokens-{part.text_id}-*")):
         unit_id = folder.name[len("tokens-") :]
         if folder == part.tokens_dir or not folder.is_dir():
@@ -1115,15 +1116,16 @@ def _derivable_tokens(part, family: str, max_length: int) -> list[tuple[Path, in
         length = info.get("max_length")
         if not isinstance(length, int) or isinstance(length, bool) or length == max_length:
             continue
-        _, why = check_marker(folder / marker_name("tokens"), fingerprint=unit_id,
-                              base_dir=folder, stage="tokens", verify=True)  # fmt: skip
-        if why is not None:
-            log.warning("%s: not deriving token ids from it (%s)", folder, why)
+        found.append((folder, length, markers["tokens"].directory))
+    # Longer ones first, each side nearest first.
+    for folder, length, directory in sorted(
+        found, key=lambda f: (f[1] < max_length, abs(f[1] - max_length))
+    ):
+        problems = verify_cache(folder, ["tokens"]).problems
+        if problems:
+            log.warning("%s: not deriving token ids from it (%s)", folder, problems[0])
             continue
-        found.append((folder / markers["tokens"].directory, length))
-    longer = sorted((f for f in found if f[1] > max_length), key=lambda f: f[1])
-    shorter = sorted((f for f in found if f[1] < max_length), key=lambda f: -f[1])
-    return longer + shorter
+        yield folder / directory, length
 
 
 def _planned_parts(
@@ -1426,21 +1428,24 @@ def _ensure_parts(
             built again (once), as a unit with a missing file is: the damage costs its
             own part, not the store (outside tester: the old advice, verify then clean,
             removed every intact part of the caches that linked it)."""
-            for attempt in (1, 2):
-                marker = ensure_built(
-                    unit_dir, unit_id, [_stage(kind, build, pools=False)], builder=ours, **timing
-                )[kind]
-                if attempt == 1 and _retired_damaged(unit_dir, unit_id, kind, marker):
-                    continue
+            stage = [_stage(kind, build, pools=False)]
+            marker = ensure_built(unit_dir, unit_id, stage, builder=ours, **timing)[kind]
+            if _retired_damaged(unit_dir, unit_id, kind, marker):
+                marker = ensure_built(unit_dir, unit_id, stage, builder=ours, **timing)[kind]
                 _check_reused(unit_dir, unit_id, kind, marker, fingerprint, since)
-                return marker
-            raise AssertionError("unreachable")
+            return marker
+
+        checked: dict[Path, str] = {}  # unit folder -> the published folder found sound
 
         def _retired_damaged(unit_dir: Path, unit_id: str, kind: str, marker) -> bool:
+            """Check a stored unit as :func:`_check_reused` does; retire it when damaged
+            (True). A sound one is remembered in ``checked`` (not read again)."""
             if _built(marker, fingerprint, since):
                 return False  # made by this run: described as it was published
             why = retire_damaged(unit_dir, unit_id, kind)
-            if why is not None:
+            if why is None:
+                checked[unit_dir] = marker.directory
+            else:
                 log.warning(
                     "the stored part %s is damaged (%s): building it again; the caches "
                     "that link its files are damaged too (`hf-pipeline verify` marks them)",
@@ -1554,9 +1559,10 @@ def _ensure_parts(
                     f.result()
             emb = {i: f.result()["embed"] for i, f in embeds.items()}
             for p in (used[q.plan.index] for q in planned):  # with the text it uses
-                _check_reused(
-                    p.embed_dir, p.embed_id, "embed", emb[p.plan.index], fingerprint, since
-                )
+                if checked.get(p.embed_dir) != emb[p.plan.index].directory:
+                    _check_reused(
+                        p.embed_dir, p.embed_id, "embed", emb[p.plan.index], fingerprint, since
+                    )
         except BaseException:
             # Ctrl-C or a failed join, tokenizing or embedding: the token ids and the
             # embedding in flight stop at their next batch, the waits at once.

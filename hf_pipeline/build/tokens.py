@@ -328,8 +328,8 @@ def derive_part(
     head = np.where(cut, length - suffix if spec.direction == "right" else prefix, have)
     tail = np.where(cut, length - head, 0)
     tail_start = ends - tail
+    captions = read_column(caption_paths, "caption")  # memory-mapped
     if again is not None and again.any():
-        captions = read_column(caption_paths, "caption")
         fresh = tokenize_kept(captions, again, tok, threads=threads)
         fresh_offsets = fresh.offsets.to_numpy().astype(np.int64)
         base = len(values)
@@ -343,7 +343,7 @@ def derive_part(
     sample = np.concatenate([_spread(np.flatnonzero(cut), CHECK_ROWS),
                              _spread(np.flatnonzero(keep & ~cut), CHECK_ROWS)])  # fmt: skip
     if len(sample):
-        texts = read_column(caption_paths, "caption").take(pa.array(sample)).to_pylist()
+        texts = captions.take(pa.array(sample)).to_pylist()
         want = tok(texts)
         got = ids.take(pa.array(sample)).to_pylist()
         if want != got:

@@ -7,6 +7,9 @@
 #   evolve_1m.json       bench_evolve.py, 1M rows, random MiniLM fp16: scratch, base,
 #                        append 10%, touch, index hit, re-embed, another caption column
 #   evolve_append.json   (--append-repeats N > 0) bench_evolve.py --append-only --repeats N
+#   reembed_gemma_1m.json (step reembed_gemma) bench_evolve.py --reembed-only, 1M rows, a
+#                        random gemma-3-270m-shaped encoder in bf16 (the COYO
+#                        encoder): scratch, then another encoder.max_length over it
 #   hashing_w{8,16}.json bench_identity.py: content hashing GB/s on this host's tmpfs, 8
 #                        (the default) and 16 threads
 #   stream_93k.json      bench_stream.py, 96 shards x 1000 rows, 50 ms per request (or
@@ -16,7 +19,7 @@
 #
 # Usage (repository root; carry .whl (datasets/dill/multiprocess), .gw (gcsfs and its
 # needs), .fgcs (the fake-gcs-server wrapper) and .tok (a MiniLM tokenizer folder)):
-#   bash benchmarks/gpu_evolve_stream.sh --commit SHA [--budget 560] [--steps evolve,stream,fresh]
+#   bash benchmarks/gpu_evolve_stream.sh --commit SHA [--budget 560] [--steps evolve,reembed_gemma,hashing,stream,fresh]
 #        [--append-repeats N] [--stream-latencies "0 50"] [--stream-pull]
 set -u -o pipefail
 
@@ -81,6 +84,12 @@ if [ "$APPEND_REPEATS" -gt 0 ]; then
     --rows 1000000 --samples-per-shard 2000 --dtype float16 --random-minilm .tok \
     --append-only --repeats "$APPEND_REPEATS" --work-dir "$WORK/evoa" --json "$OUT/evolve_append.json"
   rm -rf "$WORK/evoa"
+fi
+if want reembed_gemma; then
+  step reembed_gemma 420 env DATASET_NUM_PROC="$NP" "$PY" benchmarks/bench_evolve.py \
+    --rows 1000000 --samples-per-shard 2000 --dtype bfloat16 --random-gemma .tok \
+    --reembed-only --work-dir "$WORK/evg" --json "$OUT/reembed_gemma_1m.json"
+  rm -rf "$WORK/evg"
 fi
 if want hashing; then
   for w in 8 16; do

@@ -625,9 +625,17 @@ class StoredUnit:
             hold it, while it is in the store).
         unfinished: its marker was never published (a build of it started, and is
             running or died).
-        builder: for an unfinished unit, ``"live"`` (its state is ``building``: the
-            lease's heartbeat moved, or was not watched) or ``"abandoned"`` (no lease,
-            or a dead one: :func:`clean` removes it); None for a published one.
+        retired: its marker was published, then retired as damaged (moved aside to
+            ``<stage>.json.retired-<id>`` by a build that found its files damaged or
+            missing: :func:`dist.coordinator.retire_damaged`,
+            :func:`dist.coordinator.retire_marker`) and none is published now: the next
+            build that needs the unit makes it again (:func:`clean` removes what is
+            left of it meanwhile).
+        builder: for an unfinished or retired unit, ``"live"`` (its state is
+            ``building``: the lease's heartbeat moved, or was not watched); for an
+            unfinished one otherwise ``"abandoned"`` (no lease, or a dead one:
+            :func:`clean` removes it); None for a published one or a retired one that
+            no build is making again.
         uses: the units of the store its valid marker names in ``uses`` (the units it
             was made from), in the marker's order.
     """
@@ -636,6 +644,7 @@ class StoredUnit:
     in_use: bool
     links: int
     unfinished: bool = False
+    retired: bool = False
     builder: str | None = None
     uses: tuple[str, ...] = ()
 
@@ -645,6 +654,7 @@ class StoredUnit:
             "in_use": self.in_use,
             "links": self.links,
             "unfinished": self.unfinished,
+            "retired": self.retired,
             "builder": self.builder,
             "uses": list(self.uses),
         }
@@ -690,17 +700,27 @@ def list_store(
         in_use |= more
     out = []
     for name, (st, links, uses) in found.items():
-        # Never published: no marker at all (a malformed one makes the unit corrupt).
-        unfinished = not os.path.lexists(store / name / marker_name(name.split("-", 1)[0]))
+        # No marker at all (a malformed one makes the unit corrupt): never published,
+        # or retired as damaged (its marker moved aside: the next build makes it again).
+        stage = name.split("-", 1)[0]
+        unmarked = not os.path.lexists(store / name / marker_name(stage))
+        retired = unmarked and any(
+            is_retired_marker(n) and n.startswith(f"{marker_name(stage)}.")
+            for n in os.listdir(store / name)
+        )
+        unfinished = unmarked and not retired
         builder = None
-        if unfinished:  # the cache folders' liveness rule: _status's state
-            builder = "live" if st.state is CacheState.BUILDING else "abandoned"
+        if st.state is CacheState.BUILDING and unmarked:  # _status's liveness rule
+            builder = "live"
+        elif unfinished:
+            builder = "abandoned"
         out.append(
             StoredUnit(
                 status=st,
                 in_use=name in in_use,
                 links=links,
                 unfinished=unfinished,
+                retired=retired,
                 builder=builder,
                 uses=tuple(dict.fromkeys(n for n in uses if n in found)),
             )

@@ -295,3 +295,38 @@ def test_clean_after_verify_keeps_the_token_ids_the_kept_parts_name(tmp_path):
     assert report["reuse"]["tokens_built"] == 0, report["reuse"]
     assert report["reuse"]["tokens_reused"] == 1, report["reuse"]
     assert (root / ".parts" / bad_tokens).is_dir()
+
+
+def test_status_says_a_part_retired_as_damaged_is_made_again_not_abandoned(tmp_path):
+    """A stored part whose marker a build retired as damaged (dist.coordinator
+    .retire_damaged, what a build calls on a reused part) was listed as `unfinished
+    ...: abandoned: no builder holds its lease` (outside tester). `status` says it was
+    retired as damaged and that the next build that needs it makes it again, in the
+    text and in --json (`retired`); that build does, and the line goes."""
+    from dist.coordinator import retire_damaged
+
+    root = tmp_path / "root"
+    assert _build(root, "data.demo.samples_per_shard=25").returncode == 0
+    ((_, cache),) = _caches(root).items()
+    join = sorted((root / ".parts").glob("join-*"))[0]
+    flip_middle_bit(max(join.glob("join.*/rows/*.arrow"), key=lambda p: p.stat().st_size))
+    assert retire_damaged(join, join.name.split("-", 1)[1], "join") is not None
+
+    out = tmp_path / "status.json"
+    st = _cli("status", "--cache-dir", str(root), "--json", str(out))
+    assert st.returncode == 0, st.stdout + st.stderr
+    (line,) = [ln for ln in st.stdout.splitlines() if join.name in ln]
+    assert line.strip() == (
+        f"retired unit .parts/{join.name}: retired as damaged: the next build that needs "
+        "it makes it again (--clean removes what is left of it meanwhile)"
+    ), line
+    assert "abandoned" not in st.stdout and "unfinished" not in st.stdout, st.stdout
+    (row,) = [r for r in json.loads(out.read_text())["parts"] if r["path"] == str(join)]
+    assert (row["retired"], row["unfinished"], row["builder"]) == (True, False, None), row
+
+    again = _build(root, "data.demo.samples_per_shard=25", "encoder.max_length=32")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert (join / "join.json").exists()
+    st = _cli("status", "--cache-dir", str(root), "--json", str(out))
+    assert "retired" not in st.stdout, st.stdout
+    assert not any(r["retired"] for r in json.loads(out.read_text())["parts"])

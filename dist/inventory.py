@@ -625,16 +625,28 @@ class StoredUnit:
             hold it, while it is in the store).
         unfinished: its marker was never published (a build of it started, and is
             running or died).
-        builder: for an unfinished unit, ``"live"`` (its state is ``building``: the
-            lease's heartbeat moved, or was not watched) or ``"abandoned"`` (no lease,
-            or a dead one: :func:`clean` removes it); None for a published one.
+        retired: its marker was published, then retired as damaged (moved aside to
+            ``<stage>.json.retired-<id>`` by a build that found its files damaged or
+            missing: :func:`dist.coordinator.retire_damaged`,
+            :func:`dist.coordinator.retire_marker`) and none is published now: the next
+            build that needs the unit makes it again (:func:`clean` removes what is
+            left of it meanwhile).
+        builder: for an unfinished or retired unit, ``"live"`` (its state is
+            ``building``: the lease's heartbeat moved, or was not watched); for an
+            unfinished one otherwise ``"abandoned"`` (no lease, or a dead one:
+            :func:`clean` removes it); None for a published one or a retired one that
+            no build is making again.
+        uses: the units of the store its valid marker names in ``uses`` (the units it
+            was made from), in the marker's order.
     """
 
     status: CacheStatus
     in_use: bool
     links: int
     unfinished: bool = False
+    retired: bool = False
     builder: str | None = None
+    uses: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -642,7 +654,9 @@ class StoredUnit:
             "in_use": self.in_use,
             "links": self.links,
             "unfinished": self.unfinished,
+            "retired": self.retired,
             "builder": self.builder,
+            "uses": list(self.uses),
         }
 
 
@@ -685,22 +699,56 @@ def list_store(
         grew = bool(more)
         in_use |= more
     out = []
-    for name, (st, links, _) in found.items():
-        # Never published: no marker at all (a malformed one makes the unit corrupt).
-        unfinished = not os.path.lexists(store / name / marker_name(name.split("-", 1)[0]))
+    for name, (st, links, uses) in found.items():
+        # No marker at all (a malformed one makes the unit corrupt): never published,
+        # or retired as damaged (its marker moved aside: the next build makes it again).
+        stage = name.split("-", 1)[0]
+        unmarked = not os.path.lexists(store / name / marker_name(stage))
+        retired = unmarked and any(
+            is_retired_marker(n) and n.startswith(f"{marker_name(stage)}.")
+            for n in os.listdir(store / name)
+        )
+        unfinished = unmarked and not retired
         builder = None
-        if unfinished:  # the cache folders' liveness rule: _status's state
-            builder = "live" if st.state is CacheState.BUILDING else "abandoned"
+        if st.state is CacheState.BUILDING and unmarked:  # _status's liveness rule
+            builder = "live"
+        elif unfinished:
+            builder = "abandoned"
         out.append(
             StoredUnit(
                 status=st,
                 in_use=name in in_use,
                 links=links,
                 unfinished=unfinished,
+                retired=retired,
                 builder=builder,
+                uses=tuple(dict.fromkeys(n for n in uses if n in found)),
             )
         )
     return out
+
+
+#: How many ``uses`` steps :func:`_named_by` follows from a unit (the store's chain is
+#: 3 long: embed -> tokens -> text -> join; read from files on disk, so bounded).
+_USES_DEPTH = 8
+
+
+def _named_by(units: Sequence[StoredUnit], roots: Sequence[str]) -> dict[str, str]:
+    """The units that ``roots`` name in ``uses``, directly or through each other (at
+    most :data:`_USES_DEPTH` steps; a cycle ends where it comes back), each with the
+    root it was reached from: ``{unit name: root name}``, the roots not included."""
+    uses = {u.status.path.name: u.uses for u in units}
+    out: dict[str, str] = {}
+    for root in roots:
+        seen, level = {root}, [root]
+        for _ in range(_USES_DEPTH):
+            level = [n for u in level for n in uses.get(u, ()) if n not in seen]
+            if not level:
+                break
+            seen.update(level)
+            for n in level:
+                out.setdefault(n, root)
+    return {n: r for n, r in out.items() if n not in roots}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -1281,8 +1329,11 @@ def clean(
     instant after our last look would lose its folder (and fail). While any cache of
     ``root`` is being built, the stores' complete units that no cache uses are kept (the
     live build may link them as its stages publish). So are the sound units whose only
-    users were caches removed by this call as corrupt by ``verify``'s record (a rebuild
-    of them reuses them; the next call removes them if still unused).
+    users were caches removed by this call as corrupt by ``verify``'s record, and the
+    sound units that the units of those caches name in their markers' ``uses``,
+    transitively (a token-ids unit, which no cache links: an embedding names it); a
+    rebuild of those caches reuses them, and the next call removes them if still
+    unused.
 
     Args:
         root: the folder holding one sub-folder per cache.
@@ -1432,7 +1483,21 @@ def clean(
         if _is_link(store):
             left.append((store, "a symbolic link: never followed, left as it is"))
             continue
-        for unit in list_store(store, observe_s=observe_s, going=going):
+        units = list_store(store, observe_s=observe_s, going=going)
+        # The units of the corrupt caches removed now (kept if sound, or removed as
+        # damaged: the rebuild makes them again from what they name), and the sound
+        # units those name: a token-ids unit no cache links (only an embedding's
+        # `uses` names it) went with the caches, and a re-embedding tokenized every
+        # caption again (outside tester).
+        of_theirs = [
+            u.status.path.name
+            for u in units
+            if of_corrupt
+            and u.status.state in (CacheState.COMPLETE, CacheState.CORRUPT)
+            and any((f.st_dev, f.st_ino) in of_corrupt for f in _regular_files(u.status.path))
+        ]
+        named = _named_by(units, of_theirs)
+        for unit in units:
             st = unit.status
             if st.state is CacheState.BUILDING:
                 continue
@@ -1446,15 +1511,17 @@ def clean(
                     "on this root and may link it; run --clean again once it is done",
                 ))  # fmt: skip
                 continue
-            if (
-                st.state is CacheState.COMPLETE
-                and not unit.in_use
-                and of_corrupt
-                and any((f.st_dev, f.st_ino) in of_corrupt for f in _regular_files(st.path))
-            ):
+            if st.state is CacheState.COMPLETE and not unit.in_use and st.path.name in of_theirs:
                 left.append((
                     st.path, "kept: sound, used only by corrupt caches removed now; a "
                     "rebuild of them reuses it (a later --clean removes it if still unused)",
+                ))  # fmt: skip
+                continue
+            if st.state is CacheState.COMPLETE and not unit.in_use and st.path.name in named:
+                left.append((
+                    st.path, f"kept: sound, named by {named[st.path.name]} of the corrupt "
+                    "caches removed now; a rebuild of them reuses it (a later --clean "
+                    "removes it if still unused)",
                 ))  # fmt: skip
                 continue
             if st.state in _REMOVABLE or (st.state is CacheState.COMPLETE and not unit.in_use):

@@ -219,3 +219,114 @@ def test_verify_reads_a_file_that_caches_and_parts_share_once(tmp_path):
     found = json.loads((tmp_path / "bad.json").read_text())
     assert not any(i["ok"] for i in found["caches"]), found["caches"]
     assert not [p for p in found["parts"] if p["path"] == str(join)][0]["ok"]
+
+
+def _uses(unit: Path) -> list[str]:
+    """What a stored unit's marker names in ``uses`` ([] without a marker)."""
+    marker = unit / f"{unit.name.split('-', 1)[0]}.json"
+    return json.loads(marker.read_text())["info"].get("uses", []) if marker.exists() else []
+
+
+def _closure(root: Path, names: set[str]) -> set[str]:
+    """``names`` and every stored unit their markers' ``uses`` name, transitively."""
+    todo, seen = list(names), set(names)
+    while todo:
+        for n in _uses(root / ".parts" / todo.pop()):
+            if n not in seen:
+                seen.add(n)
+                todo.append(n)
+    return seen
+
+
+def test_clean_after_verify_keeps_the_token_ids_the_kept_parts_name(tmp_path):
+    """The stored token ids (``tokens-*``) are named only by the embedding units'
+    ``uses``, never linked by a cache: ``clean`` after ``verify`` kept the sound
+    embeddings of the corrupt cache it removed but removed their token ids (outside
+    tester), so a re-embedding at another ``max_length`` tokenized every caption again.
+    Now a sound unit that a kept unit (or the damaged one, which the rebuild makes
+    again) names is kept too: the re-embedding derives every part's ids from them, the
+    rebuild reuses them, and nothing a complete cache uses is removed."""
+    root = tmp_path / "root"
+    assert _build(root, "build.part_shards=1").returncode == 0
+    ((name64, cache64),) = _caches(root).items()
+    embeds = sorted((root / ".parts").glob("embed-*"))
+    tokens64 = {u.name for u in (root / ".parts").glob("tokens-*")}
+    assert len(embeds) >= 2 and len(tokens64) == len(embeds), (embeds, tokens64)
+    # A complete cache over the same parts, its ids at 32 (derived from those at 64).
+    assert _build(root, "build.part_shards=1", "encoder.max_length=32").returncode == 0
+    (name32,) = set(_caches(root)) - {name64}
+    bad = embeds[0]
+    (bad_tokens,) = set(_uses(bad)) & tokens64
+    flip_middle_bit(max(bad.glob("embed.*/embeddings/*.arrow"), key=lambda p: p.stat().st_size))
+
+    v = _cli("verify", "--cache-dir", str(root))
+    assert v.returncode == 1 and f".parts/{bad.name}" in v.stdout, v.stdout
+    assert f"{name32}: ok" in v.stdout, v.stdout
+    before = {p.name for p in (root / ".parts").iterdir()}
+    c = _cli("clean", "--cache-dir", str(root))
+    assert c.returncode == 0, c.stdout + c.stderr
+    assert f"removed {cache64}" in c.stdout and f"removed {bad}" in c.stdout, c.stdout
+    left = {p.name for p in (root / ".parts").iterdir()}
+    assert before - left == {bad.name}, before - left
+    for unit in tokens64:
+        assert f"left {root / '.parts' / unit}: kept: sound" in c.stdout, c.stdout
+    # Nothing the complete cache uses went: its units, what they name, and its files.
+    in32 = {n for n in before if n.startswith("embed-")} - {e.name for e in embeds}
+    assert _closure(root, in32) <= left
+    ok = _cli("verify", "--cache-dir", str(root))
+    assert ok.returncode == 0 and f"{name32}: ok" in ok.stdout, ok.stdout
+
+    # Another max_length: every part's ids derived from those kept at 64, none tokenized.
+    again = _build(root, "build.part_shards=1", "encoder.max_length=48")
+    assert again.returncode == 0, again.stdout + again.stderr
+    (name48,) = set(_caches(root)) - {name32}
+    from hf_pipeline.cache.layout import CacheLayout
+
+    report = CacheLayout(root / name48).read_report()
+    assert report["reuse"]["tokens_built"] == len(embeds), report["reuse"]
+    for part in report["parts"]:
+        t = part["tokens"]
+        assert t["derived_from"] in tokens64 and t["tokenized_rows"] == 0, t
+    # The rebuild of the removed cache reuses its sound embeddings and every token id.
+    rebuilt = _build(root, "build.part_shards=1")
+    assert rebuilt.returncode == 0, rebuilt.stdout + rebuilt.stderr
+    report = CacheLayout(cache64).read_report()
+    assert report["reuse"]["embeddings_built"] == 1, report["reuse"]
+    assert report["reuse"]["tokens_built"] == 0, report["reuse"]
+    assert report["reuse"]["tokens_reused"] == 1, report["reuse"]
+    assert (root / ".parts" / bad_tokens).is_dir()
+
+
+def test_status_says_a_part_retired_as_damaged_is_made_again_not_abandoned(tmp_path):
+    """A stored part whose marker a build retired as damaged (dist.coordinator
+    .retire_damaged, what a build calls on a reused part) was listed as `unfinished
+    ...: abandoned: no builder holds its lease` (outside tester). `status` says it was
+    retired as damaged and that the next build that needs it makes it again, in the
+    text and in --json (`retired`); that build does, and the line goes."""
+    from dist.coordinator import retire_damaged
+
+    root = tmp_path / "root"
+    assert _build(root, "data.demo.samples_per_shard=25").returncode == 0
+    ((_, cache),) = _caches(root).items()
+    join = sorted((root / ".parts").glob("join-*"))[0]
+    flip_middle_bit(max(join.glob("join.*/rows/*.arrow"), key=lambda p: p.stat().st_size))
+    assert retire_damaged(join, join.name.split("-", 1)[1], "join") is not None
+
+    out = tmp_path / "status.json"
+    st = _cli("status", "--cache-dir", str(root), "--json", str(out))
+    assert st.returncode == 0, st.stdout + st.stderr
+    (line,) = [ln for ln in st.stdout.splitlines() if join.name in ln]
+    assert line.strip() == (
+        f"retired unit .parts/{join.name}: retired as damaged: the next build that needs "
+        "it makes it again (--clean removes what is left of it meanwhile)"
+    ), line
+    assert "abandoned" not in st.stdout and "unfinished" not in st.stdout, st.stdout
+    (row,) = [r for r in json.loads(out.read_text())["parts"] if r["path"] == str(join)]
+    assert (row["retired"], row["unfinished"], row["builder"]) == (True, False, None), row
+
+    again = _build(root, "data.demo.samples_per_shard=25", "encoder.max_length=32")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert (join / "join.json").exists()
+    st = _cli("status", "--cache-dir", str(root), "--json", str(out))
+    assert "retired" not in st.stdout, st.stdout
+    assert not any(r["retired"] for r in json.loads(out.read_text())["parts"])

@@ -616,3 +616,22 @@ def test_verify_of_a_failed_cache_says_the_build_failed_and_its_json_paths_are_a
         doc = read_json(out)
         paths = [doc["root"]] + [c["path"] for c in doc.get("caches", [])] + doc.get("removed", [])
         assert len(paths) == 2 and all(Path(x).is_absolute() for x in paths), (op, doc)
+
+
+def test_what_the_units_of_removed_caches_name_is_bounded_and_ends_at_a_cycle():
+    """The units kept for a rebuild follow the markers' ``uses`` (read from files on
+    disk): a cycle ends where it comes back, and a chain stops after _USES_DEPTH steps."""
+    from dist.inventory import _USES_DEPTH, CacheState, CacheStatus, StoredUnit, _named_by
+
+    def unit(name: str, *uses: str) -> StoredUnit:
+        st = CacheStatus(path=Path("/store") / name, fingerprint="0", state=CacheState.COMPLETE)
+        return StoredUnit(status=st, in_use=False, links=0, uses=uses)
+
+    cycle = [unit("embed-a", "tokens-a", "text-a"), unit("tokens-a", "text-a", "embed-a"),
+             unit("text-a", "join-a", "embed-a"), unit("join-a")]  # fmt: skip
+    assert _named_by(cycle, ["embed-a"]) == {
+        "tokens-a": "embed-a", "text-a": "embed-a", "join-a": "embed-a",
+    }  # fmt: skip
+    assert _named_by(cycle, ["tokens-a", "embed-a"]) == {"text-a": "tokens-a", "join-a": "tokens-a"}
+    chain = [unit(f"u-{i}", f"u-{i + 1}") for i in range(3 * _USES_DEPTH)]
+    assert set(_named_by(chain, ["u-0"])) == {f"u-{i}" for i in range(1, _USES_DEPTH + 1)}

@@ -16,7 +16,7 @@ import pytest
 
 from hf_pipeline.config import DataConfig
 from hf_pipeline.stores import GCSSource
-from hf_pipeline.stores.retry import RetryPolicy, TransientError, is_transient
+from hf_pipeline.stores.retry import RetryPolicy, ShortObjectError, TransientError, is_transient
 from tests.servers import gcs_bucket, gcs_fs, gcs_server, hf_home, shard_dir  # noqa: F401
 from tests.servers.proxy import Fault, FaultProxy
 
@@ -121,3 +121,23 @@ def test_error_statuses_are_mapped_as_gcsfs_maps_them(proxied):
             src.read_span(name, 0, 10, _deadline())
         assert is_transient(err.value), repr(err.value)
     assert src.read_span(name, 0, 10, _deadline()) == data[:10]
+
+
+def test_a_range_across_the_object_end_is_short_object_a_cut_body_is_short(proxied):
+    """A range that crosses the object's end: the 206's Content-Range gives its size,
+    and the read raises ShortObjectError (permanent, picklable, naming the object and
+    the size); a body the connection cut (every header, half the body) comes back short,
+    as it is, for the caller to retry; the next read on the thread is exact."""
+    import pickle
+
+    proxy, src, name, data = proxied
+    with pytest.raises(ShortObjectError) as err:
+        src.read_span(name, _SIZE - 100, _SIZE + 100, _deadline())
+    assert err.value.size == _SIZE and err.value.path.endswith(f"/{name}")
+    assert not is_transient(err.value)
+    again = pickle.loads(pickle.dumps(err.value))
+    assert (again.path, again.size, str(again)) == (err.value.path, _SIZE, str(err.value))
+    proxy.add(Fault(match=name, action="truncate", times=1))
+    got = src.read_span(name, 1000, 1000 + (1 << 20), _deadline())
+    assert 0 < len(got) < 1 << 20 and got == data[1000 : 1000 + len(got)]
+    assert src.read_span(name, 1000, 2000, _deadline()) == data[1000:2000]

@@ -164,3 +164,66 @@ def test_the_script_refuses_a_damaged_cache_with_exit_2(source_cache, gcs_store,
     assert "[published]" not in p.stdout
     assert gcs_fs(server).find(url[5:]) == []
     assert json.loads((copy / marker_name(STAGES[-1])).read_text())["stage"] == STAGES[-1]
+
+
+def test_the_refusals_advice_followed_as_written_lets_the_publish_succeed(gcs_store, tmp_path):
+    """The refusal names what to run: each command it quotes, run exactly as written
+    (no flag added; the default cache root is elsewhere, as for a user whose cache is
+    not there), then the same publish again: published, with only the damaged part
+    built anew. The advice said `hf-pipeline verify` and `hf-pipeline clean` without the
+    cache root (they looked at the default root and found nothing) and "build it again",
+    which a build of that config did not do (it found the cache: complete by its
+    markers)."""
+    import re
+    import shlex
+
+    server, url = gcs_store
+    root = tmp_path / "root"
+    env = {k: v for k, v in script_env(
+        STORAGE_EMULATOR_HOST=server, GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",
+        HF_HOME=str(tmp_path / "home"),
+    ).items() if k != "HF_PIPELINE_CACHE"}  # fmt: skip
+    sets = [a for o in [*SMALL_DEMO, "build.part_shards=2"] for a in ("--set", o)]
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [PYTHON, "-m", "hf_pipeline", *argv], env=env, capture_output=True, text=True,
+            timeout=600, cwd=tmp_path,
+        )  # fmt: skip
+
+    b = run("build", "-q", "--cache-dir", str(root), *sets)
+    assert b.returncode == 0, b.stdout + b.stderr
+    (cache,) = [p for p in root.iterdir() if not p.name.startswith(".")]
+    listed = [f for stage in STAGES for f in read_json(cache / marker_name(stage))["files"]]
+    victim = max(listed, key=lambda f: f["size"])
+    assert victim["size"] > 2 * _EDGE + 2, victim  # else the edge check would see it
+    with open(cache / victim["path"], "r+b") as fh:
+        fh.seek(victim["size"] // 2)
+        byte = fh.read(1)
+        fh.seek(victim["size"] // 2)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+    publish = ("publish", url, "-q", "--cache-dir", str(root), *sets)
+    refused = run(*publish)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    (line,) = refused.stderr.strip().splitlines()
+    commands = re.findall(r"`([^`]+)`", line)
+    assert commands and all(c.startswith("hf-pipeline ") for c in commands), line
+    for command in commands:
+        done = run(*shlex.split(command)[1:])
+        assert done.returncode in (0, 1), (command, done.stdout + done.stderr)
+        assert "no such folder" not in done.stderr, (command, done.stderr)
+    assert not cache.exists(), f"{line}: the cache is still there"
+
+    again = run(*publish, "--json", str(tmp_path / "publish.json"))
+    assert again.returncode == 0, again.stdout + again.stderr
+    summary = json.loads((tmp_path / "publish.json").read_text())
+    assert summary["publish"]["state"] == "published", summary["publish"]
+    reuse = summary["reuse"]
+    assert (reuse["parts"], reuse["joins_built"], reuse["joins_reused"]) == (2, 1, 1), reuse
+    from hf_pipeline.config import DataConfig
+
+    [status] = list_published(open_store(url, data_config=DataConfig()), STAGES)
+    assert (status.name, status.state) == (cache.name, "complete"), status
+    ok = run("verify", "--cache-dir", str(root))
+    assert ok.returncode == 0 and f"{cache.name}: ok" in ok.stdout, ok.stdout + ok.stderr

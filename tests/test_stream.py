@@ -243,6 +243,52 @@ def test_a_file_truncated_after_publishing_is_said_so(gcs_cache):
     assert "changed or truncated after it was published" in message, message
 
 
+def test_a_file_truncated_inside_a_read_is_said_so_not_retried(gcs_cache):
+    """A rows file cut in the middle of its first row in the bucket after the stream
+    opened: the read of that row's block crosses the new end and the store answers 206
+    with a short body (not a 416). It was retried as an outage (a truncated body) until the retries ran out (exit
+    1, "failed after 5 attempt(s)"); now the 206's Content-Range, which gives the
+    object's size, says it is shorter than published: one CacheFormatError line naming
+    the file and both sizes, no retry."""
+    server, url = gcs_cache
+    fs = gcs_fs(server)
+    base = url[len("gs://") :]
+    manifest = json.loads(fs.cat_file(f"{base}/manifest.json"))
+    rel, offset, row_bytes = _first_latents_range(manifest)
+    size, cut = manifest["files"][rel]["size"], offset + row_bytes // 2
+    with StreamSource(url, StreamOptions(cache_bytes=0), policy=_FAST) as s:
+        fs.pipe_file(f"{base}/{rel}", fs.cat_file(f"{base}/{rel}")[:cut])
+        t0 = time.monotonic()
+        with pytest.raises(CacheFormatError) as err:
+            s.gather(np.arange(0, 1), 0)
+        assert s.stats().retries == 0
+    assert time.monotonic() - t0 < 10
+    message = str(err.value)
+    assert err.value.path == f"{url}/{rel}" and len(message.splitlines()) == 1
+    assert f"shorter than the {size} bytes published" in message, message
+    assert f"the store has {cut}" in message, message
+    assert "changed or truncated after it was published" in message, message
+
+
+def test_a_body_cut_by_the_connection_is_retried(gcs_cache, local_source, monkeypatch):
+    """A connection cut mid-body (the proxy sends every header and half the body, then
+    closes) is an outage, not a truncated file: the 206 announced the whole object, so
+    the read is retried and the rows are the local ones."""
+    server, url = gcs_cache
+    with FaultProxy(server) as proxy:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        with StreamSource(url, StreamOptions(cache_bytes=0, concurrency=1), policy=_FAST) as s:
+            proxy.add(Fault(match=".arrow", action="truncate", times=1))
+            rows = np.arange(0, s.num_rows)
+            got = s.gather(rows, 0)
+            assert s.stats().retries == 1
+        assert [f for f in proxy._faults if f.times != 0] == []
+    want = local_source.gather(rows, 0)
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+
+
 @pytest.mark.slow
 def test_faults_are_survived(gcs_cache, local_source, monkeypatch):
     """503s, a reset, a truncated body and a stall longer than the per-read timeout, all

@@ -174,9 +174,20 @@ def _describe(st) -> str:
 
 
 def _unfinished(unit, store: str) -> str:
-    """The status line of a stored unit whose marker was never published."""
+    """The status line of a stored unit whose marker was never published, or was
+    retired as damaged."""
     st = unit.status
     who = f"{_safe(st.builder_host)}/{st.builder_pid}" if st.builder_host else None
+    if unit.retired:
+        # Not "abandoned": a build found its files damaged and moved its marker aside
+        # (dist.coordinator.retire_damaged / retire_marker); it is made again, not lost.
+        how = (
+            f"being built again by {who or '?'} (its lease is live)"
+            if unit.builder == "live"
+            else "the next build that needs it makes it again (--clean removes what is "
+            "left of it meanwhile)"
+        )
+        return f"retired unit {store}/{_safe(st.path.name)}: retired as damaged: {how}"
     if unit.builder == "live":
         how = f"being built by {who or '?'} (its lease is live)"
     elif who:
@@ -275,7 +286,7 @@ def _admin(args, cfg) -> int:
                 )
             print(line, file=out)
         for u in units:
-            if u.unfinished:
+            if u.unfinished or u.retired:
                 print(f"    {_unfinished(u, PARTS_DIR)}", file=out)
         for w in work:
             rel = f"{STAGING_DIR}/{_safe(w.path.name)}"

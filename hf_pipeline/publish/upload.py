@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shlex
 import tempfile
 import time
 from collections.abc import Sequence
@@ -164,10 +165,16 @@ def _verified_digests(
         problem = f"{ALGORITHM} {whole}, but {marker_name(stage)} lists {entry.whole_checksum}"
     else:
         return digests
+    # Commands to run as written: with the cache's root (without it they look at the
+    # default root), and no "build it again": a build of the config finds the cache
+    # (complete by its markers) until `clean` removes it (outside tester).
+    root = shlex.quote(str(cache_dir.absolute().parent))
     raise DamagedCacheError(
         str(path),
         f"{problem}: the local cache is damaged, nothing was uploaded; run `hf-pipeline "
-        f"verify` (it marks the cache corrupt), then `hf-pipeline clean` and build it again",
+        f"verify --cache-dir {root}` (it marks the cache corrupt, and a damaged stored "
+        f"part with it), then `hf-pipeline clean --cache-dir {root}` (it removes them; "
+        "the sound parts stay), then publish again: its build makes the damaged part anew",
     )
 
 

@@ -20,7 +20,11 @@ the server closed while idle fails before any answer, and is reopened once at on
 
 A body is bounded by the range asked for: a server that ignores the ``Range`` header
 (``200`` with the whole object) is refused after ``end - start + 1`` bytes, the
-connection dropped, and never read whole.
+connection dropped, and never read whole. A short body is told apart by the ``206``'s
+``Content-Range`` (``bytes a-b/<size>``): an object that ends before the range does
+(truncated after it was published) is :class:`~hf_pipeline.stores.retry.ShortObjectError`,
+not retried; a body the connection cut (the size announced covers the range) comes
+back short and is retried by the caller as an outage.
 
 Thread-safe: connections are per thread (:class:`threading.local`); a connection is
 dropped after any failure, so the next attempt starts on a fresh one.
@@ -29,15 +33,19 @@ dropped after any failure, so the next attempt starts on a fresh one.
 from __future__ import annotations
 
 import http.client
+import re
 import socket
 import ssl
 import threading
 from typing import Any, cast
 from urllib.parse import urlencode, urlsplit
 
-from hf_pipeline.stores.retry import TransientError
+from hf_pipeline.stores.retry import ShortObjectError, TransientError
 
 __all__ = ["RangedGetter"]
+
+#: A ``206``'s ``Content-Range``: its last number is the object's size (RFC 9110 14.4).
+_CONTENT_RANGE = re.compile(r"bytes \d{1,20}-\d{1,20}/(\d{1,20})")
 
 #: Failures of a reused connection before the status line: the server closed it while
 #: it sat idle in the pool (keep-alive timeouts); the request is sent once more at once.
@@ -112,10 +120,13 @@ class RangedGetter:
     def get(self, path: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of object ``path`` (``bucket/key``), one attempt.
 
-        A body shorter than asked comes back as it is (the caller checks the length).
+        A body shorter than asked comes back as it is (the caller checks the length),
+        unless the store says the object ends before ``end``.
 
         Raises:
             FileNotFoundError, OSError, ...: the store's answer, mapped as gcsfs maps it.
+            ShortObjectError: a ``206`` whose ``Content-Range`` gives the object fewer
+                than ``end`` bytes (its size: the range crosses its end).
             TransientError: the server sent more than the range (it ignored ``Range``).
             TimeoutError, ConnectionError: the connection failed or stalled.
             TransientError: a malformed answer (``http.client.HTTPException``).
@@ -149,6 +160,10 @@ class RangedGetter:
                     f"gs://{path}: HTTP {resp.status} sent more than the {want} bytes at "
                     f"{start} asked for (the Range header ignored)"
                 )
+            if len(body) < want and resp.status == 206:
+                size = _CONTENT_RANGE.fullmatch(resp.getheader("Content-Range", "").strip())
+                if size is not None and int(size.group(1)) < end:
+                    raise ShortObjectError(f"gs://{path}", int(size.group(1)))
             if not resp.isclosed():  # a short body with more announced: do not reuse
                 self._drop()
             return body

@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "Cancelled",
     "RetryPolicy",
+    "ShortObjectError",
     "TransientError",
     "check_deadline",
     "describe_error",
@@ -50,6 +51,24 @@ _RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
 
 class TransientError(OSError):
     """A failure worth retrying (5xx, 429, timeout, reset, truncated or corrupt body)."""
+
+
+class ShortObjectError(OSError):
+    """The object ends before a range asked of it does, by the store's own word (a
+    ``206``'s ``Content-Range`` gives the object's size): no retry cures that, unlike a
+    body cut short by the connection. Picklable.
+
+    Attributes:
+        path: the object's URL.
+        size: its size, as the store said it.
+    """
+
+    def __init__(self, path: str, size: int):
+        super().__init__(f"{path}: the object has {size} bytes")
+        self.path, self.size = path, size
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.size))
 
 
 class Cancelled(Exception):

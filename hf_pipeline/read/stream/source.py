@@ -71,6 +71,7 @@ from hf_pipeline.read.stream.options import StreamOptions
 from hf_pipeline.stores.retry import (
     Cancelled,
     RetryPolicy,
+    ShortObjectError,
     TransientError,
     describe_error,
     http_status,
@@ -1058,7 +1059,8 @@ class StreamSource:
         )
 
     def _read(self, rel: str, start: int, end: int, *, exact: bool = True) -> bytes:
-        """Bytes ``[start, end)`` of ``rel`` with retries; a short body is retried."""
+        """Bytes ``[start, end)`` of ``rel`` with retries; a short body is retried,
+        unless the store says the object ends before ``end`` (one CacheFormatError)."""
         url = f"{self.url}/{rel}"
 
         def attempt() -> bytes:
@@ -1093,14 +1095,25 @@ class StreamSource:
         except SourceError as err:
             if isinstance(err.__cause__, FileNotFoundError):
                 raise SourceError(url, "does not exist in the store") from err.__cause__
-            if err.__cause__ is not None and http_status(err.__cause__) == 416:
-                # Range not satisfiable: the object ends before bytes the manifest has.
+            cause = err.__cause__
+            if cause is not None and (
+                isinstance(cause, ShortObjectError) or http_status(cause) == 416
+            ):
+                # The object ends before bytes the manifest has: a range past its end
+                # (416 Range Not Satisfiable) or across it (206, a short body whose
+                # Content-Range gives the size). A short body the connection cut is
+                # retried above (TransientError), never said so.
+                has = (
+                    f"{cause.size} bytes, not bytes {start}-{end}"
+                    if isinstance(cause, ShortObjectError)
+                    else f"no bytes {start}-{end}"
+                )
                 raise CacheFormatError(
                     url,
                     f"shorter than the {self.manifest.files[rel].size} bytes published "
-                    f"(the store has no bytes {start}-{end}): the file was changed or "
-                    "truncated after it was published; publish the cache again",
-                ) from err.__cause__
+                    f"(the store has {has}): the file was changed or truncated after it "
+                    "was published; publish the cache again",
+                ) from cause
             raise
         with self._lock:
             self._counts["requests"] += 1

@@ -238,6 +238,7 @@ def _closure(root: Path, names: set[str]) -> set[str]:
     return seen
 
 
+@pytest.mark.slow  # four builds (~50 s): the loop keeps the faster tests of this file
 def test_clean_after_verify_keeps_the_token_ids_the_kept_parts_name(tmp_path):
     """The stored token ids (``tokens-*``) are named only by the embedding units'
     ``uses``, never linked by a cache: ``clean`` after ``verify`` kept the sound

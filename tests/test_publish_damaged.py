@@ -166,6 +166,7 @@ def test_the_script_refuses_a_damaged_cache_with_exit_2(source_cache, gcs_store,
     assert json.loads((copy / marker_name(STAGES[-1])).read_text())["stage"] == STAGES[-1]
 
 
+@pytest.mark.slow  # builds, verify, clean, publish (~45 s)
 def test_the_refusals_advice_followed_as_written_lets_the_publish_succeed(gcs_store, tmp_path):
     """The refusal names what to run: each command it quotes, run exactly as written
     (no flag added; the default cache root is elsewhere, as for a user whose cache is

@@ -8,6 +8,7 @@ first/last MiB (docs/integrity.md).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 
@@ -38,6 +39,10 @@ def _refused_as_corrupt(argv: list[str], path: str) -> tuple[subprocess.Complete
     errors = [ln for ln in b.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "this cache is corrupt" in errors[0], b.stderr
     assert path in errors[0] and "corrupt.json" in errors[0]
+    # What to do, with the cache root the command needs (clean looks at the default
+    # root without it).
+    named = re.search(r"run hf-pipeline clean --cache-dir (\S+) or", errors[0])
+    assert named and errors[0].split(":")[1].strip().startswith(named[1] + "/"), errors[0]
     return b, errors[0]
 
 
@@ -105,7 +110,8 @@ def test_verify_finds_64_flipped_bytes_in_the_middle_of_a_rows_file(root):
             [*build, "--cache-dir", str(root), *_sets(), "--json", str(root / "b.json")],
             rows["path"],
         )
-        assert "hf-pipeline clean" in line and "prebuild_cache.py --clean" in line
+        assert f"hf-pipeline clean --cache-dir {root} or" in line
+        assert f"scripts/prebuild_cache.py --clean --cache-dir {root}, then build again" in line
         assert "found" not in b.stdout and not (root / "b.json").exists()
     assert (cache / rows["path"]).exists()
 
@@ -127,7 +133,12 @@ def test_train_refuses_a_cache_with_a_flipped_byte_in_a_first_mib(root):
     assert p.returncode == 2, p.stdout + p.stderr
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and rows["path"] in errors[0], p.stderr
-    assert "checksum mismatch" in errors[0] and "--verify" in errors[0]
+    assert "checksum mismatch" in errors[0]
+    # What to do, on the root it was given (without --cache-dir they look at the default).
+    assert (
+        f"hf-pipeline verify --cache-dir {root}, then hf-pipeline clean --cache-dir {root}"
+        in (errors[0])
+    )
     assert "step" not in p.stdout  # not one step trained
 
 

@@ -315,8 +315,9 @@ def published_stage_dirs(
             why = derived_from_problem(marker, done)
         if why is not None:
             hint = (
-                " (the file changed after it was published: run prebuild_cache.py --verify, "
-                "then --clean, and build again)"
+                " (the file changed after it was published: run hf-pipeline verify "
+                f"--cache-dir {root.parent}, then hf-pipeline clean --cache-dir {root.parent}, "
+                "and build again)"
                 if "checksum mismatch" in why
                 else ""
             )
@@ -341,8 +342,9 @@ def refuse_recorded_corrupt(root: Path, done: Mapping[str, Any]) -> None:
         more = f" (+{len(found) - 1} more)" if len(found) > 1 else ""
         raise CacheFormatError(
             str(root / VERIFY_RECORD),
-            f"{found[0]}{more}: this cache is corrupt (run hf-pipeline clean or "
-            "scripts/prebuild_cache.py --clean, then build again)",
+            f"{found[0]}{more}: this cache is corrupt (run hf-pipeline clean --cache-dir "
+            f"{root.parent} or scripts/prebuild_cache.py --clean --cache-dir {root.parent}, "
+            "then build again)",
         )
 
 

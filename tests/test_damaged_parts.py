@@ -155,6 +155,7 @@ def test_a_part_damaged_with_its_mtime_put_back_after_it_was_remembered_is_refus
     assert join.name in errors[0] and rows.name in errors[0], errors[0]
 
 
+@pytest.mark.slow  # three builds (~30 s on a quiet VM); test_dist_inventory covers clean's rules
 def test_clean_after_verify_keeps_the_sound_parts_of_a_corrupt_cache(tmp_path):
     """A cache one of whose stored parts is damaged: `verify` marks the cache and the
     part corrupt, `clean` removes both and keeps the cache's sound parts (it removed
@@ -188,6 +189,7 @@ def test_clean_after_verify_keeps_the_sound_parts_of_a_corrupt_cache(tmp_path):
     assert ok.returncode == 0 and f"{name}: ok" in ok.stdout, ok.stdout
 
 
+@pytest.mark.slow  # two caches over shared parts, verified (~40 s on a quiet VM)
 def test_verify_reads_a_file_that_caches_and_parts_share_once(tmp_path):
     """Two caches over the same stored parts (two max_lengths) hold the latents as hard
     links of the parts' files: `verify` read each such file once per cache and once for

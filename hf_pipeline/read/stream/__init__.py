@@ -1,5 +1,6 @@
-"""Reading a published cache in place: the stream index publish writes, and the source
-that reads rows by verified ranged reads (docs/guides/streaming.md)."""
+"""Reading a published cache in place: the stream index publish writes, the source
+that reads rows by verified ranged reads, and the same in worker processes
+(docs/guides/streaming.md)."""
 
 from hf_pipeline.read.stream.index import (
     DEFAULT_BLOCK_BYTES,
@@ -8,6 +9,7 @@ from hf_pipeline.read.stream.index import (
 )
 from hf_pipeline.read.stream.options import StreamOptions
 from hf_pipeline.read.stream.source import StreamSource, StreamStats, open_stream
+from hf_pipeline.read.stream.workers import StreamWorkers
 
 __all__ = [
     "DEFAULT_BLOCK_BYTES",
@@ -15,6 +17,7 @@ __all__ = [
     "StreamOptions",
     "StreamSource",
     "StreamStats",
+    "StreamWorkers",
     "build_stream_index",
     "open_stream",
 ]

@@ -563,9 +563,11 @@ def _digest(batch: dict) -> dict:
 
 
 @pytest.mark.slow
-def test_two_real_processes_stream_their_shares(gcs_cache, local_source):
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_two_real_processes_stream_their_shares(workers, gcs_cache, local_source):
     """Two OS processes (RANK/WORLD_SIZE), only ``HF_PIPELINE_STREAM_FROM`` set: each
-    streams its own share of every global batch, bit for bit the local loader's."""
+    streams its own share of every global batch, bit for bit the local loader's; also
+    with two stream worker processes each (``HF_PIPELINE_STREAM_WORKERS``)."""
     from tests.conftest import REPO, run_ranks
 
     server, url = gcs_cache
@@ -576,6 +578,7 @@ def test_two_real_processes_stream_their_shares(gcs_cache, local_source):
         2,
         timeout=400,
         HF_PIPELINE_STREAM_FROM=url,
+        HF_PIPELINE_STREAM_WORKERS=workers,
         STORAGE_EMULATOR_HOST=server,
         GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",
         JAX_PLATFORMS="cpu",

@@ -330,3 +330,28 @@ def test_a_batch_a_worker_has_no_row_of_is_still_whole(gcs_cache, local_source):
     want = _epoch(Loader(local_source, process_index=0, process_count=1, **kw), limit=40)
     _same(want, got)
     assert np.concatenate([b["keys"] for b in got]).size == 80
+
+
+@pytest.mark.timeout(120)
+def test_a_workers_planner_may_look_further_than_the_plan_was_sent(
+    gcs_cache, local_source, monkeypatch
+):
+    """A worker's planner may look further ahead than the parent sends the plan unasked
+    (a refill after the batch being gathered, its completion, the next lookahead: up to
+    ``3 x ahead``): it asks for the batches it waits on. Here the parent sends only
+    ``slots`` batches ahead unasked (its slack lowered), so every refill asks; the
+    batches are the local ones. Without asking, the bench's workers waited forever on a
+    plan 73 batches ahead, with the first gather's refill needing the 74th."""
+    import hf_pipeline.read.stream.workers as workers_module
+
+    _, url = gcs_cache
+    ahead = 8
+    monkeypatch.setattr(workers_module, "_FEED_SLACK", -2 * ahead)
+    kw = {"global_batch_size": 16, "seed": 4, "shuffle": "block", "block_size": 32}
+    options = StreamOptions(ahead=ahead, cache_bytes=8 << 20)
+    with StreamWorkers(url, options, workers=2, slots=2, policy=_FAST) as s:
+        loader = Loader(s, process_index=0, process_count=1, **kw)
+        got = _epoch(loader.epochs(None), limit=60)
+        loader.close()
+    want = _epoch(Loader(local_source, process_index=0, process_count=1, **kw).epochs(3))
+    _same(want[:60], got)

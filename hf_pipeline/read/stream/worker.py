@@ -29,11 +29,13 @@ The messages (parent -> worker):
   ``("stopped", gen)`` once nothing of that plan can land in a slot;
 * ``("ask", request, what)``: ``stats``, ``cache_state`` or ``reset_stats``, answered
   ``("reply", request, value)``;
-* ``("close",)``: it exits at once (nothing of its own to save: its cache is memory,
-  its sockets and slots the kernel's to close).
+* ``("close",)``: it exits, once its reads in flight landed (a few seconds at most;
+  nothing else of its own to save: its cache is memory, its sockets and slots the
+  kernel's to close).
 
 (worker -> parent): ``("done", gen, index)``, ``("error", gen, index, error)`` (the
-plan stops there), ``("alive",)``.
+plan stops there), ``("want", gen, index)`` (its planner waits for that entry: sent
+whatever the parent's own bound), ``("alive",)``.
 
 Internal.
 """
@@ -60,6 +62,8 @@ __all__ = ["HEARTBEAT_S", "main", "picklable"]
 HEARTBEAT_S = 1.0
 #: How often a waiting thread of the worker looks at its stop flag again.
 _STOP_CHECK_S = 0.1
+#: Seconds a closing worker lets its reads in flight finish before it exits.
+_CLOSE_READS_S = 5.0
 
 
 def picklable(exc: BaseException) -> BaseException:
@@ -139,13 +143,23 @@ class _Worker:
                     continue
                 message = self._conn.recv()
                 if message[0] == "close":
-                    os._exit(0)  # no shut-down: reads in flight are dropped with it
+                    self._close()
                 self._handle(message)
                 if time.monotonic() - self._last_sent > HEARTBEAT_S:
                     self.send(("alive",))
         finally:
             self._stop_plan()
             self._source.close()
+
+    def _close(self) -> None:
+        """Exit: the plan stopped, the reads in flight let finish (a store, or a proxy,
+        sees no connection broken mid-answer) for at most :data:`_CLOSE_READS_S`, no
+        interpreter shut-down (nothing of the worker's own is left to save)."""
+        self._stop_plan(wait=False)
+        closing = threading.Thread(target=self._source.close, daemon=True)
+        closing.start()
+        closing.join(_CLOSE_READS_S)
+        os._exit(0)
 
     def _handle(self, message) -> None:
         kind = message[0]
@@ -236,9 +250,15 @@ class _Worker:
 
     def _planned(self, plan: _Plan):
         """``(position, rows)`` of the plan's entries in order, as they arrive: what
-        this worker's source plans ahead."""
+        this worker's source plans ahead. An entry not here yet is asked for (the parent
+        sends the plan only so far ahead of the batches copied out unless asked: how far
+        this source's planner looks is its own business)."""
         index = 0
         while True:
+            with self._cv:
+                missing = index not in plan.entries
+            if missing:
+                self.send(("want", plan.gen, index))
             with self._cv:
                 while index not in plan.entries and not plan.stopped:
                     if plan.count is not None and index >= plan.count:

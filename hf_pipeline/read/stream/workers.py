@@ -97,11 +97,21 @@ _CLOSE_S = 10.0
 #: Seconds a stats() or cache_state() question waits for the workers' answers.
 _ASK_S = 60.0
 _STOP_CHECK_S = 0.1
-#: Batches the plan is sent to the workers ahead of the last one copied out, beyond
-#: ``2 x ahead + slots``: a worker's planner pulls up to ``2 x ahead`` batches past the
-#: one it assembles (its lookahead, then the next refill's), and must never wait on
-#: the plan while a gather waits on it.
+#: The plan is sent to the workers ``3 x ahead + slots`` and this many batches past the
+#: last one copied out: a worker's planner looks up to ``3 x ahead`` batches past the
+#: one it assembles (``ahead``, up to ``ahead`` more completing a refill's window, and
+#: the next ``ahead`` it peeks at), which is up to ``slots`` past that. A worker whose
+#: planner waits for a batch not sent (it must never wait on the plan while the gather
+#: it serves waits on it) asks for it, and gets ``ahead`` batches past it: asked one
+#: at a time, the round trips held the first batch of the 2-CPU VM's bench 5-14 s.
 _FEED_SLACK = 4
+
+
+def _feed_ahead(ahead: int, slots: int) -> int:
+    """Batches the plan is sent past the last one copied out, unasked."""
+    return 3 * ahead + slots + _FEED_SLACK
+
+
 _WORKER_MAIN = "from hf_pipeline.read.stream.worker import main; main()"
 
 
@@ -128,6 +138,7 @@ class _Plan:
         self.copied: set[int] = set()  # copied out, past ``released``
         self.copying = 0
         self.fed = 0
+        self.wanted = -1  # the furthest batch a worker asked for
         self.count: int | None = None  # batches in the plan, once the feeder ended
         self.failed: tuple[int, BaseException] | None = None
         self.stopped = False
@@ -288,6 +299,11 @@ class _Crew:
                 if request in self.replies:
                     self.replies[request].append(value)
                     self.cv.notify_all()
+            elif kind == "want":
+                _, gen, index = message
+                if plan is not None and plan.gen == gen and index > plan.wanted:
+                    plan.wanted = index
+                    self.cv.notify_all()
             elif kind == "stopped":
                 self.acks[message[1]] += 1
                 self.cv.notify_all()
@@ -402,7 +418,9 @@ def _combined(parts: list[StreamStats]) -> StreamStats:
 
 def _feed(crew: _Crew, plan: _Plan, meta: StreamSource, fields, stripe: int, ahead: int, batches):
     """The feeder thread: the plan's batches, split by owner, sent to the workers up to
-    ``ahead`` batches past the last one copied out; the slots made for the first."""
+    :func:`_feed_ahead` batches past the last one copied out, and ``ahead`` past the
+    furthest one a worker asked for; the slots made for the first."""
+    unasked = _feed_ahead(ahead, plan.slots)
     index = 0
     try:
         for item in batches:
@@ -414,7 +432,14 @@ def _feed(crew: _Crew, plan: _Plan, meta: StreamSource, fields, stripe: int, ahe
                 )
             crops = np.broadcast_to(np.asarray(item[2], dtype=np.int64), rows.shape)
             with crew.cv:
-                crew.wait(lambda at=index: plan.stopped or at < plan.released + ahead, "room")
+                crew.wait(
+                    lambda at=index: (
+                        plan.stopped
+                        or at < plan.released + unasked
+                        or (plan.wanted >= 0 and at <= plan.wanted + ahead)
+                    ),
+                    "room",
+                )
                 if plan.stopped:
                     return
             if index == 0:
@@ -596,10 +621,9 @@ class StreamWorkers:
             crew.check()
         plan = _Plan(next(self._gens), self.slots)
         crew.broadcast(("plan", plan.gen, plan.slots))
-        ahead = 2 * self.options.ahead + plan.slots + _FEED_SLACK
         plan.feeder = threading.Thread(
             target=_feed,
-            args=(crew, plan, self._meta, self._fields, self._stripe, ahead, batches),
+            args=(crew, plan, self._meta, self._fields, self._stripe, self.options.ahead, batches),
             name="hf_pipeline-stream-workers-feed",
             daemon=True,
         )
@@ -655,7 +679,7 @@ class StreamWorkers:
                 raise plan.failed[1]
             # The feeder stops this far ahead of the copies: a position not fed by then
             # is not planned soon (a gather outside the plan, read here).
-            ahead = 2 * self.options.ahead + plan.slots + _FEED_SLACK
+            ahead = _feed_ahead(self.options.ahead, plan.slots)
             if plan.count is not None or plan.fed >= plan.released + ahead:
                 return None
             crew.cv.wait(_STOP_CHECK_S)

@@ -61,6 +61,24 @@ def _all_gone(pids: list[int], timeout: float = 20.0) -> bool:
     return all(_gone(pid) for pid in pids)
 
 
+def _my_workers() -> list[int]:
+    """Stream worker processes of this process still running."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == os.getpid() and b"read.stream.worker" in cmdline:
+            if fields[0] not in ("Z", "X"):
+                out.append(int(entry))
+    return out
+
+
 def _open_files(pid: int | str = "self") -> list[str]:
     """What process ``pid`` has open or mapped: its descriptors' targets and its maps."""
     out = []
@@ -313,6 +331,14 @@ def test_the_config_asks_for_workers(gcs_cache, source_cache, monkeypatch):
         assert s.cache_state()["limit_bytes"] == 3 * (1_000_000 // 3)
         with pytest.raises(TypeError, match="cannot be pickled"):
             pickle.dumps(s)
+    # A folder that is not a published cache: this process's own error (the workers,
+    # started beside its open, are stopped at once).
+    from hf_pipeline.errors import SourceError
+
+    missing = url.rsplit("-", 1)[0] + "-0123456789abcdef"
+    with pytest.raises(SourceError, match="not a published cache"):
+        StreamWorkers(missing, workers=2, policy=_FAST)
+    assert _all_gone(_my_workers(), timeout=5.0)
     for value in (0, MAX_WORKERS + 1):
         with pytest.raises(ConfigError, match="loader.stream_workers"):
             load_config(None, [f"loader.stream_workers={value}"], environ={})

@@ -7,8 +7,9 @@ from hf_pipeline.read.stream.index import (
     StreamIndex,
     build_stream_index,
 )
+from hf_pipeline.read.stream.opening import open_stream
 from hf_pipeline.read.stream.options import StreamOptions
-from hf_pipeline.read.stream.source import StreamSource, StreamStats, open_stream
+from hf_pipeline.read.stream.source import StreamSource, StreamStats
 from hf_pipeline.read.stream.workers import StreamWorkers
 
 __all__ = [

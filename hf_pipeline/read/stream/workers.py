@@ -83,10 +83,12 @@ __all__ = ["MAX_WORKERS", "SILENT_S", "STRIPE_BYTES", "StreamWorkers"]
 
 #: The most worker processes.
 MAX_WORKERS = 256
-#: Rows are dealt to the workers in stripes of about this many bytes of latents: long
-#: enough that a block shuffle's reads stay long (2.2 MB on the H200 host), short
-#: enough that a window's rows spread over every worker.
-STRIPE_BYTES = 4 << 20
+#: Rows are dealt to the workers in stripes of about this many bytes of latents. A read
+#: never crosses a stripe's end, so each plan's flush cuts about one read per stripe
+#: (4 MiB on the 2-CPU VM's bench: 3.0k -> 4.4k reads of a global epoch, 303 -> 566 of
+#: a block one); a block-shuffle window's rows spread over the workers only as far as
+#: it spans stripes (a window of 4 x 1,024 rows of 28 KB is ~14 of 8 MiB).
+STRIPE_BYTES = 8 << 20
 #: A worker that sends nothing for this long (it says it is alive every second) is
 #: taken for dead (stopped, or hung).
 SILENT_S = 60.0
@@ -173,15 +175,9 @@ class _Crew:
 
     # ------------------------------------------------------------------ start
 
-    def start(self, opening: tuple) -> None:
-        """Start the workers, have each open the cache (``opening``: the ``open``
-        message), wait until every one is ready, then read them on a thread.
-
-        Raises:
-            Exception: what a worker's open raised (SourceError, ...).
-            WorkerExitedError: a worker exited before it was ready.
-            TimeoutError: not ready within :data:`_START_S`.
-        """
+    def spawn(self, opening: tuple) -> None:
+        """Start the workers and have each open the cache (``opening``: the ``open``
+        message); :meth:`ready` waits for them."""
         from hf_pipeline.workers.pool import in_lasting_thread
 
         root = str(Path(__file__).resolve().parents[3])  # this hf_pipeline's, first
@@ -214,6 +210,15 @@ class _Crew:
             self._send_locks.append(threading.Lock())
         for k in range(self.count):
             self.send(k, opening)
+
+    def ready(self) -> None:
+        """Wait until every worker opened the cache, then read them on a thread.
+
+        Raises:
+            Exception: what a worker's open raised (SourceError, ...).
+            WorkerExitedError: a worker exited before it was ready.
+            TimeoutError: not ready within :data:`_START_S`.
+        """
         deadline = time.monotonic() + _START_S
         for k, conn in enumerate(self.conns):
             if not conn.poll(max(0.0, deadline - time.monotonic())):
@@ -373,7 +378,10 @@ class _Crew:
         for k in range(len(self.conns)):
             with contextlib.suppress(OSError, ValueError):
                 self.send(k, ("close",))
-        deadline = time.monotonic() + _CLOSE_S
+        # Not ready yet (this process's own open failed): a worker may be retrying a
+        # hopeless store for minutes before it reads "close".
+        grace = _CLOSE_S if self._receiver is not None else 0.0
+        deadline = time.monotonic() + grace
         for proc in self.procs:
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
@@ -534,25 +542,35 @@ class StreamWorkers:
         self.worker_options = dataclasses.replace(
             self.options, cache_bytes=self.options.cache_bytes // workers
         )
-        # This process's own: the checks and errors of opening, the metadata, and any
-        # gather outside the plan (read on demand, nothing kept).
-        meta = StreamSource(
-            url,
-            dataclasses.replace(self.options, cache_bytes=0),
-            policy=policy,
-            fingerprint=fingerprint,
-        )
+        self._crew = crew = _Crew(url, workers)
+        try:
+            # The workers start (a fresh interpreter each, then their own open of the
+            # cache) while this process opens it: the first batch waits for the slower
+            # of the two, not for both in turn.
+            crew.spawn(("open", url, self.worker_options, policy, fingerprint))
+            # This process's own: the checks and errors of opening (raised before any
+            # worker's), the metadata, and any gather outside the plan (read on demand,
+            # nothing kept).
+            meta = StreamSource(
+                url,
+                dataclasses.replace(self.options, cache_bytes=0),
+                policy=policy,
+                fingerprint=fingerprint,
+            )
+        except BaseException:
+            crew.close()
+            raise
         self._meta = meta
         self.url, self.policy, self.fingerprint = meta.url, meta.policy, meta.fingerprint
+        crew.url = self.url
         self.manifest = meta.manifest
         self.num_rows, self.num_physical_rows = meta.num_rows, meta.num_physical_rows
-        self._crew = crew = _Crew(self.url, workers)
         self._finalizer = weakref.finalize(self, _shut, crew, meta)
         try:
             self._fields = batch_fields(meta)
             latents = next(f for f in self._fields if f.name == "latents")
             self._stripe = max(1, STRIPE_BYTES // (latents.row_bytes * meta.num_crops))
-            crew.start(("open", self.url, self.worker_options, self.policy, self.fingerprint))
+            crew.ready()
         except BaseException:
             self.close()
             raise

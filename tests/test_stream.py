@@ -159,20 +159,27 @@ def test_resume_exact_and_elastic(gcs_cache, local_source):
     _, url = gcs_cache
     kw = {"global_batch_size": 24, "seed": 7, "shuffle": "block", "block_size": 8}
     with StreamSource(url, StreamOptions(cache_bytes=1 << 20), policy=_FAST) as s:
-        first = Loader(s, process_index=1, process_count=4, **kw)
-        it = iter(first.epochs(2))
-        for _ in range(first.steps_per_epoch + 3):  # into the second epoch
-            next(it)
-        state = json.loads(json.dumps(first.state_dict()))
-        first.close()
-        for count in (4, 3):
-            for index in range(count):
-                ours = Loader(s, process_index=index, process_count=count, **kw)
-                ours.load_state_dict(state)
-                theirs = Loader(local_source, process_index=index, process_count=count, **kw)
-                theirs.load_state_dict(state)
-                _same(_epoch(theirs), _epoch(ours))
-                assert ours.state_dict() == theirs.state_dict()
+        _resumes_as_local(s, local_source, kw)
+
+
+def _resumes_as_local(stream, local_source, kw: dict) -> None:
+    """A state saved mid-epoch (into the second) by a loader over ``stream`` with 4
+    processes, resumed over ``stream`` on 4 and on 3: each process gets what the local
+    loader gives it from that state, and the same state after."""
+    first = Loader(stream, process_index=1, process_count=4, **kw)
+    it = iter(first.epochs(2))
+    for _ in range(first.steps_per_epoch + 3):  # into the second epoch
+        next(it)
+    state = json.loads(json.dumps(first.state_dict()))
+    first.close()
+    for count in (4, 3):
+        for index in range(count):
+            ours = Loader(stream, process_index=index, process_count=count, **kw)
+            ours.load_state_dict(state)
+            theirs = Loader(local_source, process_index=index, process_count=count, **kw)
+            theirs.load_state_dict(state)
+            _same(_epoch(theirs), _epoch(ours))
+            assert ours.state_dict() == theirs.state_dict()
 
 
 def test_torch_batches_accept_a_stream(gcs_cache, local_source):
@@ -623,12 +630,14 @@ def test_train_script_streams_without_a_local_cache(gcs_cache, tmp_path):
 
 
 @pytest.mark.slow
-def test_streaming_writes_nothing_to_local_disk(gcs_cache, local_source, tmp_path):
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_streaming_writes_nothing_to_local_disk(workers, gcs_cache, local_source, tmp_path):
     """The bounded local cache is memory only: a real process streaming a whole epoch
     with the default ``stream_cache_bytes`` (1 GiB, so every block is kept) writes no
-    file at all. Its working folder, HOME, TMPDIR and the cache folders it could use
-    (XDG, Hugging Face, the pipeline's cache root) are fresh folders that stay empty,
-    so nothing on local disk can ever pass the limit. Its batches are the local ones."""
+    file at all, nor do its stream workers (their batches' shared memory has no name).
+    Its working folder, HOME, TMPDIR and the cache folders it could use (XDG, Hugging
+    Face, the pipeline's cache root) are fresh folders that stay empty, so nothing on
+    local disk can ever pass the limit. Its batches are the local ones."""
     import subprocess
     import sys
 
@@ -645,6 +654,7 @@ def test_streaming_writes_nothing_to_local_disk(gcs_cache, local_source, tmp_pat
         RANK="0",
         WORLD_SIZE="1",
         HF_PIPELINE_STREAM_FROM=url,
+        HF_PIPELINE_STREAM_WORKERS=workers,
         STORAGE_EMULATOR_HOST=server,
         GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",
         JAX_PLATFORMS="cpu",

@@ -35,6 +35,7 @@ from tests.test_stream import (  # noqa: F401
     _ORDERS,
     _epoch,
     _first_latents_range,
+    _resumes_as_local,
     _same,
     gcs_cache,
     local_source,
@@ -135,20 +136,7 @@ def test_workers_resume_exactly_and_elastically(gcs_cache, local_source):
     with StreamWorkers(url, StreamOptions(cache_bytes=1 << 20), workers=2, policy=_FAST) as s:
         for shuffle in ("global", "block"):
             kw = {"global_batch_size": 24, "seed": 7, "shuffle": shuffle, "block_size": 8}
-            first = Loader(s, process_index=1, process_count=4, **kw)
-            it = iter(first.epochs(2))
-            for _ in range(first.steps_per_epoch + 3):
-                next(it)
-            state = json.loads(json.dumps(first.state_dict()))
-            first.close()
-            for count in (4, 3):
-                for index in range(count):
-                    ours = Loader(s, process_index=index, process_count=count, **kw)
-                    ours.load_state_dict(state)
-                    theirs = Loader(local_source, process_index=index, process_count=count, **kw)
-                    theirs.load_state_dict(state)
-                    _same(_epoch(theirs), _epoch(ours))
-                    assert ours.state_dict() == theirs.state_dict()
+            _resumes_as_local(s, local_source, kw)
 
 
 def _tamper(server: str, url: str) -> str:

@@ -200,16 +200,14 @@ def _first_latents_range(manifest: dict) -> tuple[str, int, int]:
     return col["files"][file], offset, row_bytes
 
 
-def test_tampered_range_is_refused(gcs_cache, local_source):
-    """One byte changed inside a published rows file (same size): fetched twice, then
-    refused with one error naming the file and the bytes. The manifest's whole-file
-    crc32c is forged to match (else opening refuses the file as a pull does: the store's
-    crc32c differs), so the block digests are what finds it."""
+def _tamper(server: str, url: str) -> str:
+    """One byte changed in the first latents rows file of the published cache at
+    ``url`` (same size), the manifest's whole-file crc32c forged to match; the file's
+    name."""
     import base64
 
     import google_crc32c
 
-    server, url = gcs_cache
     fs = gcs_fs(server)
     base = url[len("gs://") :]
     manifest = json.loads(fs.cat_file(f"{base}/manifest.json"))
@@ -220,6 +218,16 @@ def test_tampered_range_is_refused(gcs_cache, local_source):
     crc = google_crc32c.Checksum(bytes(data)).digest()
     manifest["files"][rel]["crc32c"] = base64.b64encode(crc).decode()
     fs.pipe_file(f"{base}/manifest.json", json.dumps(manifest).encode())
+    return rel
+
+
+def test_tampered_range_is_refused(gcs_cache, local_source):
+    """One byte changed inside a published rows file (same size): fetched twice, then
+    refused with one error naming the file and the bytes. The manifest's whole-file
+    crc32c is forged to match (else opening refuses the file as a pull does: the store's
+    crc32c differs), so the block digests are what finds it."""
+    server, url = gcs_cache
+    rel = _tamper(server, url)
     with StreamSource(url, StreamOptions(cache_bytes=0), policy=_FAST) as s:
         good = s.gather(np.arange(2, 6), 0)  # rows in other blocks still read fine
         assert good["keys"].tolist() == local_source.gather(np.arange(2, 6), 0)["keys"].tolist()

@@ -28,15 +28,14 @@ from hf_pipeline.read.stream import StreamOptions, StreamSource, StreamWorkers, 
 from hf_pipeline.stores.retry import RetryPolicy
 from hf_pipeline.workers.persistent import WorkerExitedError
 from tests.helpers.publishing import config, gcs_store  # noqa: F401
-from tests.servers import gcs_fs
 from tests.servers.proxy import Fault, FaultProxy
 from tests.test_stream import (  # noqa: F401
     _FAST,
     _ORDERS,
     _epoch,
-    _first_latents_range,
     _resumes_as_local,
     _same,
+    _tamper,
     gcs_cache,
     local_source,
 )
@@ -137,27 +136,6 @@ def test_workers_resume_exactly_and_elastically(gcs_cache, local_source):
         for shuffle in ("global", "block"):
             kw = {"global_batch_size": 24, "seed": 7, "shuffle": shuffle, "block_size": 8}
             _resumes_as_local(s, local_source, kw)
-
-
-def _tamper(server: str, url: str) -> str:
-    """One byte changed in the first latents rows file (its whole-file checksum forged
-    to match, as tests/test_stream.py's tampering does); the file's name."""
-    import base64
-
-    import google_crc32c
-
-    fs = gcs_fs(server)
-    base = url[len("gs://") :]
-    manifest = json.loads(fs.cat_file(f"{base}/manifest.json"))
-    rel, offset, row_bytes = _first_latents_range(manifest)
-    data = bytearray(fs.cat_file(f"{base}/{rel}"))
-    data[offset + row_bytes // 2] ^= 0xFF
-    fs.pipe_file(f"{base}/{rel}", bytes(data))
-    manifest["files"][rel]["crc32c"] = base64.b64encode(
-        google_crc32c.Checksum(bytes(data)).digest()
-    ).decode()
-    fs.pipe_file(f"{base}/manifest.json", json.dumps(manifest).encode())
-    return rel
 
 
 def _error_of(source, **kw) -> BaseException:

@@ -33,8 +33,10 @@ chunks: a per-request latency, time to the first byte):
   planning, verification or assembly: MB/s of each. Streaming's MB/s (bytes fetched /
   epoch seconds) is reported as a share of the plain GETs' (``stream_share``): what the
   store and the proxy allow, against what the read path and the loader take of it. The
-  proxy is a Python process (``tests/servers/proxy.py``, one thread per connection):
-  when the ceiling is low the bench, not the stream, is the bound.
+  proxy is a Python process (``tests/servers/proxy.py``, one thread per connection), or
+  ``--proxies`` of them on one port (the kernel spreads the connections): when the
+  ceiling is low, or ``proxy_cpu_share`` near one core per proxy process, the bench,
+  not the stream, is the bound.
 
 Why the reads were what they were, per run: reads in flight on average
 (``mean_inflight_reads``), seconds starved / held back, why the planner started its
@@ -48,6 +50,14 @@ Time to first batch is also taken from the source's own timeline (``first_batch_
 from the plan's start until the first batch's reads landed), with the seconds the reads
 took together (``read_s``) and the most bytes in flight at once.
 
+``--workers 1 4 8``: each streamed epoch once per value, in turn within each repeat:
+1 is the stream in this process (a StreamSource), more a
+:class:`~hf_pipeline.read.stream.StreamWorkers` of that many worker processes
+(``loader.stream_workers``: ``--cache-mb`` between them, each ``--concurrency`` reads in
+flight and ``--ahead`` batches ahead). Their CPU is counted in ``stream_cpu_s_per_1k``
+and as ``workers`` in ``cpu_share``; their reads are not recorded here, so they have no
+store ceiling.
+
 The Loader hands batches to JAX (CPU here) as in training; no training step runs, so
 samples/s is the data path's ceiling. Both loaders use the same ``--threads``.
 
@@ -55,7 +65,7 @@ Usage::
 
     python benchmarks/bench_stream.py [--shards 8] [--samples 500] [--batch 256]
         [--latency-ms 0 50] [--ahead 16] [--cache-mb 512] [--concurrency 32]
-        [--threads 4] [--repeats 1] [--json benchmarks/results/stream_2cpu.json]
+        [--threads 4] [--workers 1] [--repeats 1] [--json benchmarks/results/stream_2cpu.json]
 """
 
 from __future__ import annotations
@@ -142,12 +152,15 @@ def publish_demo(tmp: Path, url: str, *, shards: int, samples: int):
     return data, cfg, built, f"{url}/{Path(built.cache_dir).name}", publish_s
 
 
-def _serve_proxy(conn, upstream: str, seconds: float, suffixes: tuple[str, ...]) -> None:
-    """Child process: a FaultProxy to ``upstream`` holding each request for a file
-    ending in one of ``suffixes`` ``seconds``; answers ``("bytes", match)`` / ``("requests", match)`` until "stop"."""
+def _serve_proxy(
+    conn, upstream: str, seconds: float, suffixes: tuple[str, ...], port: int, reuse_port: bool
+) -> None:
+    """Child process: a FaultProxy to ``upstream`` (on ``port``, 0: a free one) holding
+    each request for a file ending in one of ``suffixes`` ``seconds``; answers
+    ``("bytes", match)`` / ``("requests", match)`` until "stop"."""
     from tests.servers.proxy import Fault, FaultProxy
 
-    proxy = FaultProxy(upstream).start()
+    proxy = FaultProxy(upstream, port=port, reuse_port=reuse_port).start()
     try:
         if seconds > 0:
             for suffix in suffixes:
@@ -164,42 +177,76 @@ def _serve_proxy(conn, upstream: str, seconds: float, suffixes: tuple[str, ...])
 
 
 class ProxyProcess:
-    """The latency proxy in a process of its own: its threads do not compete for this
-    process's GIL with the loader being measured (ours runs in this process)."""
+    """The latency proxy in processes of its own: its threads do not compete for this
+    process's GIL with the loader being measured (ours runs in this process). With
+    ``processes`` above 1, that many proxies share one port (``SO_REUSEPORT``: the
+    kernel spreads the connections), each with its own GIL: one Python proxy took
+    ~0.8 ms of CPU a read on the 2-CPU VM, a core at ~1,200 reads/s, below what
+    several stream workers ask at 50 ms."""
 
-    def __init__(self, upstream: str, seconds: float, suffixes: tuple[str, ...] = (".arrow",)):
+    def __init__(
+        self,
+        upstream: str,
+        seconds: float,
+        suffixes: tuple[str, ...] = (".arrow",),
+        processes: int = 1,
+    ):
         ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(
-            target=_serve_proxy, args=(child, upstream, seconds, suffixes), daemon=True
-        )
-        self._proc.start()
-        child.close()
-        if not self._conn.poll(PROXY_START_S):
+        self._conns: list = []
+        self._procs: list = []
+        self.url = ""
+        try:
+            for k in range(processes):
+                port = int(self.url.rsplit(":", 1)[1]) if k else 0
+                ours, child = ctx.Pipe()
+                proc = ctx.Process(
+                    target=_serve_proxy,
+                    args=(child, upstream, seconds, suffixes, port, processes > 1),
+                    daemon=True,
+                )
+                proc.start()
+                child.close()
+                self._conns.append(ours)
+                self._procs.append(proc)
+                if not ours.poll(PROXY_START_S):
+                    raise TimeoutError(f"the proxy process did not start in {PROXY_START_S:.0f} s")
+                url = ours.recv()
+                self.url = self.url or url
+        except BaseException:
             self.stop()
-            raise TimeoutError(f"the proxy process did not start in {PROXY_START_S:.0f} s")
-        self.url: str = self._conn.recv()
-        self.pid: int = self._proc.pid
+            raise
+        self.pids: list[int] = [proc.pid for proc in self._procs]
+        self.pid: int = self.pids[0]
 
-    def _ask(self, what):
-        self._conn.send(what)
-        if not self._conn.poll(PROXY_START_S):
-            raise TimeoutError(f"the proxy process did not answer in {PROXY_START_S:.0f} s")
-        return self._conn.recv()
+    def _ask(self, what) -> list:
+        for conn in self._conns:
+            conn.send(what)
+        out = []
+        for conn in self._conns:
+            if not conn.poll(PROXY_START_S):
+                raise TimeoutError(f"the proxy process did not answer in {PROXY_START_S:.0f} s")
+            out.append(conn.recv())
+        return out
 
     def traffic(self, match: str) -> tuple[int, int]:
         """(GET requests for bodies, body bytes sent) for paths containing ``match``."""
-        return self._ask(("requests", match)), self._ask(("bytes", match))
+        return sum(self._ask(("requests", match))), sum(self._ask(("bytes", match)))
+
+    def cpu_s(self) -> float:
+        """CPU seconds the proxy processes have used (all their threads)."""
+        return sum(_proc_cpu_s(pid) for pid in self.pids)
 
     def stop(self) -> None:
-        try:
-            self._conn.send("stop")
-        except OSError:
-            pass
-        self._proc.join(PROXY_START_S)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(PROXY_START_S)
+        for conn in self._conns:
+            try:
+                conn.send("stop")
+            except OSError:
+                pass
+        for proc in self._procs:
+            proc.join(PROXY_START_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(PROXY_START_S)
 
 
 def record_spans(stream) -> list[tuple[str, int, int]]:
@@ -262,6 +309,19 @@ def store_ceiling(stream, spans, concurrency: int) -> dict[str, float]:
             assert sum(pool.map(fetch, spans)) == total
             out[f"{name}_mb_per_s"] = total / 1e6 / (time.perf_counter() - t0)
     return out
+
+
+def _open_stream(url: str, options, policy, workers: int):
+    """The stream as ``loader.stream_workers`` gives it: a StreamSource here (1), or
+    ``workers`` worker processes with ``options.cache_bytes`` between them and the
+    Loader's default prefetch + 1 slots."""
+    from hf_pipeline.read.loader import LoaderOptions
+    from hf_pipeline.read.stream import StreamSource, StreamWorkers
+
+    if workers == 1:
+        return StreamSource(url, options, policy=policy)
+    prefetch = LoaderOptions.__dataclass_fields__["prefetch"].default
+    return StreamWorkers(url, options, workers=workers, slots=prefetch + 1, policy=policy)
 
 
 def _cpu_s() -> float:
@@ -355,6 +415,13 @@ def main() -> None:
     ap.add_argument("--coalesce-kb", type=float, default=StreamOptions.coalesce_bytes / 1024)
     ap.add_argument("--max-read-mb", type=float, default=StreamOptions.max_read_bytes / (1 << 20))
     ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--proxies", type=int, default=1,
+                    help="latency proxy processes sharing its port (SO_REUSEPORT): one "
+                         "Python proxy is a core at ~1,200 reads/s")  # fmt: skip
+    ap.add_argument("--workers", type=int, nargs="+", default=[1],
+                    help="stream worker processes (loader.stream_workers; 1: the stream in "
+                         "this process), each value in turn within each repeat; with more "
+                         "than 1 there is no store ceiling (the reads are the workers')")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=1,
                     help="streamed epochs per (latency, shuffle), each from a fresh source: "
                          "the spread between runs in one file")  # fmt: skip
@@ -382,7 +449,6 @@ def main() -> None:
     from hf_pipeline.cache.layout import open_sample_source
     from hf_pipeline.config import load_config
     from hf_pipeline.read.loader import Loader
-    from hf_pipeline.read.stream import StreamSource
     from hf_pipeline.stores.retry import RetryPolicy
 
     if args.no_window_completion:
@@ -424,7 +490,7 @@ def main() -> None:
             if latency > 0:
                 # Its own process: its threads do not take this process's GIL from the
                 # loader being measured.
-                proxy = ProxyProcess(server.url, latency / 1e3)
+                proxy = ProxyProcess(server.url, latency / 1e3, processes=args.proxies)
                 os.environ["STORAGE_EMULATOR_HOST"] = proxy.url
             try:
                 # The pull pays the latency too: every file it downloads is a request.
@@ -444,141 +510,149 @@ def main() -> None:
                     }
                     _, local_s, n = _epoch(Loader(local, **kw))
                     for repeat in range(args.repeats):
-                        t0 = time.perf_counter()
-                        with StreamSource(cache_url, options, policy=policy) as stream:
-                            open_s = time.perf_counter() - t0
-                            # The epoch's reads only (not the manifest's and indices'):
-                            # read_s is the epoch's, the ceiling replays the same reads.
-                            stream.reset_stats()
-                            spans = record_spans(stream)
-                            cpu0 = _cpu_s()
-                            threads0 = _threads_cpu_s()
-                            proxy0 = _proc_cpu_s(proxy.pid) if proxy else 0.0
-                            server0 = _proc_cpu_s(server._process.pid)
-                            first_s, stream_s, n2 = _epoch(Loader(stream, **kw))
-                            cpu_s = _cpu_s() - cpu0
-                            # Each thread group's CPU share of the epoch's wall time
-                            # (1.0: one core busy all along): an HTTP loop near 1.0 is
-                            # the bound, whatever the concurrency.
-                            threads = {
-                                k: (v - threads0.get(k, 0.0)) / stream_s
-                                for k, v in _threads_cpu_s().items()
+                        for workers in args.workers:  # taking turns within each repeat
+                            t0 = time.perf_counter()
+                            with _open_stream(cache_url, options, policy, workers) as stream:
+                                open_s = time.perf_counter() - t0
+                                # The epoch's reads only (not the manifest's and indices'):
+                                # read_s is the epoch's, the ceiling replays the same reads.
+                                stream.reset_stats()
+                                # The reads of worker processes are not seen from here.
+                                spans = record_spans(stream) if workers == 1 else None
+                                pids = getattr(stream, "pids", [])
+                                workers0 = sum(_proc_cpu_s(pid) for pid in pids)
+                                cpu0 = _cpu_s()
+                                threads0 = _threads_cpu_s()
+                                proxy0 = proxy.cpu_s() if proxy else 0.0
+                                server0 = _proc_cpu_s(server._process.pid)
+                                first_s, stream_s, n2 = _epoch(Loader(stream, **kw))
+                                cpu_s = _cpu_s() - cpu0
+                                workers_cpu = sum(_proc_cpu_s(pid) for pid in pids) - workers0
+                                # Each thread group's CPU share of the epoch's wall time
+                                # (1.0: one core busy all along): an HTTP loop near 1.0 is
+                                # the bound, whatever the concurrency.
+                                threads = {
+                                    k: (v - threads0.get(k, 0.0)) / stream_s
+                                    for k, v in _threads_cpu_s().items()
+                                }
+                                # Threads that ended with the epoch (the planner, the
+                                # Loader's gathering threads): the rest of the process's.
+                                threads["ended"] = cpu_s / stream_s - sum(threads.values())
+                                if pids:  # the worker processes, all threads
+                                    threads["workers"] = workers_cpu / stream_s
+                                proxy_cpu = (proxy.cpu_s() - proxy0) / stream_s if proxy else None
+                                server_cpu = (_proc_cpu_s(server._process.pid) - server0) / stream_s
+                                stats = stream.stats()
+                                # This epoch's own reads (their number varies from run to
+                                # run with the refills), replayed with nothing but the fetch.
+                                ceiling = (
+                                    {}
+                                    if args.no_ceiling or spans is None
+                                    else store_ceiling(stream, spans, args.concurrency)
+                                )
+                            assert n == n2
+                            stream_mb_s = stats.bytes_fetched / 1e6 / stream_s
+                            plain = ceiling.get("plain_get_mb_per_s")
+                            run = {
+                                "latency_ms": latency,
+                                "shuffle": shuffle,
+                                "repeat": repeat,
+                                "workers": workers,
+                                "samples": n,
+                                "local_samples_per_s": n / local_s,
+                                "stream_samples_per_s": n / stream_s,
+                                # After the first batch: the rate a training loop sees once
+                                # it runs (the reads the first batch started count here).
+                                "stream_after_first_samples_per_s": (n - args.batch)
+                                / max(stream_s - first_s, 1e-9),
+                                # This process's CPU (every thread: gathers, reads, the
+                                # HTTP client's loop) and its stream workers'; not the
+                                # proxy's, not the server's.
+                                "stream_cpu_s_per_1k": (cpu_s + workers_cpu) / n * 1000,
+                                "stream_first_batch_s": open_s + first_s,
+                                "pull_first_batch_s": pull_first_s,
+                                "pull_over_stream_first_batch": pull_first_s / (open_s + first_s),
+                                "bytes_fetched": stats.bytes_fetched,
+                                "bytes_needed": stats.bytes_needed,
+                                "fetched_over_needed": stats.bytes_fetched
+                                / max(stats.bytes_needed, 1),
+                                "requests": stats.requests,
+                                # Which regime the run was in: reads the planner started in
+                                # merged refills vs reads gathers started for their own blocks.
+                                "planned_reads": stats.planned_reads,
+                                "demand_reads": stats.demand_reads,
+                                "planned_blocks": stats.planned_blocks,
+                                "demand_blocks": stats.demand_blocks,
+                                "retries": stats.retries,
+                                "max_held_mb": stats.max_held_bytes / 2**20,
+                                "max_inflight_mb": stats.max_inflight_bytes / 2**20,
+                                "max_inflight_reads": stats.max_inflight_reads,
+                                "source_first_batch_s": stats.first_batch_s,
+                                "read_s": stats.read_s,
+                                # Why the reads were what they were: reads running on
+                                # average (vs --concurrency), seconds with fewer running
+                                # and nothing queued (waiting on the plan) or with reads
+                                # queued (held back by the bytes-in-flight bound), the
+                                # mean read, and why the planner started its reads when
+                                # it did (a flush: its pending reads merged and started).
+                                "reads_per_s": stats.requests / max(stats.read_s, 1e-9),
+                                "mean_inflight_reads": stats.mean_inflight_reads,
+                                "starved_s": stats.starved_s,
+                                "held_back_s": stats.held_back_s,
+                                "mean_read_mb": stats.bytes_fetched / max(stats.requests, 1) / 1e6,
+                                "blocks_per_read": (stats.planned_blocks + stats.demand_blocks)
+                                / max(stats.requests, 1),
+                                "flushes": stats.flushes,
+                                "flush_blocks": stats.flush_blocks,
+                                "read_cuts": stats.read_cuts,
+                                "completed_batches": stats.completed_batches,
+                                # Blocks read in a gap because the batches pulled next
+                                # need them (kept for those): a window a refill ends inside.
+                                "gap_blocks": stats.gap_blocks,
+                                # CPU cores busy on average over the epoch, by thread group
+                                # of this process, and the proxy's and server's processes.
+                                "cpu_share": threads,
+                                "proxy_cpu_share": proxy_cpu,
+                                "server_cpu_share": server_cpu,
+                                "stream_mb_per_s": stream_mb_s,
+                                **ceiling,
+                                "stream_share": None if plain is None else stream_mb_s / plain,
                             }
-                            # Threads that ended with the epoch (the planner, the
-                            # Loader's gathering threads): the rest of the process's.
-                            threads["ended"] = cpu_s / stream_s - sum(threads.values())
-                            proxy_cpu = (
-                                (_proc_cpu_s(proxy.pid) - proxy0) / stream_s if proxy else None
+                            runs.append(run)
+                            print(
+                                f"latency {latency:4.0f} ms  {shuffle:6s} workers {workers} #{repeat}  local "
+                                f"{run['local_samples_per_s']:9.0f} samples/s  stream "
+                                f"{run['stream_samples_per_s']:9.0f} samples/s "
+                                f"({run['stream_cpu_s_per_1k']:.3f} CPU-s/1k)  first batch "
+                                f"{run['stream_first_batch_s']:.2f} s (pull+first "
+                                f"{pull_first_s:.2f} s)  fetched/needed "
+                                f"{run['fetched_over_needed']:.2f} ({stats.bytes_fetched / 1e6:.1f} MB)  "
+                                f"reads {stats.requests} (planned {stats.planned_reads}, demand "
+                                f"{stats.demand_reads}; blocks {stats.planned_blocks} / "
+                                f"{stats.demand_blocks})  {stream_mb_s:.0f} MB/s"
+                                + (
+                                    ""
+                                    if plain is None
+                                    else f" = {stream_mb_s / plain:.0%} of plain GETs "
+                                    f"({plain:.0f} MB/s; store client "
+                                    f"{ceiling['store_client_mb_per_s']:.0f} MB/s)"
+                                )
+                                + f"  (reads landed for batch 0 at "
+                                f"{stats.first_batch_s or float('nan'):.2f} s, all in "
+                                f"{stats.read_s:.2f} s, in flight <= "
+                                f"{stats.max_inflight_bytes / 1e6:.0f} MB)\n    "
+                                f"{run['reads_per_s']:.0f} reads/s, {stats.mean_inflight_reads:.1f} "
+                                f"running on average (most {stats.max_inflight_reads}), starved {stats.starved_s:.1f} s, held back "
+                                f"{stats.held_back_s:.1f} s, mean read {run['mean_read_mb']:.2f} MB "
+                                f"({run['blocks_per_read']:.1f} blocks); flushes {stats.flushes} "
+                                f"blocks {stats.flush_blocks} (+{stats.completed_batches} batches to a "
+                                f"window's end); cut {stats.read_cuts}, {stats.gap_blocks} gap blocks read for "
+                                f"the next batches; CPU cores: "
+                                + ", ".join(f"{k} {v:.2f}" for k, v in sorted(threads.items()))
+                                + (f", proxy {proxy_cpu:.2f}" if proxy else "")
+                                + f", server {server_cpu:.2f}",
+                                flush=True,
                             )
-                            server_cpu = (_proc_cpu_s(server._process.pid) - server0) / stream_s
-                            stats = stream.stats()
-                            # This epoch's own reads (their number varies from run to
-                            # run with the refills), replayed with nothing but the fetch.
-                            ceiling = (
-                                {}
-                                if args.no_ceiling
-                                else store_ceiling(stream, spans, args.concurrency)
-                            )
-                        assert n == n2
-                        stream_mb_s = stats.bytes_fetched / 1e6 / stream_s
-                        plain = ceiling.get("plain_get_mb_per_s")
-                        run = {
-                            "latency_ms": latency,
-                            "shuffle": shuffle,
-                            "repeat": repeat,
-                            "samples": n,
-                            "local_samples_per_s": n / local_s,
-                            "stream_samples_per_s": n / stream_s,
-                            # After the first batch: the rate a training loop sees once
-                            # it runs (the reads the first batch started count here).
-                            "stream_after_first_samples_per_s": (n - args.batch)
-                            / max(stream_s - first_s, 1e-9),
-                            # This process's CPU (every thread: gathers, reads, the
-                            # HTTP client's loop; not the proxy's, not the server's).
-                            "stream_cpu_s_per_1k": cpu_s / n * 1000,
-                            "stream_first_batch_s": open_s + first_s,
-                            "pull_first_batch_s": pull_first_s,
-                            "pull_over_stream_first_batch": pull_first_s / (open_s + first_s),
-                            "bytes_fetched": stats.bytes_fetched,
-                            "bytes_needed": stats.bytes_needed,
-                            "fetched_over_needed": stats.bytes_fetched / max(stats.bytes_needed, 1),
-                            "requests": stats.requests,
-                            # Which regime the run was in: reads the planner started in
-                            # merged refills vs reads gathers started for their own blocks.
-                            "planned_reads": stats.planned_reads,
-                            "demand_reads": stats.demand_reads,
-                            "planned_blocks": stats.planned_blocks,
-                            "demand_blocks": stats.demand_blocks,
-                            "retries": stats.retries,
-                            "max_held_mb": stats.max_held_bytes / 2**20,
-                            "max_inflight_mb": stats.max_inflight_bytes / 2**20,
-                            "max_inflight_reads": stats.max_inflight_reads,
-                            "source_first_batch_s": stats.first_batch_s,
-                            "read_s": stats.read_s,
-                            # Why the reads were what they were: reads running on
-                            # average (vs --concurrency), seconds with fewer running
-                            # and nothing queued (waiting on the plan) or with reads
-                            # queued (held back by the bytes-in-flight bound), the
-                            # mean read, and why the planner started its reads when
-                            # it did (a flush: its pending reads merged and started).
-                            "reads_per_s": stats.requests / max(stats.read_s, 1e-9),
-                            "mean_inflight_reads": stats.mean_inflight_reads,
-                            "starved_s": stats.starved_s,
-                            "held_back_s": stats.held_back_s,
-                            "mean_read_mb": stats.bytes_fetched / max(stats.requests, 1) / 1e6,
-                            "blocks_per_read": (stats.planned_blocks + stats.demand_blocks)
-                            / max(stats.requests, 1),
-                            "flushes": stats.flushes,
-                            "flush_blocks": stats.flush_blocks,
-                            "read_cuts": stats.read_cuts,
-                            "completed_batches": stats.completed_batches,
-                            # Blocks read in a gap because the batches pulled next
-                            # need them (kept for those): a window a refill ends inside.
-                            "gap_blocks": stats.gap_blocks,
-                            # CPU cores busy on average over the epoch, by thread group
-                            # of this process, and the proxy's and server's processes.
-                            "cpu_share": threads,
-                            "proxy_cpu_share": proxy_cpu,
-                            "server_cpu_share": server_cpu,
-                            "stream_mb_per_s": stream_mb_s,
-                            **ceiling,
-                            "stream_share": None if plain is None else stream_mb_s / plain,
-                        }
-                        runs.append(run)
-                        print(
-                            f"latency {latency:4.0f} ms  {shuffle:6s} #{repeat}  local "
-                            f"{run['local_samples_per_s']:9.0f} samples/s  stream "
-                            f"{run['stream_samples_per_s']:9.0f} samples/s "
-                            f"({run['stream_cpu_s_per_1k']:.3f} CPU-s/1k)  first batch "
-                            f"{run['stream_first_batch_s']:.2f} s (pull+first "
-                            f"{pull_first_s:.2f} s)  fetched/needed "
-                            f"{run['fetched_over_needed']:.2f} ({stats.bytes_fetched / 1e6:.1f} MB)  "
-                            f"reads {stats.requests} (planned {stats.planned_reads}, demand "
-                            f"{stats.demand_reads}; blocks {stats.planned_blocks} / "
-                            f"{stats.demand_blocks})  {stream_mb_s:.0f} MB/s"
-                            + (
-                                ""
-                                if plain is None
-                                else f" = {stream_mb_s / plain:.0%} of plain GETs "
-                                f"({plain:.0f} MB/s; store client "
-                                f"{ceiling['store_client_mb_per_s']:.0f} MB/s)"
-                            )
-                            + f"  (reads landed for batch 0 at "
-                            f"{stats.first_batch_s or float('nan'):.2f} s, all in "
-                            f"{stats.read_s:.2f} s, in flight <= "
-                            f"{stats.max_inflight_bytes / 1e6:.0f} MB)\n    "
-                            f"{run['reads_per_s']:.0f} reads/s, {stats.mean_inflight_reads:.1f} "
-                            f"running on average (most {stats.max_inflight_reads}), starved {stats.starved_s:.1f} s, held back "
-                            f"{stats.held_back_s:.1f} s, mean read {run['mean_read_mb']:.2f} MB "
-                            f"({run['blocks_per_read']:.1f} blocks); flushes {stats.flushes} "
-                            f"blocks {stats.flush_blocks} (+{stats.completed_batches} batches to a "
-                            f"window's end); cut {stats.read_cuts}, {stats.gap_blocks} gap blocks read for "
-                            f"the next batches; CPU cores: "
-                            + ", ".join(f"{k} {v:.2f}" for k, v in sorted(threads.items()))
-                            + (f", proxy {proxy_cpu:.2f}" if proxy else "")
-                            + f", server {server_cpu:.2f}",
-                            flush=True,
-                        )
             finally:
                 os.environ["STORAGE_EMULATOR_HOST"] = server.url
                 if proxy is not None:
@@ -598,6 +672,8 @@ def main() -> None:
                 "coalesce_kb": args.coalesce_kb,
                 "max_read_mb": args.max_read_mb,
                 "threads": args.threads,
+                "workers": args.workers,
+                "proxies": args.proxies,
                 "repeats": args.repeats,
                 "batch": args.batch,
                 "block_size": args.block_size,

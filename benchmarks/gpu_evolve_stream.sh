@@ -14,13 +14,17 @@
 #                        (the default) and 16 threads
 #   stream_93k.json      bench_stream.py, 96 shards x 1000 rows, 50 ms per request (or
 #                        --stream-latencies), concurrency 64, block and global shuffle,
-#                        --repeats 3 (--stream-pull: with the pull-first comparison)
+#                        --repeats 3 (or --stream-repeats; --stream-pull: with the
+#                        pull-first comparison), stream worker processes
+#                        --stream-workers (default "1": in the loader's process, each
+#                        value in turn) behind --stream-proxies latency proxy processes
 #   fresh_100k.json      bench_build_gpu.py --fresh-process-runs 5 (the 100k demo)
 #
 # Usage (repository root; carry .whl (datasets/dill/multiprocess), .gw (gcsfs and its
 # needs), .fgcs (the fake-gcs-server wrapper) and .tok (a MiniLM tokenizer folder)):
 #   bash benchmarks/gpu_evolve_stream.sh --commit SHA [--budget 560] [--steps evolve,reembed_gemma,hashing,stream,fresh]
 #        [--append-repeats N] [--stream-latencies "0 50"] [--stream-pull]
+#        [--stream-workers "1 4 8"] [--stream-proxies 4] [--stream-repeats 2]
 set -u -o pipefail
 
 BUDGET=560
@@ -29,6 +33,9 @@ STEPS="evolve,hashing,stream,fresh"
 APPEND_REPEATS=0
 STREAM_LATENCIES="50"
 STREAM_PULL="--no-pull"
+STREAM_WORKERS="1"
+STREAM_PROXIES=1
+STREAM_REPEATS=3
 while [ $# -gt 0 ]; do
   case "$1" in
     --commit) COMMIT="$2"; shift 2 ;;
@@ -37,6 +44,9 @@ while [ $# -gt 0 ]; do
     --append-repeats) APPEND_REPEATS="$2"; shift 2 ;;
     --stream-latencies) STREAM_LATENCIES="$2"; shift 2 ;;  # e.g. "0 50"
     --stream-pull) STREAM_PULL=""; shift ;;  # also time pulling the whole cache first
+    --stream-workers) STREAM_WORKERS="$2"; shift 2 ;;  # e.g. "1 4 8"
+    --stream-proxies) STREAM_PROXIES="$2"; shift 2 ;;  # latency proxy processes
+    --stream-repeats) STREAM_REPEATS="$2"; shift 2 ;;
     *) echo "error: gpu_evolve_stream.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -101,7 +111,8 @@ fi
 if want stream; then
   step stream_93k 150 "$PY" benchmarks/bench_stream.py --shards 96 --samples 1000 --batch 1024 \
     --block-size 1024 --ahead 32 --cache-mb 2048 --threads 8 --latency-ms $STREAM_LATENCIES \
-    --concurrency 64 --no-ceiling $STREAM_PULL --repeats 3 --workdir "$WORK/bs96" --set encoder.model="$WORK/m" \
+    --concurrency 64 --no-ceiling $STREAM_PULL --repeats "$STREAM_REPEATS" --workers $STREAM_WORKERS \
+    --proxies "$STREAM_PROXIES" --workdir "$WORK/bs96" --set encoder.model="$WORK/m" \
     --set encoder.device=cuda --set build.num_proc="$NP" --json "$OUT/stream_93k.json"
   rm -rf "$WORK/bs96"
 fi

@@ -23,6 +23,7 @@ from hf_pipeline.errors import (
     StoreUnreachableError,
     UserError,
 )
+from hf_pipeline.workers.persistent import WorkerExitedError
 
 #: Public name -> the module that defines it (loaded on first use).
 _LAZY: dict[str, str] = {
@@ -49,6 +50,7 @@ _LAZY: dict[str, str] = {
     # read a published cache in place
     "StreamOptions": "hf_pipeline.read.stream",
     "StreamSource": "hf_pipeline.read.stream",
+    "StreamWorkers": "hf_pipeline.read.stream",
     "open_stream": "hf_pipeline.read.stream",
     # publish once, pull anywhere
     "publish_cache": "hf_pipeline.publish.upload",
@@ -91,9 +93,11 @@ __all__ = [
     "StoreUnreachableError",
     "StreamOptions",
     "StreamSource",
+    "StreamWorkers",
     "TorchBatches",
     "TorchSamples",
     "UserError",
+    "WorkerExitedError",
     "dataset_view_dir",
     "generate_demo",
     "jax_distributed",
@@ -149,5 +153,5 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs
     from hf_pipeline.read.loader import Loader, LoaderOptions
     from hf_pipeline.read.mapped import SampleSource
     from hf_pipeline.read.sampler import GlobalSampler, SamplerOptions
-    from hf_pipeline.read.stream import StreamOptions, StreamSource, open_stream
+    from hf_pipeline.read.stream import StreamOptions, StreamSource, StreamWorkers, open_stream
     from hf_pipeline.trainer.loop import jax_distributed, shutdown_jax_distributed, train

@@ -597,6 +597,15 @@ class LoaderConfig:
         help="seconds one ranged read of a stream may take, stalls included, before it "
         "is retried (at most `data.file_timeout`; retries: `data.max_retries`)",
     )
+    stream_workers: int = _bounded(
+        1,
+        1,
+        256,  # hf_pipeline.read.stream.workers.MAX_WORKERS (test_stream_workers checks)
+        note=" (1: in the training process)",
+        help="processes that read and assemble the JAX loader's streamed batches, each "
+        "with `stream_cache_bytes / stream_workers` of the cache; the torch and Grain "
+        "adapters use their own worker processes instead",
+    )
 
     def __post_init__(self):
         _check_fields(self, "loader.")
@@ -841,6 +850,11 @@ ENV_VARS: tuple[EnvVar, ...] = (
         field="loader.stream_from",
         meaning="read the published cache at `gs://...` or `hf://datasets/...` in place "
         "(ranged reads) instead of a local cache",
+    ),
+    EnvVar(
+        name="HF_PIPELINE_STREAM_WORKERS",
+        field="loader.stream_workers",
+        meaning="processes that read and assemble the streamed batches of the JAX loader",
     ),
     EnvVar(
         name="HF_DATASETS_CACHE, HF_HOME",

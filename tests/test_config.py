@@ -491,7 +491,7 @@ def test_loader_config_builds_the_loader_options():
     } - {"order"}
     stream_fields = {
         "stream_from", "stream_ahead", "stream_cache_bytes", "stream_concurrency",
-        "stream_read_timeout",
+        "stream_read_timeout", "stream_workers",
     }  # fmt: skip
     assert {f.name for f in dataclasses.fields(LoaderConfig)} == option_fields | stream_fields
     cfg = load_config(

@@ -159,20 +159,27 @@ def test_resume_exact_and_elastic(gcs_cache, local_source):
     _, url = gcs_cache
     kw = {"global_batch_size": 24, "seed": 7, "shuffle": "block", "block_size": 8}
     with StreamSource(url, StreamOptions(cache_bytes=1 << 20), policy=_FAST) as s:
-        first = Loader(s, process_index=1, process_count=4, **kw)
-        it = iter(first.epochs(2))
-        for _ in range(first.steps_per_epoch + 3):  # into the second epoch
-            next(it)
-        state = json.loads(json.dumps(first.state_dict()))
-        first.close()
-        for count in (4, 3):
-            for index in range(count):
-                ours = Loader(s, process_index=index, process_count=count, **kw)
-                ours.load_state_dict(state)
-                theirs = Loader(local_source, process_index=index, process_count=count, **kw)
-                theirs.load_state_dict(state)
-                _same(_epoch(theirs), _epoch(ours))
-                assert ours.state_dict() == theirs.state_dict()
+        _resumes_as_local(s, local_source, kw)
+
+
+def _resumes_as_local(stream, local_source, kw: dict) -> None:
+    """A state saved mid-epoch (into the second) by a loader over ``stream`` with 4
+    processes, resumed over ``stream`` on 4 and on 3: each process gets what the local
+    loader gives it from that state, and the same state after."""
+    first = Loader(stream, process_index=1, process_count=4, **kw)
+    it = iter(first.epochs(2))
+    for _ in range(first.steps_per_epoch + 3):  # into the second epoch
+        next(it)
+    state = json.loads(json.dumps(first.state_dict()))
+    first.close()
+    for count in (4, 3):
+        for index in range(count):
+            ours = Loader(stream, process_index=index, process_count=count, **kw)
+            ours.load_state_dict(state)
+            theirs = Loader(local_source, process_index=index, process_count=count, **kw)
+            theirs.load_state_dict(state)
+            _same(_epoch(theirs), _epoch(ours))
+            assert ours.state_dict() == theirs.state_dict()
 
 
 def test_torch_batches_accept_a_stream(gcs_cache, local_source):
@@ -193,16 +200,14 @@ def _first_latents_range(manifest: dict) -> tuple[str, int, int]:
     return col["files"][file], offset, row_bytes
 
 
-def test_tampered_range_is_refused(gcs_cache, local_source):
-    """One byte changed inside a published rows file (same size): fetched twice, then
-    refused with one error naming the file and the bytes. The manifest's whole-file
-    crc32c is forged to match (else opening refuses the file as a pull does: the store's
-    crc32c differs), so the block digests are what finds it."""
+def _tamper(server: str, url: str) -> str:
+    """One byte changed in the first latents rows file of the published cache at
+    ``url`` (same size), the manifest's whole-file crc32c forged to match; the file's
+    name."""
     import base64
 
     import google_crc32c
 
-    server, url = gcs_cache
     fs = gcs_fs(server)
     base = url[len("gs://") :]
     manifest = json.loads(fs.cat_file(f"{base}/manifest.json"))
@@ -213,6 +218,16 @@ def test_tampered_range_is_refused(gcs_cache, local_source):
     crc = google_crc32c.Checksum(bytes(data)).digest()
     manifest["files"][rel]["crc32c"] = base64.b64encode(crc).decode()
     fs.pipe_file(f"{base}/manifest.json", json.dumps(manifest).encode())
+    return rel
+
+
+def test_tampered_range_is_refused(gcs_cache, local_source):
+    """One byte changed inside a published rows file (same size): fetched twice, then
+    refused with one error naming the file and the bytes. The manifest's whole-file
+    crc32c is forged to match (else opening refuses the file as a pull does: the store's
+    crc32c differs), so the block digests are what finds it."""
+    server, url = gcs_cache
+    rel = _tamper(server, url)
     with StreamSource(url, StreamOptions(cache_bytes=0), policy=_FAST) as s:
         good = s.gather(np.arange(2, 6), 0)  # rows in other blocks still read fine
         assert good["keys"].tolist() == local_source.gather(np.arange(2, 6), 0)["keys"].tolist()
@@ -609,9 +624,11 @@ def _digest(batch: dict) -> dict:
 
 
 @pytest.mark.slow
-def test_two_real_processes_stream_their_shares(gcs_cache, local_source):
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_two_real_processes_stream_their_shares(workers, gcs_cache, local_source):
     """Two OS processes (RANK/WORLD_SIZE), only ``HF_PIPELINE_STREAM_FROM`` set: each
-    streams its own share of every global batch, bit for bit the local loader's."""
+    streams its own share of every global batch, bit for bit the local loader's; also
+    with two stream worker processes each (``HF_PIPELINE_STREAM_WORKERS``)."""
     from tests.conftest import REPO, run_ranks
 
     server, url = gcs_cache
@@ -622,6 +639,7 @@ def test_two_real_processes_stream_their_shares(gcs_cache, local_source):
         2,
         timeout=400,
         HF_PIPELINE_STREAM_FROM=url,
+        HF_PIPELINE_STREAM_WORKERS=workers,
         STORAGE_EMULATOR_HOST=server,
         GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",
         JAX_PLATFORMS="cpu",
@@ -666,12 +684,14 @@ def test_train_script_streams_without_a_local_cache(gcs_cache, tmp_path):
 
 
 @pytest.mark.slow
-def test_streaming_writes_nothing_to_local_disk(gcs_cache, local_source, tmp_path):
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_streaming_writes_nothing_to_local_disk(workers, gcs_cache, local_source, tmp_path):
     """The bounded local cache is memory only: a real process streaming a whole epoch
     with the default ``stream_cache_bytes`` (1 GiB, so every block is kept) writes no
-    file at all. Its working folder, HOME, TMPDIR and the cache folders it could use
-    (XDG, Hugging Face, the pipeline's cache root) are fresh folders that stay empty,
-    so nothing on local disk can ever pass the limit. Its batches are the local ones."""
+    file at all, nor do its stream workers (their batches' shared memory has no name).
+    Its working folder, HOME, TMPDIR and the cache folders it could use (XDG, Hugging
+    Face, the pipeline's cache root) are fresh folders that stay empty, so nothing on
+    local disk can ever pass the limit. Its batches are the local ones."""
     import subprocess
     import sys
 
@@ -688,6 +708,7 @@ def test_streaming_writes_nothing_to_local_disk(gcs_cache, local_source, tmp_pat
         RANK="0",
         WORLD_SIZE="1",
         HF_PIPELINE_STREAM_FROM=url,
+        HF_PIPELINE_STREAM_WORKERS=workers,
         STORAGE_EMULATOR_HOST=server,
         GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",
         JAX_PLATFORMS="cpu",

@@ -163,7 +163,8 @@ class GrainSource:
         from hf_pipeline.read.stream import open_stream
 
         order = loader_config.sampler_options()  # crop as the loader reads it ("1" -> 1)
-        source = open_stream(loader_config, data_config)
+        # Grain's own worker processes each reopen the stream: never stream workers here.
+        source = open_stream(loader_config, data_config, workers=1)
         return cls._over_stream(source, order.crop, order.seed)
 
     @classmethod

@@ -544,7 +544,9 @@ class _LatentDataModule:
         if self.cfg.loader.stream_from:  # read the published cache in place: no build
             from hf_pipeline.read.stream import open_stream
 
-            self.source = open_stream(self.cfg.loader, self.cfg.data)
+            # The DataLoader's workers are this adapter's processes (each reopens the
+            # stream): loader.stream_workers is the JAX loader's.
+            self.source = open_stream(self.cfg.loader, self.cfg.data, workers=1)
             fingerprint = self.source.fingerprint
         else:
             built = prepare_cache(self.cfg, process=self._process(), progress=False)

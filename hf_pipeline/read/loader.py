@@ -13,8 +13,9 @@ mesh) is given to the :class:`Loader` beside it. :mod:`hf_pipeline.adapters.torc
 the same order from the same options.
 
 A source that reads a published cache in place (:class:`hf_pipeline.read.stream.StreamSource`,
-``loader.stream_from``) is told the positions and rows of the batches to come
-(``source.plan``) so that it fetches them ahead; its batches are the same.
+``loader.stream_from``) is told the positions, rows and crops of the batches to come
+(``source.plan``) so that it fetches them ahead (and, with ``loader.stream_workers``,
+has worker processes assemble them); its batches are the same.
 
 Exact resume: :meth:`Loader.state_dict` describes the NEXT batch the consumer will get
 (not how far the prefetch thread ran ahead). The state names global batches, not
@@ -789,11 +790,13 @@ class Loader:
         return {name: out[name] for name in batch}  # keep the key order
 
     def _planned(self, epoch: int, step: int, num_epochs: int | None):
-        """``(position, rows)`` of this process's batches from ``(epoch, step)``: what
-        a streaming source fetches ahead."""
+        """``(position, rows, crops)`` of this process's batches from ``(epoch, step)``:
+        what a streaming source fetches ahead (its workers assemble them:
+        :class:`~hf_pipeline.read.stream.workers.StreamWorkers`)."""
         for position in self._positions(epoch, step, num_epochs):
             epoch_at, step_at = position
-            yield position, self._sampler.batch_at(epoch_at, step_at, self._local).rows
+            share = self._sampler.batch_at(epoch_at, step_at, self._local)
+            yield position, share.rows, share.crops
 
     def _stop_prefetch(self) -> None:
         prefetcher, self._prefetcher = self._prefetcher, None

@@ -70,6 +70,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 __all__ = [
     "PRELOAD",
@@ -77,6 +78,7 @@ __all__ = [
     "clean_workers",
     "unimportable_main",
     "die_with_parent",
+    "in_lasting_thread",
     "run_below_builder",
     "quick_gil_handoff",
     "usable_cpus",
@@ -108,9 +110,20 @@ PRELOAD = (
 #: (the kernel's weights, 1024 against 110), against 50% at the same niceness.
 WORKER_NICENESS = 10
 
-#: Starts the fork servers: one thread for the life of the process, because a server's
+_T = TypeVar("_T")
+
+#: Starts the fork servers (and the stream's workers: :func:`in_lasting_thread`): one thread for the life of the process, because a server's
 #: PR_SET_PDEATHSIG fires when the *thread* that started it ends.
 _starter = ThreadPoolExecutor(1, thread_name_prefix="hf_pipeline-forkserver")
+
+
+def in_lasting_thread(fn: Callable[..., _T], *args) -> _T:
+    """``fn(*args)`` run on a thread that lives as long as this process, and its result
+    (or its exception). A child started there that asks for ``PR_SET_PDEATHSIG``
+    (:func:`die_with_parent`) dies with this process, not with the caller's thread (a
+    Lightning hook's, a test's, a short-lived loader thread's). Thread-safe; calls run
+    one at a time."""
+    return _starter.submit(fn, *args).result()
 
 
 def usable_cpus() -> int:
@@ -165,7 +178,7 @@ def _use_fork_server() -> Callable[[], None] | None:
     forkserver.set_forkserver_preload(list(PRELOAD))
     multiprocess.set_start_method("forkserver", force=True)
     # Starts importing now, while the build does its other start-up work.
-    _starter.submit(forkserver.ensure_running).result()
+    in_lasting_thread(forkserver.ensure_running)
 
     def undo() -> None:
         multiprocess.set_start_method(saved, force=True)
@@ -293,16 +306,19 @@ def run_below_builder() -> None:
         os.nice(WORKER_NICENESS)  # raising one's own niceness needs no privilege
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent: int | None = None) -> None:
     """This process gets SIGKILL when the thread that started it ends (Linux; a no-op
-    elsewhere), and exits now if that already happened."""
+    elsewhere), and exits now if that already happened: its parent is no longer
+    ``parent`` (its pid, when the caller knows it: an orphan may be adopted by a
+    subreaper, not by init), or, without ``parent``, it is init (pid 1)."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
 
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() == 1:  # orphaned before the call: nobody will signal us
+    # orphaned before the call: nobody will signal us
+    if os.getppid() == 1 if parent is None else os.getppid() != parent:
         os._exit(1)
 
 

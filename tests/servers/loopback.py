@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -10,12 +11,30 @@ class LoopbackServer:
     """Serve ``handler`` on a free loopback port from a daemon thread.
 
     ``start()``/``stop()`` or a ``with`` block; ``stop()`` joins the thread (bounded).
+
+    ``reuse_port``: the port is opened with ``SO_REUSEPORT`` (Linux), and ``port`` may
+    be one that servers of other processes opened so: the kernel spreads the
+    connections over them (a proxy in several processes, each with its own GIL).
     """
 
     thread_name = "loopback-server"
 
-    def __init__(self, handler: type[BaseHTTPRequestHandler]):
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    def __init__(
+        self, handler: type[BaseHTTPRequestHandler], *, port: int = 0, reuse_port: bool = False
+    ):
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), handler, bind_and_activate=False)
+        # socketserver listens with a backlog of 5: clients opening many connections at
+        # once (stream workers, 64 each) lost SYNs, and a read waited out its connect
+        # timeout (30 s) on the 2-CPU VM's bench.
+        self._server.request_queue_size = 1024
+        try:
+            if reuse_port:
+                self._server.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            self._server.server_bind()
+            self._server.server_activate()
+        except BaseException:
+            self._server.server_close()
+            raise
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
 

@@ -105,7 +105,7 @@ class FaultProxy(LoopbackServer):
                 out.append((int(m.group(1)), int(m.group(2) or -1)) if m else (0, -1))
         return out
 
-    def __init__(self, upstream: str):
+    def __init__(self, upstream: str, *, port: int = 0, reuse_port: bool = False):
         parts = urlsplit(upstream)
         self.upstream_host = parts.hostname or "127.0.0.1"
         self.upstream_port = parts.port or 80
@@ -117,7 +117,7 @@ class FaultProxy(LoopbackServer):
         self._stop = threading.Event()
         # "link": when the shared link is free next (time.monotonic()), under _lock.
         self._link_free = 0.0
-        super().__init__(self._handler_class())
+        super().__init__(self._handler_class(), port=port, reuse_port=reuse_port)
 
     thread_name = "fault-proxy"
 

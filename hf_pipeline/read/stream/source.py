@@ -78,7 +78,7 @@ from hf_pipeline.stores.retry import (
     with_retries,
 )
 
-__all__ = ["StreamOptions", "StreamSource", "StreamStats", "open_stream"]
+__all__ = ["StreamOptions", "StreamSource", "StreamStats"]
 
 logger = logging.getLogger(__name__)
 
@@ -1157,10 +1157,12 @@ class StreamSource:
 
     # ------------------------------------------------------------------ plan
 
-    def plan(self, batches: Iterator[tuple[Any, np.ndarray]] | None) -> None:
-        """Fetch ahead for ``batches``: ``(position, logical rows)`` of this process's
-        upcoming batches in order (what a gather with ``position=`` will consume).
-        ``None`` stops planning (blocks already held stay while the limit allows)."""
+    def plan(self, batches: Iterator[tuple[Any, ...]] | None) -> None:
+        """Fetch ahead for ``batches``: ``(position, logical rows)`` (or ``(position,
+        rows, crops)``, as the Loader gives them: the crops are not needed here) of this
+        process's upcoming batches in order (what a gather with ``position=`` will
+        consume). ``None`` stops planning (blocks already held stay while the limit
+        allows)."""
         old, self._planner = self._planner, None
         if old is not None:
             old.stop()
@@ -1759,24 +1761,3 @@ class _Planner:
         self._thread.join(timeout=10.0)
         if self._thread.is_alive():  # pragma: no cover - every wait above is bounded
             logger.warning("stream planner did not stop within 10 s")
-
-
-def open_stream(loader_config, data_config=None) -> StreamSource:
-    """The :class:`StreamSource` of the config: ``loader.stream_from`` with the
-    ``loader.stream_*`` options, and the ``data`` section's retries and per-read
-    timeout (its defaults without ``data_config``).
-
-    Raises:
-        ConfigError: ``loader.stream_from`` is empty.
-        SourceError, StoreUnreachableError, CacheFormatError: as :class:`StreamSource`.
-    """
-    from hf_pipeline.errors import ConfigError
-
-    if not loader_config.stream_from:
-        raise ConfigError(
-            "loader.stream_from is empty: set it to a published cache folder "
-            "(gs://<bucket>/<prefix>/<name>-<fingerprint>), or open the local cache",
-            field="loader.stream_from",
-        )
-    policy = None if data_config is None else RetryPolicy.from_config(data_config)
-    return StreamSource(loader_config.stream_from, loader_config.stream_options(), policy=policy)

@@ -77,8 +77,15 @@ __all__ = [
     "section_type",
 ]
 
-#: Packaged configs (``configs/*.yaml`` of the repository).
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+#: Packaged configs: ``configs/*.yaml`` of the repository, which a wheel (``pip install
+#: .``) installs as ``hf_pipeline/_configs/`` (setup.py); that copy when there is one, since
+#: outside a checkout ``<site-packages>/configs`` is nobody's or another package's.
+_INSTALLED_CONFIGS = Path(__file__).resolve().parent / "_configs"
+CONFIG_DIR = (
+    _INSTALLED_CONFIGS
+    if _INSTALLED_CONFIGS.is_dir()
+    else Path(__file__).resolve().parent.parent / "configs"
+)
 
 #: What the build does with a latent row it cannot use (a NaN or inf value): drop it
 #: under the counted reason ``nonfinite_latents``, or fail the build naming it.

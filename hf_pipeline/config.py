@@ -1135,14 +1135,19 @@ def _read_yaml(path: Path) -> dict:
 def resolve_config_path(path: str | os.PathLike | None) -> Path:
     """``None`` -> ``configs/demo.yaml``; a bare name -> ``configs/<name>.yaml``.
 
+    The relative path ``configs/<name>.yaml`` (the docs' form) that is no file of the
+    current folder is the packaged config of that name too, as the bare name is.
+
     Raises:
-        ConfigError: a name without suffix that is neither a file nor in ``configs/``.
+        ConfigError: a bare name, or ``configs/<name>.yaml``, that is neither a file
+            nor a packaged config.
     """
     if path is None or path == "":
         return CONFIG_DIR / "demo.yaml"
     p = Path(path).expanduser()
-    if not p.exists() and p.suffix == "":
-        named = CONFIG_DIR / f"{p.name}.yaml"
+    packaged_form = not p.is_absolute() and p.parent == Path("configs") and p.suffix == ".yaml"
+    if not p.exists() and (p.suffix == "" or packaged_form):
+        named = CONFIG_DIR / (p.name if packaged_form else f"{p.name}.yaml")
         if named.exists():
             return named
         # Say both places looked in: the name may have been meant as either.

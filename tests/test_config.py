@@ -33,6 +33,23 @@ def test_demo_is_default_and_bundled_configs_load():
     assert gcs.data.shards.startswith("gs://")
 
 
+def test_the_docs_configs_path_form_finds_the_packaged_config_from_any_folder(
+    tmp_path, monkeypatch
+):
+    """`--config configs/demo.yaml` (cli.md's form) outside the checkout: the packaged
+    config of that name, as the bare name `demo` gives; a file of the cwd still wins."""
+    monkeypatch.chdir(tmp_path)
+    assert resolve_config_path("configs/coyo11m.yaml") == CONFIG_DIR / "coyo11m.yaml"
+    assert load_config("configs/demo.yaml", environ={}) == load_config("demo", environ={})
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/nonexist.yaml", environ={})
+    assert "configs/nonexist.yaml does not exist, nor does" in str(e.value), e.value
+    assert str(CONFIG_DIR / "nonexist.yaml") in str(e.value)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "demo.yaml").write_text("name: mine\n")
+    assert load_config("configs/demo.yaml", environ={}).name == "mine"
+
+
 def test_precedence_defaults_yaml_env_flags(tmp_path):
     y = tmp_path / "c.yaml"
     y.write_text("build:\n  num_proc: 3\n  batch_size: 7\nloader:\n  seed: 5\n")

@@ -1182,6 +1182,7 @@ def load_config(
 
     Raises:
         ConfigError: unknown field, wrong type or invalid value (names the field).
+        TypeError: ``overrides`` is not a list of strings (one str included) or a mapping.
     """
     import yaml
 
@@ -1204,10 +1205,21 @@ def load_config(
                 field=dotted,
             )
         _set_dotted(tree, dotted, raw.strip())
+    if isinstance(overrides, (str, bytes)):
+        # A str is a Sequence too: iterated, each letter was an override of its own.
+        raise TypeError(
+            "load_config: overrides must be a list of 'section.field=value' strings or a "
+            f"mapping, got a {type(overrides).__name__} ({shown(overrides)}): "
+            f"write [{shown(overrides)}]"
+        )
     items = overrides.items() if isinstance(overrides, Mapping) else []
     if not isinstance(overrides, Mapping):
         parsed = []
-        for item in overrides:
+        for index, item in enumerate(overrides):
+            if not isinstance(item, str):
+                raise TypeError(
+                    f"load_config: overrides[{index}] must be a str, got {type(item).__name__}"
+                )
             if "=" not in item:
                 raise ConfigError(
                     f"override {shown(item)} must look like section.field=value", field=item

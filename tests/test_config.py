@@ -577,3 +577,12 @@ def test_a_blank_env_var_is_refused_naming_it(tmp_path, var, blank):
     assert p.returncode == 2, p.stdout + p.stderr
     (line,) = p.stderr.strip().splitlines()
     assert line.startswith("error: ") and f"${var}" in line and "blank" in line, line
+
+
+def test_overrides_given_as_one_string_is_a_type_error():
+    """`load_config("demo", "loader.seed=1")`: overrides is a list of strings; a str
+    was iterated letter by letter (`override 'l' must look like section.field=value`)."""
+    with pytest.raises(TypeError, match=r"overrides must be a list of 'section\.field=value'"):
+        load_config("demo", "loader.seed=1", environ={})
+    with pytest.raises(TypeError, match=r"overrides\[1\] must be a str, got int"):
+        load_config("demo", ["loader.seed=1", 3], environ={})

@@ -67,6 +67,7 @@ __all__ = [
     "PUBLISH_LOCATION_FORMS",
     "PUBLISH_SCHEMES",
     "TrainConfig",
+    "cache_root_variable",
     "default_cache_root",
     "field_choices",
     "gcs_emulator_host",
@@ -764,16 +765,49 @@ def gcs_emulator_host(environ: Mapping[str, str] | None = None) -> str:
     return env.get("STORAGE_EMULATOR_HOST", "")
 
 
+#: The variables the default cache root is read from, first set wins.
+_CACHE_ROOT_VARS = ("HF_DATASETS_CACHE", "HF_HOME")
+
+
+def cache_root_variable(environ: Mapping[str, str] | None = None) -> str | None:
+    """The variable :func:`default_cache_root` takes the root from (``HF_DATASETS_CACHE``,
+    else ``HF_HOME``), or None (neither set: ``~/.cache/huggingface``): what an error about
+    that root names.
+
+    Raises:
+        ConfigError: one of them set but blank (``""``, ``" "``): refused, as a blank
+            ``HF_PIPELINE_CACHE`` is, rather than taken as unset or as a relative path.
+    """
+    env = os.environ if environ is None else environ
+    for var in _CACHE_ROOT_VARS:
+        raw = env.get(var)
+        if raw is not None and raw.strip() == "":
+            raise ConfigError(
+                f"${var} is set but blank ({raw!r}): give it a folder for the default "
+                "cache root or unset it",
+                field="build.cache_dir",
+            )
+    return next((var for var in _CACHE_ROOT_VARS if env.get(var)), None)
+
+
 def default_cache_root(environ: Mapping[str, str] | None = None) -> Path:
     """``$HF_DATASETS_CACHE/hf_pipeline``, else ``$HF_HOME/datasets/hf_pipeline``.
 
     Read at call time so that tests and launchers can set ``HF_HOME`` late.
+
+    Raises:
+        ConfigError: ``HF_DATASETS_CACHE`` or ``HF_HOME`` set but blank (names it).
     """
     env = os.environ if environ is None else environ
-    if env.get("HF_DATASETS_CACHE"):
-        return Path(env["HF_DATASETS_CACHE"]).expanduser() / "hf_pipeline"
-    hf_home = env.get("HF_HOME") or os.path.join(
-        env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
+    var = cache_root_variable(env)
+    if var == "HF_DATASETS_CACHE":
+        return Path(env[var]).expanduser() / "hf_pipeline"
+    hf_home = (
+        env[var]
+        if var
+        else os.path.join(
+            env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
+        )
     )
     return Path(hf_home).expanduser() / "datasets" / "hf_pipeline"
 

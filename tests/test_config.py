@@ -162,6 +162,18 @@ def test_cache_root_from_env(tmp_path):
     assert isinstance(Config().to_dict()["loader"], dict)
 
 
+@pytest.mark.parametrize("var", ["HF_DATASETS_CACHE", "HF_HOME"])
+@pytest.mark.parametrize("blank", ["", " ", "\t"])
+def test_a_blank_default_cache_root_variable_is_refused_naming_it(tmp_path, var, blank):
+    """Set but blank is refused, as HF_PIPELINE_CACHE is: `HF_DATASETS_CACHE=" "` made
+    the root `./ /hf_pipeline` and `HF_HOME=""` counted as unset, silently."""
+    env = {"HF_HOME": str(tmp_path), "HF_DATASETS_CACHE": str(tmp_path / "d"), var: blank}
+    with pytest.raises(ConfigError) as e:
+        default_cache_root(env)
+    assert str(e.value).startswith(f"${var} is set but blank ({blank!r})"), e.value
+    assert e.value.field == "build.cache_dir"
+
+
 @pytest.mark.parametrize("lease", [1.0, 4.0, 60.0])
 @pytest.mark.parametrize("heartbeat", [0.1, 0.5, 0.6, 2.0, 30.0, 31.0, 0.0, -1.0])
 @pytest.mark.parametrize("poll", [0.05, 0.0])

@@ -9,8 +9,6 @@ import sys
 import sysconfig
 import zipfile
 
-import pytest
-
 from tests.conftest import REPO
 
 
@@ -62,7 +60,6 @@ def test_configs_available_without_a_checkout(tmp_path, monkeypatch):
     assert cfg.name == "demo" and cfg.data.shards == "demo" and cfg.encoder.model == "minilm"
 
 
-@pytest.mark.slow
 def test_a_wheel_installed_in_a_fresh_venv_carries_the_configs(tmp_path):
     """`pip install .` (not -e) installs `configs/*.yaml` with the package: a bare name
     and the default load from any folder, and the command runs a bundled config."""

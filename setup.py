@@ -12,8 +12,14 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["hf_pipeline", "hf_pipeline.*", "dist", "dist.*"]),
-    package_data={"hf_pipeline": ["configs/*.yaml"]},
+    # configs/ stays at the top of the checkout and installs as hf_pipeline/_configs/ (data
+    # only, no module), where hf_pipeline.config looks for a bare name outside a checkout.
+    packages=[
+        *find_packages(include=["hf_pipeline", "hf_pipeline.*", "dist", "dist.*"]),
+        "hf_pipeline._configs",
+    ],
+    package_dir={"hf_pipeline._configs": "configs"},
+    package_data={"hf_pipeline._configs": ["*.yaml"]},
     # `hf-pipeline build|status|verify|clean|publish|train`: the scripts' code, installed.
     entry_points={"console_scripts": ["hf-pipeline=hf_pipeline.commands:main"]},
     install_requires=[

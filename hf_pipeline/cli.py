@@ -21,7 +21,7 @@ from dist.errors import (
     ForeignCacheFolderError,
     ReadOnlyCacheError,
 )
-from hf_pipeline.config import Config, load_config
+from hf_pipeline.config import Config, cache_root_variable, load_config
 from hf_pipeline.config_docs import env_help
 from hf_pipeline.errors import ConfigError, StoreUnreachableError, UserError
 
@@ -102,6 +102,8 @@ def check_cache_root(cfg: Config, args: argparse.Namespace, *, must_exist: bool)
         source = " (from --set)"
     elif os.environ.get("HF_PIPELINE_CACHE", "").strip():
         source = " (from $HF_PIPELINE_CACHE)"
+    elif not cfg.build.cache_dir and (var := cache_root_variable()):
+        source = f" (from ${var})"
     else:
         source = ""
     # The nearest existing path at or above the root says what is wrong with it.

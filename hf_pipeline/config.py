@@ -67,6 +67,7 @@ __all__ = [
     "PUBLISH_LOCATION_FORMS",
     "PUBLISH_SCHEMES",
     "TrainConfig",
+    "cache_root_variable",
     "default_cache_root",
     "field_choices",
     "gcs_emulator_host",
@@ -77,8 +78,15 @@ __all__ = [
     "section_type",
 ]
 
-#: Packaged configs (``configs/*.yaml`` of the repository).
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+#: Packaged configs: ``configs/*.yaml`` of the repository, which a wheel (``pip install
+#: .``) installs as ``hf_pipeline/_configs/`` (setup.py); that copy when there is one, since
+#: outside a checkout ``<site-packages>/configs`` is nobody's or another package's.
+_INSTALLED_CONFIGS = Path(__file__).resolve().parent / "_configs"
+CONFIG_DIR = (
+    _INSTALLED_CONFIGS
+    if _INSTALLED_CONFIGS.is_dir()
+    else Path(__file__).resolve().parent.parent / "configs"
+)
 
 #: What the build does with a latent row it cannot use (a NaN or inf value): drop it
 #: under the counted reason ``nonfinite_latents``, or fail the build naming it.
@@ -766,16 +774,49 @@ def gcs_emulator_host(environ: Mapping[str, str] | None = None) -> str:
     return env.get("STORAGE_EMULATOR_HOST", "")
 
 
+#: The variables the default cache root is read from, first set wins.
+_CACHE_ROOT_VARS = ("HF_DATASETS_CACHE", "HF_HOME")
+
+
+def cache_root_variable(environ: Mapping[str, str] | None = None) -> str | None:
+    """The variable :func:`default_cache_root` takes the root from (``HF_DATASETS_CACHE``,
+    else ``HF_HOME``), or None (neither set: ``~/.cache/huggingface``): what an error about
+    that root names.
+
+    Raises:
+        ConfigError: one of them set but blank (``""``, ``" "``): refused, as a blank
+            ``HF_PIPELINE_CACHE`` is, rather than taken as unset or as a relative path.
+    """
+    env = os.environ if environ is None else environ
+    for var in _CACHE_ROOT_VARS:
+        raw = env.get(var)
+        if raw is not None and raw.strip() == "":
+            raise ConfigError(
+                f"${var} is set but blank ({raw!r}): give it a folder for the default "
+                "cache root or unset it",
+                field="build.cache_dir",
+            )
+    return next((var for var in _CACHE_ROOT_VARS if env.get(var)), None)
+
+
 def default_cache_root(environ: Mapping[str, str] | None = None) -> Path:
     """``$HF_DATASETS_CACHE/hf_pipeline``, else ``$HF_HOME/datasets/hf_pipeline``.
 
     Read at call time so that tests and launchers can set ``HF_HOME`` late.
+
+    Raises:
+        ConfigError: ``HF_DATASETS_CACHE`` or ``HF_HOME`` set but blank (names it).
     """
     env = os.environ if environ is None else environ
-    if env.get("HF_DATASETS_CACHE"):
-        return Path(env["HF_DATASETS_CACHE"]).expanduser() / "hf_pipeline"
-    hf_home = env.get("HF_HOME") or os.path.join(
-        env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
+    var = cache_root_variable(env)
+    if var == "HF_DATASETS_CACHE":
+        return Path(env[var]).expanduser() / "hf_pipeline"
+    hf_home = (
+        env[var]
+        if var
+        else os.path.join(
+            env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
+        )
     )
     return Path(hf_home).expanduser() / "datasets" / "hf_pipeline"
 
@@ -1142,14 +1183,19 @@ def _read_yaml(path: Path) -> dict:
 def resolve_config_path(path: str | os.PathLike | None) -> Path:
     """``None`` -> ``configs/demo.yaml``; a bare name -> ``configs/<name>.yaml``.
 
+    The relative path ``configs/<name>.yaml`` (the docs' form) that is no file of the
+    current folder is the packaged config of that name too, as the bare name is.
+
     Raises:
-        ConfigError: a name without suffix that is neither a file nor in ``configs/``.
+        ConfigError: a bare name, or ``configs/<name>.yaml``, that is neither a file
+            nor a packaged config.
     """
     if path is None or path == "":
         return CONFIG_DIR / "demo.yaml"
     p = Path(path).expanduser()
-    if not p.exists() and p.suffix == "":
-        named = CONFIG_DIR / f"{p.name}.yaml"
+    packaged_form = not p.is_absolute() and p.parent == Path("configs") and p.suffix == ".yaml"
+    if not p.exists() and (p.suffix == "" or packaged_form):
+        named = CONFIG_DIR / (p.name if packaged_form else f"{p.name}.yaml")
         if named.exists():
             return named
         # Say both places looked in: the name may have been meant as either.
@@ -1184,6 +1230,7 @@ def load_config(
 
     Raises:
         ConfigError: unknown field, wrong type or invalid value (names the field).
+        TypeError: ``overrides`` is not a list of strings (one str included) or a mapping.
     """
     import yaml
 
@@ -1206,10 +1253,21 @@ def load_config(
                 field=dotted,
             )
         _set_dotted(tree, dotted, raw.strip())
+    if isinstance(overrides, (str, bytes)):
+        # A str is a Sequence too: iterated, each letter was an override of its own.
+        raise TypeError(
+            "load_config: overrides must be a list of 'section.field=value' strings or a "
+            f"mapping, got a {type(overrides).__name__} ({shown(overrides)}): "
+            f"write [{shown(overrides)}]"
+        )
     items = overrides.items() if isinstance(overrides, Mapping) else []
     if not isinstance(overrides, Mapping):
         parsed = []
-        for item in overrides:
+        for index, item in enumerate(overrides):
+            if not isinstance(item, str):
+                raise TypeError(
+                    f"load_config: overrides[{index}] must be a str, got {type(item).__name__}"
+                )
             if "=" not in item:
                 raise ConfigError(
                     f"override {shown(item)} must look like section.field=value", field=item

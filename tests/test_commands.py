@@ -152,6 +152,20 @@ def test_a_missing_config_names_the_paths_tried(tmp_path):
     assert "nonexist" in line and str(Path("configs") / "nonexist.yaml") in line, line
 
 
+@pytest.mark.parametrize("var", ["HF_HOME", "HF_DATASETS_CACHE"])
+def test_a_missing_default_root_names_the_variable_it_came_from(tmp_path, var):
+    """`HF_HOME=rel hf-pipeline status` said `build.cache_dir rel/datasets/hf_pipeline: no
+    such folder` without saying that HF_HOME made that path."""
+    env = {
+        k: v for k, v in script_env().items() if k not in ("HF_PIPELINE_CACHE", "HF_DATASETS_CACHE")
+    }
+    env[var] = str(tmp_path / "nowhere")
+    p = _hf("status", env=env)
+    assert p.returncode == 2, p.stderr
+    (line,) = p.stderr.strip().splitlines()
+    assert f"(from ${var})" in line and "no such folder" in line, line
+
+
 def test_status_of_an_empty_root_prints_what_the_script_prints(tmp_path):
     root = tmp_path / "empty"
     root.mkdir()

@@ -33,6 +33,23 @@ def test_demo_is_default_and_bundled_configs_load():
     assert gcs.data.shards.startswith("gs://")
 
 
+def test_the_docs_configs_path_form_finds_the_packaged_config_from_any_folder(
+    tmp_path, monkeypatch
+):
+    """`--config configs/demo.yaml` (cli.md's form) outside the checkout: the packaged
+    config of that name, as the bare name `demo` gives; a file of the cwd still wins."""
+    monkeypatch.chdir(tmp_path)
+    assert resolve_config_path("configs/coyo11m.yaml") == CONFIG_DIR / "coyo11m.yaml"
+    assert load_config("configs/demo.yaml", environ={}) == load_config("demo", environ={})
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/nonexist.yaml", environ={})
+    assert "configs/nonexist.yaml does not exist, nor does" in str(e.value), e.value
+    assert str(CONFIG_DIR / "nonexist.yaml") in str(e.value)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "demo.yaml").write_text("name: mine\n")
+    assert load_config("configs/demo.yaml", environ={}).name == "mine"
+
+
 def test_precedence_defaults_yaml_env_flags(tmp_path):
     y = tmp_path / "c.yaml"
     y.write_text("build:\n  num_proc: 3\n  batch_size: 7\nloader:\n  seed: 5\n")
@@ -143,6 +160,18 @@ def test_cache_root_from_env(tmp_path):
     cfg = load_config(None, environ={"HF_PIPELINE_CACHE": str(tmp_path / "x")})
     assert cfg.cache_root == tmp_path / "x"
     assert isinstance(Config().to_dict()["loader"], dict)
+
+
+@pytest.mark.parametrize("var", ["HF_DATASETS_CACHE", "HF_HOME"])
+@pytest.mark.parametrize("blank", ["", " ", "\t"])
+def test_a_blank_default_cache_root_variable_is_refused_naming_it(tmp_path, var, blank):
+    """Set but blank is refused, as HF_PIPELINE_CACHE is: `HF_DATASETS_CACHE=" "` made
+    the root `./ /hf_pipeline` and `HF_HOME=""` counted as unset, silently."""
+    env = {"HF_HOME": str(tmp_path), "HF_DATASETS_CACHE": str(tmp_path / "d"), var: blank}
+    with pytest.raises(ConfigError) as e:
+        default_cache_root(env)
+    assert str(e.value).startswith(f"${var} is set but blank ({blank!r})"), e.value
+    assert e.value.field == "build.cache_dir"
 
 
 @pytest.mark.parametrize("lease", [1.0, 4.0, 60.0])
@@ -560,3 +589,12 @@ def test_a_blank_env_var_is_refused_naming_it(tmp_path, var, blank):
     assert p.returncode == 2, p.stdout + p.stderr
     (line,) = p.stderr.strip().splitlines()
     assert line.startswith("error: ") and f"${var}" in line and "blank" in line, line
+
+
+def test_overrides_given_as_one_string_is_a_type_error():
+    """`load_config("demo", "loader.seed=1")`: overrides is a list of strings; a str
+    was iterated letter by letter (`override 'l' must look like section.field=value`)."""
+    with pytest.raises(TypeError, match=r"overrides must be a list of 'section\.field=value'"):
+        load_config("demo", "loader.seed=1", environ={})
+    with pytest.raises(TypeError, match=r"overrides\[1\] must be a str, got int"):
+        load_config("demo", ["loader.seed=1", 3], environ={})

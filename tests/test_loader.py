@@ -7,6 +7,7 @@ import gc
 import itertools
 import json
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -746,3 +747,19 @@ def test_a_launched_rank_says_how_to_split_or_opts_out(monkeypatch):
         with Loader(FakeSource(64), global_batch_size=4, process_index=index,
                     process_count=count) as ld:  # fmt: skip
             assert ld.layout.process_count == count
+
+
+def test_an_invalid_option_is_a_public_config_error(source):
+    """`Loader(src, global_batch_size=0)`: a ValueError the docs name, ConfigError (it was
+    OptionError, neither public nor a ConfigError), naming the option; picklable."""
+    import hf_pipeline
+
+    with pytest.raises(hf_pipeline.ConfigError, match=r"global_batch_size must be >= 1") as e:
+        hf_pipeline.Loader(source, global_batch_size=0)
+    assert isinstance(e.value, ValueError) and e.value.field == "global_batch_size"
+    again = pickle.loads(pickle.dumps(e.value))
+    assert (type(again), str(again), again.field) == (
+        type(e.value),
+        str(e.value),
+        "global_batch_size",
+    )

@@ -159,3 +159,15 @@ def test_latents_choices(built_cache, bf16_cache):
         open_dataset(built_cache.layout, latents="int8")
     with pytest.raises(ValueError, match="must lie outside the cache"):
         open_dataset(built_cache.layout, derived_dir=built_cache.cache_dir / "views")
+
+
+def test_open_sample_source_takes_a_cache_folder_path(built_cache):
+    """A str or PathLike cache folder, as GrainSource takes; another type is a TypeError
+    naming what is expected (it was `'str' object has no attribute 'root'`)."""
+    want = _reference(built_cache)
+    for folder in (str(built_cache.cache_dir), Path(built_cache.cache_dir)):
+        with open_sample_source(folder) as src:
+            assert src.fingerprint == built_cache.fingerprint
+            assert np.array_equal(src.gather(np.arange(src.num_rows), 0)["keys"], want["keys"])
+    with pytest.raises(TypeError, match=r"CacheLayout, a str or an os\.PathLike, got int"):
+        open_sample_source(3)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 
 from tests.conftest import REPO
@@ -43,6 +45,9 @@ def test_bdist_wheel_and_sdist_leave_dist_package_alone(tmp_path):
     assert len(wheels) == 1 and list((repo / "build" / "wheels").glob("hf_pipeline-*.tar.gz"))
     names = zipfile.ZipFile(wheels[0]).namelist()
     assert "dist/coordinator.py" in names and "hf_pipeline/build/prepare.py" in names
+    assert "hf_pipeline/_configs/demo.yaml" in names and not any(
+        n.startswith("configs/") for n in names
+    )
     assert not any(n.startswith("tests/") for n in names)
 
 
@@ -53,3 +58,57 @@ def test_configs_available_without_a_checkout(tmp_path, monkeypatch):
     monkeypatch.setattr(config, "CONFIG_DIR", tmp_path / "missing")
     cfg = config.load_config(None, environ={})
     assert cfg.name == "demo" and cfg.data.shards == "demo" and cfg.encoder.model == "minilm"
+
+
+def test_a_wheel_installed_in_a_fresh_venv_carries_the_configs(tmp_path):
+    """`pip install .` (not -e) installs `configs/*.yaml` with the package: a bare name
+    and the default load from any folder, and the command runs a bundled config."""
+    repo = tmp_path / "repo"
+    junk = shutil.ignore_patterns(
+        ".git", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis", "benchmarks"
+    )
+
+    def ignore(folder, names):  # the top-level build/ only: hf_pipeline/build/ is a package
+        return set(junk(folder, names)) | ({"build"} if folder == str(REPO) else set())
+
+    shutil.copytree(REPO, repo, ignore=ignore)
+    pip = [sys.executable, "-m", "pip"]
+    p = subprocess.run(
+        [*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+         "-w", str(tmp_path / "wheels"), str(repo)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    (wheel,) = (tmp_path / "wheels").glob("hf_pipeline-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    p = subprocess.run(
+        [*pip, "--python", str(py), "install", "-q", "--no-deps", "--no-index", str(wheel)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    # The heavy dependencies from this venv, after the wheel's own site-packages (a .pth
+    # appends): its hf_pipeline wins, and this venv's editable finder is not installed.
+    (site,) = venv.glob("lib/python*/site-packages")
+    (site / "zz_borrowed.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "empty").mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = (
+        "import hf_pipeline; from hf_pipeline import load_config;"
+        "print(hf_pipeline.__file__); c = load_config('demo', environ={});"
+        "d = load_config(None, environ={}); print(c.name, d.name, d == c)"
+    )
+    p = subprocess.run([str(py), "-c", code], cwd=elsewhere, env=env, capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    where, names = p.stdout.splitlines()
+    assert where.startswith(str(site)), where
+    assert names == "demo demo True"
+    exe = venv / "bin" / "hf-pipeline"
+    p = subprocess.run(
+        [str(exe), "status", "--config", "coyo11m", "--cache-dir", str(elsewhere / "empty")],
+        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert (p.returncode, p.stdout) == (0, f"no caches under {elsewhere / 'empty'}\n"), p.stderr

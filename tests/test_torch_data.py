@@ -539,3 +539,13 @@ def test_our_errors_keep_their_type_through_dataloader_workers(error):
     assert str(error) in str(got.value)
     again = pickle.loads(pickle.dumps(got.value))
     assert type(again) is type(error) and str(again) == str(got.value)
+
+
+def test_a_misspelled_option_names_the_class_and_the_valid_options(source):
+    """`TorchBatches(src, global_batch_sise=16)` said `SamplerOptions.__init__() got an
+    unexpected keyword argument`: it names TorchBatches, the close option, the valid ones."""
+    with pytest.raises(TypeError) as e:
+        TorchBatches(source, global_batch_sise=16)
+    msg = str(e.value)
+    assert msg.startswith("TorchBatches() got an unexpected keyword argument 'global_batch_sise'")
+    assert "did you mean 'global_batch_size'?" in msg and "seed" in msg and "drop_last" in msg

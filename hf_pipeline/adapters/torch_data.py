@@ -196,7 +196,7 @@ class TorchBatches(tud.IterableDataset):
         **order_fields,
     ):
         super().__init__()
-        options = sampler_options(order, **order_fields)
+        options = sampler_options(order, caller="TorchBatches", **order_fields)
         self.source = source
         self.sampler = GlobalSampler(source.num_rows, options, num_crops=source.num_crops)
         self.sampler.require_batches()

@@ -398,7 +398,9 @@ def _present(files: list[Path], folder: Path, what: str) -> list[Path]:
     return files
 
 
-def open_sample_source(layout: CacheLayout, fingerprint: str | None = None):
+def open_sample_source(
+    layout: CacheLayout | str | os.PathLike[str], fingerprint: str | None = None
+):
     """Memory-map a built cache for batch gathers (``hf_pipeline.read.mapped.SampleSource``).
 
     Opens files read-only; safe to call from any number of processes at once. The
@@ -414,9 +416,25 @@ def open_sample_source(layout: CacheLayout, fingerprint: str | None = None):
     ``prebuild_cache.py --verify`` (docs/integrity.md).
     ``fingerprint=None``: the one the markers state (a folder opened by its path).
     Only the files the markers list are read.
+
+    Args:
+        layout: the cache, as a :class:`CacheLayout` or its folder (a str or
+            ``os.PathLike``, as ``GrainSource`` takes).
+        fingerprint: the fingerprint the markers must state; None: theirs.
+
+    Raises:
+        CacheFormatError: not a complete cache (names the marker or file and why).
+        TypeError: ``layout`` is none of those types.
     """
     from hf_pipeline.read.mapped import SampleSource
 
+    if isinstance(layout, (str, os.PathLike)):
+        layout = CacheLayout(Path(layout))
+    elif not isinstance(layout, CacheLayout):
+        raise TypeError(
+            "open_sample_source: layout must be a CacheLayout, a str or an os.PathLike, "
+            f"got {type(layout).__name__}"
+        )
     if fingerprint is None:
         stage_dirs, fingerprint = published_stage_dirs(layout.root, None)
         layout = layout if layout.stage_dirs else CacheLayout(layout.root, stage_dirs)

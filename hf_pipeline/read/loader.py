@@ -53,6 +53,7 @@ from hf_pipeline.read.sampler import (
     check_at_least,
     check_order_version,
     sampler_options,
+    unexpected_options,
 )
 from hf_pipeline.workers.pool import usable_cpus
 
@@ -166,7 +167,9 @@ _SAMPLER_FIELDS = frozenset(SAMPLER_FIELDS)
 _LOADER_FIELDS = frozenset(field.name for field in dataclasses.fields(LoaderOptions)) - {"order"}
 
 
-def loader_options(options: LoaderOptions | None = None, **fields) -> LoaderOptions:
+def loader_options(
+    options: LoaderOptions | None = None, *, caller: str = "loader_options", **fields
+) -> LoaderOptions:
     """``options`` with ``fields`` replaced, or new options made of ``fields`` alone.
 
     The one place that maps flat keywords to :class:`LoaderOptions`: a field of
@@ -179,10 +182,9 @@ def loader_options(options: LoaderOptions | None = None, **fields) -> LoaderOpti
             without ``options``.
         ValueError: an invalid value.
     """
-    unknown = sorted(set(fields) - _SAMPLER_FIELDS - _LOADER_FIELDS)
+    unknown = set(fields) - _SAMPLER_FIELDS - _LOADER_FIELDS
     if unknown:
-        known = ", ".join(sorted(_SAMPLER_FIELDS | _LOADER_FIELDS))
-        raise TypeError(f"unexpected keyword argument {unknown[0]!r} (loader options: {known})")
+        raise unexpected_options(caller, unknown, _SAMPLER_FIELDS | _LOADER_FIELDS)
     order_fields = {name: value for name, value in fields.items() if name in _SAMPLER_FIELDS}
     own_fields = {name: value for name, value in fields.items() if name in _LOADER_FIELDS}
     if options is None:
@@ -496,7 +498,7 @@ class Loader:
     ):
         import jax
 
-        options = loader_options(options, **option_fields)
+        options = loader_options(options, caller="Loader", **option_fields)
         if start_epoch < 0:
             raise ValueError(f"start_epoch must be >= 0, got {start_epoch}")
         self._source = source

@@ -38,13 +38,17 @@ per-epoch order cache is locked).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import numbers
 import reprlib
 import threading
+from collections.abc import Iterable
 from typing import Any, Literal, get_args, overload
 
 import numpy as np
+
+from hf_pipeline.errors import ConfigError
 
 __all__ = [
     "CROPS",
@@ -62,6 +66,7 @@ __all__ = [
     "check_at_least",
     "crop_problem",
     "sampler_options",
+    "unexpected_options",
 ]
 
 #: Version of the sample order: which samples, crops and process shares every global
@@ -143,8 +148,12 @@ def crop_problem(crop, num_crops: int | None = None) -> str | None:
     return f"must be 'random', 'all' or {index}, got {crop!r}"
 
 
-class OptionError(ValueError):
+class OptionError(ConfigError):
     """An option of :class:`SamplerOptions` or ``LoaderOptions`` has an invalid value.
+
+    A :class:`~hf_pipeline.errors.ConfigError` (so a ``ValueError``): what the API's
+    readers (``Loader``, ``TorchBatches``, ``GrainSource``) raise for a bad option, the
+    same type ``load_config`` raises for the config field.
 
     Attributes:
         field: the option's name (``hf_pipeline.config`` names it ``loader.<field>``);
@@ -153,11 +162,11 @@ class OptionError(ValueError):
 
     def __init__(self, field: str, message: str | None = None):
         if message is None:
-            super().__init__(field)
+            super().__init__(field, "")
             self.field, self.message = "", field
         else:
-            super().__init__(f"{field} {message}")
-            self.field, self.message = field, message
+            super().__init__(f"{field} {message}", field)
+            self.message = message
 
     def __reduce__(self):
         return type(self), (self.field, self.message) if self.field else (self.message,)
@@ -248,20 +257,41 @@ class SamplerOptions:
 
 #: The fields of :class:`SamplerOptions` (``hf_pipeline.config.LoaderConfig`` has each).
 SAMPLER_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SamplerOptions))
+_SAMPLER_FIELD_SET = frozenset(SAMPLER_FIELDS)
 
 
-def sampler_options(options: SamplerOptions | None = None, **fields) -> SamplerOptions:
+def unexpected_options(caller: str, unknown: Iterable[str], known: Iterable[str]) -> TypeError:
+    """The ``TypeError`` for keywords that are no option of ``caller``: names it, the
+    first unknown keyword, the option it is closest to (a misspelling) and the valid ones."""
+    name, valid = sorted(unknown)[0], sorted(known)
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return TypeError(
+        f"{caller}() got an unexpected keyword argument {name!r}{hint}; "
+        f"its options: {', '.join(valid)}"
+    )
+
+
+def sampler_options(
+    options: SamplerOptions | None = None, *, caller: str = "SamplerOptions", **fields
+) -> SamplerOptions:
     """``options`` with ``fields`` replaced, or new options made of ``fields`` alone.
 
     The one rule by which :class:`GlobalSampler`, :class:`hf_pipeline.read.loader.Loader` and
     :class:`hf_pipeline.adapters.torch_data.TorchBatches` take either options or their fields as
     keywords.
 
+    Args:
+        caller: what the keywords were given to, named by the ``TypeError`` of one
+            that is no option.
+
     Raises:
         TypeError: a field that :class:`SamplerOptions` does not have, or no
             ``global_batch_size`` without ``options``.
         ValueError: an invalid value.
     """
+    if not fields.keys() <= _SAMPLER_FIELD_SET:
+        raise unexpected_options(caller, fields.keys() - _SAMPLER_FIELD_SET, SAMPLER_FIELDS)
     if options is None:
         return SamplerOptions(**fields)
     return dataclasses.replace(options, **fields) if fields else options
@@ -303,7 +333,7 @@ class GlobalSampler:
     def __init__(
         self, num_rows: int, options: SamplerOptions | None = None, *, num_crops: int = 3, **kw
     ):
-        options = sampler_options(options, **kw)
+        options = sampler_options(options, caller="GlobalSampler", **kw)
         if num_rows < 0:
             raise ValueError(f"num_rows must be >= 0, got {num_rows}")
         if num_crops < 1:

@@ -422,3 +422,38 @@ def test_build_into_a_folder_whose_identity_names_another_fingerprint_exits_2(
     assert line.startswith("error: ") and str(cache) in line, line
     assert f"'{'0' * 16}'" in line and f"'{built_cache.fingerprint}'" in line, line
     assert {p: p.read_bytes() for p in cache.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("sub", SUBCOMMANDS)
+def test_a_cache_folder_given_as_the_cache_root_is_one_line_exit_2(tmp_path, sub):
+    """The build prints the cache folder and the guides call it DEMO_CACHE: passed as
+    --cache-dir, status said "no caches under" it and build made a whole cache inside
+    it (outside tester). Now one line naming the folder and the root to use, exit 2,
+    before any work; nothing in the folder is written or removed."""
+    from dist.layout import IDENTITY_FILE, identity_bytes
+
+    root = tmp_path / "root"
+    cache = root / "demo-0123456789abcdef"
+    cache.mkdir(parents=True)
+    (cache / IDENTITY_FILE).write_bytes(identity_bytes("0123456789abcdef", host="h", pid=1))
+    before = sorted(p.name for p in cache.iterdir())
+    args = {"status": [], "publish": ["gs://nowhere-bucket/x"], "train": ["--steps", "1"]}
+    p = _hf(sub, "--cache-dir", cache, *args.get(sub, []), *_sets(SMALL_DEMO))
+    assert p.returncode == 2 and p.stdout == "", p.stdout + p.stderr[-2000:]
+    (line,) = p.stderr.strip().splitlines()
+    assert line.startswith("error: ") and str(cache) in line, line
+    assert "is a cache folder (demo-0123456789abcdef), not a cache root" in line, line
+    assert line.endswith(f"--cache-dir takes the folder that holds it: {root}"), line
+    assert sorted(p.name for p in cache.iterdir()) == before
+
+
+def test_a_cache_folder_as_the_root_from_the_environment_names_it(tmp_path):
+    from dist.layout import IDENTITY_FILE, identity_bytes
+
+    cache = tmp_path / "demo-0123456789abcdef"
+    cache.mkdir()
+    (cache / IDENTITY_FILE).write_bytes(identity_bytes("0123456789abcdef", host="h", pid=1))
+    p = _hf("status", env=script_env(HF_PIPELINE_CACHE=str(cache)))
+    assert p.returncode == 2, p.stdout + p.stderr
+    (line,) = p.stderr.strip().splitlines()
+    assert f"$HF_PIPELINE_CACHE takes the folder that holds it: {tmp_path}" in line, line

@@ -457,3 +457,28 @@ def test_a_cache_folder_as_the_root_from_the_environment_names_it(tmp_path):
     assert p.returncode == 2, p.stdout + p.stderr
     (line,) = p.stderr.strip().splitlines()
     assert f"$HF_PIPELINE_CACHE takes the folder that holds it: {tmp_path}" in line, line
+
+
+@pytest.mark.parametrize("sub", ["build", "status"])
+def test_a_json_path_that_cannot_be_written_is_one_line_exit_2_before_the_work(tmp_path, sub):
+    """--json /proc/x.json built first, then failed with the OS's words, exit 1; a
+    folder that is a file was called missing (outside tester). Checked up front now,
+    exit 2, and nothing is created: no cache, no JSON file."""
+    root = tmp_path / "root"
+    root.mkdir()
+    afile = tmp_path / "afile"
+    afile.write_text("x\n")
+    cases = [
+        (Path("/proc/x.json"), "its folder /proc cannot hold files"),
+        (afile / "x.json", f"{afile} is a file, not a folder"),
+        (afile / "sub" / "x.json", f"{afile} is a file, not a folder"),
+        (tmp_path / "nodir" / "x.json", f"its folder {tmp_path / 'nodir'} does not exist"),
+    ]
+    for path, why in cases:
+        p = _hf(sub, "-q", "--cache-dir", root, "--json", path, *_sets(SMALL_DEMO))
+        assert p.returncode == 2 and p.stdout == "", p.stdout + p.stderr[-2000:]
+        (line,) = p.stderr.strip().splitlines()
+        assert line.startswith(f"error: --json {path}: ") and why in line, line
+        assert not path.exists()
+    assert list(root.iterdir()) == []  # nothing built
+    assert afile.read_text() == "x\n"

@@ -482,3 +482,36 @@ def test_a_json_path_that_cannot_be_written_is_one_line_exit_2_before_the_work(t
         assert not path.exists()
     assert list(root.iterdir()) == []  # nothing built
     assert afile.read_text() == "x\n"
+
+
+@pytest.mark.slow
+def test_a_build_waiting_for_another_says_whom_it_waits_for(tmp_path):
+    """Two real builds of one cache: the second printed nothing until `[found (52.6
+    s)]` (outside tester). Now its log names the builder (host/pid) and the folder it
+    waits for when the wait starts (every 30 s a line more); `-q` keeps it quiet."""
+    import socket
+    import time
+
+    root = tmp_path / "root"
+    args = [*_command(), "build", "--cache-dir", root, *_sets(SMALL_DEMO)]
+    first = subprocess.Popen([str(a) for a in args], env=script_env(), cwd=REPO,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not list(root.glob("demo-*/lease")) and time.monotonic() < deadline:
+            assert first.poll() is None, "the first build ended before its lease was seen"
+            time.sleep(0.05)
+        quiet = subprocess.Popen([str(a) for a in [*args, "-q"]], env=script_env(), cwd=REPO,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        second = _run(args)
+        q_out, q_err = quiet.communicate(timeout=300)
+        assert first.wait(timeout=300) == 0
+    finally:
+        first.kill()
+    assert second.returncode == 0 and quiet.returncode == 0, second.stderr + q_err
+    (cache,) = root.glob("demo-*")
+    waits = [ln for ln in second.stderr.splitlines() if "waiting for" in ln]
+    assert waits and f"waiting for {cache} (stages converted, filtered): built by " in waits[0]
+    assert waits[0].endswith(f"built by {socket.gethostname()}/{first.pid}"), waits
+    assert "found" in second.stdout
+    assert "waiting for" not in q_err and "found" in q_out

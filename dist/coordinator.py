@@ -210,6 +210,10 @@ _RESERVED = frozenset({"lease", "heartbeat", "failed"})
 #: taken by another lease and then found invalid: only a broken filesystem loops).
 _MAX_PUBLISH_ATTEMPTS = 5
 
+#: Seconds between a waiter's "still waiting" lines (INFO; the first says whom it waits
+#: for): a wait for another builder printed nothing for its whole length.
+WAIT_REPORT_S = 30.0
+
 Scope = Literal["shared", "node", "process"]
 SCOPES: tuple[str, ...] = ("shared", "node", "process")
 
@@ -395,6 +399,13 @@ def readonly_error(cache_dir: Path, detail: str = "") -> ReadOnlyCacheError:
 # ----------------------------------------------------------------------------- protocol
 
 
+def _who(view: LeaseView) -> str:
+    """The holder of a lease as ``host/pid`` (``?`` for a field the file lacks)."""
+    # The host comes from a file on a shared root: escaped, it cannot forge a log line.
+    host = "?" if not view.host else view.host if view.host.isprintable() else shown(view.host)
+    return f"{host}/{view.pid if view.pid is not None else '?'}"
+
+
 class _Coordinator:
     def __init__(
         self,
@@ -521,6 +532,8 @@ class _Coordinator:
         last_view: LeaseView | None = None
         last_change = start
         reported_dead: tuple[str, int | None] | None = None
+        announced: str | None = None  # the lease whose builder the log named
+        reported = start
         while True:
             token = self._bell("token")  # before the check: a later ring is never missed
             markers = self.complete_markers(log=True)
@@ -550,6 +563,19 @@ class _Coordinator:
                 key = (view.key, heartbeat_counter(self.cache_dir, view.key))
                 if key != last_key:
                     last_key, last_view, last_change = key, view, now
+                if view.key != announced:
+                    announced, reported = view.key, now
+                    logger.info("waiting for %s: built by %s", self._waited_for(), _who(view))
+                elif now - reported >= WAIT_REPORT_S:
+                    reported = now
+                    logger.info(
+                        "still waiting for %s after %.0f s: built by %s, its last heartbeat "
+                        "progress %.1f s ago",
+                        self.cache_dir,
+                        now - start,
+                        _who(view),
+                        now - last_change,
+                    )
                 # A holder on this machine that provably exited (SIGKILL, OOM kill) is
                 # dead now; any other is dead once its heartbeat stalled lease_timeout.
                 exited = holder_exited(view)
@@ -572,6 +598,10 @@ class _Coordinator:
             if elapsed >= self.timing.max_wait:
                 self._raise_timeout(last_view, time.monotonic() - last_change, elapsed)
             self._pause(min(self.timing.poll_interval, self.timing.max_wait - elapsed), token)
+
+    def _waited_for(self) -> str:
+        """The cache folder and its stages, for the waiter's first line."""
+        return f"{self.cache_dir} (stages {', '.join(st.name for st in self.stages)})"
 
     def _raise_new_failure(self, seen: set[str]) -> None:
         for name in sorted(_failure_records(self.cache_dir) - seen):

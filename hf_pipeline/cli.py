@@ -21,6 +21,7 @@ from dist.errors import (
     ForeignCacheFolderError,
     ReadOnlyCacheError,
 )
+from dist.layout import cache_mark
 from hf_pipeline.config import Config, cache_root_variable, load_config
 from hf_pipeline.config_docs import env_help
 from hf_pipeline.errors import ConfigError, StoreUnreachableError, UserError
@@ -83,7 +84,9 @@ def _set_value(overrides: Sequence[str], key: str) -> str | None:
 
 
 def check_cache_root(cfg: Config, args: argparse.Namespace, *, must_exist: bool) -> None:
-    """Refuse a cache root (``cfg.cache_root``) that is no folder, in one line naming it.
+    """Refuse a cache root (``cfg.cache_root``) that is no folder, or that is a cache
+    folder (``<root>/<name>-<fingerprint>``, :func:`dist.layout.cache_mark`) instead of
+    the root that holds it, in one line naming it.
 
     ``must_exist``: status, verify and clean only look at a root, so a missing one is a
     mistyped path (it printed "0 caches", exit 0); a build creates it, but not below a
@@ -94,18 +97,29 @@ def check_cache_root(cfg: Config, args: argparse.Namespace, *, must_exist: bool)
             ``--set``, ``$HF_PIPELINE_CACHE``, the config file or the default).
     """
     root = cfg.cache_root
-    if root.is_dir():
-        return
     if getattr(args, "cache_dir", None):
-        source = " (from --cache-dir)"
+        given = "--cache-dir"
     elif _set_value(args.overrides, "build.cache_dir") is not None:
-        source = " (from --set)"
+        given = "--set build.cache_dir"
     elif os.environ.get("HF_PIPELINE_CACHE", "").strip():
-        source = " (from $HF_PIPELINE_CACHE)"
+        given = "$HF_PIPELINE_CACHE"
     elif not cfg.build.cache_dir and (var := cache_root_variable()):
-        source = f" (from ${var})"
+        given = f"${var}"
     else:
-        source = ""
+        given = ""
+    source = f" (from {given.split()[0]})" if given else ""
+    if root.is_dir():
+        # The build prints the cache folder and the guides name it (DEMO_CACHE): given
+        # as the root, status found "no caches" in it and a build made a whole cache
+        # inside it (outside tester). Only a folder the project marked as a cache.
+        if cache_mark(root) is not None:
+            raise ConfigError(
+                f"build.cache_dir {root}{source} is a cache folder ({root.name}), not a "
+                f"cache root: {given or 'build.cache_dir'} takes the folder that holds it: "
+                f"{root.parent}",
+                field="build.cache_dir",
+            )
+        return
     # The nearest existing path at or above the root says what is wrong with it.
     there = next((p for p in (root, *root.parents) if os.path.lexists(p)), None)
     if there == root:

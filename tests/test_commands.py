@@ -436,3 +436,96 @@ def test_build_into_a_folder_whose_identity_names_another_fingerprint_exits_2(
     assert line.startswith("error: ") and str(cache) in line, line
     assert f"'{'0' * 16}'" in line and f"'{built_cache.fingerprint}'" in line, line
     assert {p: p.read_bytes() for p in cache.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("sub", SUBCOMMANDS)
+def test_a_cache_folder_given_as_the_cache_root_is_one_line_exit_2(tmp_path, sub):
+    """The build prints the cache folder and the guides call it DEMO_CACHE: passed as
+    --cache-dir, status said "no caches under" it and build made a whole cache inside
+    it (outside tester). Now one line naming the folder and the root to use, exit 2,
+    before any work; nothing in the folder is written or removed."""
+    from dist.layout import IDENTITY_FILE, identity_bytes
+
+    root = tmp_path / "root"
+    cache = root / "demo-0123456789abcdef"
+    cache.mkdir(parents=True)
+    (cache / IDENTITY_FILE).write_bytes(identity_bytes("0123456789abcdef", host="h", pid=1))
+    before = sorted(p.name for p in cache.iterdir())
+    args = {"status": [], "publish": ["gs://nowhere-bucket/x"], "train": ["--steps", "1"]}
+    p = _hf(sub, "--cache-dir", cache, *args.get(sub, []), *_sets(SMALL_DEMO))
+    assert p.returncode == 2 and p.stdout == "", p.stdout + p.stderr[-2000:]
+    (line,) = p.stderr.strip().splitlines()
+    assert line.startswith("error: ") and str(cache) in line, line
+    assert "is a cache folder (demo-0123456789abcdef), not a cache root" in line, line
+    assert line.endswith(f"--cache-dir takes the folder that holds it: {root}"), line
+    assert sorted(p.name for p in cache.iterdir()) == before
+
+
+def test_a_cache_folder_as_the_root_from_the_environment_names_it(tmp_path):
+    from dist.layout import IDENTITY_FILE, identity_bytes
+
+    cache = tmp_path / "demo-0123456789abcdef"
+    cache.mkdir()
+    (cache / IDENTITY_FILE).write_bytes(identity_bytes("0123456789abcdef", host="h", pid=1))
+    p = _hf("status", env=script_env(HF_PIPELINE_CACHE=str(cache)))
+    assert p.returncode == 2, p.stdout + p.stderr
+    (line,) = p.stderr.strip().splitlines()
+    assert f"$HF_PIPELINE_CACHE takes the folder that holds it: {tmp_path}" in line, line
+
+
+@pytest.mark.parametrize("sub", ["build", "status"])
+def test_a_json_path_that_cannot_be_written_is_one_line_exit_2_before_the_work(tmp_path, sub):
+    """--json /proc/x.json built first, then failed with the OS's words, exit 1; a
+    folder that is a file was called missing (outside tester). Checked up front now,
+    exit 2, and nothing is created: no cache, no JSON file."""
+    root = tmp_path / "root"
+    root.mkdir()
+    afile = tmp_path / "afile"
+    afile.write_text("x\n")
+    cases = [
+        (Path("/proc/x.json"), "its folder /proc cannot hold files"),
+        (afile / "x.json", f"{afile} is a file, not a folder"),
+        (afile / "sub" / "x.json", f"{afile} is a file, not a folder"),
+        (tmp_path / "nodir" / "x.json", f"its folder {tmp_path / 'nodir'} does not exist"),
+    ]
+    for path, why in cases:
+        p = _hf(sub, "-q", "--cache-dir", root, "--json", path, *_sets(SMALL_DEMO))
+        assert p.returncode == 2 and p.stdout == "", p.stdout + p.stderr[-2000:]
+        (line,) = p.stderr.strip().splitlines()
+        assert line.startswith(f"error: --json {path}: ") and why in line, line
+        assert not path.exists()
+    assert list(root.iterdir()) == []  # nothing built
+    assert afile.read_text() == "x\n"
+
+
+@pytest.mark.slow
+def test_a_build_waiting_for_another_says_whom_it_waits_for(tmp_path):
+    """Two real builds of one cache: the second printed nothing until `[found (52.6
+    s)]` (outside tester). Now its log names the builder (host/pid) and the folder it
+    waits for when the wait starts (every 30 s a line more); `-q` keeps it quiet."""
+    import socket
+    import time
+
+    root = tmp_path / "root"
+    args = [*_command(), "build", "--cache-dir", root, *_sets(SMALL_DEMO)]
+    first = subprocess.Popen([str(a) for a in args], env=script_env(), cwd=REPO,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not list(root.glob("demo-*/lease")) and time.monotonic() < deadline:
+            assert first.poll() is None, "the first build ended before its lease was seen"
+            time.sleep(0.05)
+        quiet = subprocess.Popen([str(a) for a in [*args, "-q"]], env=script_env(), cwd=REPO,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        second = _run(args)
+        q_out, q_err = quiet.communicate(timeout=300)
+        assert first.wait(timeout=300) == 0
+    finally:
+        first.kill()
+    assert second.returncode == 0 and quiet.returncode == 0, second.stderr + q_err
+    (cache,) = root.glob("demo-*")
+    waits = [ln for ln in second.stderr.splitlines() if "waiting for" in ln]
+    assert waits and f"waiting for {cache} (stages converted, filtered): built by " in waits[0]
+    assert waits[0].endswith(f"built by {socket.gethostname()}/{first.pid}"), waits
+    assert "found" in second.stdout
+    assert "waiting for" not in q_err and "found" in q_out

@@ -933,3 +933,29 @@ def test_a_folder_whose_identity_names_another_fingerprint_is_refused(built, tmp
         assert "\n" not in message and info.value.path == str(cache)
         assert pickle.loads(pickle.dumps(info.value)).path == str(cache)
     assert _tree_bytes(cache) == before
+
+
+def test_a_waiter_says_whom_it_waits_for_then_reports_every_interval(
+    job, tmp_path, caplog, monkeypatch
+):
+    """A process waiting for another builder printed nothing for the whole wait (52 s,
+    then `[found]`: outside tester). One INFO line when the wait starts, naming the
+    builder (host/pid) and what it waits for, then one per WAIT_REPORT_S, not more."""
+    import dist.coordinator as coordinator
+
+    monkeypatch.setattr(coordinator, "WAIT_REPORT_S", 0.5)
+    cache = tmp_path / "shared"
+    builder = job.start(cache, 0, "--poll", "0.05", "--lease-timeout", "20",
+                        "--heartbeat", "0.2", "--hold", "build-converted:60")  # fmt: skip
+    job.wait_for_signal("build-converted")
+    caplog.set_level(logging.INFO, logger="dist.coordinator")
+    with pytest.raises(CacheWaitTimeout):
+        ensure_built(cache, "fp0", STAGES, builder=False, poll_interval=0.05, max_wait=1.8,
+                     lease_timeout=20, heartbeat_interval=0.2)  # fmt: skip
+    lines = [r.getMessage() for r in caplog.records if r.name == "dist.coordinator"]
+    who = f"{socket.gethostname()}/{builder.pid}"
+    started = [m for m in lines if m.startswith("waiting for ")]
+    assert started == [f"waiting for {cache} (stages converted, filtered): built by {who}"]
+    still = [m for m in lines if m.startswith("still waiting for ")]
+    assert 2 <= len(still) <= 4, lines  # ~1.8 s / 0.5 s
+    assert all(f"built by {who}" in m and "last heartbeat progress" in m for m in still)

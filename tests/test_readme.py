@@ -145,3 +145,23 @@ def test_cli_docs_list_every_build_json_key():
     listed = re.search(r"writes `\{(.*?)\}`", text, re.S)
     assert listed, "docs/cli.md lost its build --json key list"
     assert sorted(re.findall(r'"(\w+)"', listed.group(1))) == sorted(keys)
+
+
+def test_docs_torchrun_launches_of_training_fix_the_master_port():
+    """One node, no --master-port: torchrun (2.x) serves its store on a random free
+    port, and JAX's coordinator takes the next one (MASTER_PORT + 1), which may be in
+    use: the documented launch failed now and then (outside tester). ``--standalone``
+    picks a random port too; a chosen ``--master-port`` (or a multi-node rendezvous
+    line, whose guide says the same) is what the docs launch with."""
+    docs = REPO / "docs"
+    lines = [
+        (page.name, line)
+        for page in sorted(docs.rglob("*.md"))
+        if page.name != "changelog.md"
+        for line in page.read_text().splitlines()
+        if re.search(r"\btorchrun --", line) and re.search(r"train(\.py)?\b", line)
+        and "--nnodes" not in line
+    ]  # fmt: skip
+    assert len(lines) >= 3, lines
+    missing = [(name, line) for name, line in lines if "--master-port" not in line]
+    assert not missing, missing

@@ -410,8 +410,13 @@ def test_a_batch_size_is_refused_in_one_line(source, num_workers):
     """`DataLoader(TorchBatches, batch_size=8)` stacked 8 batches into latents of shape
     (8, b, C, H, W) without a word; `batch_size=None` gives the batches as they are."""
     ds = TorchBatches(source, global_batch_size=16, process_index=0, process_count=1)
-    with pytest.raises(TypeError, match=r"TorchBatches yields whole batches: use DataLoader\("):
+    with pytest.raises(
+        TypeError, match=r"TorchBatches yields whole batches: use DataLoader\("
+    ) as e:
         next(iter(_plain_loader(ds, num_workers, batch_size=8)))
+    # The public name (an outside tester: it named hf_pipeline.adapters.torch_data's).
+    assert "hf_pipeline.torch_loader(dataset)" in str(e.value), e.value
+    assert "adapters" not in str(e.value), e.value
     got = list(_plain_loader(ds, num_workers, batch_size=None))
     assert len(got) == len(ds) and got[0]["latents"].shape == (16, 4, 32, 32)
     np.testing.assert_array_equal(got[1]["keys"].numpy(), _expected(ds, 1)["keys"])

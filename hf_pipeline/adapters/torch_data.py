@@ -133,7 +133,7 @@ class TorchBatch(dict):
 def _refuse_collate(batch, *, collate_fn_map=None):
     raise TypeError(
         "TorchBatches yields whole batches: use DataLoader(dataset, batch_size=None) or "
-        "hf_pipeline.adapters.torch_data.torch_loader(dataset); for per-sample batching with "
+        "hf_pipeline.torch_loader(dataset); for per-sample batching with "
         "batch_size=B use TorchSamples"
     )
 

@@ -505,18 +505,63 @@ def _print_publish(report, out) -> None:
 
 
 def _check_json_path(path: Path) -> None:
-    """Raise a ConfigError naming ``--json`` if ``path`` cannot be written."""
+    """Raise a ConfigError naming ``--json`` if ``path`` cannot be written; creates
+    nothing (a build may take hours: found only after it, the report was lost).
+
+    Root passes ``os.access`` everywhere, so a missing file is tried as an unnamed one
+    (``O_TMPFILE``: never visible, gone at close); a filesystem without it (NFS, /proc)
+    is judged by ``statvfs``: read-only, or no blocks and no inodes (/proc, /sys: the
+    OS's "No such file or directory" only after the build).
+    """
     from hf_pipeline.errors import ConfigError
 
     folder = path.parent
-    why = (
-        "is a directory" if path.is_dir()
-        else f"its folder {folder} does not exist" if not folder.is_dir()
-        else f"its folder {folder} is not writable" if not os.access(folder, os.W_OK | os.X_OK)
-        else None
-    )  # fmt: skip
+    # The nearest existing path at or above the folder: a file there is not a folder.
+    there = next((p for p in (folder, *folder.parents) if os.path.lexists(p)), None)
+    if path.is_dir():
+        why: str | None = "is a directory"
+    elif there is not None and not there.is_dir():
+        why = f"{there} is a file, not a folder"
+    elif there != folder:
+        why = f"its folder {folder} does not exist"
+    elif path.exists():
+        why = _unwritable(lambda: os.open(path, os.O_WRONLY | os.O_APPEND), "cannot be written")
+    else:
+        why = _folder_unwritable(folder)
     if why:
         raise ConfigError(f"--json {path}: {why}")
+
+
+def _unwritable(opener, what: str) -> str | None:
+    """None when ``opener()`` opens a descriptor (closed at once), else ``what`` and the
+    OS's words."""
+    try:
+        os.close(opener())
+    except OSError as exc:
+        return f"{what} ({exc.strerror})"
+    return None
+
+
+def _folder_unwritable(folder: Path) -> str | None:
+    """Why no new file can be written in ``folder`` (an existing folder), or None."""
+    import errno
+
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"its folder {folder} is not writable"
+    vfs = os.statvfs(folder)
+    if vfs.f_flag & os.ST_RDONLY:
+        return f"its folder {folder} is on a read-only filesystem"
+    tmpfile = getattr(os, "O_TMPFILE", 0)
+    if tmpfile:
+        try:
+            os.close(os.open(folder, tmpfile | os.O_WRONLY, 0o600))
+            return None
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                return f"its folder {folder} is not writable ({exc.strerror})"
+    if vfs.f_blocks == 0 and vfs.f_files == 0:
+        return f"its folder {folder} cannot hold files (a kernel filesystem like /proc)"
+    return None
 
 
 def main(args: argparse.Namespace) -> int:

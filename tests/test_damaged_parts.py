@@ -300,6 +300,7 @@ def test_clean_after_verify_keeps_the_token_ids_the_kept_parts_name(tmp_path):
     assert (root / ".parts" / bad_tokens).is_dir()
 
 
+@pytest.mark.slow  # two builds (~18 s)
 def test_status_says_a_part_retired_as_damaged_is_made_again_not_abandoned(tmp_path):
     """A stored part whose marker a build retired as damaged (dist.coordinator
     .retire_damaged, what a build calls on a reused part) was listed as `unfinished

@@ -9,6 +9,8 @@ import sys
 import sysconfig
 import zipfile
 
+import pytest
+
 from tests.conftest import REPO
 
 
@@ -60,6 +62,7 @@ def test_configs_available_without_a_checkout(tmp_path, monkeypatch):
     assert cfg.name == "demo" and cfg.data.shards == "demo" and cfg.encoder.model == "minilm"
 
 
+@pytest.mark.slow  # a wheel built and installed into a fresh venv (3-8 s)
 def test_a_wheel_installed_in_a_fresh_venv_carries_the_configs(tmp_path):
     """`pip install .` (not -e) installs `configs/*.yaml` with the package: a bare name
     and the default load from any folder, and the command runs a bundled config."""

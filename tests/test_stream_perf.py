@@ -45,7 +45,7 @@ def _epoch_reads(url: str, order: dict, ahead: int) -> tuple:
     options = StreamOptions(cache_bytes=256 << 20, ahead=ahead, coalesce_bytes=1 << 20)
     with StreamSource(url, options, policy=_FAST) as stream:
         loader = Loader(stream, process_index=0, process_count=1, **kw)
-        planned = [rows for _, rows in loader._planned(0, 0, 1)]
+        planned = [rows for _, rows, _crops in loader._planned(0, 0, 1)]
         per = ahead // 2
         if order["shuffle"] == "block":
             assert order["block_size"] * order["window_blocks"] == per * batch
@@ -112,7 +112,7 @@ def test_a_refill_that_ends_inside_a_window_reads_the_rest_in_long_runs(gcs_cach
     options = StreamOptions(cache_bytes=256 << 20, ahead=ahead, coalesce_bytes=1 << 20)
     with StreamSource(url, options, policy=_FAST) as stream:
         loader = Loader(stream, process_index=0, process_count=1, **kw)
-        planned = [rows for _, rows in loader._planned(0, 0, 1)]
+        planned = [rows for _, rows, _crops in loader._planned(0, 0, 1)]
         window = order["block_size"] * order["window_blocks"] // batch
         per = ahead // 2
         fewest = _fewest_reads(
@@ -191,7 +191,7 @@ def test_gathers_ahead_of_the_planner_do_not_scatter_reads(
         proxy.add(Fault(match=".arrow", action="stall", seconds=0.05, times=-1))
         with StreamSource(url, options, policy=_FAST) as stream:
             loader = Loader(stream, num_threads=threads, **kw)
-            batches = [rows for _, rows in loader._planned(0, 0, 1)]
+            batches = [rows for _, rows, _crops in loader._planned(0, 0, 1)]
             per = ahead // 2
             refill = _fewest_reads(
                 stream, [np.concatenate(batches[i : i + per]) for i in range(0, len(batches), per)]
@@ -222,7 +222,7 @@ def _sequential_epoch(url: str, local_source, batch: int) -> tuple[dict, list, i
     with StreamSource(url, StreamOptions(cache_bytes=0), policy=_FAST) as probe:
         batch_bytes = max(
             int(probe._block_bytes[probe.block_ids(rows)].sum())
-            for _, rows in Loader(probe, **kw)._planned(0, 0, 1)
+            for _, rows, _crops in Loader(probe, **kw)._planned(0, 0, 1)
         )
     return kw, want, batch_bytes
 

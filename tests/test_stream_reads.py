@@ -26,7 +26,9 @@ def _windows(loader: Loader, block_size: int) -> list[np.ndarray]:
     window ends where every block whose rows it began has all its rows (``window_blocks``
     blocks of ``block_size`` rows are shuffled together; a finer split is possible and
     only makes more groups)."""
-    rows = np.concatenate([r for _, r in loader._planned(0, 0, 1)])
+    rows = np.concatenate(
+        [entry[1] for entry in loader._planned(0, 0, 1)]
+    )  # (position, rows, crops)
     last: dict[int, int] = {}
     for p, r in enumerate(rows.tolist()):
         last[r // block_size] = p

@@ -128,6 +128,7 @@ def test_workers_give_one_process_batches(gcs_cache, local_source):
         assert stats.retries == stats.refetched == 0
 
 
+@pytest.mark.slow  # the loop keeps the workers' equality, error and killed-worker tests
 def test_workers_resume_exactly_and_elastically(gcs_cache, local_source):
     """A state saved mid-epoch (into the second) by a loader over workers with 4
     processes resumes exactly on 4 and on 3 processes, global and block shuffle."""
@@ -162,6 +163,7 @@ def test_a_workers_error_is_the_one_process_error(gcs_cache):
         assert str(got) == str(want) and rel in str(got) and len(str(got).splitlines()) == 1
 
 
+@pytest.mark.slow  # the loop keeps the workers' equality, error and killed-worker tests
 def test_a_hopeless_store_through_workers_is_one_line(gcs_cache, monkeypatch):
     """Every read of the workers fails (503 forever): one StoreUnreachableError naming
     the file, the one process's line, within the retries' bounded time."""
@@ -205,6 +207,7 @@ def test_a_killed_worker_is_named_never_a_hang(gcs_cache):
     assert _all_gone(pids) and not _slot_fds() and not _named_shm()
 
 
+@pytest.mark.slow  # the loop keeps the workers' equality, error and killed-worker tests
 def test_close_and_the_garbage_collector_leave_nothing(gcs_cache):
     """close() mid-epoch, and a stream merely dropped: the workers exit and no shared
     memory stays (no slot descriptor or map here; none ever in /dev/shm)."""
@@ -268,6 +271,7 @@ def test_the_parent_killed_or_interrupted_takes_its_workers(sig, gcs_cache):
         assert "KeyboardInterrupt" in err and err.count("Traceback") == 1, err[-3000:]
 
 
+@pytest.mark.slow  # the loop keeps the workers' equality, error and killed-worker tests
 def test_the_config_asks_for_workers(gcs_cache, source_cache, monkeypatch):
     """``loader.stream_workers`` (and HF_PIPELINE_STREAM_WORKERS): open_stream gives
     stream workers, each with its share of ``stream_cache_bytes``, ``loader.prefetch +

@@ -24,6 +24,7 @@ import pytest
 from hf_pipeline import cli
 from hf_pipeline.commands import main as hf_pipeline_main
 from tests.conftest import PYTHON, REPO, SMALL_DEMO, script_env
+from tests.helpers.checkout import copy_checkout
 from tests.helpers.publishing import gcs_store  # noqa: F401 - a fixture
 
 SUBCOMMANDS = ("build", "status", "verify", "clean", "publish", "train")
@@ -68,14 +69,7 @@ def pip_installed(tmp_path_factory) -> Path:
     """This checkout pip-installed (no deps) into a folder of its own: the real console
     script pip writes from setup.py, without touching the shared venv."""
     base = tmp_path_factory.mktemp("pip")
-    junk = shutil.ignore_patterns(
-        ".git", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis", "benchmarks"
-    )
-
-    def ignore(folder, names):  # the top-level build/ (setup.py's output), not a package
-        return set(junk(folder, names)) | ({"build"} if folder == str(REPO) else set())
-
-    shutil.copytree(REPO, base / "repo", ignore=ignore)
+    copy_checkout(base / "repo", benchmarks=False)
     p = subprocess.run(
         [PYTHON, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
          "--no-index", "--target", str(base / "site"), str(base / "repo")],

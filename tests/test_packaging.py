@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -11,7 +10,7 @@ import zipfile
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers.checkout import copy_checkout
 
 
 def _snapshot(folder):
@@ -23,15 +22,7 @@ def _snapshot(folder):
 
 
 def test_bdist_wheel_and_sdist_leave_dist_package_alone(tmp_path):
-    repo = tmp_path / "repo"
-    junk = shutil.ignore_patterns(
-        ".git", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis"
-    )
-
-    def ignore(folder, names):  # the top-level build/ only: hf_pipeline/build/ is a package
-        return set(junk(folder, names)) | ({"build"} if folder == str(REPO) else set())
-
-    shutil.copytree(REPO, repo, ignore=ignore)
+    repo = copy_checkout(tmp_path / "repo")
     before = _snapshot(repo / "dist")
     for cmd in (["bdist_wheel"], ["sdist"]):
         p = subprocess.run(
@@ -66,15 +57,7 @@ def test_configs_available_without_a_checkout(tmp_path, monkeypatch):
 def test_a_wheel_installed_in_a_fresh_venv_carries_the_configs(tmp_path):
     """`pip install .` (not -e) installs `configs/*.yaml` with the package: a bare name
     and the default load from any folder, and the command runs a bundled config."""
-    repo = tmp_path / "repo"
-    junk = shutil.ignore_patterns(
-        ".git", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis", "benchmarks"
-    )
-
-    def ignore(folder, names):  # the top-level build/ only: hf_pipeline/build/ is a package
-        return set(junk(folder, names)) | ({"build"} if folder == str(REPO) else set())
-
-    shutil.copytree(REPO, repo, ignore=ignore)
+    repo = copy_checkout(tmp_path / "repo", benchmarks=False)
     pip = [sys.executable, "-m", "pip"]
     p = subprocess.run(
         [*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",

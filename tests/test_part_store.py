@@ -877,8 +877,8 @@ def test_parts_of_many_shards_joined_by_several_workers_give_the_same_cache(inpu
 def test_ranks_build_only_the_missing_parts_together(inputs, tmp_path):
     """build.parallel=ranks, 2 real rank processes, first over the initial input, then
     over the final one in the same cache root: the second run reuses the 6 stored
-    parts and the ranks share the 3 missing ones (part ``i`` to rank ``i % 2``); the
-    cache equals the from-scratch build."""
+    parts and the ranks share the 3 missing ones (part ``i`` to rank ``i % 2``), rank 0
+    starting 6 s late changes no count; the cache equals the from-scratch build."""
     import json
 
     from hf_pipeline.build.prepare import prepare_cache
@@ -886,19 +886,24 @@ def test_ranks_build_only_the_missing_parts_together(inputs, tmp_path):
 
     root = inputs["base"] / "ranks"
 
-    def ranks(data: Path) -> list[dict]:
+    def ranks(data: Path, late: float = 0) -> list[dict]:
         over = [*SMALL_DEMO, f"data.shards={data}", f"data.metadata={inputs['meta']}",
                 f"build.cache_dir={root}", "build.part_shards=1", "build.parallel=ranks",
                 "coord.poll_interval=0.1"]  # fmt: skip
+        # A launch id, as torchrun's run id gives one: the ranks agree before building,
+        # so a part rank 1 finishes before rank 0 reaches the store counts as built by
+        # the job (the CI saw 7 reused of 6 without it, rank 0 started late).
         runs = run_ranks(
-            [REPO / "tests/procs/rank_loader.py", tmp_path / "r{rank}.json", *over], 2, timeout=600
-        )
+            [REPO / "tests/procs/rank_loader.py", tmp_path / "r{rank}.json", *over], 2,
+            timeout=600, HF_PIPELINE_JOB_ID=f"{data.name}-{time.time_ns()}",
+            rank_env=lambda r: {"RANK_LOADER_START_DELAY": str(late if r == 0 else 0)},
+        )  # fmt: skip
         for code, out, err in runs:
             assert code == 0, (out + err)[-3000:]
         return [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2)]
 
     ranks(inputs["initial"])
-    results = ranks(inputs["final"])
+    results = ranks(inputs["final"], late=6)  # rank 0 starts late: still counted right
     assert all(r["built"] for r in results), "each rank built a missing part"
     cfg = _config(root, inputs["final"], inputs["meta"], "build.parallel=ranks")
     res = prepare_cache(cfg, progress=False)

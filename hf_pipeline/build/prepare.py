@@ -1176,6 +1176,7 @@ def _check_reused(
 def _ensure_parts(
     cfg, inputs, fingerprint, process, progress, timing, *, count: int, me: int, on_phase=None,
     loading: _EncoderLoading | None = None, startup=None, encoder_ident: Mapping[str, Any],
+    since: float | None = None,
 ) -> BuiltParts:  # fmt: skip
     """Find or build every part of the build in the part store
     (:mod:`hf_pipeline.build.part_store`): the caption table, then per part its join
@@ -1195,7 +1196,10 @@ def _ensure_parts(
     only when some join is. ``loading``:
     the encoder :func:`prepare_cache` started loading early (it ends it), used when
     some embedding is missing; ``startup``: its timeline, where the first join marks
-    ``join_map`` and ``first_shard``.
+    ``join_map`` and ``first_shard``. ``since``: the wall clock when the job began
+    (:func:`prepare_cache`, before its ranks agree), else now: a unit published for this
+    fingerprint from then on was built by this run (:func:`_built`), by this rank or by
+    another rank of the job.
     """
     from concurrent.futures import FIRST_EXCEPTION, Future
     from concurrent.futures import wait as wait_futures
@@ -1228,7 +1232,7 @@ def _ensure_parts(
     from hf_pipeline.encoder.model import TokenizerSpec
 
     # Units published from now on for this fingerprint were built by this run (_built).
-    since = time.time()
+    since = time.time() if since is None else since
     store = store_dir(cfg.cache_root)
     store.mkdir(parents=True, exist_ok=True)
     shards = inputs.shards
@@ -1740,6 +1744,11 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
 
     check_not_bootstrapping()
     t0 = time.monotonic()
+    # With parallel: ranks, a part published for this fingerprint from now on was built
+    # by this job: taken before the ranks agree (_agree waits for every rank), so a part
+    # another rank finished before this one reached the part store still counts as built
+    # by this job, not as reused (a rank that started late saw 7 reused of 6).
+    started = time.time()
     startup = StartupTimeline()
     process = process or detect()
     ranks = cfg.build.parallel == "ranks" and not cfg.build.pull_from  # a pull downloads
@@ -1823,7 +1832,7 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
                 count=process.local_world_size if local else process.world_size,
                 me=process.local_rank if local else process.rank,
                 loading=loading, startup=startup if loading is not None else None,
-                encoder_ident=encoder_ident,
+                encoder_ident=encoder_ident, since=started,
             )  # fmt: skip
         builder = _Builder(
             cfg, inputs, fingerprint, progress, process=process, parts=parts, timing=timing,

@@ -4,19 +4,24 @@ Rank and world size come from RANK/WORLD_SIZE like under torchrun. Writes a JSON
 result to the path given first (``{rank}`` in it is replaced by this rank): whether this process built (or
 pulled) the cache, the fingerprint, a content hash of the cache as
 this rank reads it, and the keys of its share of every global batch.
+``RANK_LOADER_START_DELAY`` (seconds) makes this rank start that much later (a rank
+whose host is slow: the others must not count its parts wrong).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
+import time
 
 import numpy as np
 
 
 def main() -> None:
     out_path, *overrides = sys.argv[1:]
+    time.sleep(float(os.environ.get("RANK_LOADER_START_DELAY", "0")))
     from dist.env import detect
     from hf_pipeline.build.prepare import prepare_cache
     from hf_pipeline.config import load_config

@@ -116,9 +116,12 @@ def _one_builder_and_ranks(small_config, tmp_path, world: int, *extra: str):
         progress=False,
     )
     par = [*base, f"build.cache_dir={tmp_path / 'par'}", "build.parallel=ranks", *extra]
+    # A launch id (as torchrun's run id): the ranks agree on the job's start, so the
+    # report counts a part a rank finished before rank 0 started as built, not reused.
     runs = run_ranks(
-        [REPO / "tests/procs/rank_loader.py", tmp_path / "r{rank}.json", *par], world, timeout=600
-    )
+        [REPO / "tests/procs/rank_loader.py", tmp_path / "r{rank}.json", *par], world,
+        timeout=600, HF_PIPELINE_JOB_ID=f"par-{tmp_path.name}",
+    )  # fmt: skip
     for code, out, err in runs:
         assert code == 0, (out + err)[-3000:]
     results = [json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(world)]

@@ -265,3 +265,38 @@ def test_every_script_parses_its_arguments(script):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "usage:" in proc.stdout
+
+
+def _expand(name: str) -> list[str]:
+    """A file name of the index with its shell braces expanded (``{a,b}``, ``{1..4}``)."""
+    import re
+
+    m = re.search(r"\{([^{}]*)\}", name)
+    if m is None:
+        return [name]
+    body = m.group(1)
+    if re.fullmatch(r"\d+\.\.\d+", body):
+        lo, hi = map(int, body.split(".."))
+        options = [str(i) for i in range(lo, hi + 1)]
+    else:
+        options = body.split(",")
+    return [x for o in options for x in _expand(name[: m.start()] + o + name[m.end() :])]
+
+
+def test_every_result_file_is_in_the_index_and_every_indexed_file_exists():
+    """``benchmarks/README.md``'s "Every result file" table names each file under
+    ``benchmarks/results/`` (a reader goes from a figure to its run and back), and names
+    no file that is not there."""
+    import re
+
+    text = (BENCH / "README.md").read_text()
+    table = text.split("## Every result file", 1)[1]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    named: set[str] = set()
+    for row in rows:
+        first_cell = row.split("|")[1]
+        for name in re.findall(r"`([^`]+)`", first_cell):
+            named.update(_expand(name))
+    on_disk = {p.name for p in (BENCH / "results").iterdir() if p.is_file()}
+    assert sorted(on_disk - named) == [], "result files the index does not name"
+    assert sorted(named - on_disk) == [], "indexed files that are not in benchmarks/results"

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
+from hf_pipeline.adapters.torch_data import TorchBatches
 from hf_pipeline.cache.layout import open_sample_source
 from hf_pipeline.errors import CacheFormatError, StoreUnreachableError
 from hf_pipeline.publish.upload import publish_cache
@@ -183,7 +185,6 @@ def _resumes_as_local(stream, local_source, kw: dict) -> None:
 
 
 def test_torch_batches_accept_a_stream(gcs_cache, local_source):
-    from hf_pipeline.adapters.torch_data import TorchBatches
 
     _, url = gcs_cache
     kw = {"global_batch_size": 16, "seed": 3, "process_index": 1, "process_count": 2}
@@ -191,6 +192,110 @@ def test_torch_batches_accept_a_stream(gcs_cache, local_source):
         got = [{k: v.numpy() for k, v in b.items()} for b in TorchBatches(s, **kw)]
     want = [{k: v.numpy() for k, v in b.items()} for b in TorchBatches(local_source, **kw)]
     _same(want, got)
+
+
+class _ObservedBatches(TorchBatches):
+    """TorchBatches whose batches also carry the pid and the stream cache's limit and
+    held bytes as the serving process sees them (module level: spawned workers
+    unpickle it)."""
+
+    def batch(self, *args, **kw):
+        out = super().batch(*args, **kw)
+        state = self.source.cache_state()
+        out["pid"] = torch.tensor(os.getpid())
+        out["limit"] = torch.tensor(state["limit_bytes"])
+        out["held"] = torch.tensor(state["bytes"] + state["reserved_bytes"])
+        return out
+
+
+@pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
+def test_torch_dataloader_workers_stream_their_share_of_the_limit(context, gcs_cache, local_source):
+    """A StreamSource read in the parent first (its reading threads running), then
+    iterated by a DataLoader with 2 workers: each worker reads through a source of its
+    own (a forked copy waited forever for the parent's threads) with half of
+    ``cache_bytes``, holds no more than that, and the batches are the local ones."""
+    import torch.utils.data as tud
+
+    _, url = gcs_cache
+    kw = {"global_batch_size": 16, "seed": 3, "process_index": 0, "process_count": 1}
+    limit = 1 << 20
+    want = [{k: v.numpy() for k, v in b.items()} for b in TorchBatches(local_source, **kw)]
+    with StreamSource(url, StreamOptions(cache_bytes=limit, ahead=4), policy=_FAST) as s:
+        ds = _ObservedBatches(s, **kw)
+        first = next(iter(ds))  # the parent reads (and plans nothing: no Loader)
+        _same(want[:1], [{k: first[k].numpy() for k in want[0]}])
+        s.plan(iter([(0, np.arange(16))]))  # the planner thread runs in the parent
+        loader = tud.DataLoader(
+            ds, batch_size=None, num_workers=2, timeout=120, multiprocessing_context=context
+        )
+        got = list(loader)
+        assert s.cache_state()["limit_bytes"] == limit  # the parent's own is untouched
+    _same(want, [{k: b[k].numpy() for k in want[0]} for b in got])
+    pids = {int(b["pid"]) for b in got}
+    assert len(pids) == 2 and os.getpid() not in pids
+    assert {int(b["limit"]) for b in got} == {limit // 2}
+    assert max(int(b["held"]) for b in got) <= limit // 2
+
+
+def test_torch_samples_in_forked_workers_stream(gcs_cache, local_source):
+    """TorchSamples (map-style) over a stream the parent has read from: forked DataLoader
+    workers give the local samples, each worker with half the limit."""
+    import torch.utils.data as tud
+
+    from hf_pipeline.adapters.torch_data import TorchSamples
+
+    _, url = gcs_cache
+
+    def samples(source, workers: int) -> list[dict]:
+        ds = TorchSamples(source, crop=0)
+        loader = tud.DataLoader(
+            ds, batch_size=8, num_workers=workers, timeout=120 if workers else 0
+        )
+        return [{k: v.numpy() for k, v in b.items()} for b in loader]
+
+    with StreamSource(url, StreamOptions(cache_bytes=1 << 20), policy=_FAST) as s:
+        TorchSamples(s, crop=0)[0]  # the parent reads first
+        got = samples(s, 2)
+    _same(samples(local_source, 0), got)
+
+
+def test_a_forked_child_reads_through_a_source_of_its_own(gcs_cache, local_source):
+    """``multiprocessing``'s fork (Linux's default) of a process whose source has read
+    and planned: the child's gather opens its own source and gives the same rows, in
+    bounded time; closing the child's copy leaves the parent's open."""
+    import multiprocessing as mp
+
+    _, url = gcs_cache
+    rows = np.arange(0, local_source.num_rows, 3)
+    want = local_source.gather(rows, 0)
+    with StreamSource(url, StreamOptions(cache_bytes=1 << 20, ahead=2), policy=_FAST) as s:
+        s.gather(rows[:8], 0)
+        s.plan(iter([(i, rows[8 * i : 8 * i + 8]) for i in range(1, 4)]))
+        ctx = mp.get_context("fork")
+        queue = ctx.Queue()
+        child = ctx.Process(target=_gather_in_child, args=(s, rows, queue))
+        child.start()
+        try:
+            got = queue.get(timeout=120)
+        finally:
+            child.join(timeout=30)
+            if child.is_alive():
+                child.kill()
+        assert child.exitcode == 0
+        assert isinstance(got, dict), got
+        for name in ("latents", "embeddings", "keys"):
+            np.testing.assert_array_equal(got[name], want[name])
+        again = s.gather(rows[:8], 0)  # the parent's source still reads
+        np.testing.assert_array_equal(again["keys"], want["keys"][:8])
+
+
+def _gather_in_child(source, rows, queue) -> None:
+    try:
+        got = source.gather(rows, 0)
+        source.close()
+        queue.put({k: np.asarray(v) for k, v in got.items()})
+    except BaseException as e:  # the parent asserts on it
+        queue.put(repr(e))
 
 
 def _first_latents_range(manifest: dict) -> tuple[str, int, int]:

@@ -293,7 +293,8 @@ class TorchBatches(tud.IterableDataset):
         return out
 
     def __iter__(self) -> Iterator[TorchBatch]:
-        if tud.get_worker_info() is not None:
+        info = tud.get_worker_info()
+        if info is not None:
             # A worker's copy is made when the DataLoader's iteration starts; a second
             # iteration of the same copy is a persistent worker, which set_epoch never
             # reaches: it would repeat the first epoch's batches forever.
@@ -309,6 +310,12 @@ class TorchBatches(tud.IterableDataset):
                     )
                 )
             self._iterated_in_worker = True
+            # A streamed source: this worker's share of the host's cache limit (the
+            # workers hold stream_cache_bytes together, as the JAX loader's do), opened
+            # in this process (a forked copy's reading threads are the parent's).
+            share = getattr(self.source, "for_worker_processes", None)
+            if share is not None:
+                self.source = share(info.num_workers)
         # Epoch, steps and share are read now, not at the first next(): a set_epoch that
         # comes between iter() and the first batch (Lightning calls it after its iter()
         # when it resumes) must not move an iteration that has begun.
@@ -359,12 +366,20 @@ class TorchSamples(tud.Dataset):
         super().__init__()
         self.records = SampleRecords(source, crop=crop, seed=seed)
         self.latents_dtype = _latents_dtype(latents_dtype)
+        self._worker_shared = False  # a DataLoader worker took its share of the source
 
     def __len__(self) -> int:
         return len(self.records)
 
     def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
         """Samples ``indices`` from one gather (what a DataLoader's fetcher calls)."""
+        info = tud.get_worker_info()
+        if info is not None and not self._worker_shared:
+            # A streamed source: this worker's share of the cache limit, as TorchBatches.
+            self._worker_shared = True
+            share = getattr(self.records.source, "for_worker_processes", None)
+            if share is not None:
+                self.records.source = share(info.num_workers)
         batch = self.records.get_batch(indices)
         latents = _to_tensor(batch["latents"])
         if self.latents_dtype is not None:

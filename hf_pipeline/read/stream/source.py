@@ -41,6 +41,14 @@ of buffers behind a 1.5 MB limit in tests/test_stream.py).
 
 Thread-safety: ``gather`` may be called from several threads at once (the Loader's
 ``num_threads``); one ``plan`` at a time; ``close`` is idempotent.
+
+Processes: a source pickled into another process (a spawned DataLoader or Grain worker)
+opens its own there (one manifest read, an empty cache of its own). A source copied by
+``fork`` (torch's DataLoader workers on Linux, ``multiprocessing``'s default there) does
+the same at its first use in the child: the parent's reading threads, locks and store
+client are not the child's (the child's reads waited forever for threads that do not
+exist in it). :meth:`for_worker_processes` is such a source's share of the limit among
+``n`` processes (the torch adapter's DataLoader workers).
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ import heapq
 import itertools
 import logging
 import math
+import os
 import re
 import tempfile
 import threading
@@ -403,11 +412,65 @@ class StreamSource:
         self._first_batch_s: float | None = None
         self._first_batch_reads: int | None = None
         self._planner: _Planner | None = None
+        self._pid = os.getpid()  # the process whose threads and client these are
         try:
             self._open(name, fingerprint)
         except BaseException:
             self.close()
             raise
+
+    # ------------------------------------------------------------------ processes
+
+    def _own(self) -> None:
+        """In a process forked from the one that opened this source: reopen here first
+        (:func:`_reopen`, as a spawned worker does), dropping the parent's state
+        untouched (its threads do not exist here; its blocks are the parent's memory)."""
+        if self._pid == os.getpid():
+            return
+        with _FORKED:
+            if self._pid == os.getpid():  # another thread of this child reopened it
+                return
+            if self._closed:  # stays closed: nothing to reopen
+                self._drop_forked()
+                return
+            fresh = _reopen(self.url, self.options, self.policy, self.fingerprint)
+            self.__dict__.update(fresh.__dict__)
+
+    def _drop_forked(self) -> None:
+        """Forget the parent's state in a forked copy without touching it (its threads
+        do not exist here, its locks may have been copied held); closed."""
+        self._closed = True
+        self._planner = None
+        self._lock = threading.RLock()
+        self._room = threading.Condition(self._lock)
+        self._blocks, self._sharing, self._queue, self._inflight = {}, {}, [], {}
+        self._kept = collections.OrderedDict()
+        self._held = self._kept_bytes = self._reserved_bytes = 0
+        self._pid = os.getpid()
+
+    def for_worker_processes(self, workers: int) -> StreamSource:
+        """This process's source as one of ``workers`` processes that share the cache
+        limit, e.g. a DataLoader worker's: each gets ``cache_bytes // workers`` (the
+        host holds at most ``cache_bytes`` together). This source, its limit set in
+        place, while it has read nothing in this process (a forked copy reopens first:
+        :meth:`_own`); else a new one.
+
+        Raises:
+            ValueError: ``workers`` is below 1.
+        """
+        if int(workers) < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
+        options = dataclasses.replace(
+            self.options, cache_bytes=self.options.cache_bytes // int(workers)
+        )
+        self._own()
+        with self._lock:
+            if self._planner is None and not (
+                self._blocks or self._inflight or self._queue or self._closed
+            ):
+                self.options = options
+                return self
+        return _reopen(self.url, options, self.policy, self.fingerprint)
 
     # ------------------------------------------------------------------ opening
 
@@ -608,6 +671,7 @@ class StreamSource:
             CacheFormatError: a block failed its checksum twice (names the file).
             StoreUnreachableError, SourceError: the store failed after every retry.
         """
+        self._own()
         phys = self.physical(rows)
         planner = self._planner
         try:
@@ -1163,6 +1227,7 @@ class StreamSource:
         process's upcoming batches in order (what a gather with ``position=`` will
         consume). ``None`` stops planning (blocks already held stay while the limit
         allows)."""
+        self._own()
         old, self._planner = self._planner, None
         if old is not None:
             old.stop()
@@ -1315,6 +1380,7 @@ class StreamSource:
 
     def stats(self) -> StreamStats:
         """Counters since the source was opened (thread-safe)."""
+        self._own()
         with self._lock:
             c = self._counts
             read_s = (
@@ -1355,6 +1421,7 @@ class StreamSource:
     def cache_state(self) -> dict[str, int]:
         """What the cache holds right now, counted from the blocks themselves:
         ``{"blocks", "bytes", "reserved_bytes", "limit_bytes"}`` (thread-safe)."""
+        self._own()
         with self._lock:
             return {
                 "blocks": len(self._blocks),
@@ -1364,6 +1431,7 @@ class StreamSource:
             }
 
     def reset_stats(self) -> None:
+        self._own()
         with self._lock:
             self._counts.clear()
             self._max_held = self._held + self._reserved_bytes
@@ -1380,6 +1448,9 @@ class StreamSource:
     def close(self) -> None:
         """Stop planning and reading, drop the held blocks (idempotent)."""
         if self._closed:
+            return
+        if self._pid != os.getpid():  # a forked copy: the threads are the parent's
+            self._drop_forked()
             return
         self._closed = True
         self._stop.set()
@@ -1409,6 +1480,19 @@ class StreamSource:
 
 def _reopen(url, options, policy, fingerprint):
     return StreamSource(url, options, policy=policy, fingerprint=fingerprint)
+
+
+#: Serialises the reopening of forked sources (:meth:`StreamSource._own`) in a child;
+#: made anew in every child (a fork may copy it held).
+_FORKED = threading.Lock()
+
+
+def _new_forked_lock() -> None:
+    global _FORKED
+    _FORKED = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_forked_lock)
 
 
 #: The blocks planned for a batch that is read on demand (none).

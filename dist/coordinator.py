@@ -210,8 +210,10 @@ _RESERVED = frozenset({"lease", "heartbeat", "failed"})
 #: taken by another lease and then found invalid: only a broken filesystem loops).
 _MAX_PUBLISH_ATTEMPTS = 5
 
-#: Seconds between a waiter's "still waiting" lines (INFO; the first says whom it waits
-#: for): a wait for another builder printed nothing for its whole length.
+#: Seconds between a waiter's "still waiting" lines (the first says whom it waits for):
+#: a wait for another builder printed nothing for its whole length. INFO in each host's
+#: first process (``local_rank`` 0), DEBUG in the others: a 64-host job of 8 ranks each
+#: logs 64 lines per interval, not 512.
 WAIT_REPORT_S = 30.0
 
 Scope = Literal["shared", "node", "process"]
@@ -417,8 +419,12 @@ class _Coordinator:
         wakeup: Doorbell | None,
         on_event: Callable[[str, dict[str, Any]], None] | None,
         world_size: int = 1,
+        reports: bool = True,
     ):
         self.cache_dir = cache_dir
+        # Whether this waiter's "waiting for" lines are INFO (else DEBUG): one process
+        # per host says it, not every rank of a large job every WAIT_REPORT_S.
+        self.report_level = logging.INFO if reports else logging.DEBUG
         self.fingerprint = fingerprint
         self.stages = list(stages)
         self.builder = builder
@@ -565,10 +571,16 @@ class _Coordinator:
                     last_key, last_view, last_change = key, view, now
                 if view.key != announced:
                     announced, reported = view.key, now
-                    logger.info("waiting for %s: built by %s", self._waited_for(), _who(view))
+                    logger.log(
+                        self.report_level,
+                        "waiting for %s: built by %s",
+                        self._waited_for(),
+                        _who(view),
+                    )
                 elif now - reported >= WAIT_REPORT_S:
                     reported = now
-                    logger.info(
+                    logger.log(
+                        self.report_level,
                         "still waiting for %s after %.0f s: built by %s, its last heartbeat "
                         "progress %.1f s ago",
                         self.cache_dir,
@@ -1081,7 +1093,8 @@ def ensure_built(
         cache_dir: the folder of this one cache (one fingerprint).
         fingerprint: the cache identity; a marker of another fingerprint is ignored.
         stages: the stages in order; stage k+1 sees the published folders of 0..k.
-        process: this process (default: :func:`dist.env.detect`).
+        process: this process (default: :func:`dist.env.detect`); a waiting process
+            other than its host's first (``local_rank`` > 0) logs its waits at DEBUG.
         builder: whether this process is the preferred builder (default:
             ``default_builder(process, "shared")``, i.e. global rank 0).
         poll_interval: seconds between checks while waiting.
@@ -1132,6 +1145,7 @@ def ensure_built(
     if wakeup == "auto":
         wakeup = auto_doorbell(cache_dir, fingerprint)
     coordinator = _Coordinator(
-        cache_dir, fingerprint, stages, bool(builder), timing, wakeup, on_event, world_size
-    )
+        cache_dir, fingerprint, stages, bool(builder), timing, wakeup, on_event, world_size,
+        reports=process is None or process.local_rank == 0,
+    )  # fmt: skip
     return coordinator.run()

@@ -959,3 +959,25 @@ def test_a_waiter_says_whom_it_waits_for_then_reports_every_interval(
     still = [m for m in lines if m.startswith("still waiting for ")]
     assert 2 <= len(still) <= 4, lines  # ~1.8 s / 0.5 s
     assert all(f"built by {who}" in m and "last heartbeat progress" in m for m in still)
+
+
+def test_only_each_hosts_first_rank_reports_its_wait(job, tmp_path, caplog, monkeypatch):
+    """A rank other than its host's first (local_rank 1) waits as quietly as before at
+    INFO: its waiting lines are DEBUG, so a large job logs one line per host, not one
+    per rank, every WAIT_REPORT_S."""
+    import dist.coordinator as coordinator
+    from dist.env import ProcessInfo
+
+    monkeypatch.setattr(coordinator, "WAIT_REPORT_S", 0.5)
+    cache = tmp_path / "shared"
+    job.start(cache, 0, "--poll", "0.05", "--lease-timeout", "20", "--heartbeat", "0.2",
+              "--hold", "build-converted:60")  # fmt: skip
+    job.wait_for_signal("build-converted")
+    caplog.set_level(logging.DEBUG, logger="dist.coordinator")
+    second = ProcessInfo(rank=1, world_size=2, local_rank=1, local_world_size=2, node_rank=0,
+                         source="test")  # fmt: skip
+    with pytest.raises(CacheWaitTimeout):
+        ensure_built(cache, "fp0", STAGES, process=second, poll_interval=0.05, max_wait=1.3,
+                     lease_timeout=20, heartbeat_interval=0.2)  # fmt: skip
+    waits = [r for r in caplog.records if "waiting for" in r.getMessage()]
+    assert waits and {r.levelno for r in waits} == {logging.DEBUG}, waits

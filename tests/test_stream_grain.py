@@ -106,14 +106,37 @@ def test_streamed_records_equal_local(crop, published, source_cache):
         assert 0 < state["bytes"] <= limit and stream.sample_source.stats().max_held_bytes <= limit
 
 
+class _Observed(GrainSource):
+    """A streamed source whose records also carry the reading process's cache limit and
+    the most it has held (module level: Grain's spawned workers unpickle it)."""
+
+    def __getitem__(self, index):
+        record = super().__getitem__(index)
+        source = self.sample_source
+        held = source.stats().max_held_bytes
+        return {**record, "limit": np.int64(source.options.cache_bytes), "held": np.int64(held)}
+
+
+def _limits(batches: list[dict]) -> tuple[set[int], int]:
+    """The cache limits the records were read under and the most any reader held,
+    taken out of ``batches``."""
+    limits = {int(v) for b in batches for v in b.pop("limit")}
+    return limits, max(int(b.pop("held").max()) for b in batches)
+
+
 @pytest.mark.slow
 def test_dataloader_workers_stream_their_records(published, source_cache):
     """Grain's DataLoader with 2 spawned worker processes (each unpickles the source and
     streams on its own: the pickle is the URL and options, not the data), shuffled and
-    batched, then resumed from a checkpoint: the local source's batches."""
-    stream = GrainSource.from_stream(published, StreamOptions(cache_bytes=2_000_000), policy=_FAST)
+    batched, then resumed from a checkpoint: the local source's batches. With
+    ``worker_count=2`` each worker reads under half the cache limit and holds no more."""
+    limit = 2_000_000
+    stream = _Observed.from_stream(
+        published, StreamOptions(cache_bytes=limit), policy=_FAST, worker_count=2
+    )
     local = GrainSource(source_cache.result.cache_dir)
     assert len(pickle.dumps(stream)) < 2_000
+    assert stream.sample_source.options.cache_bytes == limit  # this process: all of it
 
     def loader(src):
         sampler = grain.samplers.IndexSampler(
@@ -132,14 +155,19 @@ def test_dataloader_workers_stream_their_records(published, source_cache):
 
     with local, stream:
         want = _copy(loader(local))
-        _same(_copy(loader(stream)), want)
+        got = _copy(loader(stream))
+        limits, held = _limits(got)
+        assert limits == {limit // 2} and 0 < held <= limit // 2
+        _same(got, want)
         it = iter(loader(stream))
         head = _copy(next(it) for _ in range(5))
         state = it.get_state()
         del it
         resumed = iter(loader(stream))
         resumed.set_state(state)
-        _same(head + _copy(resumed), want)
+        rest = head + _copy(resumed)
+        assert _limits(rest)[0] == {limit // 2}
+        _same(rest, want)
 
 
 def test_per_record_reads_reuse_the_cache(published, source_cache):
@@ -187,6 +215,23 @@ def test_from_stream_config_and_bad_urls(published, source_cache, tmp_path):
         GrainSource.from_stream(published[:-16] + "0" * 16, policy=_FAST)
     with pytest.raises(ValueError, match="crop"):
         GrainSource.from_stream(published, policy=_FAST, crop="middle")
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="worker_count must be an integer >= 0"):
+            GrainSource.from_stream(published, policy=_FAST, worker_count=bad)
+
+
+def test_a_pickled_source_reads_under_its_workers_share(published, source_cache):
+    """What Grain sends each worker (a pickle) reads the same records under
+    ``cache_bytes // worker_count``; the source it was made from keeps the whole limit."""
+    stream = GrainSource.from_stream(
+        published, StreamOptions(cache_bytes=900_000), policy=_FAST, worker_count=3
+    )
+    with stream, GrainSource(source_cache.result.cache_dir) as local:
+        with pickle.loads(pickle.dumps(stream)) as worker:
+            _same([worker[i] for i in range(8)], [local[i] for i in range(8)])
+            assert worker.sample_source.options.cache_bytes == 300_000
+            assert 0 < worker.sample_source.stats().max_held_bytes <= 300_000
+        assert stream.sample_source.options.cache_bytes == 900_000
 
 
 def test_the_grain_guides_streaming_example_runs(published):

@@ -23,7 +23,9 @@ pickled GrainSource is its cache folder, stage folders, fingerprint and options 
 hundred bytes, never the arrays — and each process maps the files itself on first read
 (the page cache is shared, so N workers do not hold N copies). A streaming one pickles
 as its URL, stream options, retry policy and fingerprint: each worker reads the
-manifest once and holds its own block cache (N workers: up to N x ``cache_bytes``).
+manifest once and holds its own block cache: ``worker_count`` (the number given to Grain's
+``DataLoader``) splits ``cache_bytes`` among them, so the host holds at most
+``cache_bytes`` together (without it, N workers: up to N x ``cache_bytes``).
 
 Speed: in grain 0.2.x both ``MapDataset.batch`` and ``DataLoader`` fetch records one by
 one (``_getitems``, the batched read that :meth:`GrainSource._getitems` implements, is
@@ -37,6 +39,7 @@ open is locked. ``close`` must not race with reads.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Sequence
@@ -123,6 +126,7 @@ class GrainSource:
         crop: CropMode | int = "random",
         seed: int = 0,
         fingerprint: str | None = None,
+        worker_count: int = 0,
     ) -> GrainSource:
         """A source over the published cache at ``url`` (``gs://...`` or
         ``hf://datasets/...``, the folder ``--publish`` wrote), read in place by a
@@ -137,43 +141,55 @@ class GrainSource:
             policy: retries and per-read timeout (default: the data config's defaults).
             crop, seed: as the constructor's.
             fingerprint: the identity expected (None: the one the folder name states).
+            worker_count: the ``worker_count`` given to Grain's ``DataLoader``: each
+                worker process keeps at most ``cache_bytes // worker_count`` (0: reads in
+                this process only, which keeps ``cache_bytes``).
 
         Raises:
             SourceError, StoreUnreachableError, CacheFormatError: as
                 :class:`~hf_pipeline.read.stream.StreamSource` (the manifest is read
                 here, so a bad URL or cache fails at construction).
-            ValueError: invalid ``crop`` or ``seed``.
+            ValueError: invalid ``crop``, ``seed`` or ``worker_count``.
         """
         from hf_pipeline.read.stream import StreamSource
 
+        workers = _worker_count(worker_count)
         source = StreamSource(url, options, policy=policy, fingerprint=fingerprint)
-        return cls._over_stream(source, crop, seed)
+        return cls._over_stream(source, crop, seed, workers)
 
     @classmethod
-    def from_stream_config(cls, loader_config, data_config=None) -> GrainSource:
+    def from_stream_config(
+        cls, loader_config, data_config=None, *, worker_count: int = 0
+    ) -> GrainSource:
         """:meth:`from_stream` of ``loader.stream_from`` with the ``loader.stream_*``
         options, ``loader.crop`` and ``loader.seed``, and the ``data`` section's retries
         and per-read timeout (their defaults without ``data_config``), as
-        :func:`~hf_pipeline.read.stream.open_stream` reads them.
+        :func:`~hf_pipeline.read.stream.open_stream` reads them; ``worker_count`` as
+        :meth:`from_stream`'s.
 
         Raises:
             ConfigError: ``loader.stream_from`` is empty.
+            ValueError: ``worker_count`` is negative.
             SourceError, StoreUnreachableError, CacheFormatError: as :meth:`from_stream`.
         """
         from hf_pipeline.read.stream import open_stream
 
+        workers = _worker_count(worker_count)
         order = loader_config.sampler_options()  # crop as the loader reads it ("1" -> 1)
         # Grain's own worker processes each reopen the stream: never stream workers here.
         source = open_stream(loader_config, data_config, workers=1)
-        return cls._over_stream(source, order.crop, order.seed)
+        return cls._over_stream(source, order.crop, order.seed, workers)
 
     @classmethod
-    def _over_stream(cls, source: StreamSource, crop, seed: int) -> GrainSource:
+    def _over_stream(cls, source: StreamSource, crop, seed: int, workers: int) -> GrainSource:
         """A source over ``source`` (opened: owned from here); workers reopen its URL
-        with its options, retry policy and fingerprint."""
+        with its options (their share of the cache limit), retry policy and fingerprint."""
         self = cls.__new__(cls)
         try:
-            stream = (source.url, source.options, source.policy)
+            options = source.options
+            if workers > 1:  # what a pickled copy (a Grain worker) reopens with
+                options = dataclasses.replace(options, cache_bytes=options.cache_bytes // workers)
+            stream = (source.url, options, source.policy)
             self._init(None, {}, stream, source.fingerprint, crop, seed, opened=source)
         except BaseException:
             source.close()
@@ -352,3 +368,10 @@ class GrainSource:
             f"GrainSource(fingerprint={self._fingerprint!r}, crop={self._crop!r}, "
             f"seed={self._seed})"
         )
+
+
+def _worker_count(worker_count: int) -> int:
+    """``worker_count`` checked: a Grain ``DataLoader``'s worker count (0: none)."""
+    if isinstance(worker_count, bool) or not isinstance(worker_count, int) or worker_count < 0:
+        raise ValueError(f"worker_count must be an integer >= 0, got {worker_count!r}")
+    return worker_count

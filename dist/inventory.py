@@ -1363,6 +1363,8 @@ def clean(
     # every input again for one damaged part (outside tester). A cache corrupt for
     # another reason (its own marker) takes the units only it used with it.
     of_corrupt: set[tuple[int, int]] = set()
+    # What happens to the rest of a folder kept for what it holds that is not ours.
+    rest = "(the rest of it would be removed)" if dry_run else "(the rest of it removed)"
 
     def drop(target: Path, stages_of: Sequence[str] | None = None) -> None:
         if dry_run:
@@ -1390,7 +1392,7 @@ def clean(
             drop(folder / name)
         left.append((
             folder, f"kept: it holds what hf_pipeline did not write: "
-            f"{_shown_foreign(folder, foreign)} (the rest of it removed)",
+            f"{_shown_foreign(folder, foreign)} {rest}",
         ))  # fmt: skip
 
     # A cache being built links its units only when its stages publish: until then
@@ -1444,7 +1446,7 @@ def clean(
                     drop(wf.path / entry)
             left.append((
                 wf.path, f"kept: it holds what hf_pipeline did not write: "
-                f"{_shown_foreign(wf.path, wf.foreign)} (the rest of it removed)",
+                f"{_shown_foreign(wf.path, wf.foreign)} {rest}",
             ))  # fmt: skip
     for name in jobs:
         for job in list_jobs(root, name):

@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from dist.env import EnvironmentConflictError
 from dist.errors import (
@@ -108,17 +110,15 @@ def check_cache_root(cfg: Config, args: argparse.Namespace, *, must_exist: bool)
     else:
         given = ""
     source = f" (from {given.split()[0]})" if given else ""
+    inside = _inside_a_root(root)
+    if inside is not None:
+        what, holder = inside
+        raise ConfigError(
+            f"build.cache_dir {root}{source} is {what}, not a cache root: "
+            f"{given or 'build.cache_dir'} takes the folder that holds it: {holder}",
+            field="build.cache_dir",
+        )
     if root.is_dir():
-        # The build prints the cache folder and the guides name it (DEMO_CACHE): given
-        # as the root, status found "no caches" in it and a build made a whole cache
-        # inside it (outside tester). Only a folder the project marked as a cache.
-        if cache_mark(root) is not None:
-            raise ConfigError(
-                f"build.cache_dir {root}{source} is a cache folder ({root.name}), not a "
-                f"cache root: {given or 'build.cache_dir'} takes the folder that holds it: "
-                f"{root.parent}",
-                field="build.cache_dir",
-            )
         return
     # The nearest existing path at or above the root says what is wrong with it.
     there = next((p for p in (root, *root.parents) if os.path.lexists(p)), None)
@@ -131,6 +131,46 @@ def check_cache_root(cfg: Config, args: argparse.Namespace, *, must_exist: bool)
     else:
         return
     raise ConfigError(f"build.cache_dir {root}{source}: {why}", field="build.cache_dir")
+
+
+#: How far up :func:`_inside_a_root` looks for a cache or a root's own folder.
+_ROOT_DEPTH = 4
+#: The end of a cache's or stored part's folder name (``demo-<16 hex>``, ``join-<32 hex>``).
+_MARKED_NAME = re.compile(r"-[0-9a-f]{16,}$")
+
+
+def _inside_a_root(root: Path) -> tuple[str, Path] | None:
+    """What ``root`` is if it is a cache folder (``<root>/<name>-<fingerprint>``), one
+    of hf_pipeline's own folders of a cache root (:data:`ROOT_FOLDERS`: ``.parts``, the
+    content index, ...), a stored part in one, or a folder inside any of these (up to
+    :data:`_ROOT_DEPTH` levels): ``(what it is, the cache root that holds it)``; None
+    for a folder that may be a root.
+
+    The build prints the cache folder and the guides name it (DEMO_CACHE): given as the
+    root, status found "no caches" in it and a build made a whole cache inside it; a
+    stored part's folder was said to be a cache whose root is ``.parts``, and
+    ``.parts`` as a root listed every stored part as a stale cache (outside testers).
+    Only folders the project marked as caches, or named as its own, count.
+    """
+    from hf_pipeline.cache.layout import ROOT_FOLDERS
+
+    found: Path | None = None  # the outermost cache or own folder at or above root
+    absolute = Path(os.path.abspath(root))  # "." inside .parts is inside it too
+    for path in [absolute, *absolute.parents][:_ROOT_DEPTH]:
+        named = _MARKED_NAME.search(path.name)  # lists only folders named as a cache
+        if path.name in ROOT_FOLDERS or (named and cache_mark(path) is not None):
+            found = path
+    if found is None:
+        return None
+    holder = found.parent
+    if found.name in ROOT_FOLDERS:
+        own = f"{found.name}, {ROOT_FOLDERS[found.name]} of the cache root {holder}"
+        what = f"hf_pipeline's own folder ({own})" if found == absolute else f"inside {own}"
+    elif found == absolute:
+        what = f"a cache folder ({found.name})"
+    else:
+        what = f"inside the cache folder {found.name}"
+    return what, holder
 
 
 def _setup_logging(args: argparse.Namespace) -> None:
@@ -156,6 +196,8 @@ def run(
     """
     args = parser.parse_args(argv)
     _setup_logging(args)
+    stdout = sys.stdout
+    sys.stdout = _ReaderMayLeave(stdout)
     try:
         return int(main(args) or 0)
     except StoreUnreachableError as exc:
@@ -179,3 +221,39 @@ def run(
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        sys.stdout = stdout
+
+
+class _ReaderMayLeave:
+    """Standard output whose reader may stop reading (``status | head -1``,
+    ``clean | grep -q removed``): the first write or flush into the closed pipe points
+    the descriptor at ``/dev/null`` and the command goes on to its end and its own exit
+    code (it said ``error: [Errno 32] Broken pipe``, exit 1, after a clean that
+    succeeded; and a verify cut short by its reader would not have checked the rest)."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._reader_left()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._reader_left()
+
+    def _reader_left(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, self._stream.fileno())
+        finally:
+            os.close(devnull)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)

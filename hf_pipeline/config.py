@@ -278,7 +278,10 @@ class DataConfig:
         "", "local folder used instead when a remote source cannot be listed (transient)"
     )
     on_missing: OnMissing = _field(
-        "fail", "a shard that cannot be fetched or read: fail naming it, or skip and list it"
+        "fail",
+        "a shard that is listed but is not a regular file (a folder, a dangling link, a "
+        "fifo) or that cannot be fetched from its store: fail naming it, or skip and list "
+        "it; a shard that is read but is corrupt or malformed always fails (Inputs)",
     )
     on_bad_rows: OnBadRows = _field(
         "drop",

@@ -203,6 +203,35 @@ def test_verify_and_clean_print_what_the_script_prints(session_cache_root, built
     assert "would remove 0 item(s)" in out["clean"]  # the live session cache is kept
 
 
+def test_a_reader_that_stops_reading_changes_no_exit_code(tmp_path, built_cache):
+    """``status | head -1``: the reader closed the pipe, the command said ``error:
+    [Errno 32] Broken pipe`` and exited 1 after doing its work (outside tester). Now the
+    rest of the output goes nowhere and each command ends with its own code: 0 for
+    status and clean, 1 for a verify that found a damaged file (checked to the end)."""
+    root = tmp_path / "root"
+    shutil.copytree(built_cache.cache_dir.parent, root, symlinks=True)
+    cache = root / built_cache.cache_dir.name
+    arrow = sorted(cache.rglob("*.arrow"))[0]
+    data = bytearray(arrow.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    arrow.write_bytes(bytes(data))
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line
+    try:
+        codes = {}
+        for sub in (["status"], ["clean", "--dry-run"], ["verify"]):
+            p = subprocess.run(
+                [*_command(), *sub, "--cache-dir", str(root)],
+                stdout=write_end, stderr=subprocess.PIPE, text=True, env=script_env(),
+                timeout=300,
+            )  # fmt: skip
+            assert "Broken pipe" not in p.stderr and "Traceback" not in p.stderr, p.stderr
+            codes[sub[0]] = p.returncode
+    finally:
+        os.close(write_end)
+    assert codes == {"status": 0, "clean": 0, "verify": 1}, codes
+
+
 @pytest.mark.parametrize(
     "command, script",
     [
@@ -455,6 +484,68 @@ def test_a_cache_folder_given_as_the_cache_root_is_one_line_exit_2(tmp_path, sub
     assert sorted(p.name for p in cache.iterdir()) == before
 
 
+def test_a_roots_own_folders_and_what_is_inside_a_cache_are_refused_as_roots(tmp_path, built_cache):
+    """``<root>/.parts`` given as the root listed every stored part as a stale cache,
+    verified them as caches with problems and a build made a whole cache root inside it;
+    a stored part's folder was refused with the advice to use ``.parts`` (outside
+    tester). Every folder hf_pipeline keeps in a root, a stored part, and a folder
+    inside a cache (existing or not) is refused naming the root that holds it; a
+    user's folder that merely looks like a cache is a root."""
+    import argparse
+
+    from dist.layout import IDENTITY_FILE, identity_bytes
+    from hf_pipeline.cache.layout import ROOT_FOLDERS
+    from hf_pipeline.config import load_config
+    from hf_pipeline.errors import ConfigError
+
+    root = tmp_path / "root"
+    cache = root / "demo-0123456789abcdef"
+    part = root / ".parts" / ("join-" + "ab" * 16)
+    for folder, fingerprint in ((cache, "0123456789abcdef"), (part, "ab" * 16)):
+        folder.mkdir(parents=True)
+        (folder / IDENTITY_FILE).write_bytes(identity_bytes(fingerprint, host="h", pid=1))
+    lookalike = tmp_path / "mine-0123456789abcdef"  # no identity file: not a cache
+    # The list is the build's: every dot folder a build leaves in its root is on it.
+    from dist.layout import parse_trash_name
+
+    made = built_cache.cache_dir.parent.iterdir()
+    made_own = {p.name for p in made if p.name.startswith(".") and not parse_trash_name(p.name)}
+    assert made_own and made_own <= set(ROOT_FOLDERS), made_own
+    lookalike.mkdir()
+
+    def check(path: Path, *, must_exist: bool = True) -> None:
+        cfg = load_config(None, [f"build.cache_dir={path}"], environ={})
+        args = argparse.Namespace(cache_dir=str(path), overrides=[])
+        cli.check_cache_root(cfg, args, must_exist=must_exist)
+
+    stored = f".parts, the stored parts of the cache root {root}"
+    cases = {
+        root / ".parts": f"is hf_pipeline's own folder ({stored}), not a cache root",
+        part: f"is inside {stored}, not a cache root",
+        root / ".parts" / "new": f"is inside {stored}, not a cache root",
+        cache / "converted.x": "is inside the cache folder demo-0123456789abcdef, not",
+        cache: "is a cache folder (demo-0123456789abcdef), not a cache root",
+    }
+    cases |= {root / name: f"hf_pipeline's own folder ({name}, " for name in ROOT_FOLDERS}
+    for path, what in cases.items():
+        for must_exist in (True, False):
+            with pytest.raises(ConfigError) as err:
+                check(path, must_exist=must_exist)
+            line = str(err.value)
+            assert what in line and "(from --cache-dir)" in line, line
+            assert line.endswith(f"--cache-dir takes the folder that holds it: {root}"), line
+    check(root)
+    check(lookalike)
+    check(tmp_path / "new-root", must_exist=False)
+    # Through the command: a build into .parts is one line, exit 2, nothing made there.
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    p = _hf("build", "--cache-dir", root / ".parts", *_sets(SMALL_DEMO))
+    assert p.returncode == 2 and p.stdout == "", p.stdout + p.stderr[-2000:]
+    (line,) = p.stderr.strip().splitlines()
+    assert f"is hf_pipeline's own folder ({stored})" in line, line
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
+
+
 def test_a_cache_folder_as_the_root_from_the_environment_names_it(tmp_path):
     from dist.layout import IDENTITY_FILE, identity_bytes
 
@@ -523,3 +614,52 @@ def test_a_build_waiting_for_another_says_whom_it_waits_for(tmp_path):
     assert waits[0].endswith(f"built by {socket.gethostname()}/{first.pid}"), waits
     assert "found" in second.stdout
     assert "waiting for" not in q_err and "found" in q_out
+
+
+@pytest.mark.slow
+@pytest.mark.remote
+def test_the_emulator_walkthrough_of_the_publish_guide_runs(tmp_path, built_cache):
+    """docs/guides/publish-pull.md "Trying it on one machine": the bash block as written
+    (the emulator's binary found, started, a bucket made, publish, status, a streamed
+    training run, the emulator stopped), over a copy of the session's cache root and the
+    small demo's settings; the port and folders are this test's."""
+    from tests.helpers.ports import free_port
+
+    text = (REPO / "docs" / "guides" / "publish-pull.md").read_text()
+    section = text[text.index("## Trying it on one machine") :]
+    block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1)  # type: ignore[union-attr]
+    root = tmp_path / "root"
+    shutil.copytree(built_cache.cache_dir.parent, root, symlinks=True)
+    port = str(free_port())
+    for old, new in (("4443", port), ("/tmp/gcs-data", str(tmp_path / "gcs-data")),
+                     ("/tmp/gcs.log", str(tmp_path / "gcs.log")),
+                     ("demo-<fingerprint>", built_cache.cache_dir.name)):  # fmt: skip
+        assert old in block, old
+        block = block.replace(old, new)
+    command = " ".join(f"'{c}'" for c in _command())
+    sets = " ".join(f"--set '{o}'" for o in SMALL_DEMO)
+    prelude = (
+        "set -euo pipefail\ntrap 'kill ${GCS_PID:-} 2>/dev/null || true' EXIT\n"
+        f'hf-pipeline() {{ {command} "$1" --cache-dir \'{root}\' {sets} "${{@:2}}"; }}\n'
+    )
+    env = script_env()
+    env.pop("STORAGE_EMULATOR_HOST", None)
+    p = subprocess.run(["bash", "-c", prelude + block], env=env, capture_output=True,
+                       text=True, timeout=600, cwd=tmp_path)  # fmt: skip
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    name = built_cache.cache_dir.name
+    assert f"published   gs://my-bucket/caches/{name}  [published]" in p.stdout, p.stdout
+    assert re.search(rf"^{name} .* complete ", p.stdout, flags=re.M), p.stdout
+    assert f"streaming gs://my-bucket/caches/{name} (390 rows" in p.stdout, p.stdout[-2000:]
+    assert "done: 20 steps" in p.stdout, p.stdout[-2000:]
+    import socket
+    import time
+
+    for _ in range(100):  # the block stopped its emulator (SIGTERM: it exits soon)
+        try:
+            socket.create_connection(("127.0.0.1", int(port)), timeout=5).close()
+        except ConnectionRefusedError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the emulator still answers on port {port}")

@@ -496,7 +496,8 @@ def test_retries_are_summed_up_every_few_seconds(monkeypatch, caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert n > 50 and 2 <= len(lines) <= 4, (n, lines)
     assert lines[0].startswith("gs://b/c/f.arrow: bytes 0-10: ConnectionRefusedError")
-    assert "the store keeps failing: " in lines[1] and " reads in the last 0.2 s (" in lines[1]
+    assert "the store keeps failing: " in lines[1] and " retries in the last 0.2 s (" in lines[1]
+    assert " reads newly failing; " in lines[1] and " retries so far; last: f.arrow" in lines[1]
 
 
 @pytest.mark.slow

@@ -74,6 +74,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_pipeline.build.parts import PartPlan
+from hf_pipeline.cache.layout import PARTS_DIR
 
 __all__ = [
     "DEFAULT_PART_SHARDS",
@@ -92,9 +93,6 @@ __all__ = [
     "tokenizer_key",
 ]
 
-#: The folder of the stored parts under the cache root (a dot-folder: never listed or
-#: cleaned as a cache; ``dist.inventory`` cleans it by its own rule).
-PARTS_DIR = ".parts"
 #: Bump when a stored part's files or the meaning of a column change. 2: the captions
 #: left the ``join`` units (latents only) for ``text`` units of their own.
 PART_SCHEMA = 2

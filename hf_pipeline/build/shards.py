@@ -344,6 +344,7 @@ def _torch_load(path: str, mmap: bool = False):
     except pickle.UnpicklingError as exc:
         # weights_only's restricted unpickler refuses globals it does not allow-list;
         # that is the "malicious or non-tensor pickle" case, never to be retried unsafely.
+        _refuse_if_not_torch(path)
         if "weights only" in str(exc).lower() or "weights_only" in str(exc).lower():
             # Keep only torch's reason ("unsupported GLOBAL posix.system ..."), not its
             # advice to retry with weights_only=False, which is exactly what must not happen.
@@ -363,6 +364,7 @@ def _torch_load(path: str, mmap: bool = False):
     except Exception as exc:  # noqa: BLE001 - untrusted bytes: any parser failure is "corrupt"
         # The unpickler and zip reader raise anything on garbage (RuntimeError, EOFError,
         # IndexError, UnicodeDecodeError, ...); all mean the same thing here.
+        _refuse_if_not_torch(path)
         size = _size_or_none(path)
         raise CorruptShardError(
             path,
@@ -396,12 +398,38 @@ def _refusal_reason(text: str) -> str:
 
 
 def _first_useful_line(text: str) -> str:
-    """The first non-empty line of an exception message, trimmed for a one-line error."""
+    """The first non-empty line of an exception message, trimmed for a one-line error:
+    its first sentence (torch's zip reader goes on with advice), else cut at a word
+    boundary within 200 characters."""
     for line in text.splitlines():
         line = line.strip()
         if line:
-            return line[:200]
+            end = line.find(". ")
+            if 0 < end < 200:
+                return line[: end + 1]
+            if len(line) <= 200:
+                return line
+            return line[:200].rsplit(" ", 1)[0] + " ..."
     return ""
+
+
+def _refuse_if_not_torch(path: str) -> None:
+    """Refuse a file that ``torch.save`` cannot have written: neither a zip archive nor
+    a pickle of protocol 2 or later (the legacy format), by its first bytes. Such bytes
+    reach the legacy unpickler, which refused them as an "Unsupported operand" (a safety
+    refusal, which is not what happened) or with an IndexError. Empty or unreadable
+    files are left to the caller's message."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return
+    if head and not (head.startswith(b"PK") or head[:1] == b"\x80"):
+        raise CorruptShardError(
+            path,
+            f"not a torch file ({_size_or_none(path)} bytes, neither torch.save's zip "
+            "archive nor a pickle)",
+        )
 
 
 def _size_or_none(path: str) -> int | None:

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from dist.atomic import atomic_write
+from hf_pipeline.cache.layout import TOKENIZER_SPECS_DIR
 from hf_pipeline.config import EncoderConfig
 from hf_pipeline.encoder.model import TokenizerSpec, resolve_encoder_path
 
@@ -64,8 +65,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Under the cache root (a dot-folder: never listed or cleaned as a cache).
-TOKENIZER_SPECS_DIR = ".tokenizers"
 #: Bump when what a spec holds, or how CaptionTokenizer sets it up, changes.
 _SCHEMA = 2  # 2: max_length left out of the key (1: in it)
 _KIND = "hf_pipeline-tokenizer-spec"

@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+from dist.kvstore import JOBS_DIR
 from hf_pipeline.config import Config
 
 __all__ = [
@@ -60,11 +61,31 @@ __all__ = [
 
 #: Folders of the cache root that are not caches. They start with a dot, so that
 #: ``dist.inventory`` (``prebuild_cache.py --status/--clean``) never lists or cleans
-#: them (see ``dist.layout``): staged downloads, the generated demo inputs, and the
-#: Hub listing cache that offline rebuilds read.
+#: them as caches (see ``dist.layout``): staged downloads, the generated demo inputs,
+#: the Hub listing cache that offline rebuilds read, the stored parts
+#: (``hf_pipeline.build.part_store``), the content index
+#: (``hf_pipeline.stores.identity``), compiled encoders' artifacts
+#: (``hf_pipeline.encoder.model``) and tokenizer specs
+#: (``hf_pipeline.build.tokenizer_store``).
 STAGING_DIR = ".staging"
 DEMO_DATA_DIR = ".demo-data"
 HUB_LISTINGS_DIR = ".hub_listings"
+PARTS_DIR = ".parts"
+INDEX_DIR = ".content-index"
+COMPILE_ARTIFACTS_DIR = ".compiled"
+TOKENIZER_SPECS_DIR = ".tokenizers"
+#: Every folder hf_pipeline keeps in a cache root besides the caches, and what it
+#: holds: a command refuses one of them (or a folder inside one) as a cache root.
+ROOT_FOLDERS: Mapping[str, str] = {
+    STAGING_DIR: "staged downloads",
+    DEMO_DATA_DIR: "the generated demo inputs",
+    HUB_LISTINGS_DIR: "Hub listings",
+    PARTS_DIR: "the stored parts",
+    INDEX_DIR: "the content index",
+    COMPILE_ARTIFACTS_DIR: "compiled encoders",
+    TOKENIZER_SPECS_DIR: "tokenizer specs",
+    JOBS_DIR: "parallel builds' job records",
+}
 
 #: Bump whenever the layout or the meaning of a column changes. 2: the captions left
 #: ``rows/`` for a ``captions/`` group of their own (a release that reads 1 only would

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
 
 import numpy as np
 
+from hf_pipeline.cache.layout import COMPILE_ARTIFACTS_DIR
 from hf_pipeline.config import EncoderConfig
 from hf_pipeline.errors import ConfigError, SourceError
 
@@ -497,11 +498,6 @@ class _Laps:
         now = time.monotonic()
         self._into[name] = round(now - self._last, 3)
         self._last = now
-
-
-#: Under the cache root: compiled encoders' torch compile artifacts, one file per
-#: :func:`compile_artifacts_key` (a dot-folder: never listed or cleaned as a cache).
-COMPILE_ARTIFACTS_DIR = ".compiled"
 
 
 def compile_artifacts_key(

@@ -60,6 +60,7 @@ from typing import Any
 from dist.atomic import atomic_write
 from dist.checksums import ALGORITHM, hash_files
 from dist.markers import ForeignJSONError, load_json
+from hf_pipeline.cache.layout import INDEX_DIR
 from hf_pipeline.errors import SourceError
 from hf_pipeline.stores.remote_file import RemoteFile
 
@@ -78,9 +79,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: The index folder under the cache root: a dot folder, so ``dist.inventory``
-#: (``--status``/``--clean``) never lists or cleans it.
-INDEX_DIR = ".content-index"
 INDEX_NAME = "index.json"
 _VERSION = 1
 #: Entries kept. One is ~150 bytes of JSON: 200k entries (~30 MB) stay well under

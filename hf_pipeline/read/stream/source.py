@@ -319,9 +319,9 @@ class _RetryReport:
             )  # fmt: skip
         else:
             logger.warning(
-                "%s: the store keeps failing: %d retries of %d reads in the last %.1f s "
-                "(%d so far; last: %s at bytes %d-%d: %s); retrying",
-                self.url, retries, reads, since, total,
+                "%s: the store keeps failing: %d retries in the last %.1f s (%d reads "
+                "newly failing; %d retries so far; last: %s at bytes %d-%d: %s); retrying",
+                self.url, retries, since, reads, total,
                 url.rsplit("/", 1)[-1], start, end, describe_error(exc),
             )  # fmt: skip
 

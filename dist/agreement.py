@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from dist.env import EnvironmentConflictError
 from dist.layout import parse_temp_name
 from dist.lease import LeaseView, holder_exited, process_identity
+from dist.markers import loads_finite
 
 if TYPE_CHECKING:  # annotations only
     from dist.kvstore import FileJobStore, JobStore
@@ -160,7 +161,7 @@ def _check_posts(
                 f"builds (job key {key!r}): was it started, with WORLD_SIZE={world_size}?"
             ) from e
         try:
-            post = json.loads(raw)
+            post = loads_finite(raw)
             if not isinstance(post, dict):
                 raise ValueError(f"a {type(post).__name__}")
         except ValueError as e:  # another program's key, or a torn write: not ours
@@ -212,7 +213,7 @@ def _read_post(path: Path, rank: int, kind: str) -> dict[str, Any] | None:
         st = os.lstat(path)
         if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_POST_BYTES:
             return None
-        d = json.loads(path.read_bytes())
+        d = loads_finite(path.read_bytes())
     except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(d, dict) or d.get("rank") != rank:

@@ -30,6 +30,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from dist.markers import MAX_JSON_BYTES, read_regular_bytes
+
 __all__ = [
     "JOBS_DIR",
     "FileJobStore",
@@ -254,7 +256,8 @@ class FileJobStore:
         path, deadline = self._path(key), time.monotonic() + timeout
         while True:
             try:
-                return path.read_bytes()
+                # Bounded; a fifo or device in the job folder reads as garbage, never waits.
+                return read_regular_bytes(path, MAX_JSON_BYTES) or b""
             except FileNotFoundError:
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"{path}: not written within {timeout:g}s") from None

@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dist.lease import LEASE_FILE
-from dist.markers import SCHEMA_VERSION, Marker
+from dist.markers import SCHEMA_VERSION, Marker, loads_finite
 
 __all__ = [
     "IDENTITY_FILE",
@@ -229,7 +229,7 @@ def _read_regular(path: Path, limit: int = _MAX_MARK_BYTES) -> object | None:
             return None
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         with os.fdopen(fd, "rb") as f:
-            parsed: object = json.loads(f.read(limit + 1))
+            parsed: object = loads_finite(f.read(limit + 1))
             return parsed
     except (OSError, ValueError, RecursionError):
         return None

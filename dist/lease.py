@@ -42,7 +42,7 @@ import xxhash
 
 from dist.atomic import fsync_dir, write_json_atomic
 from dist.errors import LeaseLostError
-from dist.markers import MAX_JSON_BYTES, parse_json, read_json
+from dist.markers import MAX_JSON_BYTES, parse_json, read_json, read_regular_bytes
 
 __all__ = [
     "LEASE_FILE",
@@ -157,8 +157,8 @@ def holder_exited(view: LeaseView) -> bool:
 def read_lease(path: Path) -> LeaseView | None:
     """The lease file at ``path``; None if there is none. OSError (ESTALE...) propagates."""
     try:
-        with open(path, "rb") as f:
-            return _parse_lease(f.read(MAX_JSON_BYTES + 1))  # bounded: others wrote it
+        # Bounded, and a fifo or device is no lease (read as garbage, never waited on).
+        return _parse_lease(read_regular_bytes(path, MAX_JSON_BYTES) or b"")
     except FileNotFoundError:
         return None
 

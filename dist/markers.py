@@ -24,8 +24,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,8 @@ from dist.safepath import UnsafePathError, check_name, check_relpath, join_under
 __all__ = [
     "MAX_JSON_BYTES",
     "MAX_JSON_DEPTH",
+    "loads_finite",
+    "read_regular_bytes",
     "READABLE_SCHEMA_VERSIONS",
     "SCHEMA_VERSION",
     "FileEntry",
@@ -336,6 +340,26 @@ def _depth(raw: bytes) -> int:
     return deepest
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is beyond a float's range")
+    return value
+
+
+def loads_finite(raw: bytes | str) -> Any:
+    """``json.loads`` of what others wrote, refusing ``NaN``, ``Infinity`` and numbers
+    beyond a float's range (``1e999``) with ``ValueError``: Python's json takes them as
+    float infinities, which ``int()`` turns into an ``OverflowError`` that no reader of
+    a marker, lease or manifest expected (an adversarial tester: one ``"pid": Infinity``
+    in a marker made status, verify, clean, build, a pull and a stream crash)."""
+    return json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
+
+
 def parse_json(raw: bytes, *, path: str | os.PathLike[str]) -> Any:
     """Parse JSON that others wrote, of at most :data:`MAX_JSON_BYTES` bytes and
     :data:`MAX_JSON_DEPTH` levels.
@@ -352,7 +376,7 @@ def parse_json(raw: bytes, *, path: str | os.PathLike[str]) -> Any:
     if _depth(raw) > MAX_JSON_DEPTH:
         raise ForeignJSONError(str(path), f"nested deeper than {MAX_JSON_DEPTH} levels")
     try:
-        return json.loads(raw)
+        return loads_finite(raw)
     except (ValueError, RecursionError) as e:  # RecursionError: the pre-scan is a heuristic
         raise ForeignJSONError(str(path), f"malformed JSON ({type(e).__name__}: {e})") from None
 
@@ -365,9 +389,26 @@ def load_json(path: str | os.PathLike[str]) -> Any:
         OSError: missing or unreadable (``FileNotFoundError`` when missing).
         ForeignJSONError: too large, too deep or malformed.
     """
-    with open(path, "rb") as f:
-        raw = f.read(MAX_JSON_BYTES + 1)
+    raw = read_regular_bytes(path, MAX_JSON_BYTES)
+    if raw is None:
+        raise ForeignJSONError(str(path), "not a regular file")
     return parse_json(raw, path=path)
+
+
+def read_regular_bytes(path: str | os.PathLike[str], limit: int) -> bytes | None:
+    """At most ``limit`` + 1 bytes of the file at ``path`` (symlinks followed); None when
+    it is not a regular file. Opened without blocking: a fifo in a marker's, lease's or
+    record's place (others can write the folder) made every command that read it wait
+    forever (an adversarial tester: status, verify, clean and build hung).
+
+    Raises:
+        OSError: missing or unreadable (``FileNotFoundError`` when missing).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return f.read(limit + 1)
 
 
 def read_json(path: str | os.PathLike[str]) -> Any | None:

@@ -663,3 +663,52 @@ def test_the_emulator_walkthrough_of_the_publish_guide_runs(tmp_path, built_cach
         time.sleep(0.1)
     else:
         raise AssertionError(f"the emulator still answers on port {port}")
+
+
+def test_a_hostile_marker_or_a_fifo_in_a_cache_is_reported_not_a_crash_or_a_hang(
+    tmp_path, built_cache
+):
+    """An adversarial tester: ``"pid": Infinity`` (or ``1e999``) in a marker made every
+    command crash with an OverflowError traceback, in a cache or in a folder that is no
+    cache; a fifo in the lease's or a marker's place made them wait forever. Now the
+    marker is malformed JSON (the cache is damaged: listed, verified as such, cleaned
+    as such), the fifo is no lease and no marker, and each command ends in seconds."""
+
+    def copy(name: str) -> tuple[Path, Path]:
+        root = tmp_path / name
+        shutil.copytree(built_cache.cache_dir.parent, root, symlinks=True)
+        return root, root / built_cache.cache_dir.name
+
+    def run_all(root: Path) -> dict[str, subprocess.CompletedProcess]:
+        out = {}
+        for sub in (["status"], ["verify"], ["clean", "--dry-run"]):
+            p = _run([*_command(), *sub, "--cache-dir", root], timeout=120)
+            assert "Traceback" not in p.stderr, (sub, p.stderr[-3000:])
+            out[sub[0]] = p
+        return out
+
+    root, cache = copy("infinite")
+    text = (cache / "filtered.json").read_text()
+    assert re.search(r'"pid": \d+', text)
+    (cache / "filtered.json").write_text(re.sub(r'"pid": \d+', '"pid": Infinity', text))
+    fake = root / "notes-0123456789abcdef"  # no identity file: not a cache of ours
+    fake.mkdir()
+    (fake / "converted.json").write_text(
+        re.sub(r'"pid": \d+', '"pid": 1e999', (cache / "converted.json").read_text())
+    )
+    results = run_all(root)
+    assert {k: p.returncode for k, p in results.items()} == {"status": 0, "verify": 1, "clean": 0}
+    status = results["status"].stdout
+    assert re.search(rf"^{cache.name} .* corrupt ", status, flags=re.M), status
+    assert "filtered.json: malformed JSON (ValueError: Infinity is not a number" in status
+    assert "not a cache: notes-0123456789abcdef" in status, status
+
+    for place in ("lease", "filtered.json"):
+        root, cache = copy(f"fifo-{place}")
+        if (cache / place).exists():
+            (cache / place).unlink()
+        os.mkfifo(cache / place)
+        results = run_all(root)  # each under a timeout: a wait would fail the test
+        assert results["status"].returncode == 0, results["status"].stderr
+        assert results["verify"].returncode == (1 if place == "filtered.json" else 0), results
+        assert re.search(rf"^{cache.name} ", results["status"].stdout, flags=re.M)

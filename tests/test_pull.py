@@ -1004,3 +1004,33 @@ def test_status_url_json_and_unknown_size(source_cache, gcs_store, tmp_path):
     human = subprocess.run(base, env=env, capture_output=True, text=True, timeout=300)
     assert f"{folder} is a published cache folder (its location: {url})" in human.stdout
     assert "complete" in human.stdout and "no published caches" not in human.stdout
+
+
+@pytest.mark.parametrize("link", [".staging", ".staging/pull-{fingerprint}"])
+def test_a_linked_staging_folder_is_refused_and_its_target_untouched(
+    link, source_cache, gcs_store, tmp_path
+):
+    """An adversarial tester: ``<root>/.staging`` (or its ``pull-<fingerprint>``) a
+    symlink to a folder of theirs: a pull wrote its downloads into that folder, and a
+    pull with nothing to pull removed that folder's own files. Now the pull refuses in
+    one line naming the link, exit 2, and the folder it points to is as it was."""
+    server, url = gcs_store
+    src = source_cache.result
+    publish_cache(src.cache_dir, src.fingerprint, url, data_config=source_cache.cfg.data)
+    victim = tmp_path / "victim"
+    (victim / f"pull-{src.fingerprint}").mkdir(parents=True)
+    (victim / f"pull-{src.fingerprint}" / "important.txt").write_text("keep me")
+    (victim / "important.txt").write_text("keep me too")
+    before = {p: p.read_bytes() for p in victim.rglob("*") if p.is_file()}
+    root = tmp_path / "cache"
+    place = root / link.format(fingerprint=src.fingerprint)
+    place.parent.mkdir(parents=True)
+    place.symlink_to(victim if link == ".staging" else victim / f"pull-{src.fingerprint}")
+    env = {"STORAGE_EMULATOR_HOST": server, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    for where in (url, f"{url}-nothing-here"):  # a pull, and one with nothing to pull
+        res = _pull_with_the_script(source_cache, root, where, env)
+        assert res.returncode == 2, (res.stdout + res.stderr)[-3000:]
+        (line,) = res.stderr.strip().splitlines()
+        assert line.startswith(f"error: {place}: a symlink (or not a folder) where a pull"), line
+        assert {p: p.read_bytes() for p in victim.rglob("*") if p.is_file()} == before
+        assert place.is_symlink()

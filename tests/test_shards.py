@@ -388,3 +388,16 @@ def test_zero_rows_with_rows_elsewhere_still_must_match(tmp_path):
     )
     with pytest.raises(CorruptShardError, match="keys must be an integer tensor"):
         load_shard(path)
+
+
+def test_a_shard_of_huge_or_many_field_names_gets_a_bounded_message(tmp_path):
+    """An adversarial tester: a shard whose dict key is a 50 MB string made a 52 MB
+    error "line" (and failure record). The fields present are named within bounds."""
+    path = _save(
+        tmp_path / "000000-000000.pt", {"x" * 5_000_000: 1, **{f"k{i}": i for i in range(50)}}
+    )
+    with pytest.raises(CorruptShardError) as info:
+        load_shard(path)
+    text = str(info.value)
+    assert len(text) < 500 and "missing field 'keys' and 'latents'" in text, text[:600]
+    assert "'k0'" in text and text.endswith(", ...)"), text

@@ -562,6 +562,23 @@ def test_bad_urls_and_forged_manifests(gcs_cache, gcs_store):
     refused(lambda m: col(m).__setitem__("dtype", "|O"), "latents.dtype must be one of")
     refused(lambda m: m.__setitem__("fingerprint", "f" * 16), "fingerprint 'ffff")
 
+    # An adversarial tester's: a manifest entry no marker lists (and the store does not
+    # hold) of 1 TiB, named by the indices column with 2**33 rows: the stream allocated
+    # 64 GiB at open. Every size the index is checked against is the store's now.
+    def fake_file(m):
+        fake = next(iter(m["files"])).rsplit("/", 1)[0] + "/fake.arrow"
+        m["files"][fake] = {"size": 1 << 40, "crc32c": "AAAAAA=="}
+        ix = m["stream"]["columns"]["indices"]
+        ix.update(files=[fake], block_rows=1 << 30, chunks=[[0, 1 << 33, 0]])
+
+    refused(fake_file, r"lists '.*/fake.arrow', which no stage marker lists")
+    # Dims whose NumPy product wraps to 0 bytes a row; a number beyond a float.
+    refused(
+        lambda m: col(m).__setitem__("row_shape", [1 << 30, 1 << 30, 16, 1]),
+        r"latents.row_shape is \d+ bytes a row, more than allowed",
+    )
+    refused(lambda m: m.__setitem__("rows", float("inf")), "is not valid JSON")
+
 
 def test_a_stream_url_is_named_as_given_and_a_location_lists_its_caches(gcs_cache):
     """``gs://`` is named as given (it read ``gs::``); a publish location (not a cache

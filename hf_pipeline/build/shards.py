@@ -15,9 +15,11 @@ with latents in float16, bfloat16 or float32 (3 crops of a 4-channel 32x32 laten
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import pickle
 import re
+import reprlib
 import warnings
 import zipfile
 
@@ -234,7 +236,9 @@ def _validated(path: str, obj):
         )
     missing = [k for k in ("keys", "latents") if k not in obj]
     if missing:
-        have = ", ".join(repr(k) for k in obj) or "none"
+        # Bounded: the keys are the shard's (a 50 MB key was a 52 MB error line).
+        fields = [reprlib.repr(k) for k in itertools.islice(obj, 10)]
+        have = ", ".join(fields + (["..."] if len(obj) > 10 else [])) or "none"
         raise CorruptShardError(
             path, f"missing field {' and '.join(map(repr, missing))} (fields present: {have})"
         )

@@ -226,6 +226,16 @@ def find_published(
             # size) is found here too, without reading it.
             store_checksum_checked(published, remote)
             files[entry.path] = remote
+    # Every size the manifest states is then one the store's listing confirmed: an entry
+    # no marker lists was trusted by the stream index, whose rows it bounds (an
+    # adversarial tester: a fake 1 TiB entry made a stream allocate 64 GiB at open).
+    extra = sorted(set(manifest.files) - set(files))
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise CacheFormatError(
+            f"{url}/{MANIFEST_NAME}",
+            f"lists {shown(extra[0])}{more}, which no stage marker lists (damaged or tampered)",
+        )
     cache = PublishedCache(
         url=url, name=cache_name, markers=markers, manifest=manifest, files=files
     )

@@ -74,7 +74,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from dist.atomic import create_new
 from dist.checksums import ALGORITHM, whole_checksum
 from dist.coordinator import Stage, StageContext
-from dist.errors import LeaseLostError
+from dist.errors import ForeignCacheFolderError, LeaseLostError
 from dist.layout import WORK_MARK, work_mark_bytes
 from dist.markers import FileEntry, Marker, file_checksum
 from dist.safepath import UnsafePathError, check_name, check_relpath, join_under
@@ -228,7 +228,7 @@ class _Puller:
             if remote is None:
                 # Nothing to pull: what the lookup staged (and the mark) is of no use.
                 ctx.check_ownership()
-                shutil.rmtree(self.staging, ignore_errors=True)
+                self._remove_staging()
                 return stage.build(ctx)
             for name, local in ctx.markers.items():
                 if _content(local) != _content(remote.markers[name]):
@@ -243,7 +243,7 @@ class _Puller:
             info = self._refusing(lambda: self._pull_stage(remote, stage.name, ctx), ctx)
             if stage.name == self.stage_names[-1]:
                 ctx.check_ownership()  # never delete what a successor may be resuming from
-                shutil.rmtree(self.staging, ignore_errors=True)
+                self._remove_staging()
             return info
 
         return build
@@ -255,7 +255,16 @@ class _Puller:
         Kept when there (a later lease of the cache resumes in it)."""
         if self._marked:
             return
-        self.staging.mkdir(parents=True, exist_ok=True)
+        if self._linked_staging() is None:  # never mkdir through a link
+            self.staging.mkdir(parents=True, exist_ok=True)
+        link = self._linked_staging()
+        if link is not None:
+            raise ForeignCacheFolderError(
+                f"{link}: a symlink (or not a folder) where a pull stages its downloads; "
+                "a pull writes and later removes there, so it never follows a link: "
+                "remove it (hf_pipeline makes the folder)",
+                str(link),
+            )
         create_new(
             self.staging / WORK_MARK,
             work_mark_bytes(
@@ -268,6 +277,24 @@ class _Puller:
             ),
         )
         self._marked = True
+
+    def _linked_staging(self) -> Path | None:
+        """``.staging`` or ``.staging/pull-<fingerprint>`` when either is a symlink or
+        not a folder (by lstat): an adversarial tester linked one to a folder of theirs,
+        and the pull wrote its downloads there and removed that folder's files."""
+        for folder in (self.staging.parent, self.staging):
+            try:
+                if not stat.S_ISDIR(os.lstat(folder).st_mode):
+                    return folder
+            except FileNotFoundError:
+                continue
+        return None
+
+    def _remove_staging(self) -> None:
+        """Remove this pull's staging folder: a real folder under a real ``.staging``
+        only (a link in their place is left alone, never followed)."""
+        if self._linked_staging() is None:
+            shutil.rmtree(self.staging, ignore_errors=True)
 
     def _refusing(self, step: Callable[[], _T], ctx: StageContext) -> _T:
         """``step()``; when it refuses the published cache (CacheFormatError), this pull's
@@ -282,7 +309,7 @@ class _Puller:
         except CacheFormatError:
             with contextlib.suppress(LeaseLostError):  # a successor's now: left to it
                 ctx.check_ownership()
-                shutil.rmtree(self.staging, ignore_errors=True)
+                self._remove_staging()
             raise
 
     def _lookup(self) -> PublishedCache | None:

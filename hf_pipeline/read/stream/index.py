@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -124,7 +125,8 @@ class ColumnIndex:
         dtype = d.get("dtype")
         if dtype not in _DTYPES:
             raise ValueError(f"{where}.dtype must be one of {_DTYPES}, got {dtype!r:.40}")
-        row_bytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        # Python ints: a NumPy product of foreign dims wraps (2**30 x 2**30 x 16 was 0 bytes).
+        row_bytes = math.prod(shape) * np.dtype(dtype).itemsize
         if row_bytes > _MAX_ROW_BYTES:
             raise ValueError(f"{where}.row_shape is {row_bytes} bytes a row, more than allowed")
         block_rows = d.get("block_rows")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import zipfile
 
 import numpy as np
 import pytest
@@ -401,3 +402,31 @@ def test_a_shard_of_huge_or_many_field_names_gets_a_bounded_message(tmp_path):
     text = str(info.value)
     assert len(text) < 500 and "missing field 'keys' and 'latents'" in text, text[:600]
     assert "'k0'" in text and text.endswith(", ...)"), text
+
+
+@pytest.mark.parametrize("form", ["zip", "legacy"])
+def test_a_shard_pickle_nested_too_deep_is_refused_before_loading(tmp_path, form):
+    """An adversarial tester: a dict keyed by a tuple nested 300,000 deep (547 KB) made
+    ``torch.load(weights_only=True)`` (and a build) die of SIGSEGV. Its nesting is found
+    from the pickle's opcodes, nothing built: one line naming the shard. A real shard
+    (nested dicts and lists of a few levels, the legacy format too) still loads."""
+    deep = b"\x80\x02}" + b"K\x00" + b"\x85" * 300_000 + b"K\x01s."  # {((..(0,)..),): 1}
+    path = tmp_path / "000000-000002.pt"
+    if form == "zip":
+        good = _save(tmp_path / "good.pt", {**_good(3), "meta": {"a": [1, {"b": (2, 3)}]}})
+        with zipfile.ZipFile(good) as src, zipfile.ZipFile(path, "w") as dst:
+            for item in src.infolist():
+                dst.writestr(item, deep if item.filename.endswith("/data.pkl") else src.read(item))
+        assert load_shard(good)[0].tolist() == [100, 107, 114]
+    else:
+        magic = 0x1950A86A20F9469CFC6C  # torch's legacy format: magic, protocol, sys info
+        path.write_bytes(b"".join(pickle.dumps(v, protocol=2) for v in (magic, 1001, {})) + deep)
+        good = tmp_path / "legacy.pt"
+        torch.save(_good(3), good, _use_new_zipfile_serialization=False)
+        assert load_shard(good)[0].tolist() == [100, 107, 114]
+    with pytest.raises(CorruptShardError) as info:
+        load_shard(path)
+    assert str(info.value) == (
+        f"{path}: its pickle nests deeper than 200 levels: refused before loading (a crafted "
+        "shard: loading it would overflow the stack)"
+    )

@@ -18,6 +18,7 @@ import dataclasses
 import itertools
 import os
 import pickle
+import pickletools
 import re
 import reprlib
 import warnings
@@ -343,6 +344,7 @@ def _torch_load(path: str, mmap: bool = False):
 
     if not os.path.exists(path):
         raise SourceError(path, "shard file does not exist")
+    _refuse_deep_pickle(path)
     try:
         return torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
     except pickle.UnpicklingError as exc:
@@ -415,6 +417,117 @@ def _first_useful_line(text: str) -> str:
                 return line
             return line[:200].rsplit(" ", 1)[0] + " ..."
     return ""
+
+
+#: Nesting a shard's pickle may have (a real one: 2-3 levels): deeper is refused before
+#: torch.load, whose unpickler and CPython's hashing recurse on the C stack (a tuple
+#: nested 300,000 deep as a dict key, 547 KB, killed the build with SIGSEGV).
+MAX_PICKLE_DEPTH = 200
+#: The pickle of a zip shard (``data.pkl``; the tensors are separate records) is read
+#: whole for the check; a real one is a few hundred bytes.
+MAX_PICKLE_BYTES = 64 << 20
+
+
+def _refuse_deep_pickle(path: str) -> None:
+    """Refuse a shard whose pickle nests containers deeper than
+    :data:`MAX_PICKLE_DEPTH` (or whose ``data.pkl`` is larger than
+    :data:`MAX_PICKLE_BYTES`), found by walking its opcodes without building anything.
+    A file that is no zip or whose pickle does not parse is left to ``torch.load``'s
+    own error."""
+    import io
+    import pickletools
+
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                names = [n for n in archive.namelist() if n.endswith("/data.pkl")]
+                if len(names) != 1:
+                    return
+                info = archive.getinfo(names[0])
+                if info.file_size > MAX_PICKLE_BYTES:
+                    raise CorruptShardError(
+                        path, f"its pickle is {info.file_size} bytes, more than {MAX_PICKLE_BYTES}"
+                    )
+                streams = [io.BytesIO(archive.read(info))]
+        else:
+            with open(path, "rb") as f:
+                head = f.read(MAX_PICKLE_BYTES)
+            if head[:1] != b"\x80":
+                return
+            # The legacy format: a few pickles (magic, protocol, sys info, the object).
+            buffer = io.BytesIO(head)
+            streams = [buffer] * 4
+        for stream in streams:
+            depth = _pickle_depth(pickletools.genops(stream))
+            if depth > MAX_PICKLE_DEPTH:
+                raise CorruptShardError(
+                    path,
+                    f"its pickle nests deeper than {MAX_PICKLE_DEPTH} levels: refused before "
+                    "loading (a crafted shard: loading it would overflow the stack)",
+                )
+    except CorruptShardError:
+        raise
+    except Exception:  # noqa: BLE001 - not parseable here: torch.load says why
+        return
+
+
+def _pickle_depth(ops) -> int:
+    """The deepest container nesting the pickle ``ops`` (``pickletools.genops``) build,
+    from the opcodes alone; stops early past :data:`MAX_PICKLE_DEPTH`."""
+    stack: list[int] = []
+    marks: list[int] = []
+    memo: dict[object, int] = {}
+    deepest = 0
+
+    def take_mark() -> list[int]:
+        start = marks.pop()
+        items = stack[start:]
+        del stack[start:]
+        return items
+
+    for op, arg, _ in ops:
+        name = op.name
+        if name == "STOP":
+            break
+        if name == "MARK":
+            marks.append(len(stack))
+        elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+            memo[arg] = stack[-1] if stack else 0
+        elif name == "MEMOIZE":
+            memo[len(memo)] = stack[-1] if stack else 0
+        elif name in ("GET", "BINGET", "LONG_BINGET"):
+            stack.append(memo.get(arg, 0))
+        elif name == "POP":
+            if stack:
+                stack.pop()
+        elif name == "POP_MARK":
+            take_mark()
+        elif name == "DUP":
+            stack.append(stack[-1] if stack else 0)
+        elif name in ("APPEND", "SETITEM", "BUILD"):
+            n = 2 if name == "SETITEM" else 1
+            items = [stack.pop() for _ in range(min(n, len(stack)))]
+            if stack:
+                stack[-1] = max(stack[-1], max(items, default=-1) + 1)
+        elif name in ("APPENDS", "SETITEMS", "ADDITEMS"):
+            items = take_mark()
+            if stack:
+                stack[-1] = max(stack[-1], max(items, default=-1) + 1)
+        else:  # builds a value from what it takes: one level above the deepest taken
+            taken: list[int] = []
+            before = list(op.stack_before)
+            if pickletools.markobject in before:
+                taken += take_mark()
+                before = before[: before.index(pickletools.markobject)]
+            for _ in range(min(len(before), len(stack))):
+                taken.append(stack.pop())
+            level = max(taken, default=-1) + 1
+            stack.extend([level] * len(op.stack_after))
+        if stack and stack[-1] > deepest:
+            deepest = stack[-1]
+            if deepest > MAX_PICKLE_DEPTH:
+                break
+    return deepest
 
 
 def _refuse_if_not_torch(path: str) -> None:

@@ -207,6 +207,11 @@ class JobFolderState:
     foreign: tuple[str, ...]
 
 
+#: The most ranks a job post may name: a post of world_size 10**12 made status and
+#: clean build a set of that many ranks (an adversarial tester: a MemoryError).
+MAX_WORLD_SIZE = 1 << 20
+
+
 def _read_post(path: Path, rank: int, kind: str) -> dict[str, Any] | None:
     """The post (or done) at ``path`` if it is a regular file of exactly our shape."""
     try:
@@ -220,7 +225,9 @@ def _read_post(path: Path, rank: int, kind: str) -> dict[str, Any] | None:
         return None
     if kind == "rank":
         ws = d.get("world_size")
-        if type(ws) is not int or ws < 1 or not isinstance(d.get("values"), dict):
+        if type(ws) is not int or not rank < ws <= MAX_WORLD_SIZE:
+            return None
+        if not isinstance(d.get("values"), dict):
             return None
     return d
 
@@ -266,7 +273,8 @@ def job_folder_state(folder: str | os.PathLike[str]) -> JobFolderState | None:
                 unknown_member = True  # a release before the writer was named
     if not world:
         return None
-    finished = all(done.get(rnd, set()) >= set(range(n)) for rnd, n in world.items())
+    # Counted, not a set of range(n): n is another process's word (bounded above too).
+    finished = all(sum(1 for r in done.get(rnd, ()) if 0 <= r < n) == n for rnd, n in world.items())
     exited = not unknown_member and all(
         v is not None and holder_exited(v) for v in members.values()
     )

@@ -11,7 +11,9 @@ Thread-safe: no shared state.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +52,7 @@ def whole_checksum(
     on_bytes: Callable[[int], object] | None = None,
     *,
     chunk_bytes: int = _CHUNK,
+    expected_size: int | None = None,
 ) -> tuple[int, str]:
     """Size and xxh3_128 (hex) of every byte of ``path``, read once front to back.
 
@@ -57,6 +60,11 @@ def whole_checksum(
         path: the file.
         on_bytes: called with the byte count of each chunk read (a progress bar).
         chunk_bytes: the read size (the digest does not depend on it).
+        expected_size: a file larger than this is not read: ``(its size, "")`` (a sparse
+            1 TB file in a 2 KB file's place kept verify reading; an adversarial tester).
+
+    A path that is not a regular file (a fifo, whose open would wait forever; a
+    device) raises ``OSError`` (EINVAL) without being read.
 
     Returns:
         ``(bytes read, hex digest)``; the byte count is what was read, so a file that
@@ -71,7 +79,13 @@ def whole_checksum(
     buf = bytearray(chunk_bytes)
     view = memoryview(buf)
     size = 0
-    with open(path, "rb", buffering=0) as fh:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with open(fd, "rb", buffering=0) as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+        if expected_size is not None and st.st_size > expected_size:
+            return st.st_size, ""
         while n := fh.readinto(view):
             h.update(view[:n])
             size += n
@@ -99,6 +113,7 @@ def hash_files(
     workers: int | None = None,
     on_bytes: Callable[[int], object] | None = None,
     chunk_bytes: int = _CHUNK,
+    expected_sizes: Iterable[int | None] | None = None,
 ) -> Iterator[tuple[_P, int, str | OSError]]:
     """:func:`whole_checksum` of each path, ``workers`` files at a time.
 
@@ -114,6 +129,9 @@ def hash_files(
     paths = list(paths)
     if not paths:
         return
+    sizes = [None] * len(paths) if expected_sizes is None else list(expected_sizes)
+    if len(sizes) != len(paths):
+        raise ValueError(f"{len(sizes)} expected sizes for {len(paths)} paths")
     stop = threading.Event()
 
     def chunk(n: int) -> None:
@@ -122,15 +140,15 @@ def hash_files(
         if on_bytes is not None:
             on_bytes(n)
 
-    def one(path: _P) -> tuple[int, str | OSError]:
+    def one(path: _P, expected: int | None) -> tuple[int, str | OSError]:
         try:
-            return whole_checksum(path, chunk, chunk_bytes=chunk_bytes)
+            return whole_checksum(path, chunk, chunk_bytes=chunk_bytes, expected_size=expected)
         except OSError as e:
             return 0, e
 
     pool = ThreadPoolExecutor(min(workers, len(paths)), thread_name_prefix="dist-hash")
     try:
-        futures = [pool.submit(one, p) for p in paths]
+        futures = [pool.submit(one, p, n) for p, n in zip(paths, sizes, strict=True)]
         for path, future in zip(paths, futures, strict=True):
             size, digest = future.result()
             yield path, size, digest

@@ -1092,7 +1092,10 @@ def verify_cache(
         if bar is not None and known:
             bar.total = total - sum(jobs[i][1].size for i in known)
         todo = [p for i, p in enumerate(paths) if i not in known]
-        hashed = hash_files(todo, workers=workers, on_bytes=advance if bar else None)
+        sizes = [jobs[i][1].size for i in range(len(paths)) if i not in known]
+        hashed = hash_files(
+            todo, workers=workers, on_bytes=advance if bar else None, expected_sizes=sizes
+        )
         for i, (stage, entry) in enumerate(jobs):
             key = keys[i]
             digest: str | OSError
@@ -1102,7 +1105,7 @@ def verify_cache(
                 shared += 1
             else:
                 _, size, digest = next(hashed)
-                read += size
+                read += size if digest != "" else 0  # "": larger than listed, not read
                 files += not isinstance(digest, OSError)
                 if memo is not None and key is not None and isinstance(digest, str):
                     memo[key] = (size, digest)

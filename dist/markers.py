@@ -22,6 +22,7 @@ it); :func:`write_marker` replaces (tests and tools only).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import math
@@ -231,11 +232,17 @@ def file_checksum(path: str | os.PathLike[str], size: int | None = None) -> str:
     Reads at most 2 MiB whatever the file size, so verifying a 100 GB cache is quick;
     it detects truncation, a torn tail and a wrong file, not a flipped bit in the middle.
     """
-    if size is None:
-        size = os.stat(path).st_size
-    h = xxhash.xxh64()
-    h.update(str(size).encode())
-    with open(path, "rb") as f:
+    # Opened without blocking and refused unless a regular file: a fifo in a listed
+    # file's place made verify wait forever (an adversarial tester).
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+        if size is None:
+            size = st.st_size
+        h = xxhash.xxh64()
+        h.update(str(size).encode())
         h.update(f.read(min(size, _EDGE)))
         if size > _EDGE:
             f.seek(max(size - _EDGE, _EDGE))
@@ -340,24 +347,52 @@ def _depth(raw: bytes) -> int:
     return deepest
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a number JSON allows")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text[:40]} is beyond a float's range")
-    return value
+#: The largest integer foreign JSON may hold (sizes, times, ids are 64-bit at most): a
+#: 400-digit "finished_at" made ``float()`` raise an OverflowError in every command.
+_MAX_JSON_INT = 1 << 64
 
 
 def loads_finite(raw: bytes | str) -> Any:
-    """``json.loads`` of what others wrote, refusing ``NaN``, ``Infinity`` and numbers
-    beyond a float's range (``1e999``) with ``ValueError``: Python's json takes them as
-    float infinities, which ``int()`` turns into an ``OverflowError`` that no reader of
-    a marker, lease or manifest expected (an adversarial tester: one ``"pid": Infinity``
-    in a marker made status, verify, clean, build, a pull and a stream crash)."""
-    return json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
+    """``json.loads`` of what others wrote, refusing ``NaN``, ``Infinity``, numbers
+    beyond a float's range (``1e999``) and integers beyond 64 bits with ``ValueError``
+    naming where (``published_at: NaN is not a finite number``): Python's json takes
+    them as float infinities or big ints, which ``int()`` and ``float()`` then turn into
+    an ``OverflowError`` that no reader of a marker, lease or manifest expected (an
+    adversarial tester: one ``"pid": Infinity`` in a marker made status, verify, clean,
+    build, a pull and a stream crash)."""
+    value = json.loads(raw)
+    problem = number_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
+def number_problem(value: Any) -> str | None:
+    """Where parsed JSON ``value`` holds a non-finite float or an integer beyond 64 bits,
+    and which (``published_at: nan is not a finite number``); None when it holds none."""
+    # (item, where): where is (its container's where, its key), spelled out on a refusal.
+    todo: list[tuple[Any, Any]] = [(value, None)]
+    while todo:
+        item, where = todo.pop()
+        if isinstance(item, dict):
+            todo.extend((v, (where, k)) for k, v in item.items())
+        elif isinstance(item, list):
+            todo.extend((v, (where, i)) for i, v in enumerate(item))
+        elif isinstance(item, float) and not math.isfinite(item):
+            return f"{_json_where(where)}: {item} is not a finite number"
+        elif isinstance(item, int) and not isinstance(item, bool) and abs(item) > _MAX_JSON_INT:
+            return f"{_json_where(where)}: an integer beyond 64 bits"
+    return None
+
+
+def _json_where(where: Any) -> str:
+    """``(((None, "a"), 0), "b")`` -> ``a[0].b``, bounded."""
+    parts: list[str] = []
+    while where is not None:
+        where, key = where
+        parts.append(f"[{key}]" if isinstance(key, int) else f".{key}")
+    text = "".join(reversed(parts)).lstrip(".")
+    return text[:200] or "the value"
 
 
 def parse_json(raw: bytes, *, path: str | os.PathLike[str]) -> Any:
@@ -376,9 +411,13 @@ def parse_json(raw: bytes, *, path: str | os.PathLike[str]) -> Any:
     if _depth(raw) > MAX_JSON_DEPTH:
         raise ForeignJSONError(str(path), f"nested deeper than {MAX_JSON_DEPTH} levels")
     try:
-        return loads_finite(raw)
+        value = json.loads(raw)
     except (ValueError, RecursionError) as e:  # RecursionError: the pre-scan is a heuristic
         raise ForeignJSONError(str(path), f"malformed JSON ({type(e).__name__}: {e})") from None
+    problem = number_problem(value)
+    if problem is not None:
+        raise ForeignJSONError(str(path), problem)
+    return value
 
 
 def load_json(path: str | os.PathLike[str]) -> Any:

@@ -155,11 +155,16 @@ def _inside_a_root(root: Path) -> tuple[str, Path] | None:
     from hf_pipeline.cache.layout import ROOT_FOLDERS
 
     found: Path | None = None  # the outermost cache or own folder at or above root
-    absolute = Path(os.path.abspath(root))  # "." inside .parts is inside it too
-    for path in [absolute, *absolute.parents][:_ROOT_DEPTH]:
-        named = _MARKED_NAME.search(path.name)  # lists only folders named as a cache
-        if path.name in ROOT_FOLDERS or (named and cache_mark(path) is not None):
-            found = path
+    # "." inside .parts is inside it too, and so is a symlink to .parts or to a cache
+    # (a tester's `ln -s <root>/.parts partslink` was taken as a root): the path as
+    # given, then the one its links lead to.
+    for absolute in dict.fromkeys([Path(os.path.abspath(root)), Path(os.path.realpath(root))]):
+        for path in [absolute, *absolute.parents][:_ROOT_DEPTH]:
+            named = _MARKED_NAME.search(path.name)  # lists only folders named as a cache
+            if path.name in ROOT_FOLDERS or (named and cache_mark(path) is not None):
+                found = path
+        if found is not None:
+            break
     if found is None:
         return None
     holder = found.parent

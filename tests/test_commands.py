@@ -537,6 +537,17 @@ def test_a_roots_own_folders_and_what_is_inside_a_cache_are_refused_as_roots(tmp
     check(root)
     check(lookalike)
     check(tmp_path / "new-root", must_exist=False)
+    # A symlink to one of them is refused as what it leads to (the real root named).
+    for target, what in ((root / ".parts", f"own folder ({stored})"),
+                         (cache, "a cache folder (demo-0123456789abcdef)")):  # fmt: skip
+        link = tmp_path / f"link-{target.name}"
+        link.symlink_to(target)
+        for path in (link, Path(f"{link}/")):
+            with pytest.raises(ConfigError) as err:
+                check(path, must_exist=False)
+            assert what in str(err.value) and str(err.value).endswith(f": {root}"), err.value
+    (tmp_path / "root-link").symlink_to(root)
+    check(tmp_path / "root-link")  # a link to a root is a root
     # Through the command: a build into .parts is one line, exit 2, nothing made there.
     before = sorted(p.relative_to(root) for p in root.rglob("*"))
     p = _hf("build", "--cache-dir", root / ".parts", *_sets(SMALL_DEMO))
@@ -700,8 +711,40 @@ def test_a_hostile_marker_or_a_fifo_in_a_cache_is_reported_not_a_crash_or_a_hang
     assert {k: p.returncode for k, p in results.items()} == {"status": 0, "verify": 1, "clean": 0}
     status = results["status"].stdout
     assert re.search(rf"^{cache.name} .* corrupt ", status, flags=re.M), status
-    assert "filtered.json: malformed JSON (ValueError: Infinity is not a number" in status
+    assert "filtered.json: pid: inf is not a finite number" in status, status
     assert "not a cache: notes-0123456789abcdef" in status, status
+
+    # A 400-digit time (float() of it overflowed), a job post naming 10**12 ranks (a set
+    # of them was built: MemoryError).
+    root, cache = copy("huge-int")
+    text = (cache / "converted.json").read_text()
+    assert re.search(r'"finished_at": [0-9.]+', text)
+    (cache / "converted.json").write_text(
+        re.sub(r'"finished_at": [0-9.]+', '"finished_at": ' + "9" * 400, text)
+    )
+    (root / ".jobs" / "j1").mkdir(parents=True)
+    (root / ".jobs" / "j1" / "k_0_rank-0").write_text(
+        json.dumps({"rank": 0, "world_size": 10**12, "values": {}, "host": "h", "pid": 1})
+    )
+    results = run_all(root)
+    assert {k: p.returncode for k, p in results.items()} == {"status": 0, "verify": 1, "clean": 0}
+    assert "converted.json: finished_at: an integer beyond 64 bits" in results["status"].stdout
+
+    # A fifo or a sparse 1 TiB file in a listed data file's place: verify names it at
+    # once, reading neither (it waited forever; it read the terabyte).
+    for how in ("fifo", "sparse"):
+        root, cache = copy(f"data-{how}")
+        listed = max((p for p in cache.rglob("*.arrow")), key=lambda p: p.stat().st_size)
+        listed.unlink()
+        if how == "fifo":
+            os.mkfifo(listed)
+        else:
+            with open(listed, "wb") as f:
+                f.truncate(1 << 40)
+        p = _run([*_command(), "verify", "--cache-dir", root], timeout=120)
+        assert p.returncode == 1 and "Traceback" not in p.stderr, p.stdout + p.stderr[-2000:]
+        assert listed.name in p.stdout, p.stdout
+        assert "TiB read" not in p.stdout and "GiB read" not in p.stdout, p.stdout
 
     for place in ("lease", "filtered.json"):
         root, cache = copy(f"fifo-{place}")

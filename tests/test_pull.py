@@ -1006,7 +1006,9 @@ def test_status_url_json_and_unknown_size(source_cache, gcs_store, tmp_path):
     assert "complete" in human.stdout and "no published caches" not in human.stdout
 
 
-@pytest.mark.parametrize("link", [".staging", ".staging/pull-{fingerprint}"])
+@pytest.mark.parametrize(
+    "link", [".staging", ".staging/pull-{fingerprint}", ".staging/pull-{fingerprint}/files"]
+)
 def test_a_linked_staging_folder_is_refused_and_its_target_untouched(
     link, source_cache, gcs_store, tmp_path
 ):
@@ -1025,7 +1027,7 @@ def test_a_linked_staging_folder_is_refused_and_its_target_untouched(
     root = tmp_path / "cache"
     place = root / link.format(fingerprint=src.fingerprint)
     place.parent.mkdir(parents=True)
-    place.symlink_to(victim if link == ".staging" else victim / f"pull-{src.fingerprint}")
+    place.symlink_to(victim / f"pull-{src.fingerprint}" if link.endswith("}") else victim)
     env = {"STORAGE_EMULATOR_HOST": server, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
     for where in (url, f"{url}-nothing-here"):  # a pull, and one with nothing to pull
         res = _pull_with_the_script(source_cache, root, where, env)

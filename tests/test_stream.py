@@ -7,6 +7,7 @@ and elastic resume; the torch adapter."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import os
@@ -578,6 +579,14 @@ def test_bad_urls_and_forged_manifests(gcs_cache, gcs_store):
         r"latents.row_shape is \d+ bytes a row, more than allowed",
     )
     refused(lambda m: m.__setitem__("rows", float("inf")), "is not valid JSON")
+
+    # A real, listed file named by many copies of its chunk (digests to match).
+    def repeated(m):
+        ix = m["stream"]["columns"]["indices"]
+        ix["chunks"] = ix["chunks"] * 1000
+        ix["digests"] = base64.b64encode(base64.b64decode(ix["digests"]) * 1000).decode()
+
+    refused(repeated, r"indices.chunks overlap in .* at byte")
 
 
 def test_a_stream_url_is_named_as_given_and_a_location_lists_its_caches(gcs_cache):

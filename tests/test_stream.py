@@ -578,7 +578,7 @@ def test_bad_urls_and_forged_manifests(gcs_cache, gcs_store):
         lambda m: col(m).__setitem__("row_shape", [1 << 30, 1 << 30, 16, 1]),
         r"latents.row_shape is \d+ bytes a row, more than allowed",
     )
-    refused(lambda m: m.__setitem__("rows", float("inf")), "is not valid JSON")
+    refused(lambda m: m.__setitem__("rows", float("inf")), "rows: inf is not a finite number")
 
     # A real, listed file named by many copies of its chunk (digests to match).
     def repeated(m):

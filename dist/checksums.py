@@ -47,6 +47,21 @@ BLOCK_ALGORITHM = "xxh3_64"
 _CHUNK = 1 << 20
 
 
+def open_regular(path: str | os.PathLike[str]) -> int:
+    """A read-only descriptor of the regular file at ``path`` (symlinks followed),
+    opened without blocking: a fifo in a file's place (others can write the folder)
+    made every reader wait forever (an adversarial tester).
+
+    Raises:
+        OSError: missing or unreadable; EINVAL when it is not a regular file (closed).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+    return fd
+
+
 def whole_checksum(
     path: str | os.PathLike[str],
     on_bytes: Callable[[int], object] | None = None,
@@ -79,13 +94,11 @@ def whole_checksum(
     buf = bytearray(chunk_bytes)
     view = memoryview(buf)
     size = 0
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    fd = open_regular(path)
     with open(fd, "rb", buffering=0) as fh:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
-        if expected_size is not None and st.st_size > expected_size:
-            return st.st_size, ""
+        st_size = os.fstat(fd).st_size
+        if expected_size is not None and st_size > expected_size:
+            return st_size, ""
         while n := fh.readinto(view):
             h.update(view[:n])
             size += n

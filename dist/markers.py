@@ -28,7 +28,6 @@ import logging
 import math
 import os
 import re
-import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ from typing import Any
 import xxhash
 
 from dist import atomic
-from dist.checksums import hash_files
+from dist.checksums import hash_files, open_regular
 from dist.safepath import UnsafePathError, check_name, check_relpath, join_under
 
 __all__ = [
@@ -232,15 +231,10 @@ def file_checksum(path: str | os.PathLike[str], size: int | None = None) -> str:
     Reads at most 2 MiB whatever the file size, so verifying a 100 GB cache is quick;
     it detects truncation, a torn tail and a wrong file, not a flipped bit in the middle.
     """
-    # Opened without blocking and refused unless a regular file: a fifo in a listed
-    # file's place made verify wait forever (an adversarial tester).
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    fd = open_regular(path)  # a fifo in a listed file's place made verify wait forever
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
         if size is None:
-            size = st.st_size
+            size = os.fstat(fd).st_size
         h = xxhash.xxh64()
         h.update(str(size).encode())
         h.update(f.read(min(size, _EDGE)))
@@ -443,10 +437,13 @@ def read_regular_bytes(path: str | os.PathLike[str], limit: int) -> bytes | None
     Raises:
         OSError: missing or unreadable (``FileNotFoundError`` when missing).
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+    try:
+        fd = open_regular(path)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
             return None
+        raise
+    with os.fdopen(fd, "rb") as f:
         return f.read(limit + 1)
 
 

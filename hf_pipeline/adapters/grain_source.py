@@ -39,7 +39,6 @@ open is locked. ``close`` must not race with reads.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 from collections.abc import Sequence
@@ -188,7 +187,7 @@ class GrainSource:
         try:
             options = source.options
             if workers > 1:  # what a pickled copy (a Grain worker) reopens with
-                options = dataclasses.replace(options, cache_bytes=options.cache_bytes // workers)
+                options = options.shared_by(workers)
             stream = (source.url, options, source.policy)
             self._init(None, {}, stream, source.fingerprint, crop, seed, opened=source)
         except BaseException:

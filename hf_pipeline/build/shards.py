@@ -434,9 +434,6 @@ def _refuse_deep_pickle(path: str) -> None:
     :data:`MAX_PICKLE_BYTES`), found by walking its opcodes without building anything.
     A file that is no zip or whose pickle does not parse is left to ``torch.load``'s
     own error."""
-    import io
-    import pickletools
-
     try:
         if zipfile.is_zipfile(path):
             with zipfile.ZipFile(path) as archive:
@@ -448,27 +445,32 @@ def _refuse_deep_pickle(path: str) -> None:
                     raise CorruptShardError(
                         path, f"its pickle is {info.file_size} bytes, more than {MAX_PICKLE_BYTES}"
                     )
-                streams = [io.BytesIO(archive.read(info))]
+                with archive.open(info) as data:
+                    _check_pickle_depth(path, data, pickles=1)
         else:
             with open(path, "rb") as f:
-                head = f.read(MAX_PICKLE_BYTES)
-            if head[:1] != b"\x80":
-                return
-            # The legacy format: a few pickles (magic, protocol, sys info, the object).
-            buffer = io.BytesIO(head)
-            streams = [buffer] * 4
-        for stream in streams:
-            depth = _pickle_depth(pickletools.genops(stream))
-            if depth > MAX_PICKLE_DEPTH:
-                raise CorruptShardError(
-                    path,
-                    f"its pickle nests deeper than {MAX_PICKLE_DEPTH} levels: refused before "
-                    "loading (a crafted shard: loading it would overflow the stack)",
-                )
+                if f.read(1) != b"\x80":
+                    return
+                f.seek(0)
+                # The legacy format: pickles (magic, protocol, sys info, the object), then
+                # the storages, which are not walked (read from the file, not loaded).
+                _check_pickle_depth(path, f, pickles=4)
     except CorruptShardError:
         raise
     except Exception:  # noqa: BLE001 - not parseable here: torch.load says why
         return
+
+
+def _check_pickle_depth(path: str, stream, *, pickles: int) -> None:
+    """Refuse ``path`` when one of the next ``pickles`` pickles of ``stream`` nests deeper
+    than :data:`MAX_PICKLE_DEPTH`."""
+    for _ in range(pickles):
+        if _pickle_depth(pickletools.genops(stream)) > MAX_PICKLE_DEPTH:
+            raise CorruptShardError(
+                path,
+                f"its pickle nests deeper than {MAX_PICKLE_DEPTH} levels: refused before "
+                "loading (a crafted shard: loading it would overflow the stack)",
+            )
 
 
 def _pickle_depth(ops) -> int:

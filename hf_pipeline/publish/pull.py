@@ -282,7 +282,7 @@ class _Puller:
         """``.staging`` or ``.staging/pull-<fingerprint>`` when either is a symlink or
         not a folder (by lstat): an adversarial tester linked one to a folder of theirs,
         and the pull wrote its downloads there and removed that folder's files."""
-        for folder in (self.staging.parent, self.staging, *self._staging_subfolders()):
+        for folder in (self.staging.parent, self.staging, self.files_dir, self.meta_dir):
             try:
                 if not stat.S_ISDIR(os.lstat(folder).st_mode):
                     return folder
@@ -290,10 +290,16 @@ class _Puller:
                 continue
         return None
 
-    def _staging_subfolders(self) -> tuple[Path, Path]:
-        """The folders a pull writes in under its staging folder (``join_under`` checks
-        what is below them, not them: a linked ``files`` took the downloads out)."""
-        return self.staging / "files", self.staging / "meta"
+    @property
+    def files_dir(self) -> Path:
+        """Where the published files are staged (``join_under`` checks what is below it,
+        not it: :meth:`_linked_staging` does; a linked ``files`` took the downloads out)."""
+        return self.staging / "files"
+
+    @property
+    def meta_dir(self) -> Path:
+        """Where the markers and manifest are staged (checked as :attr:`files_dir`)."""
+        return self.staging / "meta"
 
     def _remove_staging(self) -> None:
         """Remove this pull's staging folder: a real folder under a real ``.staging``
@@ -326,7 +332,7 @@ class _Puller:
                     self.cache_name,
                     self.fingerprint,
                     self.stage_names,
-                    meta_dir=self._staging_subfolders()[1],
+                    meta_dir=self.meta_dir,
                 )
                 if remote is None:
                     logger.warning(
@@ -437,7 +443,7 @@ class _Puller:
             return
         # Staged under its published path: a later lease (after a kill) finds it there.
         try:
-            folder = StagingFolder(join_under(self._staging_subfolders()[0], job.entry.path).parent)
+            folder = StagingFolder(join_under(self.files_dir, job.entry.path).parent)
         except UnsafePathError as e:  # a symlink in the staging folder
             raise CacheFormatError(str(self.staging), str(e)) from None
         try:

@@ -79,3 +79,9 @@ class StreamOptions:
                 integer=integer,
                 lo_open=not integer,
             )
+
+    def shared_by(self, processes: int) -> StreamOptions:
+        """These options for one of ``processes`` processes that hold the cache limit
+        together: ``cache_bytes // processes`` each (stream workers, DataLoader and Grain
+        workers)."""
+        return dataclasses.replace(self, cache_bytes=self.cache_bytes // processes)

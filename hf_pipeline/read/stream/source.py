@@ -460,9 +460,7 @@ class StreamSource:
         """
         if int(workers) < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
-        options = dataclasses.replace(
-            self.options, cache_bytes=self.options.cache_bytes // int(workers)
-        )
+        options = self.options.shared_by(int(workers))
         self._own()
         with self._lock:
             if self._planner is None and not (

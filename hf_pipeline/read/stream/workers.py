@@ -539,9 +539,7 @@ class StreamWorkers:
         self.options = options or StreamOptions()
         self.workers = workers
         self.slots = slots
-        self.worker_options = dataclasses.replace(
-            self.options, cache_bytes=self.options.cache_bytes // workers
-        )
+        self.worker_options = self.options.shared_by(workers)
         self._crew = crew = _Crew(url, workers)
         try:
             # The workers start (a fresh interpreter each, then their own open of the

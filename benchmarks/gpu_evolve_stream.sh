@@ -10,6 +10,10 @@
 #   reembed_gemma_1m.json (step reembed_gemma) bench_evolve.py --reembed-only, 1M rows, a
 #                        random gemma-3-270m-shaped encoder in bf16 (the issue's COYO
 #                        encoder): scratch, then another encoder.max_length over it
+#   evolve_gemma_1m.json (step evolve_gemma) bench_evolve.py --no-recaption with that
+#                        gemma-shaped encoder: scratch, base, append 10%, touch, index hit,
+#                        re-embed (COYO's encoder: configs/coyo11m.yaml)
+#   append_gemma_1m.json (step append_gemma) bench_evolve.py --append-only with it
 #   hashing_w{8,16}.json bench_identity.py: content hashing GB/s on this host's tmpfs, 8
 #                        (the default) and 16 threads
 #   stream_93k.json      bench_stream.py, 96 shards x 1000 rows, 50 ms per request (or
@@ -22,7 +26,7 @@
 #
 # Usage (repository root; carry .whl (datasets/dill/multiprocess), .gw (gcsfs and its
 # needs), .fgcs (the fake-gcs-server wrapper) and .tok (a MiniLM tokenizer folder)):
-#   bash benchmarks/gpu_evolve_stream.sh --commit SHA [--budget 560] [--steps evolve,reembed_gemma,hashing,stream,fresh]
+#   bash benchmarks/gpu_evolve_stream.sh --commit SHA [--budget 560] [--steps evolve,evolve_gemma,append_gemma,reembed_gemma,hashing,stream,fresh]
 #        [--append-repeats N] [--stream-latencies "0 50"] [--stream-pull]
 #        [--stream-workers "1 4 8"] [--stream-proxies 4] [--stream-repeats 2]
 set -u -o pipefail
@@ -54,7 +58,9 @@ if [ -n "$COMMIT" ] && ! [[ "$COMMIT" =~ ^[0-9a-f]{40}$ ]]; then
   echo "error: gpu_evolve_stream.sh: --commit takes the full 40-hex sha, got '$COMMIT'" >&2; exit 2
 fi
 if [ -z "${OUT:-}" ]; then echo "error: gpu_evolve_stream.sh: set OUT to the results folder" >&2; exit 2; fi
-for d in .tok .whl .gw .fgcs; do
+NEEDED=".tok .whl"
+if [[ ",$STEPS," == *",stream,"* ]]; then NEEDED="$NEEDED .gw .fgcs"; fi  # gcsfs, the emulator
+for d in $NEEDED; do
   [ -d "$d" ] || { echo "error: gpu_evolve_stream.sh: $d missing (carry it)" >&2; exit 2; }
 done
 mkdir -p "$OUT"
@@ -67,7 +73,7 @@ SECONDS=0
 . "$(dirname "$0")/session_steps.sh"  # log, step
 
 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl .gw/*.whl >>"$LOG" 2>&1 || { log "wheel install failed"; exit 1; }
+  --target /tmp/site .whl/*.whl $( [ -d .gw ] && echo .gw/*.whl) >>"$LOG" 2>&1 || { log "wheel install failed"; exit 1; }
 export PYTHONPATH="/tmp/site:$PWD/.fgcs:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # shellcheck disable=SC1091
 . "$(dirname "$0")/precompile.sh" >>"$LOG" 2>&1
@@ -100,6 +106,18 @@ if want reembed_gemma; then
     --rows 1000000 --samples-per-shard 2000 --dtype bfloat16 --random-gemma .tok \
     --reembed-only --work-dir "$WORK/evg" --json "$OUT/reembed_gemma_1m.json"
   rm -rf "$WORK/evg"
+fi
+if want evolve_gemma; then
+  step evolve_gemma 330 env DATASET_NUM_PROC="$NP" "$PY" benchmarks/bench_evolve.py \
+    --rows 1000000 --samples-per-shard 2000 --dtype bfloat16 --random-gemma .tok --no-recaption \
+    --work-dir "$WORK/evgf" --json "$OUT/evolve_gemma_1m.json"
+  rm -rf "$WORK/evgf"
+fi
+if want append_gemma; then
+  step append_gemma 230 env DATASET_NUM_PROC="$NP" "$PY" benchmarks/bench_evolve.py \
+    --rows 1000000 --samples-per-shard 2000 --dtype bfloat16 --random-gemma .tok \
+    --append-only --work-dir "$WORK/evga" --json "$OUT/append_gemma_1m.json"
+  rm -rf "$WORK/evga"
 fi
 if want hashing; then
   for w in 8 16; do

@@ -280,7 +280,9 @@ def main() -> int:
         "disk_bytes_before_reembed": du_before,
         "disk_bytes_after_reembed": du_after,
         "recaption_over_scratch": (
-            round(runs["recaption"]["wall_s"] / scratch["wall_s"], 3) if "recaption" in runs else None
+            round(runs["recaption"]["wall_s"] / scratch["wall_s"], 3)
+            if "recaption" in runs
+            else None
         ),
         "disk_bytes_after_recaption": du_recaption if "recaption" in runs else None,
         "overrides": common,

@@ -88,6 +88,11 @@ for part in r.get("parts") or []:
             lo, hi = spans.get(kind, (a, b))
             spans[kind] = (min(lo, a), max(hi, b))
 timeline = {k: [round(a - wall_call, 3), round(b - wall_call, 3)] for k, (a, b) in spans.items()}
+# Where this process's encoder loading went (TextEncoder.load_seconds: imports, model,
+# to_device, compile artifacts, warm_up, ready), from the first part that embedded here.
+encoder_load = next((p["encoder_load"] for p in r.get("parts") or []
+                     if p.get("encoder_load") and ((p.get("wall") or {}).get("embed") or [0])[0]
+                     >= wall_call - 1), None)
 timeline["return"] = round(wall_return - wall_call, 3)
 print(json.dumps({
     "inner_s": round(time.perf_counter() - t0, 3), "imports_s": round(t_imports, 3),
@@ -99,6 +104,7 @@ print(json.dumps({
     "startup": (r.get("startup") or {}).get("seconds") if res.built else None,
     "timeline": timeline,
     "hashing": getattr(res, "hashing", None),
+    "encoder_load": encoder_load,
 }))
 # As the CLI ends a build (hf-pipeline build, prebuild_cache.py): without the
 # interpreter's shut-down, which took 1.3-2.0 s of each build on the H200 host.

@@ -164,7 +164,7 @@ def main() -> int:
                     help="only the scratch build, the base build and the append")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=1,
                     help="with --append-only: the three builds this many times, each into "
-                         "fresh cache roots")  # fmt: skip
+                         "fresh cache roots (0: none, only --append-copies)")  # fmt: skip
     ap.add_argument("--baseline", action="append", default=[], metavar="LABEL=DIR",
                     help="with --append-only: the same three builds, in each repeat, with "
                          "the code of the checkout DIR too (another commit of this project; "
@@ -175,8 +175,10 @@ def main() -> int:
                          "costs under the same load, without the scratch and base builds "
                          "(a copy has new inodes: the reused parts are read whole)")  # fmt: skip
     args = ap.parse_args()
-    if args.repeats < 1 or (args.repeats > 1 and not args.append_only):
-        ap.error("--repeats takes N >= 1, and N > 1 only with --append-only")
+    if args.repeats < 0 or (args.repeats != 1 and not args.append_only):
+        ap.error("--repeats takes N >= 0, and N != 1 only with --append-only")
+    if args.repeats == 0 and not args.append_copies:
+        ap.error("--repeats 0 (no scratch, base and append builds) needs --append-copies N")
     trees = {"this": REPO}
     for spec in args.baseline:
         label, _, folder = spec.partition("=")
@@ -383,10 +385,10 @@ def _append_only(args, work: Path, trees: dict[str, Path], full, base, *, shards
             if args.append_copies
             else {}
         ),  # fmt: skip
-        **summary(by_tree["this"]),
+        **(summary(by_tree["this"]) if args.repeats else {}),
         "repeats": by_tree["this"],
         "baselines": {
-            label: {"tree": str(trees[label]), **summary(reps), "repeats": reps}
+            label: {"tree": str(trees[label]), **(summary(reps) if reps else {}), "repeats": reps}
             for label, reps in by_tree.items()
             if label != "this"
         },

@@ -145,31 +145,6 @@ def test_encoder_loading_left_before_the_join_loads_nothing(tmp_path):
         loading.tokenizer.result(timeout=60)
 
 
-def test_a_model_loaded_by_transformers_is_imported_before_the_join(tmp_path):
-    """When transformers loads the model (here forced: ``encoder.backend``), its auto
-    classes are imported behind the same fence as the tokenizer's base class, before
-    the join's workers share the CPUs: an append with the gemma-3-270m shape spent 4.1 s
-    importing them beside its join. A native model imports none of it (the test above)."""
-    from hf_pipeline.build.prepare import _EncoderLoading
-    from hf_pipeline.build.startup import StartupTimeline
-    from hf_pipeline.config import load_config
-
-    copy = minilm_copy(tmp_path / "model")
-    overrides = [
-        f"build.cache_dir={tmp_path}", "encoder.device=cpu", f"encoder.model={copy}",
-        "encoder.backend=transformers",
-    ]  # fmt: skip
-    cfg = load_config(None, overrides, environ={})
-    timeline = StartupTimeline()
-    with _EncoderLoading(cfg, None, timeline=timeline, after="join_map") as loading:
-        timeline.mark("join_map")  # the fence: returns once both imports ended
-        t = timeline.as_dict()["seconds"]
-        assert t["transformers"] <= t["transformers_model"], t
-        encoder = loading.encoder.result(timeout=120)
-    assert encoder.backend == "transformers"
-    assert "transformers_model" in timeline.as_dict()["seconds"]
-
-
 _IMPORT_AUDIT = """
 import json, sys, threading
 

@@ -421,15 +421,6 @@ class _EncoderLoading:
                 from transformers import PreTrainedTokenizerBase  # noqa: F401
 
                 self.timeline.mark("transformers")
-                if isinstance(self._native, str):
-                    # The model loads through transformers: its auto classes import
-                    # torch's compiler and distributed modules (2-4 s). Here, before
-                    # the join's workers share the CPUs, not in the model's loading
-                    # beside them: an append with the gemma-3-270m shape spent 4.1 s
-                    # there (1M rows, 16 CPUs), its encoder ready at 10.1 s.
-                    from transformers import AutoModel  # noqa: F401
-
-                    self.timeline.mark("transformers_model")
         finally:  # a failed import is not in sys.modules: nothing half-made is left
             self._imported.set()
 

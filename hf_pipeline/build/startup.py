@@ -10,8 +10,7 @@ and the build's threads share: torch, ``torch.distributed``, ``datasets``, impor
 the main thread before any thread starts), ``join_map`` (the first join of this process
 starts), ``first_shard`` (its first worker started its first shard), then on the
 encoder's loading thread: ``transformers`` (transformers imported, beside the caption
-table; the join starts after it), ``transformers_model`` (its auto model classes
-imported, when transformers loads the model: before the join starts too), ``encoder_loading`` (the tokenizer and the model
+table; the join starts after it), ``encoder_loading`` (the tokenizer and the model
 began loading: once the join started, or when an embedding asked for the encoder
 first), ``tokenizer`` and ``encoder`` (the model ready); ``tokenizer`` is marked when
 the tokenizer was found without transformers instead (in the model folder,

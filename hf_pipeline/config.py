@@ -274,6 +274,16 @@ class DataConfig:
     )
     key_column: str = _field("key", "metadata column joined with the shards' keys")
     caption_column: str = _field("caption_llava", "metadata column holding the caption")
+    max_caption_bytes: int = _bounded(
+        1 << 20,
+        1,
+        1 << 30,
+        help="the longest caption accepted, in bytes: a longer one fails the build in one "
+        "line naming the metadata file, column and row, found in batches of bounded size "
+        "(never the column decoded whole). COYO's captions hold a few hundred bytes, and "
+        "the encoder tokenizes only a caption's first max(65536, 16 x encoder.max_length) "
+        "characters anyway. Not in the cache identity: it changes no accepted caption",
+    )
     local_mirror: str = _field(
         "", "local folder used instead when a remote source cannot be listed (transient)"
     )

@@ -10,6 +10,7 @@ import json
 import os
 import resource
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -54,18 +55,25 @@ def test_eight_ranks_make_the_api_requests_of_one(shard_dir, tmp_path):
 # ----------------------------------------------------------------------- hostile inputs
 
 
-def _prebuild(data: Path, cache: Path, *sets: str, limit_gb: float = 6.0):
+def _prebuild(
+    data: Path, cache: Path, *sets: str, limit_gb: float = 6.0, command: Sequence[str] = ()
+):
     """Run the real build CLI on ``data``; ``(returncode, stdout, stderr, peak RSS in MB)``.
 
-    The peak is the child's own ``ru_maxrss`` (``wait4`` of that one process, and the
-    children it waited for); an address-space limit keeps a regression from taking the
-    test machine's memory with it (it then fails with a MemoryError, not exit 2).
+    ``command``: the CLI's arguments before the options (default: the script
+    ``scripts/prebuild_cache.py``; ``("-m", "hf_pipeline", "build")``: ``hf-pipeline
+    build``). The peak is the child's own ``ru_maxrss`` (``wait4`` of that one process,
+    and the children it waited for); an address-space limit keeps a regression from
+    taking the test machine's memory with it (it then fails with a MemoryError, not
+    exit 2).
     """
     limit = int(limit_gb * (1 << 30))
     args = [*SMALL_DEMO, "build.num_proc=1", f"data.shards={data}", *sets]
+    command = list(command) or [str(REPO / "scripts/prebuild_cache.py")]
+    cache.parent.mkdir(parents=True, exist_ok=True)
     with open(cache.parent / "out.txt", "w+") as out, open(cache.parent / "err.txt", "w+") as err:
         proc = subprocess.Popen(
-            [PYTHON, str(REPO / "scripts/prebuild_cache.py"), "-q", "--cache-dir", str(cache),
+            [PYTHON, *command, "-q", "--cache-dir", str(cache),
              "--json", str(cache.parent / "summary.json"), *(x for a in args for x in ("--set", a))],
             stdout=out, stderr=err, env=script_env(), cwd=REPO,
             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)),
@@ -79,6 +87,23 @@ def _prebuild(data: Path, cache: Path, *sets: str, limit_gb: float = 6.0):
         out.seek(0)
         err.seek(0)
         return proc.returncode, out.read(), err.read(), usage.ru_maxrss / 1024
+
+
+def _published(cache: Path) -> list[str]:
+    """What a failed build left published under the cache root: the JSON files but
+    failure records, the cache folder's mark, the content index (kept for the next
+    build) and the caption table's stored unit (``.parts/captions-*``: it depends on the
+    metadata alone)."""
+    from dist.layout import IDENTITY_FILE  # the cache folder's mark, written when claimed
+
+    return [
+        p.name
+        for p in cache.rglob("*.json")
+        if not p.name.startswith("failed-")
+        and p.name != IDENTITY_FILE
+        and ".content-index" not in p.parts
+        and not any(q.startswith("captions-") for q in p.parts)
+    ]
 
 
 def _one_error_line(stderr: str) -> str:
@@ -111,19 +136,9 @@ def test_a_shard_declaring_gigabytes_over_a_few_bytes_is_one_line_exit_2(tmp_pat
     line = _one_error_line(err)
     assert line.startswith(f"error: {bomb}: keys: stride 0 in dim 0 of shape (100000,)"), line
     assert peak_mb < 2000, f"peak {peak_mb:.0f} MB"  # a build of these 12 rows: ~0.6 GB
-    from dist.layout import IDENTITY_FILE  # the cache folder's mark, written when claimed
-
-    # The content index (.content-index) and the caption table's stored unit (.parts:
-    # it depends on the metadata alone) are kept for the next build; no part, no stage.
-    published = [
-        p.name
-        for p in (tmp_path / "c").rglob("*.json")
-        if not p.name.startswith("failed-")
-        and p.name != IDENTITY_FILE
-        and ".content-index" not in p.parts
-        and not any(q.startswith("captions-") for q in p.parts)
-    ]
-    assert published == [], "nothing may be published"
+    # The content index and the caption table's stored unit are kept for the next
+    # build; no part, no stage.
+    assert _published(tmp_path / "c") == [], "nothing may be published"
 
 
 @pytest.mark.slow
@@ -185,3 +200,83 @@ def test_bad_captions_empty_shards_and_skipped_folders_in_one_build(tmp_path):
     ]
     assert report["dropped"]["missing_shard_files"] == 1
     assert "bad_caption_encoding 2" in out
+
+
+def _with_captions(data: Path, captions, **write) -> Path:
+    """Replace the caption column of ``data``'s metadata (its 12 keys, 0-11, kept)."""
+    import pyarrow.parquet as pq
+
+    meta = data / "coyo11m-meta.parquet"
+    table = pq.read_table(meta)
+    table = table.set_column(
+        table.schema.get_field_index("caption_llava"), "caption_llava", captions
+    )
+    pq.write_table(table, meta, **write)
+    return meta
+
+
+@pytest.mark.slow
+def test_one_dictionary_caption_of_10_mb_in_a_3_kb_parquet_is_one_line_exit_2(tmp_path):
+    """The adversarial tester's file: 400 rows sharing one dictionary-encoded 10 MB
+    caption, zstd, 2.2 KB. Before: the caption stage grew to 2.5 GB and ended in a
+    traceback (``ArrowInvalid: Take operation overflowed binary array capacity``,
+    exit 1). Now: refused in one line naming the file, column, row, key, size, limit and
+    setting, exit 2, before the 4 GB the rows stand for are decoded; nothing published."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = make_shards(tmp_path / "data", n_shards=2, per_shard=6)
+    n = 400
+    caps = pa.DictionaryArray.from_arrays(
+        pa.array(np.zeros(n, np.int32)), pa.array(["x" * (10 << 20)])
+    )
+    meta = data / "coyo11m-meta.parquet"
+    table = pa.table({"key": np.arange(n, dtype=np.int64), "caption_llava": caps})
+    pq.write_table(table, meta, use_dictionary=True, compression="zstd")
+    assert meta.stat().st_size < 4096
+    code, _, err, peak_mb = _prebuild(
+        data, tmp_path / "c", limit_gb=4.0, command=("-m", "hf_pipeline", "build")
+    )
+    assert code == 2, err[-3000:]
+    assert _one_error_line(err) == (
+        f"error: {meta}: caption column 'caption_llava', row 0 (key 0): a caption of "
+        "10485760 bytes, over the limit of 1048576 bytes (data.max_caption_bytes)"
+    )
+    # The whole build, torch and the encoder included (~0.4 GB), against 4 GB of captions.
+    assert peak_mb < 1000, f"peak {peak_mb:.0f} MB"
+    assert _published(tmp_path / "c") == [], "nothing may be published"
+    assert not list((tmp_path / "c").rglob("captions.arrow")), "no caption table"
+    assert not list((tmp_path / "c").rglob("*.spill")), "no spill folder left"
+
+
+@pytest.mark.slow
+def test_a_caption_of_the_limit_builds_and_one_byte_more_is_one_line_exit_2(tmp_path):
+    """A plain (not dictionary-encoded) string column: a caption of exactly
+    ``data.max_caption_bytes`` (the default, 1 MiB) is built; one byte more is refused,
+    naming its row and key."""
+    import pyarrow as pa
+
+    data = make_shards(tmp_path / "data", n_shards=2, per_shard=6)
+    caps = [f"caption {k}" for k in range(12)]
+    caps[7] = "a " * (1 << 19)
+    _with_captions(data, pa.array(caps), use_dictionary=False)
+    code, out, err, _ = _prebuild(
+        data, tmp_path / "ok" / "c", command=("-m", "hf_pipeline", "build")
+    )
+    assert code == 0, err[-3000:]
+    summary = json.loads((tmp_path / "ok" / "summary.json").read_text())
+    from hf_pipeline.cache.layout import CacheLayout
+
+    report = json.loads(CacheLayout(summary["cache_dir"]).report_path.read_text())
+    assert report["rows_in"] == report["rows_out"] == 12
+
+    caps[7] += "!"
+    meta = _with_captions(data, pa.array(caps), use_dictionary=False)
+    code, _, err, _ = _prebuild(data, tmp_path / "no" / "c", command=("-m", "hf_pipeline", "build"))
+    assert code == 2, err[-3000:]
+    assert _one_error_line(err) == (
+        f"error: {meta}: caption column 'caption_llava', row 7 (key 7): a caption of "
+        "1048577 bytes, over the limit of 1048576 bytes (data.max_caption_bytes)"
+    )
+    assert _published(tmp_path / "no" / "c") == [], "nothing may be published"

@@ -226,7 +226,7 @@ def test_lookup_and_classify_match_pandas(tmp_path, keys, caps, extra):
     codes = classify(got_caps, found)
     ref = _reference(meta, query)
 
-    assert got_caps.type == pa.string()
+    assert got_caps.type == pa.large_string()  # a part may hold > 2 GiB of captions
     assert found.tolist() == ref["hit"].tolist()
     ref_caps = [
         c if h and isinstance(c, str) else None
@@ -660,3 +660,241 @@ def test_undecodable_captions_are_their_own_drop_reason(tmp_path):
         codes = classify(got, hit)
         assert reason_names(codes).tolist() == [BAD_CAPTION_ENCODING, KEEP, KEEP, NO_CAPTION]
         assert caption_texts(got, codes) == ["", "b", "c", ""]
+
+
+# ----------------------------------------------------------------------------- caption bounds
+
+
+def _one_value_table(n: int, value: str, *, dictionary: bool) -> pa.Table:
+    """``n`` rows (keys ``100 + row``) sharing one caption: an Arrow dictionary column, or
+    a plain string one."""
+    caps = pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array([value]))
+    return pa.table(
+        {
+            "key": np.arange(100, 100 + n, dtype=np.int64),
+            "caption_llava": caps if dictionary else caps.cast(pa.string()),
+        }
+    )
+
+
+def _caption_stage(path, out, *, num_proc: int = 1) -> dict:
+    """:func:`write_sorted_captions` in a fresh process: its error message or its table's
+    rows, caption bytes and first and last keys, and how much its peak RSS grew (MB)."""
+    import json
+    import subprocess
+
+    from tests.conftest import PYTHON, script_env
+
+    code = f"""
+import json, resource
+import pyarrow.compute as pc
+from hf_pipeline.build.captions import write_sorted_captions
+from hf_pipeline.errors import MetadataError
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    t = write_sorted_captions({str(path)!r}, {str(out)!r}, num_proc={num_proc})
+    got = dict(rows=len(t), keys=[int(t.keys[0]), int(t.keys[-1])],
+               bytes=sum(pc.sum(pc.binary_length(c)).as_py() for c in t.captions.chunks))
+except MetadataError as e:
+    got = dict(error=str(e))
+got["grown_mb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+print(json.dumps(got))
+"""
+    proc = subprocess.run(
+        [PYTHON, "-c", code], env=script_env(), capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_a_dictionary_caption_over_the_limit_is_refused_before_it_is_decoded(tmp_path):
+    """The adversarial tester's file: 400 rows of one dictionary-encoded 10 MB caption in
+    a 2 KB zstd parquet. Before: the caption stage grew by 2.1 GB, then ``ArrowInvalid:
+    Take operation overflowed binary array capacity`` (default_chunk_rows' sample)."""
+    path = tmp_path / "m.parquet"
+    table = _one_value_table(400, "x" * (10 << 20), dictionary=True)
+    pq.write_table(table, path, use_dictionary=True, compression="zstd")
+    assert path.stat().st_size < 4096
+    out = tmp_path / "o" / "c.arrow"
+    want = (
+        f"{path}: caption column 'caption_llava', row 0 (key 100): a caption of 10485760 "
+        "bytes, over the limit of 1048576 bytes (data.max_caption_bytes)"
+    )
+    for num_proc in (1, 3):
+        with pytest.raises(MetadataError) as info:
+            write_sorted_captions(path, out, num_proc=num_proc)
+        assert str(info.value) == want and info.value.path == str(path)
+    assert list(out.parent.iterdir()) == []  # no spill, no output
+    with pytest.raises(MetadataError) as info:
+        read_captions(path)
+    assert str(info.value) == want
+    # In a fresh process: the dictionary is decoded once (10 MB), the 4 GB the rows stand
+    # for never (~95 MB of growth, imports and the reader's buffers included).
+    got = _caption_stage(path, out)
+    assert got["error"] == want
+    assert got["grown_mb"] < 300, got
+
+
+@pytest.mark.parametrize("use_dictionary", [False, True])
+def test_a_string_caption_over_the_limit_is_refused_naming_its_row(tmp_path, use_dictionary):
+    """A plain string column, its pages plain or dictionary encoded: refused at its first
+    caption over the limit, kept or not (row 5 repeats key 100, a dropped duplicate);
+    a caption of exactly the limit is accepted."""
+    limit = 1000
+    caps = [f"c{i}" for i in range(12)]
+    caps[3] = "y" * limit  # at the limit: accepted
+    caps[5] = "z" * (limit + 1)
+    keys = np.arange(100, 112, dtype=np.int64)
+    keys[5] = 100
+    path = tmp_path / "m.parquet"
+    pq.write_table(
+        pa.table({"key": keys, "caption_llava": caps}),
+        path,
+        use_dictionary=use_dictionary,
+        row_group_size=4,
+    )
+    want = (
+        f"{path}: caption column 'caption_llava', row 5 (key 100): a caption of 1001 bytes, "
+        "over the limit of 1000 bytes (data.max_caption_bytes)"
+    )
+    for num_proc in (1, 2):
+        with pytest.raises(MetadataError) as info:
+            write_sorted_captions(
+                path, tmp_path / "o.arrow", num_proc=num_proc, max_caption_bytes=limit
+            )
+        assert str(info.value) == want
+    with pytest.raises(MetadataError) as info:
+        read_captions(path, max_caption_bytes=limit)
+    assert str(info.value) == want
+    t = write_sorted_captions(path, tmp_path / "o.arrow", max_caption_bytes=limit + 1)
+    _same_table(t, read_captions(path, max_caption_bytes=limit + 1))
+    assert t.lookup([103])[0].to_pylist() == ["y" * limit]
+    with pytest.raises(ValueError, match="max_caption_bytes must be >= 0, got -1"):
+        write_sorted_captions(path, tmp_path / "o.arrow", max_caption_bytes=-1)
+
+
+def test_the_default_limit_is_the_configs():
+    import inspect
+
+    from hf_pipeline.build.captions import MAX_CAPTION_BYTES
+    from hf_pipeline.config import DataConfig
+
+    assert DataConfig().max_caption_bytes == MAX_CAPTION_BYTES == 1 << 20
+    for fn in (read_captions, write_sorted_captions):
+        assert inspect.signature(fn).parameters["max_caption_bytes"].default == MAX_CAPTION_BYTES
+
+
+def test_caption_lengths_decode_nothing():
+    from hf_pipeline.build.caption_bounds import caption_lengths
+
+    values = pa.array(["ab", "cdef", ""])
+    d = pa.DictionaryArray.from_arrays(pa.array([1, None, 0, 2, 1], pa.int8()), values)
+    assert caption_lengths(d).tolist() == [4, 0, 2, 0, 4]
+    assert caption_lengths(d.slice(2)).tolist() == [2, 0, 4]
+    big = pa.DictionaryArray.from_arrays(
+        pa.array([0, 1], pa.int32()), pa.array(["a", "bcd"], pa.large_string())
+    )
+    assert caption_lengths(big).tolist() == [1, 3]
+    plain = pa.array(["x", None, "yz"])
+    assert caption_lengths(plain).tolist() == [1, 0, 2]
+    assert caption_lengths(plain.cast(pa.string_view())).tolist() == [1, 0, 2]
+    assert caption_lengths(pa.array([None, None])).tolist() == [0, 0]
+    bad = pa.DictionaryArray.from_arrays(pa.array([0, 5], pa.int32()), values, safe=False)
+    with pytest.raises(ValueError, match="dictionary index outside its 3 values"):
+        caption_lengths(bad)
+
+
+def test_a_dictionary_page_bounds_the_read_batches(tmp_path, monkeypatch):
+    """One row of a dictionary-encoded page may stand for the page's longest value: a
+    string column's batches are sized by it (measured on a one-row dictionary read), not
+    only by the column's uncompressed size per row, which counts that value once."""
+    import hf_pipeline.build.caption_sort as cs
+
+    path = tmp_path / "m.parquet"
+    pq.write_table(_one_value_table(3000, "v" * 5000, dictionary=False), path)
+    meta = pq.ParquetFile(path).metadata
+    assert meta.row_group(0).column(1).has_dictionary_page
+    assert meta.row_group(0).column(1).total_uncompressed_size < 3000 * 100
+    monkeypatch.setattr(cs, "_SLICE_BYTES", 50_000)
+    reader, rows = cs.caption_reader(str(path), meta, "caption_llava", 0)
+    reader.close()
+    assert rows == 10  # 50_000 // 5000
+    # Plain pages: by the uncompressed size per row.
+    pq.write_table(_one_value_table(3000, "v" * 5000, dictionary=False), path, use_dictionary=False)
+    meta = pq.ParquetFile(path).metadata
+    reader, rows = cs.caption_reader(str(path), meta, "caption_llava", 0)
+    reader.close()
+    assert 9 <= rows <= 10
+
+
+def test_captions_in_slices_and_pieces_make_the_same_table(tmp_path, monkeypatch):
+    """More caption bytes than a slice (scatter) or a piece (gather) holds: taken and
+    gathered in parts, the same table; a chunk that holds more than its estimate is
+    several record batches."""
+    import hf_pipeline.build.caption_sort as cs
+
+    path = tmp_path / "m.parquet"
+    pq.write_table(_messy_table(600, seed=3), path, row_group_size=250)
+    dict_path = tmp_path / "d.parquet"
+    table = _messy_table(600, seed=4)
+    col = table.column("caption_llava").dictionary_encode()
+    pq.write_table(table.set_column(1, "caption_llava", col), dict_path, row_group_size=250)
+    monkeypatch.setattr(cs, "_SLICE_BYTES", 700)
+    monkeypatch.setattr(cs, "_PIECE_BYTES", 1500)
+    for p in (path, dict_path):
+        ref = read_captions(p)
+        for num_proc in (1, 3):
+            t = write_sorted_captions(p, tmp_path / "o.arrow", num_proc=num_proc, chunk_rows=100)
+            _same_table(t, ref)
+            assert t.num_chunks > -(-len(ref) // 100)  # pieces
+
+
+@pytest.mark.slow
+def test_more_than_2_gib_of_captions_under_the_limit_in_bounded_memory(tmp_path):
+    """2100 rows sharing one dictionary value of 1 MiB - 1 bytes (8 KB of parquet): 2.05 GiB
+    of captions, each under the default limit. Before: ``ArrowInvalid: Take operation
+    overflowed binary array capacity`` at 2.1 GB of growth. Now the table is written,
+    growing a fresh process's memory by ~1.1 GB (num_proc 2: 3 pieces of ~128 MiB in
+    flight, each held ~3 times)."""
+    n, size = 2100, (1 << 20) - 1
+    path = tmp_path / "m.parquet"
+    table = _one_value_table(n, "w" * size, dictionary=True)
+    keys = table.column("key").to_numpy()[::-1].copy()  # reversed: every row moves
+    pq.write_table(table.set_column(0, "key", pa.array(keys)), path, compression="zstd")
+    assert path.stat().st_size < 64 * 1024 and n * size > 2**31
+    got = _caption_stage(path, tmp_path / "c.arrow", num_proc=2)
+    assert (got["rows"], got["bytes"], got["keys"]) == (n, n * size, [100, 100 + n - 1]), got
+    assert got["grown_mb"] < 1600, got
+
+
+def test_a_part_s_captions_are_written_in_batches_a_string_array_holds(tmp_path, monkeypatch):
+    """A ``text`` unit's record batches are cut by bytes too (``datasets``' string column
+    has 32-bit offsets): the same captions, in more batches."""
+    from datasets import Dataset
+
+    import hf_pipeline.build.parts as parts
+
+    keys = np.arange(30, dtype=np.int64)
+    rows = tmp_path / "rows.arrow"
+    schema = pa.schema([("key", pa.int64()), ("drop_reason", pa.string())])
+    with pa.OSFile(str(rows), "wb") as fh, pa.ipc.new_stream(fh, schema) as writer:
+        writer.write_table(pa.table({"key": keys, "drop_reason": [""] * 30}, schema=schema))
+    caps = [None if i % 7 == 0 else f"caption {i} " * (i % 5) for i in range(30)]
+    table = CaptionTable(keys, pa.array(caps, pa.large_string()))
+
+    class Probe:
+        def check(self):
+            pass
+
+    monkeypatch.setattr(parts, "_WRITE_BYTES", 40)
+    parts.text_part([rows], table=table, probe=Probe(), out_dir=tmp_path / "u", batch_rows=8)
+    out = tmp_path / "u" / "captions" / "data.arrow"
+    with pa.memory_map(str(out)) as src:
+        batches = list(pa.ipc.open_stream(src))
+    assert len(batches) > 4  # more than the 4 of 8 rows
+    assert all(b.num_rows <= 8 for b in batches)
+    assert all(
+        sum(len(c) for c in b.column(0).to_pylist()) <= 40 or b.num_rows == 1 for b in batches
+    )
+    got = Dataset.from_file(str(out))["caption"]
+    assert got == [c or "" for c in caps]

@@ -5,7 +5,7 @@
 assembly, ``linked`` what a cache's marker records of the stored files it links and
 their check, ``part_store`` the parts' identity and their store for every later cache,
 ``accounting`` the drop reasons and the report, ``shards`` and ``captions``
-(with ``caption_sort``) read and validate the inputs.
+(with ``caption_sort`` and ``caption_bounds``) read and validate the inputs.
 
 Internal: import the public API from ``hf_pipeline`` itself; these modules may move.
 """

@@ -27,10 +27,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from hf_pipeline.build.accounting import sorted_unique
+from hf_pipeline.build.caption_bounds import as_large_string, caption_lengths, too_long
 from hf_pipeline.build.caption_sort import (
     MAX_CHUNKS,
     Spill,
-    as_large_string,
     default_chunk_rows,
     open_parquet,
     scatter,
@@ -42,6 +42,7 @@ __all__ = [
     "BAD_CAPTION_ENCODING",
     "EMPTY_CAPTION",
     "KEEP",
+    "MAX_CAPTION_BYTES",
     "NO_CAPTION",
     "REASONS",
     "CaptionTable",
@@ -61,6 +62,10 @@ EMPTY_CAPTION = "empty_caption"
 #: The caption's bytes are not UTF-8 although its column is typed string (a writer that
 #: did not validate): it cannot be tokenized, so it costs its row, not the build.
 BAD_CAPTION_ENCODING = "bad_caption_encoding"
+#: The longest caption accepted by default, in bytes (``data.max_caption_bytes``'s default):
+#: COYO's captions hold a few hundred bytes, and the encoder tokenizes only a caption's
+#: first ``max(65536, 16 x max_length)`` characters anyway.
+MAX_CAPTION_BYTES = 1 << 20
 #: Reason names indexed by the codes :func:`classify` returns (``REASONS[code]``).
 REASONS: tuple[str, ...] = (KEEP, NO_CAPTION, EMPTY_CAPTION, BAD_CAPTION_ENCODING)
 
@@ -210,9 +215,10 @@ class CaptionTable:
             keys: integer keys, any order, duplicates allowed.
 
         Returns:
-            ``(captions, found)``: a ``pa.StringArray`` aligned with ``keys`` (null where
-            the key is absent or its caption is null) and a bool array, True where the key
-            has a metadata row.
+            ``(captions, found)``: a ``pa.LargeStringArray`` aligned with ``keys`` (null
+            where the key is absent or its caption is null) and a bool array, True where
+            the key has a metadata row. 64-bit offsets: a part's lookup may hold more
+            than 2 GiB of captions, each up to ``data.max_caption_bytes``.
         """
         query = _as_query(keys)
         found = np.zeros(query.shape, dtype=bool)
@@ -230,9 +236,7 @@ class CaptionTable:
             back = np.empty(query.size, dtype=np.int64)
             back[np.concatenate(where)] = np.arange(query.size)
             taken = pc.take(pa.concat_arrays(parts), pa.array(back))
-        # Lookups are per batch (far below 2 GiB), so the plain string type is safe and
-        # what `datasets` expects for a text column.
-        return taken.cast(pa.string()), found
+        return taken, found
 
     def count_absent(self, latent_keys: np.ndarray | Iterable[int]) -> int:
         """Metadata keys that have no latents (the build report's ``no_latents``).
@@ -433,6 +437,7 @@ def read_captions(
     *,
     key_column: str = "key",
     caption_column: str = "caption_llava",
+    max_caption_bytes: int = MAX_CAPTION_BYTES,
 ) -> CaptionTable:
     """Read the key and caption columns of a metadata parquet into a :class:`CaptionTable`.
 
@@ -446,19 +451,23 @@ def read_captions(
     stored integer index is then used as the key. Rows with a duplicate key keep the
     first occurrence (file order); the others are counted in ``duplicate_meta_rows``.
     Rows with a null key are dropped and counted in ``null_key_rows``. Null captions are
-    kept (they classify as ``no_caption``).
+    kept (they classify as ``no_caption``). A caption longer than ``max_caption_bytes``
+    (in any row, kept or not) is refused; a column stored as an Arrow dictionary is
+    measured before it is decoded, any other is read whole first (in memory, as said).
 
     Args:
         path: the parquet file.
         key_column: integer key column (or index name).
         caption_column: string caption column.
+        max_caption_bytes: the longest caption accepted, in bytes.
 
     Returns:
         The deduplicated, key-sorted table (one chunk).
 
     Raises:
         MetadataError: the file is missing or not parquet, a column is missing (the
-            message lists the columns that exist), or a column has the wrong type.
+            message lists the columns that exist), a column has the wrong type, or a
+            caption is longer than ``max_caption_bytes``.
     """
     path = os.fspath(path)
     pf, key_field = _open_metadata(path, key_column, caption_column)
@@ -473,9 +482,24 @@ def read_captions(
     key_arr = table.column(key_field)
     captions = table.column(caption_column)
     del table  # drop our reference so the row-group buffers can be freed early
-    if not pa.types.is_large_string(captions.type):
-        # 64-bit offsets: the production caption column holds more than 2 GiB of text.
-        captions = captions.cast(pa.large_string())
+    first_row = 0
+    for chunk in captions.chunks:
+        try:
+            lengths = caption_lengths(chunk)
+        except ValueError as exc:
+            raise MetadataError(path, f"cannot read column {caption_column!r}: {exc}") from None
+        over = np.flatnonzero(lengths > max_caption_bytes)
+        if over.size:
+            row = first_row + int(over[0])
+            size = int(lengths[over[0]])
+            raise MetadataError(
+                path, too_long(caption_column, row, key_arr[row].as_py(), size, max_caption_bytes)
+            )
+        first_row += len(chunk)
+    # 64-bit offsets: the production caption column holds more than 2 GiB of text.
+    captions = pa.chunked_array(
+        [as_large_string(c) for c in captions.chunks], type=pa.large_string()
+    )
     # take() on a many-chunk ChunkedArray concatenates it first, every call; one linear
     # concatenation here is cheaper overall.
     captions = captions.combine_chunks() if captions.num_chunks != 1 else captions.chunk(0)
@@ -504,6 +528,7 @@ def write_sorted_captions(
     caption_column: str = "caption_llava",
     num_proc: int = 1,
     chunk_rows: int = 0,
+    max_caption_bytes: int = MAX_CAPTION_BYTES,
 ) -> CaptionTable:
     """Write the caption table of a metadata parquet to an Arrow IPC file, in bounded memory.
 
@@ -523,11 +548,16 @@ def write_sorted_captions(
 
     Memory: about 80 bytes per metadata row while the keys are sorted (0.9 GB at 11M
     rows), then 16 bytes per row plus ``num_proc`` + 1 chunks of captions in flight (a
-    chunk is ~64 MiB of text unless ``chunk_rows`` says otherwise); no Python object per
-    row. Disk: room for the captions twice (spill and output) while it runs. The file is
-    published atomically (temp file, fsync, ``os.replace``); on error nothing is left
-    behind. Several processes writing the same table to the same path is safe (last
-    wins, identical content).
+    chunk is ~64 MiB of text unless ``chunk_rows`` says otherwise; one that turns out
+    to hold more is gathered in pieces of at most ~128 MiB); no Python object per
+    row. Captions are read in batches of ~64 MiB at most by the file's own sizes (a
+    dictionary page's longest value included: one row may stand for it), each caption
+    measured as it is read (a column stored as an Arrow dictionary: before it is
+    decoded), and one longer than ``max_caption_bytes`` is refused naming its row, so a
+    small file cannot make it decode gigabytes at once. Disk: room for the captions
+    twice (spill and output) while it runs. The file is published atomically (temp
+    file, fsync, ``os.replace``); on error nothing is left behind. Several processes
+    writing the same table to the same path is safe (last wins, identical content).
 
     Args:
         meta_path: the metadata parquet file.
@@ -536,6 +566,7 @@ def write_sorted_captions(
         caption_column: string caption column.
         num_proc: threads reading row groups and gathering chunks (both release the GIL).
         chunk_rows: rows per output chunk; 0 picks ~64 MiB of captions a chunk.
+        max_caption_bytes: the longest caption accepted, in bytes.
 
     Returns:
         The table, memory-mapped from ``out_path`` (nothing of it held in memory).
@@ -543,12 +574,14 @@ def write_sorted_captions(
     Raises:
         MetadataError: as :func:`read_captions`, or a row group holds fewer or more rows
             than the file's metadata says.
-        ValueError: ``num_proc`` or ``chunk_rows`` out of range.
+        ValueError: ``num_proc``, ``chunk_rows`` or ``max_caption_bytes`` out of range.
     """
     if num_proc < 1:
         raise ValueError(f"num_proc must be >= 1, got {num_proc}")
     if chunk_rows < 0:
         raise ValueError(f"chunk_rows must be >= 0, got {chunk_rows}")
+    if max_caption_bytes < 0:
+        raise ValueError(f"max_caption_bytes must be >= 0, got {max_caption_bytes}")
     path = os.fspath(meta_path)
     out = Path(out_path)
     t0 = time.monotonic()
@@ -584,7 +617,10 @@ def write_sorted_captions(
     )
     t1 = time.monotonic()
     try:
-        scatter(pf, path, caption_column, dest, spill, num_proc)
+        scatter(
+            pf, path, caption_column, dest, spill, num_proc,
+            max_caption_bytes=max_caption_bytes, key_at=_key_reader(path, pf, key_field),
+        )  # fmt: skip
         del dest
         t2 = time.monotonic()
 
@@ -609,6 +645,26 @@ def write_sorted_captions(
         time.monotonic() - t2,
     )
     return CaptionTable.open(out)
+
+
+def _key_reader(path: str, pf, key_field: str):
+    """``key_at(file row)``: the key of one row, read from its row group's key column
+    (for a message: called at most once), or None when it cannot be read."""
+    meta = pf.metadata
+    starts = np.cumsum([0] + [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
+
+    def key_at(row: int) -> object:
+        rg = int(np.searchsorted(starts, row, side="right")) - 1
+        reader = open_parquet(path, metadata=meta)  # this thread's own reader
+        try:
+            keys = reader.read_row_group(rg, columns=[key_field], use_pandas_metadata=False)
+            return keys.column(0)[row - int(starts[rg])].as_py()
+        except (pa.ArrowInvalid, OSError, IndexError):
+            return None
+        finally:
+            reader.close()
+
+    return key_at
 
 
 def _open_metadata(path: str, key_column: str, caption_column: str):

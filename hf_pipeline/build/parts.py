@@ -78,6 +78,9 @@ log = logging.getLogger(__name__)
 #: The final drop reason of every row of the stage, in row order (one string column).
 REASONS_FILE = "reasons.arrow"
 _PARTS = "parts"
+#: Caption bytes of one record batch of a ``text`` unit at most (a caption alone may
+#: exceed it, up to data.max_caption_bytes' bound): far below the 2 GiB of a string array.
+_WRITE_BYTES = 256 * 2**20
 #: What the build report lists of each part (``join``, the encoder wait and its
 #: loading: where the part's time went; absent from parts published before them).
 _PART_REPORT = (
@@ -194,6 +197,7 @@ def text_part(
     from datasets import Features, Value
     from datasets.arrow_writer import ArrowWriter
 
+    from hf_pipeline.build.caption_bounds import byte_slices
     from hf_pipeline.build.captions import BAD_CAPTION_ENCODING, classify, reason_names
 
     t0 = time.monotonic()
@@ -210,19 +214,26 @@ def text_part(
     bad = pa.array(reason_names(codes) == BAD_CAPTION_ENCODING)
     caps = caps.cast(pa.large_binary()) if len(caps) else pa.array([], pa.large_binary())
     text = pc.if_else(bad, pa.scalar(None, caps.type), caps).fill_null(b"")
-    text = text.cast(pa.large_string()).cast(pa.string())
+    lengths = pc.binary_length(text).to_numpy(zero_copy_only=False)
+    text = text.cast(pa.large_string())  # 64-bit offsets until written: see below
     reasons = pa.array(why.tolist() if len(why) else [], pa.string())
     features = Features({"caption": Value("string"), "drop_reason": Value("string")})
     out = out_dir / "captions" / "data.arrow"
     probe.check()  # never re-create a lost lease's folder
     out.parent.mkdir(parents=True, exist_ok=True)
     with ArrowWriter(features=features, path=str(out)) as writer:
-        for start in range(0, len(keys), max(1, batch_rows)):
+        step = max(1, batch_rows)
+        for start in range(0, len(keys), step):
             probe.check()
-            stop = start + batch_rows
-            writer.write_table(
-                pa.table({"caption": text[start:stop], "drop_reason": reasons[start:stop]})
-            )
+            stop = min(start + step, len(keys))
+            # `datasets`' string column has 32-bit offsets: a record batch of captions
+            # near data.max_caption_bytes is cut by bytes too. Copied (concat) rather
+            # than sliced: a slice's offsets beyond 2 GiB of the part do not cast.
+            for lo, hi in byte_slices(lengths[start:stop], _WRITE_BYTES):
+                piece = pa.concat_arrays([text[start + lo : start + hi]]).cast(pa.string())
+                writer.write_table(
+                    pa.table({"caption": piece, "drop_reason": reasons[start + lo : start + hi]})
+                )
         writer.finalize()
     return {
         "rows_in": int(len(keys)),

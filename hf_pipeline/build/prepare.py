@@ -293,6 +293,7 @@ def _save_captions(cfg: Config, inputs: Inputs, path: Path):
         key_column=cfg.data.key_column,
         caption_column=cfg.data.caption_column,
         num_proc=cfg.build.effective_num_proc,
+        max_caption_bytes=cfg.data.max_caption_bytes,
     )
     log.info("captions: %d keys from %s", len(table), meta_path)
     return table
@@ -727,7 +728,8 @@ _RESOLUTIONS: dict[str, int] = {}  # resolutions of each config so far, this pro
 #: copies and caches legitimately differ.
 _AGREED_FIELDS = (
     "name",
-    *(f"data.{f}" for f in ("key_column", "caption_column", "on_missing", "on_bad_rows", "demo")),
+    *(f"data.{f}" for f in ("key_column", "caption_column", "max_caption_bytes", "on_missing",
+                            "on_bad_rows", "demo")),
     *(f"encoder.{f}" for f in ("model", "revision", "max_length", "dtype", "output_dtype",
                                "normalize")),
     *(f"build.{f}" for f in ("latent_dtype", "parallel", "part_shards", "pull_from")),

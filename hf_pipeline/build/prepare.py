@@ -1318,11 +1318,22 @@ def _ensure_parts(
             return {"keys": len(table), "seconds": round(time.monotonic() - t0, 3)}
 
         cid = captions_id(cfg, inputs.metadata.identity())
-        cap = ensure_built(
-            store / f"captions-{cid}", cid, [_stage("captions", captions, pools=False)],
-            builder=me == 0, **timing,
-        )["captions"]  # fmt: skip
-        captions_path = store / f"captions-{cid}" / cap.directory / "captions.arrow"
+        for attempt in range(2):
+            cap = ensure_built(
+                store / f"captions-{cid}", cid, [_stage("captions", captions, pools=False)],
+                builder=me == 0, **timing,
+            )["captions"]  # fmt: skip
+            captions_path = store / f"captions-{cid}" / cap.directory / "captions.arrow"
+            if attempt == 0 and not captions_path.is_file():
+                # Removed since it was found (`hf-pipeline clean` that looked before this
+                # build took its lease, or by hand): found again, or built again. Once
+                # open, the table is memory-mapped and a removal no longer matters.
+                log.warning(
+                    "the caption table %s was removed while this build ran (by "
+                    "`hf-pipeline clean` or by hand): building it again", captions_path.parent,
+                )  # fmt: skip
+                continue
+            break
         table = CaptionTable.open(str(captions_path))
 
         def join_builder(part):
@@ -1451,6 +1462,13 @@ def _ensure_parts(
             why = retire_damaged(unit_dir, unit_id, kind)
             if why is None:
                 checked[unit_dir] = marker.directory
+            elif not (unit_dir / marker.directory).is_dir():
+                # Its whole folder is gone: removed since this build found it, not damaged
+                # (no complete cache linked it, or `clean` would have kept it).
+                log.warning(
+                    "the stored part %s was removed while this build ran (by `hf-pipeline "
+                    "clean` or by hand): building it again", unit_dir.name,
+                )  # fmt: skip
             else:
                 log.warning(
                     "the stored part %s is damaged (%s): building it again; the caches "

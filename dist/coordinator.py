@@ -181,7 +181,7 @@ from dist.markers import (
     publish_marker,
     read_json,
 )
-from dist.safepath import shown
+from dist.safepath import own_folder, shown
 from dist.timing import timing_problem
 
 __all__ = [
@@ -523,7 +523,7 @@ class _Coordinator:
         if not _writable(self.cache_dir):
             raise readonly_error(self.cache_dir)
         try:
-            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            own_folder(self.cache_dir.parent, self.cache_dir.name)  # never a link (above)
         except OSError as e:
             if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
                 raise readonly_error(self.cache_dir, f" ({e.strerror})") from e
@@ -772,7 +772,13 @@ class _Coordinator:
         planted): the inventory does not count it as a cache, so building into it or
         serving its markers would give a cache that ``--status`` and ``--clean`` do not
         know, or another cache's files under this fingerprint. A symlink or a file of
-        another format there is not ours either (create_new never writes a link)."""
+        another format there is not ours either (create_new never writes a link).
+
+        Nor is a symlink (or a file) in the cache folder's own place: someone who can
+        write in a shared root may have aimed it at a folder of theirs or of the user's,
+        which the build would fill and whose stage-named folders the builder removes
+        (a real folder only, as :func:`dist.safepath.own_folder` checks)."""
+        own_folder(self.cache_dir.parent, self.cache_dir.name, create=False)
         found = identity_fingerprint(self.cache_dir)
         if found is None or found == self.fingerprint:
             return

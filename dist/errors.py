@@ -104,9 +104,12 @@ class ReadOnlyCacheError(_MessagePathError, PermissionError):
 class ForeignCacheFolderError(_MessagePathError, ValueError):
     """The cache folder holds an identity file of another fingerprint (copied, renamed,
     or planted): not this cache's folder, so nothing is built into it or read from it.
+    Also: a symlink or a file where hf_pipeline keeps a folder of its own (a cache
+    folder, ``.staging``, ``.parts``...: :func:`dist.safepath.own_folder`), which it
+    never writes or removes through.
 
     Attributes:
-        path: the folder.
+        path: the folder (or the link in its place).
     """
 
 

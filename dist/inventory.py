@@ -39,9 +39,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import errno
 import json
 import os
-import shutil
 import socket
 import stat
 import sys
@@ -80,7 +80,7 @@ from dist.markers import (
     parse_marker,
     read_json,
 )
-from dist.safepath import UnsafePathError, join_under, shown
+from dist.safepath import UnsafePathError, join_under, remove_tree_at, shown
 
 __all__ = [
     "DEFAULT_STAGES",
@@ -1202,85 +1202,130 @@ def verify_findings(cache: str | os.PathLike[str], done: Mapping[str, Marker]) -
     ]
 
 
-def _rmtree_errors(folder: Path, stages: Sequence[str] | None = None) -> list[str]:
-    """Delete ``folder`` (rmtree never follows a symlink: it unlinks the link); the
-    identity file and markers last, so an interrupted removal is still known as a cache
-    (and the next ``clean`` finishes it). With ``stages`` (``folder`` is a cache) only
-    the entries the project wrote (:func:`_ours`): the rest, and so ``folder``, stay.
-    Returns what could not be removed."""
-    errors: list[str] = []
-    foreign = [] if stages is None else _foreign(folder, stages)
-    if foreign:
-        errors.append(
-            f"{folder}: kept, it holds what hf_pipeline did not write: "
-            f"{_shown_foreign(folder, foreign)}"
-        )
+def _open_folder(root: Path, folder: Path) -> int:
+    """``folder`` (``root`` or a folder below it) opened as a descriptor: ``root`` as
+    the user gave it (it may be a symlink), each level below it with ``O_NOFOLLOW``, so
+    a folder swapped for a link since it was looked at is never followed (``ELOOP``).
 
-    def note_exc(_func: Any, path: str, exc: BaseException) -> None:
-        if not isinstance(exc, FileNotFoundError):
-            errors.append(f"{path}: {exc}")
-
-    # Python 3.12 renamed rmtree's error hook (onerror, deprecated, took exc_info).
-    hook = (
-        {"onexc": note_exc}
-        if sys.version_info >= (3, 12)
-        else {"onerror": lambda f, p, info: note_exc(f, p, info[1])}
-    )
-
+    Raises:
+        OSError: a level is a link (``ELOOP``), not a folder, or missing.
+        ValueError: ``folder`` is not ``root`` or below it.
+    """
+    parts = folder.relative_to(root).parts
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        names = sorted(os.listdir(folder), key=lambda n: (n == IDENTITY_FILE, n.endswith(".json")))
+        for part in parts:
+            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _rmtree_errors(
+    folder: Path, parent_fd: int, expect: os.stat_result, stages: Sequence[str] | None = None
+) -> list[str]:
+    """Delete ``folder`` (an entry of the folder open as ``parent_fd``, which must be
+    the folder ``expect`` describes: one swapped meanwhile is left); the identity file
+    and markers last, so an interrupted removal is still known as a cache (and the
+    next ``clean`` finishes it). With ``stages`` (``folder`` is a cache) only the
+    entries the project wrote (:func:`_ours`): the rest, and so ``folder``, stay.
+    Every step is relative to the open folder (:func:`dist.safepath.remove_tree_at`):
+    a symlink is unlinked, never followed, and a folder swapped for one while this runs
+    takes nothing outside with it. Returns what could not be removed."""
+    swapped = f"{folder}: no longer the folder renamed there (swapped meanwhile), left as it is"
+    try:
+        fd = os.open(folder.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent_fd)
     except OSError as e:
-        return [f"{folder}: {e}"]
-    for name in names:
-        p = folder / name
-        st = _lstat(p)
-        if st is None or name in foreign:
-            continue
-        if stat.S_ISDIR(st.st_mode):
-            shutil.rmtree(p, **hook)
-        else:
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                errors.append(f"{p}: {e}")
+        # A symlink (or a file) put in its place since the rename: never followed.
+        return [swapped if e.errno in (errno.ELOOP, errno.ENOTDIR) else f"{folder}: {e}"]
+    errors: list[str] = []
+    try:
+        if not os.path.samestat(expect, os.fstat(fd)):
+            return [swapped]
+        try:
+            names = os.listdir(fd)
+        except OSError as e:
+            return [f"{folder}: {e}"]
+        foreign = [] if stages is None else sorted(_foreign_at(fd, names, stages))
+        if foreign:
+            errors.append(
+                f"{folder}: kept, it holds what hf_pipeline did not write: "
+                f"{_shown_foreign(folder, foreign)}"
+            )
+        for name in sorted(names, key=lambda n: (n == IDENTITY_FILE, n.endswith(".json"))):
+            if name not in foreign:
+                remove_tree_at(fd, name, folder, errors)
+    finally:
+        os.close(fd)
     if foreign:
         return errors
     try:
-        os.rmdir(folder)
+        os.rmdir(folder.name, dir_fd=parent_fd)
     except OSError as e:
         errors.append(f"{folder}: {e}")
     return errors
 
 
-def _remove(path: Path, stages: Sequence[str] | None = None) -> list[str]:
-    """Remove ``path``; what could not be removed, one line each ([] when all went).
+def _foreign_at(fd: int, names: Sequence[str], stages: Sequence[str]) -> list[str]:
+    """:func:`_foreign` of the folder open as ``fd`` (its ``names``)."""
+    out = []
+    for name in names:
+        try:
+            link = stat.S_ISLNK(os.lstat(name, dir_fd=fd).st_mode)
+        except OSError:
+            continue  # gone
+        inner = parse_trash_name(name) if link else name
+        if inner is None or not is_project_entry(inner, stages):
+            out.append(name)
+    return out
+
+
+def _remove(root: Path, path: Path, stages: Sequence[str] | None = None) -> list[str]:
+    """Remove ``path`` (``root`` or below it); what could not be removed, one line each
+    ([] when all went).
 
     A folder is renamed first so nobody ever sees (or resumes from) a half-deleted one;
     a symlink is only ever unlinked itself. With ``stages`` (``path`` is a cache whose
     every entry the project wrote when it was looked at) only the project's entries
-    are deleted (:func:`_rmtree_errors`).
+    are deleted (:func:`_rmtree_errors`). Every step is relative to ``path``'s folder,
+    opened level by level from ``root`` without following a link (:func:`_open_folder`):
+    a folder of the root swapped for a symlink after it was judged (someone who can
+    write in a shared root) makes this leave it, never remove through it.
     """
-    st = _lstat(path)
-    if st is None:
-        return []
-    if not stat.S_ISDIR(st.st_mode):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            return [f"{path}: {e}"]
-        return []
-    trash = path.with_name(trash_name(path.name))
     try:
-        os.rename(path, trash)
+        pfd = _open_folder(root, path.parent)
     except FileNotFoundError:
         return []
-    except OSError as e:
-        return [f"{path}: {e}"]
-    return _rmtree_errors(trash, stages)
+    except (OSError, ValueError) as e:
+        return [f"{path}: {path.parent} cannot be opened as a folder of the root ({e})"]
+    try:
+        try:
+            st = os.lstat(path.name, dir_fd=pfd)
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            return [f"{path}: {e}"]
+        if not stat.S_ISDIR(st.st_mode):
+            try:
+                os.unlink(path.name, dir_fd=pfd)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                return [f"{path}: {e}"]
+            return []
+        trash = path.with_name(trash_name(path.name))
+        try:
+            os.rename(path.name, trash.name, src_dir_fd=pfd, dst_dir_fd=pfd)
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            return [f"{path}: {e}"]
+        return _rmtree_errors(trash, pfd, st, stages)
+    finally:
+        os.close(pfd)
 
 
 def _complete_targets(
@@ -1373,7 +1418,7 @@ def clean(
         if dry_run:
             for st in _regular_files(target):
                 going[(st.st_dev, st.st_ino)] = going.get((st.st_dev, st.st_ino), 0) + 1
-        errors = [] if dry_run else _remove(target, stages_of)
+        errors = [] if dry_run else _remove(Path(root), target, stages_of)
         if errors:
             more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
             left.append((target, f"could not remove all of it: {errors[0]}{more}"))
@@ -1466,20 +1511,30 @@ def clean(
                 continue
             trash = job.path.with_name(trash_name(job.path.name))
             try:
-                os.rename(job.path, trash)
-            except OSError as e:
+                # Relative to the jobs' folder opened without following a link: one
+                # swapped for a link since it was listed is left, never renamed in.
+                pfd = _open_folder(Path(root), job.path.parent)
+            except (OSError, ValueError) as e:
                 left.append((job.path, f"could not remove all of it: {e}"))
                 continue
-            again = _job_folder(trash)
-            if again is None or again.state == "live" or again.foreign:
-                # A rank posted (or a file came) between our look and the rename: put
-                # it back where its job reads it.
+            try:
                 try:
-                    os.rename(trash, job.path)
-                    left.append((job.path, "changed while we looked: left as it is"))
+                    os.rename(job.path.name, trash.name, src_dir_fd=pfd, dst_dir_fd=pfd)
                 except OSError as e:
-                    left.append((trash, f"could not put it back: {e}"))
-                continue
+                    left.append((job.path, f"could not remove all of it: {e}"))
+                    continue
+                again = _job_folder(trash)
+                if again is None or again.state == "live" or again.foreign:
+                    # A rank posted (or a file came) between our look and the rename:
+                    # put it back where its job reads it.
+                    try:
+                        os.rename(trash.name, job.path.name, src_dir_fd=pfd, dst_dir_fd=pfd)
+                        left.append((job.path, "changed while we looked: left as it is"))
+                    except OSError as e:
+                        left.append((trash, f"could not put it back: {e}"))
+                    continue
+            finally:
+                os.close(pfd)
             drop(trash)
             if removed and removed[-1] == trash:
                 removed[-1] = job.path

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from dist.markers import MAX_JSON_BYTES, read_regular_bytes
+from dist.safepath import own_folder
 
 __all__ = [
     "JOBS_DIR",
@@ -227,8 +228,11 @@ class FileJobStore:
     a value. Process-safe.
     """
 
-    def __init__(self, folder: Path, poll_interval: float = 0.05):
+    def __init__(self, folder: Path, poll_interval: float = 0.05, *, base: Path | None = None):
         self.folder = Path(folder)
+        #: The user's folder ``folder`` lies in (the cache root of ``<root>/.jobs/<id>``),
+        #: which may be a symlink; the folders below it are made as real folders.
+        self.base = self.folder.parent if base is None else Path(base)
         self._poll = poll_interval
 
     def _path(self, key: str) -> Path:
@@ -242,7 +246,8 @@ class FileJobStore:
         """
         from dist.atomic import create_new
 
-        self.folder.mkdir(parents=True, exist_ok=True)
+        # Real folders below the root (a link someone put there is refused).
+        own_folder(self.base, os.path.relpath(self.folder, self.base).replace(os.sep, "/"))
         path = self._path(key)
         if not create_new(path, value, durable=False):
             raise FileExistsError(errno.EEXIST, "job store key already set", str(path))

@@ -43,6 +43,7 @@ import xxhash
 from dist.atomic import fsync_dir, write_json_atomic
 from dist.errors import LeaseLostError
 from dist.markers import MAX_JSON_BYTES, parse_json, read_json, read_regular_bytes
+from dist.safepath import own_folder
 
 __all__ = [
     "LEASE_FILE",
@@ -183,8 +184,9 @@ def try_claim(cache_dir: Path, lease_id: str, host: str, pid: int) -> bool:
         return False
     except FileNotFoundError:
         # The folder went away while we waited (`prebuild_cache.py --clean` of a dead
-        # builder's cache): make it again and claim it, rather than die on ENOENT.
-        cache_dir.mkdir(parents=True, exist_ok=True)
+        # builder's cache): make it again and claim it, rather than die on ENOENT. A real
+        # folder only: a link put in its place meanwhile is refused, never claimed through.
+        own_folder(cache_dir.parent, cache_dir.name)
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:

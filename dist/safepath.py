@@ -13,16 +13,25 @@ the result is a symlink. Every reader of foreign paths goes through them
 listings, the pull).
 
 A symlink created *after* :func:`join_under` looked is not caught: only someone who can
-already write into the cache folder can do that, and the cache root is trusted.
+already write into the cache folder can do that.
+
+:func:`own_folder` is the same rule for the folders hf_pipeline keeps under a root it was
+given (``.staging/<key>``, ``.parts``, a cache folder...): whoever else can write in a
+shared root may have put a symlink (or a file) at that name beforehand, and what the
+project writes or removes there would land in the link's target. The root itself is
+the user's and may be a link (``HF_HOME -> /mnt/nfs/...``); nothing below it may.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import unicodedata
 from pathlib import Path
 from typing import Any
+
+from dist.errors import ForeignCacheFolderError
 
 __all__ = [
     "MAX_PATH_BYTES",
@@ -32,6 +41,8 @@ __all__ = [
     "check_name",
     "check_relpath",
     "join_under",
+    "own_folder",
+    "remove_tree_at",
     "shown",
 ]
 
@@ -188,3 +199,106 @@ def join_under(
         if checked_dirs is not None and i < len(parts) - 1:
             checked_dirs.add(here)
     return out
+
+
+def own_folder(base: str | os.PathLike[str], rel: str, *, create: bool = True) -> Path:
+    """``base / rel``, a folder hf_pipeline keeps, proven a real folder at every level.
+
+    ``base`` is the user's (a cache root, a configured staging folder) and may be a
+    symlink; it is made if missing. Each part of ``rel`` is made if missing (with
+    ``create``) and then ``lstat``-ed: a symlink, a file or anything else that is not a
+    folder in its place is refused, never followed or replaced (someone who can write
+    in a shared root may have put it there, aiming what the project writes or removes
+    at a folder of theirs or of the user's). Not proof against a folder swapped for a
+    link *after* this look: callers that remove something check again right before.
+
+    Args:
+        base: the folder ``rel`` is relative to.
+        rel: the project's own ``/``-separated folder names (checked as
+            :func:`check_relpath`); ``""``: ``base`` itself, unchecked.
+        create: make what is missing; without it a missing part ends the look (the
+            path is returned; nothing below it exists).
+
+    Raises:
+        ForeignCacheFolderError: a part below ``base`` is a symlink or not a folder;
+            names it.
+        OSError: a folder could not be made (read-only, full, permissions).
+    """
+    here = Path(base)
+    if create:
+        here.mkdir(parents=True, exist_ok=True)
+    for part in check_relpath(rel).split("/") if rel else ():
+        here = here / part
+        if create:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(here)
+        try:
+            mode = os.lstat(here).st_mode
+        except FileNotFoundError:
+            if create:  # removed between our mkdir and lstat: someone is playing games
+                raise
+            return Path(base).joinpath(*rel.split("/"))
+        if not stat.S_ISDIR(mode):
+            what = "a symlink" if stat.S_ISLNK(mode) else "not a folder"
+            raise ForeignCacheFolderError(
+                f"{here}: {what} where hf_pipeline keeps a folder of its own; it writes and "
+                "removes there, so it never follows a link or uses another's file: remove "
+                "it (hf_pipeline makes the folder)",
+                str(here),
+            )
+    return here
+
+
+#: Deepest folder :func:`remove_tree_at` descends (a cache is 4-5 levels deep; beyond,
+#: someone built the tree to exhaust the stack or the descriptors: left, reported).
+_MAX_REMOVE_DEPTH = 64
+
+
+def remove_tree_at(
+    dir_fd: int, name: str, where: Path, errors: list[str], *, _depth: int = 0
+) -> None:
+    """Remove entry ``name`` of the folder open as ``dir_fd``, with all it holds.
+
+    Every step is relative to an open folder (``dir_fd``, then each subfolder opened with
+    ``O_NOFOLLOW`` and checked to be the folder ``lstat`` saw): a folder swapped for a
+    symlink while it runs is never followed, so nothing outside the folder the caller
+    opened can be removed. A symlink is unlinked itself.
+
+    Args:
+        dir_fd: the open folder holding ``name``.
+        name: one entry of it.
+        where: ``dir_fd``'s path, for messages only.
+        errors: what could not be removed is appended here, one line each (``path:
+            why``); a missing entry is not an error.
+    """
+    path = where / name
+    try:
+        st = os.lstat(name, dir_fd=dir_fd)
+        if not stat.S_ISDIR(st.st_mode):
+            os.unlink(name, dir_fd=dir_fd)
+            return
+        if _depth >= _MAX_REMOVE_DEPTH:
+            errors.append(f"{path}: more than {_MAX_REMOVE_DEPTH} folders deep, left")
+            return
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        errors.append(f"{path}: {e}")
+        return
+    try:
+        if not os.path.samestat(st, os.fstat(fd)):
+            errors.append(f"{path}: changed while it was being removed, left")
+            return
+        for inner in os.listdir(fd):
+            remove_tree_at(fd, inner, path, errors, _depth=_depth + 1)
+    except OSError as e:
+        errors.append(f"{path}: {e}")
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        errors.append(f"{path}: {e}")

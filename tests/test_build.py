@@ -823,3 +823,28 @@ def test_the_caption_table_is_written_with_the_fork_server_up_and_quick_gil_hand
     assert interval <= 0.001
     assert server_up, "the fork server imports while the caption table is written"
     assert sys.getswitchinterval() == before
+
+
+@pytest.mark.parametrize("kept", [".demo-data", ".content-index", ".staging", ".parts"])
+def test_a_build_refuses_a_symlink_where_it_keeps_a_folder_in_the_root(tmp_path, kept):
+    """The cache root is shared: someone put a symlink where the build keeps a folder of
+    its own, aimed at a folder of the user's. The build generated the demo there (and
+    removed a losing copy), wrote the content index there, staged and released the
+    shards there, or built every stored part there (and the coordinator removed
+    stage-named folders in it). Now it refuses in one line naming the link, before it
+    writes anything there; the root itself may be a link."""
+    from dist.errors import ForeignCacheFolderError
+    from tests.helpers.victims import Victim
+
+    victim = Victim(tmp_path / "victim")
+    real = tmp_path / "nfs"
+    real.mkdir()
+    root = tmp_path / "hf_home"
+    root.symlink_to(real)  # HF_HOME -> /mnt/nfs/...: fine
+    (real / kept).symlink_to(victim.path)
+    cfg = load_config(None, [*SMALL_DEMO, f"build.cache_dir={root}"], environ={})
+    with pytest.raises(ForeignCacheFolderError) as e:
+        prepare_cache(cfg, progress=False)
+    assert e.value.path == str(root / kept), e.value
+    assert str(e.value).startswith(f"{root / kept}: a symlink where hf_pipeline keeps")
+    victim.assert_untouched()

@@ -37,6 +37,7 @@ from dist.markers import Marker, read_json
 from tests.conftest import run_mount as _mount
 from tests.helpers.dist_job import Job
 from tests.helpers.ports import free_port
+from tests.helpers.victims import Victim
 
 REPO = Path(__file__).resolve().parent.parent
 # Short timings so the whole file runs in well under 3 minutes on 2 cores.
@@ -981,3 +982,40 @@ def test_only_each_hosts_first_rank_reports_its_wait(job, tmp_path, caplog, monk
                      lease_timeout=20, heartbeat_interval=0.2)  # fmt: skip
     waits = [r for r in caplog.records if "waiting for" in r.getMessage()]
     assert waits and {r.levelno for r in waits} == {logging.DEBUG}, waits
+
+
+@pytest.mark.parametrize("builder", [True, False])
+def test_a_symlink_in_the_cache_folders_place_is_refused(tmp_path, builder):
+    """The cache root is shared: someone put a symlink where a cache folder belongs,
+    aimed at a folder of the user's. The coordinator built into it (lease, identity,
+    stage folders, markers) and, once a stage published, removed every stage-named
+    folder there that its marker does not name (`converted.<16 hex>`: a private cache's
+    published stage). Now every process refuses it in one line naming the link; the
+    folder it names is as it was."""
+    from dist.errors import ForeignCacheFolderError
+
+    victim = Victim(tmp_path / "victim")
+    (victim.path / "converted.0123456789abcdef").mkdir()
+    (victim.path / "converted.0123456789abcdef" / "part-0.bin").write_bytes(b"years of work")
+    victim = Victim(victim.path)
+    root = tmp_path / "root"
+    root.mkdir()
+    cache = root / "c-fp"
+    cache.symlink_to(victim.path)
+    with pytest.raises(ForeignCacheFolderError) as info:
+        ensure_built(cache, "fp", STAGES, builder=builder, **QUICK)
+    message = str(info.value)
+    assert message.startswith(f"{cache}: a symlink where hf_pipeline keeps"), message
+    assert "\n" not in message and info.value.path == str(cache)
+    victim.assert_untouched()
+    assert sorted(os.listdir(root)) == ["c-fp"]
+    # The root itself may be a link (HF_HOME -> /mnt/nfs/...): its caches build.
+    cache.unlink()
+    real = tmp_path / "nfs"
+    real.mkdir()
+    linked_root = tmp_path / "hf_home"
+    linked_root.symlink_to(real)
+    if builder:
+        markers = ensure_built(linked_root / "c-fp", "fp", STAGES, builder=True, **QUICK)
+        assert sorted(os.listdir(real / "c-fp")) == _published(markers)
+    victim.assert_untouched()

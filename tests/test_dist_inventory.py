@@ -20,6 +20,7 @@ import pytest
 from dist.markers import check_marker, read_json
 from tests.conftest import PYTHON, REPO, script_env
 from tests.helpers.dist_job import Job
+from tests.helpers.victims import Victim
 
 FAST = ["--poll", "0.05", "--lease-timeout", "1.0", "--heartbeat", "0.2"]
 # The CLI watches leases for 2.5 heartbeat intervals (--clean: at least 1 s).
@@ -635,3 +636,43 @@ def test_what_the_units_of_removed_caches_name_is_bounded_and_ends_at_a_cycle():
     assert _named_by(cycle, ["tokens-a", "embed-a"]) == {"text-a": "tokens-a", "join-a": "tokens-a"}
     chain = [unit(f"u-{i}", f"u-{i + 1}") for i in range(3 * _USES_DEPTH)]
     assert set(_named_by(chain, ["u-0"])) == {f"u-{i}" for i in range(1, _USES_DEPTH + 1)}
+
+
+def test_clean_never_removes_through_a_folder_swapped_for_a_link_while_it_runs(
+    job, tmp_path, monkeypatch
+):
+    """`clean` renames a cache folder to a trash name, then deletes the trash. Someone
+    who can write in a shared root renamed the trash away and put a symlink in its
+    place, aimed at a private cache of the user's elsewhere: the deletion listed and
+    removed that cache's whole content through the link. Now every step after the
+    rename is relative to the folder it renamed (checked to be the one it judged): the
+    link is left, reported, and the private cache is as it was."""
+    from dist.inventory import clean
+
+    root = tmp_path / "shared"
+    root.mkdir()
+    failed = root / "demo-00000000000000f0"
+    _failed(job, failed, "00000000000000f0")
+    private = tmp_path / "home" / "demo-00000000000000e0"
+    _complete(job, private, "00000000000000e0")
+    victim = Victim(private)
+    real_rename = os.rename
+
+    def rename_then_swap(src, dst, **kw):
+        real_rename(src, dst, **kw)
+        name = os.path.basename(dst)
+        if ".trash-" in name and not (root / name).is_symlink():
+            real_rename(root / name, tmp_path / "moved-away")
+            os.symlink(private, root / name)
+
+    monkeypatch.setattr(os, "rename", rename_then_swap)
+    report = clean(root, dry_run=False, observe_s=0.3)
+    monkeypatch.undo()
+    victim.assert_untouched()
+    [(where, why)] = report.left
+    assert where == failed and not failed.exists(), report
+    assert why.startswith("could not remove all of it: ") and why.endswith(
+        "no longer the folder renamed there (swapped meanwhile), left as it is"
+    ), why
+    # The trash-named link itself is removed as such (unlinked, never followed).
+    assert not [n for n in os.listdir(root) if ".trash-" in n]

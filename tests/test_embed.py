@@ -4,6 +4,7 @@ identity of a Hub model (its revision resolved against tests/servers/hub.py)."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -1043,3 +1044,33 @@ def test_tokenize_kept_in_threads_gives_the_tokenizers_own_ids():
     want = [tok([c])[0] if k else [] for c, k in zip(caps, keep, strict=True)]
     assert ids.to_pylist() == want
     assert max(len(w) for w in want) == 48  # truncation was exercised
+
+
+def test_compile_artifacts_never_write_through_a_planted_link(tmp_path, monkeypatch):
+    """The shared `.compiled` folder: the blob's temp name was predictable
+    (`.tmp-<pid>-<key>`) and opened with `open(..., "wb")`, so a symlink put there had
+    the user's file it names truncated and overwritten with the blob; `.compiled` linked
+    to a folder of the user's took the claim and the blob there. Now the temp file is a
+    fresh name created exclusively, and a linked folder is refused naming it."""
+    import torch
+
+    from dist.errors import ForeignCacheFolderError
+    from hf_pipeline.encoder.model import CompileArtifacts
+    from tests.helpers.victims import Victim
+
+    victim = Victim(tmp_path / "victim")
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"blob", None))
+    shared = tmp_path / "root" / ".compiled"
+    shared.mkdir(parents=True)
+    (shared / f".tmp-{os.getpid()}-k").symlink_to(victim.path / "canary.txt")
+    assert CompileArtifacts(shared, "k", wait_s=0).save()
+    assert (shared / "k.bin").read_bytes() == b"blob"
+    victim.assert_untouched()
+    linked = tmp_path / "root2" / ".compiled"
+    linked.parent.mkdir()
+    linked.symlink_to(victim.path)
+    for call in (CompileArtifacts.load, CompileArtifacts.save):
+        with pytest.raises(ForeignCacheFolderError) as e:
+            call(CompileArtifacts(linked, "k", wait_s=0))
+        assert e.value.path == str(linked)
+    victim.assert_untouched()

@@ -440,3 +440,20 @@ def test_local_inputs_are_hashed_once_per_job(tmp_path):
     for rank in (1, 2):
         h = got[rank]["hashing"]
         assert (h["hashed_bytes"], h["hashed_files"], h["index_hits"]) == (0, 0, 5), (rank, h)
+
+
+def test_a_symlinked_index_folder_is_refused_and_nothing_is_written_there(tmp_path):
+    """`.content-index` linked to a folder of the user's (a shared root): the index was
+    written there (and replaced a file of that name). Now refused naming the link."""
+    from dist.errors import ForeignCacheFolderError
+    from tests.helpers.victims import Victim
+
+    data = _data(tmp_path)
+    victim = Victim(tmp_path / "victim")
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / INDEX_DIR).symlink_to(victim.path)
+    with pytest.raises(ForeignCacheFolderError) as e:
+        content_identities(_files(data), index=ContentIndex(root / INDEX_DIR))
+    assert e.value.path == str(root / INDEX_DIR)
+    victim.assert_untouched()

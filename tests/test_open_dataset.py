@@ -171,3 +171,36 @@ def test_open_sample_source_takes_a_cache_folder_path(built_cache):
             assert np.array_equal(src.gather(np.arange(src.num_rows), 0)["keys"], want["keys"])
     with pytest.raises(TypeError, match=r"CacheLayout, a str or an os\.PathLike, got int"):
         open_sample_source(3)
+
+
+@pytest.mark.parametrize("level", ["hf_pipeline-views", "hf_pipeline-views/<view>", "<view>"])
+def test_a_symlinked_view_folder_is_refused_and_nothing_is_written_there(
+    built_cache, tmp_path, level
+):
+    """`HF_HOME` shared: someone linked `hf_pipeline-views` (or a cache's view in it, or
+    the view in a `derived_dir`) to a folder of the user's. `open_dataset` put its links,
+    the folders for them and `datasets`' derived files there. Now refused in one line
+    naming the link. `derived_dir` and `HF_DATASETS_CACHE` are the user's: links there
+    are fine."""
+    from dist.errors import ForeignCacheFolderError
+    from hf_pipeline.cache.layout import dataset_view_dir
+    from tests.helpers.victims import Victim
+
+    victim = Victim(tmp_path / "victim")
+    layout = CacheLayout(Path(built_cache.cache_dir))
+    derived = None
+    if level == "<view>":
+        derived = tmp_path / "derived-link"
+        (tmp_path / "derived").mkdir()
+        derived.symlink_to(tmp_path / "derived")  # the user's own folder: may be a link
+    view = dataset_view_dir(layout, derived)
+    place = view if "<view>" in level else view.parent
+    place.parent.mkdir(parents=True, exist_ok=True)
+    place.symlink_to(victim.path)
+    with pytest.raises(ForeignCacheFolderError) as e:
+        open_dataset(layout, derived_dir=derived)
+    assert e.value.path == str(place), e.value
+    victim.assert_untouched()
+    place.unlink()
+    assert len(open_dataset(layout, derived_dir=derived)) > 0
+    assert view.is_dir() and not view.is_symlink()

@@ -7,6 +7,7 @@ import pickle
 
 import pytest
 
+from dist.errors import ForeignCacheFolderError
 from dist.safepath import (
     MAX_PART_BYTES,
     MAX_PATH_BYTES,
@@ -15,7 +16,10 @@ from dist.safepath import (
     check_name,
     check_relpath,
     join_under,
+    own_folder,
+    remove_tree_at,
 )
+from tests.helpers.victims import Victim
 
 GOOD = [
     "a",
@@ -142,3 +146,84 @@ def test_join_under_checks_each_folder_once_with_a_shared_set(tmp_path):
     assert join_under(tmp_path, "s/rows/b.arrow", checked_dirs=seen)
     with pytest.raises(UnsafePathError, match="is a symlink"):
         join_under(tmp_path, "s/rows/b.arrow", checked_dirs=set())
+
+
+# --------------------------------------------------------------------------- own_folder
+
+
+def test_own_folder_makes_real_folders_below_a_linked_root(tmp_path):
+    """The root is the user's and may be a link (HF_HOME -> /mnt/nfs/...)."""
+    real = tmp_path / "nfs"
+    real.mkdir()
+    root = tmp_path / "hf_home"
+    root.symlink_to(real)
+    assert own_folder(root, ".staging/abc") == root / ".staging" / "abc"
+    assert (real / ".staging" / "abc").is_dir() and not (real / ".staging").is_symlink()
+    assert own_folder(root, ".staging/abc") == root / ".staging" / "abc"  # found: fine
+    assert own_folder(root, "") == root
+    # Without create: what is missing ends the look, nothing is made.
+    assert own_folder(root, ".parts/x", create=False) == root / ".parts" / "x"
+    assert not (real / ".parts").exists()
+
+
+@pytest.mark.parametrize("level", [".staging", ".staging/abc", ".staging/abc/.ctl"])
+@pytest.mark.parametrize("create", [True, False])
+def test_own_folder_refuses_a_symlink_below_the_root_and_writes_nothing_there(
+    tmp_path, level, create
+):
+    victim = Victim(tmp_path / "victim")
+    root = tmp_path / "root"
+    (root / level).parent.mkdir(parents=True, exist_ok=True)
+    (root / level).symlink_to(victim.path)
+    with pytest.raises(ForeignCacheFolderError, match="a symlink where hf_pipeline keeps") as e:
+        own_folder(root, ".staging/abc/.ctl/run", create=create)
+    assert e.value.path == str(root / level)
+    assert str(e.value).startswith(f"{root / level}: ") and "\n" not in str(e.value)
+    victim.assert_untouched()
+    # A dangling link is no folder either (mkdir would have said "exists").
+    (root / level).unlink()
+    (root / level).symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ForeignCacheFolderError):
+        own_folder(root, ".staging/abc/.ctl/run", create=create)
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_own_folder_refuses_a_file_in_a_folders_place(tmp_path):
+    (tmp_path / ".parts").write_text("a file")
+    with pytest.raises(ForeignCacheFolderError, match="not a folder where hf_pipeline keeps"):
+        own_folder(tmp_path, ".parts/unit")
+    assert (tmp_path / ".parts").read_text() == "a file"
+    with pytest.raises(UnsafePathError):
+        own_folder(tmp_path, "../elsewhere")
+
+
+def test_remove_tree_at_unlinks_links_and_never_follows_a_folder_swapped_for_one(
+    tmp_path, monkeypatch
+):
+    victim = Victim(tmp_path / "victim")
+    top = tmp_path / "trash"
+    (top / "a" / "b").mkdir(parents=True)
+    (top / "a" / "b" / "f").write_text("ours")
+    (top / "link").symlink_to(victim.path)  # a link inside: unlinked, not followed
+    (top / "swapped").mkdir()
+    (top / "swapped" / "g").write_text("ours")
+    real_open = os.open
+
+    def open_after_swap(path, flags, mode=0o777, *, dir_fd=None):
+        # Between remove_tree_at's lstat of "swapped" and its open: a link in its place.
+        if path == "swapped" and not os.path.islink(top / "swapped"):
+            os.rename(top / "swapped", tmp_path / "moved-away")
+            os.symlink(victim.path, top / "swapped")
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "open", open_after_swap)
+    fd = real_open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    errors: list[str] = []
+    try:
+        remove_tree_at(fd, "trash", tmp_path, errors)
+    finally:
+        os.close(fd)
+    monkeypatch.undo()
+    victim.assert_untouched()
+    assert any(e.startswith(f"{top / 'swapped'}: ") for e in errors), errors
+    assert sorted(os.listdir(top)) == ["swapped"] and (top / "swapped").is_symlink()

@@ -3,13 +3,18 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import logging
+import os
 import pickle
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from dist.errors import ForeignCacheFolderError
 from hf_pipeline.config import DataConfig
 from hf_pipeline.errors import SourceError
 from hf_pipeline.stores import (
@@ -21,8 +26,10 @@ from hf_pipeline.stores import (
     open_source,
 )
 from hf_pipeline.stores.fetch import ShardFetcher, StagingClient, consumption_order
+from hf_pipeline.stores.fetch_stats import FetchStats
 from hf_pipeline.stores.retry import RetryPolicy, TransientError, is_transient, with_retries
-from hf_pipeline.stores.staging import StagingFolder
+from hf_pipeline.stores.staging import StagingFolder, stage_file
+from tests.helpers.victims import OLD_S, Victim
 from tests.servers import hf_home, make_shards, shard_dir  # noqa: F401
 
 FAST = RetryPolicy(max_retries=3, file_timeout=5, backoff_base=0.001)
@@ -453,3 +460,131 @@ def test_unreachable_store_is_a_fault_not_bad_input(hf_home, monkeypatch):
     with pytest.raises(SourceError) as ei:
         with_retries("x", lambda: (_ for _ in ()).throw(FileNotFoundError("x")), FAST)
     assert type(ei.value) is SourceError and "not retried" in ei.value.reason
+
+
+# --------------------------------------------------------------------------- shared roots
+
+
+@pytest.mark.parametrize("level", [".staging", ".staging/<key>", ".staging/<key>/.ctl"])
+def test_the_fetcher_refuses_a_symlinked_staging_or_control_folder(hf_home, tmp_path, level):
+    """The cache root is shared: someone linked `.staging`, the source's folder in it or
+    its `.ctl` to a folder of the user's. The fetcher made its control folder there, its
+    sweep removed every day-old folder in that `.ctl` (`rmtree`, errors ignored), and the
+    downloads and releases went there too. Now: refused in one line naming the link, and
+    nothing is written into, or removed from, the folder it names."""
+    victim = Victim(tmp_path / "victim")
+    cfg = DataConfig(shards="gs://b/p")
+    src = open_source("gs://b/p", data_config=cfg)  # default: <root>/.staging/<key>
+    assert src.staging_dir.parent.name == ".staging"
+    place = src.staging_base / level.replace("<key>", src.staging_dir.name)
+    place.parent.mkdir(parents=True, exist_ok=True)
+    place.symlink_to(victim.path)
+    fetcher = ShardFetcher(src, [], data_config=cfg, progress=False)
+    with pytest.raises(ForeignCacheFolderError) as e:
+        fetcher.start()
+    fetcher.close()
+    assert e.value.path == str(place), e.value
+    assert str(e.value).startswith(f"{place}: a symlink where hf_pipeline keeps")
+    victim.assert_untouched()
+    # The cache root itself may be a link (HF_HOME -> /mnt/nfs/...): that is fine.
+    place.unlink()
+    real = tmp_path / "nfs"
+    os.rename(src.staging_base, real)
+    src.staging_base.symlink_to(real)
+    with ShardFetcher(src, [], data_config=cfg, progress=False) as fetcher:
+        assert fetcher.ctl_dir is not None and fetcher.ctl_dir.is_dir()
+    victim.assert_untouched()
+
+
+def test_the_control_sweep_removes_only_old_run_folders_of_this_user(hf_home, tmp_path):
+    """What the sweep removes it can tell it made: real folders named as a run's, of this
+    user, a day old; a folder of another name or a link named as a run's stays."""
+    staging = tmp_path / "staging"
+    cfg = DataConfig(shards="gs://b/p", staging_dir=str(staging))
+    src = open_source("gs://b/p", data_config=cfg)
+    ctl = staging / ".ctl"
+    victim = Victim(tmp_path / "victim")
+    for name in ("run-abcd1234", "0123456789ab", "photos"):
+        (ctl / name).mkdir(parents=True)
+        (ctl / name / "heartbeat").write_text("1")
+    (ctl / "run-zzzzzzzz").symlink_to(victim.path)
+    past = time.time() - OLD_S
+    for name in ("run-abcd1234", "0123456789ab", "photos", "run-zzzzzzzz"):
+        os.utime(ctl / name, (past, past), follow_symlinks=False)
+    (ctl / "run-fresh123").mkdir()  # a live run's
+    with ShardFetcher(src, [], data_config=cfg, progress=False) as fetcher:
+        mine = fetcher.ctl_dir
+        assert (
+            mine is not None and mine.parent == ctl and oct(mine.stat().st_mode & 0o777) == "0o700"
+        )
+    assert sorted(os.listdir(ctl)) == ["photos", "run-fresh123", "run-zzzzzzzz"]
+    assert (ctl / "photos" / "heartbeat").read_text() == "1"
+    victim.assert_untouched()
+
+
+class _Bytes:
+    """A range reader serving one file's bytes."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def read_range(self, file, offset, deadline, stop):
+        yield self.data[offset:]
+
+
+def _md5(data: bytes) -> str:
+    return "md5:" + base64.b64encode(hashlib.md5(data).digest()).decode()
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    return int(out.stdout)
+
+
+@pytest.mark.parametrize("how", ["symlink", "hardlink"])
+def test_a_link_planted_at_a_parts_name_is_never_written_through(tmp_path, how):
+    """A part's name is predictable (`.<name>.<tag>.part.<pid>.<thread>`): a link there
+    to a file of the user's had the download appended to that file (`open(part, "ab")`
+    followed it). Now: the download fails naming the part, the file is as it was."""
+    victim = Victim(tmp_path / "victim")
+    staging = StagingFolder(tmp_path / "staging")
+    staging.make()
+    data = b"0123456789"
+    f = RemoteFile(name="a.pt", url="gs://b/a.pt", size=len(data), etag="1", checksum=_md5(data))
+    mine = staging.root / f"{staging._part_prefix(f)}{os.getpid()}.{threading.get_ident()}"
+    if how == "symlink":
+        mine.symlink_to(victim.path / "canary.txt")
+    else:
+        os.link(victim.path / "canary.txt", mine)
+        victim = Victim(victim.path)  # the link count moved; nothing else may
+    with pytest.raises(SourceError, match="not a part of this download") as e:
+        stage_file(_Bytes(data), f, staging, FAST, FetchStats())
+    assert str(mine) in str(e.value)
+    victim.assert_untouched()
+    assert not staging.is_staged(f)
+
+
+def test_a_dead_owners_part_that_is_a_link_is_never_adopted(tmp_path):
+    """A dead process's part is adopted (renamed to ours, then appended to): one that is
+    a symlink is left where it is, and the download starts afresh."""
+    victim = Victim(tmp_path / "victim")
+    staging = StagingFolder(tmp_path / "staging")
+    staging.make()
+    data = b"0123456789"
+    f = RemoteFile(name="a.pt", url="gs://b/a.pt", size=len(data), etag="1", checksum=_md5(data))
+    planted = staging.root / f"{staging._part_prefix(f)}{_dead_pid()}.1"
+    planted.symlink_to(victim.path / "canary.txt")
+    path = stage_file(_Bytes(data), f, staging, FAST, FetchStats())
+    assert path.read_bytes() == data and staging.is_staged(f)
+    assert planted.is_symlink()
+    victim.assert_untouched()
+    # A staged copy is a regular file only: a link in its place is not "staged".
+    staging.path(f).unlink()
+    staging.path(f).symlink_to(victim.path / "canary.txt")
+    assert not staging.is_staged(f)
+    victim.assert_untouched()

@@ -295,3 +295,23 @@ def test_a_hub_that_is_down_is_unreachable_not_bad_input(hub_env, tmp_path, monk
     with pytest.raises(StoreUnreachableError, match="cannot resolve revision 'main'"):
         _ = src.commit
     assert src.fetch_stats.as_dict()["listing_retries"] == FAST.max_retries
+
+
+def test_a_symlinked_listing_folder_is_refused_and_nothing_is_written_there(hf_home, tmp_path):
+    """`.hub_listings` under a shared root linked to a folder of the user's: the listing
+    cache was written there. Now refused naming the link."""
+    from dist.errors import ForeignCacheFolderError
+    from hf_pipeline.cache.layout import HUB_LISTINGS_DIR
+    from tests.helpers.victims import Victim
+
+    victim = Victim(tmp_path / "victim")
+    commit = "0123456789abcdef0123456789abcdef01234567"  # pinned: no network to resolve it
+    src = open_source(f"hf://datasets/org/name@{commit}/latents", data_config=DataConfig())
+    place = src._listing_cache().parent
+    assert place.name == HUB_LISTINGS_DIR
+    place.parent.mkdir(parents=True)
+    place.symlink_to(victim.path)
+    with pytest.raises(ForeignCacheFolderError) as e:
+        src._save_listing("latents", [])
+    assert e.value.path == str(place)
+    victim.assert_untouched()

@@ -291,3 +291,27 @@ def test_second_build_tokenizes_without_transformers_tokenizer(tmp_path):
     cut = [u for u in units if u not in ids]
     assert cut and all(len(row) <= 16 for u in cut for row in u)
     assert any(len(row) == 16 for u in cut for row in u)  # truncated at the new length
+
+
+def test_a_symlinked_store_folder_is_refused_and_nothing_is_written_there(tmp_path):
+    """`.tokenizers` linked to a folder of the user's (a shared root): the entry was
+    written there. Now refused naming the link (not merely logged as a full disk is)."""
+    from dist.errors import ForeignCacheFolderError
+    from hf_pipeline.build.tokenizer_store import TokenizerSpecStore
+    from hf_pipeline.encoder.model import TokenizerSpec
+    from tests.helpers.victims import Victim
+
+    victim = Victim(tmp_path / "victim")
+    backend = tmp_path / "tokenizer.json"
+    backend.write_text("{}")
+    spec = TokenizerSpec(
+        path=str(backend), max_length=8, direction="right", split_special_tokens=False,
+        pad_token_id=0,
+    )  # fmt: skip
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / ".tokenizers").symlink_to(victim.path)
+    with pytest.raises(ForeignCacheFolderError) as e:
+        TokenizerSpecStore(root / ".tokenizers").save("0" * 32, spec, "1" * 16)
+    assert e.value.path == str(root / ".tokenizers")
+    victim.assert_untouched()

@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dist.atomic import write_json_atomic
+from dist.safepath import own_folder
 from hf_pipeline.build.accounting import (
     REASONS,
     build_report,
@@ -126,9 +127,12 @@ class Inputs:
     demo: DemoData | None = None
     hashing: HashStats | None = None
 
-    def staged_in(self, staging_dir: str | os.PathLike) -> Inputs:
-        """The same inputs, downloading into ``staging_dir``."""
-        return dataclasses.replace(self, source=self.source.with_staging_dir(staging_dir))
+    def staged_in(self, staging_dir: str | os.PathLike, *, base: str | os.PathLike) -> Inputs:
+        """The same inputs, downloading into ``staging_dir`` (below ``base``, the cache
+        root: :meth:`hf_pipeline.stores.Source.with_staging_dir`)."""
+        return dataclasses.replace(
+            self, source=self.source.with_staging_dir(staging_dir, base=base)
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,6 +234,10 @@ def resolve_inputs(
         # (36 s sequential on a GPU host's CPU), not for the small demos.
         big = d.num_shards * d.samples_per_shard >= _PARALLEL_DEMO_ROWS
         try:
+            # Real folders: the demo is written (and a loser's copy removed) there, so a
+            # link someone put in the shared root is refused, never written through.
+            own_folder(cfg.cache_root, DEMO_DATA_DIR)
+            own_folder(cfg.cache_root, f"{DEMO_DATA_DIR}/{out.name}", create=False)
             demo = generate_demo(
                 out,
                 num_shards=d.num_shards,
@@ -255,7 +263,12 @@ def resolve_inputs(
     staging = cfg.data.staging_dir or (
         cfg.cache_root / STAGING_DIR / hashlib.sha1(shards_loc.encode()).hexdigest()[:16]
     )
-    source = open_source(shards_loc, data_config=cfg.data, staging_dir=staging)
+    source = open_source(
+        shards_loc,
+        data_config=cfg.data,
+        staging_dir=staging,
+        staging_base=None if cfg.data.staging_dir else cfg.cache_root,
+    )
     shards = source.list_shards()
     metadata = source.find_metadata(meta_loc)
     hashing = None
@@ -765,7 +778,9 @@ def _agreement_store(cfg: Config, process):
     job = launch_job_id()
     if job is None or cfg.coord.scope != "shared":
         return None
-    return FileJobStore(cfg.cache_root / JOBS_DIR / job, poll_interval=cfg.coord.poll_interval)
+    return FileJobStore(
+        cfg.cache_root / JOBS_DIR / job, poll_interval=cfg.coord.poll_interval, base=cfg.cache_root
+    )
 
 
 def _agree(cfg: Config, process, store, **values: Any) -> None:
@@ -1236,7 +1251,9 @@ def _ensure_parts(
     # Units published from now on for this fingerprint were built by this run (_built).
     since = time.time() if since is None else since
     store = store_dir(cfg.cache_root)
-    store.mkdir(parents=True, exist_ok=True)
+    # A real folder: a link someone put in the shared root would take the parts (and
+    # the coordinator's removals in them) to its target.
+    own_folder(cfg.cache_root, store.name)
     shards = inputs.shards
     planned, need_embed = _planned_parts(cfg, inputs, encoder_ident)
     with contextlib.ExitStack() as stack:
@@ -1802,7 +1819,7 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
     if not cfg.data.staging_dir:
         # One staging folder per identity: two builds of the same source on one host
         # (different configs) must not delete each other's staged shards.
-        inputs = inputs.staged_in(cfg.cache_root / STAGING_DIR / fingerprint)
+        inputs = inputs.staged_in(cfg.cache_root / STAGING_DIR / fingerprint, base=cfg.cache_root)
     our_leases: list[str] = []
 
     def on_event(name: str, fields: dict) -> None:

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from dist.atomic import atomic_write
+from dist.safepath import own_folder
 from hf_pipeline.cache.layout import TOKENIZER_SPECS_DIR
 from hf_pipeline.config import EncoderConfig
 from hf_pipeline.encoder.model import TokenizerSpec, resolve_encoder_path
@@ -340,7 +341,9 @@ class TokenizerSpecStore:
         if len(data) > MAX_ENTRY_BYTES:
             return False  # it would never be read
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            # A real folder, never a link someone put in a shared root (refused: a
+            # ForeignCacheFolderError is no OSError, not merely logged).
+            own_folder(self.folder.parent, self.folder.name)
             # Replace, not link: what is there was not used (a miss), so it is damaged or
             # the same bytes from another builder.
             with atomic_write(path) as f:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dist.kvstore import JOBS_DIR
+from dist.safepath import own_folder
 from hf_pipeline.config import Config
 
 __all__ = [
@@ -485,13 +486,21 @@ def dataset_view_dir(layout: CacheLayout, derived_dir: str | os.PathLike | None 
     ``<derived_dir>/<cache folder name>-<8 hex digits of its real path>``; ``derived_dir``
     defaults to ``<HF_DATASETS_CACHE>/hf_pipeline-views`` (``datasets``' per-user cache).
     """
+    base, rel = _view_place(layout, derived_dir)
+    return base / rel
+
+
+def _view_place(layout: CacheLayout, derived_dir: str | os.PathLike | None) -> tuple[Path, str]:
+    """:func:`dataset_view_dir` as (the user's folder, the project's folders below it):
+    ``derived_dir`` and the view's name, or ``HF_DATASETS_CACHE`` and
+    ``hf_pipeline-views/<name>``."""
     import datasets
 
-    base = Path(derived_dir) if derived_dir is not None else (
-        Path(datasets.config.HF_DATASETS_CACHE) / DATASET_VIEWS_DIR
-    )  # fmt: skip
     real = os.path.realpath(layout.root)
-    return base / f"{layout.root.name}-{hashlib.sha256(real.encode()).hexdigest()[:8]}"
+    name = f"{layout.root.name}-{hashlib.sha256(real.encode()).hexdigest()[:8]}"
+    if derived_dir is not None:
+        return Path(derived_dir), name
+    return Path(datasets.config.HF_DATASETS_CACHE), f"{DATASET_VIEWS_DIR}/{name}"
 
 
 def _linked(view: Path, root: Path, files: Sequence[Path]) -> list[str]:
@@ -504,7 +513,8 @@ def _linked(view: Path, root: Path, files: Sequence[Path]) -> list[str]:
     """
     out = []
     for f in files:
-        link = view / f.relative_to(root)
+        rel = f.relative_to(root)
+        link = view / rel
         target = os.path.realpath(f)
         try:
             if os.readlink(link) == target:
@@ -512,7 +522,8 @@ def _linked(view: Path, root: Path, files: Sequence[Path]) -> list[str]:
                 continue
         except OSError:  # absent (or not a link): make it
             pass
-        link.parent.mkdir(parents=True, exist_ok=True)
+        # Real folders in the view: the links (and datasets' derived files) go there.
+        own_folder(view, rel.parent.as_posix() if rel.parent.parts else "")
         # Another process may make the same link at once: each makes its own and renames
         # it into place (atomic), so a reader never sees a half-made or missing link.
         tmp = link.with_name(f".{link.name}.{os.getpid()}.{secrets.token_hex(4)}")
@@ -574,10 +585,15 @@ def open_dataset(
     if latents is not None and latents not in _DATASET_LATENTS:
         raise ValueError(f"latents must be None or one of {_DATASET_LATENTS}, got {latents!r}")
     layout = _checked(layout, None)
-    view = dataset_view_dir(layout, derived_dir)
+    view_base, view_rel = _view_place(layout, derived_dir)
+    view = view_base / view_rel
     real_root = Path(os.path.realpath(layout.root))
     if Path(os.path.realpath(view)).is_relative_to(real_root):
         raise ValueError(f"derived_dir must lie outside the cache {layout.root}, got {view}")
+    # The view and hf_pipeline-views are the project's folders, written into (links,
+    # datasets' derived files): real folders, never a link someone put in a shared
+    # HF_HOME (refused). derived_dir or HF_DATASETS_CACHE is the user's, a link or not.
+    own_folder(view_base, view_rel)
     rows_files = _present(layout.rows_files(), layout.converted, "rows files (rows/*.arrow)")
     emb_files = layout.embedding_files()
     storage = _storage_dtype(layout)

@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import sys
 import threading
 import time
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
 
 import numpy as np
 
+from dist.safepath import own_folder
 from hf_pipeline.cache.layout import COMPILE_ARTIFACTS_DIR
 from hf_pipeline.config import EncoderConfig
 from hf_pipeline.errors import ConfigError, SourceError
@@ -596,6 +598,11 @@ class CompileArtifacts:
         self._claim = self.folder / f"{key}.claim"
         self.claimed = False
 
+    def _make_folder(self) -> None:
+        """The shared folder, made if missing: a real folder, never a symlink someone
+        put in the shared root (:func:`dist.safepath.own_folder` refuses it)."""
+        own_folder(self.folder.parent, self.folder.name)
+
     def _claimer_dead(self) -> bool:
         import socket
 
@@ -641,7 +648,7 @@ class CompileArtifacts:
                 return True
             if not self.claimed:
                 try:
-                    self.folder.mkdir(parents=True, exist_ok=True)
+                    self._make_folder()
                     fd = os.open(self._claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
                 except FileExistsError:
                     pass
@@ -667,10 +674,13 @@ class CompileArtifacts:
         if saved is None or self.blob.exists():
             return False
         data, _info = saved
-        tmp = self.folder / f".tmp-{os.getpid()}-{self.key}"
+        # A fresh random name, created (O_EXCL) never opened: a link or file someone put
+        # at a predictable one in the shared folder had the blob written through it.
+        tmp = self.folder / f".tmp-{os.getpid()}-{secrets.token_hex(6)}-{self.key}"
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:
+            self._make_folder()
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())

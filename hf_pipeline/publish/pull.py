@@ -443,7 +443,9 @@ class _Puller:
             return
         # Staged under its published path: a later lease (after a kill) finds it there.
         try:
-            folder = StagingFolder(join_under(self.files_dir, job.entry.path).parent)
+            folder = StagingFolder(
+                join_under(self.files_dir, job.entry.path).parent, base=self.files_dir
+            )
         except UnsafePathError as e:  # a symlink in the staging folder
             raise CacheFormatError(str(self.staging), str(e)) from None
         try:

@@ -151,6 +151,9 @@ class Source(abc.ABC):
         location: as given to :func:`~hf_pipeline.stores.open_source`.
         is_local: files are readable in place (no staging copy).
         staging_dir: folder for verified downloads of this source.
+        staging_base: the user's folder that :attr:`staging_dir` lies in (the cache root
+            for the default ``<root>/.staging/<key>``; else ``staging_dir`` itself): it
+            may be a symlink, the folders hf_pipeline makes below it may not.
         policy: retry policy for listing and fetching.
         fetch_stats: this source's counters (listing retries, metadata download,
             shards the listing found missing).
@@ -174,17 +177,22 @@ class Source(abc.ABC):
         data_config: DataConfig,
         policy: RetryPolicy | None = None,
         staging_dir: str | os.PathLike | None = None,
+        staging_base: str | os.PathLike | None = None,
     ):
         self.location = location
         self.data_config = data_config
         self.policy = policy or RetryPolicy.from_config(data_config)
-        if staging_dir is None:
-            staging_dir = data_config.staging_dir or (
-                default_cache_root()
-                / STAGING_DIR
-                / hashlib.sha1(location.encode()).hexdigest()[:16]
+        if staging_dir is None and data_config.staging_dir:
+            staging_dir = data_config.staging_dir
+        elif staging_dir is None:
+            staging_base = default_cache_root()
+            staging_dir = (
+                staging_base / STAGING_DIR / hashlib.sha1(location.encode()).hexdigest()[:16]
             )
         self.staging_dir = Path(staging_dir).expanduser()
+        self.staging_base = (
+            self.staging_dir if staging_base is None else Path(staging_base).expanduser()
+        )
         self._lock = threading.Lock()
         self._shards: list[RemoteFile] | None = None
         #: A remote kind's folder listings, per folder (this instance's; not pickled).
@@ -192,18 +200,28 @@ class Source(abc.ABC):
         self._siblings: dict[str, Source] = {}
         self.fetch_stats = FetchStats()
 
-    def with_staging_dir(self, staging_dir: str | os.PathLike) -> Source:
+    def with_staging_dir(
+        self, staging_dir: str | os.PathLike, *, base: str | os.PathLike | None = None
+    ) -> Source:
         """This source (same listing, identity and stats) downloading into ``staging_dir``.
 
         The build stages into one folder per cache identity, which is known only after
         the listing: it asks for that folder here rather than changing this source.
+        ``base``: as :attr:`staging_base` (default ``staging_dir`` itself).
         """
         # Not copy.copy: that goes through __getstate__, which drops the stats and locks
         # (it is for pickling to workers); this clone shares them with the original.
         clone = object.__new__(type(self))
         clone.__dict__.update(self.__dict__)
         clone.staging_dir = Path(staging_dir).expanduser()
+        clone.staging_base = clone.staging_dir if base is None else Path(base).expanduser()
         return clone
+
+    @property
+    def staging(self) -> StagingFolder:
+        """The staging folder (:attr:`staging_dir`, its parts below :attr:`staging_base`
+        proven real folders before anything is written there)."""
+        return StagingFolder(self.staging_dir, base=self.staging_base)
 
     def __getstate__(self):
         # For the join's workers (StagingClient), which fetch the files they are given
@@ -378,9 +396,7 @@ class Source(abc.ABC):
     def fetch_missing(self, file: RemoteFile) -> Path:
         """Fetch ``file``, owned here and not readable in place; default: stage it."""
         try:
-            return stage_file(
-                self, file, StagingFolder(self.staging_dir), self.policy, self.fetch_stats
-            )
+            return stage_file(self, file, self.staging, self.policy, self.fetch_stats)
         except Cancelled as exc:  # pragma: no cover - no stop event here
             raise SourceError(file.url, "cancelled") from exc
 
@@ -439,6 +455,7 @@ class Source(abc.ABC):
                     data_config=self.data_config,
                     policy=self.policy,
                     staging_dir=self.staging_dir,
+                    staging_base=self.staging_base,
                 )
                 # One set of counters: the metadata's retries belong to this build too.
                 sibling.fetch_stats = self.fetch_stats

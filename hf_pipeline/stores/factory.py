@@ -42,6 +42,7 @@ def open_source(
     data_config: DataConfig,
     policy: RetryPolicy | None = None,
     staging_dir: str | os.PathLike | None = None,
+    staging_base: str | os.PathLike | None = None,
 ) -> Source:
     """Open a shard location: local folder/glob, ``hf://datasets/...`` or ``gs://...``.
 
@@ -54,7 +55,10 @@ def open_source(
         data_config: retries, timeouts, staging and mirror settings.
         policy: override the retry policy (tests use short backoffs).
         staging_dir: override the staging folder (default ``data.staging_dir``, else
-            ``<cache root>/staging/<hash of location>``).
+            ``<cache root>/.staging/<hash of location>``).
+        staging_base: the user's folder ``staging_dir`` lies in (the cache root for
+            ``<root>/.staging/<key>``; default ``staging_dir`` itself): the folders
+            below it are hf_pipeline's and are never followed as symlinks.
 
     Returns:
         A :class:`~hf_pipeline.stores.Source`.
@@ -63,7 +67,13 @@ def open_source(
         SourceError: bad location.
         StoreUnreachableError: unreachable (after retries) without a mirror.
     """
-    src = make_source(location, data_config=data_config, policy=policy, staging_dir=staging_dir)
+    src = make_source(
+        location,
+        data_config=data_config,
+        policy=policy,
+        staging_dir=staging_dir,
+        staging_base=staging_base,
+    )
     if src.is_local or not data_config.local_mirror:
         return src
     try:
@@ -73,7 +83,13 @@ def open_source(
         logger.warning(
             "%s is unreachable (%s); using the local mirror %s", location, err.reason, mirror
         )
-        local = LocalSource(mirror, data_config=data_config, policy=policy, staging_dir=staging_dir)
+        local = LocalSource(
+            mirror,
+            data_config=data_config,
+            policy=policy,
+            staging_dir=staging_dir,
+            staging_base=staging_base,
+        )
         local.fetch_stats = src.fetch_stats  # the retries that led here are reported too
         return local
     return src

@@ -29,18 +29,21 @@ import dataclasses
 import enum
 import logging
 import os
-import shutil
+import re
+import stat
 import sys
+import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from dist.atomic import write_json_atomic
+from dist.errors import ForeignCacheFolderError
 from dist.markers import read_json
+from dist.safepath import own_folder, remove_tree_at
 from hf_pipeline.errors import SourceError, StoreUnreachableError
 from hf_pipeline.stores.fetch_stats import FetchStats, merge_fetch_stats
 from hf_pipeline.stores.retry import Cancelled, RetryPolicy, describe_error
@@ -58,6 +61,10 @@ logger = logging.getLogger(__name__)
 _MARKER_POLL_S = 0.02  # seconds between control-folder checks (local disk, cheap)
 _DEAD_AFTER = 15.0  # seconds without fetcher heartbeat progress -> fetch ourselves
 _HEARTBEAT_S = 0.5  # seconds between heartbeat counter updates
+_CTL_DIR = ".ctl"  # the control folders' folder, in the staging folder
+_CTL_PREFIX = "run-"  # a run's control folder: .ctl/run-<random> (tempfile.mkdtemp)
+#: What the sweep takes for a run's control folder (earlier releases: 12 hex digits).
+_CTL_NAME = re.compile(r"run-[A-Za-z0-9_]{8}|[0-9a-f]{12}")
 
 
 class _FileState(enum.Enum):
@@ -136,6 +143,8 @@ class StagingClient:
     Attributes:
         source: the source (its network handles are rebuilt after unpickling).
         staging_dir: staging folder.
+        staging_base: the user's folder it lies in (:class:`StagingFolder`); "": the
+            staging folder itself.
         ctl_dir: this run's control folder (markers, stats), or "" without a
             fetcher.
         prefetched: a fetcher thread stages files; False: ``acquire`` downloads
@@ -146,6 +155,7 @@ class StagingClient:
 
     source: Source
     staging_dir: str
+    staging_base: str = ""
     ctl_dir: str = ""
     prefetched: bool = False
     on_missing: OnMissing = "fail"
@@ -210,7 +220,7 @@ class StagingClient:
             self.stats.add(staging_hits=1)
             self._dump_stats()
             return direct
-        staging = StagingFolder(self.staging_dir)
+        staging = self._staging()
         try:
             if staging.is_staged(file):
                 self.stats.add(staging_hits=1)
@@ -291,7 +301,10 @@ class StagingClient:
                     durable=False,
                 )
         if self.source.direct_path(file) is None:
-            StagingFolder(self.staging_dir).remove(file)
+            self._staging().remove(file)
+
+    def _staging(self) -> StagingFolder:
+        return StagingFolder(self.staging_dir, base=self.staging_base or None)
 
 
 # --------------------------------------------------------------------------- fetcher
@@ -354,7 +367,7 @@ class ShardFetcher:
         self.download_workers = data_config.download_workers
         self.on_missing = data_config.on_missing
         self.policy = policy or source.policy
-        self.staging = StagingFolder(source.staging_dir)
+        self.staging = source.staging
         self._order = consumption_order(self.files, num_workers)
         self._stats = FetchStats()
         self._stop = threading.Event()
@@ -389,12 +402,15 @@ class ShardFetcher:
         """Create the control folder and start the scheduler and download threads."""
         if self._thread is not None or self._closed:
             return
-        self.staging.root.mkdir(parents=True, exist_ok=True)
+        self.staging.make()
+        # ".ctl" is made (or found) a real folder, never a link someone put there: the
+        # sweep below removes old folders in it, close() this run's.
+        ctl = own_folder(self.staging.root, _CTL_DIR)
         self._sweep_stale_ctl()
         # The control folder also carries the workers' stats, so it exists even when
-        # no download thread runs.
-        self.ctl_dir = self.staging.root / ".ctl" / uuid.uuid4().hex[:12]
-        self.ctl_dir.mkdir(parents=True)
+        # no download thread runs. A fresh name, made by mkdir (never one found there),
+        # 0700: only this user's processes (the fetcher and its workers) write in it.
+        self.ctl_dir = Path(tempfile.mkdtemp(prefix=_CTL_PREFIX, dir=ctl))
         if not self.prefetching:
             return  # workers acquire for themselves (local: the original path)
         write_json_atomic(self.ctl_dir / "heartbeat", 0, durable=False)
@@ -437,7 +453,7 @@ class ShardFetcher:
             bar.close()
         if self.ctl_dir is not None:
             self._worker_stats()  # read the workers' stats before their folder goes
-            shutil.rmtree(self.ctl_dir, ignore_errors=True)
+            self._remove_ctl(self.ctl_dir.name)
 
     # -- public
     @property
@@ -450,6 +466,7 @@ class ShardFetcher:
         return StagingClient(
             source=self.source,
             staging_dir=str(self.staging.root),
+            staging_base=str(self.staging.base),
             ctl_dir=str(self.ctl_dir) if self.ctl_dir is not None else "",
             prefetched=self.prefetching,
             on_missing=self.on_missing,
@@ -509,14 +526,48 @@ class ShardFetcher:
 
     # -- internals
     def _sweep_stale_ctl(self, max_age: float = 86400.0) -> None:
-        # A killed run leaves its control folder behind; a day without any change
-        # means nobody is using it (heartbeats rewrite it every 0.5 s).
+        """Remove control folders that killed runs of this user left in ``.ctl``.
+
+        A day without any change means nobody is using one (heartbeats rewrite it every
+        0.5 s). Only real folders named as a run's and owned by this user; a symlink,
+        a file or another user's folder stays. Removed relative to ``.ctl`` opened
+        without following a link (:meth:`_remove_ctl`).
+        """
         now = time.time()
         with contextlib.suppress(OSError):
-            for entry in os.scandir(self.staging.root / ".ctl"):
+            for entry in os.scandir(self.staging.root / _CTL_DIR):
                 with contextlib.suppress(OSError):
-                    if entry.is_dir() and now - entry.stat().st_mtime > max_age:
-                        shutil.rmtree(entry.path, ignore_errors=True)
+                    st = entry.stat(follow_symlinks=False)
+                    if (
+                        stat.S_ISDIR(st.st_mode)
+                        and _CTL_NAME.fullmatch(entry.name)
+                        and st.st_uid == os.getuid()
+                        and now - st.st_mtime > max_age
+                    ):
+                        self._remove_ctl(entry.name)
+
+    def _remove_ctl(self, name: str) -> None:
+        """Remove ``.ctl/<name>`` (a run's control folder) and what it holds, every step
+        relative to ``.ctl`` opened with ``O_NOFOLLOW`` below the staging folder: a
+        ``.ctl`` or staging folder swapped for a link is never followed (left, logged)."""
+        errors: list[str] = []
+        ctl = self.staging.root / _CTL_DIR
+        try:
+            own_folder(self.staging.base, self._rel(ctl), create=False)
+            fd = os.open(ctl, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except (OSError, ForeignCacheFolderError) as e:
+            logger.warning("control folder %s left: %s", ctl / name, e)
+            return
+        try:
+            remove_tree_at(fd, name, ctl, errors)
+        finally:
+            os.close(fd)
+        if errors:
+            logger.warning("control folder %s not all removed: %s", ctl / name, errors[0])
+
+    def _rel(self, path: Path) -> str:
+        """``path`` relative to the staging folder's base, ``/``-separated."""
+        return os.path.relpath(path, self.staging.base).replace(os.sep, "/")
 
     def _worker_stats(self) -> list[dict]:
         """The workers' stats files (the last ones read, once the folder is gone)."""

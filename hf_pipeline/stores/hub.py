@@ -25,7 +25,7 @@ from urllib.parse import unquote
 
 from dist.atomic import write_json_atomic
 from dist.markers import load_json
-from dist.safepath import UnsafePathError, check_relpath
+from dist.safepath import UnsafePathError, check_relpath, own_folder
 from hf_pipeline.cache.layout import HUB_LISTINGS_DIR
 from hf_pipeline.config import default_cache_root, hub_cache_dir, hub_endpoint, hub_offline
 from hf_pipeline.errors import SourceError, StoreUnreachableError
@@ -199,7 +199,8 @@ class HubSource(Source, scheme="hf://"):
         data.setdefault("folders", {})[folder] = [dataclasses.asdict(f) for f in files]
         path = self._listing_cache()
         with contextlib.suppress(OSError):
-            path.parent.mkdir(parents=True, exist_ok=True)
+            # A real folder, never a link someone put in a shared root (refused).
+            own_folder(path.parent.parent, path.parent.name)
             write_json_atomic(path, data)
 
     @property

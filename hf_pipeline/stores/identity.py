@@ -60,6 +60,7 @@ from typing import Any
 from dist.atomic import atomic_write
 from dist.checksums import ALGORITHM, hash_files
 from dist.markers import ForeignJSONError, load_json
+from dist.safepath import own_folder
 from hf_pipeline.cache.layout import INDEX_DIR
 from hf_pipeline.errors import SourceError
 from hf_pipeline.stores.remote_file import RemoteFile
@@ -289,7 +290,8 @@ class ContentIndex:
         if self.folder is None or path is None or not self._new:
             return
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            # A real folder, never a link someone put in a shared root (refused).
+            own_folder(self.folder.parent, self.folder.name)
             on_disk, _ = self._read()  # what another job wrote since we read it
             merged = {**on_disk, **self._new}
             if len(merged) > MAX_ENTRIES:  # ours first, then the most recently hashed

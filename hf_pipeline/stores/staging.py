@@ -21,18 +21,21 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol, overload
+from typing import Any, BinaryIO, Protocol, overload
 
 from dist.atomic import write_json_atomic
 from dist.markers import read_json
+from dist.safepath import own_folder
 from hf_pipeline.stores.fetch_stats import FetchStats
 from hf_pipeline.stores.remote_file import ChecksumKind, RemoteFile
 from hf_pipeline.stores.retry import Cancelled, RetryPolicy, TransientError, with_retries
@@ -145,10 +148,34 @@ class StagingFolder:
 
     ``<name>`` is a verified file, ``.<name>.staged.json`` its sidecar (what was
     verified), ``.<name>.<version tag>.part.<pid>.<thread>`` a download in progress.
+
+    The folder may lie in a shared root others write to, and a part's name is
+    predictable: the folders below ``base`` are made with
+    :func:`dist.safepath.own_folder` (a symlink there is refused, never written
+    through), a part is opened with ``O_NOFOLLOW`` and must be a regular file of one
+    link (a symlink or hard link planted at its name would have had the download
+    appended to its target), and a staged file counts only as a regular file.
+
+    Args:
+        root: the folder.
+        base: the user's folder ``root`` lies in, which may be a symlink (the cache root
+            of ``<root>/.staging/<key>``); default ``root`` itself.
     """
 
-    def __init__(self, root: str | os.PathLike):
+    def __init__(self, root: str | os.PathLike, *, base: str | os.PathLike | None = None):
         self.root = Path(root)
+        self.base = self.root if base is None else Path(base)
+
+    def make(self, *, create: bool = True) -> Path:
+        """Make the folder where missing (with ``create``); its parts below :attr:`base`
+        must be real folders.
+
+        Raises:
+            dist.errors.ForeignCacheFolderError: one is a symlink or not a folder.
+        """
+        rel = os.path.relpath(self.root, self.base)
+        rel = "" if rel == "." else rel.replace(os.sep, "/")
+        return own_folder(self.base, rel, create=create)
 
     def path(self, file: RemoteFile) -> Path:
         """Where the verified copy of ``file`` lives (whether or not it is there)."""
@@ -174,9 +201,10 @@ class StagingFolder:
         if {k: meta.get(k) for k in ("url", "size", "etag", "checksum")} != _ident(file):
             return False
         try:
-            return self.path(file).stat().st_size == file.size
+            st = os.lstat(self.path(file))
         except OSError:
             return False
+        return stat.S_ISREG(st.st_mode) and st.st_size == file.size
 
     def claim_part(self, file: RemoteFile) -> tuple[Path, int]:
         """A private ``.part`` file for this thread, adopting a dead owner's partial.
@@ -189,18 +217,24 @@ class StagingFolder:
         Returns:
             (part path, bytes already present).
         """
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.make()
         prefix = self._part_prefix(file)
         mine = self.root / f"{prefix}{os.getpid()}.{threading.get_ident()}"
         with _ACTIVE_LOCK:
-            if mine.exists():
+            if os.path.lexists(mine):
+                st = os.lstat(mine)
+                if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                    raise _not_a_part(mine)
                 _ACTIVE_PARTS.add(str(mine))
-                return mine, mine.stat().st_size
+                return mine, st.st_size
             for cand in sorted(self.root.glob(_glob_escape(prefix) + "*")):
                 try:
                     pid = int(cand.name[len(prefix) :].split(".")[0])
-                except ValueError:
+                    st = os.lstat(cand)
+                except (ValueError, OSError):
                     continue
+                if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                    continue  # not a part of ours: a link someone put there stays unused
                 # Ours but not being written (an earlier attempt/thread gave up), or
                 # a dead process's: adoptable. A live process's: leave it alone.
                 if pid == os.getpid():
@@ -213,7 +247,7 @@ class StagingFolder:
                 except OSError:
                     continue  # another adopter won
                 _ACTIVE_PARTS.add(str(mine))
-                return mine, mine.stat().st_size
+                return mine, os.lstat(mine).st_size
             _ACTIVE_PARTS.add(str(mine))
             return mine, 0
 
@@ -236,6 +270,7 @@ class StagingFolder:
 
     def remove(self, file: RemoteFile) -> None:
         """Delete the staged copy of ``file`` (idempotent)."""
+        self.make(create=False)  # never unlinks through a folder swapped for a link
         # Sidecar first: a crash in between leaves a data file without a sidecar,
         # which is "not staged" and gets overwritten, never trusted.
         for p in (self.sidecar(file), self.path(file)):
@@ -280,7 +315,7 @@ class _Download:
         deadline = time.monotonic() + self.policy.file_timeout
         got = 0
         try:
-            with open(part, "ab") as fh:
+            with _open_part(part) as fh:
                 for block in self.reader.read_range(file, have, deadline, self.stop):
                     fh.write(block)
                     got += len(block)
@@ -309,6 +344,36 @@ class _Download:
             if actual != expected:
                 part.unlink()
                 raise TransientError(f"{kind} mismatch: got {actual}, expected {expected}")
+
+
+def _open_part(part: Path) -> BinaryIO:
+    """``part`` opened for appending, only as a regular file of one link: never through
+    a symlink (``O_NOFOLLOW``), nor into a hard link to another file, that someone who
+    can write in the staging folder put at its predictable name.
+
+    Raises:
+        OSError: it is not (``ELOOP`` for a symlink, ``ENXIO`` for a fifo); not
+            retried, the download fails naming it.
+    """
+    # O_NONBLOCK: a fifo put there fails the open (ENXIO) instead of blocking it.
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+    fd = os.open(part, flags, 0o644)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        raise _not_a_part(part)
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "ab")
+
+
+def _not_a_part(part: Path) -> OSError:
+    """The error for something else at a part's name (not retried: the download fails
+    naming it, and it is left as it is)."""
+    return FileExistsError(
+        errno.EEXIST,
+        "not a part of this download (a symlink, or a file with other links, at its name)",
+        str(part),
+    )
 
 
 @overload
@@ -375,6 +440,8 @@ def stage_file(
     """
     if staging.is_staged(file):
         return staging.path(file)
+    # Outside the retries: a symlink where the folder belongs is refused as what it is.
+    staging.make()
     # Checked after is_staged: a worker writes "released" before deleting, so a file
     # that vanished between the two checks is seen as released, never fetched again.
     if unwanted is not None and unwanted():

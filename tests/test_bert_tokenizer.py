@@ -15,6 +15,7 @@ import pytest
 
 from hf_pipeline.config import load_config
 from tests.helpers.fresh_builds import embeddings, fresh_build, minilm_copy, token_ids
+from tests.helpers.memory import SOURCE as MEMORY
 
 #: Captions that exercise the normalizer, the pre-tokenizer, WordPiece and truncation.
 CAPTIONS = [
@@ -320,19 +321,22 @@ def test_cold_root_build_imports_no_transformers(tmp_path):
     assert not os.path.exists(root / ".tokenizers")  # nothing to store: the folder is read
 
 
-_HUGE_CAPTION = r"""
-import json, resource, sys
+_HUGE_CAPTION = (
+    MEMORY
+    + r"""
+import json, sys
 from hf_pipeline.config import load_config
 from hf_pipeline.encoder.model import CaptionTokenizer
 side = sys.argv[1]
 cfg = load_config(None, ["encoder.max_length=64"], environ={}).encoder
 tok = CaptionTokenizer(cfg)
 tok.tokenizer.truncation_side = side
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = peak_mib()
 ids = tok(["a cat on a mat " + "word " * 6_000_000])[0]  # 30 MB of caption
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"ids": ids, "grew_kib": after - before}))
+after = peak_mib()
+print(json.dumps({"ids": ids, "grew_kib": (after - before) * 1024}))
 """
+)
 
 
 @pytest.mark.parametrize("side", ["right", "left"])

@@ -7,8 +7,6 @@ shards, empty shards saved in any shape)."""
 from __future__ import annotations
 
 import json
-import os
-import resource
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,6 +53,27 @@ def test_eight_ranks_make_the_api_requests_of_one(shard_dir, tmp_path):
 # ----------------------------------------------------------------------- hostile inputs
 
 
+#: Runs the build under an address-space limit and reports its exit code and peak RSS.
+#: A small interpreter of its own starts it: a child forked from the test's process (an
+#: xdist worker that imported JAX and torch: 1.6 GB) counts that process's resident
+#: pages in its ``ru_maxrss`` until it execs, which one suite run read as the build's peak.
+_MEASURED = """
+import json, os, resource, subprocess, sys
+limit = int(sys.argv[1])
+with open(sys.argv[2], "w") as out, open(sys.argv[3], "w") as err:
+    proc = subprocess.Popen(
+        sys.argv[4:], stdout=out, stderr=err,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)),
+    )
+    try:
+        _, status, usage = os.wait4(proc.pid, 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+print(json.dumps([os.waitstatus_to_exitcode(status), usage.ru_maxrss]))
+"""
+
+
 def _prebuild(
     data: Path, cache: Path, *sets: str, limit_gb: float = 6.0, command: Sequence[str] = ()
 ):
@@ -62,31 +81,25 @@ def _prebuild(
 
     ``command``: the CLI's arguments before the options (default: the script
     ``scripts/prebuild_cache.py``; ``("-m", "hf_pipeline", "build")``: ``hf-pipeline
-    build``). The peak is the child's own ``ru_maxrss`` (``wait4`` of that one process,
-    and the children it waited for); an address-space limit keeps a regression from
-    taking the test machine's memory with it (it then fails with a MemoryError, not
-    exit 2).
+    build``). The peak is the build process's own ``ru_maxrss`` (``wait4`` of that one
+    process, and the children it waited for), started by a small launcher
+    (:data:`_MEASURED`); an address-space limit keeps a regression from taking the test
+    machine's memory with it (it then fails with a MemoryError, not exit 2).
     """
     limit = int(limit_gb * (1 << 30))
     args = [*SMALL_DEMO, "build.num_proc=1", f"data.shards={data}", *sets]
     command = list(command) or [str(REPO / "scripts/prebuild_cache.py")]
     cache.parent.mkdir(parents=True, exist_ok=True)
-    with open(cache.parent / "out.txt", "w+") as out, open(cache.parent / "err.txt", "w+") as err:
-        proc = subprocess.Popen(
-            [PYTHON, *command, "-q", "--cache-dir", str(cache),
-             "--json", str(cache.parent / "summary.json"), *(x for a in args for x in ("--set", a))],
-            stdout=out, stderr=err, env=script_env(), cwd=REPO,
-            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)),
-        )  # fmt: skip
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-        finally:
-            if proc.poll() is None:  # pragma: no cover - wait4 interrupted
-                proc.kill()
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        return proc.returncode, out.read(), err.read(), usage.ru_maxrss / 1024
+    out, err = cache.parent / "out.txt", cache.parent / "err.txt"
+    proc = subprocess.run(
+        [PYTHON, "-c", _MEASURED, str(limit), str(out), str(err), PYTHON, *command, "-q",
+         "--cache-dir", str(cache), "--json", str(cache.parent / "summary.json"),
+         *(x for a in args for x in ("--set", a))],
+        capture_output=True, text=True, env=script_env(), cwd=REPO, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, peak_kb = json.loads(proc.stdout.strip().splitlines()[-1])
+    return code, out.read_text(), err.read_text(), peak_kb / 1024
 
 
 def _published(cache: Path) -> list[str]:

@@ -27,6 +27,7 @@ from hf_pipeline.build.captions import (
 )
 from hf_pipeline.errors import MetadataError
 from tests.conftest import run_mount
+from tests.helpers.memory import SOURCE as MEMORY
 
 
 def _write(path, df: pd.DataFrame, index: bool = False) -> str:
@@ -685,21 +686,24 @@ def _caption_stage(path, out, *, num_proc: int = 1) -> dict:
 
     from tests.conftest import PYTHON, script_env
 
-    code = f"""
-import json, resource
+    code = (
+        MEMORY
+        + f"""
+import json
 import pyarrow.compute as pc
 from hf_pipeline.build.captions import write_sorted_captions
 from hf_pipeline.errors import MetadataError
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = peak_mib()
 try:
     t = write_sorted_captions({str(path)!r}, {str(out)!r}, num_proc={num_proc})
     got = dict(rows=len(t), keys=[int(t.keys[0]), int(t.keys[-1])],
                bytes=sum(pc.sum(pc.binary_length(c)).as_py() for c in t.captions.chunks))
 except MetadataError as e:
     got = dict(error=str(e))
-got["grown_mb"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+got["grown_mb"] = peak_mib() - before
 print(json.dumps(got))
 """
+    )
     proc = subprocess.run(
         [PYTHON, "-c", code], env=script_env(), capture_output=True, text=True, timeout=600
     )

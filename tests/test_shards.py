@@ -328,16 +328,17 @@ def test_a_shard_declaring_more_elements_than_it_stores_is_refused_unread(tmp_pa
     """Issue 23 item 4: storage must cover the elements once, checked before any copy.
 
     Before: accepted, with memory growing with the declared shape (2.5 GB here)."""
-    import resource
+    from tests.helpers.memory import peak_mib, reset_peak
 
     obj, pattern = _bombs()[case]
     path = _save(tmp_path / "000000-099999.pt", obj)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    reset_peak()  # this worker's own peak so far would hide the growth
+    before = peak_mib()
     for read in (load_shard, shard_latent_dtype):
         with pytest.raises(CorruptShardError, match=pattern) as info:
             read(path)
         assert info.value.path == path and "\n" not in str(info.value)
-    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    grown_mb = peak_mib() - before
     assert grown_mb < 200, f"peak memory grew {grown_mb:.0f} MB reading a refused shard"
 
 

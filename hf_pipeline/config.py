@@ -300,7 +300,10 @@ class DataConfig:
     )
     prefetch_ahead: int = _bounded(4, 0, 1024, help="remote shards fetched ahead")
     download_workers: int = _bounded(8, 1, 256, help="parallel downloads of remote shards")
-    staging_dir: str = _field("", 'folder for downloaded shards ("": one under the cache root)')
+    staging_dir: str = _field(
+        "",
+        'folder for downloaded shards, a subfolder per build ("": `.staging` under the cache root)',
+    )
     staging_max_gb: float = _bounded(
         50.0, 0, 1_000_000, lo_open=True, help="GB of downloaded shards staged at most"
     )

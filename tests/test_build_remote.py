@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from hf_pipeline.build.prepare import REASONS, prepare_cache
-from hf_pipeline.cache.layout import open_dataset
+from hf_pipeline.cache.layout import CacheLayout, open_dataset
 from hf_pipeline.config import load_config
 from hf_pipeline.errors import SourceError
 from tests.conftest import SMALL_DEMO
@@ -432,3 +432,51 @@ def test_a_hub_commit_that_leaves_the_shards_alone_is_the_same_cache(hub, demo, 
     moved, fp_moved = job_identity(cfg, one)
     assert second in moved.shards[0].url and second not in inputs.shards[0].url
     assert fp_moved == fingerprint
+
+
+@pytest.mark.slow
+def test_two_sources_of_the_same_file_names_share_one_staging_dir(gcs_env, tmp_path):
+    """An outside tester: two builds of two buckets whose shards have the same names,
+    both with one ``data.staging_dir``, staged into the same flat folder: one waited
+    forever for a file the other had replaced (1 run in 3), or failed `cannot open
+    shard`, exit 2. Each build now stages into a folder of its own below it (as under
+    the cache root's ``.staging``). Real processes at once; each cache holds its own
+    bucket's keys."""
+    from hf_pipeline.demo.generate import generate_demo
+    from tests.conftest import run_each
+
+    fs = gcs_fs(gcs_env)
+    name = f"b-{uuid.uuid4().hex[:10]}"
+    fs.mkdir(name)
+    keys = {}
+    for seed, prefix in ((0, "one"), (1, "two")):
+        demo = generate_demo(
+            tmp_path / f"demo{seed}", num_shards=3, samples_per_shard=60, seed=seed
+        )
+        for p in demo.shard_paths:
+            fs.put_file(str(p), f"{name}/{prefix}/lat/{p.name}")
+        fs.put_file(str(demo.metadata_path), f"{name}/{prefix}/coyo11m-meta.parquet")
+        keys[prefix] = {
+            int(k) for p in demo.shard_paths for k in torch.load(p, weights_only=True)["keys"]
+        }
+    assert not keys["one"] & keys["two"]
+    staging = tmp_path / "shared-staging"
+    env = {"STORAGE_EMULATOR_HOST": gcs_env, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    runs = []
+    for prefix in ("one", "two"):
+        sets = [*SMALL_DEMO, *FAST, f"data.shards=gs://{name}/{prefix}/lat",
+                f"data.metadata=gs://{name}/{prefix}/coyo11m-meta.parquet",
+                f"data.staging_dir={staging}", "data.prefetch_ahead=1"]  # fmt: skip
+        argv = ["-m", "hf_pipeline", "build", "-q", "--cache-dir", tmp_path / prefix,
+                *(x for s in sets for x in ("--set", s))]  # fmt: skip
+        runs.append((argv, env))
+    results = run_each(runs, timeout=300)
+    for (code, _, err), prefix in zip(results, ("one", "two"), strict=True):
+        assert code == 0, (prefix, err[-3000:])
+        (cache,) = [p for p in (tmp_path / prefix).iterdir() if not p.name.startswith(".")]
+        got = {int(k) for k in open_dataset(CacheLayout(cache))["key"]}
+        assert got and got <= keys[prefix], prefix
+    # Each source stages in a folder of its own below the shared one: nothing flat there
+    # (the old code left both metadata files' downloads in one place).
+    entries = list(staging.iterdir())
+    assert entries and all(p.is_dir() and not p.name.startswith(".") for p in entries), entries

@@ -202,6 +202,17 @@ class BuildResult:
 _PARALLEL_DEMO_ROWS = 100_000
 
 
+def _staging_root(cfg: Config) -> tuple[Path, Path]:
+    """Where a build's downloads go, and the folder below which it makes and checks
+    every level (:class:`hf_pipeline.stores.staging.StagingFolder`): ``data.staging_dir``
+    (which may itself be a link, as the cache root may), else ``.staging`` under the
+    cache root. Each build stages in a folder of its own below it (per identity)."""
+    if cfg.data.staging_dir:
+        folder = Path(cfg.data.staging_dir).expanduser()
+        return folder, folder
+    return cfg.cache_root / STAGING_DIR, cfg.cache_root
+
+
 def resolve_inputs(
     cfg: Config, *, progress: bool = False, known: Mapping[StatKey, str] | None = None
 ) -> Inputs:
@@ -260,14 +271,12 @@ def resolve_inputs(
         meta_loc = str(demo.metadata_path)
     # Until the fingerprint is known (prepare_cache then stages per identity): a folder
     # per location under this config's cache root.
-    staging = cfg.data.staging_dir or (
-        cfg.cache_root / STAGING_DIR / hashlib.sha1(shards_loc.encode()).hexdigest()[:16]
-    )
+    staging_root, staging_base = _staging_root(cfg)
     source = open_source(
         shards_loc,
         data_config=cfg.data,
-        staging_dir=staging,
-        staging_base=None if cfg.data.staging_dir else cfg.cache_root,
+        staging_dir=staging_root / hashlib.sha1(shards_loc.encode()).hexdigest()[:16],
+        staging_base=staging_base,
     )
     shards = source.list_shards()
     metadata = source.find_metadata(meta_loc)
@@ -1816,10 +1825,12 @@ def prepare_cache(cfg: Config, *, process=None, progress: bool = True) -> BuildR
         early.close()
         raise
     startup.mark("identity")
-    if not cfg.data.staging_dir:
-        # One staging folder per identity: two builds of the same source on one host
-        # (different configs) must not delete each other's staged shards.
-        inputs = inputs.staged_in(cfg.cache_root / STAGING_DIR / fingerprint, base=cfg.cache_root)
+    # One staging folder per identity: two builds of the same source on one host
+    # (different configs) must not delete each other's staged shards, and two sources
+    # whose files have the same names must not take each other's (a shared
+    # data.staging_dir had both builds wait forever for a file the other had replaced).
+    staging_root, staging_base = _staging_root(cfg)
+    inputs = inputs.staged_in(staging_root / fingerprint, base=staging_base)
     our_leases: list[str] = []
 
     def on_event(name: str, fields: dict) -> None:

@@ -47,7 +47,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -918,12 +918,15 @@ def _looks_like_cache(path: Path) -> bool:
     return "-" in name and len(name.rsplit("-", 1)[1]) == 16
 
 
-def ignored_entries(root: str | os.PathLike[str]) -> list[tuple[Path, str]]:
+def ignored_entries(
+    root: str | os.PathLike[str], *, own: Collection[str] = ()
+) -> list[tuple[Path, str]]:
     """Entries of ``root`` that status and clean pass over and a person may want to know
     of: symlinks (never followed), folders named like a cache without the project's mark,
     folders holding an identity file of another fingerprint, trash of an interrupted
-    removal (and folders only named like it). Plain user folders are not listed. Reads
-    only."""
+    removal (and folders only named like it), and a symlink or file in the place of one
+    of the folders the project keeps in a root (``own``: its names), which builds refuse.
+    Plain user folders are not listed. Reads only."""
     root = Path(root)
     out: list[tuple[Path, str]] = []
     try:
@@ -941,6 +944,10 @@ def ignored_entries(root: str | os.PathLike[str]) -> list[tuple[Path, str]]:
                 out.append((p, "trash of an interrupted removal"))
             else:
                 out.append((p, "named like trash but carries no hf_pipeline mark: left as it is"))
+        elif p.name in own and not stat.S_ISDIR(st.st_mode):
+            what = "symbolic link" if stat.S_ISLNK(st.st_mode) else "file"
+            out.append((p, f"a {what} where hf_pipeline keeps a folder of its own: builds on "
+                           "this root refuse it; remove it (never followed, left as it is)"))  # fmt: skip
         elif p.name.startswith("."):
             continue
         elif stat.S_ISLNK(st.st_mode):
@@ -1365,6 +1372,7 @@ def clean(
     stores: Sequence[str] = (),
     work: Sequence[str] = (),
     jobs: Sequence[str] = (),
+    own: Collection[str] = (),
 ) -> CleanReport:
     """Remove stale, corrupt and failed caches, and leftovers inside complete ones; then
     the units of ``stores`` that no cache uses any more (:func:`list_store`).
@@ -1392,6 +1400,8 @@ def clean(
             after the caches, so that a cache removed now frees its units at once.
         work: dot-folders of ``root`` holding work folders (:func:`list_work`): the
             abandoned ones are removed (only what their mark declares).
+        own: the names of the folders the project keeps in ``root``: a symlink or file
+            in the place of one is reported (:func:`ignored_entries`), never followed.
         jobs: dot-folders of ``root`` holding job folders (:func:`list_jobs`): those
             finished or abandoned, holding nothing else, are removed.
 
@@ -1468,7 +1478,7 @@ def clean(
         left += links
         for target in targets:
             drop(target)
-    for path, why in ignored_entries(root):
+    for path, why in ignored_entries(root, own=[n for n in own if n not in stores]):
         inner = parse_trash_name(path.name)
         if inner is not None and _is_link(path):
             drop(path)  # an earlier run's trash link: unlinked, never followed

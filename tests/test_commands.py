@@ -755,3 +755,35 @@ def test_a_hostile_marker_or_a_fifo_in_a_cache_is_reported_not_a_crash_or_a_hang
         assert results["status"].returncode == 0, results["status"].stderr
         assert results["verify"].returncode == (1 if place == "filtered.json" else 0), results
         assert re.search(rf"^{cache.name} ", results["status"].stdout, flags=re.M)
+
+
+def test_status_and_clean_name_a_link_where_hf_pipeline_keeps_a_folder(tmp_path):
+    """A second outside tester: a symlinked `.staging` (or a file in the place of
+    `.content-index`) made every build on the root fail, while `status` and `clean`
+    said nothing of it (docs/operations.md: they name symlinks they leave). Both now list
+    it, and neither follows it."""
+    import json
+
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    root.mkdir()
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("mine")
+    (root / ".staging").symlink_to(elsewhere)
+    (root / ".content-index").write_text("not a folder")
+    (root / ".mine").symlink_to(elsewhere)  # a user's own dot link: not hf_pipeline's
+    hf = [PYTHON, "-m", "hf_pipeline"]
+    status = _run([*hf, "status", "--cache-dir", root])
+    assert status.returncode == 0, status.stderr
+    why = "where hf_pipeline keeps a folder of its own: builds on this root refuse it"
+    assert f"not a cache: .staging: a symbolic link {why}" in status.stdout, status.stdout
+    assert f"not a cache: .content-index: a file {why}" in status.stdout, status.stdout
+    assert ".mine" not in status.stdout, status.stdout
+    listed = json.loads(_run([*hf, "status", "--cache-dir", root, "--json", "-"]).stdout)
+    assert sorted(Path(e["path"]).name for e in listed["ignored"]) == [
+        ".content-index", ".staging",
+    ]  # fmt: skip
+    clean = _run([*hf, "clean", "--cache-dir", root])
+    assert clean.returncode == 0, clean.stderr
+    assert f"left {root / '.staging'}: a symbolic link {why}" in clean.stdout, clean.stdout
+    assert (root / ".staging").is_symlink() and (root / ".content-index").is_file()
+    assert [p.name for p in elsewhere.iterdir()] == ["keep.txt"]

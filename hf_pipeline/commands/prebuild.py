@@ -209,7 +209,7 @@ def _admin(args, cfg) -> int:
     from dist import inventory
     from dist.kvstore import JOBS_DIR
     from hf_pipeline.build.part_store import PARTS_DIR
-    from hf_pipeline.cache.layout import STAGES, STAGING_DIR
+    from hf_pipeline.cache.layout import ROOT_FOLDERS, STAGES, STAGING_DIR
 
     root = cfg.cache_root
     # Watch leases a little longer than two heartbeats to tell live builders from dead.
@@ -219,7 +219,7 @@ def _admin(args, cfg) -> int:
     if args.status:
         rows = inventory.list_caches(root, stages=STAGES, observe_s=observe)
         units = inventory.list_store(root / PARTS_DIR, observe_s=observe)
-        ignored = inventory.ignored_entries(root)
+        ignored = inventory.ignored_entries(root, own=ROOT_FOLDERS)
         work = inventory.list_work(root, STAGING_DIR, observe_s=observe)
         jobs = inventory.list_jobs(root, JOBS_DIR)
         if args.json:
@@ -402,6 +402,7 @@ def _admin(args, cfg) -> int:
         stores=(PARTS_DIR,),
         work=(STAGING_DIR,),
         jobs=(JOBS_DIR,),
+        own=ROOT_FOLDERS,
     )
     verb = "would remove" if args.dry_run else "removed"
     for path in report.removed:

@@ -546,16 +546,22 @@ def _dead_pid() -> int:
     return int(out.stdout)
 
 
-@pytest.mark.parametrize("how", ["symlink", "hardlink"])
-def test_a_link_planted_at_a_parts_name_is_never_written_through(tmp_path, how):
-    """A part's name is predictable (`.<name>.<tag>.part.<pid>.<thread>`): a link there
-    to a file of the user's had the download appended to that file (`open(part, "ab")`
-    followed it). Now: the download fails naming the part, the file is as it was."""
+def _victim_and_staging(tmp_path):
+    """A victim folder (a canary file), a made staging folder and one 10-byte remote file."""
     victim = Victim(tmp_path / "victim")
     staging = StagingFolder(tmp_path / "staging")
     staging.make()
     data = b"0123456789"
     f = RemoteFile(name="a.pt", url="gs://b/a.pt", size=len(data), etag="1", checksum=_md5(data))
+    return victim, staging, data, f
+
+
+@pytest.mark.parametrize("how", ["symlink", "hardlink"])
+def test_a_link_planted_at_a_parts_name_is_never_written_through(tmp_path, how):
+    """A part's name is predictable (`.<name>.<tag>.part.<pid>.<thread>`): a link there
+    to a file of the user's had the download appended to that file (`open(part, "ab")`
+    followed it). Now: the download fails naming the part, the file is as it was."""
+    victim, staging, data, f = _victim_and_staging(tmp_path)
     mine = staging.root / f"{staging._part_prefix(f)}{os.getpid()}.{threading.get_ident()}"
     if how == "symlink":
         mine.symlink_to(victim.path / "canary.txt")
@@ -572,11 +578,7 @@ def test_a_link_planted_at_a_parts_name_is_never_written_through(tmp_path, how):
 def test_a_dead_owners_part_that_is_a_link_is_never_adopted(tmp_path):
     """A dead process's part is adopted (renamed to ours, then appended to): one that is
     a symlink is left where it is, and the download starts afresh."""
-    victim = Victim(tmp_path / "victim")
-    staging = StagingFolder(tmp_path / "staging")
-    staging.make()
-    data = b"0123456789"
-    f = RemoteFile(name="a.pt", url="gs://b/a.pt", size=len(data), etag="1", checksum=_md5(data))
+    victim, staging, data, f = _victim_and_staging(tmp_path)
     planted = staging.root / f"{staging._part_prefix(f)}{_dead_pid()}.1"
     planted.symlink_to(victim.path / "canary.txt")
     path = stage_file(_Bytes(data), f, staging, FAST, FetchStats())

@@ -28,26 +28,35 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
-import math
 import sys
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
+
+from hf_pipeline.encoder.native import (
+    MAX_CONFIG_BYTES,
+    WEIGHTS,
+    EncoderOutput,
+    bounded_float,
+    bounded_sizes,
+    load_state,
+    map_weights,
+    read_config,
+)
+from hf_pipeline.encoder.native import embedding as _embedding
+from hf_pipeline.encoder.native import linear as _linear
 
 __all__ = [
     "MAX_CONFIG_BYTES",
     "BertConfig",
     "BertModel",
     "NativeBert",
+    "inspect_config",
     "inspect_folder",
     "loaded_transformers_class",
 ]
 
-#: The most of ``config.json`` read (a BERT config is about 1 kB).
-MAX_CONFIG_BYTES = 1 << 20
-WEIGHTS = "model.safetensors"
 #: ``architectures`` whose checkpoints hold a plain BERT encoder (a head, if any, is
 #: left out).
 _ARCHITECTURES = frozenset({"BertModel", "BertForMaskedLM", "BertForPreTraining"})
@@ -56,10 +65,6 @@ _ARCHITECTURES = frozenset({"BertModel", "BertForMaskedLM", "BertForPreTraining"
 #: transformers < 4.31 saved.
 _IGNORED_PREFIXES = ("cls.",)
 _IGNORED = frozenset({"embeddings.position_ids"})
-_FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
-#: Bounds of the config's sizes (far above any BERT; a larger value is not one).
-_MAX_SIZE = 1 << 20
-_MAX_LAYERS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,30 +81,6 @@ class BertConfig:
     layer_norm_eps: float
     #: As transformers' config says it (TextEncoder's tests read it).
     _attn_implementation: str = "sdpa"
-
-
-def _linear(n_in: int, n_out: int) -> torch.nn.Linear:
-    """A biased ``torch.nn.Linear`` (its own type: the fusion looks for it) with
-    uninitialised parameters: its random init cost 0.2-0.5 s for MiniLM on the 2-CPU VM,
-    and the weights are loaded over it (on the meta device the init imports
-    ``torch._dynamo``)."""
-    linear = torch.nn.Linear.__new__(torch.nn.Linear)
-    torch.nn.Module.__init__(linear)
-    linear.in_features, linear.out_features = n_in, n_out
-    linear.weight = torch.nn.Parameter(torch.empty(n_out, n_in))
-    linear.bias = torch.nn.Parameter(torch.empty(n_out))
-    return linear
-
-
-def _embedding(rows: int, dim: int) -> torch.nn.Embedding:
-    """A ``torch.nn.Embedding`` with an uninitialised weight (see :func:`_linear`)."""
-    return torch.nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
-
-
-class EncoderOutput(NamedTuple):
-    """The encoder's output (what the pooling reads of transformers' ``ModelOutput``)."""
-
-    last_hidden_state: torch.Tensor
 
 
 class BertEmbeddings(torch.nn.Module):
@@ -266,9 +247,6 @@ def _expected_shapes(cfg: BertConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-_POOLER = {"pooler.dense.weight": 2, "pooler.dense.bias": 1}
-
-
 def _config(raw: Any) -> BertConfig | str:
     """The :class:`BertConfig` of a parsed ``config.json``, or why it is not a plain BERT."""
     if not isinstance(raw, dict):
@@ -290,20 +268,17 @@ def _config(raw: Any) -> BertConfig | str:
     if raw.get("quantization_config") is not None:
         return "it is quantized"
     defaults = {"type_vocab_size": 2, "max_position_embeddings": 512}
-    sizes: dict[str, Any] = {}
-    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                 "intermediate_size", "max_position_embeddings", "type_vocab_size"):  # fmt: skip
-        value = raw.get(name, defaults.get(name))
-        limit = _MAX_LAYERS if name == "num_hidden_layers" else _MAX_SIZE
-        if type(value) is not int or not 1 <= value <= limit:
-            return f"{name} is {value!r}, not an integer in [1, {limit}]"
-        sizes[name] = value
+    sizes = bounded_sizes(raw, ("vocab_size", "hidden_size", "num_hidden_layers",
+                                "num_attention_heads", "intermediate_size",
+                                "max_position_embeddings", "type_vocab_size"), defaults)  # fmt: skip
+    if isinstance(sizes, str):
+        return sizes
     if sizes["hidden_size"] % sizes["num_attention_heads"]:
         return "hidden_size is not a multiple of num_attention_heads"
-    eps = raw.get("layer_norm_eps", 1e-12)
-    if type(eps) not in (int, float) or not (math.isfinite(eps) and 0 < eps < 1):
-        return f"layer_norm_eps is {eps!r}"
-    return BertConfig(**sizes, layer_norm_eps=float(eps))
+    eps = bounded_float(raw, "layer_norm_eps", 1e-12, 0, 1)
+    if isinstance(eps, str):
+        return eps
+    return BertConfig(**sizes, layer_norm_eps=eps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,16 +297,8 @@ class NativeBert:
             ValueError: the weights file changed since :func:`inspect_folder` and no
                 longer holds a tensor it named, or could not be read; naming the file.
         """
-        from safetensors import SafetensorError, safe_open
-
         model = BertModel(self.config, pooler="pooler.dense.weight" in self.names)
-        state = {}
-        try:
-            with safe_open(str(self.weights), framework="pt") as f:
-                for mine, theirs in self.names.items():
-                    state[mine] = f.get_tensor(theirs).to(dtype)
-        except (SafetensorError, OSError) as exc:
-            raise ValueError(f"{self.weights}: not read ({exc})") from None
+        state = load_state(self.weights, self.names, dtype)
         model.load_state_dict(state, strict=True, assign=True)
         return model.eval().requires_grad_(False)
 
@@ -341,51 +308,29 @@ def inspect_folder(folder: str | Path) -> NativeBert | str:
     ``model.safetensors`` maps cleanly onto :class:`BertModel`; else why not (one line,
     naming the file and, for a tensor, its name). Reads ``config.json`` and the weights
     file's header only."""
-    from safetensors import SafetensorError, safe_open
-
     folder = Path(folder)
-    cfg_path, weights = folder / "config.json", folder / WEIGHTS
-    try:
-        with open(cfg_path, "rb") as f:
-            text = f.read(MAX_CONFIG_BYTES + 1)
-    except OSError as exc:
-        return f"{cfg_path}: not read ({exc.strerror or exc})"
-    if len(text) > MAX_CONFIG_BYTES:
-        return f"{cfg_path}: larger than {MAX_CONFIG_BYTES} bytes"
-    try:
-        raw = json.loads(text)
-    except (ValueError, RecursionError):
-        return f"{cfg_path}: not JSON"
+    read = read_config(folder)
+    if isinstance(read, str):
+        return read
+    return inspect_config(folder, *read)
+
+
+def inspect_config(folder: Path, cfg_path: Path, raw: Any) -> NativeBert | str:
+    """:func:`inspect_folder` of a folder whose ``config.json`` (at ``cfg_path``) parsed
+    as ``raw``."""
     cfg = _config(raw)
     if isinstance(cfg, str):
         return f"{cfg_path}: {cfg}"
-    if not weights.is_file():
-        return f"{weights}: absent (a plain BERT loads from one safetensors file)"
-    expected = _expected_shapes(cfg)
-    names: dict[str, str] = {}
-    try:
-        with safe_open(str(weights), framework="pt") as f:
-            keys = list(f.keys())
-            prefix = "bert." if any(k.startswith("bert.") for k in keys) else ""
-            for key in keys:
-                mine = key[len(prefix) :] if key.startswith(prefix) else None
-                if key.startswith(_IGNORED_PREFIXES) or mine in _IGNORED:
-                    continue
-                if mine is None or (mine not in expected and mine not in _POOLER):
-                    return f"{weights}: tensor {key!r} is not a BERT encoder's"
-                piece = f.get_slice(key)
-                shape = tuple(piece.get_shape())
-                want = expected.get(mine) or (cfg.hidden_size,) * _POOLER[mine]
-                if shape != want:
-                    return f"{weights}: tensor {key!r} has shape {list(shape)}, not {list(want)}"
-                if piece.get_dtype() not in _FLOAT_DTYPES:
-                    return f"{weights}: tensor {key!r} is {piece.get_dtype()}, not a float"
-                names[mine] = key
-    except (SafetensorError, OSError) as exc:
-        return f"{weights}: not a readable safetensors file ({str(exc).strip()[:200]})"
-    missing = sorted(set(expected) - set(names))
-    if missing:
-        return f"{weights}: tensor {prefix + missing[0]!r} is missing ({len(missing)} missing)"
+    weights = folder / WEIGHTS
+    h = cfg.hidden_size
+    names = map_weights(
+        weights, _expected_shapes(cfg), prefix="bert.", what="a BERT encoder's",
+        skip=lambda key: key.startswith(_IGNORED_PREFIXES)
+        or key.removeprefix("bert.") in _IGNORED,
+        optional={"pooler.dense.weight": (h, h), "pooler.dense.bias": (h,)},
+    )  # fmt: skip
+    if isinstance(names, str):
+        return names
     if ("pooler.dense.weight" in names) != ("pooler.dense.bias" in names):
         return f"{weights}: the pooler's weight or bias is missing"
     return NativeBert(cfg, weights, names)

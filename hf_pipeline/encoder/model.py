@@ -1,7 +1,8 @@
 """Caption text encoder: tokenizer + model + masked mean pooling.
 
-The model is a plain BERT loaded by :mod:`hf_pipeline.encoder.bert` without transformers
-where it can be (:func:`native_model`), else transformers' ``AutoModel``.
+The model is a plain BERT (:mod:`hf_pipeline.encoder.bert`) or a gemma-3 text model
+(:mod:`hf_pipeline.encoder.gemma`) loaded without transformers where it can be
+(:func:`native_model`), else transformers' ``AutoModel``.
 
 The encoder runs in the building process only (never inside ``datasets`` worker
 processes): CUDA does not survive ``fork``, and one model on the accelerator with
@@ -59,6 +60,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from hf_pipeline.encoder.bert import NativeBert
+    from hf_pipeline.encoder.gemma import NativeGemma
     from hf_pipeline.stores.identity import ContentIndex
 
 log = logging.getLogger(__name__)
@@ -271,12 +273,13 @@ def _load_kwargs(cfg: EncoderConfig) -> tuple[str, dict[str, Any]]:
     return path, kwargs
 
 
-def native_model(cfg: EncoderConfig) -> NativeBert | str:
-    """The :class:`~hf_pipeline.encoder.bert.NativeBert` of ``cfg``'s model when
-    hf_pipeline loads it without transformers (``encoder.backend: auto``, SDPA attention,
-    a local folder holding a plain BERT: :func:`hf_pipeline.encoder.bert.inspect_folder`),
-    else why not (one line). Reads the folder's config and weights header (milliseconds);
-    imports torch."""
+def native_model(cfg: EncoderConfig) -> NativeBert | NativeGemma | str:
+    """The :class:`~hf_pipeline.encoder.bert.NativeBert` or
+    :class:`~hf_pipeline.encoder.gemma.NativeGemma` of ``cfg``'s model when hf_pipeline
+    loads it without transformers (``encoder.backend: auto``, SDPA attention, a local
+    folder holding a plain BERT or a gemma-3 text model:
+    :func:`hf_pipeline.encoder.native.inspect_folder`), else why not (one line). Reads
+    the folder's config and weights header (milliseconds); imports torch."""
     if cfg.backend != "auto":
         return f"encoder.backend is {cfg.backend!r}"
     if cfg.attn_implementation != "sdpa":
@@ -284,7 +287,7 @@ def native_model(cfg: EncoderConfig) -> NativeBert | str:
     path = resolve_encoder_path(cfg.model)
     if not Path(path).is_dir():
         return f"{path!r} is not a local folder (a Hub model loads with transformers)"
-    from hf_pipeline.encoder.bert import inspect_folder
+    from hf_pipeline.encoder.native import inspect_folder
 
     return inspect_folder(path)
 
@@ -717,7 +720,7 @@ class TextEncoder:
         cfg: EncoderConfig,
         *,
         tokenizer: CaptionTokenizer | WorkerTokenizer | None = None,
-        native: NativeBert | str | None = None,
+        native: NativeBert | NativeGemma | str | None = None,
     ):
         t0 = time.monotonic()
         import torch
@@ -728,8 +731,8 @@ class TextEncoder:
         if isinstance(native, str):
             log.debug("encoder.model %r loads with transformers: %s", cfg.model, native)
             from transformers import AutoModel
-        #: What loaded the model: ``native`` (:mod:`hf_pipeline.encoder.bert`, a plain
-        #: BERT without transformers) or ``transformers``.
+        #: What loaded the model: ``native`` (:mod:`hf_pipeline.encoder.bert` or
+        #: :mod:`hf_pipeline.encoder.gemma`, without transformers) or ``transformers``.
         self.backend: Literal["native", "transformers"] = (
             "transformers" if isinstance(native, str) else "native"
         )

@@ -14,7 +14,9 @@
 #                        gemma-shaped encoder: scratch, base, append 10%, touch, index hit,
 #                        re-embed (COYO's encoder: configs/coyo11m.yaml)
 #   append_gemma_1m.json (step append_gemma) bench_evolve.py --append-only with it,
-#                        --repeats --gemma-repeats (default 1)
+#                        --repeats --gemma-repeats (default 1); with --gemma-baseline
+#                        DIR (a carried checkout of another commit: hf_pipeline, dist)
+#                        the same builds with its code too, taking turns
 #   hashing_w{8,16}.json bench_identity.py: content hashing GB/s on this host's tmpfs, 8
 #                        (the default) and 16 threads
 #   stream_93k.json      bench_stream.py, 96 shards x 1000 rows, 50 ms per request (or
@@ -28,7 +30,7 @@
 # Usage (repository root; carry .whl (datasets/dill/multiprocess), .gw (gcsfs and its
 # needs), .fgcs (the fake-gcs-server wrapper) and .tok (a MiniLM tokenizer folder)):
 #   bash benchmarks/gpu_evolve_stream.sh --commit SHA [--budget 560] [--steps evolve,evolve_gemma,append_gemma,reembed_gemma,hashing,stream,fresh]
-#        [--append-repeats N] [--gemma-repeats N] [--stream-latencies "0 50"] [--stream-pull]
+#        [--append-repeats N] [--gemma-repeats N] [--gemma-baseline DIR] [--stream-latencies "0 50"] [--stream-pull]
 #        [--stream-workers "1 4 8"] [--stream-proxies 4] [--stream-repeats 2]
 set -u -o pipefail
 
@@ -37,6 +39,7 @@ COMMIT=""
 STEPS="evolve,hashing,stream,fresh"
 APPEND_REPEATS=0
 GEMMA_REPEATS=1
+GEMMA_BASELINE=""
 STREAM_LATENCIES="50"
 STREAM_PULL="--no-pull"
 STREAM_WORKERS="1"
@@ -49,6 +52,7 @@ while [ $# -gt 0 ]; do
     --steps) STEPS="$2"; shift 2 ;;
     --append-repeats) APPEND_REPEATS="$2"; shift 2 ;;
     --gemma-repeats) GEMMA_REPEATS="$2"; shift 2 ;;  # append_gemma's --repeats
+    --gemma-baseline) GEMMA_BASELINE="$2"; shift 2 ;;  # append_gemma's --baseline before=DIR
     --stream-latencies) STREAM_LATENCIES="$2"; shift 2 ;;  # e.g. "0 50"
     --stream-pull) STREAM_PULL=""; shift ;;  # also time pulling the whole cache first
     --stream-workers) STREAM_WORKERS="$2"; shift 2 ;;  # e.g. "1 4 8"
@@ -117,9 +121,11 @@ if want evolve_gemma; then
   rm -rf "$WORK/evgf"
 fi
 if want append_gemma; then
-  step append_gemma $((40 + 190 * GEMMA_REPEATS)) env DATASET_NUM_PROC="$NP" "$PY" benchmarks/bench_evolve.py \
+  TREES=$([ -n "$GEMMA_BASELINE" ] && echo 2 || echo 1)
+  step append_gemma $((40 + 190 * GEMMA_REPEATS * TREES)) env DATASET_NUM_PROC="$NP" "$PY" benchmarks/bench_evolve.py \
     --rows 1000000 --samples-per-shard 2000 --dtype bfloat16 --random-gemma .tok \
-    --append-only --repeats "$GEMMA_REPEATS" --work-dir "$WORK/evga" --json "$OUT/append_gemma_1m.json"
+    --append-only --repeats "$GEMMA_REPEATS" \
+    $([ -n "$GEMMA_BASELINE" ] && echo --baseline "before=$PWD/$GEMMA_BASELINE") --work-dir "$WORK/evga" --json "$OUT/append_gemma_1m.json"
   rm -rf "$WORK/evga"
 fi
 if want hashing; then

@@ -30,7 +30,7 @@
 # Usage (repository root; carry .whl (datasets/dill/multiprocess), .gw (gcsfs and its
 # needs), .fgcs (the fake-gcs-server wrapper) and .tok (a MiniLM tokenizer folder)):
 #   bash benchmarks/gpu_evolve_stream.sh --commit SHA [--budget 560] [--steps evolve,evolve_gemma,append_gemma,reembed_gemma,hashing,stream,fresh]
-#        [--append-repeats N] [--gemma-repeats N] [--gemma-baseline DIR] [--stream-latencies "0 50"] [--stream-pull]
+#        [--append-repeats N] [--gemma-repeats N] [--gemma-baseline DIR] [--gemma-set KEY=VALUE] [--stream-latencies "0 50"] [--stream-pull]
 #        [--stream-workers "1 4 8"] [--stream-proxies 4] [--stream-repeats 2]
 set -u -o pipefail
 
@@ -40,6 +40,7 @@ STEPS="evolve,hashing,stream,fresh"
 APPEND_REPEATS=0
 GEMMA_REPEATS=1
 GEMMA_BASELINE=""
+GEMMA_SET=()
 STREAM_LATENCIES="50"
 STREAM_PULL="--no-pull"
 STREAM_WORKERS="1"
@@ -53,6 +54,7 @@ while [ $# -gt 0 ]; do
     --append-repeats) APPEND_REPEATS="$2"; shift 2 ;;
     --gemma-repeats) GEMMA_REPEATS="$2"; shift 2 ;;  # append_gemma's --repeats
     --gemma-baseline) GEMMA_BASELINE="$2"; shift 2 ;;  # append_gemma's --baseline before=DIR
+    --gemma-set) GEMMA_SET+=(--set "$2"); shift 2 ;;  # e.g. encoder.compile=auto (COYO's)
     --stream-latencies) STREAM_LATENCIES="$2"; shift 2 ;;  # e.g. "0 50"
     --stream-pull) STREAM_PULL=""; shift ;;  # also time pulling the whole cache first
     --stream-workers) STREAM_WORKERS="$2"; shift 2 ;;  # e.g. "1 4 8"
@@ -117,6 +119,7 @@ fi
 if want evolve_gemma; then
   step evolve_gemma 330 env DATASET_NUM_PROC="$NP" "$PY" benchmarks/bench_evolve.py \
     --rows 1000000 --samples-per-shard 2000 --dtype bfloat16 --random-gemma .tok --no-recaption \
+    ${GEMMA_SET[@]+"${GEMMA_SET[@]}"} \
     --work-dir "$WORK/evgf" --json "$OUT/evolve_gemma_1m.json"
   rm -rf "$WORK/evgf"
 fi
@@ -124,7 +127,7 @@ if want append_gemma; then
   TREES=$([ -n "$GEMMA_BASELINE" ] && echo 2 || echo 1)
   step append_gemma $((40 + 190 * GEMMA_REPEATS * TREES)) env DATASET_NUM_PROC="$NP" "$PY" benchmarks/bench_evolve.py \
     --rows 1000000 --samples-per-shard 2000 --dtype bfloat16 --random-gemma .tok \
-    --append-only --repeats "$GEMMA_REPEATS" \
+    --append-only --repeats "$GEMMA_REPEATS" ${GEMMA_SET[@]+"${GEMMA_SET[@]}"} \
     $([ -n "$GEMMA_BASELINE" ] && echo --baseline "before=$PWD/$GEMMA_BASELINE") --work-dir "$WORK/evga" --json "$OUT/append_gemma_1m.json"
   rm -rf "$WORK/evga"
 fi

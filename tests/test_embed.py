@@ -897,7 +897,9 @@ def test_a_decoder_encodes_without_its_kv_cache(tmp_path):
     folder = tmp_path / "gemma"
     _tiny_gemma(vocab_size=30522).save_pretrained(folder)
     AutoTokenizer.from_pretrained(resolve_encoder_path("minilm")).save_pretrained(folder)
-    enc = TextEncoder(EncoderConfig(model=str(folder)))
+    # transformers' model (the native one, hf_pipeline.encoder.gemma, keeps no cache).
+    enc = TextEncoder(EncoderConfig(model=str(folder), backend="transformers"))
+    assert enc.backend == "transformers"
     caches = []
     enc.model.register_forward_hook(lambda _m, _a, out: caches.append(out.past_key_values))
     texts = ["a red circle on a blue background", "stripes", "a small green triangle"]

@@ -78,12 +78,11 @@ def test_native_gemma_computes_as_transformers(tmp_path):
 
     from hf_pipeline.encoder.gemma import GemmaModel
     from hf_pipeline.encoder.model import _causal_decoder
-    from hf_pipeline.encoder.native import inspect_folder
 
     gen = torch.Generator().manual_seed(1)
     for causal_lm in (False, True):
         folder = _gemma_folder(tmp_path / f"lm{causal_lm}", causal_lm=causal_lm)
-        plan = inspect_folder(folder)
+        plan = native_model(EncoderConfig(model=str(folder)))
         assert not isinstance(plan, str), plan
         for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
             native = plan.load(dtype)

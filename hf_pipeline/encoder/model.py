@@ -278,8 +278,10 @@ def native_model(cfg: EncoderConfig) -> NativeBert | NativeGemma | str:
     :class:`~hf_pipeline.encoder.gemma.NativeGemma` of ``cfg``'s model when hf_pipeline
     loads it without transformers (``encoder.backend: auto``, SDPA attention, a local
     folder holding a plain BERT or a gemma-3 text model:
-    :func:`hf_pipeline.encoder.native.inspect_folder`), else why not (one line). Reads
-    the folder's config and weights header (milliseconds); imports torch."""
+    :func:`hf_pipeline.encoder.bert.inspect_config`,
+    :func:`hf_pipeline.encoder.gemma.inspect_config`, by the config's ``model_type``), else
+    why not (one line). Reads the folder's config and weights header (milliseconds);
+    imports torch."""
     if cfg.backend != "auto":
         return f"encoder.backend is {cfg.backend!r}"
     if cfg.attn_implementation != "sdpa":
@@ -287,9 +289,19 @@ def native_model(cfg: EncoderConfig) -> NativeBert | NativeGemma | str:
     path = resolve_encoder_path(cfg.model)
     if not Path(path).is_dir():
         return f"{path!r} is not a local folder (a Hub model loads with transformers)"
-    from hf_pipeline.encoder.native import inspect_folder
+    from hf_pipeline.encoder.native import read_config
 
-    return inspect_folder(path)
+    read = read_config(Path(path))
+    if isinstance(read, str):
+        return read
+    cfg_path, raw = read
+    if isinstance(raw, dict) and raw.get("model_type") == "gemma3_text":
+        from hf_pipeline.encoder import gemma
+
+        return gemma.inspect_config(Path(path), cfg_path, raw)
+    from hf_pipeline.encoder import bert
+
+    return bert.inspect_config(Path(path), cfg_path, raw)
 
 
 def _load_error(cfg: EncoderConfig, exc: BaseException, why: str = "") -> ConfigError:

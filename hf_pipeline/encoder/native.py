@@ -2,10 +2,10 @@
 ``model.safetensors`` header as untrusted input, mapping the file's tensors onto a
 model's state-dict keys, loading them, and uninitialised modules.
 
-:func:`inspect_folder` decides whether a model folder loads without transformers: a
-plain BERT (:mod:`hf_pipeline.encoder.bert`, all-MiniLM-L6-v2) or a gemma-3 text
-decoder (:mod:`hf_pipeline.encoder.gemma`, the COYO encoder); anything else is a reason
-string and the caller loads with transformers. The files are untrusted: ``config.json``
+The native models are a plain BERT (:mod:`hf_pipeline.encoder.bert`, all-MiniLM-L6-v2)
+and a gemma-3 text decoder (:mod:`hf_pipeline.encoder.gemma`, the COYO encoder);
+:func:`hf_pipeline.encoder.model.native_model` picks by the config's ``model_type``, and
+anything neither covers is a reason string: the caller loads with transformers. The files are untrusted: ``config.json``
 is read only up to :data:`MAX_CONFIG_BYTES`, sizes are bounded, and weights are read
 only through ``safetensors`` (never a pickle).
 
@@ -29,7 +29,6 @@ __all__ = [
     "bounded_float",
     "bounded_sizes",
     "embedding",
-    "inspect_folder",
     "linear",
     "load_state",
     "map_weights",
@@ -178,22 +177,3 @@ def load_state(weights: Path, names: Mapping[str, str], dtype: torch.dtype) -> d
     except (SafetensorError, OSError) as exc:
         raise ValueError(f"{weights}: not read ({exc})") from None
     return state
-
-
-def inspect_folder(folder: str | Path):
-    """The native model plan of ``folder`` (a :class:`~hf_pipeline.encoder.bert.NativeBert`
-    or :class:`~hf_pipeline.encoder.gemma.NativeGemma`, by its config's ``model_type``),
-    or why it does not load natively (one line, naming the file and, for a tensor, its
-    name). Reads ``config.json`` and the weights file's header only."""
-    folder = Path(folder)
-    read = read_config(folder)
-    if isinstance(read, str):
-        return read
-    cfg_path, raw = read
-    if isinstance(raw, dict) and raw.get("model_type") == "gemma3_text":
-        from hf_pipeline.encoder import gemma
-
-        return gemma.inspect_config(folder, cfg_path, raw)
-    from hf_pipeline.encoder import bert
-
-    return bert.inspect_config(folder, cfg_path, raw)

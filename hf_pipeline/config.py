@@ -366,9 +366,10 @@ class EncoderConfig:
     backend: EncoderBackend = _field(
         "auto",
         "what loads the model: `auto` (a local plain-BERT folder with a `model.safetensors`, "
-        "such as `minilm`, with hf_pipeline's own torch BERT, which needs no transformers "
-        "import, and its BERT `tokenizer.json` with `tokenizers` alone; any other model "
-        "with transformers) or `transformers` (always)",
+        "such as `minilm`, with hf_pipeline's own torch BERT, and its BERT `tokenizer.json` "
+        "with `tokenizers` alone; a local gemma-3 text model folder, such as "
+        "gemma-3-270m, with its own torch gemma-3: neither imports transformers; any other "
+        "model with transformers) or `transformers` (always)",
     )
     tf32: bool = _field(
         False,

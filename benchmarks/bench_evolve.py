@@ -144,6 +144,17 @@ def _build(overrides: list[str], tree: Path = REPO) -> dict:
     return out
 
 
+def _encoder_settings(common: list[str]) -> dict:
+    """The encoder settings the builds ran with (the bench's config is
+    ``configs/demo.yaml`` plus ``common``): ``encoder.compile`` is ``graphs`` there, not
+    ``torch.compile``, which an earlier write-up took it for."""
+    from hf_pipeline.config import load_config
+
+    enc = load_config(None, common).encoder
+    return {"encoder_compile": enc.compile, "encoder_dtype": enc.dtype,
+            "encoder_backend": enc.backend, "encoder_max_length": enc.max_length}  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=100_000)
@@ -249,6 +260,7 @@ def main() -> int:
             "disk_bytes_before_reembed": du_before,
             "disk_bytes_after_reembed": _du(work / "scratch-root"),
             "overrides": common,
+            **_encoder_settings(common),
         }
         print(json.dumps(out, indent=1))
         if args.json:
@@ -294,6 +306,7 @@ def main() -> int:
         ),
         "disk_bytes_after_recaption": du_recaption if "recaption" in runs else None,
         "overrides": common,
+        **_encoder_settings(common),
     }
     print(json.dumps(out, indent=1))
     if args.json:
@@ -393,6 +406,7 @@ def _append_only(args, work: Path, trees: dict[str, Path], full, base, *, shards
             if label != "this"
         },
         "overrides": common,
+        **_encoder_settings(common),
     }
     print(json.dumps(out, indent=1))
     if args.json:

@@ -97,6 +97,8 @@ mkdir -p "$WORK"
   || { log "random MiniLM failed"; exit 1; }
 
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
+# The gemma steps say their compile setting (configs/demo.yaml's graphs unless told).
+if [[ " ${GEMMA_SET[*]-} " != *" encoder.compile="* ]]; then GEMMA_SET+=(--set encoder.compile=graphs); fi
 
 if want evolve; then
   step evolve_1m 200 env DATASET_NUM_PROC="$NP" "$PY" benchmarks/bench_evolve.py \

@@ -38,9 +38,10 @@ from hf_pipeline.encoder.native import (
     MAX_CONFIG_BYTES,
     WEIGHTS,
     EncoderOutput,
+    NativeModel,
     bounded_float,
     bounded_sizes,
-    load_state,
+    kind_problem,
     map_weights,
     read_config,
 )
@@ -249,18 +250,10 @@ def _expected_shapes(cfg: BertConfig) -> dict[str, tuple[int, ...]]:
 
 def _config(raw: Any) -> BertConfig | str:
     """The :class:`BertConfig` of a parsed ``config.json``, or why it is not a plain BERT."""
-    if not isinstance(raw, dict):
-        return "its config.json is not a JSON object"
-    if raw.get("model_type") != "bert":
-        return f"model_type is {raw.get('model_type')!r}, not 'bert'"
-    arch = raw.get("architectures")
-    if arch is not None and (
-        not isinstance(arch, list) or not arch or not set(arch) <= _ARCHITECTURES
-    ):
-        return f"architectures {arch!r} are not a plain BERT's"
-    for flag in ("is_decoder", "add_cross_attention"):
-        if raw.get(flag, False) is not False:
-            return f"{flag} is set"
+    kind = kind_problem(raw, "bert", _ARCHITECTURES, "a plain BERT's",
+                        ("is_decoder", "add_cross_attention"))  # fmt: skip
+    if kind is not None:
+        return kind
     if raw.get("position_embedding_type", "absolute") != "absolute":
         return f"position_embedding_type is {raw.get('position_embedding_type')!r}"
     if raw.get("hidden_act", "gelu") != "gelu":
@@ -282,25 +275,13 @@ def _config(raw: Any) -> BertConfig | str:
 
 
 @dataclasses.dataclass(frozen=True)
-class NativeBert:
-    """A model folder that loads as :class:`BertModel`: its config, its weights file and
-    the name each of the model's tensors has there (a ``bert.`` prefix kept)."""
+class NativeBert(NativeModel):
+    """A folder that loads as :class:`BertModel` (a ``bert.`` prefix kept in ``names``)."""
 
     config: BertConfig
-    weights: Path
-    names: dict[str, str]  # the model's key -> the file's
 
-    def load(self, dtype: torch.dtype) -> BertModel:
-        """The model, in ``dtype``, on the CPU, in eval mode.
-
-        Raises:
-            ValueError: the weights file changed since :func:`inspect_folder` and no
-                longer holds a tensor it named, or could not be read; naming the file.
-        """
-        model = BertModel(self.config, pooler="pooler.dense.weight" in self.names)
-        state = load_state(self.weights, self.names, dtype)
-        model.load_state_dict(state, strict=True, assign=True)
-        return model.eval().requires_grad_(False)
+    def _model(self) -> BertModel:
+        return BertModel(self.config, pooler="pooler.dense.weight" in self.names)
 
 
 def inspect_folder(folder: str | Path) -> NativeBert | str:

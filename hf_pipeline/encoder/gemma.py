@@ -38,11 +38,12 @@ import torch
 from hf_pipeline.encoder.native import (
     WEIGHTS,
     EncoderOutput,
+    NativeModel,
     bounded_float,
     bounded_sizes,
     embedding,
+    kind_problem,
     linear,
-    load_state,
     map_weights,
 )
 
@@ -289,18 +290,10 @@ def _rope(raw: dict[str, Any]) -> tuple[tuple[str, float], ...] | str:
 
 def _config(raw: Any) -> GemmaConfig | str:
     """The :class:`GemmaConfig` of a parsed ``config.json``, or why it does not load here."""
-    if not isinstance(raw, dict):
-        return "its config.json is not a JSON object"
-    if raw.get("model_type") != "gemma3_text":
-        return f"model_type is {raw.get('model_type')!r}, not 'gemma3_text'"
-    arch = raw.get("architectures")
-    if arch is not None and (
-        not isinstance(arch, list) or not arch or not set(arch) <= _ARCHITECTURES
-    ):
-        return f"architectures {arch!r} are not a gemma-3 text model's"
-    for flag in ("use_bidirectional_attention", "attention_bias"):
-        if raw.get(flag, False) is not False:
-            return f"{flag} is set"
+    kind = kind_problem(raw, "gemma3_text", _ARCHITECTURES, "a gemma-3 text model's",
+                        ("use_bidirectional_attention", "attention_bias"))  # fmt: skip
+    if kind is not None:
+        return kind
     for unset in ("attn_logit_softcapping", "quantization_config"):
         if raw.get(unset) is not None:
             return f"{unset} is set"
@@ -341,24 +334,14 @@ def _config(raw: Any) -> GemmaConfig | str:
 
 
 @dataclasses.dataclass(frozen=True)
-class NativeGemma:
-    """A model folder that loads as :class:`GemmaModel`: its config, its weights file and
-    the name each of the model's tensors has there (a ``model.`` prefix kept)."""
+class NativeGemma(NativeModel):
+    """A folder that loads as :class:`GemmaModel` (its rotary frequencies and embedding
+    scale stay float32 buffers, as transformers keeps them)."""
 
     config: GemmaConfig
-    weights: Path
-    names: dict[str, str]  # the model's key -> the file's
 
-    def load(self, dtype: torch.dtype) -> GemmaModel:
-        """The model, in ``dtype`` (its float32 buffers kept), on the CPU, in eval mode.
-
-        Raises:
-            ValueError: the weights file changed since :func:`inspect_config` and no
-                longer holds a tensor it named, or could not be read; naming the file.
-        """
-        model = GemmaModel(self.config)
-        model.load_state_dict(load_state(self.weights, self.names, dtype), strict=True, assign=True)
-        return model.eval().requires_grad_(False)
+    def _model(self) -> GemmaModel:
+        return GemmaModel(self.config)
 
 
 def inspect_config(folder: Path, cfg_path: Path, raw: Any) -> NativeGemma | str:

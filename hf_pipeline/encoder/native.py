@@ -14,6 +14,7 @@ This module imports torch and safetensors: import it where an encoder is built.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -26,8 +27,10 @@ __all__ = [
     "MAX_CONFIG_BYTES",
     "WEIGHTS",
     "EncoderOutput",
+    "NativeModel",
     "bounded_float",
     "bounded_sizes",
+    "kind_problem",
     "embedding",
     "linear",
     "load_state",
@@ -86,6 +89,27 @@ def read_config(folder: Path) -> tuple[Path, Any] | str:
         return cfg_path, json.loads(text)
     except (ValueError, RecursionError):
         return f"{cfg_path}: not JSON"
+
+
+def kind_problem(
+    raw: Any, model_type: str, architectures: frozenset[str], what: str, flags: Sequence[str]
+) -> str | None:
+    """Why a parsed ``config.json`` is not of ``model_type`` with ``architectures`` absent
+    or among those (``what``: "a plain BERT's") and every one of ``flags`` absent or
+    false; None when it is."""
+    if not isinstance(raw, dict):
+        return "its config.json is not a JSON object"
+    if raw.get("model_type") != model_type:
+        return f"model_type is {raw.get('model_type')!r}, not {model_type!r}"
+    arch = raw.get("architectures")
+    if arch is not None and (
+        not isinstance(arch, list) or not arch or not set(arch) <= architectures
+    ):
+        return f"architectures {arch!r} are not {what}"
+    for flag in flags:
+        if raw.get(flag, False) is not False:
+            return f"{flag} is set"
+    return None
 
 
 def bounded_sizes(
@@ -177,3 +201,28 @@ def load_state(weights: Path, names: Mapping[str, str], dtype: torch.dtype) -> d
     except (SafetensorError, OSError) as exc:
         raise ValueError(f"{weights}: not read ({exc})") from None
     return state
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeModel:
+    """A model folder that loads natively: its config, its weights file and the name
+    each of the model's tensors has there (a checkpoint's prefix kept). Subclasses make
+    the model (:meth:`_model`)."""
+
+    config: Any
+    weights: Path
+    names: dict[str, str]  # the model's key -> the file's
+
+    def _model(self) -> torch.nn.Module:  # pragma: no cover - each subclass has one
+        raise NotImplementedError
+
+    def load(self, dtype: torch.dtype) -> Any:
+        """The model, its weights in ``dtype``, on the CPU, in eval mode.
+
+        Raises:
+            ValueError: the weights file changed since it was inspected and no longer
+                holds a tensor it named, or could not be read; naming the file.
+        """
+        model = self._model()
+        model.load_state_dict(load_state(self.weights, self.names, dtype), strict=True, assign=True)
+        return model.eval().requires_grad_(False)

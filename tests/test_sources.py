@@ -496,13 +496,31 @@ def test_the_fetcher_refuses_a_symlinked_staging_or_control_folder(hf_home, tmp_
     victim.assert_untouched()
 
 
+def test_sources_opened_with_one_staging_dir_stage_in_folders_of_their_own(hf_home, tmp_path):
+    """A source opened directly (the API, without a staging folder of the build's) with
+    ``data.staging_dir`` stages in a folder per location below it, as a build does and as
+    ``<root>/.staging/<key>`` does: two buckets whose shards have the same names no longer
+    share one flat folder (they took each other's files). The same location, the same
+    folder; a folder given explicitly (as the build gives its own) is kept as given."""
+    staging = tmp_path / "staging"
+    cfg = DataConfig(shards="gs://a/p", staging_dir=str(staging))
+    a, b = (open_source(loc, data_config=cfg) for loc in ("gs://a/p", "gs://b/p"))
+    assert a.staging_dir != b.staging_dir
+    assert {a.staging_dir.parent, b.staging_dir.parent} == {staging}
+    assert a.staging_base == b.staging_base == staging
+    assert open_source("gs://a/p", data_config=cfg).staging_dir == a.staging_dir
+    given = open_source("gs://a/p", data_config=cfg, staging_dir=tmp_path / "mine")
+    assert given.staging_dir == tmp_path / "mine"
+
+
 def test_the_control_sweep_removes_only_old_run_folders_of_this_user(hf_home, tmp_path):
     """What the sweep removes it can tell it made: real folders named as a run's, of this
     user, a day old; a folder of another name or a link named as a run's stays."""
     staging = tmp_path / "staging"
     cfg = DataConfig(shards="gs://b/p", staging_dir=str(staging))
     src = open_source("gs://b/p", data_config=cfg)
-    ctl = staging / ".ctl"
+    assert src.staging_dir.parent == staging and src.staging_base == staging  # its own folder
+    ctl = src.staging_dir / ".ctl"
     victim = Victim(tmp_path / "victim")
     for name in ("run-abcd1234", "0123456789ab", "photos"):
         (ctl / name).mkdir(parents=True)

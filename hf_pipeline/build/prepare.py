@@ -227,6 +227,7 @@ def resolve_inputs(
     index is replaced atomically.
     """
     from hf_pipeline.stores import open_source
+    from hf_pipeline.stores.base import staging_place
     from hf_pipeline.stores.identity import INDEX_DIR, ContentIndex, content_identities, is_local
 
     demo = None
@@ -271,12 +272,9 @@ def resolve_inputs(
         meta_loc = str(demo.metadata_path)
     # Until the fingerprint is known (prepare_cache then stages per identity): a folder
     # per location under this config's cache root.
-    staging_root, staging_base = _staging_root(cfg)
+    staging_dir, staging_base = staging_place(shards_loc, cfg.data.staging_dir, cfg.cache_root)
     source = open_source(
-        shards_loc,
-        data_config=cfg.data,
-        staging_dir=staging_root / hashlib.sha1(shards_loc.encode()).hexdigest()[:16],
-        staging_base=staging_base,
+        shards_loc, data_config=cfg.data, staging_dir=staging_dir, staging_base=staging_base
     )
     shards = source.list_shards()
     metadata = source.find_metadata(meta_loc)

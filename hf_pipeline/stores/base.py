@@ -123,6 +123,22 @@ def _pick_metadata(candidates: list[RemoteFile], where: str) -> RemoteFile | Non
 _KINDS: dict[str, type[Source]] = {}
 
 
+def staging_place(
+    location: str, staging_dir: str | os.PathLike | None, cache_root: Path
+) -> tuple[Path, Path]:
+    """Where a source of ``location`` stages its downloads, and the user's folder that
+    lies in (see :attr:`Source.staging_base`): a folder of its own per location (16 hex
+    digits of its SHA-1) below ``data.staging_dir`` when set (``staging_dir``), else below
+    ``<cache_root>/.staging``. Two sources never share one: two buckets whose shards
+    have the same names, staged into one flat ``data.staging_dir``, took each other's
+    files (a build waited forever for one the other had replaced)."""
+    key = hashlib.sha1(location.encode()).hexdigest()[:16]
+    if staging_dir:
+        base = Path(staging_dir).expanduser()
+        return base / key, base
+    return cache_root / STAGING_DIR / key, cache_root
+
+
 class Source(abc.ABC):
     """A place holding shard files and (usually) the metadata parquet.
 
@@ -182,12 +198,9 @@ class Source(abc.ABC):
         self.location = location
         self.data_config = data_config
         self.policy = policy or RetryPolicy.from_config(data_config)
-        if staging_dir is None and data_config.staging_dir:
-            staging_dir = data_config.staging_dir
-        elif staging_dir is None:
-            staging_base = default_cache_root()
-            staging_dir = (
-                staging_base / STAGING_DIR / hashlib.sha1(location.encode()).hexdigest()[:16]
+        if staging_dir is None:
+            staging_dir, staging_base = staging_place(
+                location, data_config.staging_dir, default_cache_root()
             )
         self.staging_dir = Path(staging_dir).expanduser()
         self.staging_base = (

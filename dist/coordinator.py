@@ -913,8 +913,10 @@ class _Coordinator:
 
     def _build_stage(self, stage: Stage, lease: Lease, markers: dict[str, Marker]) -> Marker:
         """Build ``stage`` into this lease's own folder; the marker, not yet published."""
-        folder = self.cache_dir / stage_dir_name(stage.name, lease.lease_id)
-        shutil.rmtree(folder, ignore_errors=True)
+        name = stage_dir_name(stage.name, lease.lease_id)
+        # Something in its place already (this lease's id is new: someone put it there)
+        # is refused by name, never built into, followed or removed through.
+        folder = own_folder(self.cache_dir, name, create=False)
         folder.mkdir()
         try:
             lease.set_phase(stage.name, "building")

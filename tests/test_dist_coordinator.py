@@ -31,6 +31,7 @@ from dist import (
 )
 from dist.coordinator import LEASE_FILE, LeaseLostError
 from dist.env import ProcessInfo
+from dist.errors import ForeignCacheFolderError
 from dist.layout import IDENTITY_FILE
 from dist.lease import LeaseView, holder_exited, process_identity, read_lease
 from dist.markers import Marker, read_json
@@ -297,6 +298,36 @@ def test_a_waiter_whose_cache_folder_was_removed_claims_it_anew(tmp_path):
         timer.cancel()
     assert "claimed" in [e for e, _ in events]
     assert sorted(os.listdir(cache)) == _published(markers)
+
+
+def test_a_link_planted_as_the_lease_s_stage_folder_is_refused_by_name(tmp_path):
+    """Someone who can write in the cache folder puts a symlink (or a file) where this
+    lease is about to build a stage (``<stage>.<lease id>``, planted when the claim is
+    seen): the build fails naming it (before: a bare FileExistsError) and nothing is
+    written through it; the next build, once it is gone, succeeds."""
+    victim = Victim(tmp_path / "victim")
+    cache = tmp_path / "c"
+    for plant in ("link", "file"):
+
+        def on_event(name, fields, plant=plant):
+            if name == "claimed":
+                place = cache / f"{STAGES[0].name}.{fields['lease_id']}"
+                if plant == "link":
+                    place.symlink_to(victim.path, target_is_directory=True)
+                else:
+                    place.write_text("x")
+
+        with pytest.raises(ForeignCacheFolderError) as ei:
+            ensure_built(cache, "fp", STAGES, builder=True, on_event=on_event, **QUICK)
+        msg = str(ei.value)
+        what = "a symlink" if plant == "link" else "not a folder"
+        assert f"{STAGES[0].name}." in msg and what in msg and "\n" not in msg, msg
+        victim.assert_untouched()
+        for leftover in cache.glob(f"{STAGES[0].name}.*"):
+            leftover.unlink()
+    markers = ensure_built(cache, "fp", STAGES, builder=True, **QUICK)
+    assert set(markers) == {s.name for s in STAGES}
+    victim.assert_untouched()
 
 
 def test_argument_validation_messages(tmp_path):

@@ -88,7 +88,10 @@ def shown(text: object) -> str:
     """``text`` for one line of an error message: ``ascii()`` (control characters,
     newlines, NUL escaped), cut at 120 characters."""
     s = ascii(text)
-    return s if len(s) <= _SHOWN else f"{s[:_SHOWN]}...' ({len(str(text))} characters)"
+    if len(s) <= _SHOWN:
+        return s
+    quote = s[0] if s[0] in "'\"" else ""  # ascii() quotes a string with ' or with "
+    return f"{s[:_SHOWN]}...{quote} ({len(str(text))} characters)"
 
 
 def _part_problem(part: str) -> str | None:

@@ -18,6 +18,7 @@ from dist.safepath import (
     join_under,
     own_folder,
     remove_tree_at,
+    shown,
 )
 from tests.helpers.victims import Victim
 
@@ -227,3 +228,16 @@ def test_remove_tree_at_unlinks_links_and_never_follows_a_folder_swapped_for_one
     victim.assert_untouched()
     assert any(e.startswith(f"{top / 'swapped'}: ") for e in errors), errors
     assert sorted(os.listdir(top)) == ["swapped"] and (top / "swapped").is_symlink()
+
+
+def test_a_long_text_is_shown_cut_with_its_own_closing_quote():
+    """A message written by another host (a failure record's) is shown on one line, cut
+    at 120 characters: the cut keeps the quote ascii() opened it with (a text holding a
+    ' is quoted with "; it was closed with ' before), and says the full length."""
+    cut = shown("it's " + "x" * 300)
+    assert cut.startswith("\"it's xx") and cut.endswith('..." (305 characters)'), cut
+    cut = shown("plain " + "y\n" * 200)
+    assert cut.startswith("'plain y\\n") and cut.endswith("...' (406 characters)"), cut
+    assert "\n" not in cut
+    assert shown(10**200).endswith("... (201 characters)")  # not a string: no quotes
+    assert shown("short") == "'short'"

@@ -201,6 +201,9 @@ class GemmaModel(torch.nn.Module):
         """The attention mask of each layer type (True: attend), None where SDPA's causal
         kernel alone gives it: no padding mask and, for the sliding layers, fewer tokens
         than the window (transformers makes one from ``sliding_window`` tokens on)."""
+        kinds = set(self.config.layer_types)
+        if attention_mask is None and (SLIDING not in kinds or tokens < self.config.sliding_window):
+            return dict.fromkeys(kinds)  # the encoder's case: no kernel launched for masks
         keep = None
         if attention_mask is not None:
             keep = attention_mask.bool()
@@ -209,7 +212,7 @@ class GemmaModel(torch.nn.Module):
         rows = torch.arange(tokens, device=device)
         causal = rows[None, :] <= rows[:, None]
         masks: dict[str, torch.Tensor | None] = {}
-        for layer_type in set(self.config.layer_types):
+        for layer_type in kinds:
             mask = None
             if layer_type == SLIDING and tokens >= self.config.sliding_window:
                 window = rows[None, :] > rows[:, None] - self.config.sliding_window

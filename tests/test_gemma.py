@@ -123,19 +123,26 @@ def test_the_encoder_loads_gemma_natively_and_embeds_as_transformers(tmp_path):
         cfg["rope_theta"] = params["full_attention"]["rope_theta"]
         cfg["rope_local_base_freq"] = params["sliding_attention"]["rope_theta"]
         cfg["rope_scaling"] = None
-        cfg.pop("layer_types")
-        cfg["sliding_window_pattern"] = 6
 
     old = _edit_config(shutil.copytree(folder, tmp_path / "old"), older)
     enc = TextEncoder(EncoderConfig(model=str(old), micro_batch_size=4))
     assert enc.backend == "native"
     np.testing.assert_allclose(enc.encode(texts), want, rtol=0, atol=1e-5)
+    # Without layer_types the layers' pattern is transformers' to derive (its versions
+    # read it from different keys; an outside tester's `_sliding_window_pattern: 2` gave
+    # other layers than transformers 5's): transformers loads such a folder.
+    for key, value in (("sliding_window_pattern", 2), ("_sliding_window_pattern", 2)):
+        pattern = _edit_config(shutil.copytree(old, tmp_path / key),
+                               lambda c, k=key, v=value: (c.pop("layer_types"), c.update({k: v})))  # fmt: skip
+        why = native_model(EncoderConfig(model=str(pattern)))
+        assert isinstance(why, str) and "layer_types is absent" in why, why
+        assert TextEncoder(EncoderConfig(model=str(pattern))).backend == "transformers"
 
 
 def test_gemma_folders_the_native_model_does_not_cover_say_why(tmp_path):
     """Configs outside what the native model computes (bidirectional attention, logit
     soft-capping, another activation or rotary type, attention biases), a vision
-    model's config, missing, extra or wrongly shaped tensors: each one line naming the
+    model's config, a tensor the text model does not have: each one line naming the
     file (and the tensor); the encoder then loads with transformers and embeds as it
     does."""
     import torch
@@ -165,22 +172,13 @@ def test_gemma_folders_the_native_model_does_not_cover_say_why(tmp_path):
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
             "config.json: rope_parameters['full_attention']"),
-        "layers": (dict(layer_types=["sliding_attention"] * 3), "config.json: layer_types"),
     }  # fmt: skip
     for name, (update, start) in want.items():
         folder, why = case(name, edit_config=lambda c, u=update: c.update(u))
         assert isinstance(why, str) and f"{folder}/{start}" in why and "\n" not in why, why
-    tensors = {
-        "missing": (lambda t: t.pop("layers.6.mlp.up_proj.weight"),
-                    "model.safetensors: tensor 'layers.6.mlp.up_proj.weight' is missing"),
-        "extra": (lambda t: t.update({"vision_tower.weight": torch.zeros(2, 2)}),
-                  "model.safetensors: tensor 'vision_tower.weight' is not a gemma-3"),
-        "shape": (lambda t: t.update({"norm.weight": torch.zeros(31)}),
-                  "model.safetensors: tensor 'norm.weight' has shape [31], not [32]"),
-    }  # fmt: skip
-    for name, (edit, start) in tensors.items():
-        folder, why = case(name, edit_tensors=edit)
-        assert isinstance(why, str) and f"{folder}/{start}" in why, why
+    folder, why = case("extra", edit_tensors=lambda t: t.update(
+        {"vision_tower.weight": torch.zeros(2, 2)}))  # fmt: skip
+    assert f"{folder}/model.safetensors: tensor 'vision_tower.weight' is not a gemma-3" in why
     # Not covered natively: transformers loads it, with the same embeddings as ever.
     folder = tmp_path / "bias"
     shutil.rmtree(folder)
@@ -188,6 +186,72 @@ def test_gemma_folders_the_native_model_does_not_cover_say_why(tmp_path):
     enc = TextEncoder(EncoderConfig(model=str(folder), micro_batch_size=4))
     assert enc.backend == "transformers" and enc.causal
     assert enc.encode(["a red circle"]).shape == (1, 32)
+
+
+def test_a_broken_gemma_folder_is_refused_naming_what_is_wrong(tmp_path):
+    """A gemma-3 text folder whose config values are not sizes, or whose weights are
+    missing, misshapen or unreadable, is refused in one line naming the file and the
+    field or tensor (a ConfigError: exit 2), not handed to transformers, which failed
+    on them with a traceback or filled the gaps with random weights and built a cache
+    of garbage embeddings with exit 0 (an outside tester). Token ids past the model's
+    vocabulary (another model's tokenizer) are refused too, naming both numbers."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from hf_pipeline.errors import ConfigError
+
+    base = _gemma_folder(tmp_path / "base")
+    configs = {
+        "negative": (dict(hidden_size=-32), "config.json: hidden_size is -32"),
+        "text": (dict(head_dim="8"), "config.json: head_dim is '8'"),
+        "kv": (dict(num_key_value_heads=3), "config.json: num_attention_heads is not a multiple"),
+        "layers": (dict(layer_types=["sliding_attention"] * 3), "config.json: layer_types"),
+        "eps": (dict(rms_norm_eps=float("nan")), "config.json: rms_norm_eps is nan"),
+        "theta": (dict(rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": -1.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+            "config.json: rope_parameters['full_attention']: rope_theta is -1.0"),
+        "more_layers": (dict(num_hidden_layers=9, layer_types=["full_attention"] * 9),
+                        "model.safetensors: tensor 'layers.7."),
+    }  # fmt: skip
+    tensors = {
+        "missing": (lambda t: t.pop("norm.weight"),
+                    "model.safetensors: tensor 'norm.weight' is missing"),
+        "shape": (lambda t: t.update({"norm.weight": torch.zeros(31)}),
+                  "model.safetensors: tensor 'norm.weight' has shape [31], not [32]"),
+        "ints": (lambda t: t.update({"norm.weight": torch.zeros(32, dtype=torch.int32)}),
+                 "model.safetensors: tensor 'norm.weight' is I32, not a float"),
+    }  # fmt: skip
+    cases = {}
+    for name, (update, start) in configs.items():
+        folder = _edit_config(shutil.copytree(base, tmp_path / name),
+                              lambda c, u=update: c.update(u))  # fmt: skip
+        cases[name] = (folder, start)
+    for name, (edit, start) in tensors.items():
+        folder = shutil.copytree(base, tmp_path / name)
+        weights = load_file(folder / "model.safetensors")
+        edit(weights)
+        save_file(weights, folder / "model.safetensors")
+        cases[name] = (folder, start)
+    folder = shutil.copytree(base, tmp_path / "truncated")
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+    cases["truncated"] = (folder, "model.safetensors: not a readable safetensors file")
+    for name, (folder, start) in cases.items():
+        for call in (native_model, TextEncoder):
+            with pytest.raises(ConfigError) as ei:
+                call(EncoderConfig(model=str(folder)))
+            msg = str(ei.value)
+            assert ei.value.field == "encoder.model" and "\n" not in msg, (name, msg)
+            assert f"{folder}/{start}" in msg, (name, msg)
+            assert msg.count(start) == 1, (name, msg)
+
+    small = _gemma_folder(tmp_path / "small", vocab_size=1000)  # MiniLM's ids reach 30k
+    enc = TextEncoder(EncoderConfig(model=str(small)))
+    with pytest.raises(ConfigError) as ei:
+        enc.encode(["a red circle on a blue background"])
+    assert "outside the model's vocabulary of 1000" in str(ei.value)
+    assert enc.encode([]).shape == (0, 32)
 
 
 _NO_TRANSFORMERS = """

@@ -208,6 +208,10 @@ class BertModel(torch.nn.Module):
         self.encoder = BertEncoder(cfg)
         self.pooler = BertPooler(cfg) if pooler else None
 
+    def get_input_embeddings(self) -> torch.nn.Embedding:
+        """The token embedding table (as transformers' models name it)."""
+        return self.embeddings.word_embeddings
+
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
     ) -> EncoderOutput:
@@ -311,7 +315,7 @@ def inspect_config(folder: Path, cfg_path: Path, raw: Any) -> NativeBert | str:
         optional={"pooler.dense.weight": (h, h), "pooler.dense.bias": (h,)},
     )  # fmt: skip
     if isinstance(names, str):
-        return names
+        return str(names)  # every reason falls back to transformers for BERT, as before
     if ("pooler.dense.weight" in names) != ("pooler.dense.bias" in names):
         return f"{weights}: the pooler's weight or bias is missing"
     return NativeBert(cfg, weights, names)

@@ -38,6 +38,7 @@ import torch
 from hf_pipeline.encoder.native import (
     WEIGHTS,
     EncoderOutput,
+    Invalid,
     NativeModel,
     bounded_float,
     bounded_sizes,
@@ -190,6 +191,10 @@ class GemmaModel(torch.nn.Module):
         for layer_type, base in cfg.rope_theta:
             self.register_buffer(f"{layer_type}_inv_freq", 1.0 / (base**steps), persistent=False)
 
+    def get_input_embeddings(self) -> torch.nn.Embedding:
+        """The token embedding table (as transformers' models name it)."""
+        return self.embed_tokens
+
     def _rotary(self, layer_type: str, tokens: int, device, dtype):
         inv_freq = getattr(self, f"{layer_type}_inv_freq")
         positions = torch.arange(tokens, device=device, dtype=torch.float32)
@@ -286,7 +291,7 @@ def _rope(raw: dict[str, Any]) -> tuple[tuple[str, float], ...] | str:
             return f"rope_parameters[{layer_type!r}] has {sorted(set(p) - {'rope_type', 'rope_theta'})}"
         theta = bounded_float(p, "rope_theta", _DEFAULT_THETA[layer_type], 1, 1e12)
         if isinstance(theta, str):
-            return f"rope_parameters[{layer_type!r}]: {theta}"
+            return Invalid(f"rope_parameters[{layer_type!r}]: {theta}")
         out.append((layer_type, theta))
     return tuple(out)
 
@@ -302,27 +307,27 @@ def _config(raw: Any) -> GemmaConfig | str:
             return f"{unset} is set"
     if raw.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         return f"hidden_activation is {raw.get('hidden_activation')!r}, not 'gelu_pytorch_tanh'"
-    sizes = bounded_sizes(raw, ("vocab_size", "hidden_size", "intermediate_size",
-                                "num_hidden_layers", "num_attention_heads",
-                                "num_key_value_heads", "head_dim", "sliding_window"),
-                          {"head_dim": 256, "sliding_window": 4096})  # fmt: skip
+    names = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads", "head_dim", "sliding_window")  # fmt: skip
+    absent = [n for n in names[:6] if n not in raw]
+    if absent:  # transformers has defaults for them; an odd config, not a broken one
+        return f"{absent[0]} is absent"
+    sizes = bounded_sizes(raw, names, {"head_dim": 256, "sliding_window": 4096})
     if isinstance(sizes, str):
-        return sizes
+        return Invalid(sizes)
     if sizes["num_attention_heads"] % sizes["num_key_value_heads"]:
-        return "num_attention_heads is not a multiple of num_key_value_heads"
+        return Invalid("num_attention_heads is not a multiple of num_key_value_heads")
     layer_types = raw.get("layer_types")
-    if layer_types is None:  # older configs: a pattern (transformers' rule)
-        pattern = raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", 6))
-        if type(pattern) is not int or pattern < 1:
-            return f"sliding_window_pattern is {pattern!r}"
-        layer_types = [SLIDING if (i + 1) % pattern else FULL
-                       for i in range(sizes["num_hidden_layers"])]  # fmt: skip
+    if layer_types is None:
+        # Older configs give a pattern, which transformers versions have read from
+        # different keys (sliding_window_pattern, _sliding_window_pattern): theirs to say.
+        return "layer_types is absent (an older config: transformers derives the layers)"
     if (
         not isinstance(layer_types, list)
         or len(layer_types) != sizes["num_hidden_layers"]
         or not set(layer_types) <= {SLIDING, FULL}
     ):
-        return "layer_types is not one of 'sliding_attention' / 'full_attention' per layer"
+        return Invalid("layer_types is not one of 'sliding_attention' / 'full_attention' per layer")
     rope = _rope(raw)
     if isinstance(rope, str):
         return rope
@@ -330,7 +335,7 @@ def _config(raw: Any) -> GemmaConfig | str:
     scalar = bounded_float(raw, "query_pre_attn_scalar", 256, 0, 1e9)
     for value in (eps, scalar):
         if isinstance(value, str):
-            return value
+            return Invalid(value)
     assert isinstance(eps, float) and isinstance(scalar, float)
     return GemmaConfig(**sizes, rms_norm_eps=eps, query_pre_attn_scalar=scalar,
                        layer_types=tuple(layer_types), rope_theta=rope)  # fmt: skip
@@ -351,10 +356,11 @@ def inspect_config(folder: Path, cfg_path: Path, raw: Any) -> NativeGemma | str:
     """A :class:`NativeGemma` for ``folder`` (whose ``config.json``, at ``cfg_path``,
     parsed as ``raw``) when it is a gemma-3 text model whose ``model.safetensors`` maps
     cleanly onto :class:`GemmaModel`; else why not (one line, naming the file and, for a
-    tensor, its name). Reads the weights file's header only."""
+    tensor, its name; :class:`~hf_pipeline.encoder.native.Invalid` where the folder is a
+    broken one of this kind, not another kind). Reads the weights file's header only."""
     cfg = _config(raw)
     if isinstance(cfg, str):
-        return f"{cfg_path}: {cfg}"
+        return (Invalid if isinstance(cfg, Invalid) else str)(f"{cfg_path}: {cfg}")
     weights = folder / WEIGHTS
     names = map_weights(
         weights, _expected_shapes(cfg), prefix="model.", what="a gemma-3 text model's",

@@ -281,7 +281,14 @@ def native_model(cfg: EncoderConfig) -> NativeBert | NativeGemma | str:
     :func:`hf_pipeline.encoder.bert.inspect_config`,
     :func:`hf_pipeline.encoder.gemma.inspect_config`, by the config's ``model_type``), else
     why not (one line). Reads the folder's config and weights header (milliseconds);
-    imports torch."""
+    imports torch.
+
+    Raises:
+        ConfigError: a gemma-3 text model folder that is broken (sizes that are not
+            sizes, weights missing or of the wrong shape, an unreadable weights file:
+            :class:`hf_pipeline.encoder.native.Invalid`): transformers would fail on it
+            or embed with random weights in the gaps.
+    """
     if cfg.backend != "auto":
         return f"encoder.backend is {cfg.backend!r}"
     if cfg.attn_implementation != "sdpa":
@@ -297,8 +304,15 @@ def native_model(cfg: EncoderConfig) -> NativeBert | NativeGemma | str:
     cfg_path, raw = read
     if isinstance(raw, dict) and raw.get("model_type") == "gemma3_text":
         from hf_pipeline.encoder import gemma
+        from hf_pipeline.encoder.native import Invalid
 
-        return gemma.inspect_config(Path(path), cfg_path, raw)
+        found = gemma.inspect_config(Path(path), cfg_path, raw)
+        if isinstance(found, Invalid):  # broken, not another kind: no fallback
+            raise ConfigError(
+                f"encoder.model {cfg.model!r} is not a loadable gemma-3 text model: {found}",
+                field="encoder.model",
+            )
+        return found
     from hf_pipeline.encoder import bert
 
     return bert.inspect_config(Path(path), cfg_path, raw)
@@ -857,6 +871,12 @@ class TextEncoder:
                 torch.compile(self._pool_unmasked, mode=mode, dynamic=None) if unmasked else None
             )
         self._warned_unpinned = False
+        #: Rows of the model's input embedding (token ids must be below it).
+        self._vocab_rows: int | None = None
+        embed = getattr(self.model, "get_input_embeddings", None)
+        table = embed() if callable(embed) else None
+        if isinstance(table, torch.nn.Embedding):
+            self._vocab_rows = int(table.num_embeddings)
 
     def _copy_back(self, result, out: np.ndarray, laps) -> EncodeJob:
         """Start ``out[:] = result`` for ``result`` (len(out), dim) on the device.
@@ -948,6 +968,7 @@ class TextEncoder:
         out = np.zeros((n, self.dim), dtype=self._out_dtype)
         if n == 0:
             return EncodeJob(out, None)
+        self._check_vocab(ids)
         offsets = ids.offsets.to_numpy()
         lengths = np.diff(offsets)
         if ids.null_count:  # a null entry has no ids, whatever range its offsets span
@@ -979,6 +1000,29 @@ class TextEncoder:
             torch.set_float32_matmul_precision(precision)
         _add_laps(laps, prepare=t1 - t0, launch=time.monotonic() - t1)
         return job
+
+    def _check_vocab(self, ids) -> None:
+        """Refuse token ids past the model's vocabulary (a tokenizer of another model):
+        on CUDA the embedding lookup would fail a device-side assertion, which ends the
+        process's use of the GPU; on the CPU an IndexError without a word of why.
+
+        Raises:
+            ConfigError: naming the largest id and the model's vocabulary size.
+        """
+        import pyarrow.compute as pc
+
+        values = ids.values
+        if len(values) == 0 or self._vocab_rows is None:
+            return
+        lo, hi = pc.min_max(values).values()
+        if hi.as_py() >= self._vocab_rows or lo.as_py() < 0:
+            raise ConfigError(
+                f"encoder.model {self.cfg.model!r}: its tokenizer gave token id "
+                f"{hi.as_py() if hi.as_py() >= self._vocab_rows else lo.as_py()}, outside "
+                f"the model's vocabulary of {self._vocab_rows} (the tokenizer files are "
+                "another model's?)",
+                field="encoder.model",
+            )
 
     def _attention_backends(self, names: Sequence[str]):
         """Where a micro-batch runs on CUDA with SDPA: the kernels ``names`` only

@@ -27,6 +27,7 @@ __all__ = [
     "MAX_CONFIG_BYTES",
     "WEIGHTS",
     "EncoderOutput",
+    "Invalid",
     "NativeModel",
     "bounded_float",
     "bounded_sizes",
@@ -46,6 +47,15 @@ _FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F64"})
 #: one).
 MAX_SIZE = 1 << 20
 MAX_LAYERS = 1024
+
+
+class Invalid(str):
+    """A reason (one line) why a folder of a kind a native model covers is broken, not
+    merely outside what it covers: config values that are not sizes, weights missing or
+    of the wrong shape or dtype, an unreadable weights file. transformers would fail on
+    such a folder with a traceback, or fill the gaps with random weights and embed
+    garbage, so the encoder refuses it (:func:`hf_pipeline.encoder.model.native_model`)
+    instead of falling back to transformers. A plain ``str`` reason falls back."""
 
 
 class EncoderOutput(NamedTuple):
@@ -151,7 +161,9 @@ def map_weights(
     tensor). The file's keys may carry ``prefix`` (all or none of them); ``skip``\\ ped
     ones (a head the model does not run) are left out; every ``expected`` tensor must be
     there, ``optional`` ones may, each of its shape and a float dtype, and nothing else.
-    Reads the file's header only."""
+    An absent file or a tensor the model does not have is a plain reason (another
+    layout: transformers may load it); a missing, misshapen or non-float tensor or an
+    unreadable file is :class:`Invalid`. Reads the file's header only."""
     from safetensors import SafetensorError, safe_open
 
     optional = optional or {}
@@ -172,15 +184,19 @@ def map_weights(
                 piece = f.get_slice(key)
                 shape = tuple(piece.get_shape())
                 if shape != want:
-                    return f"{weights}: tensor {key!r} has shape {list(shape)}, not {list(want)}"
+                    return Invalid(
+                        f"{weights}: tensor {key!r} has shape {list(shape)}, not {list(want)}"
+                    )
                 if piece.get_dtype() not in _FLOAT_DTYPES:
-                    return f"{weights}: tensor {key!r} is {piece.get_dtype()}, not a float"
+                    return Invalid(f"{weights}: tensor {key!r} is {piece.get_dtype()}, not a float")
                 names[mine] = key
     except (SafetensorError, OSError) as exc:
-        return f"{weights}: not a readable safetensors file ({str(exc).strip()[:200]})"
+        return Invalid(f"{weights}: not a readable safetensors file ({str(exc).strip()[:200]})")
     missing = sorted(set(expected) - set(names))
     if missing:
-        return f"{weights}: tensor {strip + missing[0]!r} is missing ({len(missing)} missing)"
+        return Invalid(
+            f"{weights}: tensor {strip + missing[0]!r} is missing ({len(missing)} missing)"
+        )
     return names
 
 

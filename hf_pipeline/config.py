@@ -341,7 +341,11 @@ class EncoderConfig:
     )
     revision: str = _field("", 'Hub revision of the model ("": the default branch)')
     max_length: int = _bounded(64, 1, 131_072, help="tokens per caption at most")
-    dtype: StorageDtype = _field("float32", "compute dtype of the encoder")
+    dtype: StorageDtype = _field(
+        "float32",
+        "compute dtype of the encoder (in the fingerprint; on the CPU the model computes "
+        "in float32 whatever it says)",
+    )
     device: str = _field("auto", "`auto`, `cpu` or `cuda[:N]`")
     micro_batch_size: int = _bounded(4096, 1, 1 << 20, help="rows per micro-batch at most")
     tokens_per_batch: int = _bounded(

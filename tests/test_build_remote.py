@@ -382,7 +382,7 @@ def test_a_want_answered_before_the_scan_is_not_a_second_request(gcs_env, tmp_pa
             # and be in flight: wait for a scan that leaves nothing downloading.
             assert pf.wait_idle(timeout=30)
         assert {f.name: proxy.count(f.name) for f in files} == {f.name: 1 for f in files}
-    assert not list((tmp_path / "staging").glob("*.pt"))
+    assert not list((tmp_path / "staging").rglob("*.pt"))  # per-build folders below it
 
 
 def test_a_gcs_reupload_of_the_same_bytes_is_the_same_cache(gcs_env, bucket, demo, tmp_path):

@@ -640,8 +640,8 @@ def _joined_rows(tmp_path, n, kept):
 
 
 class _OneBadCaption:
-    """The encoder's tokenizer, giving one caption an id beyond the vocabulary: the model
-    itself then fails on the encoding thread."""
+    """The encoder's tokenizer, giving one caption an id beyond the vocabulary: the
+    encoder then refuses it on the encoding thread."""
 
     def __init__(self, tokenizer, bad: str):
         self._tokenizer, self._bad = tokenizer, bad
@@ -711,7 +711,8 @@ def test_an_encoder_failure_on_the_encoding_thread_fails_the_stage(encoder, tmp_
         }
     ).flatten_indices(cache_file_name=str(tmp_path / "rows.arrow"))
     monkeypatch.setattr(encoder, "tokenizer", _OneBadCaption(encoder.tokenizer, "the bad one"))
-    with pytest.raises(IndexError):
+    # The encoder refuses the id past its vocabulary on that thread (ConfigError).
+    with pytest.raises(ConfigError, match="outside the model's vocabulary"):
         embed_joined_rows(
             rows, np.zeros(n, bool), encoder=encoder, cfg=load_config(None, []),
             probe=_Owned(), out_file=tmp_path / "emb.arrow", fingerprint="t",

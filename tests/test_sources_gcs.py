@@ -148,7 +148,7 @@ def test_fetch_is_byte_identical_and_resumes_without_refetch(proxy, gcs_bucket, 
     assert proxy.body_bytes(".pt") == stats["bytes"]
     assert stats2["bytes"] == 0 and stats2["staging_hits"] >= 4
     # Released: the staging area is empty again.
-    assert not list((tmp_path / "staging").glob("*.pt"))
+    assert not list((tmp_path / "staging").rglob("*.pt"))
 
 
 @pytest.mark.parametrize(
@@ -189,7 +189,8 @@ def test_truncated_body_is_never_staged(proxy, gcs_bucket, tmp_path):
         with pytest.raises(SourceError) as ei:
             pf.client().acquire(f, timeout=30)
     assert name in str(ei.value)
-    staging = StagingFolder(tmp_path / "staging")
+    staging = StagingFolder(src.staging_dir)  # a folder per location below staging_dir
+    assert src.staging_dir.parent == tmp_path / "staging"
     assert not staging.path(f).exists() and not staging.is_staged(f)
     # The next run resumes from the kept prefix with a ranged read and verifies.
     with ShardFetcher(src, [f], data_config=cfg, progress=False, policy=policy) as pf:
@@ -210,7 +211,7 @@ def test_corrupt_body_fails_checksum(proxy, gcs_bucket, tmp_path):
     bad = type(f)(name=f.name, url=f.url, size=f.size, etag=f.etag, checksum="crc32c:AAAAAA==")
     with pytest.raises(SourceError, match="crc32c mismatch"):
         src.fetch_one(bad)
-    assert not StagingFolder(tmp_path / "staging").path(bad).exists()
+    assert not StagingFolder(src.staging_dir).path(bad).exists()
 
 
 def test_fail_vs_skip_after_retries(proxy, gcs_bucket, tmp_path):
@@ -243,7 +244,7 @@ def test_window_and_byte_budget_bound_the_staging_area(proxy, gcs_bucket, tmp_pa
     cfg = _cfg(tmp_path, location, prefetch_ahead=1, download_workers=4)
     src = open_source(location, data_config=cfg, policy=FAST)
     files = src.list_shards()
-    staging = StagingFolder(tmp_path / "staging")
+    staging = StagingFolder(src.staging_dir)
     with ShardFetcher(
         src, files, data_config=cfg, num_workers=1, progress=False, policy=FAST
     ) as pf:
@@ -332,7 +333,7 @@ def test_datasets_map_workers(gcs_bucket, tmp_path, ahead):
         stats = pf.stats()
     want = [int(torch.load(local / f.name, weights_only=True)["keys"].sum()) for f in files]
     assert out["keysum"] == want
-    assert not list((tmp_path / "staging").glob("*.pt")), "workers released everything"
+    assert not list((tmp_path / "staging").rglob("*.pt")), "workers released everything"
     assert stats["failures"] == [] and stats["staging_hits"] + stats["staging_misses"] == len(files)
     assert stats["bytes"] == sum(f.size for f in files)
 
@@ -355,11 +356,14 @@ def _part_growing(staging: Path, local: Path, seen: dict[str, int]) -> bool:
 @pytest.mark.slow
 def test_sigkill_mid_download_then_resume(proxy, gcs_bucket, tmp_path):
     _, location, local = gcs_bucket
-    staging = tmp_path / "staging"
+    from hf_pipeline.stores.base import staging_place
+
+    given = tmp_path / "staging"
+    staging, _ = staging_place(location, str(given), tmp_path)  # its folder below it
     # ~60 KB/s per request: each 240 KB shard takes ~4 s, so the kill lands mid-file.
     proxy.add(Fault(match=".pt", action="throttle", rate=60_000, times=-1))
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    cmd = [sys.executable, "-m", "tests.servers.fetch_main", location, str(staging)]
+    cmd = [sys.executable, "-m", "tests.servers.fetch_main", location, str(given)]
     child = subprocess.Popen(
         [*cmd, "--ahead", "4", "--workers", "2", "--chunk", "20000"],
         env=env,

@@ -205,7 +205,10 @@ def test_a_broken_gemma_folder_is_refused_naming_what_is_wrong(tmp_path):
         "negative": (dict(hidden_size=-32), "config.json: hidden_size is -32"),
         "text": (dict(head_dim="8"), "config.json: head_dim is '8'"),
         "kv": (dict(num_key_value_heads=3), "config.json: num_attention_heads is not a multiple"),
-        "layers": (dict(layer_types=["sliding_attention"] * 3), "config.json: layer_types"),
+        "layers": (dict(layer_types=["sliding_attention"] * 3),
+                   "config.json: layer_types has 3 entries, not num_hidden_layers (7)"),
+        "chunked": (dict(layer_types=["chunked_attention"] * 7),
+                    "config.json: layer_types holds 'chunked_attention'"),
         "eps": (dict(rms_norm_eps=float("nan")), "config.json: rms_norm_eps is nan"),
         "theta": (dict(rope_parameters={
             "full_attention": {"rope_type": "default", "rope_theta": -1.0},

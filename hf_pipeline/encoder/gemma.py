@@ -322,12 +322,18 @@ def _config(raw: Any) -> GemmaConfig | str:
         # Older configs give a pattern, which transformers versions have read from
         # different keys (sliding_window_pattern, _sliding_window_pattern): theirs to say.
         return "layer_types is absent (an older config: transformers derives the layers)"
-    if (
-        not isinstance(layer_types, list)
-        or len(layer_types) != sizes["num_hidden_layers"]
-        or not set(layer_types) <= {SLIDING, FULL}
-    ):
-        return Invalid("layer_types is not one of 'sliding_attention' / 'full_attention' per layer")
+    if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+        return Invalid("layer_types is not a list of 'sliding_attention' / 'full_attention'")
+    if len(layer_types) != sizes["num_hidden_layers"]:
+        return Invalid(
+            f"layer_types has {len(layer_types)} entries, not num_hidden_layers "
+            f"({sizes['num_hidden_layers']})"
+        )
+    if not set(layer_types) <= {SLIDING, FULL}:
+        other = sorted(set(layer_types) - {SLIDING, FULL})[0]
+        return Invalid(
+            f"layer_types holds {other[:40]!r}, not 'sliding_attention' / 'full_attention'"
+        )
     rope = _rope(raw)
     if isinstance(rope, str):
         return rope

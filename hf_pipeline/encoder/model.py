@@ -1014,11 +1014,11 @@ class TextEncoder:
         values = ids.values
         if len(values) == 0 or self._vocab_rows is None:
             return
-        lo, hi = pc.min_max(values).values()
-        if hi.as_py() >= self._vocab_rows or lo.as_py() < 0:
+        lo, hi = (v.as_py() for v in pc.min_max(values).values())
+        if hi >= self._vocab_rows or lo < 0:
             raise ConfigError(
                 f"encoder.model {self.cfg.model!r}: its tokenizer gave token id "
-                f"{hi.as_py() if hi.as_py() >= self._vocab_rows else lo.as_py()}, outside "
+                f"{hi if hi >= self._vocab_rows else lo}, outside "
                 f"the model's vocabulary of {self._vocab_rows} (the tokenizer files are "
                 "another model's?)",
                 field="encoder.model",

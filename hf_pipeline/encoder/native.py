@@ -14,6 +14,7 @@ This module imports torch and safetensors: import it where an encoder is built.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import json
 import math
@@ -220,7 +221,7 @@ def load_state(weights: Path, names: Mapping[str, str], dtype: torch.dtype) -> d
 
 
 @dataclasses.dataclass(frozen=True)
-class NativeModel:
+class NativeModel(abc.ABC):
     """A model folder that loads natively: its config, its weights file and the name
     each of the model's tensors has there (a checkpoint's prefix kept). Subclasses make
     the model (:meth:`_model`)."""
@@ -229,8 +230,9 @@ class NativeModel:
     weights: Path
     names: dict[str, str]  # the model's key -> the file's
 
-    def _model(self) -> torch.nn.Module:  # pragma: no cover - each subclass has one
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _model(self) -> torch.nn.Module:
+        """The model of :attr:`config`, its parameters uninitialised."""
 
     def load(self, dtype: torch.dtype) -> Any:
         """The model, its weights in ``dtype``, on the CPU, in eval mode.

@@ -123,20 +123,28 @@ def _pick_metadata(candidates: list[RemoteFile], where: str) -> RemoteFile | Non
 _KINDS: dict[str, type[Source]] = {}
 
 
+def staging_root(staging_dir: str | os.PathLike | None, cache_root: Path) -> tuple[Path, Path]:
+    """The folder downloads go below, and the user's folder it lies in (see
+    :attr:`Source.staging_base`: it may be a link, what hf_pipeline makes below it may
+    not): ``data.staging_dir`` (``staging_dir``) itself when set, else
+    ``<cache_root>/.staging`` in the cache root. Sources and builds each stage in a
+    folder of their own below it (:func:`staging_place`; a build per identity)."""
+    if staging_dir:
+        base = Path(staging_dir).expanduser()
+        return base, base
+    return cache_root / STAGING_DIR, cache_root
+
+
 def staging_place(
     location: str, staging_dir: str | os.PathLike | None, cache_root: Path
 ) -> tuple[Path, Path]:
     """Where a source of ``location`` stages its downloads, and the user's folder that
-    lies in (see :attr:`Source.staging_base`): a folder of its own per location (16 hex
-    digits of its SHA-1) below ``data.staging_dir`` when set (``staging_dir``), else below
-    ``<cache_root>/.staging``. Two sources never share one: two buckets whose shards
-    have the same names, staged into one flat ``data.staging_dir``, took each other's
-    files (a build waited forever for one the other had replaced)."""
-    key = hashlib.sha1(location.encode()).hexdigest()[:16]
-    if staging_dir:
-        base = Path(staging_dir).expanduser()
-        return base / key, base
-    return cache_root / STAGING_DIR / key, cache_root
+    lies in: a folder of its own per location (16 hex digits of its SHA-1) below
+    :func:`staging_root`. Two sources never share one: two buckets whose shards have
+    the same names, staged into one flat ``data.staging_dir``, took each other's files
+    (a build waited forever for one the other had replaced)."""
+    root, base = staging_root(staging_dir, cache_root)
+    return root / hashlib.sha1(location.encode()).hexdigest()[:16], base
 
 
 class Source(abc.ABC):

@@ -227,6 +227,71 @@ def test_a_foreign_folder_falls_back_to_transformers_or_fails_naming_the_model(t
     assert f"{folder}/model.safetensors: not a readable safetensors file" in msg, msg
 
 
+def test_a_folder_transformers_cannot_load_is_one_error_not_a_traceback(tmp_path):
+    """A model folder whose config.json is JSON but not an object, or a quantized model
+    whose backend is not installed, is one ConfigError naming encoder.model (the CLI:
+    one line, exit 2): for the tokenizer and the model, for the model (its tokenizer
+    is a plain one); they were a TypeError or
+    ImportError traceback out of transformers (exit 1)."""
+    model = Path(resolve_encoder_path("minilm"))
+    listed = shutil.copytree(model, tmp_path / "listed")
+    (listed / "config.json").write_text("[1, 2]")
+    quantized = shutil.copytree(model, tmp_path / "quantized")
+    raw = json.loads((model / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (quantized / "config.json").write_text(json.dumps(raw))
+    from hf_pipeline.encoder.model import CaptionTokenizer
+
+    for folder, calls in ((listed, (TextEncoder, CaptionTokenizer)), (quantized, (TextEncoder,))):
+        for call in calls:
+            with pytest.raises(ConfigError) as ei:
+                call(EncoderConfig(model=str(folder)))
+            msg = str(ei.value)
+            assert ei.value.field == "encoder.model" and "\n" not in msg, msg
+            assert repr(str(folder)) in msg, msg
+    with pytest.raises(ConfigError, match=f"{listed}/config.json: not a JSON object"):
+        TextEncoder(EncoderConfig(model=str(listed)))
+    r = subprocess.run(
+        [PYTHON, "scripts/prebuild_cache.py", "-q", "--cache-dir", str(tmp_path / "c"),
+         "--set", f"encoder.model={listed}", "--set", "data.demo.num_shards=1",
+         "--set", "data.demo.samples_per_shard=20"],
+        capture_output=True, text=True, env=script_env(), cwd=REPO, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert f"error: encoder.model '{listed}': {listed}/config.json: not a JSON object" in r.stderr
+
+
+def test_nan_weights_are_refused_not_embedded(tmp_path):
+    """A model whose weights hold a NaN embeds every row as NaN: the build is refused
+    (one line naming encoder.model, exit 2, no cache published), with either backend; it
+    had built an all-NaN cache with exit 0."""
+    from safetensors.torch import load_file, save_file
+
+    folder = shutil.copytree(resolve_encoder_path("minilm"), tmp_path / "nan")
+    weights = load_file(folder / "model.safetensors")
+    weights["embeddings.LayerNorm.weight"][3] = float("nan")
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    for backend in ("auto", "transformers"):
+        enc = TextEncoder(EncoderConfig(model=str(folder), backend=backend))
+        with pytest.raises(ConfigError, match="gave NaN or infinite embeddings for 2 of 2 rows"):
+            enc.encode(["a red circle", "two cats"])
+    r = subprocess.run(
+        [PYTHON, "scripts/prebuild_cache.py", "-q", "--cache-dir", str(tmp_path / "c"),
+         "--set", f"encoder.model={folder}", "--set", "data.demo.num_shards=1",
+         "--set", "data.demo.samples_per_shard=20"],
+        capture_output=True, text=True, env=script_env(), cwd=REPO, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert f"error: encoder.model '{folder}' gave NaN or infinite embeddings" in r.stderr
+    r = subprocess.run(
+        [PYTHON, "scripts/prebuild_cache.py", "--status", "--json", "-", "--cache-dir",
+         str(tmp_path / "c")],
+        capture_output=True, text=True, env=script_env(), cwd=REPO, timeout=300,
+    )  # fmt: skip
+    assert [c["state"] for c in json.loads(r.stdout)["caches"]] == ["failed"], r.stdout
+
+
 def test_native_bert_fuses_and_runs_unmasked_as_transformers_bert(encoders):
     """encoder.fuse_gelu's swap finds the native model's 6 intermediate steps (as for
     transformers' BERT: tests/test_embed.py) and the fused model's output stays the same

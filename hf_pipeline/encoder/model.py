@@ -263,10 +263,33 @@ def _pick_device(requested: str) -> str:
     return requested
 
 
+#: What transformers' ``from_pretrained`` raises for a model it cannot load: a missing
+#: or foreign folder (OSError, ValueError, KeyError), a config.json whose values are of
+#: the wrong kind (TypeError), a quantized model whose backend is not installed
+#: (ImportError). Each becomes one :class:`ConfigError` (:func:`_load_error`).
+_LOAD_ERRORS = (OSError, ValueError, KeyError, TypeError, ImportError)
+
+
 def _load_kwargs(cfg: EncoderConfig) -> tuple[str, dict[str, Any]]:
+    """The path transformers loads ``cfg``'s model from and its keyword arguments.
+
+    Raises:
+        ConfigError: a local folder whose ``config.json`` is there but not a JSON object
+            (transformers fails on it with a TypeError traceback, or reads nothing).
+    """
     path = resolve_encoder_path(cfg.model)
     kwargs: dict[str, Any] = {}
     if Path(path).is_dir():
+        from hf_pipeline.encoder.native import read_config
+
+        read = read_config(Path(path))
+        if isinstance(read, str) and (Path(path) / "config.json").is_file():
+            raise ConfigError(f"encoder.model {cfg.model!r}: {read}", field="encoder.model")
+        if not isinstance(read, str) and not isinstance(read[1], dict):
+            raise ConfigError(
+                f"encoder.model {cfg.model!r}: {read[0]}: not a JSON object",
+                field="encoder.model",
+            )
         kwargs["local_files_only"] = True
     elif cfg.revision:
         kwargs["revision"] = cfg.revision
@@ -365,7 +388,7 @@ class CaptionTokenizer:
         path, kwargs = _load_kwargs(cfg)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-        except (OSError, ValueError, KeyError) as exc:
+        except _LOAD_ERRORS as exc:
             raise _load_error(cfg, exc) from None
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
@@ -792,7 +815,7 @@ class TextEncoder:
                 )
             else:
                 self.model = native.load(dtype)
-        except (OSError, ValueError, KeyError, SafetensorError) as exc:
+        except (*_LOAD_ERRORS, SafetensorError) as exc:
             # A weights file the native check found damaged: its reason names the file.
             why = native if isinstance(native, str) and "model.safetensors" in native else ""
             raise _load_error(cfg, exc, why) from None
@@ -899,9 +922,9 @@ class TextEncoder:
                 host.copy_(result, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(result.device))
-                return EncodeJob(out, laps, host=host, event=event)
+                return EncodeJob(out, laps, host=host, event=event, model=self.cfg.model)
         out[...] = result.cpu().numpy()
-        return EncodeJob(out, laps)
+        return EncodeJob(out, laps, model=self.cfg.model)
 
     @property
     def _min_rows(self) -> int:
@@ -1328,16 +1351,44 @@ class EncodeJob:
     """A :meth:`TextEncoder.submit_ids` call: its embeddings once :meth:`result` has
     waited for the device (at once where they were computed on the host)."""
 
-    def __init__(self, out: np.ndarray, laps: dict[str, float] | None, *, host=None, event=None):
+    def __init__(
+        self,
+        out: np.ndarray,
+        laps: dict[str, float] | None,
+        *,
+        host=None,
+        event=None,
+        model: str | None = None,
+    ):
         self._out, self._laps, self._host, self._event = out, laps, host, event
+        self._model = model  # encoder.model, for the error; None: nothing to check
 
     def result(self) -> np.ndarray:
-        """The ``(rows, dim)`` embeddings (waits for the device the first time)."""
+        """The ``(rows, dim)`` embeddings (waits for the device the first time).
+
+        Raises:
+            ConfigError: some embeddings are NaN or infinite (weights that hold them, or
+                a half-precision ``encoder.dtype`` that overflows): a cache of them would
+                build and train on garbage with exit 0.
+        """
         t0 = time.monotonic()
         if self._host is not None:
             self._event.synchronize()
             self._out[...] = self._host.numpy()
             self._host = self._event = None  # the page-locked block goes back to torch's cache
+        if self._model is not None:
+            # One pass (~0.3 ms a MiB): NaN and inf carry through a float64 sum, which no
+            # finite float16/float32 embedding overflows.
+            if not np.isfinite(self._out.sum(dtype=np.float64)):
+                bad = int((~np.isfinite(self._out).all(axis=1)).sum())
+                raise ConfigError(
+                    f"encoder.model {self._model!r} gave NaN or infinite embeddings for "
+                    f"{bad} of {len(self._out)} rows (weights holding NaN/inf, or a float16 "
+                    "encoder.dtype that overflows: try bfloat16 or float32); nothing of them "
+                    "is kept",
+                    field="encoder.model",
+                )
+            self._model = None  # checked once
         _add_laps(self._laps, finish=time.monotonic() - t0)
         self._laps = None  # counted once
         return self._out

@@ -262,6 +262,38 @@ def test_a_folder_transformers_cannot_load_is_one_error_not_a_traceback(tmp_path
     assert f"error: encoder.model '{listed}': {listed}/config.json: not a JSON object" in r.stderr
 
 
+def test_a_checkpoint_missing_tensors_is_refused_not_random_filled(tmp_path):
+    """A BERT whose weights lack a tensor is not native; transformers would load it with
+    that tensor random (a warning) and build a cache of garbage embeddings with exit 0:
+    refused, naming the tensor, with either backend. A checkpoint without the pooler
+    (which the embeddings never use) still loads, natively and with transformers."""
+    tok = Path(resolve_encoder_path("minilm"))
+    folder = _tiny_folder(tmp_path / "holes")
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt"):
+        shutil.copy(tok / name, folder / name)
+    no_pooler = shutil.copytree(folder, tmp_path / "no_pooler")
+    _rewrite(folder, lambda t: t.pop("encoder.layer.1.output.dense.bias"))
+    for backend in ("auto", "transformers"):
+        with pytest.raises(ConfigError) as ei:
+            TextEncoder(EncoderConfig(model=str(folder), backend=backend))
+        assert str(ei.value) == (
+            f"encoder.model {str(folder)!r}: its weights lack tensor "
+            "'encoder.layer.1.output.dense.bias' (1 missing), which transformers would fill "
+            "with random values"
+        )
+    _rewrite(no_pooler, lambda t: [t.pop(k) for k in ("pooler.dense.weight", "pooler.dense.bias")])
+    got = {
+        backend: TextEncoder(EncoderConfig(model=str(no_pooler), backend=backend))
+        for backend in ("auto", "transformers")
+    }
+    assert got["auto"].backend == "native"
+    import pyarrow as pa
+
+    small = pa.array([[2, 5, 9], [4, 8, 1, 6, 3, 2, 9]], pa.list_(pa.int32()))
+    np.testing.assert_allclose(got["auto"].encode_ids(small),
+                               got["transformers"].encode_ids(small), atol=1e-5)  # fmt: skip
+
+
 def test_nan_weights_are_refused_not_embedded(tmp_path):
     """A model whose weights hold a NaN embeds every row as NaN: the build is refused
     (one line naming encoder.model, exit 2, no cache published), with either backend; it

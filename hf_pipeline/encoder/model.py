@@ -24,7 +24,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
@@ -351,6 +351,29 @@ def _load_error(cfg: EncoderConfig, exc: BaseException, why: str = "") -> Config
         "a reachable Hub model id, or 'minilm'",
         field="encoder.model",
     )
+
+
+def _refuse_missing_weights(cfg: EncoderConfig, loading: Mapping[str, Any]) -> None:
+    """Refuse a model transformers loaded with tensors missing from its checkpoint
+    (``loading``: ``from_pretrained``'s loading info): it fills them with random values,
+    and the cache would hold garbage embeddings with exit 0. A pooler's (BERT's
+    ``pooler.dense``) are left out: the embeddings are pooled from the hidden states,
+    never through it.
+
+    Raises:
+        ConfigError: naming the first missing tensor and how many are missing.
+    """
+    missing = [
+        key
+        for key in loading.get("missing_keys") or ()
+        if not (key.startswith("pooler.") or ".pooler." in key)
+    ]
+    if missing:
+        raise ConfigError(
+            f"encoder.model {cfg.model!r}: its weights lack tensor {sorted(missing)[0]!r} "
+            f"({len(missing)} missing), which transformers would fill with random values",
+            field="encoder.model",
+        )
 
 
 def caption_chars(max_length: int) -> int:
@@ -810,15 +833,20 @@ class TextEncoder:
         self.pad_token_id: int = tokenizer.pad_token_id
         try:
             if isinstance(native, str):
-                self.model = AutoModel.from_pretrained(
-                    path, dtype=dtype, attn_implementation=cfg.attn_implementation, **kwargs
+                self.model, loading = AutoModel.from_pretrained(
+                    path,
+                    dtype=dtype,
+                    attn_implementation=cfg.attn_implementation,
+                    output_loading_info=True,
+                    **kwargs,
                 )
             else:
-                self.model = native.load(dtype)
+                self.model, loading = native.load(dtype), {}
         except (*_LOAD_ERRORS, SafetensorError) as exc:
             # A weights file the native check found damaged: its reason names the file.
             why = native if isinstance(native, str) and "model.safetensors" in native else ""
             raise _load_error(cfg, exc, why) from None
+        _refuse_missing_weights(cfg, loading)
         lap("model")
         _no_kv_cache(self.model.config)
         self.model.to(self.device).eval()

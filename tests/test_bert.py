@@ -230,8 +230,8 @@ def test_a_foreign_folder_falls_back_to_transformers_or_fails_naming_the_model(t
 def test_a_folder_transformers_cannot_load_is_one_error_not_a_traceback(tmp_path):
     """A model folder whose config.json is JSON but not an object, or a quantized model
     whose backend is not installed, is one ConfigError naming encoder.model (the CLI:
-    one line, exit 2): for the tokenizer and the model, for the model (its tokenizer
-    is a plain one); they were a TypeError or
+    one line, exit 2, before anything is written): for the tokenizer and the model, for
+    the model (its tokenizer is a plain one); they were a TypeError or
     ImportError traceback out of transformers (exit 1)."""
     model = Path(resolve_encoder_path("minilm"))
     listed = shutil.copytree(model, tmp_path / "listed")
@@ -260,6 +260,8 @@ def test_a_folder_transformers_cannot_load_is_one_error_not_a_traceback(tmp_path
     assert r.returncode == 2, r.stderr[-3000:]
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
     assert f"error: encoder.model '{listed}': {listed}/config.json: not a JSON object" in r.stderr
+    # Refused at the start: no join, no failure record (the demo's inputs are made first).
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [".content-index", ".demo-data"]
 
 
 def test_a_checkpoint_missing_tensors_is_refused_not_random_filled(tmp_path):

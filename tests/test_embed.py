@@ -185,6 +185,87 @@ def test_a_local_model_is_identified_by_its_bytes_not_its_path(tmp_path):
     assert pinned["revision"] == "v2"
 
 
+def test_weights_swapped_after_the_identity_are_refused_once_loaded(tmp_path):
+    """Outside tester: a checkpoint renamed over ``model.safetensors`` after the build
+    computed the folder's identity, while the model loaded, gave a cache named for the
+    old weights holding the new weights' embeddings (exit 0; a later build of the old
+    weights found it). Once loaded, the folder is compared with what was hashed: a file
+    replaced, rewritten, added or removed is refused naming it; an untouched folder (or a
+    folder this process never hashed) passes."""
+    import os
+    import shutil
+
+    from hf_pipeline.encoder.model import check_folder_unchanged
+
+    folder = shutil.copytree(resolve_encoder_path("minilm"), tmp_path / "m")
+    cfg = EncoderConfig(model=str(folder))
+    check_folder_unchanged(EncoderConfig(model=str(tmp_path)))  # never hashed: nothing
+    encoder_identity(cfg)
+    check_folder_unchanged(cfg)
+    swap = tmp_path / "m" / ".incoming"
+    shutil.copy2(folder / "model.safetensors", swap)  # the same bytes, another inode
+    os.replace(swap, folder / "model.safetensors")
+    with pytest.raises(SourceError) as ei:
+        check_folder_unchanged(cfg)
+    assert ei.value.path == str(folder.resolve() / "model.safetensors")
+    assert "changed while the build loaded the model" in str(ei.value)
+    encoder_identity(cfg)  # hashed again: the new file is what is named
+    check_folder_unchanged(cfg)
+    (folder / "notes.txt").write_text("x")
+    with pytest.raises(SourceError, match="notes.txt: appeared while"):
+        check_folder_unchanged(cfg)
+    encoder_identity(cfg)
+    (folder / "notes.txt").unlink()
+    with pytest.raises(SourceError, match="notes.txt: went while"):
+        check_folder_unchanged(cfg)
+
+
+@pytest.mark.slow
+def test_a_build_racing_a_weights_swap_never_files_them_under_the_old_name(tmp_path):
+    """The tester's race, with real processes: a build starts on a copy of MiniLM and
+    this process renames other weights over its model.safetensors as soon as the build
+    says it is converting. Whichever way the race goes, no cache holds embeddings other
+    than those its fingerprint names: the build is refused (exit 2, naming the file), or
+    its cache's embeddings are the old weights'."""
+    import json
+    import shutil
+    import subprocess
+
+    from safetensors.torch import load_file, save_file
+
+    from hf_pipeline.cache.layout import CacheLayout, open_dataset
+    from tests.conftest import PYTHON, REPO, script_env
+
+    folder = shutil.copytree(resolve_encoder_path("minilm"), tmp_path / "m")
+    weights = load_file(folder / "model.safetensors")
+    save_file({k: v * 1.5 if k.endswith("LayerNorm.weight") else v for k, v in weights.items()},
+              tmp_path / "other.safetensors", metadata={"format": "pt"})  # fmt: skip
+    log = tmp_path / "log.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [PYTHON, "scripts/prebuild_cache.py", "-v", "--cache-dir", str(tmp_path / "c"),
+             "--num-proc", "1", "--set", f"encoder.model={folder}",
+             "--set", "data.demo.num_shards=4", "--set", "data.demo.samples_per_shard=50",
+             "--json", str(tmp_path / "summary.json")],
+            stdout=out, stderr=subprocess.STDOUT, env=script_env(), cwd=REPO,
+        )  # fmt: skip
+        deadline = time.monotonic() + 300
+        while "building stage converted" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.005)
+        os.replace(tmp_path / "other.safetensors", folder / "model.safetensors")
+        rc = proc.wait(timeout=600)
+    text = log.read_text()
+    if rc == 2:
+        assert f"error: {folder}/model.safetensors: changed while the build loaded" in text
+        return
+    assert rc == 0, text[-3000:]  # the model had loaded and been checked before the swap
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    rows = open_dataset(CacheLayout(summary["cache_dir"]))[:3]
+    want = TextEncoder(EncoderConfig(max_length=64)).encode(rows["caption"])
+    np.testing.assert_allclose(np.asarray(rows["embedding"], np.float32), want, atol=1e-4)
+
+
 def test_unloadable_model_is_a_config_error(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match="encoder.model"):

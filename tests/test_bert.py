@@ -19,7 +19,7 @@ from hf_pipeline.errors import ConfigError
 from tests.conftest import PYTHON, REPO, script_env
 
 _TINY = dict(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-             intermediate_size=32, max_position_embeddings=40)  # fmt: skip
+             intermediate_size=32, max_position_embeddings=64)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -294,6 +294,72 @@ def test_a_checkpoint_missing_tensors_is_refused_not_random_filled(tmp_path):
     small = pa.array([[2, 5, 9], [4, 8, 1, 6, 3, 2, 9]], pa.list_(pa.int32()))
     np.testing.assert_allclose(got["auto"].encode_ids(small),
                                got["transformers"].encode_ids(small), atol=1e-5)  # fmt: skip
+
+
+def test_model_folders_users_get_wrong_are_one_line_each(tmp_path, monkeypatch):
+    """An outside tester's folders, each one ConfigError naming the field (the CLI:
+    exit 2, no traceback), where they built a useless cache with exit 0, or failed with
+    a traceback (exit 1) or a misleading message:
+    weights and config without the tokenizer's files (transformers made a tokenizer of 5
+    special tokens: every caption one embedding); config values of the wrong type or
+    zero heads; max_length past the position table (an IndexError once a long caption
+    came); a path that is not there, or a file (it went to the Hub); config.json absent.
+    A ``~`` path is the user's home folder."""
+    from safetensors.torch import load_file, save_file
+
+    model = Path(resolve_encoder_path("minilm"))
+
+    def folder(name, edit=None, drop=()):
+        f = shutil.copytree(model, tmp_path / name)
+        for n in drop:
+            (f / n).unlink()
+        if edit is not None:
+            raw = json.loads((f / "config.json").read_text())
+            edit(raw)
+            (f / "config.json").write_text(json.dumps(raw))
+        return f
+
+    tokenizer_files = ("tokenizer.json", "vocab.txt", "tokenizer_config.json",
+                       "special_tokens_map.json")  # fmt: skip
+    cases = {
+        "no_tokenizer": (folder("no_tokenizer", drop=tokenizer_files), {},
+                         "its tokenizer has 0 tokens besides its special ones"),
+        "typed": (folder("typed", lambda c: c.update(hidden_size="384")), {},
+                  "transformers cannot load the folder's model or tokenizer"),
+        "zero_heads": (folder("zero_heads", lambda c: c.update(num_attention_heads=0)), {},
+                       "transformers cannot load the folder's model or tokenizer"),
+        "positions": (model, {"max_length": 513},
+                      "encoder.max_length is 513, more than the 512 token positions"),
+        "absent": (tmp_path / "absent", {}, "absent does not exist (a local model folder"),
+        "file": (model / "config.json", {}, "config.json is not a folder"),
+        "no_config": (folder("no_config", drop=("config.json",)), {},
+                      "no_config/config.json: absent"),
+    }  # fmt: skip
+    for name, (where, extra, want) in cases.items():
+        for backend in ("auto", "transformers"):
+            with pytest.raises(ConfigError) as ei:
+                TextEncoder(EncoderConfig(model=str(where), backend=backend, **extra))
+            msg = str(ei.value)
+            assert want in msg and "\n" not in msg, (name, backend, msg)
+            assert ei.value.field == ("encoder.max_length" if extra else "encoder.model"), name
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert resolve_encoder_path("~/typed") == str(tmp_path / "typed")
+    # Half-precision output that overflows is named as such (normalize off: raw sums).
+    loud = shutil.copytree(model, tmp_path / "loud")
+    weights = load_file(loud / "model.safetensors")
+    weights["encoder.layer.5.output.LayerNorm.weight"] *= 1e6
+    save_file(weights, loud / "model.safetensors", metadata={"format": "pt"})
+    enc = TextEncoder(EncoderConfig(model=str(loud), normalize=False, output_dtype="float16"))
+    with pytest.raises(ConfigError, match="encoder.output_dtype float16, too narrow"):
+        enc.encode(["a red circle"])
+    r = subprocess.run(
+        [PYTHON, "scripts/prebuild_cache.py", "-q", "--cache-dir", str(tmp_path / "c"),
+         "--set", f"encoder.model={cases['typed'][0]}", "--set", "data.demo.num_shards=1",
+         "--set", "data.demo.samples_per_shard=20"],
+        capture_output=True, text=True, env=script_env(), cwd=REPO, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "transformers cannot load the folder's model or tokenizer" in r.stderr
 
 
 def test_nan_weights_are_refused_not_embedded(tmp_path):

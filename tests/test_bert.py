@@ -323,7 +323,7 @@ def test_model_folders_users_get_wrong_are_one_line_each(tmp_path, monkeypatch):
                        "special_tokens_map.json")  # fmt: skip
     cases = {
         "no_tokenizer": (folder("no_tokenizer", drop=tokenizer_files), {},
-                         "its tokenizer has 0 tokens besides its special ones"),
+                         "its tokenizer has no tokens besides its 5 special ones"),
         "typed": (folder("typed", lambda c: c.update(hidden_size="384")), {},
                   "transformers cannot load the folder's model or tokenizer"),
         "zero_heads": (folder("zero_heads", lambda c: c.update(num_attention_heads=0)), {},
@@ -360,6 +360,70 @@ def test_model_folders_users_get_wrong_are_one_line_each(tmp_path, monkeypatch):
     )  # fmt: skip
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert "transformers cannot load the folder's model or tokenizer" in r.stderr
+
+
+def test_folders_the_refusals_must_not_catch_load_and_embed(tmp_path):
+    """A second outside tester's false positives: a T5 text encoder (an encoder-only
+    checkpoint, or a whole T5 whose decoder is left unread) embeds with its encoder
+    alone, the same embeddings both ways (AutoModel made the seq2seq model: its decoder
+    was "missing", or wanted inputs of its own); a small character-level vocabulary is a
+    tokenizer (30 tokens were refused as "no files"); a model transformers has no SDPA
+    for (MPNet) says how to run it, and runs with eager attention. A relative path to a
+    file is refused naming it (it went to the Hub)."""
+    import pyarrow as pa
+    import torch
+    from transformers import (
+        BertConfig,
+        BertModel,
+        BertTokenizerFast,
+        MPNetConfig,
+        MPNetModel,
+        T5Config,
+        T5EncoderModel,
+        T5Model,
+    )
+
+    tok = Path(resolve_encoder_path("minilm"))
+
+    def with_tokenizer(folder):
+        for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt"):
+            shutil.copy(tok / name, folder / name)
+        return folder
+
+    torch.manual_seed(0)
+    full = T5Model(T5Config(vocab_size=30522, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                            num_heads=4))  # fmt: skip
+    full.save_pretrained(tmp_path / "t5")
+    T5EncoderModel.from_pretrained(tmp_path / "t5").save_pretrained(tmp_path / "t5enc")
+    got = [TextEncoder(EncoderConfig(model=str(with_tokenizer(tmp_path / name))))
+           for name in ("t5", "t5enc")]  # fmt: skip
+    assert [type(e.model).__name__ for e in got] == ["T5EncoderModel"] * 2
+    texts = ["a red circle on a blue background", "two cats"]
+    np.testing.assert_array_equal(got[0].encode(texts), got[1].encode(texts))
+    assert np.isfinite(got[0].encode(texts)).all()
+
+    chars = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvwxyz .,'"]
+    small = tmp_path / "chars"
+    BertTokenizerFast(vocab={c: i for i, c in enumerate(chars)}).save_pretrained(small)
+    BertModel(BertConfig(**{**_TINY, "vocab_size": len(chars)})).save_pretrained(small)
+    enc = TextEncoder(EncoderConfig(model=str(small), max_length=32))
+    assert enc.encode(["a cat"]).shape == (1, 16)
+
+    mpnet = tmp_path / "mpnet"
+    MPNetModel(MPNetConfig(vocab_size=30527, hidden_size=16, num_hidden_layers=1,
+                           num_attention_heads=2, intermediate_size=32)).save_pretrained(mpnet)  # fmt: skip
+    with_tokenizer(mpnet)
+    with pytest.raises(ConfigError, match="try --set encoder.attn_implementation=eager"):
+        TextEncoder(EncoderConfig(model=str(mpnet)))
+    eager = TextEncoder(EncoderConfig(model=str(mpnet), attn_implementation="eager"))
+    assert eager.encode_ids(pa.array([[2, 5, 9]], pa.list_(pa.int32()))).shape == (1, 16)
+
+    r = subprocess.run(
+        [PYTHON, "-c", "from hf_pipeline.encoder.model import resolve_encoder_path as r; "
+         "r('t5/config.json')"],
+        capture_output=True, text=True, env=script_env(), cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert "encoder.model 't5/config.json' is a file, not a model folder" in r.stderr
 
 
 def test_nan_weights_are_refused_not_embedded(tmp_path):

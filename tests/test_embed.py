@@ -203,13 +203,19 @@ def test_weights_swapped_after_the_identity_are_refused_once_loaded(tmp_path):
     encoder_identity(cfg)
     check_folder_unchanged(cfg)
     swap = tmp_path / "m" / ".incoming"
-    shutil.copy2(folder / "model.safetensors", swap)  # the same bytes, another inode
+    shutil.copy2(folder / "model.safetensors", swap)  # the same bytes, another inode:
+    os.replace(swap, folder / "model.safetensors")  # hashed again, the same: fine
+    check_folder_unchanged(cfg)
+    shutil.copy2(folder / "model.safetensors", swap)
+    flip_middle_bit(swap, 0x01, keep_mtime=True)  # other weights
     os.replace(swap, folder / "model.safetensors")
     with pytest.raises(SourceError) as ei:
         check_folder_unchanged(cfg)
     assert ei.value.path == str(folder.resolve() / "model.safetensors")
     assert "changed while the build loaded the model" in str(ei.value)
     encoder_identity(cfg)  # hashed again: the new file is what is named
+    check_folder_unchanged(cfg)
+    os.utime(folder / "config.json")  # a touch: another mtime, the same bytes
     check_folder_unchanged(cfg)
     (folder / "notes.txt").write_text("x")
     with pytest.raises(SourceError, match="notes.txt: appeared while"):
@@ -218,6 +224,46 @@ def test_weights_swapped_after_the_identity_are_refused_once_loaded(tmp_path):
     (folder / "notes.txt").unlink()
     with pytest.raises(SourceError, match="notes.txt: went while"):
         check_folder_unchanged(cfg)
+
+
+_OVERWRITE = """
+import sys
+import numpy as np
+from hf_pipeline.config import EncoderConfig
+from hf_pipeline.encoder.model import TextEncoder
+folder, other = sys.argv[1], sys.argv[2]
+enc = TextEncoder(EncoderConfig(model=folder))
+assert enc.backend == "native", enc.backend
+before = enc.encode(["a red circle on a blue background"])
+with open(folder + "/model.safetensors", "r+b") as f:  # in place: cp --inplace, rsync
+    f.write(open(other, "rb").read())
+after = enc.encode(["a red circle on a blue background"])
+print(float(np.abs(after - before).max()))
+"""
+
+
+def test_weights_written_over_in_place_after_loading_do_not_reach_the_model(tmp_path):
+    """Outside tester: the native model's weights were views of the mapped
+    model.safetensors, so a checkpoint copied over it in place after the folder was
+    checked changed the embeddings of a build already running (exit 0, the old name), or
+    killed it with SIGBUS. On the CPU they are now the model's own memory: the same
+    embeddings after the file is overwritten. (A fresh process: a SIGBUS must not take
+    the test runner down.)"""
+    import shutil
+    import subprocess
+
+    from tests.conftest import PYTHON, REPO, script_env
+
+    folder = shutil.copytree(resolve_encoder_path("minilm"), tmp_path / "m")
+    data = bytearray((folder / "model.safetensors").read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + (4 << 20)] = bytes(4 << 20)  # 4 MiB of weights zeroed
+    (tmp_path / "other.safetensors").write_bytes(data)
+    r = subprocess.run([PYTHON, "-c", _OVERWRITE, str(folder), str(tmp_path / "other.safetensors")],
+                       capture_output=True, text=True, env=script_env(), cwd=REPO,
+                       timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert float(r.stdout.strip().splitlines()[-1]) == 0.0
 
 
 @pytest.mark.slow

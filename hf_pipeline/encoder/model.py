@@ -96,6 +96,11 @@ def resolve_encoder_path(model: str) -> str:
     """
     if model != "minilm":
         if not model.startswith(("/", "./", "../", "~")) and model not in (".", ".."):
+            if Path(model).is_file():  # a relative path, to a file: not a Hub id either
+                raise ConfigError(
+                    f"encoder.model {model!r} is a file, not a model folder",
+                    field="encoder.model",
+                )
             return model
         path = os.path.expanduser(model)
         if not Path(path).is_dir():
@@ -213,10 +218,12 @@ def check_folder_unchanged(cfg: EncoderConfig) -> None:
     identity (:func:`encoder_identity`): a checkpoint renamed over the weights, or
     rewritten, while the build loaded the model. The cache would be filed under the old
     weights' fingerprint and hold the new weights' embeddings; a later build of the old
-    weights would find it. Call it once the model and its tokenizer are loaded: what
-    they read is then the hashed content (a replaced file is another inode; a rewritten
-    one has another mtime). Nothing to compare for a Hub model, a pinned
-    ``encoder.revision`` or a folder this process did not hash.
+    weights would find it. Call it once the model and its tokenizer are loaded into
+    memory of their own: what they read is then the hashed content when the files'
+    stats are still those hashed (a replaced file is another inode; a rewritten one has
+    another mtime), or when their content hashes the same again (a ``touch``). Nothing
+    to compare for a Hub model, a pinned ``encoder.revision`` or a folder this process
+    did not hash.
 
     Raises:
         SourceError: naming the file that changed (or appeared, or went).
@@ -234,6 +241,9 @@ def check_folder_unchanged(cfg: EncoderConfig) -> None:
     except OSError as exc:
         raise SourceError(str(folder), f"cannot be read again after loading ({exc})") from None
     if now == hashed[1]:
+        return
+    # A stat changed: the bytes may not have (touch, an identical copy moved in place).
+    if _folder_digest(folder) == hashed[0]:
         return
     before = {entry[0]: entry for entry in hashed[1]}
     after = {entry[0]: entry for entry in now}
@@ -440,11 +450,14 @@ def native_model(cfg: EncoderConfig) -> NativeBert | NativeGemma | str:
 
 def _load_error(cfg: EncoderConfig, exc: BaseException, why: str = "") -> ConfigError:
     # transformers reports a broken or foreign model folder with any of several types.
-    text = str(exc).strip()
-    first = text.splitlines()[0][:300] if text else ""
-    first = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    text = " ".join(str(exc).split())  # one line (a validation error spans several)
+    text = text if len(text) <= 300 else text[:297] + "..."
+    first = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
     if why:  # what the native check found wrong with the weights file (it names it)
         first = f"{first}; {why}"
+    if "scaled_dot_product_attention" in text or "attn_implementation" in text:
+        # MPNet, DeBERTa-v2 ...: transformers has no SDPA attention for them.
+        first += "; try --set encoder.attn_implementation=eager"
     if Path(resolve_encoder_path(cfg.model)).is_dir():
         return ConfigError(
             f"encoder.model {cfg.model!r}: transformers cannot load the folder's model or "
@@ -456,6 +469,35 @@ def _load_error(cfg: EncoderConfig, exc: BaseException, why: str = "") -> Config
         "a reachable Hub model id, or 'minilm'",
         field="encoder.model",
     )
+
+
+#: Encoder-decoder families whose ``AutoModel`` is the whole seq2seq model (its decoder
+#: needs inputs of its own): their encoder alone embeds (``AutoModelForTextEncoding``).
+_ENCODER_OF = frozenset({"t5", "mt5", "umt5", "t5gemma"})
+
+
+def _auto_class(path: str, kwargs: Mapping[str, Any]):
+    """The transformers auto class the model at ``path`` loads with: ``AutoModel``, or
+    for a T5-family model its encoder alone (``T5EncoderModel``: a checkpoint of the
+    encoder only, common for text-to-image text encoders, loads whole; the full model's
+    decoder is left unread)."""
+    from transformers import AutoModel
+
+    if Path(path).is_dir():
+        from hf_pipeline.encoder.native import read_config
+
+        read = read_config(Path(path))  # bounded; _load_kwargs checked it is an object
+        raw = read[1] if not isinstance(read, str) else None
+        model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    else:
+        from transformers import AutoConfig
+
+        model_type = getattr(AutoConfig.from_pretrained(path, **kwargs), "model_type", None)
+    if model_type in _ENCODER_OF:
+        from transformers import AutoModelForTextEncoding
+
+        return AutoModelForTextEncoding
+    return AutoModel
 
 
 def _refuse_missing_weights(cfg: EncoderConfig, loading: Mapping[str, Any]) -> None:
@@ -502,11 +544,6 @@ def cut_captions(texts: Sequence[str], max_length: int, direction: str) -> list[
     return [t if len(t) <= n else t[:n] for t in texts]
 
 
-#: Fewest tokens a caption tokenizer may have besides its special ones: a folder without
-#: its vocabulary files loads as a tokenizer of its 5 special tokens (transformers 5).
-MIN_TOKENIZER_WORDS = 32
-
-
 class CaptionTokenizer:
     """Captions -> token ids (truncated to ``max_length``, no padding).
 
@@ -523,14 +560,14 @@ class CaptionTokenizer:
             self.tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
         except _LOAD_ERRORS as exc:
             raise _load_error(cfg, exc) from None
-        words = len(self.tokenizer) - len(set(self.tokenizer.all_special_ids))
-        if words < MIN_TOKENIZER_WORDS:
+        if len(self.tokenizer) <= len(set(self.tokenizer.all_special_ids)):
             # transformers makes a tokenizer of its special tokens alone when the folder
             # has no vocabulary: every caption would be [CLS] [UNK]..., one embedding.
             raise ConfigError(
-                f"encoder.model {cfg.model!r}: its tokenizer has {words} tokens besides its "
-                f"special ones (fewer than {MIN_TOKENIZER_WORDS}): the tokenizer's files "
-                "(tokenizer.json, or vocab.txt / vocab.json / tokenizer.model) are missing",
+                f"encoder.model {cfg.model!r}: its tokenizer has no tokens besides its "
+                f"{len(self.tokenizer)} special ones: the tokenizer's files (tokenizer.json, "
+                "or vocab.txt / vocab.json / tokenizer.model) are missing or hold no "
+                "vocabulary",
                 field="encoder.model",
             )
         if self.tokenizer.pad_token is None:
@@ -922,7 +959,6 @@ class TextEncoder:
             native = native_model(cfg)
         if isinstance(native, str):
             log.debug("encoder.model %r loads with transformers: %s", cfg.model, native)
-            from transformers import AutoModel
         #: What loaded the model: ``native`` (:mod:`hf_pipeline.encoder.bert` or
         #: :mod:`hf_pipeline.encoder.gemma`, without transformers) or ``transformers``.
         self.backend: Literal["native", "transformers"] = (
@@ -953,7 +989,7 @@ class TextEncoder:
         self.pad_token_id: int = tokenizer.pad_token_id
         try:
             if isinstance(native, str):
-                self.model, loading = AutoModel.from_pretrained(
+                self.model, loading = _auto_class(path, kwargs).from_pretrained(
                     path,
                     dtype=dtype,
                     attn_implementation=cfg.attn_implementation,
@@ -961,7 +997,11 @@ class TextEncoder:
                     **kwargs,
                 )
             else:
-                self.model, loading = native.load(dtype), {}
+                # On CUDA, .to(device) below copies the weights out of the mapped file
+                # before anything checks the folder (check_folder_unchanged); elsewhere
+                # they are copied here.
+                copy = not self.device.startswith("cuda")
+                self.model, loading = native.load(dtype, copy=copy), {}
         except (*_LOAD_ERRORS, SafetensorError) as exc:
             # A weights file the native check found damaged: its reason names the file.
             why = native if isinstance(native, str) and "model.safetensors" in native else ""
@@ -1055,7 +1095,8 @@ class TextEncoder:
             # append months later.
             raise ConfigError(
                 f"encoder.max_length is {cfg.max_length}, more than the {positions} token "
-                f"positions of encoder.model {cfg.model!r} (its max_position_embeddings)",
+                f"positions encoder.model {cfg.model!r} has (its position table, "
+                "max_position_embeddings less any padding offset)",
                 field="encoder.max_length",
             )
 

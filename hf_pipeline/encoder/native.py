@@ -203,8 +203,17 @@ def map_weights(
     return names
 
 
-def load_state(weights: Path, names: Mapping[str, str], dtype: torch.dtype) -> dict[str, Any]:
+def load_state(
+    weights: Path, names: Mapping[str, str], dtype: torch.dtype, *, copy: bool = True
+) -> dict[str, Any]:
     """The tensors ``names`` (the model's key -> the file's) of ``weights``, in ``dtype``.
+
+    safetensors hands out views of the file mapped into memory: a tensor already in
+    ``dtype`` would stay one, and the model would read the file for as long as it runs,
+    whatever is written over it later (a checkpoint copied over the folder's: other
+    embeddings under the hashed weights' name, or SIGBUS when the copy truncates it).
+    ``copy`` (the default) reads every tensor into memory of its own; without it the
+    caller must copy them itself before the file may change (``.to("cuda")`` does).
 
     Raises:
         ValueError: the file changed since it was inspected and no longer holds a tensor
@@ -216,7 +225,7 @@ def load_state(weights: Path, names: Mapping[str, str], dtype: torch.dtype) -> d
     try:
         with safe_open(str(weights), framework="pt") as f:
             for mine, theirs in names.items():
-                state[mine] = f.get_tensor(theirs).to(dtype)
+                state[mine] = f.get_tensor(theirs).to(dtype, copy=copy)
     except (SafetensorError, OSError) as exc:
         raise ValueError(f"{weights}: not read ({exc})") from None
     return state
@@ -236,13 +245,16 @@ class NativeModel(abc.ABC):
     def _model(self) -> torch.nn.Module:
         """The model of :attr:`config`, its parameters uninitialised."""
 
-    def load(self, dtype: torch.dtype) -> Any:
-        """The model, its weights in ``dtype``, on the CPU, in eval mode.
+    def load(self, dtype: torch.dtype, *, copy: bool = True) -> Any:
+        """The model, its weights in ``dtype``, on the CPU, in eval mode (``copy``:
+        :func:`load_state`'s; without it the weights are the file's mapped memory until
+        the caller moves the model to a device).
 
         Raises:
             ValueError: the weights file changed since it was inspected and no longer
                 holds a tensor it named, or could not be read; naming the file.
         """
         model = self._model()
-        model.load_state_dict(load_state(self.weights, self.names, dtype), strict=True, assign=True)
+        state = load_state(self.weights, self.names, dtype, copy=copy)
+        model.load_state_dict(state, strict=True, assign=True)
         return model.eval().requires_grad_(False)

@@ -95,6 +95,16 @@ def _rewrite(folder: Path, edit) -> None:
     save_file(tensors, path)
 
 
+def _small_build(root: Path, model) -> subprocess.CompletedProcess:
+    """``prebuild_cache.py`` of a one-shard, 20-row demo into ``root`` with ``model``."""
+    return subprocess.run(
+        [PYTHON, "scripts/prebuild_cache.py", "-q", "--cache-dir", str(root),
+         "--set", f"encoder.model={model}", "--set", "data.demo.num_shards=1",
+         "--set", "data.demo.samples_per_shard=20"],
+        capture_output=True, text=True, env=script_env(), cwd=REPO, timeout=600,
+    )  # fmt: skip
+
+
 def test_bert_checkpoints_with_or_without_a_head_load_natively(tmp_path):
     """BertModel's and BertForMaskedLM's checkpoints (prefix ``bert.``, ``cls.`` head
     left out) load natively and give the hidden states transformers' AutoModel gives."""
@@ -251,12 +261,7 @@ def test_a_folder_transformers_cannot_load_is_one_error_not_a_traceback(tmp_path
             assert repr(str(folder)) in msg, msg
     with pytest.raises(ConfigError, match=f"{listed}/config.json: not a JSON object"):
         TextEncoder(EncoderConfig(model=str(listed)))
-    r = subprocess.run(
-        [PYTHON, "scripts/prebuild_cache.py", "-q", "--cache-dir", str(tmp_path / "c"),
-         "--set", f"encoder.model={listed}", "--set", "data.demo.num_shards=1",
-         "--set", "data.demo.samples_per_shard=20"],
-        capture_output=True, text=True, env=script_env(), cwd=REPO, timeout=600,
-    )  # fmt: skip
+    r = _small_build(tmp_path / "c", listed)
     assert r.returncode == 2, r.stderr[-3000:]
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
     assert f"error: encoder.model '{listed}': {listed}/config.json: not a JSON object" in r.stderr
@@ -352,12 +357,7 @@ def test_model_folders_users_get_wrong_are_one_line_each(tmp_path, monkeypatch):
     enc = TextEncoder(EncoderConfig(model=str(loud), normalize=False, output_dtype="float16"))
     with pytest.raises(ConfigError, match="encoder.output_dtype float16, too narrow"):
         enc.encode(["a red circle"])
-    r = subprocess.run(
-        [PYTHON, "scripts/prebuild_cache.py", "-q", "--cache-dir", str(tmp_path / "c"),
-         "--set", f"encoder.model={cases['typed'][0]}", "--set", "data.demo.num_shards=1",
-         "--set", "data.demo.samples_per_shard=20"],
-        capture_output=True, text=True, env=script_env(), cwd=REPO, timeout=600,
-    )  # fmt: skip
+    r = _small_build(tmp_path / "c", cases["typed"][0])
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert "transformers cannot load the folder's model or tokenizer" in r.stderr
 
@@ -440,12 +440,7 @@ def test_nan_weights_are_refused_not_embedded(tmp_path):
         enc = TextEncoder(EncoderConfig(model=str(folder), backend=backend))
         with pytest.raises(ConfigError, match="gave NaN or infinite embeddings for 2 of 2 rows"):
             enc.encode(["a red circle", "two cats"])
-    r = subprocess.run(
-        [PYTHON, "scripts/prebuild_cache.py", "-q", "--cache-dir", str(tmp_path / "c"),
-         "--set", f"encoder.model={folder}", "--set", "data.demo.num_shards=1",
-         "--set", "data.demo.samples_per_shard=20"],
-        capture_output=True, text=True, env=script_env(), cwd=REPO, timeout=600,
-    )  # fmt: skip
+    r = _small_build(tmp_path / "c", folder)
     assert r.returncode == 2, r.stderr[-3000:]
     assert f"error: encoder.model '{folder}' gave NaN or infinite embeddings" in r.stderr
     r = subprocess.run(

@@ -5,6 +5,7 @@ identity of a Hub model (its revision resolved against tests/servers/hub.py)."""
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import numpy as np
@@ -310,6 +311,37 @@ def test_a_build_racing_a_weights_swap_never_files_them_under_the_old_name(tmp_p
     rows = open_dataset(CacheLayout(summary["cache_dir"]))[:3]
     want = TextEncoder(EncoderConfig(max_length=64)).encode(rows["caption"])
     np.testing.assert_allclose(np.asarray(rows["embedding"], np.float32), want, atol=1e-4)
+
+
+@pytest.mark.skipif(shutil.which("capsh") is None, reason="capsh (libcap2-bin) is not installed")
+def test_an_unreadable_model_folder_is_named_not_a_bare_oserror(tmp_path):
+    """Outside tester: a model folder the user cannot read (``chmod 000``) failed with a
+    bare ``[Errno 13] ... config.json`` and exit 1. It is a SourceError naming the folder
+    (exit 2). Run as root without the capabilities that bypass file modes (capsh), in a
+    fresh process, as a user would be."""
+    import subprocess
+
+    from tests.conftest import PYTHON, REPO, script_env
+
+    folder = shutil.copytree(resolve_encoder_path("minilm"), tmp_path / "m")
+    code = ("from hf_pipeline.config import EncoderConfig\n"
+            "from hf_pipeline.encoder.model import encoder_identity\n"
+            f"encoder_identity(EncoderConfig(model={str(folder)!r}))\n")  # fmt: skip
+    folder.chmod(0)
+    try:
+        r = subprocess.run(
+            ["capsh", "--drop=cap_dac_override,cap_dac_read_search", "--",
+             "-c", f"exec {PYTHON} -c \"$0\"", code],
+            capture_output=True, text=True, env=script_env(), cwd=REPO, timeout=300,
+        )  # fmt: skip
+    finally:
+        folder.chmod(0o755)
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"hf_pipeline.errors.SourceError: {folder}: the encoder.model folder cannot be "
+        "listed (Permission denied)"
+    ), r.stderr[-2000:]
 
 
 def test_unloadable_model_is_a_config_error(tmp_path):

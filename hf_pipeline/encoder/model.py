@@ -184,7 +184,7 @@ def _folder_digest(folder: Path, index_dir: Path | None = None) -> str:
                 field="encoder.model",
             )
         st = p.stat()
-        stats.append((rel.as_posix(), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+        stats.append(_stat_entry(rel, st))
         files.append(RemoteFile(name=rel.as_posix(), url=str(p), size=st.st_size))
     with _MEMO_LOCK:
         if index_dir is not None:
@@ -201,13 +201,17 @@ def _folder_digest(folder: Path, index_dir: Path | None = None) -> str:
     return digest
 
 
+def _stat_entry(rel: Path, st: os.stat_result) -> tuple:
+    """(relative path, device, inode, size, mtime) of a model file: what
+    :func:`_folder_digest` records of each file it hashed."""
+    return (rel.as_posix(), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def _folder_stats(folder: Path) -> tuple:
-    """Each file's (relative path, device, inode, size, mtime) in :func:`_model_files`
-    order: what :func:`_folder_digest` records of the files it hashed."""
+    """:func:`_stat_entry` of each file in :func:`_model_files` order."""
     out = []
     for rel, p in _model_files(folder):
-        st = p.stat()
-        out.append((rel.as_posix(), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+        out.append(_stat_entry(rel, p.stat()))
         if len(out) > MAX_MODEL_FILES:
             break
     return tuple(out)
@@ -953,7 +957,6 @@ class TextEncoder:
     ):
         t0 = time.monotonic()
         import torch
-        from safetensors import SafetensorError
 
         if native is None:
             native = native_model(cfg)
@@ -1002,7 +1005,7 @@ class TextEncoder:
                 # they are copied here.
                 copy = not self.device.startswith("cuda")
                 self.model, loading = native.load(dtype, copy=copy), {}
-        except (*_LOAD_ERRORS, SafetensorError) as exc:
+        except _LOAD_ERRORS as exc:  # SafetensorError (a damaged weights file) among them
             # A weights file the native check found damaged: its reason names the file.
             why = native if isinstance(native, str) and "model.safetensors" in native else ""
             raise _load_error(cfg, exc, why) from None
